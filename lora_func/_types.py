@@ -1,0 +1,155 @@
+"""The variant contract: what one variant file provides, and the static per-layer info.
+
+A variant is a handful of pure functions of explicit tensors. It never sees an
+``nn.Module``: the core hands it the frozen base weight in the canonical ``(d_out, d_in)``
+layout (transposed views for GPT-2 ``Conv1D``) and a :class:`BaseLayer` that replays the
+model's own op, so one implementation serves both layer kinds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "ActivationFn",
+    "BaseLayer",
+    "InitFn",
+    "LayerInfo",
+    "TensorDict",
+    "Variant",
+    "WeightFn",
+    "kaiming_uniform",
+    "lora_scale",
+]
+
+TensorDict = dict[str, Tensor]
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerInfo:
+    """Static (hashable, non-tensor) facts about one adapted layer.
+
+    Attributes:
+      d_in: input features of the layer.
+      d_out: output features of the layer.
+      r: the adapter rank for this layer (variants without a rank ignore it).
+      alpha: the scaling hyperparameter (``s = alpha / r`` for LoRA).
+      has_bias: whether the base layer has a bias.
+      options: the variant's resolved options, as sorted ``(name, value)`` pairs.
+    """
+
+    d_in: int
+    d_out: int
+    r: int
+    alpha: float
+    has_bias: bool
+    options: tuple[tuple[str, Any], ...] = ()
+
+    def option(self, name: str) -> Any:
+        for key, value in self.options:
+            if key == name:
+                return value
+        raise KeyError(f"LayerInfo has no option {name!r}; options are {sorted(k for k, _ in self.options)}")
+
+
+class BaseLayer(Protocol):
+    """The frozen base layer as the activation form sees it.
+
+    Attributes:
+      weight: ``(d_out, d_in)`` canonical view of the frozen weight, base dtype.
+      bias: ``(d_out,)`` or ``None``.
+    Calling it maps ``x (..., d_in) -> (..., d_out)`` with exactly the model's own op
+    (``F.linear`` for nn.Linear, ``addmm``/``matmul`` for GPT-2 Conv1D), bias included.
+    """
+
+    weight: Tensor
+    bias: Tensor | None
+
+    def __call__(self, x: Tensor) -> Tensor: ...
+
+
+class InitFn(Protocol):
+    def __call__(
+        self,
+        weight: Tensor,
+        bias: Tensor | None,
+        info: LayerInfo,
+        *,
+        dtype: torch.dtype,
+        generator: torch.Generator,
+        calibration: Any = None,
+    ) -> tuple[TensorDict, TensorDict]: ...
+
+
+WeightFn = Callable[[TensorDict, TensorDict, Tensor, "Tensor | None", LayerInfo], "tuple[Tensor, Tensor | None]"]
+ActivationFn = Callable[[TensorDict, TensorDict, Tensor, BaseLayer, LayerInfo], Tensor]
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One adapter variant, as pure functions.
+
+    Attributes:
+      name: registry name (``AdapterSpec(variant=name)``).
+      init: ``(weight (d_out, d_in), bias (d_out,) | None, info, *, dtype, generator,
+        calibration) -> (params, buffers)`` for one layer. ``weight`` is in the base dtype;
+        random draws use the given CPU ``generator``; outputs are in ``dtype`` on the
+        weight's device.
+      weight_form: ``(params, buffers, W (d_out, d_in), b (d_out,) | None, info) ->
+        (W_eff, b_eff)``. ``W`` and ``b`` arrive in the adapter dtype; the core casts the
+        result back to the base dtype.
+      activation_form: ``(params, buffers, x (..., d_in), base, info) -> y (..., d_out)``,
+        ``y`` in the dtype of ``base(x)``; must equal ``x @ W_eff.T + b_eff``.
+      options: accepted options and their defaults (the type of the default is enforced).
+      default_alpha: ``alpha`` when the spec leaves it ``None``.
+      uses_rank: whether ``r`` means anything (IA3 does not use it).
+      changes_bias: whether ``b_eff`` can differ from ``b``.
+      rank_axes: for each trainable/buffer tensor that has a rank axis, which axis.
+      check_options: optional ``options -> None`` that raises ``ValueError`` on bad values.
+      records_base: the adapter depends on the exact base weights it was built from (PiSSA
+        and AntiPaSTO residuals): the core stores a fingerprint of each target's base
+        weight, and ``load(..., model=)`` refuses a model whose weights differ.
+      calibrate: data-driven variants only (EVA). ``(layer_inputs, infos, *, generator) ->
+        {module name: (LayerInfo, payload)}``. ``layer_inputs`` is an iterator that yields,
+        per calibration batch, ``{module name: rows (n, d_in)}``: the target layers' inputs
+        with padding (``attention_mask == 0``) and ``labels == -100`` token rows removed;
+        ``infos`` maps module name to the spec's ``LayerInfo``. The returned ``LayerInfo``
+        may change ``r`` and ``alpha`` per layer; a module left out gets no adapter;
+        ``payload`` reaches that layer's ``init`` as ``calibration``.
+    """
+
+    name: str
+    init: InitFn
+    weight_form: WeightFn
+    activation_form: ActivationFn
+    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    default_alpha: float = 8.0
+    uses_rank: bool = True
+    changes_bias: bool = False
+    rank_axes: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    check_options: Callable[[Mapping[str, Any]], None] | None = None
+    records_base: bool = False
+    calibrate: Callable[..., dict[str, tuple[LayerInfo, Any]]] | None = None
+
+
+def kaiming_uniform(shape: tuple[int, ...], *, a: float, generator: torch.Generator) -> Tensor:
+    """``nn.init.kaiming_uniform_`` (fan_in = ``shape[1]``) drawn in fp32 on the CPU.
+
+    Drawing on the CPU from an explicit generator makes an init reproducible across devices.
+    """
+    out = torch.empty(shape, dtype=torch.float32)
+    torch.nn.init.kaiming_uniform_(out, a=a, generator=generator)
+    return out
+
+
+def lora_scale(info: LayerInfo) -> float:
+    """``alpha / r`` or, with ``use_rslora``, ``alpha / sqrt(r)`` (Kalajdzievski 2023)."""
+    if dict(info.options).get("use_rslora", False):
+        return info.alpha / math.sqrt(info.r)
+    return info.alpha / info.r

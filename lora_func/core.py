@@ -1,0 +1,275 @@
+"""init_adapter, base_params, the two overlays and adapted_call.
+
+This module is the only place that calls ``torch.func.functional_call``. Overlays return the
+model's whole parameter dict (every entry detached, no copies) with the adapted entries
+replaced, so ``functional_call`` never touches the model's own ``requires_grad=True``
+tensors: backward costs what the adapter costs, and the model's ``.grad`` stays ``None``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lora_func._lazy import AdaptedWeight, merged_weight
+from lora_func._types import LayerInfo
+from lora_func.adapter import Adapter, AdapterLayer
+from lora_func.spec import AdapterSpec
+from lora_func.targeting import canonical_weight, find_targets, tensor_names
+from lora_func.variants import get_variant
+
+__all__ = [
+    "adapted_call",
+    "base_params",
+    "check_params",
+    "init_adapter",
+    "merge_overlay",
+    "overlay",
+    "weight_fingerprint",
+]
+
+
+def base_params(model: nn.Module) -> dict[str, Tensor]:
+    """Every parameter and buffer of ``model`` by name, detached, sharing storage (no copies).
+
+    Tied names map to one tensor object, as ``functional_call(tie_weights=True)`` requires.
+    """
+    detached: dict[int, Tensor] = {}
+    out: dict[str, Tensor] = {}
+    for name, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        if id(tensor) not in detached:
+            detached[id(tensor)] = tensor.detach()
+        out[name] = detached[id(tensor)]
+    return out
+
+
+def weight_fingerprint(weight: Tensor) -> str:
+    """A digest of a tensor's dtype, shape and bytes (sha256, first 16 hex digits)."""
+    data = weight.detach().to("cpu").contiguous()
+    digest = hashlib.sha256(f"{data.dtype}{tuple(data.shape)}".encode())
+    digest.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+    return digest.hexdigest()[:16]
+
+
+def _default_generator() -> torch.Generator:
+    # Seeded from the global RNG so that torch.manual_seed reproduces it and two calls give
+    # two different adapters (an ensemble must not silently be K copies of one init).
+    seed = int(torch.randint(0, 2**62, (1,), dtype=torch.int64).item())
+    return torch.Generator().manual_seed(seed)
+
+
+def init_adapter(
+    model: nn.Module,
+    spec: AdapterSpec,
+    *,
+    generator: torch.Generator | None = None,
+    calibration: Any = None,
+) -> Adapter:
+    """Build the adapter tensors of ``spec`` for every target of ``model``.
+
+    Reads the model, never writes it. ``generator`` is a CPU ``torch.Generator`` (random
+    draws happen on the CPU, then move to each weight's device, so an init is the same on
+    any device); ``None`` seeds a new one from the global RNG. ``calibration`` is passed to
+    data-driven variants. Returns an :class:`Adapter` whose params are leaf tensors with
+    ``requires_grad=True``.
+    """
+    if not isinstance(spec, AdapterSpec):
+        raise TypeError(f"init_adapter expects an AdapterSpec, got {type(spec).__name__}")
+    variant = get_variant(spec.variant)
+    targets = find_targets(model, spec)
+    if variant.uses_rank:
+        too_big = [f"{t.module} (d_in={t.d_in}, d_out={t.d_out})" for t in targets if spec.r > min(t.d_in, t.d_out)]
+        if too_big:
+            raise ValueError(
+                f"r={spec.r} exceeds min(d_in, d_out) of target(s) {sorted(too_big)}; lower r or leave them out"
+            )
+    generator = _default_generator() if generator is None else generator
+    modules = dict(model.named_modules())
+    infos = {
+        t.module: LayerInfo(
+            d_in=t.d_in, d_out=t.d_out, r=spec.r, alpha=spec.alpha, has_bias=t.bias_key is not None, options=spec.options
+        )
+        for t in targets
+    }
+    payloads: dict[str, Any] = dict.fromkeys(infos, calibration)
+    if variant.calibrate is not None:
+        if calibration is None:
+            raise ValueError(
+                f"variant {spec.variant!r} is data-driven: pass calibration=<iterable of batches with "
+                f"'input_ids' and optionally 'attention_mask' and 'labels'>"
+            )
+        from lora_func.calibration import layer_input_batches
+
+        fitted = variant.calibrate(layer_input_batches(model, targets, calibration), infos, generator=generator)
+        targets = [t for t in targets if t.module in fitted]
+        infos = {m: fitted[m][0] for m in infos if m in fitted}
+        payloads = {m: fitted[m][1] for m in infos}
+    params: dict[str, Tensor] = {}
+    buffers: dict[str, Tensor] = {}
+    layers = []
+    with torch.no_grad():
+        for target in targets:
+            module = modules[target.module]
+            bias = module.bias.detach() if target.bias_key is not None else None
+            info = infos[target.module]
+            layer_params, layer_buffers = variant.init(
+                canonical_weight(module.weight.detach(), target.layout),
+                bias,
+                info,
+                dtype=spec.dtype,
+                generator=generator,
+                calibration=payloads[target.module],
+            )
+            for name, tensor in layer_params.items():
+                params[f"{target.module}.{name}"] = tensor.detach().requires_grad_(True)
+            for name, tensor in layer_buffers.items():
+                buffers[f"{target.module}.{name}"] = tensor.detach()
+            layers.append(
+                AdapterLayer(
+                    target=target,
+                    info=info,
+                    param_shapes=tuple((n, tuple(t.shape)) for n, t in layer_params.items()),
+                    buffer_shapes=tuple((n, tuple(t.shape)) for n, t in layer_buffers.items()),
+                    base_fingerprint=weight_fingerprint(module.weight) if variant.records_base else None,
+                )
+            )
+    return Adapter(params, buffers, spec, layers)
+
+
+def _close(names: list[str], pool: Mapping[str, Any]) -> list[str]:
+    close: set[str] = set()
+    for name in names:
+        close.update(difflib.get_close_matches(name, list(pool), n=3, cutoff=0.6))
+    return sorted(close)
+
+
+def _check(base: Mapping[str, Tensor], adapter: Adapter) -> None:
+    """Validate the adapter against ``base`` before anything is computed."""
+    if not isinstance(adapter, Adapter):
+        raise TypeError(f"expected an Adapter, got {type(adapter).__name__}")
+    missing = sorted({layer.target.weight_key for layer in adapter.layers} - set(base))
+    if missing:
+        raise KeyError(
+            f"adapter targets {missing} are not tensors of this model (built for another model?); "
+            f"close names: {_close(missing, base) or 'none'}"
+        )
+    wrong = []
+    for layer in adapter.layers:
+        t = layer.target
+        stored = (t.d_out, t.d_in) if t.layout == "linear" else (t.d_in, t.d_out)
+        if tuple(base[t.weight_key].shape) != stored:
+            wrong.append(f"{t.weight_key}: adapter built for {stored}, model has {tuple(base[t.weight_key].shape)}")
+    if wrong:
+        raise ValueError(f"adapter does not fit this model's target shapes: {sorted(wrong)}")
+    for layer in adapter.layers:
+        for flat, shapes in ((adapter.params, layer.param_shapes), (adapter.buffers, layer.buffer_shapes)):
+            for name, shape in shapes:
+                got = tuple(flat[f"{layer.target.module}.{name}"].shape)
+                if got != shape:
+                    hint = (
+                        "this adapter is stacked: call it under torch.func.vmap, or pick one with take()/unstack()"
+                        if got[len(got) - len(shape) :] == shape
+                        else "was it built with another spec?"
+                    )
+                    raise ValueError(f"adapter tensor {layer.target.module}.{name} has shape {got}, expected {shape}; {hint}")
+
+
+def merge_overlay(base: Mapping[str, Tensor], adapter: Adapter) -> dict[str, Tensor]:
+    """``base`` with the merged weight (and bias, where the variant changes it) of every target.
+
+    ``W_eff`` is computed in the adapter dtype from the base weight and cast to the base
+    dtype. Tied names of a target (``tied="both"``) get the same merged tensor.
+    """
+    _check(base, adapter)
+    out = dict(base)
+    variant = adapter.variant
+    for layer in adapter.layers:
+        t = layer.target
+        params, buffers = adapter.layer_tensors(layer)
+        bias = base[t.bias_key] if t.bias_key is not None else None
+        w_eff, b_eff = merged_weight(variant, params, buffers, base[t.weight_key], bias, layer.info, t.layout, adapter.spec.dtype)
+        for key in (t.weight_key, *t.tied_keys):
+            out[key] = w_eff
+        if variant.changes_bias and t.bias_key is not None:
+            out[t.bias_key] = b_eff  # type: ignore[assignment]
+    return out
+
+
+def overlay(base: Mapping[str, Tensor], adapter: Adapter, *, strict: bool = False) -> dict[str, Tensor]:
+    """``base`` with lazy stand-ins for the target weights (no merged weights built).
+
+    Each stand-in computes ``base(x)`` plus the variant's activation form inside
+    ``F.linear`` (nn.Linear) or ``addmm``/``matmul`` (GPT-2 Conv1D). Any other op on a
+    stand-in (an embedding lookup through a tied weight, ...) gets the dense merged weight,
+    or raises when ``strict=True``.
+    """
+    _check(base, adapter)
+    out = dict(base)
+    variant = adapter.variant
+    for layer in adapter.layers:
+        t = layer.target
+        params, buffers = adapter.layer_tensors(layer)
+        bias = base[t.bias_key] if t.bias_key is not None else None
+        standin = AdaptedWeight(
+            base[t.weight_key],
+            bias,
+            variant,
+            params,
+            buffers,
+            layer.info,
+            layout=t.layout,
+            dtype=adapter.spec.dtype,
+            strict=strict,
+            name=t.weight_key,
+        )
+        for key in (t.weight_key, *t.tied_keys):
+            out[key] = standin
+    return out
+
+
+def check_params(model: nn.Module, params: Mapping[str, Tensor]) -> None:
+    """Raise ``KeyError`` unless ``params`` names exactly the model's parameters and buffers.
+
+    ``functional_call(strict=False)`` silently ignores a mistyped key; this lists the
+    offending keys sorted, with the model's close names.
+    """
+    names = {name for group in tensor_names(model).values() for name in group}
+    unexpected = sorted(set(params) - names)
+    missing = sorted(names - set(params))
+    if unexpected:
+        raise KeyError(
+            f"{unexpected} are not parameters or buffers of {type(model).__name__}; "
+            f"close names: {_close(unexpected, dict.fromkeys(names)) or 'none'}"
+        )
+    if missing:
+        raise KeyError(
+            f"parameter dict lacks {missing[:10]}{' ...' if len(missing) > 10 else ''} "
+            f"({len(missing)} missing); build it from lora_func.base_params(model)"
+        )
+
+
+def adapted_call(
+    model: nn.Module,
+    adapter: Adapter,
+    *args: Any,
+    merged: bool = False,
+    base: Mapping[str, Tensor] | None = None,
+    strict: bool = False,
+    **kwargs: Any,
+) -> Any:
+    """``model(*args, **kwargs)`` with ``adapter`` applied, the model untouched.
+
+    Same as ``functional_call(model, (merge_overlay if merged else overlay)(base, adapter),
+    args, kwargs)``. Pass ``base=base_params(model)`` to reuse one base dict across calls.
+    """
+    if base is None:
+        base = base_params(model)
+    else:
+        check_params(model, base)
+    params = merge_overlay(base, adapter) if merged else overlay(base, adapter, strict=strict)
+    return torch.func.functional_call(model, params, args, kwargs, tie_weights=True, strict=False)

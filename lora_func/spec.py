@@ -1,0 +1,164 @@
+"""AdapterSpec: the frozen, validated description of an adapter."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from lora_func.variants import get_variant
+
+__all__ = ["LAYER_TYPES", "TIED_POLICIES", "AdapterSpec"]
+
+LAYER_TYPES = ("conv1d", "linear")
+TIED_POLICIES = ("error", "both")
+_FLOAT_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.float64, torch.bfloat16, torch.float16)}
+
+
+@dataclasses.dataclass(frozen=True, init=False)
+class AdapterSpec:
+    """Which variant, on which layers, with which hyperparameters.
+
+    Args:
+      variant: a name from :func:`lora_func.list_variants`.
+      targets: a ``str`` is an anchored regular expression matched (``re.fullmatch``)
+        against module names (``"model.layers.0.self_attn.q_proj"``); a list of strings
+        selects modules whose name equals an entry or ends with ``"." + entry``.
+      r: rank (``1 <= r <= min(d_in, d_out)`` of every target).
+      alpha: scale numerator; ``None`` takes the variant's default (peft's, e.g. 8 for LoRA).
+      dtype: dtype of the adapter tensors and of the low-rank computation (fp32 default on
+        any base dtype; see docs/dtype.md).
+      layer_types: ``None`` (default) targets ``nn.Linear`` and GPT-2 ``Conv1D`` and raises
+        if a target matches any other module; a tuple from ``("linear", "conv1d")`` instead
+        filters the matched modules to those kinds (``targets=".*", layer_types=("linear",)``
+        is "every Linear").
+      tied: what to do when a target's weight is tied to another name (GPT-2 ``lm_head`` is
+        ``transformer.wte``): ``"error"`` (default) refuses; ``"both"`` adapts the shared
+        tensor under every name, so the tied module (the embedding) sees the adapted weight.
+      **options: variant options (e.g. ``use_rslora=True`` for LoRA); unknown names raise.
+    """
+
+    variant: str
+    targets: str | tuple[str, ...]
+    r: int
+    alpha: float
+    dtype: torch.dtype
+    layer_types: tuple[str, ...] | None
+    tied: str
+    options: tuple[tuple[str, Any], ...]
+
+    def __init__(
+        self,
+        variant: str,
+        targets: str | Sequence[str],
+        r: int = 8,
+        alpha: float | None = None,
+        dtype: torch.dtype = torch.float32,
+        *,
+        layer_types: Sequence[str] | None = None,
+        tied: str = "error",
+        **options: Any,
+    ) -> None:
+        var = get_variant(variant)
+        targets = _normalise_targets(targets)
+        if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+            raise ValueError(f"AdapterSpec r must be an integer >= 1, got r={r!r}")
+        if alpha is None:
+            alpha = var.default_alpha
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
+            raise TypeError(f"AdapterSpec alpha must be a number, got {alpha!r}")
+        if isinstance(dtype, str):
+            dtype = _FLOAT_DTYPES.get(dtype.removeprefix("torch."), dtype)  # type: ignore[arg-type]
+        if dtype not in _FLOAT_DTYPES.values():
+            raise TypeError(f"AdapterSpec dtype must be a floating dtype ({', '.join(_FLOAT_DTYPES)}), got {dtype!r}")
+        if layer_types is not None:
+            layer_types = tuple(layer_types)
+            bad = sorted(set(layer_types) - set(LAYER_TYPES))
+            if bad or not layer_types:
+                raise ValueError(f"AdapterSpec layer_types {bad or list(layer_types)} invalid; choose from {list(LAYER_TYPES)}")
+        if tied not in TIED_POLICIES:
+            raise ValueError(f"AdapterSpec tied={tied!r} is not one of {list(TIED_POLICIES)}")
+        unknown = sorted(set(options) - set(var.options))
+        if unknown:
+            raise TypeError(
+                f"unknown option(s) {unknown} for variant {variant!r}; "
+                f"it accepts {sorted(var.options) or 'no options'}"
+            )
+        resolved = {**var.options, **options}
+        for name, default in var.options.items():
+            value = resolved[name]
+            if default is not None and not _same_kind(value, default):
+                raise TypeError(
+                    f"option {name}={value!r} for variant {variant!r} must be a {type(default).__name__}"
+                )
+        if var.check_options is not None:
+            var.check_options(resolved)
+        set_ = object.__setattr__
+        set_(self, "variant", variant)
+        set_(self, "targets", targets)
+        set_(self, "r", r)
+        set_(self, "alpha", float(alpha))
+        set_(self, "dtype", dtype)
+        set_(self, "layer_types", layer_types)
+        set_(self, "tied", tied)
+        set_(self, "options", tuple(sorted(resolved.items())))
+
+    def option(self, name: str) -> Any:
+        return dict(self.options)[name]
+
+    def to_json(self) -> str:
+        """A JSON string from which :meth:`from_json` rebuilds an equal spec."""
+        return json.dumps(
+            {
+                "variant": self.variant,
+                "targets": self.targets if isinstance(self.targets, str) else list(self.targets),
+                "r": self.r,
+                "alpha": self.alpha,
+                "dtype": str(self.dtype).removeprefix("torch."),
+                "layer_types": None if self.layer_types is None else list(self.layer_types),
+                "tied": self.tied,
+                "options": dict(self.options),
+            },
+            sort_keys=True,
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> AdapterSpec:
+        data = json.loads(text)
+        return cls(
+            data["variant"],
+            data["targets"],
+            r=data["r"],
+            alpha=data["alpha"],
+            dtype=data["dtype"],
+            layer_types=data["layer_types"],
+            tied=data["tied"],
+            **data["options"],
+        )
+
+
+def _same_kind(value: Any, default: Any) -> bool:
+    if isinstance(default, bool):
+        return isinstance(value, bool)
+    if isinstance(default, (int, float)):
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, type(default))
+
+
+def _normalise_targets(targets: str | Sequence[str] | Mapping[str, Any]) -> str | tuple[str, ...]:
+    if isinstance(targets, str):
+        try:
+            re.compile(targets)
+        except re.error as err:
+            raise ValueError(f"AdapterSpec targets {targets!r} is not a valid regular expression: {err}") from None
+        return targets
+    if isinstance(targets, Mapping) or not isinstance(targets, Sequence):
+        raise TypeError(f"AdapterSpec targets must be a regex string or a list of module names, got {type(targets).__name__}")
+    names = tuple(targets)
+    if not names or not all(isinstance(n, str) and n for n in names):
+        raise ValueError(f"AdapterSpec targets must be a non-empty list of non-empty strings, got {list(names)!r}")
+    return names

@@ -1,0 +1,155 @@
+"""Which modules of a model are targets, their layout, and tied weights.
+
+``nn.Linear`` stores ``(d_out, d_in)`` and computes ``F.linear(x, W, b)``; transformers'
+GPT-2 ``Conv1D`` stores ``(d_in, d_out)`` and computes ``addmm(b, x, W)``. Variants only
+ever see the canonical ``(d_out, d_in)`` view; the layout is recorded per target here and
+never changes what the user asked for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+from collections.abc import Iterable
+
+from torch import Tensor, nn
+
+from lora_func.spec import AdapterSpec
+
+__all__ = ["Target", "canonical_weight", "find_targets", "layer_kind", "stored_weight", "tensor_names"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """One adapted layer (static data: part of an adapter's pytree context).
+
+    Attributes:
+      module: the module's name in the model.
+      weight_key / bias_key: the parameter names the overlays replace or read.
+      layout: ``"linear"`` (stored ``(d_out, d_in)``) or ``"conv1d"`` (stored ``(d_in, d_out)``).
+      d_in / d_out: feature sizes.
+      tied_keys: every other name of the same weight tensor (only with ``tied="both"``).
+    """
+
+    module: str
+    weight_key: str
+    bias_key: str | None
+    layout: str
+    d_in: int
+    d_out: int
+    tied_keys: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self) | {"tied_keys": list(self.tied_keys)}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Target:
+        return cls(**(data | {"tied_keys": tuple(data["tied_keys"])}))
+
+
+def layer_kind(module: nn.Module) -> str | None:
+    """``"linear"``, ``"conv1d"`` (transformers' GPT-2 Conv1D) or ``None``."""
+    if isinstance(module, nn.Linear):
+        return "linear"
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return None
+    return "conv1d" if isinstance(module, Conv1D) else None
+
+
+def canonical_weight(weight: Tensor, layout: str) -> Tensor:
+    """The ``(d_out, d_in)`` view of a stored weight (no copy)."""
+    return weight.T if layout == "conv1d" else weight
+
+
+def stored_weight(weight: Tensor, layout: str) -> Tensor:
+    """Back from canonical ``(d_out, d_in)`` to the layout the model stores."""
+    return weight.T if layout == "conv1d" else weight
+
+
+def tensor_names(model: nn.Module) -> dict[int, list[str]]:
+    """``id(tensor) -> every name it has`` (tied weights have several), over params and buffers."""
+    names: dict[int, list[str]] = {}
+    for name, tensor in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(tensor), []).append(name)
+    for name, tensor in model.named_buffers(remove_duplicate=False):
+        names.setdefault(id(tensor), []).append(name)
+    return names
+
+
+def _matches(name: str, targets: str | tuple[str, ...]) -> bool:
+    if isinstance(targets, str):
+        return re.fullmatch(targets, name) is not None
+    return any(name == t or name.endswith("." + t) for t in targets)
+
+
+def _close_names(wanted: Iterable[str], names: list[str]) -> list[str]:
+    pool = set(names) | {n.rsplit(".", 1)[-1] for n in names}
+    close: set[str] = set()
+    for w in wanted:
+        close.update(difflib.get_close_matches(w, sorted(pool), n=5, cutoff=0.5))
+    return sorted(close)
+
+
+def find_targets(model: nn.Module, spec: AdapterSpec) -> list[Target]:
+    """The targets of ``spec`` in ``model``, in module order; raises before touching anything.
+
+    Raises ``ValueError`` when nothing matches (listing close module names), when a matched
+    module is neither ``nn.Linear`` nor GPT-2 ``Conv1D`` (unless ``layer_types`` filters),
+    when a list entry matches nothing, or when a target's weight is tied and ``tied="error"``.
+    """
+    modules = [(name, module) for name, module in model.named_modules() if name]
+    module_names = [name for name, _ in modules]
+    matched = [(name, module) for name, module in modules if _matches(name, spec.targets)]
+    if not isinstance(spec.targets, str):
+        unmatched = [t for t in spec.targets if not any(n == t or n.endswith("." + t) for n in module_names)]
+        if unmatched:
+            raise ValueError(
+                f"target(s) {sorted(unmatched)} match no module of {type(model).__name__}; "
+                f"close module names: {_close_names(unmatched, module_names) or 'none'}"
+            )
+    if not matched:
+        raise ValueError(
+            f"target pattern {spec.targets!r} matches no module of {type(model).__name__} "
+            f"(the pattern must match the whole name, e.g. r'.*\\.q_proj'); "
+            f"close module names: {_close_names([spec.targets], module_names) or 'none'}"  # type: ignore[list-item]
+        )
+    kinds = [(name, module, layer_kind(module)) for name, module in matched]
+    if spec.layer_types is None:
+        unsupported = sorted(f"{name} ({type(module).__name__})" for name, module, kind in kinds if kind is None)
+        if unsupported:
+            raise ValueError(
+                f"target(s) {unsupported} are neither nn.Linear nor transformers Conv1D; "
+                f"narrow `targets`, or pass layer_types=('linear', 'conv1d') to keep only those kinds"
+            )
+    else:
+        kinds = [k for k in kinds if k[2] in spec.layer_types]
+        if not kinds:
+            raise ValueError(
+                f"target pattern {spec.targets!r} matches modules, but none of layer_types {list(spec.layer_types)}"
+            )
+    names_of = tensor_names(model)
+    targets = []
+    for name, module, kind in kinds:
+        weight = module.weight
+        d_in, d_out = (weight.shape[1], weight.shape[0]) if kind == "linear" else (weight.shape[0], weight.shape[1])
+        others = tuple(sorted(n for n in names_of.get(id(weight), []) if n != f"{name}.weight"))
+        if others and spec.tied == "error":
+            raise ValueError(
+                f"target {name}.weight is tied to {list(others)}; adapting it would change those too. "
+                f"Pass tied='both' to adapt the shared tensor under every name, or leave {name} out of targets"
+            )
+        targets.append(
+            Target(
+                module=name,
+                weight_key=f"{name}.weight",
+                bias_key=f"{name}.bias" if getattr(module, "bias", None) is not None else None,
+                layout=kind,
+                d_in=int(d_in),
+                d_out=int(d_out),
+                tied_keys=others,
+            )
+        )
+    return targets

@@ -1,0 +1,71 @@
+"""LoRA (Hu et al. 2021, arXiv 2106.09685), with the rsLoRA scale (arXiv 2312.03732).
+
+Trainable ``lora_A (r, d_in)`` and ``lora_B (d_out, r)``;
+``y = x Wᵀ + b + s · (x Aᵀ) Bᵀ``, ``W_eff = W + s·B A``, ``s = alpha/r`` (or
+``alpha/sqrt(r)`` with ``use_rslora``). Init as peft: ``A ~ kaiming_uniform(a=√5)``
+(or ``N(0, 1/r²)`` with ``init="gaussian"``), ``B = 0``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lora_func._types import BaseLayer, LayerInfo, TensorDict, Variant, kaiming_uniform, lora_scale
+
+INITS = ("kaiming", "gaussian")
+
+
+def init(
+    weight: Tensor,
+    bias: Tensor | None,
+    info: LayerInfo,
+    *,
+    dtype: torch.dtype,
+    generator: torch.Generator,
+    calibration: Any = None,
+) -> tuple[TensorDict, TensorDict]:
+    r, d_in, d_out = info.r, info.d_in, info.d_out
+    if info.option("init") == "gaussian":
+        lora_a = torch.randn((r, d_in), generator=generator, dtype=torch.float32) / r
+    else:
+        lora_a = kaiming_uniform((r, d_in), a=math.sqrt(5), generator=generator)
+    lora_b = torch.zeros((d_out, r), dtype=torch.float32)
+    params = {"lora_A": lora_a.to(weight.device, dtype), "lora_B": lora_b.to(weight.device, dtype)}
+    return params, {}
+
+
+def weight_form(
+    params: TensorDict, buffers: TensorDict, weight: Tensor, bias: Tensor | None, info: LayerInfo
+) -> tuple[Tensor, Tensor | None]:
+    return weight + lora_scale(info) * (params["lora_B"] @ params["lora_A"]), bias
+
+
+def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: BaseLayer, info: LayerInfo) -> Tensor:
+    y = base(x)
+    lora_a, lora_b = params["lora_A"], params["lora_B"]
+    # peft's order: the low-rank path runs in the adapter dtype, is scaled last, and is cast
+    # back to the base output dtype before the sum.
+    delta = (x.to(lora_a.dtype) @ lora_a.T) @ lora_b.T * lora_scale(info)
+    return y + delta.to(y.dtype)
+
+
+def check_options(options: Mapping[str, Any]) -> None:
+    if options["init"] not in INITS:
+        raise ValueError(f"lora option init={options['init']!r} is not one of {list(INITS)}")
+
+
+VARIANT = Variant(
+    name="lora",
+    init=init,
+    weight_form=weight_form,
+    activation_form=activation_form,
+    options={"use_rslora": False, "init": "kaiming"},
+    default_alpha=8.0,
+    rank_axes={"lora_A": 0, "lora_B": 1},
+    check_options=check_options,
+)

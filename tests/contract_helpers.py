@@ -1,0 +1,103 @@
+"""Helpers shared by the contract suite: build an adapter from a row, perturb, oracles."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.func import functional_call
+
+import lora_func as lf
+from lora_func.targeting import canonical_weight, stored_weight
+from tests.models import DEFAULT_TARGETS, LAYER_KIND_MODEL, tiny_model, tokens
+from tests.variant_table import Row
+
+
+def calibration_batches(n: int = 4, batch: int = 4, length: int = 16, seed: int = 7) -> list[dict[str, Tensor]]:
+    out = []
+    for i in range(n):
+        ids = tokens(batch, length, seed=seed + i)
+        mask = torch.ones_like(ids)
+        mask[0, -3:] = 0  # some padding, which calibration must ignore
+        out.append({"input_ids": ids, "attention_mask": mask})
+    return out
+
+
+def spec_for(row: Row, model_kind: str, **overrides) -> lf.AdapterSpec:
+    targets = (row.targets or DEFAULT_TARGETS)[model_kind]
+    kwargs = {**row.spec_kwargs, **overrides}
+    return lf.AdapterSpec(row.variant, targets=targets, **kwargs)
+
+
+def build(row: Row, layer_kind: str, *, seed: int = 0, dtype: torch.dtype = torch.float32, **spec_overrides):
+    """(model, adapter) for a row on the tiny model that has ``layer_kind`` layers."""
+    model_kind = LAYER_KIND_MODEL[layer_kind]
+    model = tiny_model(model_kind, seed=seed, dtype=dtype)
+    spec = spec_for(row, model_kind, **spec_overrides)
+    adapter = lf.init_adapter(
+        model,
+        spec,
+        generator=torch.Generator().manual_seed(seed + 100),
+        calibration=calibration_batches() if row.calibration else None,
+    )
+    return model, adapter
+
+
+def perturbed(adapter: lf.Adapter, scale: float, seed: int = 3) -> lf.Adapter:
+    """Every trainable tensor plus independent Gaussian noise (non-symmetric)."""
+    g = torch.Generator().manual_seed(seed)
+    return adapter.with_params(
+        {k: (v.detach() + scale * torch.randn(v.shape, generator=g, dtype=v.dtype)).requires_grad_(True) for k, v in adapter.params.items()}
+    )
+
+
+def oracle_params(base: dict[str, Tensor], adapter: lf.Adapter, row: Row) -> dict[str, Tensor]:
+    """``base`` with every target replaced by the row's explicit W_eff formula (float64 math)."""
+    out = dict(base)
+    for layer in adapter.layers:
+        t = layer.target
+        p, b = adapter.layer_tensors(layer)
+        p64 = {k: v.detach().double() for k, v in p.items()}
+        b64 = {k: v.detach().double() for k, v in b.items()}
+        W = canonical_weight(base[t.weight_key], t.layout).double()
+        bias = base[t.bias_key].double() if t.bias_key else None
+        w_eff, b_eff = row.w_eff(p64, b64, W, bias, layer.info)
+        w_stored = stored_weight(w_eff, t.layout).to(base[t.weight_key].dtype)
+        for key in (t.weight_key, *t.tied_keys):
+            out[key] = w_stored
+        if t.bias_key is not None and b_eff is not None:
+            out[t.bias_key] = b_eff.to(base[t.bias_key].dtype)
+    return out
+
+
+def logits(model, params: dict[str, Tensor], ids: Tensor) -> Tensor:
+    return functional_call(model, params, (ids,)).logits
+
+
+def loss_fn(model, base, adapter: lf.Adapter, ids: Tensor, *, merged: bool = False):
+    """Next-token cross-entropy of the adapted model on ``ids``; a function of the params."""
+
+    def loss(params):
+        a = adapter.with_params(params)
+        over = lf.merge_overlay(base, a) if merged else lf.overlay(base, a)
+        out = functional_call(model, over, (ids,)).logits
+        return torch.nn.functional.cross_entropy(out[..., :-1, :].reshape(-1, out.shape[-1]), ids[..., 1:].reshape(-1))
+
+    return loss
+
+
+def snapshot(model) -> dict[str, tuple[int, Tensor]]:
+    return {
+        name: (id(t), t.detach().clone())
+        for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    }
+
+
+def assert_unchanged(model, snap) -> None:
+    now = dict([*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)])
+    assert sorted(now) == sorted(snap)
+    for name, (ident, value) in snap.items():
+        t = now[name]
+        assert id(t) == ident, f"{name} was replaced"
+        assert t.dtype == value.dtype and t.shape == value.shape, name
+        assert torch.equal(t.detach().view(torch.uint8) if t.dtype in (torch.bfloat16, torch.float16) else t.detach(), value.view(torch.uint8) if t.dtype in (torch.bfloat16, torch.float16) else value), f"{name} changed"
+        assert t.grad is None, f"{name} received a gradient"

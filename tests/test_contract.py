@@ -1,0 +1,233 @@
+"""The shared contract suite: every registered variant x {nn.Linear (tiny Llama), GPT-2 Conv1D}.
+
+Each check compares against an independent oracle (the row's explicit W_eff formula, a Python
+loop for vmap) and is made per tensor, after a random non-symmetric perturbation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.func import grad, vmap
+
+import lora_func as lf
+from tests.contract_helpers import (
+    assert_unchanged,
+    build,
+    calibration_batches,
+    logits,
+    loss_fn,
+    oracle_params,
+    perturbed,
+    snapshot,
+    spec_for,
+)
+from tests.models import DEFAULT_TARGETS, LAYER_KIND_MODEL, tiny_model, tokens
+from tests.variant_table import ROWS
+
+KINDS = ("linear", "conv1d")
+CASES = [pytest.param(ROWS[v], kind, id=f"{v}-{kind}") for v in sorted(ROWS) for kind in KINDS]
+OVERLAYS = {"lazy": lf.overlay, "merged": lf.merge_overlay}
+
+
+def test_every_registered_variant_has_a_row():
+    assert sorted(ROWS) == lf.list_variants(), "add a row in tests/variant_rows/ for every registered variant"
+
+
+@pytest.mark.parametrize(("row", "kind"), CASES)
+def test_targets_are_exactly_the_requested_layers(row, kind):
+    model, adapter = build(row, kind)
+    model_kind = LAYER_KIND_MODEL[kind]
+    wanted = (row.targets or DEFAULT_TARGETS)[model_kind]
+    expected = sorted(n for n, _ in model.named_modules() if any(n.endswith("." + t) for t in wanted))
+    assert sorted(layer.target.module for layer in adapter.layers) == expected
+    assert {layer.target.layout for layer in adapter.layers} == {kind}
+
+
+@pytest.mark.parametrize(("row", "kind"), CASES)
+def test_identity_at_init(row, kind):
+    model, adapter = build(row, kind)
+    ids = tokens()
+    reference = model(ids).logits
+    base = lf.base_params(model)
+    for name, make in OVERLAYS.items():
+        out = logits(model, make(base, adapter), ids)
+        if row.identity_atol == 0.0:
+            assert torch.equal(out, reference), name
+        else:
+            assert (out - reference).abs().max() <= row.identity_atol, name
+
+
+@pytest.mark.parametrize(("row", "kind"), CASES)
+def test_step0_gradient_pattern_per_tensor(row, kind):
+    model, adapter = build(row, kind)
+    names = {name for layer in adapter.layers for name, _ in layer.param_shapes}
+    assert row.step0_nonzero <= names, f"row names {sorted(row.step0_nonzero - names)} are not trainable tensors"
+    base, ids = lf.base_params(model), tokens()
+    grads = {m: grad(loss_fn(model, base, adapter, ids, merged=m == "merged"))(adapter.params) for m in OVERLAYS}
+    for layer in adapter.layers:
+        for name, _ in layer.param_shapes:
+            key = f"{layer.target.module}.{name}"
+            g = grads["lazy"][key]
+            assert torch.isfinite(g).all(), key
+            if name in row.step0_nonzero:
+                assert g.abs().max() > 0, f"{key} gets no gradient at step 0"
+            else:
+                assert torch.count_nonzero(g) == 0, f"{key} should get exactly zero gradient at step 0"
+            torch.testing.assert_close(grads["merged"][key], g, atol=1e-6, rtol=1e-4, msg=key)
+
+
+@pytest.mark.parametrize(("row", "kind"), CASES)
+def test_merged_lazy_and_oracle_agree_after_perturbation(row, kind):
+    model, adapter = build(row, kind)
+    adapter = perturbed(adapter, row.perturb_scale)
+    base, ids = lf.base_params(model), tokens()
+    reference = model(ids).logits
+    oracle = logits(model, oracle_params(base, adapter, row), ids)
+    assert (oracle - reference).abs().max() > 1e-3, "the perturbed adapter should change the output"
+    for name, make in OVERLAYS.items():
+        out = logits(model, make(base, adapter), ids)
+        torch.testing.assert_close(out, oracle, atol=row.tol, rtol=0, msg=name)
+        via_call = lf.adapted_call(model, adapter, ids, merged=name == "merged").logits
+        assert torch.equal(via_call, out), name
+
+
+@pytest.mark.parametrize(("row", "kind"), CASES)
+def test_each_trainable_tensor_alone_changes_the_output(row, kind):
+    model, adapter = build(row, kind)
+    adapter = perturbed(adapter, row.perturb_scale)
+    base, ids = lf.base_params(model), tokens()
+    g = torch.Generator().manual_seed(11)
+    for name, make in OVERLAYS.items():
+        out = logits(model, make(base, adapter), ids)
+        for key, value in adapter.params.items():
+            bumped = dict(adapter.params)
+            bumped[key] = value.detach() + 0.5 * torch.randn(value.shape, generator=g)
+            moved = logits(model, make(base, adapter.with_params(bumped)), ids)
+            assert (moved - out).abs().max() > 1e-5, f"{name}: {key} does not affect the output"
+
+
+@pytest.mark.parametrize(("row", "kind"), CASES)
+def test_vmap_over_stacked_adapters_equals_loop(row, kind):
+    model, adapter = build(row, kind)
+    members = [perturbed(adapter, row.perturb_scale, seed=s) for s in (1, 2, 3)]
+    stacked = lf.stack(members)
+    assert stacked.stack_shape == (3,)
+    base, ids = lf.base_params(model), tokens()
+    for name, make in OVERLAYS.items():
+        batched = vmap(lambda a: logits(model, make(base, a), ids))(stacked)  # noqa: B023
+        for i, member in enumerate(members):
+            torch.testing.assert_close(batched[i], logits(model, make(base, member), ids), atol=1e-5, rtol=0, msg=name)
+    assert not torch.allclose(batched[0], batched[1])
+    for original, back in zip(members, lf.unstack(stacked), strict=True):
+        for key in original.params:
+            assert torch.equal(original.params[key], back.params[key])
+
+
+@pytest.mark.parametrize(("row", "kind"), CASES)
+def test_per_example_gradients_equal_loop(row, kind):
+    model, adapter = build(row, kind)
+    adapter = perturbed(adapter, row.perturb_scale)
+    base, ids = lf.base_params(model), tokens(batch=3)
+    for name in OVERLAYS:
+
+        def example_loss(params, x, merged=name == "merged"):
+            return loss_fn(model, base, adapter, x[None], merged=merged)(params)
+
+        per_example = vmap(grad(example_loss), in_dims=(None, 0))(adapter.params, ids)
+        for i in range(ids.shape[0]):
+            single = grad(example_loss)(adapter.params, ids[i])
+            for key, g in single.items():
+                assert g.abs().max() > 0, key
+                torch.testing.assert_close(per_example[key][i], g, atol=1e-6, rtol=1e-4, msg=f"{name} {key}")
+        assert not torch.allclose(per_example[key][0], per_example[key][1])
+
+
+@pytest.mark.parametrize(("row", "kind"), CASES)
+def test_base_model_never_changes(row, kind, tmp_path):
+    model_kind = LAYER_KIND_MODEL[kind]
+    model = tiny_model(model_kind)
+    snap = snapshot(model)
+    spec = spec_for(row, model_kind)
+    calibration = calibration_batches() if row.calibration else None
+    adapter = lf.init_adapter(model, spec, generator=torch.Generator().manual_seed(0), calibration=calibration)
+    adapter = perturbed(adapter, row.perturb_scale).detach()
+    base, ids = lf.base_params(model), tokens()
+    for merged in (False, True):
+        lf.adapted_call(model, adapter, ids, merged=merged)
+        grad(loss_fn(model, base, adapter, ids, merged=merged))(adapter.params)
+    vmap(lambda a: logits(model, lf.overlay(base, a), ids))(lf.stack([adapter, adapter]))
+    lf.take(lf.stack([adapter, adapter]), torch.tensor([1, 0]))
+    optimizer = torch.optim.SGD(adapter.params.values(), lr=0.1)
+    out = lf.adapted_call(model, adapter, ids).logits
+    out.square().mean().backward()  # a plain backward must not reach the model's tensors
+    optimizer.step()
+    path = lf.save(adapter, tmp_path / "a.safetensors")
+    lf.load(path, model=model)
+    # Calls that raise midway must not leave anything behind either.
+    other = tiny_model("gpt2" if model_kind == "llama" else "llama")
+    with pytest.raises((KeyError, ValueError)):
+        lf.load(path, model=other)
+    with pytest.raises(ValueError):
+        lf.init_adapter(model, lf.AdapterSpec(row.variant, targets=["no_such_layer"]))
+    with pytest.raises(KeyError):
+        lf.adapted_call(model, adapter, ids, base={**base, "typo.weight": base[next(iter(base))]})
+    broken = adapter.with_params({k: v[..., :1] for k, v in adapter.params.items()})
+    for merged in (False, True):
+        with pytest.raises(ValueError):
+            lf.adapted_call(model, broken, ids, merged=merged)
+    assert_unchanged(model, snap)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize(("row", "kind"), CASES)
+def test_dtype_policy_fp32_adapter_on_half_base(row, kind, dtype):
+    model, adapter = build(row, kind, dtype=dtype)
+    for key, value in {**adapter.params, **adapter.buffers}.items():
+        if value.is_floating_point():
+            assert value.dtype == torch.float32, key
+    adapter = perturbed(adapter, row.perturb_scale)
+    base, ids = lf.base_params(model), tokens()
+    # fp32 reference: the same (already rounded) base weights, upcast, with the oracle W_eff.
+    model32 = tiny_model(LAYER_KIND_MODEL[kind]).float()
+    model32.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+    base32 = lf.base_params(model32)
+    oracle = logits(model32, oracle_params(base32, adapter, row), ids)
+    effect = (oracle - model32(ids).logits).abs().max()
+    for name, make in OVERLAYS.items():
+        out = logits(model, make(base, adapter), ids)
+        assert out.dtype == dtype, name
+        assert torch.isfinite(out).all(), name
+        assert (out.float() - oracle).abs().max() < 0.25 * effect, f"{name}: half-precision output far from the fp32 oracle"
+        grads = grad(loss_fn(model, base, adapter, ids, merged=name == "merged"))(adapter.params)
+        for key, g in grads.items():
+            assert g.dtype == torch.float32 and torch.isfinite(g).all(), f"{name} {key}"
+
+
+@pytest.mark.parametrize(("row", "kind"), CASES)
+def test_save_load_after_training_steps(row, kind, tmp_path):
+    model, adapter = build(row, kind)
+    adapter = adapter.detach()
+    initial = {k: v.detach().clone() for k, v in adapter.params.items()}
+    optimizer = torch.optim.Adam(adapter.params.values(), lr=1e-2)
+    ids = tokens()
+    for _ in range(3):
+        optimizer.zero_grad()
+        loss_fn(model, lf.base_params(model), adapter, ids)(adapter.params).backward()
+        optimizer.step()
+    for name in row.step0_nonzero:
+        for layer in adapter.layers:
+            key = f"{layer.target.module}.{name}"
+            assert not torch.equal(adapter.params[key], initial[key]), f"{key} did not train"
+    path = lf.save(adapter, tmp_path / "adapter.safetensors")
+    fresh = tiny_model(LAYER_KIND_MODEL[kind])
+    loaded = lf.load(path, model=fresh)
+    assert loaded.spec == adapter.spec and loaded.layers == adapter.layers
+    for flat, flat_loaded in ((adapter.params, loaded.params), (adapter.buffers, loaded.buffers)):
+        assert sorted(flat) == sorted(flat_loaded)
+        for key in flat:
+            assert flat_loaded[key].dtype == flat[key].dtype and torch.equal(flat_loaded[key], flat[key]), key
+    for merged in (False, True):
+        before = lf.adapted_call(model, adapter, ids, merged=merged).logits
+        after = lf.adapted_call(fresh, loaded, ids, merged=merged).logits
+        assert torch.equal(before, after)
+        assert not torch.equal(after, fresh(ids).logits)

@@ -1,0 +1,61 @@
+"""The shared contract table: one Row per registered variant, one file per row in
+``tests/variant_rows/``. ``test_contract.py`` runs every check over every row x layer kind."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import pkgutil
+from collections.abc import Callable
+from typing import Any
+
+from torch import Tensor
+
+from lora_func._types import LayerInfo
+
+# (params, buffers, W (d_out, d_in) float64, b (d_out,) float64 | None, info) -> (W_eff, b_eff)
+Oracle = Callable[[dict[str, Tensor], dict[str, Tensor], Tensor, "Tensor | None", LayerInfo], "tuple[Tensor, Tensor | None]"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """How the contract suite exercises one variant.
+
+    Attributes:
+      variant: the registered name.
+      w_eff: the explicit ``W_eff, b_eff`` formula from variants.md, written independently of
+        the package (tensors arrive as float64; short names as in the adapter).
+      step0_nonzero: short names of trainable tensors whose step-0 gradient is non-zero in every
+        layer; every other trainable tensor's gradient must be exactly zero.
+      spec_kwargs: extra ``AdapterSpec`` arguments (r, alpha, options).
+      identity_atol: max |logit difference| to the base at init (0.0 = exact).
+      perturb_scale: std of the random perturbation added to every trainable tensor.
+      targets: per tiny-model kind, the targets to use (default tests/models.DEFAULT_TARGETS).
+      calibration: whether ``init_adapter`` needs calibration batches.
+      tol: atol for merged == lazy == oracle comparisons in fp32.
+    """
+
+    variant: str
+    w_eff: Oracle
+    step0_nonzero: frozenset[str]
+    spec_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    identity_atol: float = 0.0
+    perturb_scale: float = 0.1
+    targets: dict[str, list[str]] | None = None
+    calibration: bool = False
+    tol: float = 2e-5
+
+
+def _collect() -> dict[str, Row]:
+    from tests import variant_rows
+
+    rows: dict[str, Row] = {}
+    for info in sorted(pkgutil.iter_modules(variant_rows.__path__), key=lambda m: m.name):
+        module = importlib.import_module(f"tests.variant_rows.{info.name}")
+        for row in getattr(module, "ROWS", ()) + ((module.ROW,) if hasattr(module, "ROW") else ()):
+            assert row.variant not in rows, f"two rows for {row.variant}"
+            rows[row.variant] = row
+    return rows
+
+
+ROWS: dict[str, Row] = _collect()
