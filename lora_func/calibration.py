@@ -1,0 +1,225 @@
+"""Collect the inputs of target layers on calibration batches (for data-driven variants: EVA).
+
+The model runs through ``torch.func.functional_call`` with a parameter dict from
+:func:`lora_func.core.base_params` in which every target weight is replaced by a recording
+stand-in (:class:`RecordingWeight`). The stand-in computes the layer exactly as the model
+does and keeps a detached copy of the layer's input: no hooks, no module changes, the model's
+tensors and modes untouched.
+
+Token rows are kept where ``attention_mask == 1`` and ``labels != -100`` (as peft's
+``prepare_model_inputs_fn_language_modeling`` with ``use_label_mask=True``), so padding and
+ignored positions never reach the statistics.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+import torch.utils._pytree as pytree
+from torch import Tensor, nn
+
+from lora_func.core import base_params
+from lora_func.targeting import Target
+
+__all__ = ["IGNORE_INDEX", "RecordingWeight", "layer_input_batches"]
+
+IGNORE_INDEX = -100  # label value of positions that carry no loss (transformers' convention)
+
+
+class RecordingWeight(Tensor):
+    """Stand-in for a target weight that records the layer's input and otherwise *is* the weight.
+
+    It intercepts, via ``__torch_function__``, the ops that consume a weight as a linear map
+    (``F.linear`` for nn.Linear, ``torch.addmm`` / ``torch.matmul`` for GPT-2 Conv1D), appends
+    the input ``x`` (detached, as ``(n, d_in)``) to ``records``, and returns the op computed
+    with the real weight. Every other op (metadata reads, an embedding lookup through a tied
+    weight, ...) runs on the real weight unchanged.
+    """
+
+    _weight: Tensor
+    _name: str
+    _layout: str
+    records: list[Tensor]
+
+    @staticmethod
+    def __new__(cls, weight: Tensor, *, name: str, layout: str) -> RecordingWeight:
+        out = Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
+            cls, weight.shape, strides=weight.stride(), dtype=weight.dtype, device=weight.device, requires_grad=False
+        )
+        out._weight, out._name, out._layout, out.records = weight, name, layout, []
+        return out
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
+        return f"RecordingWeight({self._name}, shape={tuple(self._weight.shape)}, dtype={self._weight.dtype})"
+
+    def _record(self, x: Tensor) -> None:
+        d_in = self._weight.shape[1] if self._layout == "linear" else self._weight.shape[0]
+        self.records.append(x.detach().reshape(-1, d_in))
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        x = None
+        if func is F.linear:
+            bound = dict(zip(("input", "weight", "bias"), args, strict=False)) | kwargs
+            if type(bound.get("weight")) is cls and bound["weight"]._layout == "linear":
+                x, w = bound["input"], bound["weight"]
+        elif func is torch.addmm:
+            bound = dict(zip(("input", "mat1", "mat2"), args, strict=False)) | kwargs
+            if type(bound.get("mat2")) is cls and bound["mat2"]._layout == "conv1d":
+                x, w = bound["mat1"], bound["mat2"]
+        elif func in (torch.matmul, Tensor.matmul, Tensor.__matmul__):
+            bound = dict(zip(("input", "other"), args, strict=False)) | kwargs
+            if type(bound.get("other")) is cls and bound["other"]._layout == "conv1d":
+                x, w = bound["input"], bound["other"]
+        if x is not None and type(x) is not cls:
+            w._record(x)
+        args, kwargs = pytree.tree_map_only(cls, lambda t: t._weight, (args, kwargs))
+        return func(*args, **kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        # Reached only by an op that bypassed __torch_function__; calibration runs under
+        # no_grad, so computing on the real weight here is correct (the op is not recorded,
+        # which layer_input_batches reports as a layer that saw no input).
+        args, kwargs = pytree.tree_map_only(cls, lambda t: t._weight, (args, kwargs or {}))
+        return func(*args, **kwargs)
+
+
+def _forward_keys(model: nn.Module) -> tuple[set[str], bool]:
+    """Names ``model.forward`` accepts explicitly (never ``labels``), and whether it takes ``use_cache``."""
+    params = inspect.signature(model.forward).parameters
+    named = {
+        n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and n != "labels"
+    }
+    return named, "use_cache" in named
+
+
+def _check_batch(batch: Any, index: int) -> tuple[Tensor, Tensor]:
+    """Validate one calibration batch; return ``(input_ids, keep)`` with ``keep`` a ``(B, T)`` bool mask."""
+    if not isinstance(batch, Mapping):
+        raise TypeError(
+            f"calibration batch {index} is a {type(batch).__name__}; expected a dict with 'input_ids' "
+            f"(batch, seq) and optionally 'attention_mask' and 'labels'"
+        )
+    if "input_ids" not in batch:
+        raise ValueError(
+            f"calibration batch {index} has no 'input_ids' (keys: {sorted(batch)}); each batch needs "
+            f"'input_ids' (batch, seq) and optionally 'attention_mask' and 'labels'"
+        )
+    ids = batch["input_ids"]
+    if not isinstance(ids, Tensor) or ids.ndim != 2 or ids.is_floating_point():
+        got = f"shape {tuple(ids.shape)}, dtype {ids.dtype}" if isinstance(ids, Tensor) else type(ids).__name__
+        raise ValueError(f"calibration batch {index}: 'input_ids' must be an integer tensor (batch, seq), got {got}")
+    keep = torch.ones(ids.shape, dtype=torch.bool, device=ids.device)
+    for key, drop in (("attention_mask", None), ("labels", IGNORE_INDEX)):
+        value = batch.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, Tensor) or tuple(value.shape) != tuple(ids.shape):
+            got = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+            raise ValueError(
+                f"calibration batch {index}: '{key}' has shape {got}, but 'input_ids' has shape {tuple(ids.shape)}"
+            )
+        keep = keep & (value.to(ids.device) != 0 if drop is None else value.to(ids.device) != drop)
+    return ids, keep
+
+
+def _cached(batches: Iterable[Mapping[str, Tensor]], cycle: bool) -> Iterator[tuple[int, Any]]:
+    """``enumerate(batches)``, then (with ``cycle``) the same batch objects again, forever (as
+    ``itertools.cycle``, which peft uses: a shuffling DataLoader is not reshuffled)."""
+    seen = []
+    for index, batch in enumerate(batches):
+        if cycle:
+            seen.append(batch)
+        yield index, batch
+    if not seen and cycle:
+        return
+    while cycle:
+        yield from enumerate(seen)
+
+
+def layer_input_batches(
+    model: nn.Module,
+    targets: Sequence[Target],
+    batches: Iterable[Mapping[str, Tensor]],
+    *,
+    cycle: bool = True,
+) -> Iterator[dict[str, Tensor]]:
+    """Per calibration batch, the inputs of every target layer: ``{module name: rows (n, d_in)}``.
+
+    Args:
+      model: the model, in eval mode (it is run as it is; lora_func never changes its mode).
+      targets: the layers to record (``lora_func.targeting.find_targets``).
+      batches: an iterable of dicts with ``input_ids (B, T)`` and optionally
+        ``attention_mask (B, T)`` and ``labels (B, T)``. Other keys that ``model.forward``
+        accepts by name (``position_ids``, ...) are passed on; ``labels`` never is (no loss
+        is computed) and keys the model does not accept are ignored.
+      cycle: after the last batch, start again with the same batch objects (cached on the
+        first pass, like ``itertools.cycle``) until the consumer stops; ``False`` gives one pass.
+
+    Yields:
+      ``{module: rows}`` in target order, ``rows`` fp32 on the layer's device, one row per
+      token with ``attention_mask == 1`` and ``labels != -100``, in (batch, position) order.
+      Each batch costs one forward pass under ``torch.no_grad``.
+
+    Raises:
+      ValueError: empty ``targets`` or ``batches``, a model in training mode, a malformed
+        batch, or a target that saw no input (or an input that does not line up with the
+        batch's tokens) during the forward pass.
+    """
+    targets = list(targets)
+    if not targets:
+        raise ValueError("layer_input_batches needs at least one target layer")
+    training = sorted(n or "<root>" for n, m in model.named_modules() if m.training)
+    if training:
+        raise ValueError(
+            f"calibration runs the model as it is, and modules {training[:5]}{' ...' if len(training) > 5 else ''} "
+            f"are in training mode (dropout would make the statistics random); call model.eval() first"
+        )
+    accepted, takes_use_cache = _forward_keys(model)
+    base = base_params(model)
+    empty = True
+    for index, batch in _cached(batches, cycle):
+        empty = False
+        ids, keep = _check_batch(batch, index)
+        inputs = {k: v for k, v in batch.items() if k in accepted}
+        if takes_use_cache:
+            inputs["use_cache"] = False
+        params = dict(base)
+        standins = {}
+        for t in targets:
+            standin = RecordingWeight(base[t.weight_key], name=t.module, layout=t.layout)
+            for key in (t.weight_key, *t.tied_keys):
+                params[key] = standin
+            standins[t.module] = standin
+        with torch.no_grad():
+            torch.func.functional_call(model, params, (), inputs, tie_weights=True, strict=False)
+        n_tokens = ids.numel()
+        out = {}
+        for module, standin in standins.items():
+            if not standin.records:
+                raise ValueError(
+                    f"calibration batch {index}: target {module} saw no input during the forward pass "
+                    f"(is it used by the model through F.linear / addmm / matmul?)"
+                )
+            rows = []
+            for x in standin.records:
+                if x.shape[0] != n_tokens:
+                    raise ValueError(
+                        f"calibration batch {index}: target {module} got an input of {x.shape[0]} rows, which does "
+                        f"not line up with the batch's {tuple(ids.shape)} = {n_tokens} tokens; cannot apply the mask"
+                    )
+                rows.append(x[keep.reshape(-1).to(x.device)].float())
+            out[module] = rows[0] if len(rows) == 1 else torch.cat(rows)
+        del params, standins
+        yield out
+    if empty:
+        raise ValueError("calibration data is empty: pass at least one batch with 'input_ids'")

@@ -1,0 +1,103 @@
+"""DeLoRA (Bini, Girrbach, Akata, ICLR 2025, arXiv 2503.18225), following HF peft's
+``tuners/delora/layer.py`` exactly.
+
+Trainable ``delora_A (r, d_in)``, ``delora_B (d_out, r)``, ``delora_lambda (1,)``; frozen
+buffer ``delora_w_norm (d_in,)``, the column norms ``‖W[:, j]‖₂`` of the base weight at init.
+With ``a_i = max(‖A[i, :]‖, 1e-4)``, ``b_i = max(‖B[:, i]‖, 1e-4)`` (norms not detached):
+
+    W_eff = W + (lambda / r) · B diag(1 / (a_i b_i)) A diag(w_norm),   bias unchanged
+    y     = x Wᵀ + b + (((x ⊙ w_norm) Aᵀ) ⊙ (lambda / r) / (a b)) Bᵀ
+
+Init as peft: ``A ~ kaiming_uniform(a=√5)``, ``B = 0``, ``lambda = lambda0`` (15).
+The per-rank scale (≈ 1e4 at init because of the clamp) and everything it multiplies are
+computed in at least fp32, so a half-precision adapter dtype cannot overflow.
+Unlike peft, GPT-2 ``Conv1D`` layers are supported (same math on the canonical view).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lora_func._types import BaseLayer, LayerInfo, TensorDict, Variant, kaiming_uniform
+
+NORM_CLAMP = 1e-4  # peft's clamp on the per-rank norms of A and B
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The adapter dtype, raised to at least fp32 (fp64 stays fp64)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def init(
+    weight: Tensor,
+    bias: Tensor | None,
+    info: LayerInfo,
+    *,
+    dtype: torch.dtype,
+    generator: torch.Generator,
+    calibration: Any = None,
+) -> tuple[TensorDict, TensorDict]:
+    r, d_in, d_out = info.r, info.d_in, info.d_out
+    delora_a = kaiming_uniform((r, d_in), a=math.sqrt(5), generator=generator)
+    delora_b = torch.zeros((d_out, r), dtype=torch.float32)
+    delora_lambda = torch.full((1,), float(info.option("lambda0")), dtype=torch.float32)
+    w_norm = torch.linalg.vector_norm(weight.to(torch.float32), dim=0)  # (d_in,), fp32
+    device = weight.device
+    params = {
+        "delora_A": delora_a.to(device, dtype),
+        "delora_B": delora_b.to(device, dtype),
+        "delora_lambda": delora_lambda.to(device, dtype),
+    }
+    return params, {"delora_w_norm": w_norm.to(device, dtype)}
+
+
+def _rank_scale(params: TensorDict, r: int) -> Tensor:
+    """``(lambda / r) / (a_i b_i)``, shape ``(r,)``, in at least fp32."""
+    ct = _compute_dtype(params["delora_A"].dtype)
+    a_norm = torch.linalg.vector_norm(params["delora_A"].to(ct), dim=1).clamp(min=NORM_CLAMP)
+    b_norm = torch.linalg.vector_norm(params["delora_B"].to(ct), dim=0).clamp(min=NORM_CLAMP)
+    return (params["delora_lambda"].to(ct) / r) / (a_norm * b_norm)
+
+
+def weight_form(
+    params: TensorDict, buffers: TensorDict, weight: Tensor, bias: Tensor | None, info: LayerInfo
+) -> tuple[Tensor, Tensor | None]:
+    a, b = params["delora_A"], params["delora_B"]
+    ct = _compute_dtype(a.dtype)
+    scale = _rank_scale(params, info.r)
+    delta = (b.to(ct) * scale) @ (a.to(ct) * buffers["delora_w_norm"].to(ct))
+    return weight + delta.to(weight.dtype), bias
+
+
+def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: BaseLayer, info: LayerInfo) -> Tensor:
+    y = base(x)
+    a, b = params["delora_A"], params["delora_B"]
+    ct = _compute_dtype(a.dtype)
+    # peft's order: (x ⊙ w_norm) Aᵀ, times the per-rank scale, then Bᵀ. The first product
+    # runs in the adapter dtype; from the scale on (≈1e4 at init) it runs in >= fp32.
+    h = (x.to(a.dtype) * buffers["delora_w_norm"]) @ a.T
+    delta = (h.to(ct) * _rank_scale(params, info.r)) @ b.to(ct).T
+    return y + delta.to(y.dtype)
+
+
+def check_options(options: Mapping[str, Any]) -> None:
+    lam = options["lambda0"]
+    if not math.isfinite(lam):
+        raise ValueError(f"delora option lambda0={lam!r} must be a finite number")
+
+
+VARIANT = Variant(
+    name="delora",
+    init=init,
+    weight_form=weight_form,
+    activation_form=activation_form,
+    options={"lambda0": 15.0},
+    default_alpha=8.0,
+    rank_axes={"delora_A": 0, "delora_B": 1},
+    check_options=check_options,
+)

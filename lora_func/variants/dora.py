@@ -1,0 +1,87 @@
+"""DoRA (Liu et al. 2024, arXiv 2402.09353): weight-decomposed LoRA.
+
+Trainable ``lora_A (r, d_in)``, ``lora_B (d_out, r)`` (LoRA init: ``A ~ kaiming_uniform(a=√5)``,
+``B = 0``) and ``lora_magnitude_vector (d_out,)`` (peft's name; the paper's ``m``),
+initialised to the row norms ``‖W[i, :]‖₂``.
+
+``V = W + s·B A``; ``n = ‖W + s·(B A).detach()‖_row``, then detached (paper §4.3, as peft
+and NVlabs); ``k = m / n``; ``W_eff = diag(k) V``, ``b_eff = b`` (the bias is not rescaled).
+Activation form: ``y = base(x) + (k − 1) ⊙ (x Wᵀ) + k ⊙ s·(x Aᵀ) Bᵀ`` with ``x Wᵀ = base(x) − b``.
+Norms are computed in fp32 (at least), from the same operations at init and in both forms,
+so ``k = 1`` exactly at init and the adapter is exactly the identity on any base dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lora_func._types import BaseLayer, LayerInfo, TensorDict, Variant, kaiming_uniform, lora_scale
+
+MAGNITUDE = "lora_magnitude_vector"
+
+
+def _row_norm(weight: Tensor, lora_a: Tensor, lora_b: Tensor, scale: float) -> Tensor:
+    """``‖W + s·(B A).detach()‖`` over ``d_in`` for each output, detached, in fp32 at least."""
+    dtype = torch.promote_types(lora_a.dtype, torch.float32)
+    delta = (lora_b.detach().to(dtype) @ lora_a.detach().to(dtype)) * scale
+    return torch.linalg.norm(weight.to(dtype) + delta, dim=1).detach()
+
+
+def init(
+    weight: Tensor,
+    bias: Tensor | None,
+    info: LayerInfo,
+    *,
+    dtype: torch.dtype,
+    generator: torch.Generator,
+    calibration: Any = None,
+) -> tuple[TensorDict, TensorDict]:
+    if not weight.is_floating_point():
+        raise TypeError(
+            f"dora needs a floating-point base weight for its row norms, but this target's weight "
+            f"(d_out={info.d_out}, d_in={info.d_in}) is {weight.dtype}; dequantize the layer first"
+        )
+    r, d_in, d_out = info.r, info.d_in, info.d_out
+    lora_a = kaiming_uniform((r, d_in), a=math.sqrt(5), generator=generator).to(weight.device, dtype)
+    lora_b = torch.zeros((d_out, r), dtype=dtype, device=weight.device)
+    # The same function the forms call, so that m / n is exactly 1 at init.
+    magnitude = _row_norm(weight, lora_a, lora_b, lora_scale(info))
+    return {"lora_A": lora_a, "lora_B": lora_b, MAGNITUDE: magnitude.to(dtype)}, {}
+
+
+def weight_form(
+    params: TensorDict, buffers: TensorDict, weight: Tensor, bias: Tensor | None, info: LayerInfo
+) -> tuple[Tensor, Tensor | None]:
+    s = lora_scale(info)
+    lora_a, lora_b, magnitude = params["lora_A"], params["lora_B"], params[MAGNITUDE]
+    norm = _row_norm(weight, lora_a, lora_b, s)
+    k = (magnitude / norm).to(weight.dtype)
+    return k[:, None] * (weight + s * (lora_b @ lora_a)), bias
+
+
+def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: BaseLayer, info: LayerInfo) -> Tensor:
+    s = lora_scale(info)
+    lora_a, lora_b, magnitude = params["lora_A"], params["lora_B"], params[MAGNITUDE]
+    y = base(x)
+    # The dense W is needed every step for the norm (DoRA's inherent cost).
+    norm = _row_norm(base.weight, lora_a, lora_b, s)
+    k = (magnitude / norm).to(lora_a.dtype)
+    plain = y if base.bias is None else y - base.bias  # x Wᵀ: the bias is not rescaled
+    lora = (x.to(lora_a.dtype) @ lora_a.T) @ lora_b.T * s
+    delta = (k - 1) * plain.to(lora_a.dtype) + k * lora
+    return y + delta.to(y.dtype)
+
+
+VARIANT = Variant(
+    name="dora",
+    init=init,
+    weight_form=weight_form,
+    activation_form=activation_form,
+    options={"use_rslora": False},
+    default_alpha=8.0,
+    rank_axes={"lora_A": 0, "lora_B": 1},
+)

@@ -1,0 +1,110 @@
+"""HRA, Householder Reflection Adaptation (Yuan, Liu, Xu, arXiv 2405.17484), following HF
+peft's ``tuners/hra/layer.py`` (``apply_GS=False``).
+
+Trainable ``hra_u (d_in, r)``, one column per reflection. With ``û_i = u_i / ‖u_i‖`` and
+``H_i = I − 2 û_i û_iᵀ``:
+
+    R = H_0 H_1 ⋯ H_{r−1}   (d_in × d_in, never built here)
+    W_eff = W R,   bias unchanged,   y = x Rᵀ Wᵀ + b
+
+Activation form: the reflections act on ``x`` from the LAST column to the FIRST
+(``x ← x − 2 (x·û_i) û_iᵀ`` for ``i = r−1 … 0``), then the base layer. Weight form: the
+reflections act on the rows of ``W`` from the FIRST column to the LAST. Neither builds a
+``d_in × d_in`` matrix.
+
+Init (``init="paired"``, default, peft's ``init_weights=True``): ``half ~
+kaiming_uniform((d_in, r/2), a=√5)``, ``U = repeat_interleave(half, 2, dim=1)``, so each
+reflection is undone by the next and ``R = I``. An odd ``r`` cannot be paired: peft only
+warns and silently starts from a non-identity adapter; lora_func raises ``ValueError``
+unless ``init="random"`` (peft's ``init_weights=False``: every column kaiming-uniform) is
+asked for explicitly.
+
+A column whose norm is below ``1e-30`` is treated as the zero vector (its reflection is the
+identity) instead of dividing by ~0 (peft gives inf/NaN there); above it the math is peft's.
+Gram-Schmidt (peft ``apply_GS=True``) is not offered.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lora_func._types import BaseLayer, LayerInfo, TensorDict, Variant, kaiming_uniform
+
+INITS = ("paired", "random")
+_MIN_NORM = 1e-30
+
+
+def init(
+    weight: Tensor,
+    bias: Tensor | None,
+    info: LayerInfo,
+    *,
+    dtype: torch.dtype,
+    generator: torch.Generator,
+    calibration: Any = None,
+) -> tuple[TensorDict, TensorDict]:
+    r, d_in = info.r, info.d_in
+    if info.option("init") == "random":
+        u = kaiming_uniform((d_in, r), a=math.sqrt(5), generator=generator)
+    else:
+        if r % 2:
+            even = f"r={r + 1}" + (f" or r={r - 1}" if r > 1 else "")
+            raise ValueError(
+                f"hra: r={r} is odd, but the default init='paired' needs an even r (pairs of identical "
+                f"reflections make the adapter exactly the identity at init). Use {even}, or pass "
+                f"init='random' to start from random reflections (not the identity at init; peft's "
+                f"behaviour for odd r)."
+            )
+        half = kaiming_uniform((d_in, r // 2), a=math.sqrt(5), generator=generator)
+        u = torch.repeat_interleave(half, 2, dim=1)
+    return {"hra_u": u.to(weight.device, dtype)}, {}
+
+
+def unit_columns(u: Tensor) -> Tensor:
+    """``u / ‖u‖`` per column, the norm taken in at least fp32; result in ``u``'s dtype."""
+    ct = torch.promote_types(u.dtype, torch.float32)
+    uc = u.to(ct)
+    norm = torch.linalg.vector_norm(uc, dim=0, keepdim=True).clamp(min=_MIN_NORM)
+    return (uc / norm).to(u.dtype)
+
+
+def weight_form(
+    params: TensorDict, buffers: TensorDict, weight: Tensor, bias: Tensor | None, info: LayerInfo
+) -> tuple[Tensor, Tensor | None]:
+    u_hat = unit_columns(params["hra_u"]).to(weight.dtype)
+    w = weight
+    for i in range(u_hat.shape[-1]):  # W R = (((W H_0) H_1) ⋯) H_{r-1}
+        col = u_hat[:, i]
+        w = w - 2.0 * (w @ col)[:, None] * col[None, :]
+    return w, bias
+
+
+def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: BaseLayer, info: LayerInfo) -> Tensor:
+    u_hat = unit_columns(params["hra_u"])
+    xa = x.to(u_hat.dtype)
+    for i in reversed(range(u_hat.shape[-1])):  # x Rᵀ = (((x H_{r-1}) H_{r-2}) ⋯) H_0
+        col = u_hat[:, i]
+        xa = xa - 2.0 * (xa @ col)[..., None] * col
+    return base(xa.to(x.dtype))
+
+
+def check_options(options: Mapping[str, Any]) -> None:
+    if options["init"] not in INITS:
+        raise ValueError(f"hra option init={options['init']!r} is not one of {list(INITS)}")
+
+
+VARIANT = Variant(
+    name="hra",
+    init=init,
+    weight_form=weight_form,
+    activation_form=activation_form,
+    options={"init": "paired"},
+    default_alpha=8.0,
+    rank_axes={"hra_u": 1},
+    check_options=check_options,
+)

@@ -1,0 +1,99 @@
+"""(IA)³ (Liu et al., NeurIPS 2022, arXiv 2205.05638), following HF peft's
+``tuners/ia3/layer.py``. Two registered variants:
+
+``ia3`` (peft ``is_feedforward=False``): trainable ``ia3_l (d_out,)``, init ones, scales the
+layer OUTPUT, bias included:
+
+    y = (x Wᵀ + b) ⊙ g,   W_eff = diag(g) W,   b_eff = g ⊙ b
+
+``ia3_ff`` (peft ``is_feedforward=True``, e.g. the MLP down projection): trainable
+``ia3_l (d_in,)``, init ones, scales the layer INPUT, bias unchanged:
+
+    y = (x ⊙ g) Wᵀ + b,   W_eff = W diag(g),   b_eff = b
+
+Neither activation form builds ``W_eff``. peft stores ``ia3_l`` as ``(d_out, 1)`` /
+``(1, d_in)``; lora_func stores the vector. ``r`` and ``alpha`` are not used.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lora_func._types import BaseLayer, LayerInfo, TensorDict, Variant
+
+
+def _init_out(
+    weight: Tensor,
+    bias: Tensor | None,
+    info: LayerInfo,
+    *,
+    dtype: torch.dtype,
+    generator: torch.Generator,
+    calibration: Any = None,
+) -> tuple[TensorDict, TensorDict]:
+    return {"ia3_l": torch.ones((info.d_out,), dtype=dtype, device=weight.device)}, {}
+
+
+def _init_in(
+    weight: Tensor,
+    bias: Tensor | None,
+    info: LayerInfo,
+    *,
+    dtype: torch.dtype,
+    generator: torch.Generator,
+    calibration: Any = None,
+) -> tuple[TensorDict, TensorDict]:
+    return {"ia3_l": torch.ones((info.d_in,), dtype=dtype, device=weight.device)}, {}
+
+
+def _weight_out(
+    params: TensorDict, buffers: TensorDict, weight: Tensor, bias: Tensor | None, info: LayerInfo
+) -> tuple[Tensor, Tensor | None]:
+    g = params["ia3_l"]
+    return weight * g[:, None], None if bias is None else bias * g
+
+
+def _weight_in(
+    params: TensorDict, buffers: TensorDict, weight: Tensor, bias: Tensor | None, info: LayerInfo
+) -> tuple[Tensor, Tensor | None]:
+    return weight * params["ia3_l"][None, :], bias
+
+
+def _activation_out(params: TensorDict, buffers: TensorDict, x: Tensor, base: BaseLayer, info: LayerInfo) -> Tensor:
+    # peft: base output (bias included) times the vector in the adapter dtype, cast back.
+    y = base(x)
+    g = params["ia3_l"]
+    return (y.to(g.dtype) * g).to(y.dtype)
+
+
+def _activation_in(params: TensorDict, buffers: TensorDict, x: Tensor, base: BaseLayer, info: LayerInfo) -> Tensor:
+    # peft: the input times the vector in the adapter dtype, cast back to the input dtype,
+    # then the base layer (whose bias is untouched).
+    g = params["ia3_l"]
+    return base((x.to(g.dtype) * g).to(x.dtype))
+
+
+IA3 = Variant(
+    name="ia3",
+    init=_init_out,
+    weight_form=_weight_out,
+    activation_form=_activation_out,
+    default_alpha=1.0,
+    uses_rank=False,
+    changes_bias=True,
+)
+
+IA3_FF = Variant(
+    name="ia3_ff",
+    init=_init_in,
+    weight_form=_weight_in,
+    activation_form=_activation_in,
+    default_alpha=1.0,
+    uses_rank=False,
+    changes_bias=False,
+)
+
+VARIANTS = (IA3, IA3_FF)

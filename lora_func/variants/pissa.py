@@ -1,0 +1,131 @@
+"""PiSSA (Meng, Wang, Zhang 2024, arXiv 2404.02948): LoRA initialised on the principal
+singular triplets of the base weight, on top of the frozen residual.
+
+``U, S, Vh = svd(W)`` (fp32); ``S_r = S[:r] / s``; trainable ``lora_A = diag(√S_r) Vh[:r]``
+``(r, d_in)`` and ``lora_B = U[:, :r] diag(√S_r)`` ``(d_out, r)``; frozen buffer
+``W_res = W − s·B A`` ``(d_out, d_in)``. ``W_eff = W_res + s·B A`` (= ``W`` at init up to SVD
+round-off), bias unchanged. ``s = alpha/r`` (``alpha/√r`` with ``use_rslora``); ``s·B A``
+at init is ``U_r diag(S_r) Vh_r`` whatever ``alpha`` is.
+
+The base model is never touched: ``W_res`` lives in the adapter's buffers and reaches the
+model through the overlay (peft instead overwrites the base weight in place). The forms
+below therefore *replace* the base weight: they use the incoming ``W`` only for its dtype,
+device and shape, never its values (see docs/variants/pissa.md).
+
+``niter=0`` (default) takes the full SVD (peft ``init_lora_weights="pissa"``); ``niter=K>0``
+is the randomized SVD of ``torch.svd_lowrank(W, q=r, niter=K)`` (peft ``"pissa_niter_K"``),
+re-implemented here step for step so that its Gaussian test matrix comes from the given CPU
+``generator`` instead of torch's global RNG.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from lora_func._types import BaseLayer, LayerInfo, TensorDict, Variant, lora_scale
+
+
+def svd_lowrank(weight: Tensor, q: int, niter: int, generator: torch.Generator) -> tuple[Tensor, Tensor, Tensor]:
+    """``torch.svd_lowrank(weight, q, niter)`` (Halko et al. 2009, Alg. 4.4 + 5.1), with the
+    Gaussian test matrix drawn on the CPU from ``generator``.
+
+    Same operations in the same order as ``torch._lowrank._svd_lowrank`` (torch 2.13), so on
+    the CPU it equals ``torch.manual_seed(seed); torch.svd_lowrank(...)`` for a generator
+    seeded with ``seed``; on any other device the draw is the same CPU draw, moved. Returns
+    ``U (m, q), S (q,), V (n, q)`` with ``weight ≈ U diag(S) Vᵀ``.
+    """
+    m, n = weight.shape[-2:]
+    a = weight.mH if m < n else weight  # work on the tall orientation, as torch does
+    gauss = torch.randn(a.shape[-1], q, generator=generator, dtype=a.dtype).to(a.device)
+    basis = torch.linalg.qr(torch.matmul(a, gauss)).Q
+    for _ in range(niter):
+        basis = torch.linalg.qr(torch.matmul(a.mH, basis)).Q
+        basis = torch.linalg.qr(torch.matmul(a, basis)).Q
+    small = torch.matmul(basis.mH, a)
+    u, s, vh = torch.linalg.svd(small, full_matrices=False)
+    v = vh.mH
+    u = basis.matmul(u)
+    if m < n:
+        u, v = v, u
+    return u, s, v
+
+
+def init(
+    weight: Tensor,
+    bias: Tensor | None,
+    info: LayerInfo,
+    *,
+    dtype: torch.dtype,
+    generator: torch.Generator,
+    calibration: Any = None,
+) -> tuple[TensorDict, TensorDict]:
+    if not weight.is_floating_point():
+        raise TypeError(
+            f"pissa needs a floating-point base weight to take its SVD, but this target's weight "
+            f"(d_out={info.d_out}, d_in={info.d_in}) is {weight.dtype}; dequantize the layer to "
+            f"float32/bfloat16/float16 first, or leave it out of the targets"
+        )
+    r, s, niter = info.r, lora_scale(info), info.option("niter")
+    # fp32 at least (fp64 bases keep fp64): the SVD and the residual never run in half precision.
+    w = weight.to(torch.promote_types(weight.dtype, torch.float32))
+    if niter == 0:
+        u, sv, vh = torch.linalg.svd(w, full_matrices=False)
+        u_r, s_r, vh_r = u[:, :r], sv[:r], vh[:r]
+    else:
+        u_r, s_r, v_r = svd_lowrank(w, r, niter, generator)
+        vh_r = v_r.T
+    s_r = s_r / s
+    # peft's exact operations (tuners/lora/layer.py pissa_init), so the tensors match it bit for bit.
+    lora_a = torch.diag(torch.sqrt(s_r)) @ vh_r
+    lora_b = u_r @ torch.diag(torch.sqrt(s_r))
+    w_res = w - s * lora_b @ lora_a
+    # The residual keeps the more precise of the base and adapter dtypes, so an adapter-dtype
+    # opt-out (e.g. bf16 adapter on an fp32 base) does not round the frozen base part.
+    res_dtype = torch.promote_types(weight.dtype, dtype)
+    params = {"lora_A": lora_a.to(weight.device, dtype), "lora_B": lora_b.to(weight.device, dtype)}
+    return params, {"W_res": w_res.to(weight.device, res_dtype).contiguous()}
+
+
+def weight_form(
+    params: TensorDict, buffers: TensorDict, weight: Tensor, bias: Tensor | None, info: LayerInfo
+) -> tuple[Tensor, Tensor | None]:
+    # ``weight`` is deliberately unused beyond its dtype: PiSSA replaces the base by W_res.
+    w_res = buffers["W_res"].to(weight.dtype)
+    return w_res + lora_scale(info) * (params["lora_B"] @ params["lora_A"]), bias
+
+
+def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: BaseLayer, info: LayerInfo) -> Tensor:
+    # Not base(x): the base op multiplies by W, and base(x) − x (W − W_res)ᵀ would cancel two
+    # large terms. The residual runs like the base layer would (base dtype, bias included),
+    # as peft's residualised base layer does; the low-rank path as in LoRA.
+    y = F.linear(x, buffers["W_res"].to(base.weight.dtype), base.bias)
+    lora_a, lora_b = params["lora_A"], params["lora_B"]
+    delta = (x.to(lora_a.dtype) @ lora_a.T) @ lora_b.T * lora_scale(info)
+    return y + delta.to(y.dtype)
+
+
+def check_options(options: Mapping[str, Any]) -> None:
+    niter = options["niter"]
+    if isinstance(niter, bool) or not isinstance(niter, int) or niter < 0:
+        raise ValueError(
+            f"pissa option niter={niter!r} must be an int >= 0 (0: full SVD; K > 0: randomized SVD with K "
+            f"subspace iterations, peft's 'pissa_niter_K')"
+        )
+
+
+VARIANT = Variant(
+    name="pissa",
+    init=init,
+    weight_form=weight_form,
+    activation_form=activation_form,
+    options={"use_rslora": False, "niter": 0},
+    default_alpha=8.0,
+    rank_axes={"lora_A": 0, "lora_B": 1},
+    check_options=check_options,
+    records_base=True,
+)

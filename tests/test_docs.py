@@ -1,0 +1,66 @@
+"""README and docs code blocks, the examples and the demo command all run."""
+
+from __future__ import annotations
+
+import re
+import runpy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+FENCE = re.compile(r"^```(\w+)\n(.*?)^```", re.S | re.M)
+
+
+def _blocks(path: Path, lang: str) -> list[str]:
+    return [body for tag, body in FENCE.findall(path.read_text()) if tag == lang]
+
+
+DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+PY_BLOCKS = [
+    pytest.param(block, id=f"{path.relative_to(ROOT)}#{i}")
+    for path in DOC_FILES
+    for i, block in enumerate(_blocks(path, "python"))
+    if not block.startswith("# illustrative")  # a fragment with undefined names, marked in the doc
+]
+
+
+def test_readme_has_exactly_two_setup_commands_and_ci_runs_the_test_one():
+    commands = _blocks(ROOT / "README.md", "bash")
+    assert len(commands) == 2, commands
+    demo, tests = (c.strip() for c in commands)
+    assert demo.endswith("lora-func demo") and "pytest" in tests
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert tests in ci.splitlines(), ".ci/run must call the README's test command verbatim"
+
+
+@pytest.mark.parametrize("block", PY_BLOCKS)
+def test_python_blocks_in_docs_run(block, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    exec(compile(block, "<doc block>", "exec"), {"__name__": "__doc_block__"})
+
+
+@pytest.mark.parametrize("script", sorted((ROOT / "examples").glob("*.py")), ids=lambda p: p.name)
+def test_examples_run(script, monkeypatch, tmp_path, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", [str(script)])
+    runpy.run_path(str(script), run_name="__main__")
+    assert capsys.readouterr().out.strip()
+
+
+def test_demo_learns_the_task_and_reloads_identically():
+    from lora_func.cli import run_demo
+
+    (row,) = run_demo(["lora"], r=4, steps=40, lr=1e-2, seed=0, out=None)
+    assert row["acc_before"] < 0.2 and row["acc_after"] > 0.8
+    assert row["reload_identical"]
+
+
+def test_cli_entry_point_rejects_unknown_variants():
+    result = subprocess.run(
+        [sys.executable, "-m", "lora_func.cli", "demo", "--variants", "lora,nope"],
+        capture_output=True, text=True, check=False,
+    )
+    assert result.returncode == 2 and "unknown variant(s) ['nope']" in result.stderr

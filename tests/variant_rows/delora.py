@@ -1,0 +1,29 @@
+import torch
+
+from tests.variant_table import Row
+
+
+def delora_w_eff(p, b, W, bias, info):
+    # variants.md §3: W + (lambda/r) · B diag(1/(a_i b_i)) A diag(w_norm), a_i/b_i clamped at 1e-4.
+    # w_norm is recomputed from W here (not read from the buffer), so a wrong buffer fails.
+    A, B, lam = p["delora_A"], p["delora_B"], p["delora_lambda"]
+    r = A.shape[0]
+    a = torch.clamp(torch.sqrt((A * A).sum(dim=1)), min=1e-4)
+    bn = torch.clamp(torch.sqrt((B * B).sum(dim=0)), min=1e-4)
+    w_norm = torch.sqrt((W * W).sum(dim=0))
+    return W + (lam / r) * B @ torch.diag(1.0 / (a * bn)) @ A @ torch.diag(w_norm), bias
+
+
+# GPT-2: the MLP input projection as well, since c_attn alone moves tiny-GPT-2 logits by ~1e-2,
+# too little to separate an adapter from bf16 round-off in the dtype test.
+TARGETS = {"llama": ["q_proj", "v_proj"], "qwen2": ["q_proj", "v_proj"], "gpt2": ["c_attn", "c_fc"]}
+
+ROWS = (
+    Row(
+        variant="delora",
+        w_eff=delora_w_eff,
+        step0_nonzero=frozenset({"delora_B"}),
+        spec_kwargs={"r": 4},
+        targets=TARGETS,
+    ),
+)
