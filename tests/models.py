@@ -23,10 +23,12 @@ def tiny_model(kind: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> 
     (SDPA has no vmap batching rule on CPU and warns)."""
     torch.manual_seed(seed)
     if kind == "llama":
+        # attention_bias: q/k/v/o carry a bias (a variant that mishandles the bias shows);
+        # the MLP has none (the bias-free path is exercised too).
         config = LlamaConfig(
             vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-            bos_token_id=1, eos_token_id=2, pad_token_id=0,
+            bos_token_id=1, eos_token_id=2, pad_token_id=0, attention_bias=True,
         )
         model = LlamaForCausalLM(config)
     elif kind == "qwen2":

@@ -55,7 +55,9 @@ def init(
             f"eva init expects the principal directions ({info.r}, {info.d_in}) from eva's calibrate, got {got}; "
             f"build EVA adapters with init_adapter(model, spec, calibration=batches)"
         )
-    lora_a = calibration.to(device=weight.device, dtype=dtype)
+    # contiguous: the SVD returns transposed views, and a strided A would make the adapter's
+    # matmuls differ in the last bit from the same adapter after save/load.
+    lora_a = calibration.to(device=weight.device, dtype=dtype).contiguous()
     lora_b = torch.zeros((info.d_out, info.r), dtype=dtype, device=weight.device)
     return {"lora_A": lora_a, "lora_B": lora_b}, {}
 
