@@ -117,18 +117,23 @@ def init_adapter(
             module = modules[target.module]
             bias = module.bias.detach() if target.bias_key is not None else None
             info = infos[target.module]
-            layer_params, layer_buffers = variant.init(
-                canonical_weight(module.weight.detach(), target.layout),
-                bias,
-                info,
-                dtype=spec.dtype,
-                generator=generator,
-                calibration=payloads[target.module],
-            )
+            try:
+                layer_params, layer_buffers = variant.init(
+                    canonical_weight(module.weight.detach(), target.layout),
+                    bias,
+                    info,
+                    dtype=spec.dtype,
+                    generator=generator,
+                    calibration=payloads[target.module],
+                )
+            except (TypeError, ValueError) as err:
+                raise type(err)(f"{spec.variant} cannot adapt {target.module}: {err}") from err
+            # Contiguous, so that a save/load round trip (which writes contiguous copies)
+            # reproduces the exact same kernels and bits.
             for name, tensor in layer_params.items():
-                params[f"{target.module}.{name}"] = tensor.detach().requires_grad_(True)
+                params[f"{target.module}.{name}"] = tensor.detach().contiguous().requires_grad_(True)
             for name, tensor in layer_buffers.items():
-                buffers[f"{target.module}.{name}"] = tensor.detach()
+                buffers[f"{target.module}.{name}"] = tensor.detach().contiguous()
             layers.append(
                 AdapterLayer(
                     target=target,

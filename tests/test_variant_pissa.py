@@ -199,11 +199,6 @@ def test_non_float_base_is_refused_clearly():
     assert_unchanged(model, snap)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a variant's init does not know its layer's name: needs core.init_adapter to prefix init errors "
-    "with the module name (change proposed to the core owner)",
-)
 def test_non_float_base_error_names_the_layer():
     with pytest.raises(TypeError, match=r"model\.layers\.1\.self_attn\.q_proj"):
         lf.init_adapter(_int8_llama(), lf.AdapterSpec("pissa", targets=["q_proj"], r=4))

@@ -13,15 +13,16 @@ def ia3_ff_w_eff(p, b, W, bias, info):
 
 
 ROWS = (
-    # q/v (Llama, no bias) and c_attn/c_fc (GPT-2 Conv1D, with bias: b_eff = g ⊙ b).
-    # GPT-2 adds c_fc and perturbations are larger (g = 1 ± 0.5): c_attn alone at g = 1 ± 0.1 moves
-    # tiny-GPT-2 logits by ~2e-3, no more than bf16 round-off in the dtype test.
+    # v_proj (with bias: b_eff = g ⊙ b) and up_proj (no bias) on Llama/Qwen2; c_attn and c_fc
+    # (GPT-2 Conv1D, with bias). Not q/k: tiny-model attention scores are ~0, so scaling q/k of the
+    # last layer moves the logits by < 1e-5. Perturbations are larger (g = 1 ± 0.5): on GPT-2,
+    # c_attn alone at g = 1 ± 0.1 moves the logits by ~2e-3, no more than bf16 round-off.
     Row(
         variant="ia3",
         w_eff=ia3_w_eff,
         step0_nonzero=frozenset({"ia3_l"}),
         perturb_scale=0.5,
-        targets={"llama": ["q_proj", "v_proj"], "qwen2": ["q_proj", "v_proj"], "gpt2": ["c_attn", "c_fc"]},
+        targets={"llama": ["v_proj", "up_proj"], "qwen2": ["v_proj", "up_proj"], "gpt2": ["c_attn", "c_fc"]},
     ),
     # input scaling belongs on layers whose input is an MLP/attention intermediate.
     Row(
