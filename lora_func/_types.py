@@ -25,7 +25,9 @@ __all__ = [
     "Variant",
     "WeightFn",
     "kaiming_uniform",
+    "lora_activation_form",
     "lora_scale",
+    "lora_weight_form",
 ]
 
 TensorDict = dict[str, Tensor]
@@ -153,3 +155,22 @@ def lora_scale(info: LayerInfo) -> float:
     if dict(info.options).get("use_rslora", False):
         return info.alpha / math.sqrt(info.r)
     return info.alpha / info.r
+
+
+def lora_weight_form(
+    params: TensorDict, buffers: TensorDict, weight: Tensor, bias: Tensor | None, info: LayerInfo
+) -> tuple[Tensor, Tensor | None]:
+    """LoRA's weight form, shared by every variant that ends up a plain LoRA (lora, eva):
+    ``W_eff = W + s·B A`` with ``lora_A (r, d_in)``, ``lora_B (d_out, r)``; bias unchanged."""
+    return weight + lora_scale(info) * (params["lora_B"] @ params["lora_A"]), bias
+
+
+def lora_activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: BaseLayer, info: LayerInfo) -> Tensor:
+    """LoRA's activation form: ``base(x) + s·(x Aᵀ) Bᵀ``, ``x (..., d_in) -> (..., d_out)``.
+
+    peft's order: the low-rank path runs in the adapter dtype, is scaled last, and is cast back
+    to the base output dtype before the sum."""
+    y = base(x)
+    lora_a, lora_b = params["lora_A"], params["lora_B"]
+    delta = (x.to(lora_a.dtype) @ lora_a.T) @ lora_b.T * lora_scale(info)
+    return y + delta.to(y.dtype)

@@ -7,6 +7,11 @@ from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 VOCAB = 61  # prime and small: logits differ per token, embeddings stay tiny
+# Weight std. The transformers default (0.02) is tuned for hidden sizes in the thousands; at
+# hidden size 32 it leaves attention scores ~0 (softmax ~uniform), so adapters on q_proj/k_proj
+# would move the logits by ~1e-6 and a bug there could hide. 0.2 gives attention-score std ~0.2
+# and logits std ~1.
+INIT_RANGE = 0.2
 
 # Default targets per model: q/v (nn.Linear) for Llama-family, c_attn (Conv1D) for GPT-2.
 DEFAULT_TARGETS = {
@@ -29,19 +34,21 @@ def tiny_model(kind: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> 
             vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
             bos_token_id=1, eos_token_id=2, pad_token_id=0, attention_bias=True,
+            initializer_range=INIT_RANGE,
         )
         model = LlamaForCausalLM(config)
     elif kind == "qwen2":
         config = Qwen2Config(
             vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-            bos_token_id=1, eos_token_id=2, pad_token_id=0,
+            bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=INIT_RANGE,
         )
         model = Qwen2ForCausalLM(config)
     elif kind == "gpt2":
         config = GPT2Config(
             vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
             bos_token_id=1, eos_token_id=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+            initializer_range=INIT_RANGE,
         )
         model = GPT2LMHeadModel(config)
     else:

@@ -51,10 +51,10 @@ def test_identity_at_init(row, kind):
     base = lf.base_params(model)
     for name, make in OVERLAYS.items():
         out = logits(model, make(base, adapter), ids)
-        if row.identity_atol == 0.0:
+        if row.identity_rtol == 0.0:
             assert torch.equal(out, reference), name
         else:
-            assert (out - reference).abs().max() <= row.identity_atol, name
+            assert (out - reference).abs().max() <= row.identity_rtol * reference.abs().max(), name
 
 
 @pytest.mark.parametrize(("row", "kind"), CASES)
@@ -73,7 +73,10 @@ def test_step0_gradient_pattern_per_tensor(row, kind):
                 assert g.abs().max() > 0, f"{key} gets no gradient at step 0"
             else:
                 assert torch.count_nonzero(g) == 0, f"{key} should get exactly zero gradient at step 0"
-            torch.testing.assert_close(grads["merged"][key], g, atol=1e-6, rtol=1e-4, msg=key)
+            # atol relative to the tensor's largest gradient once that exceeds 1 (DeLoRA's
+            # step-0 B gradient is ~1e4: the 1e4 per-rank factor of its norm clamp).
+            atol = 1e-6 * max(1.0, float(g.detach().abs().max()))
+            torch.testing.assert_close(grads["merged"][key], g, atol=atol, rtol=1e-4, msg=key)
 
 
 @pytest.mark.parametrize(("row", "kind"), CASES)

@@ -221,7 +221,10 @@ def test_vmap_over_alpha_equals_three_calls(kind):
         for i in range(3):
             torch.testing.assert_close(batched[i], singles[i], atol=1e-5, rtol=0)
         assert (batched[0] - batched[2]).abs().max() > 1e-2, "+alpha and -alpha must steer differently"
-        torch.testing.assert_close(batched[1], model(ids).logits, atol=1e-6, rtol=0)
+        # alpha = 0 is the base exactly outside vmap (test above); under vmap the base matmuls
+        # are batched and round differently: measured 1.5e-6 = 3.7e-7 · max |logit| (~4).
+        reference = model(ids).logits.detach()
+        torch.testing.assert_close(batched[1], reference, atol=2e-6 * float(reference.abs().max()), rtol=0)
     # Near the init (first order), ±alpha move the output in opposite directions around the base.
     near = vmap(lambda a: logits(model, lf.overlay(base, steered(init, a)), ids))(alphas)
     d_plus, d_minus = (near[2] - near[1]).flatten(), (near[0] - near[1]).flatten()
@@ -319,7 +322,10 @@ def test_half_precision_adapter_dtype_on_half_base(half):
     outs = [logits(model, make(base, adapter), ids) for make in (lf.overlay, lf.merge_overlay)]
     for out in outs:
         assert out.dtype == half and torch.isfinite(out).all()
-    assert (outs[0].float() - outs[1].float()).abs().max() < 0.05
+    # lazy vs merged differ by half-precision round-off only: measured 0.018 (bf16) / 0.0024
+    # (fp16) of the adapter's effect (max |Δlogit| to the base, ~5.3).
+    effect = (outs[0].float() - model(ids).logits.float()).abs().max()
+    assert (outs[0].float() - outs[1].float()).abs().max() < 0.05 * effect
     g = grad(loss_fn(model, base, adapter, ids))(adapter.params)
     assert all(v.dtype == half and torch.isfinite(v).all() and v.abs().max() > 0 for v in g.values())
     assert torch.equal(logits(model, lf.overlay(base, steered(adapter, 0.0)), ids), model(ids).logits)

@@ -183,8 +183,9 @@ def make_peft(kind: str, seed: int = 0):
     return peft_model.eval(), lf_model
 
 
-def compare_with_peft(peft_model, lf_model, adapter, *, rtol: float = 0.0, modes=(False, True)):
-    """peft's trainable tensors into ``adapter``; logits (lazy, merged) and every gradient per tensor."""
+def compare_with_peft(peft_model, lf_model, adapter, *, grad_rel: float | None = None, modes=(False, True)):
+    """peft's trainable tensors into ``adapter``; logits (lazy, merged) and every gradient per tensor
+    (atol 1e-5, or ``grad_rel`` times the tensor's largest peft gradient)."""
     params = {peft_key_to_lf(n): p.detach().clone().requires_grad_(True) for n, p in peft_model.named_parameters() if p.requires_grad}
     assert sorted(params) == sorted(adapter.params), "peft and lora_func adapt different tensors"
     adapter = adapter.with_params(params)
@@ -199,7 +200,8 @@ def compare_with_peft(peft_model, lf_model, adapter, *, rtol: float = 0.0, modes
         torch.testing.assert_close(out, peft_out.detach(), atol=1e-5, rtol=0, msg=f"logits merged={merged}")
         grads = grad(loss_fn(lf_model, base, adapter, ids, merged=merged))(adapter.params)
         for key, g in grads.items():
-            torch.testing.assert_close(g, peft_grads[key], atol=1e-5, rtol=rtol, msg=f"grad {key} merged={merged}")
+            atol = 1e-5 if grad_rel is None else grad_rel * float(peft_grads[key].abs().max())
+            torch.testing.assert_close(g, peft_grads[key], atol=atol, rtol=0, msg=f"grad {key} merged={merged}")
     return peft_out, peft_grads
 
 
@@ -217,8 +219,10 @@ def test_matches_peft(kind):
             torch.testing.assert_close(adapter.params[peft_key_to_lf(name)], p.detach(), atol=0, rtol=0, msg=name)
 
     # Step 0 (peft's own init, B = 0): only B gets a gradient, and it is large (the clamp makes the
-    # per-rank factor ~1e4); lora_func equals peft relative to that size.
-    _, step0 = compare_with_peft(peft_model, lf_model, adapter, rtol=1e-4, modes=(False,))
+    # per-rank factor ~1e4: max |grad| ~1e4 here); lora_func equals peft relative to that size:
+    # measured max |Δgrad| <= 5.2e-7 · max |grad| per tensor (fp32 summation order). The
+    # zero gradients of A and lambda are compared with atol 0.
+    _, step0 = compare_with_peft(peft_model, lf_model, adapter, grad_rel=2e-6, modes=(False,))
     for key, g in step0.items():
         if key.endswith("delora_B"):
             assert g.abs().max() > 0, key

@@ -16,7 +16,7 @@ from lora_func._types import LayerInfo
 from lora_func.variants.dora import VARIANT
 from lora_func.targeting import canonical_weight
 from tests.models import tiny_model, tokens
-from tests.test_peft_oracle_lora import ALPHA, KINDS, PEFT_TARGETS, R, assert_matches_peft, make_peft, perturb_peft
+from tests.test_peft_oracle_lora import ALPHA, PEFT_TARGETS, R, assert_matches_peft, make_peft, perturb_peft
 
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
@@ -104,7 +104,7 @@ def test_matches_peft_use_dora_after_perturbation(kind, use_rslora):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_exact_identity_at_init_on_a_half_precision_base(dtype):
     """m and n come from the same fp32 computation, so k = 1 exactly: both overlays give the
-    base logits bit for bit (peft, computing m in bf16, is only close to ~4e-3)."""
+    base logits bit for bit (peft, computing m in bf16, is only close to ~4e-2)."""
     model = tiny_model("gpt2", dtype=dtype)
     adapter = lf.init_adapter(model, lf.AdapterSpec("dora", targets=["c_attn", "c_fc"], r=R))
     ids = tokens()

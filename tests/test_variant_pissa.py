@@ -48,8 +48,11 @@ def test_init_against_float64_svd(kind, rslora):
         a, b = adapter.params[f"{module}.lora_A"].double(), adapter.params[f"{module}.lora_B"].double()
         w_res = adapter.buffers[f"{module}.W_res"]
         assert w_res.dtype == torch.float32 and w_res.shape == w.shape, module
-        torch.testing.assert_close(s * b @ a, top, atol=1e-6, rtol=0, msg=module)
-        torch.testing.assert_close(w_res.double(), w64 - top, atol=1e-6, rtol=0, msg=module)
+        # fp32 SVD round-off, ~eps / (relative singular gap ~2e-2): measured <= 7.1e-6 · max |W|;
+        # a missing or wrong component (the 3rd, or the 3rd swapped with the 4th) is >= 0.3 · max |W|.
+        atol = 2e-5 * w.abs().max()
+        torch.testing.assert_close(s * b @ a, top, atol=atol, rtol=0, msg=module)
+        torch.testing.assert_close(w_res.double(), w64 - top, atol=atol, rtol=0, msg=module)
         torch.testing.assert_close(a @ a.T, torch.diag(sv[:r] / s), atol=1e-6, rtol=1e-5, msg=module)
         torch.testing.assert_close(b.T @ b, torch.diag(sv[:r] / s), atol=1e-6, rtol=1e-5, msg=module)
         torch.testing.assert_close(other_alpha.buffers[f"{module}.W_res"], w_res, atol=1e-6, rtol=0, msg=module)
@@ -154,7 +157,7 @@ def test_niter_reconstruction_quality_matches_peft(kind):
 
 def test_residual_is_kept_in_fp32_so_a_bf16_merge_is_exactly_the_base():
     """On a bf16 base, W_res stays fp32: W_res + s·B A rounds back to the bf16 W exactly
-    (peft's bf16 residual is only identity to ~4e-3 on logits)."""
+    (peft's bf16 residual is only identity to ~7e-2 on logits of max |logit| ~4)."""
     model = tiny_model("llama", dtype=torch.bfloat16)
     adapter = lf.init_adapter(model, lf.AdapterSpec("pissa", targets=["q_proj", "v_proj"], r=4, alpha=6.0))
     base = lf.base_params(model)
@@ -167,7 +170,10 @@ def test_residual_is_kept_in_fp32_so_a_bf16_merge_is_exactly_the_base():
     reference = model(ids).logits
     assert torch.equal(lf.adapted_call(model, adapter, ids, merged=True).logits, reference)
     lazy = lf.adapted_call(model, adapter, ids).logits
-    assert lazy.dtype == torch.bfloat16 and (lazy.float() - reference.float()).abs().max() < 0.1
+    # the lazy form rounds x W_resᵀ and s (x Aᵀ) Bᵀ to bf16 separately: measured 0.019 · max |logit|;
+    # dropping or double-counting the top-r part moves the logits by O(max |logit|).
+    scale = reference.float().abs().max()
+    assert lazy.dtype == torch.bfloat16 and (lazy.float() - reference.float()).abs().max() < 0.05 * scale
 
 
 def test_reload_onto_a_different_base_is_refused(tmp_path):

@@ -28,7 +28,8 @@ class Row:
       step0_nonzero: short names of trainable tensors whose step-0 gradient is non-zero in every
         layer; every other trainable tensor's gradient must be exactly zero.
       spec_kwargs: extra ``AdapterSpec`` arguments (r, alpha, options).
-      identity_atol: max |logit difference| to the base at init (0.0 = exact).
+      identity_rtol: max |logit difference| to the base at init, relative to max |base logit|
+        (0.0 = bit-exact).
       perturb_scale: std of the random perturbation added to every trainable tensor.
       targets: per tiny-model kind, the targets to use (default tests/models.DEFAULT_TARGETS).
       calibration: whether ``init_adapter`` needs calibration batches.
@@ -39,7 +40,7 @@ class Row:
     w_eff: Oracle
     step0_nonzero: frozenset[str]
     spec_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
-    identity_atol: float = 0.0
+    identity_rtol: float = 0.0
     perturb_scale: float = 0.1
     targets: dict[str, list[str]] | None = None
     calibration: bool = False

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lora_func._types import BaseLayer, LayerInfo, TensorDict, Variant, lora_scale
+from lora_func._types import LayerInfo, TensorDict, Variant, lora_activation_form, lora_weight_form
 
 SVD_METHODS = ("lowrank", "full")
 LOWRANK_NITER = 4  # peft IncrementalPCA(lowrank=True) default: lowrank_q = 2·n_components, niter = 4
@@ -60,19 +60,6 @@ def init(
     lora_a = calibration.to(device=weight.device, dtype=dtype).contiguous()
     lora_b = torch.zeros((info.d_out, info.r), dtype=dtype, device=weight.device)
     return {"lora_A": lora_a, "lora_B": lora_b}, {}
-
-
-def weight_form(
-    params: TensorDict, buffers: TensorDict, weight: Tensor, bias: Tensor | None, info: LayerInfo
-) -> tuple[Tensor, Tensor | None]:
-    return weight + lora_scale(info) * (params["lora_B"] @ params["lora_A"]), bias
-
-
-def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: BaseLayer, info: LayerInfo) -> Tensor:
-    y = base(x)
-    lora_a, lora_b = params["lora_A"], params["lora_B"]
-    delta = (x.to(lora_a.dtype) @ lora_a.T) @ lora_b.T * lora_scale(info)
-    return y + delta.to(y.dtype)
 
 
 # ------------------------------------------------------------------- incremental PCA (peft)
@@ -317,8 +304,8 @@ def check_options(options: Mapping[str, Any]) -> None:
 VARIANT = Variant(
     name="eva",
     init=init,
-    weight_form=weight_form,
-    activation_form=activation_form,
+    weight_form=lora_weight_form,
+    activation_form=lora_activation_form,
     options={
         "rho": 2.0,
         "tau": 0.99,

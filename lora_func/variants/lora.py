@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lora_func._types import BaseLayer, LayerInfo, TensorDict, Variant, kaiming_uniform, lora_scale
+from lora_func._types import LayerInfo, TensorDict, Variant, kaiming_uniform, lora_activation_form, lora_weight_form
 
 INITS = ("kaiming", "gaussian")
 
@@ -39,21 +39,6 @@ def init(
     return params, {}
 
 
-def weight_form(
-    params: TensorDict, buffers: TensorDict, weight: Tensor, bias: Tensor | None, info: LayerInfo
-) -> tuple[Tensor, Tensor | None]:
-    return weight + lora_scale(info) * (params["lora_B"] @ params["lora_A"]), bias
-
-
-def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: BaseLayer, info: LayerInfo) -> Tensor:
-    y = base(x)
-    lora_a, lora_b = params["lora_A"], params["lora_B"]
-    # peft's order: the low-rank path runs in the adapter dtype, is scaled last, and is cast
-    # back to the base output dtype before the sum.
-    delta = (x.to(lora_a.dtype) @ lora_a.T) @ lora_b.T * lora_scale(info)
-    return y + delta.to(y.dtype)
-
-
 def check_options(options: Mapping[str, Any]) -> None:
     if options["init"] not in INITS:
         raise ValueError(f"lora option init={options['init']!r} is not one of {list(INITS)}")
@@ -62,8 +47,8 @@ def check_options(options: Mapping[str, Any]) -> None:
 VARIANT = Variant(
     name="lora",
     init=init,
-    weight_form=weight_form,
-    activation_form=activation_form,
+    weight_form=lora_weight_form,
+    activation_form=lora_activation_form,
     options={"use_rslora": False, "init": "kaiming"},
     default_alpha=8.0,
     rank_axes={"lora_A": 0, "lora_B": 1},

@@ -38,10 +38,13 @@ ROWS = (
         step0_nonzero=frozenset({"delta_s", "P", "P_u"}),
         # Non-default steer and angle, so that a form that ignores them fails; rotate_u covers P_u.
         spec_kwargs={"r": 6, "rotate_u": True, "steer": -1.3, "max_rotation_angle": 2.0},
-        # The authors' init is random (not identity); measured max |logit - base| at init is
-        # ~1.7e-3 (Llama) / ~2e-4 (GPT-2); alpha = 0 and delta_s = P = 0 are checked exactly in
+        # The authors' init is random (not identity): delta_s ~ 4e-4, P ~ 3e-3 rotate the top-6
+        # directions by ~1e-2 rad, which here moves the logits by (max |Δlogit| / max |base
+        # logit|) 0.063 (Llama) / 0.034 (GPT-2); over seeds 0-4 up to 0.094. A gross init error
+        # is far above 0.12: dropping the top-6 part moves them by 1.17 / 0.87, doubling it by
+        # 0.70 / 0.58. alpha = 0 and delta_s = P = 0 are checked exactly in
         # tests/test_variant_antipasto.py.
-        identity_atol=5e-3,
+        identity_rtol=0.12,
         perturb_scale=1.0,  # the tanh clamp is well into its non-linear range; the GPT-2 effect clears bf16 noise
     ),
 )

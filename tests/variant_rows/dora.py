@@ -16,6 +16,6 @@ ROWS = (
         w_eff=dora_w_eff,
         step0_nonzero=frozenset({"lora_B", "lora_magnitude_vector"}),
         spec_kwargs={"r": 4, "alpha": 6.0},
-        identity_atol=0.0,  # m / n == 1 exactly at init: same norm computation at init and in the forms
+        identity_rtol=0.0,  # m / n == 1 exactly at init: same norm computation at init and in the forms
     ),
 )

@@ -18,13 +18,13 @@ def hra_w_eff(p, b, W, bias, info):
     return W @ householder_product(p["hra_u"]), bias
 
 
-# Llama/Qwen2: v/o, not q: in the tiny models attention scores are ~0, so q_proj/k_proj of the
-# last layer move the logits by < 1e-5 and "each tensor alone changes the output" cannot see them.
-# GPT-2: the MLP input projection as well, since c_attn alone moves tiny-GPT-2 logits by ~1e-2,
-# too little to separate an adapter from bf16 round-off in the dtype test.
-TARGETS = {"llama": ["v_proj", "o_proj"], "qwen2": ["v_proj", "o_proj"], "gpt2": ["c_attn", "c_fc"]}
+# Llama/Qwen2: q/v (with bias) and down_proj (no bias, d_in > d_out), as in the peft oracle
+# test; GPT-2: c_attn and the MLP input projection c_fc.
+TARGETS = {"llama": ["q_proj", "v_proj", "down_proj"], "qwen2": ["q_proj", "v_proj", "down_proj"], "gpt2": ["c_attn", "c_fc"]}
 
 ROWS = (
-    # paired reflections cancel only up to fp32 round-off (x − 2(x·û)û applied twice).
-    Row(variant="hra", w_eff=hra_w_eff, step0_nonzero=frozenset({"hra_u"}), spec_kwargs={"r": 4}, identity_atol=1e-5, perturb_scale=0.5, targets=TARGETS),
+    # paired reflections cancel only up to fp32 round-off (x − 2(x·û)û applied twice): measured
+    # max |Δlogit| / max |base logit| <= 9.5e-7 over seeds 0-4, both layer kinds and overlays
+    # (~4e-6 absolute); an unpaired reflection moves the logits by O(1).
+    Row(variant="hra", w_eff=hra_w_eff, step0_nonzero=frozenset({"hra_u"}), spec_kwargs={"r": 4}, identity_rtol=4e-6, perturb_scale=0.5, targets=TARGETS),
 )

@@ -13,23 +13,24 @@ def ia3_ff_w_eff(p, b, W, bias, info):
 
 
 ROWS = (
-    # v_proj (with bias: b_eff = g ⊙ b) and up_proj (no bias) on Llama/Qwen2; c_attn and c_fc
-    # (GPT-2 Conv1D, with bias). Not q/k: tiny-model attention scores are ~0, so scaling q/k of the
-    # last layer moves the logits by < 1e-5. Perturbations are larger (g = 1 ± 0.5): on GPT-2,
-    # c_attn alone at g = 1 ± 0.1 moves the logits by ~2e-3, no more than bf16 round-off.
+    # q_proj, v_proj (with bias: b_eff = g ⊙ b) and up_proj (no bias) on Llama/Qwen2; c_attn
+    # and c_fc (GPT-2 Conv1D, with bias). Perturbations are larger (g = 1 ± 0.5), so that each
+    # gate moves the output well above bf16 round-off.
     Row(
         variant="ia3",
         w_eff=ia3_w_eff,
         step0_nonzero=frozenset({"ia3_l"}),
         perturb_scale=0.5,
-        targets={"llama": ["v_proj", "up_proj"], "qwen2": ["v_proj", "up_proj"], "gpt2": ["c_attn", "c_fc"]},
+        targets={"llama": ["q_proj", "v_proj", "up_proj"], "qwen2": ["q_proj", "v_proj", "up_proj"], "gpt2": ["c_attn", "c_fc"]},
     ),
-    # input scaling belongs on layers whose input is an MLP/attention intermediate.
+    # input scaling usually goes on layers whose input is an MLP/attention intermediate
+    # (down_proj, o_proj / c_proj); q_proj too on Llama/Qwen2 (a biased layer whose output feeds
+    # the attention scores; the bias must stay unscaled).
     Row(
         variant="ia3_ff",
         w_eff=ia3_ff_w_eff,
         step0_nonzero=frozenset({"ia3_l"}),
         perturb_scale=0.5,
-        targets={"llama": ["down_proj", "o_proj"], "qwen2": ["down_proj", "o_proj"], "gpt2": ["mlp.c_proj", "attn.c_proj"]},
+        targets={"llama": ["q_proj", "o_proj", "down_proj"], "qwen2": ["q_proj", "o_proj", "down_proj"], "gpt2": ["mlp.c_proj", "attn.c_proj"]},
     ),
 )
