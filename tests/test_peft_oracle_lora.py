@@ -8,7 +8,6 @@ in this file on purpose (lora_func.io's peft module is separate work).
 
 from __future__ import annotations
 
-import re
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
@@ -17,6 +16,8 @@ from torch.func import grad
 import lora_func as lf
 from tests.contract_helpers import loss_fn
 from tests.models import tiny_model, tokens
+from tests import peft_helpers
+from tests.peft_helpers import ce_loss
 
 KINDS = ("llama", "qwen2", "gpt2")
 # Layers with d_in != d_out on every model (v_proj 32->16, down_proj 48->32, c_attn 32->96,
@@ -28,14 +29,11 @@ PEFT_TARGETS = {
 }
 R, ALPHA = 4, 6.0  # s = 1.5 (alpha/r) or 3.0 (alpha/sqrt(r)): a wrong scale is visible
 ATOL = 1e-5
-_PEFT_KEY = re.compile(r"^base_model\.model\.(.+)\.(lora_A|lora_B|lora_magnitude_vector)\.default(?:\.weight)?$")
+
 
 
 def peft_key_to_lf(name: str) -> str:
-    """``base_model.model.<module>.lora_A.default.weight`` -> ``<module>.lora_A``."""
-    match = _PEFT_KEY.match(name)
-    assert match, f"unexpected peft parameter {name}"
-    return f"{match[1]}.{match[2]}"
+    return peft_helpers.peft_key_to_lf(name, ('lora_A', 'lora_B', 'lora_magnitude_vector'))
 
 
 def make_peft(kind: str, seed: int = 0, **config):
@@ -73,9 +71,6 @@ def peft_params_as_lf(peft_model) -> dict[str, torch.Tensor]:
         if p.requires_grad
     }
 
-
-def ce_loss(out: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.cross_entropy(out[..., :-1, :].reshape(-1, out.shape[-1]), ids[..., 1:].reshape(-1))
 
 
 def assert_matches_peft(peft_model, lf_model, adapter: lf.Adapter, *, atol: float = ATOL) -> None:

@@ -7,7 +7,6 @@ random perturbation. peft refuses GPT-2 Conv1D; lora_func supports it (contract 
 from __future__ import annotations
 
 import math
-import re
 
 import pytest
 import torch
@@ -20,35 +19,14 @@ from lora_func.targeting import canonical_weight
 from lora_func.variants.delora import VARIANT
 from tests.contract_helpers import loss_fn
 from tests.models import tiny_model, tokens
+from tests import peft_helpers
+from tests.peft_helpers import NoWeightBase, ce_loss
 
 R = 4
 PEFT_TARGETS = {"llama": ["q_proj", "v_proj", "down_proj"], "qwen2": ["q_proj", "v_proj", "down_proj"]}
-_PEFT_KEY = re.compile(r"^base_model\.model\.(.+)\.(delora_A|delora_B|delora_lambda|delora_w_norm)\.default$")
 
 
-def peft_key_to_lf(name: str) -> str:
-    """``base_model.model.<module>.delora_A.default`` -> ``<module>.delora_A``."""
-    match = _PEFT_KEY.match(name)
-    assert match, f"unexpected peft tensor {name}"
-    return f"{match[1]}.{match[2]}"
 
-
-def ce_loss(out: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.cross_entropy(out[..., :-1, :].reshape(-1, out.shape[-1]), ids[..., 1:].reshape(-1))
-
-
-class NoWeightBase:
-    """A BaseLayer whose dense weight must not be read (the activation form is low-rank)."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        self._w, self.bias = weight, bias
-
-    @property
-    def weight(self) -> torch.Tensor:
-        raise AssertionError("the activation form read the dense base weight")
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(x, self._w, self.bias)
 
 
 # --------------------------------------------------------------------------------------------- init
@@ -80,6 +58,10 @@ def test_init(kind, targets, lambda0):
         w_norm = adapter.buffers[f"{t.module}.{buffer_name}"]
         assert buffer_name == "delora_w_norm" and w_norm.shape == (t.d_in,) and w_norm.dtype == torch.float32
         torch.testing.assert_close(w_norm.double(), w.norm(dim=0), atol=1e-7, rtol=1e-6, msg=t.module)
+
+
+def peft_key_to_lf(name: str) -> str:
+    return peft_helpers.peft_key_to_lf(name, ('delora_A', 'delora_B', 'delora_lambda', 'delora_w_norm'))
 
 
 def test_lambda0_is_validated():

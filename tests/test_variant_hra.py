@@ -7,7 +7,6 @@ HF peft (HRAConfig) on tiny Llama and Qwen2. peft refuses GPT-2 Conv1D; lora_fun
 from __future__ import annotations
 
 import math
-import re
 import warnings
 
 import pytest
@@ -20,20 +19,16 @@ from lora_func._types import LayerInfo
 from lora_func.variants.hra import VARIANT
 from tests.contract_helpers import loss_fn
 from tests.models import tiny_model, tokens
+from tests import peft_helpers
+from tests.peft_helpers import NoWeightBase, ce_loss
 
 PEFT_TARGETS = {"llama": ["q_proj", "v_proj", "down_proj"], "qwen2": ["q_proj", "v_proj", "down_proj"]}
-_PEFT_KEY = re.compile(r"^base_model\.model\.(.+)\.hra_u\.default$")
+
+
 
 
 def peft_key_to_lf(name: str) -> str:
-    """``base_model.model.<module>.hra_u.default`` -> ``<module>.hra_u``."""
-    match = _PEFT_KEY.match(name)
-    assert match, f"unexpected peft tensor {name}"
-    return f"{match[1]}.hra_u"
-
-
-def ce_loss(out: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.cross_entropy(out[..., :-1, :].reshape(-1, out.shape[-1]), ids[..., 1:].reshape(-1))
+    return peft_helpers.peft_key_to_lf(name, ('hra_u',))
 
 
 def householder_product(u: torch.Tensor) -> torch.Tensor:
@@ -50,19 +45,6 @@ def householder_product(u: torch.Tensor) -> torch.Tensor:
 def info_for(d_in: int, d_out: int, r: int, init: str = "paired") -> LayerInfo:
     return LayerInfo(d_in=d_in, d_out=d_out, r=r, alpha=8.0, has_bias=True, options=(("init", init),))
 
-
-class NoWeightBase:
-    """A BaseLayer whose dense weight must not be read."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        self._w, self.bias = weight, bias
-
-    @property
-    def weight(self) -> torch.Tensor:
-        raise AssertionError("the activation form read the dense base weight")
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(x, self._w, self.bias)
 
 
 # --------------------------------------------------------------------------------------------- init

@@ -6,7 +6,6 @@ adapter on the non-feed-forward targets plus an ``ia3_ff`` adapter on the feed-f
 
 from __future__ import annotations
 
-import re
 
 import pytest
 import torch
@@ -17,6 +16,8 @@ import lora_func as lf
 from lora_func._types import LayerInfo
 from lora_func.variants.ia3 import IA3, IA3_FF
 from tests.models import tiny_model, tokens
+from tests import peft_helpers
+from tests.peft_helpers import NoWeightBase, ce_loss
 
 # peft's default IA3 targets (variants.md §4); the feed-forward ones scale the input.
 PEFT_TARGETS = {
@@ -24,32 +25,9 @@ PEFT_TARGETS = {
     "qwen2": (["k_proj", "v_proj"], ["down_proj"]),  # Qwen2's k/v carry a bias: b_eff = g ⊙ b
     "gpt2": (["c_attn"], ["mlp.c_proj"]),
 }
-_PEFT_KEY = re.compile(r"^base_model\.model\.(.+)\.ia3_l\.default$")
 
 
-def peft_key_to_lf(name: str) -> str:
-    """``base_model.model.<module>.ia3_l.default`` -> ``<module>.ia3_l``."""
-    match = _PEFT_KEY.match(name)
-    assert match, f"unexpected peft tensor {name}"
-    return f"{match[1]}.ia3_l"
 
-
-def ce_loss(out: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.cross_entropy(out[..., :-1, :].reshape(-1, out.shape[-1]), ids[..., 1:].reshape(-1))
-
-
-class NoWeightBase:
-    """A BaseLayer whose dense weight must not be read."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        self._w, self.bias = weight, bias
-
-    @property
-    def weight(self) -> torch.Tensor:
-        raise AssertionError("the activation form read the dense base weight")
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(x, self._w, self.bias)
 
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
@@ -103,6 +81,10 @@ def test_one_layer_forms_and_gradient_equal_a_float64_oracle(variant):
     # the bias really is (not) scaled: g ≠ 1 changes b_eff exactly as the math says
     _, b_eff = var.weight_form({"ia3_l": g0}, {}, w, bias, info)
     torch.testing.assert_close(b_eff, bias * g0 if variant == "ia3" else bias, atol=0, rtol=0)
+
+
+def peft_key_to_lf(name: str) -> str:
+    return peft_helpers.peft_key_to_lf(name, ('ia3_l',))
 
 
 def test_merged_overlay_replaces_the_bias_only_for_ia3():
