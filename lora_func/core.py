@@ -88,8 +88,17 @@ def init_adapter(
             raise ValueError(
                 f"r={spec.r} exceeds min(d_in, d_out) of target(s) {sorted(too_big)}; lower r or leave them out"
             )
-    generator = _default_generator() if generator is None else generator
     modules = dict(model.named_modules())
+    # Checked once here for every variant: no adapter math is defined on a quantized weight.
+    non_float = sorted(
+        f"{t.weight_key} is {modules[t.module].weight.dtype}" for t in targets if not modules[t.module].weight.is_floating_point()
+    )
+    if non_float:
+        raise TypeError(
+            f"{spec.variant} needs a floating-point base weight, but {', '.join(non_float)}; dequantize the "
+            f"layer to float32/bfloat16/float16 first, or leave it out of the targets"
+        )
+    generator = _default_generator() if generator is None else generator
     infos = {
         t.module: LayerInfo(
             d_in=t.d_in, d_out=t.d_out, r=spec.r, alpha=spec.alpha, has_bias=t.bias_key is not None, options=spec.options

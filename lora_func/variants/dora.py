@@ -40,11 +40,6 @@ def init(
     generator: torch.Generator,
     calibration: Any = None,
 ) -> tuple[TensorDict, TensorDict]:
-    if not weight.is_floating_point():
-        raise TypeError(
-            f"dora needs a floating-point base weight for its row norms, but this target's weight "
-            f"(d_out={info.d_out}, d_in={info.d_in}) is {weight.dtype}; dequantize the layer first"
-        )
     r, d_in, d_out = info.r, info.d_in, info.d_out
     lora_a = kaiming_uniform((r, d_in), a=math.sqrt(5), generator=generator).to(weight.device, dtype)
     lora_b = torch.zeros((d_out, r), dtype=dtype, device=weight.device)

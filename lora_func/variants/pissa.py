@@ -64,12 +64,6 @@ def init(
     generator: torch.Generator,
     calibration: Any = None,
 ) -> tuple[TensorDict, TensorDict]:
-    if not weight.is_floating_point():
-        raise TypeError(
-            f"pissa needs a floating-point base weight to take its SVD, but this target's weight "
-            f"(d_out={info.d_out}, d_in={info.d_in}) is {weight.dtype}; dequantize the layer to "
-            f"float32/bfloat16/float16 first, or leave it out of the targets"
-        )
     r, s, niter = info.r, lora_scale(info), info.option("niter")
     # fp32 at least (fp64 bases keep fp64): the SVD and the residual never run in half precision.
     w = weight.to(torch.promote_types(weight.dtype, torch.float32))
