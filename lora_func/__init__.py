@@ -1,9 +1,12 @@
 """lora_func: LoRA-family adapters as pure functions on torch.func."""
 
-from lora_func.adapter import Adapter, AdapterLayer, stack, take, unstack
-from lora_func.core import adapted_call, base_params, check_params, init_adapter, merge_overlay, overlay
+from lora_func.adapter import Adapter, AdapterLayer, Combined, Composed, combine, compose, stack, take, unstack
+from lora_func.batching import ensemble_call, mixed_call, per_example_grads
+from lora_func.checks import check_finite
+from lora_func.core import adapted, adapted_call, base_params, check_params, init_adapter, merge_overlay, overlay
 from lora_func.distributed import all_reduce_mean, all_reduce_mean_grads_, broadcast_adapter
-from lora_func.io import load, save
+from lora_func.export import merge
+from lora_func.io import load, load_peft, save, save_peft
 from lora_func.spec import AdapterSpec
 from lora_func.variants import get_variant, list_variants
 
@@ -11,19 +14,31 @@ __all__ = [
     "Adapter",
     "AdapterLayer",
     "AdapterSpec",
+    "Combined",
+    "Composed",
+    "adapted",
     "adapted_call",
     "all_reduce_mean",
     "all_reduce_mean_grads_",
     "base_params",
     "broadcast_adapter",
+    "check_finite",
     "check_params",
+    "combine",
+    "compose",
+    "ensemble_call",
     "get_variant",
     "init_adapter",
     "list_variants",
     "load",
+    "load_peft",
+    "merge",
     "merge_overlay",
+    "mixed_call",
     "overlay",
+    "per_example_grads",
     "save",
+    "save_peft",
     "stack",
     "take",
     "unstack",

@@ -24,13 +24,23 @@ __all__ = [
     "TensorDict",
     "Variant",
     "WeightFn",
+    "RANK_ALPHA",
+    "RANK_MASK",
     "kaiming_uniform",
+    "layer_alpha",
+    "layer_rank",
     "lora_activation_form",
     "lora_scale",
     "lora_weight_form",
 ]
 
 TensorDict = dict[str, Tensor]
+
+# Buffers that stack() adds to every layer of a rank-padded stack (adapters of different
+# ranks): a 0/1 mask over the padded rank axis and each member's own alpha, so a member keeps
+# its own scale (alpha / r) under vmap, where r can only be a tensor.
+RANK_MASK = "rank_mask"
+RANK_ALPHA = "rank_alpha"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,11 +122,17 @@ class Variant:
       default_alpha: ``alpha`` when the spec leaves it ``None``.
       uses_rank: whether ``r`` means anything (IA3 does not use it).
       changes_bias: whether ``b_eff`` can differ from ``b``.
-      rank_axes: for each trainable/buffer tensor that has a rank axis, which axis.
+      rank_axes: for each trainable/buffer tensor that has a rank axis, which axis (or axes:
+        a ``(r, r)`` rotation generator has two). :func:`lora_func.stack` zero-pads these axes
+        to stack adapters of different ranks, and the core multiplies them by the rank mask.
+        Forms that use ``r`` must read it with :func:`layer_rank` (and ``alpha`` with
+        :func:`layer_alpha`), which are tensors inside a rank-padded stack.
       check_options: optional ``options -> None`` that raises ``ValueError`` on bad values.
       records_base: the adapter depends on the exact base weights it was built from (PiSSA
         and AntiPaSTO residuals): the core stores a fingerprint of each target's base
         weight, and ``load(..., model=)`` refuses a model whose weights differ.
+      replaces_weight: the weight form discards ``W`` (PiSSA's ``W_res + s·BA``, ``W_res`` fixed
+        at init), so :func:`lora_func.compose` refuses it after another part on the same layer.
       calibrate: data-driven variants only (EVA). ``(layer_inputs, infos, *, generator) ->
         {module name: (LayerInfo, payload)}``. ``layer_inputs`` is an iterator that yields,
         per calibration batch, ``{module name: rows (n, d_in)}``: the target layers' inputs
@@ -134,9 +150,10 @@ class Variant:
     default_alpha: float = 8.0
     uses_rank: bool = True
     changes_bias: bool = False
-    rank_axes: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    rank_axes: Mapping[str, int | tuple[int, ...]] = dataclasses.field(default_factory=dict)
     check_options: Callable[[Mapping[str, Any]], None] | None = None
     records_base: bool = False
+    replaces_weight: bool = False
     calibrate: Callable[..., dict[str, tuple[LayerInfo, Any]]] | None = None
 
 
@@ -150,11 +167,31 @@ def kaiming_uniform(shape: tuple[int, ...], *, a: float, generator: torch.Genera
     return out
 
 
-def lora_scale(info: LayerInfo) -> float:
-    """``alpha / r`` or, with ``use_rslora``, ``alpha / sqrt(r)`` (Kalajdzievski 2023)."""
-    if dict(info.options).get("use_rslora", False):
-        return info.alpha / math.sqrt(info.r)
-    return info.alpha / info.r
+def layer_rank(info: LayerInfo, buffers: TensorDict | None = None) -> int | Tensor:
+    """The layer's rank: ``info.r``, or inside a rank-padded stack the member's own rank (a
+    0-d fp32 tensor, the sum of its rank mask)."""
+    if buffers is not None and RANK_MASK in buffers:
+        return buffers[RANK_MASK].sum(-1)
+    return info.r
+
+
+def layer_alpha(info: LayerInfo, buffers: TensorDict | None = None) -> float | Tensor:
+    """The layer's ``alpha``: ``info.alpha``, or the member's own inside a rank-padded stack."""
+    if buffers is not None and RANK_ALPHA in buffers:
+        return buffers[RANK_ALPHA]
+    return info.alpha
+
+
+def lora_scale(info: LayerInfo, buffers: TensorDict | None = None) -> float | Tensor:
+    """``alpha / r`` or, with ``use_rslora``, ``alpha / sqrt(r)`` (Kalajdzievski 2023).
+
+    A Python float for a single adapter (bit-identical to peft's), a 0-d tensor inside a
+    rank-padded stack (see :func:`layer_rank`)."""
+    r, alpha = layer_rank(info, buffers), layer_alpha(info, buffers)
+    rslora = dict(info.options).get("use_rslora", False)
+    if isinstance(r, Tensor):
+        return alpha / (r.sqrt() if rslora else r)
+    return alpha / (math.sqrt(r) if rslora else r)
 
 
 def lora_weight_form(
@@ -162,7 +199,7 @@ def lora_weight_form(
 ) -> tuple[Tensor, Tensor | None]:
     """LoRA's weight form, shared by every variant that ends up a plain LoRA (lora, eva):
     ``W_eff = W + s·B A`` with ``lora_A (r, d_in)``, ``lora_B (d_out, r)``; bias unchanged."""
-    return weight + lora_scale(info) * (params["lora_B"] @ params["lora_A"]), bias
+    return weight + lora_scale(info, buffers) * (params["lora_B"] @ params["lora_A"]), bias
 
 
 def lora_activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: BaseLayer, info: LayerInfo) -> Tensor:
@@ -172,5 +209,5 @@ def lora_activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, bas
     to the base output dtype before the sum."""
     y = base(x)
     lora_a, lora_b = params["lora_A"], params["lora_B"]
-    delta = (x.to(lora_a.dtype) @ lora_a.T) @ lora_b.T * lora_scale(info)
+    delta = (x.to(lora_a.dtype) @ lora_a.T) @ lora_b.T * lora_scale(info, buffers)
     return y + delta.to(y.dtype)

@@ -9,12 +9,12 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from lora_func._types import LayerInfo, TensorDict, Variant
+from lora_func._types import RANK_ALPHA, RANK_MASK, LayerInfo, TensorDict, Variant
 from lora_func.spec import AdapterSpec
 from lora_func.targeting import Target
 from lora_func.variants import get_variant
 
-__all__ = ["Adapter", "AdapterLayer", "stack", "take", "unstack"]
+__all__ = ["Adapter", "AdapterLayer", "AdapterLike", "Combined", "Composed", "combine", "compose", "leaf_adapters", "stack", "take", "unstack"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,11 +63,12 @@ class Adapter:
     over ``adapter.params.values()`` works too.
     """
 
-    __slots__ = ("buffers", "layers", "params", "spec")
+    __slots__ = ("buffers", "layers", "members", "params", "spec")
     params: dict[str, Tensor]
     buffers: dict[str, Tensor]
     spec: AdapterSpec
     layers: tuple[AdapterLayer, ...]
+    members: tuple[tuple[AdapterSpec, tuple[AdapterLayer, ...]], ...] | None
 
     def __init__(
         self,
@@ -75,11 +76,15 @@ class Adapter:
         buffers: Mapping[str, Tensor],
         spec: AdapterSpec,
         layers: Sequence[AdapterLayer],
+        members: Sequence[tuple[AdapterSpec, tuple[AdapterLayer, ...]]] | None = None,
     ) -> None:
         object.__setattr__(self, "params", dict(params))
         object.__setattr__(self, "buffers", dict(buffers))
         object.__setattr__(self, "spec", spec)
         object.__setattr__(self, "layers", tuple(layers))
+        # Only for a rank-padded stack: each member's own (spec, layers), so unstack() gives the
+        # originals back (shapes, ranks and alphas).
+        object.__setattr__(self, "members", None if members is None else tuple(members))
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError(f"Adapter is immutable; use adapter.with_params(...) instead of setting {name!r}")
@@ -91,11 +96,11 @@ class Adapter:
     def with_params(self, params: Mapping[str, Tensor]) -> Adapter:
         """A new adapter with these trainable tensors (same keys as ``self.params``)."""
         _check_same_keys("with_params", params, self.params)
-        return Adapter(params, self.buffers, self.spec, self.layers)
+        return Adapter(params, self.buffers, self.spec, self.layers, self.members)
 
     def with_buffers(self, buffers: Mapping[str, Tensor]) -> Adapter:
         _check_same_keys("with_buffers", buffers, self.buffers)
-        return Adapter(self.params, buffers, self.spec, self.layers)
+        return Adapter(self.params, buffers, self.spec, self.layers, self.members)
 
     def detach(self) -> Adapter:
         """The same values as new leaf tensors: params with ``requires_grad=True`` (ready for a
@@ -105,6 +110,7 @@ class Adapter:
             {k: v.detach() for k, v in self.buffers.items()},
             self.spec,
             self.layers,
+            self.members,
         )
 
     def layer_tensors(self, layer: AdapterLayer) -> tuple[TensorDict, TensorDict]:
@@ -128,6 +134,8 @@ class Adapter:
 
     def __repr__(self) -> str:
         stacked = f", stack_shape={self.stack_shape}" if self.stack_shape else ""
+        if self.members is not None:
+            stacked += f", rank-padded ranks={sorted({layer.info.r for _, ls in self.members for layer in ls})}"
         return (
             f"Adapter(variant={self.spec.variant!r}, layers={len(self.layers)}, "
             f"params={self.num_parameters()}{stacked})"
@@ -141,7 +149,7 @@ def _check_same_keys(where: str, got: Mapping[str, Tensor], expected: Mapping[st
 
 
 def _flatten(adapter: Adapter) -> tuple[list, tuple]:
-    return [adapter.params, adapter.buffers], (adapter.spec, adapter.layers)
+    return [adapter.params, adapter.buffers], (adapter.spec, adapter.layers, adapter.members)
 
 
 def _unflatten(children: Iterable, context: tuple) -> Adapter:
@@ -163,40 +171,379 @@ pytree.register_pytree_node(
 )
 
 
-def stack(adapters: Sequence[Adapter]) -> Adapter:
+class Composed:
+    """Adapters applied in order (see :func:`compose`): on a layer that several parts adapt,
+    each part sees the effective weight of the parts before it.
+
+    ``params`` / ``buffers`` are flat dicts keyed ``f"{i}/{key}"`` (``i`` the part index, e.g.
+    ``"1/model.layers.0.mlp.up_proj.ia3_l"``), so the training idiom is the same as for one
+    adapter: ``grad(lambda p: loss(composed.with_params(p)))(composed.params)``.
+    """
+
+    __slots__ = ("parts",)
+    parts: tuple[AdapterLike, ...]
+
+    def __init__(self, parts: Sequence[AdapterLike]) -> None:
+        object.__setattr__(self, "parts", tuple(parts))
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"{type(self).__name__} is immutable; use with_params(...) instead of setting {name!r}")
+
+    @property
+    def params(self) -> dict[str, Tensor]:
+        return _prefixed([part.params for part in self.parts])
+
+    @property
+    def buffers(self) -> dict[str, Tensor]:
+        return _prefixed([part.buffers for part in self.parts])
+
+    def with_params(self, params: Mapping[str, Tensor]) -> Composed:
+        _check_same_keys("with_params", params, self.params)
+        return Composed([part.with_params(p) for part, p in zip(self.parts, _unprefixed(params, len(self.parts)), strict=True)])
+
+    def with_buffers(self, buffers: Mapping[str, Tensor]) -> Composed:
+        _check_same_keys("with_buffers", buffers, self.buffers)
+        return Composed([part.with_buffers(b) for part, b in zip(self.parts, _unprefixed(buffers, len(self.parts)), strict=True)])
+
+    def detach(self) -> Composed:
+        return Composed([part.detach() for part in self.parts])
+
+    def num_parameters(self) -> int:
+        return sum(part.num_parameters() for part in self.parts)
+
+    @property
+    def stack_shape(self) -> tuple[int, ...]:
+        return self.parts[0].stack_shape
+
+    def __repr__(self) -> str:
+        return f"Composed({', '.join(map(repr, self.parts))})"
+
+
+class Combined:
+    """A weighted sum of adapters' deltas on one base (see :func:`combine`).
+
+    ``weights (K,)`` (one per part) is ``params["weights"]``, so it can be trained (learned
+    mixing, as in LoraHub) or vmapped over; the parts' tensors are keyed ``f"{i}/{key}"``.
+    """
+
+    __slots__ = ("parts", "weights")
+    parts: tuple[AdapterLike, ...]
+    weights: Tensor
+
+    def __init__(self, parts: Sequence[AdapterLike], weights: Tensor) -> None:
+        object.__setattr__(self, "parts", tuple(parts))
+        object.__setattr__(self, "weights", weights)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"{type(self).__name__} is immutable; use with_params(...) instead of setting {name!r}")
+
+    @property
+    def params(self) -> dict[str, Tensor]:
+        return {"weights": self.weights, **_prefixed([part.params for part in self.parts])}
+
+    @property
+    def buffers(self) -> dict[str, Tensor]:
+        return _prefixed([part.buffers for part in self.parts])
+
+    def with_params(self, params: Mapping[str, Tensor]) -> Combined:
+        _check_same_keys("with_params", params, self.params)
+        rest = {k: v for k, v in params.items() if k != "weights"}
+        parts = [part.with_params(p) for part, p in zip(self.parts, _unprefixed(rest, len(self.parts)), strict=True)]
+        return Combined(parts, params["weights"])
+
+    def with_buffers(self, buffers: Mapping[str, Tensor]) -> Combined:
+        _check_same_keys("with_buffers", buffers, self.buffers)
+        parts = [part.with_buffers(b) for part, b in zip(self.parts, _unprefixed(buffers, len(self.parts)), strict=True)]
+        return Combined(parts, self.weights)
+
+    def detach(self) -> Combined:
+        return Combined([part.detach() for part in self.parts], self.weights.detach().requires_grad_(self.weights.requires_grad))
+
+    def num_parameters(self) -> int:
+        return self.weights.shape[-1] + sum(part.num_parameters() for part in self.parts)
+
+    @property
+    def stack_shape(self) -> tuple[int, ...]:
+        return tuple(self.weights.shape[:-1])
+
+    def __repr__(self) -> str:
+        return f"Combined({', '.join(map(repr, self.parts))}, weights={tuple(self.weights.shape)})"
+
+
+AdapterLike = Adapter | Composed | Combined
+
+
+def _prefixed(dicts: Sequence[Mapping[str, Tensor]]) -> dict[str, Tensor]:
+    return {f"{i}/{key}": value for i, d in enumerate(dicts) for key, value in d.items()}
+
+
+def _unprefixed(flat: Mapping[str, Tensor], n: int) -> list[dict[str, Tensor]]:
+    out: list[dict[str, Tensor]] = [{} for _ in range(n)]
+    for key, value in flat.items():
+        index, _, rest = key.partition("/")
+        out[int(index)][rest] = value
+    return out
+
+
+pytree.register_pytree_node(
+    Composed,
+    lambda c: (list(c.parts), len(c.parts)),
+    lambda children, _: Composed(list(children)),
+    serialized_type_name="lora_func.Composed",
+    flatten_with_keys_fn=lambda c: ([(pytree.SequenceKey(i), p) for i, p in enumerate(c.parts)], len(c.parts)),
+)
+pytree.register_pytree_node(
+    Combined,
+    lambda c: ([c.weights, *c.parts], len(c.parts)),
+    lambda children, _: Combined(list(children)[1:], list(children)[0]),
+    serialized_type_name="lora_func.Combined",
+    flatten_with_keys_fn=lambda c: (
+        [(pytree.GetAttrKey("weights"), c.weights), *((pytree.SequenceKey(i), p) for i, p in enumerate(c.parts))],
+        len(c.parts),
+    ),
+)
+
+
+def leaf_adapters(adapter: AdapterLike) -> list[Adapter]:
+    """Every :class:`Adapter` inside ``adapter``, in application order."""
+    if isinstance(adapter, Adapter):
+        return [adapter]
+    if isinstance(adapter, (Composed, Combined)):
+        return [leaf for part in adapter.parts for leaf in leaf_adapters(part)]
+    raise TypeError(
+        f"expected an Adapter, Composed or Combined, got {type(adapter).__name__}; build one with "
+        f"lora_func.init_adapter(model, spec)"
+    )
+
+
+def _weight_keys(adapter: AdapterLike) -> set[str]:
+    return {layer.target.weight_key for leaf in leaf_adapters(adapter) for layer in leaf.layers}
+
+
+def compose(*adapters: AdapterLike) -> Composed:
+    """One adapter that applies ``adapters[0]``, then ``adapters[1]`` on top, and so on.
+
+    On a layer that several of them adapt, each sees the previous ones' effective weight and
+    bias: ``W_eff = f_b(f_a(W, b))`` merged, and ``f_b``'s activation form runs with
+    ``f_a``'s as its base layer on the lazy path (the two agree). Order matters (LoRA then
+    DoRA renormalises the LoRA update; DoRA then LoRA does not). On different layers the parts
+    are independent. Parts may themselves be composed or combined.
+
+    Raises ``ValueError`` when a variant that replaces the base weight (PiSSA: its residual is
+    fixed at init) comes after another part on the same layer, since it would silently drop
+    the earlier parts' effect there.
+    """
+    if not adapters:
+        raise ValueError("compose() needs at least one adapter")
+    adapted: dict[str, int] = {}
+    for i, part in enumerate(adapters):
+        leaves = leaf_adapters(part)
+        for leaf in leaves:
+            if not leaf.variant.replaces_weight:
+                continue
+            earlier = sorted(k for k in (layer.target.weight_key for layer in leaf.layers) if k in adapted)
+            if earlier:
+                raise ValueError(
+                    f"compose(): part {i} ({leaf.spec.variant}) replaces the base weight of {earlier[:5]}, which "
+                    f"part {adapted[earlier[0]]} already adapts: its residual was computed from the untouched "
+                    f"base, so the earlier part would be dropped there. Put part {i} first on these layers."
+                )
+        for key in _weight_keys(part):
+            adapted.setdefault(key, i)
+    shapes = {part.stack_shape for part in adapters}
+    if len(shapes) > 1:
+        raise ValueError(f"compose(): parts have different stack shapes {sorted(shapes)}; stack each part alike")
+    return Composed(adapters)
+
+
+def combine(adapters: Sequence[AdapterLike], weights: Tensor | Sequence[float]) -> Combined:
+    """The weighted sum of the adapters' deltas on one base: ``W + Σ_k w_k (W_eff_k(W) − W)``.
+
+    Always a sum of deltas (of ``W_eff − W``), never of ``A`` and ``B`` separately (averaging
+    factors gives ``((A1+A2)/2)((B1+B2)/2)``, which is not the average update). ``weights (K,)``
+    may require grad (learned mixing) and may be batched under ``vmap``; a part on a layer
+    the others leave alone contributes only there. The lazy path computes each part's
+    low-rank path on the same base output.
+    """
+    adapters = list(adapters)
+    if not adapters:
+        raise ValueError("combine() needs at least one adapter")
+    for part in adapters:
+        leaf_adapters(part)
+    weights = torch.as_tensor(weights) if not isinstance(weights, Tensor) else weights
+    if not weights.is_floating_point() or weights.dim() != 1 or weights.shape[0] != len(adapters):
+        raise ValueError(
+            f"combine(): weights must be a 1-D float tensor with one entry per adapter ({len(adapters)}), got "
+            f"shape {tuple(weights.shape)} dtype {weights.dtype}"
+        )
+    shapes = {part.stack_shape for part in adapters}
+    if len(shapes) > 1:
+        raise ValueError(f"combine(): parts have different stack shapes {sorted(shapes)}; stack each part alike")
+    return Combined(adapters, weights)
+
+
+def _info_key(info: LayerInfo) -> tuple:
+    return (info.d_in, info.d_out, info.has_bias, info.options)
+
+
+def _spec_key(spec: AdapterSpec) -> tuple:
+    return (spec.variant, spec.targets, spec.dtype, spec.layer_types, spec.tied, spec.options)
+
+
+def _pad_to(tensor: Tensor, shape: tuple[int, ...]) -> Tensor:
+    pads: list[int] = []
+    for have, want in reversed(list(zip(tensor.shape, shape, strict=True))):
+        pads += [0, want - have]
+    return torch.nn.functional.pad(tensor, pads) if any(pads) else tensor
+
+
+def _stack_adapters(adapters: list[Adapter]) -> Adapter:
+    first = adapters[0]
+    for i, other in enumerate(adapters[1:], start=1):
+        if _spec_key(other.spec) != _spec_key(first.spec):
+            raise ValueError(
+                f"stack(): adapter {i} has spec {other.spec} but adapter 0 has {first.spec}; only adapters of one "
+                f"variant, targets, dtype and options stack (ranks and alpha may differ)"
+            )
+        mine = [(layer.target, _info_key(layer.info), [n for n, _ in layer.param_shapes], [n for n, _ in layer.buffer_shapes]) for layer in other.layers]
+        ref = [(layer.target, _info_key(layer.info), [n for n, _ in layer.param_shapes], [n for n, _ in layer.buffer_shapes]) for layer in first.layers]
+        if mine != ref:
+            diff = [a.target.module for a, b in zip(first.layers, other.layers, strict=False) if (a.target, _info_key(a.info)) != (b.target, _info_key(b.info))]
+            raise ValueError(
+                f"stack(): adapter {i} adapts other layers than adapter 0 ({diff[:5] or 'a different number of layers'}); "
+                f"build the adapters from one model and one AdapterSpec (ranks may differ)"
+            )
+        if other.stack_shape != first.stack_shape or other.members is not None:
+            raise ValueError(f"stack(): adapter {i} is itself stacked (stack_shape {other.stack_shape}); unstack it first")
+    if first.members is not None:
+        raise ValueError("stack(): adapter 0 is itself a rank-padded stack; unstack it first")
+    if all(other.layers == first.layers for other in adapters[1:]):
+        return pytree.tree_map(lambda *ts: torch.stack(ts), *adapters)
+    # Rank-padded: zero-pad every tensor to the largest shape (only rank axes differ) and give
+    # each layer a rank mask and the member's alpha, so each keeps its own scale.
+    variant = first.variant
+    params: dict[str, list[Tensor]] = {k: [] for k in first.params}
+    buffers: dict[str, list[Tensor]] = {k: [] for k in first.buffers}
+    layers = []
+    for j, layer in enumerate(first.layers):
+        column = [a.layers[j] for a in adapters]
+        r_max = max(lay.info.r for lay in column)
+        p_shapes = tuple((n, tuple(max(s) for s in zip(*(dict(lay.param_shapes)[n] for lay in column), strict=True))) for n, _ in layer.param_shapes)
+        b_shapes = tuple((n, tuple(max(s) for s in zip(*(dict(lay.buffer_shapes)[n] for lay in column), strict=True))) for n, _ in layer.buffer_shapes)
+        for name, shape in p_shapes + b_shapes:
+            bad = [lay.target.module for lay in column if any(
+                have != want and not _is_rank_axis(variant, name, axis)
+                for axis, (have, want) in enumerate(zip(dict(lay.param_shapes + lay.buffer_shapes)[name], shape, strict=True))
+            )]
+            if bad:
+                raise ValueError(
+                    f"stack(): {variant.name} tensor {name!r} of {bad[0]} differs in shape on an axis that is not a "
+                    f"rank axis; these adapters cannot be padded to one stack"
+                )
+        module = layer.target.module
+        for a, lay in zip(adapters, column, strict=True):
+            for name, shape in p_shapes:
+                params[f"{module}.{name}"].append(_pad_to(a.params[f"{module}.{name}"], shape))
+            for name, shape in b_shapes:
+                buffers[f"{module}.{name}"].append(_pad_to(a.buffers[f"{module}.{name}"], shape))
+            device = a.params[f"{module}.{p_shapes[0][0]}"].device if p_shapes else None
+            mask = (torch.arange(r_max, device=device) < lay.info.r).to(torch.float32)
+            buffers.setdefault(f"{module}.{RANK_MASK}", []).append(mask)
+            buffers.setdefault(f"{module}.{RANK_ALPHA}", []).append(torch.tensor(float(lay.info.alpha), device=device))
+        layers.append(
+            dataclasses.replace(
+                layer,
+                info=dataclasses.replace(layer.info, r=r_max),
+                param_shapes=p_shapes,
+                buffer_shapes=b_shapes + ((RANK_MASK, (r_max,)), (RANK_ALPHA, ())),
+            )
+        )
+    return Adapter(
+        {k: torch.stack(v) for k, v in params.items()},
+        {k: torch.stack(v) for k, v in buffers.items()},
+        first.spec,
+        layers,
+        members=[(a.spec, a.layers) for a in adapters],
+    )
+
+
+def _is_rank_axis(variant: Variant, name: str, axis: int) -> bool:
+    axes = variant.rank_axes.get(name, ())
+    return axis == axes if isinstance(axes, int) else axis in axes
+
+
+def stack(adapters: Sequence[AdapterLike]) -> AdapterLike:
     """One adapter whose tensors have a new leading axis of size ``len(adapters)``.
 
-    ``torch.func.vmap(f)(stack([a, b]))`` runs ``f(a)`` and ``f(b)`` at once. All adapters
-    must share spec and layers (same variant, targets and ranks).
+    ``torch.func.vmap(f)(stack([a, b]))`` runs ``f(a)`` and ``f(b)`` at once. The adapters
+    must share variant, targets and options; their ranks (and alphas) may differ: then every
+    tensor is zero-padded along the variant's rank axes to the largest rank, and each layer
+    gets two buffers, ``rank_mask (K, r_max)`` and ``rank_alpha (K,)``, so each member keeps
+    its own scale and its padded entries never reach the output (their gradient is exactly
+    zero). :func:`unstack` gives the originals back. Composed/Combined adapters of the same
+    structure stack part by part.
     """
     adapters = list(adapters)
     if not adapters:
         raise ValueError("stack() needs at least one adapter")
+    kinds = {type(a) for a in adapters}
+    if len(kinds) > 1:
+        raise TypeError(f"stack(): mixed kinds {sorted(k.__name__ for k in kinds)}; stack adapters of one kind")
     first = adapters[0]
-    for i, other in enumerate(adapters[1:], start=1):
-        if other.spec != first.spec or other.layers != first.layers:
-            diff = [
-                a.target.module
-                for a, b in zip(first.layers, other.layers, strict=False)
-                if a != b
-            ] or ["spec or number of layers"]
-            raise ValueError(
-                f"stack(): adapter {i} differs from adapter 0 in {diff[:5]}; only adapters with the same "
-                f"spec and per-layer ranks stack (build them from one AdapterSpec)"
-            )
-    return pytree.tree_map(lambda *ts: torch.stack(ts), *adapters)
+    if isinstance(first, Adapter):
+        return _stack_adapters(adapters)  # type: ignore[arg-type]
+    n = {len(a.parts) for a in adapters}  # type: ignore[union-attr]
+    if len(n) > 1:
+        raise ValueError(f"stack(): {type(first).__name__} adapters with different numbers of parts {sorted(n)}")
+    parts = [stack([a.parts[i] for a in adapters]) for i in range(len(first.parts))]  # type: ignore[union-attr]
+    if isinstance(first, Composed):
+        return Composed(parts)
+    return Combined(parts, torch.stack([a.weights for a in adapters]))  # type: ignore[union-attr]
 
 
-def unstack(adapter: Adapter) -> list[Adapter]:
-    """The inverse of :func:`stack`: a list of the adapters along the leading axis."""
+def unstack(adapter: AdapterLike) -> list[AdapterLike]:
+    """The inverse of :func:`stack`: the adapters along the leading axis (a rank-padded stack
+    gives each member back at its own rank, without the padding and mask buffers)."""
     if not adapter.stack_shape:
         raise ValueError("unstack(): this adapter is not stacked (it has no leading stack axis)")
-    return [take(adapter, i) for i in range(adapter.stack_shape[0])]
+    return [_member(adapter, k) for k in range(adapter.stack_shape[0])]
 
 
-def take(adapter: Adapter, index: int | Tensor) -> Adapter:
-    """The stack members at ``index``: an int gives one adapter, a 1-D integer tensor gives a
-    stacked adapter of ``len(index)`` members (e.g. one adapter per example of a batch)."""
+def _member(adapter: AdapterLike, k: int) -> AdapterLike:
+    if isinstance(adapter, Composed):
+        return Composed([_member(part, k) for part in adapter.parts])
+    if isinstance(adapter, Combined):
+        return Combined([_member(part, k) for part in adapter.parts], adapter.weights[k])
+    if adapter.members is None:
+        return pytree.tree_map(lambda t: t[k], adapter)
+    spec, layers = adapter.members[k]
+    params, buffers = {}, {}
+    for layer in layers:
+        for flat, out, shapes in ((adapter.params, params, layer.param_shapes), (adapter.buffers, buffers, layer.buffer_shapes)):
+            for name, shape in shapes:
+                key = f"{layer.target.module}.{name}"
+                out[key] = flat[key][k][tuple(slice(0, n) for n in shape)]
+    return Adapter(params, buffers, spec, layers)
+
+
+def take(adapter: AdapterLike, index: int | Tensor) -> AdapterLike:
+    """The stack members at ``index``: an int gives one adapter (as :func:`unstack`), a 1-D
+    integer tensor gives a stacked adapter of ``len(index)`` members (e.g. one adapter per
+    example of a batch, for a mixed-adapter batch under ``vmap``)."""
     if not adapter.stack_shape:
         raise ValueError("take(): this adapter is not stacked; build one with lora_func.stack([...])")
-    return pytree.tree_map(lambda t: t[index], adapter)
+    if isinstance(index, int):
+        return _member(adapter, index)
+    return _take(adapter, index)
+
+
+def _take(adapter: AdapterLike, index: Tensor) -> AdapterLike:
+    if isinstance(adapter, Composed):
+        return Composed([_take(part, index) for part in adapter.parts])
+    if isinstance(adapter, Combined):
+        return Combined([_take(part, index) for part in adapter.parts], adapter.weights[index])
+    taken = pytree.tree_map(lambda t: t[index], adapter)
+    if adapter.members is None:
+        return taken
+    members = [adapter.members[int(i)] for i in index.reshape(-1).tolist()]
+    return Adapter(taken.params, taken.buffers, taken.spec, taken.layers, members)

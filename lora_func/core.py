@@ -8,22 +8,24 @@ tensors: backward costs what the adapter costs, and the model's ``.grad`` stays 
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from lora_func._lazy import AdaptedWeight, merged_weight
+from lora_func._lazy import AdaptedWeight, ChainStep, LayerStep, SumStep, VariantStep, merged_weight
 from lora_func._types import LayerInfo
-from lora_func.adapter import Adapter, AdapterLayer
+from lora_func.adapter import Adapter, AdapterLayer, AdapterLike, Combined, Composed, leaf_adapters
 from lora_func.spec import AdapterSpec
-from lora_func.targeting import canonical_weight, find_targets, tensor_names
+from lora_func.targeting import Target, canonical_weight, find_targets, tensor_names
 from lora_func.variants import get_variant
 
 __all__ = [
+    "adapted",
     "adapted_call",
     "base_params",
     "check_params",
@@ -162,8 +164,23 @@ def _close(names: list[str], pool: Mapping[str, Any]) -> list[str]:
     return sorted(close)
 
 
-def _check(base: Mapping[str, Tensor], adapter: Adapter) -> None:
-    """Validate the adapter against ``base`` before anything is computed."""
+def _check(base: Mapping[str, Tensor], adapter: AdapterLike) -> None:
+    """Validate every adapter inside ``adapter`` against ``base`` before anything is computed."""
+    _check_weights(adapter)
+    for leaf in leaf_adapters(adapter):
+        _check_leaf(base, leaf)
+
+
+def _check_weights(adapter: AdapterLike) -> None:
+    if isinstance(adapter, (Composed, Combined)):
+        for part in adapter.parts:
+            _check_weights(part)
+    if isinstance(adapter, Combined) and tuple(adapter.weights.shape) != (len(adapter.parts),):
+        hint = "it is stacked: call it under torch.func.vmap" if adapter.weights.dim() > 1 else "one weight per part"
+        raise ValueError(f"combined adapter weights have shape {tuple(adapter.weights.shape)}, expected ({len(adapter.parts)},); {hint}")
+
+
+def _check_leaf(base: Mapping[str, Tensor], adapter: Adapter) -> None:
     if not isinstance(adapter, Adapter):
         raise TypeError(f"expected an Adapter, got {type(adapter).__name__}")
     missing = sorted({layer.target.weight_key for layer in adapter.layers} - set(base))
@@ -193,28 +210,51 @@ def _check(base: Mapping[str, Tensor], adapter: Adapter) -> None:
                     raise ValueError(f"adapter tensor {layer.target.module}.{name} has shape {got}, expected {shape}; {hint}")
 
 
-def merge_overlay(base: Mapping[str, Tensor], adapter: Adapter) -> dict[str, Tensor]:
+def _layer_steps(adapter: AdapterLike) -> dict[str, tuple[Target, LayerStep]]:
+    """What to apply to each target weight key, in the model's names."""
+    if isinstance(adapter, Adapter):
+        out: dict[str, tuple[Target, LayerStep]] = {}
+        for layer in adapter.layers:
+            params, buffers = adapter.layer_tensors(layer)
+            step = VariantStep(adapter.variant, params, buffers, layer.info, adapter.spec.dtype)
+            out[layer.target.weight_key] = (layer.target, step)
+        return out
+    per_part = [_layer_steps(part) for part in adapter.parts]
+    keys = list(dict.fromkeys(key for steps in per_part for key in steps))
+    out = {}
+    for key in keys:
+        present = [k for k, steps in enumerate(per_part) if key in steps]
+        target = per_part[present[0]][key][0]
+        steps = [per_part[k][key][1] for k in present]
+        if isinstance(adapter, Composed):
+            flat = [s for step in steps for s in (step.steps if isinstance(step, ChainStep) else (step,))]
+            out[key] = (target, flat[0] if len(flat) == 1 else ChainStep(flat))
+        else:
+            weights = adapter.weights if len(present) == len(per_part) else adapter.weights[..., present]
+            out[key] = (target, SumStep(steps, weights))
+    return out
+
+
+def merge_overlay(base: Mapping[str, Tensor], adapter: AdapterLike) -> dict[str, Tensor]:
     """``base`` with the merged weight (and bias, where the variant changes it) of every target.
 
     ``W_eff`` is computed in the adapter dtype from the base weight and cast to the base
-    dtype. Tied names of a target (``tied="both"``) get the same merged tensor.
+    dtype. Tied names of a target (``tied="both"``) get the same merged tensor. ``adapter``
+    may be composed (:func:`compose`) or combined (:func:`combine`).
     """
     _check(base, adapter)
     out = dict(base)
-    variant = adapter.variant
-    for layer in adapter.layers:
-        t = layer.target
-        params, buffers = adapter.layer_tensors(layer)
+    for key, (t, step) in _layer_steps(adapter).items():
         bias = base[t.bias_key] if t.bias_key is not None else None
-        w_eff, b_eff = merged_weight(variant, params, buffers, base[t.weight_key], bias, layer.info, t.layout, adapter.spec.dtype)
-        for key in (t.weight_key, *t.tied_keys):
-            out[key] = w_eff
-        if variant.changes_bias and t.bias_key is not None:
+        w_eff, b_eff = merged_weight(step, base[key], bias, t.layout)
+        for name in (key, *t.tied_keys):
+            out[name] = w_eff
+        if step.changes_bias and t.bias_key is not None:
             out[t.bias_key] = b_eff  # type: ignore[assignment]
     return out
 
 
-def overlay(base: Mapping[str, Tensor], adapter: Adapter, *, strict: bool = False) -> dict[str, Tensor]:
+def overlay(base: Mapping[str, Tensor], adapter: AdapterLike, *, strict: bool = False) -> dict[str, Tensor]:
     """``base`` with lazy stand-ins for the target weights (no merged weights built).
 
     Each stand-in computes ``base(x)`` plus the variant's activation form inside
@@ -224,25 +264,11 @@ def overlay(base: Mapping[str, Tensor], adapter: Adapter, *, strict: bool = Fals
     """
     _check(base, adapter)
     out = dict(base)
-    variant = adapter.variant
-    for layer in adapter.layers:
-        t = layer.target
-        params, buffers = adapter.layer_tensors(layer)
+    for key, (t, step) in _layer_steps(adapter).items():
         bias = base[t.bias_key] if t.bias_key is not None else None
-        standin = AdaptedWeight(
-            base[t.weight_key],
-            bias,
-            variant,
-            params,
-            buffers,
-            layer.info,
-            layout=t.layout,
-            dtype=adapter.spec.dtype,
-            strict=strict,
-            name=t.weight_key,
-        )
-        for key in (t.weight_key, *t.tied_keys):
-            out[key] = standin
+        standin = AdaptedWeight(base[key], bias, step, layout=t.layout, strict=strict, name=key)
+        for name in (key, *t.tied_keys):
+            out[name] = standin
     return out
 
 
@@ -269,7 +295,7 @@ def check_params(model: nn.Module, params: Mapping[str, Tensor]) -> None:
 
 def adapted_call(
     model: nn.Module,
-    adapter: Adapter,
+    adapter: AdapterLike,
     *args: Any,
     merged: bool = False,
     base: Mapping[str, Tensor] | None = None,
@@ -287,3 +313,26 @@ def adapted_call(
         check_params(model, base)
     params = merge_overlay(base, adapter) if merged else overlay(base, adapter, strict=strict)
     return torch.func.functional_call(model, params, args, kwargs, tie_weights=True, strict=False)
+
+
+@contextlib.contextmanager
+def adapted(model: nn.Module, adapter: AdapterLike, *, merged: bool = True, strict: bool = False) -> Iterator[nn.Module]:
+    """Within the ``with`` block, ``model``'s adapted tensors are swapped for the overlay's;
+    on exit (also on error) the model's own tensors are put back, untouched.
+
+    For stateful APIs that call the model many times, e.g. ``model.generate``::
+
+        with torch.no_grad(), lora_func.adapted(model, adapter):
+            tokens = model.generate(input_ids, max_new_tokens=20)
+
+    ``merged=True`` (default) computes the merged weights once for the whole block (fast for
+    generation); ``merged=False`` uses the lazy stand-ins. Only the adapted entries are
+    swapped. Not for training (use :func:`adapted_call` or ``functional_call`` under
+    ``torch.func.grad``), and not thread-safe: other users of ``model`` see the adapter while
+    the block runs.
+    """
+    base = base_params(model)
+    params = merge_overlay(base, adapter) if merged else overlay(base, adapter, strict=strict)
+    swapped = {name: tensor for name, tensor in params.items() if tensor is not base[name]}
+    with torch.nn.utils.stateless._reparametrize_module(model, swapped, tie_weights=True, strict=False):
+        yield model

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import runpy
 import subprocess
@@ -50,12 +51,23 @@ def test_examples_run(script, monkeypatch, tmp_path, capsys):
     assert capsys.readouterr().out.strip()
 
 
-def test_demo_learns_the_task_and_reloads_identically():
-    from lora_func.cli import run_demo
+def test_readme_demo_command_learns_every_variant_and_writes_its_report(tmp_path, monkeypatch, capsys):
+    """`lora-func demo` as the README runs it (default variants, learning rates and output dir),
+    with half the default steps to keep the suite fast."""
+    from lora_func.cli import main
 
-    (row,) = run_demo(["lora"], r=4, steps=40, lr=1e-2, seed=0, out=None)
-    assert row["acc_before"] < 0.2 and row["acc_after"] > 0.8
-    assert row["reload_identical"]
+    monkeypatch.chdir(tmp_path)
+    assert main(["demo", "--no-progress", "--steps", "60"]) == 0
+    printed = capsys.readouterr().out
+    out = tmp_path / "lora-func-demo"
+    rows = json.loads((out / "results.json").read_text())
+    assert len(rows) >= 3 and "| variant | lr | trainable params |" in printed
+    for row in rows:
+        assert row["acc_after"] >= row["acc_before"] + 0.3, (row["variant"], row["acc_before"], row["acc_after"])
+        assert row["reload_identical"] and "peft format" in row["saved_as"], row["variant"]
+        assert f"{row['variant']}: {row['trainable']:,} trainable parameters" in printed
+        assert all(s["before"] != s["after"] for s in row["samples"]), row["samples"]
+    assert (out / "loss_curves.png").stat().st_size > 10_000
 
 
 def test_cli_entry_point_rejects_unknown_variants():

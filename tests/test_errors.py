@@ -117,11 +117,18 @@ def test_stacked_adapter_outside_vmap_says_how_to_use_it(llama):
         lf.take(adapter, 0)
 
 
-def test_stack_refuses_different_ranks(llama):
+def test_stack_refuses_different_targets_variants_and_kinds(llama):
     a = lf.init_adapter(llama, lf.AdapterSpec("lora", targets=["q_proj"], r=2))
-    b = lf.init_adapter(llama, lf.AdapterSpec("lora", targets=["q_proj"], r=3))
-    with pytest.raises(ValueError, match="adapter 1 differs from adapter 0"):
+    b = lf.init_adapter(llama, lf.AdapterSpec("lora", targets=["v_proj"], r=2))
+    c = lf.init_adapter(llama, lf.AdapterSpec("dora", targets=["q_proj"], r=2))
+    with pytest.raises(ValueError, match=r"adapter 1 has spec .* only adapters of one variant, targets"):
         lf.stack([a, b])
+    with pytest.raises(ValueError, match=r"adapter 1 has spec .*variant='dora'"):
+        lf.stack([a, c])
+    with pytest.raises(TypeError, match=r"mixed kinds \['Adapter', 'Composed'\]"):
+        lf.stack([a, lf.compose(a)])
+    with pytest.raises(ValueError, match="is itself stacked"):
+        lf.stack([a, lf.stack([a, a])])
 
 
 def test_with_params_lists_missing_and_unexpected_keys(llama):

@@ -1,33 +1,51 @@
 """lora_func's own format: one safetensors file, exact reload.
 
-Tensors are stored as ``params/<key>`` and ``buffers/<key>`` in the adapter dtype;
-the metadata holds the spec and each layer's static info as JSON, so a reload needs no
-calibration data and no recomputation (PiSSA-style residuals are buffers and come back
-bit-exact).
+Layout of a file:
+
+- tensors ``params/<key>`` and ``buffers/<key>``, keyed exactly as ``adapter.params`` /
+  ``adapter.buffers`` (so a composed adapter's part ``i`` is ``params/<i>/<key>`` and a combined
+  adapter's mixing weights are ``params/weights``), contiguous, in the adapter dtype;
+- metadata ``tree``: JSON describing the adapter (each leaf's spec, per-layer static info,
+  base fingerprints and, for a rank-padded stack, each member's spec and layers; the
+  composition structure above the leaves); ``digest``: a sha256 over every tensor's name,
+  dtype, shape and bytes, checked on load, so a corrupted file is refused instead of giving
+  silently different outputs (safetensors itself has no checksum);
+- with ``trainable_only=True``: no buffers; instead ``buffer_digests``, a digest of each
+  layer's buffers, and ``load(path, model=)`` rebuilds them by re-running the variant's init
+  on the model and refuses, naming the layer, when the result differs.
+
+Since everything (residuals, singular bases, EVA's per-layer ranks) is stored, a reload
+needs no calibration data and gives bit-identical outputs.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from lora_func._types import LayerInfo
-from lora_func.adapter import Adapter, AdapterLayer
+from lora_func.adapter import Adapter, AdapterLayer, AdapterLike, Combined, Composed
 from lora_func.core import base_params, weight_fingerprint
 from lora_func.spec import AdapterSpec
-from lora_func.targeting import Target
+from lora_func.targeting import Target, canonical_weight
+from lora_func.variants import get_variant
 
 __all__ = ["load", "save"]
 
 FORMAT = "lora_func"
 FORMAT_VERSION = "1"
+
+
+# ------------------------------------------------------------------------------- metadata
 
 
 def _layer_to_json(layer: AdapterLayer) -> dict:
@@ -58,24 +76,99 @@ def _layer_from_json(data: dict) -> AdapterLayer:
     )
 
 
-def save(adapter: Adapter, path: str | os.PathLike) -> Path:
-    """Write ``adapter`` to ``path`` (a ``.safetensors`` file), atomically.
+def _tree_to_json(adapter: AdapterLike) -> dict:
+    """The static structure of ``adapter`` (no tensors)."""
+    if isinstance(adapter, Adapter):
+        members = None
+        if adapter.members is not None:
+            members = [[json.loads(spec.to_json()), [_layer_to_json(layer) for layer in layers]] for spec, layers in adapter.members]
+        return {
+            "kind": "adapter",
+            "spec": json.loads(adapter.spec.to_json()),
+            "layers": [_layer_to_json(layer) for layer in adapter.layers],
+            "members": members,
+        }
+    parts = [_tree_to_json(part) for part in adapter.parts]
+    if isinstance(adapter, Composed):
+        return {"kind": "composed", "parts": parts}
+    return {"kind": "combined", "parts": parts, "weights_requires_grad": adapter.weights.requires_grad}
+
+
+def _leaves(tree: dict, prefix: str = "") -> Iterator[tuple[str, dict]]:
+    """``(key prefix, leaf node)`` for every leaf adapter, in application order; the prefix is
+    what ``Composed.params`` / ``Combined.params`` put before the leaf's own keys."""
+    if tree["kind"] == "adapter":
+        yield prefix, tree
+    else:
+        for i, part in enumerate(tree["parts"]):
+            yield from _leaves(part, f"{prefix}{i}/")
+
+
+def _combined_prefixes(tree: dict, prefix: str = "") -> Iterator[str]:
+    if tree["kind"] == "combined":
+        yield prefix
+    if tree["kind"] != "adapter":
+        for i, part in enumerate(tree["parts"]):
+            yield from _combined_prefixes(part, f"{prefix}{i}/")
+
+
+def _digest(tensors: Mapping[str, Tensor]) -> str:
+    """sha256 over every tensor's name, dtype, shape and bytes (sorted by name)."""
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        data = tensors[name].detach().to("cpu").contiguous()
+        digest.update(f"{name}|{data.dtype}|{tuple(data.shape)}|".encode())
+        digest.update(data.reshape(-1).view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+    return digest.hexdigest()
+
+
+# ----------------------------------------------------------------------------------- save
+
+
+def save(adapter: AdapterLike, path: str | os.PathLike, *, trainable_only: bool = False) -> Path:
+    """Write ``adapter`` (an ``Adapter``, ``Composed`` or ``Combined``) to ``path`` (a
+    ``.safetensors`` file), atomically, and return the path.
 
     The file is written next to ``path`` under a temporary name and renamed into place, so
-    ``path`` is never half-written. Returns the path.
+    ``path`` is never half-written (an interrupted save leaves the previous file intact).
+
+    ``trainable_only=True`` stores only the trainable tensors and a digest of each layer's
+    buffers (PiSSA's ``W_res``, DeLoRA's column norms, AntiPaSTO's singular bases): a much
+    smaller file for residual variants. ``load(path, model=model)`` then rebuilds the buffers
+    from the model and refuses a model (or a platform) on which they come out different.
+    Not for stacked adapters (their rank masks are not reproducible by an init).
     """
-    if not isinstance(adapter, Adapter):
-        raise TypeError(f"save() expects an Adapter, got {type(adapter).__name__}")
+    if not isinstance(adapter, (Adapter, Composed, Combined)):
+        raise TypeError(
+            f"save() expects an Adapter, Composed or Combined, got {type(adapter).__name__}; "
+            f"build one with lora_func.init_adapter(model, spec)"
+        )
+    tree = _tree_to_json(adapter)
+    if trainable_only and adapter.stack_shape:
+        raise ValueError(
+            f"save(trainable_only=True) cannot rebuild the buffers of a stacked adapter (stack_shape "
+            f"{adapter.stack_shape}); save it with trainable_only=False, or unstack() and save each member"
+        )
     path = Path(path)
-    tensors: dict[str, Tensor] = {}
-    for prefix, flat in (("params", adapter.params), ("buffers", adapter.buffers)):
-        for key, tensor in flat.items():
-            tensors[f"{prefix}/{key}"] = tensor.detach().to("cpu").contiguous()
+    tensors: dict[str, Tensor] = {f"params/{k}": v for k, v in adapter.params.items()}
+    buffer_digests: dict[str, dict[str, str]] = {}
+    if trainable_only:
+        for prefix, leaf in _leaf_adapters(adapter):
+            buffer_digests[prefix] = {
+                layer.target.module: _digest(leaf.layer_tensors(layer)[1])
+                for layer in leaf.layers
+                if layer.buffer_shapes
+            }
+    else:
+        tensors |= {f"buffers/{k}": v for k, v in adapter.buffers.items()}
+    tensors = _unaliased({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()})
     metadata = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
-        "spec": adapter.spec.to_json(),
-        "layers": json.dumps([_layer_to_json(layer) for layer in adapter.layers]),
+        "tree": json.dumps(tree),
+        "trainable_only": json.dumps(trainable_only),
+        "buffer_digests": json.dumps(buffer_digests),
+        "digest": _digest(tensors),
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -89,9 +182,30 @@ def save(adapter: Adapter, path: str | os.PathLike) -> Path:
     return path
 
 
-def _read(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
-    from safetensors import safe_open
+def _unaliased(tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """safetensors refuses tensors that share memory (e.g. steering buffers expanded from one
+    scalar): copy every tensor whose storage was already seen."""
+    seen: set[int] = set()
+    out = {}
+    for key, tensor in tensors.items():
+        storage = tensor.untyped_storage().data_ptr()
+        out[key] = tensor.clone() if storage in seen and tensor.numel() else tensor
+        seen.add(storage)
+    return out
 
+
+def _leaf_adapters(adapter: AdapterLike, prefix: str = "") -> Iterator[tuple[str, Adapter]]:
+    if isinstance(adapter, Adapter):
+        yield prefix, adapter
+    else:
+        for i, part in enumerate(adapter.parts):
+            yield from _leaf_adapters(part, f"{prefix}{i}/")
+
+
+# ----------------------------------------------------------------------------------- load
+
+
+def _read(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
     try:
         with safe_open(str(path), framework="pt") as f:
             metadata = f.metadata() or {}
@@ -101,55 +215,166 @@ def _read(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
     return tensors, metadata
 
 
-def load(path: str | os.PathLike, model: nn.Module | None = None) -> Adapter:
-    """Read an adapter written by :func:`save`.
+def _parse(path: Path, metadata: Mapping[str, str]) -> tuple[dict, bool, dict[str, dict[str, str]], str]:
+    """``(tree, trainable_only, buffer_digests, digest)`` from the file's metadata."""
+    try:
+        tree = json.loads(metadata["tree"])
+        trainable_only = json.loads(metadata["trainable_only"])
+        buffer_digests = json.loads(metadata["buffer_digests"])
+        # Build every spec once here, so a damaged spec fails as metadata damage.
+        for _, leaf in _leaves(tree):
+            AdapterSpec.from_json(json.dumps(leaf["spec"]))
+            for layer in leaf["layers"]:
+                _layer_from_json(layer)
+        digest = metadata["digest"]
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        raise ValueError(
+            f"{path} has damaged lora_func metadata ({type(err).__name__}: {err}); save the adapter again"
+        ) from None
+    return tree, bool(trainable_only), buffer_digests, digest
 
-    With ``model``, checks that every target exists in it with the saved shape and layout
-    (raising before anything is returned) and moves the tensors to each target weight's
-    device. Params come back as leaf tensors with ``requires_grad=True``.
+
+def _expected_tensors(tree: dict, trainable_only: bool) -> set[str]:
+    expected = {f"params/{prefix}weights" for prefix in _combined_prefixes(tree)}
+    for prefix, leaf in _leaves(tree):
+        for layer in map(_layer_from_json, leaf["layers"]):
+            expected |= {f"params/{prefix}{k}" for k in layer.param_keys()}
+            if not trainable_only:
+                expected |= {f"buffers/{prefix}{k}" for k in layer.buffer_keys()}
+    return expected
+
+
+def _model_problems(base: Mapping[str, Tensor], layers: list[AdapterLayer]) -> list[str]:
+    """Why ``layers`` do not fit the model whose tensors are ``base`` (empty when they do)."""
+    problems = []
+    for layer in layers:
+        t = layer.target
+        stored = (t.d_out, t.d_in) if t.layout == "linear" else (t.d_in, t.d_out)
+        if t.weight_key not in base:
+            problems.append(f"{t.weight_key}: not in the model")
+        elif tuple(base[t.weight_key].shape) != stored:
+            problems.append(f"{t.weight_key}: adapter built for {stored}, model has {tuple(base[t.weight_key].shape)}")
+        elif layer.base_fingerprint is not None and weight_fingerprint(base[t.weight_key]) != layer.base_fingerprint:
+            problems.append(
+                f"{t.weight_key}: the adapter was derived from different base weights "
+                f"(fingerprint {layer.base_fingerprint}, model {weight_fingerprint(base[t.weight_key])})"
+            )
+    return sorted(problems)
+
+
+def _rebuild_buffers(
+    path: Path, model: nn.Module, spec: AdapterSpec, layer: AdapterLayer, expected_digest: str | None
+) -> dict[str, Tensor]:
+    """Re-run the variant's init on ``model`` for one layer; its buffers, checked against the digest."""
+    module = dict(model.named_modules())[layer.target.module]
+    bias = module.bias.detach() if layer.target.bias_key is not None else None
+    # Buffers never depend on the random draws of the variants that have them at niter=0 /
+    # full SVD; a variant whose buffers do (PiSSA's randomized SVD) fails the digest check below.
+    with torch.no_grad():
+        _, buffers = get_variant(spec.variant).init(
+            canonical_weight(module.weight.detach(), layer.target.layout),
+            bias,
+            layer.info,
+            dtype=spec.dtype,
+            generator=torch.Generator().manual_seed(0),
+            calibration=None,
+        )
+    buffers = {name: buffers[name].detach().contiguous() for name, _ in layer.buffer_shapes if name in buffers}
+    if sorted(buffers) != sorted(name for name, _ in layer.buffer_shapes) or _digest(buffers) != expected_digest:
+        raise ValueError(
+            f"{path} holds only trainable tensors, and the buffers of layer {layer.target.module} "
+            f"({spec.variant}) that its init gives on this {type(model).__name__} differ from the saved ones "
+            f"(different base weights, another device or BLAS, or buffers changed after init such as a "
+            f"steering value); load it onto the original model and platform, or save with trainable_only=False"
+        )
+    return buffers
+
+
+def load(path: str | os.PathLike, model: nn.Module | None = None) -> AdapterLike:
+    """Read an adapter written by :func:`save` (an ``Adapter``, ``Composed`` or ``Combined``).
+
+    Everything is checked before anything is returned: the file's checksum (a corrupted file
+    raises instead of giving different outputs), that its tensors match its metadata, and,
+    with ``model``, that every target exists in it with the saved shape and layout and, for
+    variants derived from their base weights (PiSSA, AntiPaSTO), that the weights are the
+    same (fingerprint). With ``model`` the tensors move to each target weight's device.
+    A file saved with ``trainable_only=True`` needs ``model``: its buffers are rebuilt from
+    it. Params come back as leaf tensors with ``requires_grad=True``.
     """
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"no adapter file at {path}")
+        raise FileNotFoundError(f"no adapter file at {path}; pass the path of a file written by lora_func.save")
     tensors, metadata = _read(path)
     if metadata.get("format") != FORMAT:
-        hint = " (a peft checkpoint? use lora_func.load_peft)" if "adapter_model" in path.name else ""
+        hint = " (a peft checkpoint? use lora_func.load_peft on its directory)" if "adapter_model" in path.name else ""
         raise ValueError(f"{path} is not a lora_func adapter file: its metadata has no format={FORMAT!r}{hint}")
     if metadata.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{path} has format_version {metadata.get('format_version')!r}; this lora_func reads {FORMAT_VERSION!r}")
-    spec = AdapterSpec.from_json(metadata["spec"])
-    layers = [_layer_from_json(d) for d in json.loads(metadata["layers"])]
-    expected = {f"params/{k}" for layer in layers for k in layer.param_keys()} | {
-        f"buffers/{k}" for layer in layers for k in layer.buffer_keys()
-    }
+    tree, trainable_only, buffer_digests, digest = _parse(path, metadata)
+    expected = _expected_tensors(tree, trainable_only)
     missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
     if missing or unexpected:
-        raise ValueError(f"{path} is inconsistent: missing tensors {missing}, unexpected tensors {unexpected}")
+        raise ValueError(
+            f"{path} is inconsistent: missing tensors {missing}, unexpected tensors {unexpected}; "
+            f"the file was edited or assembled by hand: save the adapter again"
+        )
+    if _digest(tensors) != digest:
+        raise ValueError(f"{path} is corrupted: its tensors do not match the checksum saved with them; save the adapter again")
+    leaves = {prefix: leaf for prefix, leaf in _leaves(tree)}
+    layers_of = {prefix: [_layer_from_json(d) for d in leaf["layers"]] for prefix, leaf in leaves.items()}
+    with_buffers = sorted(layer.target.module for layers in layers_of.values() for layer in layers if layer.buffer_shapes)
+    if trainable_only and with_buffers and model is None:
+        raise ValueError(
+            f"{path} holds only the trainable tensors (saved with trainable_only=True); pass model=... (the model "
+            f"it was trained on) so that load can rebuild the buffers of {with_buffers[:3]}"
+        )
     devices: dict[str, torch.device] = {}
+    rebuilt: dict[str, Tensor] = {}
     if model is not None:
         base = base_params(model)
-        problems = []
-        for layer in layers:
-            t = layer.target
-            stored = (t.d_out, t.d_in) if t.layout == "linear" else (t.d_in, t.d_out)
-            if t.weight_key not in base:
-                problems.append(f"{t.weight_key}: not in the model")
-            elif tuple(base[t.weight_key].shape) != stored:
-                problems.append(f"{t.weight_key}: adapter built for {stored}, model has {tuple(base[t.weight_key].shape)}")
-            elif layer.base_fingerprint is not None and weight_fingerprint(base[t.weight_key]) != layer.base_fingerprint:
-                problems.append(
-                    f"{t.weight_key}: the adapter was derived from different base weights "
-                    f"(fingerprint {layer.base_fingerprint}, model {weight_fingerprint(base[t.weight_key])})"
-                )
-            else:
-                devices[t.module] = base[t.weight_key].device
+        problems = _model_problems(base, [layer for layers in layers_of.values() for layer in layers])
         if problems:
-            raise ValueError(f"{path} does not fit {type(model).__name__}: {sorted(problems)}")
+            raise ValueError(
+                f"{path} does not fit {type(model).__name__}: {problems}; load it onto the model the adapter was built on"
+            )
+        devices = {layer.target.module: base[layer.target.weight_key].device for layers in layers_of.values() for layer in layers}
+        if trainable_only:
+            for prefix, layers in layers_of.items():
+                spec = AdapterSpec.from_json(json.dumps(leaves[prefix]["spec"]))
+                for layer in layers:
+                    if layer.buffer_shapes:
+                        expected_digest = buffer_digests.get(prefix, {}).get(layer.target.module)
+                        for name, value in _rebuild_buffers(path, model, spec, layer, expected_digest).items():
+                            rebuilt[f"buffers/{prefix}{layer.target.module}.{name}"] = value
+    tensors |= rebuilt
+    return _build(tree, "", tensors, devices)
+
+
+def _build(tree: dict, prefix: str, tensors: Mapping[str, Tensor], devices: Mapping[str, torch.device]) -> AdapterLike:
+    if tree["kind"] == "composed":
+        return Composed([_build(part, f"{prefix}{i}/", tensors, devices) for i, part in enumerate(tree["parts"])])
+    if tree["kind"] == "combined":
+        parts = [_build(part, f"{prefix}{i}/", tensors, devices) for i, part in enumerate(tree["parts"])]
+        weights = tensors[f"params/{prefix}weights"].to(_device_of(parts[0]))
+        return Combined(parts, weights.requires_grad_(bool(tree["weights_requires_grad"])))
+    spec = AdapterSpec.from_json(json.dumps(tree["spec"]))
+    layers = [_layer_from_json(d) for d in tree["layers"]]
+    members = None
+    if tree["members"] is not None:
+        members = [
+            (AdapterSpec.from_json(json.dumps(s)), tuple(_layer_from_json(d) for d in ls)) for s, ls in tree["members"]
+        ]
     params, buffers = {}, {}
     for layer in layers:
         device = devices.get(layer.target.module, torch.device("cpu"))
         for key in layer.param_keys():
-            params[key] = tensors[f"params/{key}"].to(device).requires_grad_(True)
+            params[key] = tensors[f"params/{prefix}{key}"].to(device).requires_grad_(True)
         for key in layer.buffer_keys():
-            buffers[key] = tensors[f"buffers/{key}"].to(device)
-    return Adapter(params, buffers, spec, layers)
+            buffers[key] = tensors[f"buffers/{prefix}{key}"].to(device)
+    return Adapter(params, buffers, spec, layers, members)
+
+
+def _device_of(adapter: AdapterLike) -> torch.device:
+    for tensor in (*adapter.params.values(), *adapter.buffers.values()):
+        return tensor.device
+    return torch.device("cpu")

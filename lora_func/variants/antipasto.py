@@ -207,10 +207,9 @@ VARIANT = Variant(
     activation_form=activation_form,
     options={"max_rotation_angle": math.pi / 3, "rotate_u": False, "steer": 1.0},
     default_alpha=1.0,
-    # P and P_u carry the rank on both axes (zero-padding both is exact: the Cayley transform of
-    # a block-diagonal skew matrix is block-diagonal with an identity block); the mapping holds
-    # one axis per tensor, so they are left out here.
-    rank_axes={"delta_s": 0, "U": 1, "S": 0, "V": 1},
+    # P and P_u carry the rank on both axes: zero-padding both is exact, since the Cayley
+    # transform of a block-diagonal skew matrix is block-diagonal with an identity block.
+    rank_axes={"delta_s": 0, "P": (0, 1), "P_u": (0, 1), "U": 1, "S": 0, "V": 1},
     check_options=check_options,
     records_base=True,
 )

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lora_func._types import BaseLayer, LayerInfo, TensorDict, Variant, kaiming_uniform
+from lora_func._types import BaseLayer, LayerInfo, TensorDict, Variant, kaiming_uniform, layer_rank
 
 NORM_CLAMP = 1e-4  # peft's clamp on the per-rank norms of A and B
 
@@ -56,7 +56,7 @@ def init(
     return params, {"delora_w_norm": w_norm.to(device, dtype)}
 
 
-def _rank_scale(params: TensorDict, r: int) -> Tensor:
+def _rank_scale(params: TensorDict, r: int | Tensor) -> Tensor:
     """``(lambda / r) / (a_i b_i)``, shape ``(r,)``, in at least fp32."""
     ct = _compute_dtype(params["delora_A"].dtype)
     a_norm = torch.linalg.vector_norm(params["delora_A"].to(ct), dim=1).clamp(min=NORM_CLAMP)
@@ -69,7 +69,7 @@ def weight_form(
 ) -> tuple[Tensor, Tensor | None]:
     a, b = params["delora_A"], params["delora_B"]
     ct = _compute_dtype(a.dtype)
-    scale = _rank_scale(params, info.r)
+    scale = _rank_scale(params, layer_rank(info, buffers))
     delta = (b.to(ct) * scale) @ (a.to(ct) * buffers["delora_w_norm"].to(ct))
     return weight + delta.to(weight.dtype), bias
 
@@ -81,7 +81,7 @@ def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: Ba
     # peft's order: (x ⊙ w_norm) Aᵀ, times the per-rank scale, then Bᵀ. The first product
     # runs in the adapter dtype; from the scale on (≈1e4 at init) it runs in >= fp32.
     h = (x.to(a.dtype) * buffers["delora_w_norm"]) @ a.T
-    delta = (h.to(ct) * _rank_scale(params, info.r)) @ b.to(ct).T
+    delta = (h.to(ct) * _rank_scale(params, layer_rank(info, buffers))) @ b.to(ct).T
     return y + delta.to(y.dtype)
 
 

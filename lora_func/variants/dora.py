@@ -51,7 +51,7 @@ def init(
 def weight_form(
     params: TensorDict, buffers: TensorDict, weight: Tensor, bias: Tensor | None, info: LayerInfo
 ) -> tuple[Tensor, Tensor | None]:
-    s = lora_scale(info)
+    s = lora_scale(info, buffers)
     lora_a, lora_b, magnitude = params["lora_A"], params["lora_B"], params[MAGNITUDE]
     norm = _row_norm(weight, lora_a, lora_b, s)
     k = (magnitude / norm).to(weight.dtype)
@@ -59,7 +59,7 @@ def weight_form(
 
 
 def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: BaseLayer, info: LayerInfo) -> Tensor:
-    s = lora_scale(info)
+    s = lora_scale(info, buffers)
     lora_a, lora_b, magnitude = params["lora_A"], params["lora_B"], params[MAGNITUDE]
     y = base(x)
     # The dense W is needed every step for the norm (DoRA's inherent cost).

@@ -90,7 +90,7 @@ def weight_form(
 ) -> tuple[Tensor, Tensor | None]:
     # ``weight`` is deliberately unused beyond its dtype: PiSSA replaces the base by W_res.
     w_res = buffers["W_res"].to(weight.dtype)
-    return w_res + lora_scale(info) * (params["lora_B"] @ params["lora_A"]), bias
+    return w_res + lora_scale(info, buffers) * (params["lora_B"] @ params["lora_A"]), bias
 
 
 def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: BaseLayer, info: LayerInfo) -> Tensor:
@@ -99,7 +99,7 @@ def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: Ba
     # as peft's residualised base layer does; the low-rank path as in LoRA.
     y = F.linear(x, buffers["W_res"].to(base.weight.dtype), base.bias)
     lora_a, lora_b = params["lora_A"], params["lora_B"]
-    delta = (x.to(lora_a.dtype) @ lora_a.T) @ lora_b.T * lora_scale(info)
+    delta = (x.to(lora_a.dtype) @ lora_a.T) @ lora_b.T * lora_scale(info, buffers)
     return y + delta.to(y.dtype)
 
 
@@ -122,4 +122,5 @@ VARIANT = Variant(
     rank_axes={"lora_A": 0, "lora_B": 1},
     check_options=check_options,
     records_base=True,
+    replaces_weight=True,
 )

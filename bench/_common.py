@@ -1,0 +1,389 @@
+"""Shared pieces of the benchmark scripts: the model, the inputs, the adapters (ours and peft's),
+the training step, and an interleaved timer.
+
+Definitions used by every script (see docs/benchmarks.md):
+
+- A *step* is one forward pass, a cross-entropy loss over every position, and one backward
+  pass computing the gradients of the adapter's trainable tensors AND of the input
+  embeddings (``torch.autograd.grad``); no optimizer update.
+- The *frozen base* step is the same model with no adapter, every weight
+  ``requires_grad=False``, called directly (no ``functional_call``), with the same input
+  embeddings (which require grad), so it runs the full backward down to the embeddings.
+  Every adapted step runs that same backward, so ``ratio = step / frozen base step``
+  isolates the adapter's cost (its extra math, its Python overhead, its extra memory traffic).
+- peft configurations use exactly the same model weights, inputs, loss and backward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import gc
+import math
+import os
+import platform
+import random
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import lora_func as lf
+
+ALL_VARIANTS = ("lora", "pissa", "delora", "ia3", "ia3_ff", "ia3_kv_down", "dora", "hra", "eva", "antipasto")
+# Target modules per benchmark row; "ia3_kv_down" is peft's usual IA3 recipe (k, v scaled on the
+# output, down_proj on the input): ours is compose(ia3 on k/v, ia3_ff on down_proj).
+QV = ("q_proj", "v_proj")
+ROW_TARGETS = {
+    "lora": QV, "pissa": QV, "delora": QV, "dora": QV, "hra": QV, "eva": QV, "antipasto": QV,
+    "ia3": ("k_proj", "v_proj"), "ia3_ff": ("down_proj",), "ia3_kv_down": ("k_proj", "v_proj", "down_proj"),
+}
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="base model dtype")
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=2048)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--rank", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (CPU)")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def setup(args: argparse.Namespace) -> None:
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    random.seed(args.seed)
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_line(args: argparse.Namespace) -> str:
+    dev = args.device
+    if dev.startswith("cuda"):
+        dev = f"{dev} ({torch.cuda.get_device_name()})"
+    else:
+        dev = f"cpu ({_cpu_name()}, {args.threads} threads of {os.cpu_count()} cores)"
+    return f"torch {torch.__version__}, {dev}, base dtype {args.dtype}"
+
+
+@dataclasses.dataclass
+class Setup:
+    """The frozen model, its base dict, and the step inputs."""
+
+    model: nn.Module
+    base: dict[str, Tensor]
+    embeds: Tensor  # (batch, seq, hidden), requires grad: the backward reaches the embeddings
+    labels: Tensor  # (batch * seq,)
+    calib_ids: Tensor  # (batch, seq) token ids for EVA's calibration
+    dtype: torch.dtype
+    device: torch.device
+
+
+def build_model(args: argparse.Namespace, *, layers: int | None = None, hidden: int | None = None) -> nn.Module:
+    """A Llama with random weights: hidden ``--hidden``, 4 heads of hidden/4 (MHA), MLP 2.6875 x
+    hidden (688 at 256), vocab ``--vocab``, SDPA attention, eval mode, frozen."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hidden = hidden or args.hidden
+    torch.manual_seed(args.seed)
+    heads = max(1, hidden // 64)
+    config = LlamaConfig(
+        vocab_size=args.vocab, hidden_size=hidden, intermediate_size=int(hidden * 2.6875), num_hidden_layers=layers or args.layers,
+        num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=max(256, args.seq),
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, attn_implementation="sdpa",
+    )
+    model = LlamaForCausalLM(config).to(device=args.device, dtype=getattr(torch, args.dtype)).eval()
+    model.requires_grad_(False)
+    return model
+
+
+def build_setup(args: argparse.Namespace, *, layers: int | None = None, hidden: int | None = None) -> Setup:
+    model = build_model(args, layers=layers, hidden=hidden)
+    dtype = getattr(torch, args.dtype)
+    g = torch.Generator().manual_seed(args.seed + 1)
+    ids = torch.randint(3, args.vocab, (args.batch, args.seq), generator=g)
+    with torch.no_grad():
+        embeds = model.get_input_embeddings()(ids.to(args.device))
+    labels = torch.randint(0, args.vocab, (args.batch * args.seq,), generator=g).to(args.device)
+    calib = torch.randint(3, args.vocab, (args.batch, args.seq), generator=g).to(args.device)
+    return Setup(model, lf.base_params(model), embeds.detach().clone().requires_grad_(True), labels, calib, dtype, torch.device(args.device))
+
+
+def loss_of(logits: Tensor, labels: Tensor) -> Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels)
+
+
+# ------------------------------------------------------------------------------ adapters
+
+
+def _perturbed(adapter: Any, scale: float = 0.02, seed: int = 3) -> Any:
+    """The adapter with every trainable tensor moved off its init (B = 0 etc.), values only."""
+    g = torch.Generator().manual_seed(seed)
+    params = {
+        k: (v.detach() + scale * torch.randn(v.shape, generator=g, dtype=torch.float32).to(v)).requires_grad_(True)
+        for k, v in adapter.params.items()
+    }
+    return adapter.with_params(params)
+
+
+def our_adapter(s: Setup, row: str, rank: int, *, targets: Sequence[str] | None = None) -> Any:
+    """Our adapter for a benchmark row (perturbed off its init)."""
+    targets = list(targets or ROW_TARGETS[row])
+    model = s.model
+    if row == "ia3_kv_down":
+        kv = [t for t in targets if t != "down_proj"]
+        down = [t for t in targets if t == "down_proj"]
+        parts = []
+        if kv:
+            parts.append(lf.init_adapter(model, lf.AdapterSpec("ia3", kv), generator=torch.Generator().manual_seed(0)))
+        if down:
+            parts.append(lf.init_adapter(model, lf.AdapterSpec("ia3_ff", down), generator=torch.Generator().manual_seed(0)))
+        return _perturbed(lf.compose(*parts))
+    options: dict[str, Any] = {}
+    calibration = None
+    if row == "eva":
+        calibration = [{"input_ids": s.calib_ids}]
+    spec = lf.AdapterSpec(row, targets, r=rank, **options)
+    adapter = lf.init_adapter(model, spec, generator=torch.Generator().manual_seed(0), calibration=calibration)
+    return _perturbed(adapter)
+
+
+def peft_model(s: Setup, row: str, rank: int, *, targets: Sequence[str] | None = None) -> nn.Module | None:
+    """peft's model for a benchmark row on a deep copy of the same weights, or ``None`` when
+    peft has no such adapter (antipasto)."""
+    import peft
+
+    targets = list(targets or ROW_TARGETS[row])
+    common: dict[str, Any] = {"target_modules": targets}
+    if row in ("lora", "pissa", "dora", "eva"):
+        init = {"lora": True, "dora": True, "pissa": "pissa", "eva": "eva"}[row]
+        extra: dict[str, Any] = {}
+        if row == "eva":
+            extra["eva_config"] = peft.EvaConfig(rho=1.0)
+        config = peft.LoraConfig(r=rank, lora_alpha=8, lora_dropout=0.0, init_lora_weights=init, use_dora=row == "dora", **common, **extra)
+    elif row == "delora":
+        config = peft.DeloraConfig(r=rank, delora_lambda=15, **common)
+    elif row == "hra":
+        config = peft.HRAConfig(r=rank, **common)
+    elif row in ("ia3", "ia3_ff", "ia3_kv_down"):
+        config = peft.IA3Config(feedforward_modules=[t for t in targets if t == "down_proj"], **common)
+    else:
+        return None
+    model = copy.deepcopy(s.model)
+    if row == "eva":
+        # EVA needs a model whose forward takes input_ids; calibrate on the same ids as ours.
+        pm = peft.get_peft_model(model, config, low_cpu_mem_usage=True)
+        loader = [{"input_ids": s.calib_ids}]
+        with torch.no_grad():
+            peft.initialize_lora_eva_weights(pm, loader)
+    else:
+        pm = peft.get_peft_model(model, config)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in pm.parameters():
+            if p.requires_grad:
+                p.add_(0.02 * torch.randn(p.shape, generator=g, dtype=torch.float32).to(p))
+    return pm
+
+
+# ------------------------------------------------------------------------------ steps
+
+
+@dataclasses.dataclass
+class Step:
+    """``forward()`` returns the loss; ``step()`` is forward + backward (the timed unit)."""
+
+    forward: Callable[[], Tensor]
+    inputs: list[Tensor]  # what the backward differentiates: the embeddings, then the trainables
+
+    def step(self) -> Any:
+        return torch.autograd.grad(self.forward(), self.inputs)
+
+
+def base_step(s: Setup) -> Step:
+    model, embeds, labels = s.model, s.embeds, s.labels
+    return Step(lambda: loss_of(model(inputs_embeds=embeds).logits, labels), [embeds])
+
+
+def our_step(s: Setup, adapter: Any, *, merged: bool) -> Step:
+    """``functional_call(model, overlay(base, adapter), ...)``: the overlay is rebuilt every step,
+    as in a training loop whose adapter values change."""
+    model, base, embeds, labels = s.model, s.base, s.embeds, s.labels
+    make = lf.merge_overlay if merged else lf.overlay
+
+    def forward() -> Tensor:
+        out = torch.func.functional_call(model, make(base, adapter), (), {"inputs_embeds": embeds}, tie_weights=True, strict=False)
+        return loss_of(out.logits, labels)
+
+    return Step(forward, [embeds, *adapter.params.values()])
+
+
+def peft_step(s: Setup, pm: nn.Module) -> Step:
+    embeds, labels = s.embeds, s.labels
+    return Step(lambda: loss_of(pm(inputs_embeds=embeds).logits, labels), [embeds, *(p for p in pm.parameters() if p.requires_grad)])
+
+
+# ------------------------------------------------------------------------------ timing
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+# What the timer reads: "wall" (time.perf_counter, the default and the one the targets are
+# stated in) or "cpu" (time.process_time: CPU seconds of all this process's threads, far less
+# sensitive to other processes on a shared machine, but it weighs single-threaded Python
+# overhead half as much as 2-thread kernels). Set by the scripts' --clock option.
+CLOCK = {"now": time.perf_counter}
+
+
+def set_clock(kind: str) -> None:
+    CLOCK["now"] = {"wall": time.perf_counter, "cpu": time.process_time}[kind]
+
+
+def timed(fn: Callable[[], Any], device: torch.device) -> float:
+    now = CLOCK["now"]
+    _sync(device)
+    t0 = now()
+    fn()
+    _sync(device)
+    return now() - t0
+
+
+@dataclasses.dataclass
+class RatioStats:
+    median: float  # median over rounds of the paired ratio (the headline number)
+    q1: float  # first and third quartiles of the paired ratio: the noise
+    q3: float
+    ms: float  # median step time, milliseconds
+    best: float  # fastest time of this step / fastest time of the baseline (timeit's estimator)
+
+    def fmt(self) -> str:
+        return f"{self.median:.3f}"
+
+
+def _rounds(
+    steps: dict[str, Callable[[], Any]],
+    baseline: str,
+    names: list[str],
+    rounds: int,
+    base_every: int,
+    rng: random.Random,
+    device: torch.device,
+    ratios: dict[str, list[float]],
+    times: dict[str, list[float]],
+) -> None:
+    for _ in range(rounds):
+        order = names[:]
+        rng.shuffle(order)
+        gc.collect()  # between rounds, outside any timing
+        before = timed(steps[baseline], device)
+        times[baseline].append(before)
+        pending: list[tuple[str, float]] = []
+        for i, n in enumerate(order):
+            pending.append((n, timed(steps[n], device)))
+            if (i + 1) % base_every == 0 or i == len(order) - 1:
+                after = timed(steps[baseline], device)
+                times[baseline].append(after)
+                ref = 0.5 * (before + after)
+                for pn, t in pending:
+                    ratios[pn].append(t / ref)
+                    times[pn].append(t)
+                pending, before = [], after
+
+
+def interleaved_ratios(
+    steps: dict[str, Callable[[], Any]], baseline: str, *, rounds: int, warmup: int, device: torch.device, base_every: int = 3, seed: int = 0
+) -> tuple[dict[str, RatioStats], float]:
+    """Median over ``rounds`` of ``time(step) / time(baseline)``.
+
+    Every round runs each step once, in a fresh random order, with the baseline re-timed
+    before the first step and after every ``base_every`` steps; each step's ratio is taken
+    against the mean of the two baseline timings around it, so slow drifts and bursts of load
+    from other processes hit numerator and denominator alike. Returns the stats per step and
+    the round-to-round noise of the baseline (interquartile range / median of its timings).
+    """
+    rng = random.Random(seed)
+    names = [n for n in steps if n != baseline]
+    for _ in range(warmup):
+        for fn in steps.values():
+            fn()
+    ratios: dict[str, list[float]] = {n: [] for n in names}
+    times: dict[str, list[float]] = {n: [] for n in steps}
+    gc_was_enabled = gc.isenabled()
+    gc.disable()  # as timeit does: a collection would land in whichever step allocated last
+    try:
+        _rounds(steps, baseline, names, rounds, base_every, rng, device, ratios, times)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    stats = {}
+    for n in names:
+        qs = statistics.quantiles(ratios[n], n=4) if len(ratios[n]) > 1 else [ratios[n][0]] * 3
+        best = min(times[n]) / min(times[baseline])
+        stats[n] = RatioStats(statistics.median(ratios[n]), qs[0], qs[2], 1e3 * statistics.median(times[n]), best)
+    bt = times[baseline]
+    bq = statistics.quantiles(bt, n=4) if len(bt) > 1 else [bt[0]] * 3
+    stats[baseline] = RatioStats(1.0, 1.0, 1.0, 1e3 * statistics.median(bt), 1.0)
+    return stats, (bq[2] - bq[0]) / statistics.median(bt)
+
+
+# ------------------------------------------------------------------------------ memory
+
+
+def saved_tensor_bytes(fn: Callable[[], Any], exclude: Sequence[Tensor]) -> int:
+    """Bytes of the distinct storages autograd saves for backward while running ``fn`` (the
+    forward), excluding the storages of ``exclude`` (weights, adapter tensors, inputs): the
+    activation memory a step adds. Deterministic, so usable on a noisy CPU."""
+    skip = {t.untyped_storage().data_ptr() for t in exclude if t.device.type != "meta"}
+    seen: dict[int, int] = {}
+
+    def pack(t: Tensor) -> Tensor:
+        try:
+            st = t.untyped_storage()
+            ptr = st.data_ptr()
+            if ptr not in skip:
+                seen[ptr] = max(seen.get(ptr, 0), st.nbytes())
+        except (RuntimeError, NotImplementedError):  # a subclass without storage
+            pass
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())
+
+
+def cuda_peak_bytes(fn: Callable[[], Any]) -> int:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - start
+
+
+def fmt_bytes(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def geo(xs: Sequence[float]) -> float:
+    return math.exp(sum(math.log(x) for x in xs) / len(xs))

@@ -1,0 +1,323 @@
+"""What the functional design buys: per-example gradients, mixed-adapter batches, ensembles.
+
+One tiny Llama (hidden 256, 4 layers, batch 16 x 64 tokens, LoRA r=8 on q_proj/v_proj by
+default), CPU, one run:
+
+1. per-example gradients: ``lora_func.per_example_grads`` (``vmap(grad)``) against the
+   batched backward of the same loss, a Python loop, and, when installed, peft + ``vmap(grad)``
+   and Opacus (``GradSampleModule`` hooks) on a peft model with the same weights;
+2. mixed-adapter batches: 16 distinct adapters in one batch (``mixed_call``) against one
+   adapter for the whole batch, forward and training step, and peft's ``adapter_names``
+   (inference only) against peft with one adapter;
+3. ensembles: ``ensemble_call`` over K adapters, peak allocated CPU memory of the lazy path
+   against the merged one (which builds K merged copies of every target weight).
+
+Timings are interleaved rounds (each round runs every method once) and each ratio is the
+median over rounds of the per-round ratio, so a machine whose load drifts during the run
+(shared CI runners) biases every method alike. The default clock is this process's CPU time
+on one thread (``--clock cpu --threads 1``): on a shared machine other processes then cost
+nothing; ``--clock wall --threads N`` measures elapsed time on N threads.
+
+Run: python bench/functional.py [--rounds 7] [--clock cpu|wall] [--threads 1] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.func import functional_call, grad, vmap
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import lora_func as lf
+from lora_func.batching import ensemble_call, mixed_call, per_example_grads
+
+TARGETS = ["q_proj", "v_proj"]
+
+
+def build(hidden: int, layers: int, vocab: int, seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 8 // 3, num_hidden_layers=layers,
+        num_attention_heads=max(hidden // 32, 1), num_key_value_heads=max(hidden // 64, 1),
+        max_position_embeddings=256, use_cache=False,
+    )
+    model = LlamaForCausalLM(config).eval()
+    model.set_attn_implementation("eager")  # vmap needs eager attention (lora_func.batching)
+    return model
+
+
+def batch(size: int, length: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and a left-padded attention mask (per-example lengths), as a real batch."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, vocab, (size, length), generator=g)
+    pad = torch.randint(0, length // 4, (size,), generator=g)
+    mask = (torch.arange(length)[None] >= pad[:, None]).long()
+    return ids, mask
+
+
+def token_loss(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean over examples of each example's mean next-token cross-entropy on its real tokens."""
+    labels = ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
+    per_token = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels.flatten(), reduction="none").view(labels.shape)
+    return (per_token.sum(1) / (labels != -100).sum(1)).mean()
+
+
+def perturbed(adapter: lf.Adapter, seed: int) -> lf.Adapter:
+    """The adapter with small random non-zero params (a trained-looking adapter, B != 0)."""
+    g = torch.Generator().manual_seed(seed)
+    return adapter.with_params({k: (0.02 * torch.randn(v.shape, generator=g)).requires_grad_() for k, v in adapter.params.items()})
+
+
+CLOCK = {"cpu": time.process_time, "wall": time.perf_counter}
+clock = CLOCK["cpu"]
+
+
+def timed_rounds(methods: dict[str, Callable[[], object]], rounds: int) -> dict[str, list[float]]:
+    for fn in methods.values():  # warm-up (allocator, lazy init)
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in methods}
+    for _ in range(rounds):
+        for name, fn in methods.items():
+            start = clock()
+            fn()
+            times[name].append(clock() - start)
+    return times
+
+
+def ratio(times: dict[str, list[float]], name: str, reference: str) -> float:
+    return statistics.median(a / b for a, b in zip(times[name], times[reference], strict=True))
+
+
+def print_table(title: str, times: dict[str, list[float]], references: dict[str, str]) -> None:
+    print(f"\n{title}")
+    print(f"  {'method':<52} {'median ms':>10} {'ratio':>7}  vs")
+    for name, seconds in times.items():
+        ref = references.get(name)
+        shown = f"{ratio(times, name, ref):7.2f}  {ref}" if ref else f"{'1.00':>7}"
+        print(f"  {name:<52} {1e3 * statistics.median(seconds):10.1f} {shown}")
+
+
+def peak_allocated(fn: Callable[[], object]) -> int:
+    """Peak bytes allocated on the CPU while ``fn`` runs (torch profiler memory events)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        with open(f.name) as handle:
+            events = json.load(handle)["traceEvents"]
+    return max((e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]"), default=0)
+
+
+def peft_model(model: LlamaForCausalLM, adapters: list[lf.Adapter], r: int, alpha: float):
+    """A peft copy of ``model`` with the adapters loaded as "a0", "a1", ... (same weights)."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=r, lora_alpha=alpha, target_modules=TARGETS, lora_dropout=0.0)
+    peft = get_peft_model(copy.deepcopy(model), config, adapter_name="a0")
+    for i in range(1, len(adapters)):
+        peft.add_adapter(f"a{i}", config)
+    with torch.no_grad():
+        for name, module in peft.named_modules():
+            if hasattr(module, "lora_A") and len(module.lora_A):
+                key = name.removeprefix("base_model.model.")
+                for i, adapter in enumerate(adapters):
+                    module.lora_A[f"a{i}"].weight.copy_(adapter.params[f"{key}.lora_A"])
+                    module.lora_B[f"a{i}"].weight.copy_(adapter.params[f"{key}.lora_B"])
+    peft.set_adapter("a0")
+    return peft.eval()
+
+
+def per_example_section(model, adapter, ids, mask, r, alpha, rounds):
+    base = lf.base_params(model)
+    params = {k: v.detach() for k, v in adapter.params.items()}
+
+    def loss(a, ids_, mask_):
+        return token_loss(lf.adapted_call(model, a, ids_, attention_mask=mask_, base=base).logits, ids_, mask_)
+
+    def batched():
+        return grad(lambda p: loss(adapter.with_params(p), ids, mask))(params)
+
+    leaves = {k: v.detach().requires_grad_(True) for k, v in adapter.params.items()}
+
+    def batched_backward():
+        for leaf in leaves.values():
+            leaf.grad = None
+        loss(adapter.with_params(leaves), ids, mask).backward()
+
+    def vmap_grad():
+        f = grad(lambda p, i, m: loss(adapter.with_params(p), i[None], m[None]))
+        return vmap(f, in_dims=(None, 0, 0))(params, ids, mask)
+
+    def loop():
+        return [grad(lambda p: loss(adapter.with_params(p), ids[i : i + 1], mask[i : i + 1]))(params) for i in range(len(ids))]  # noqa: B023 (called at once)
+
+    reference = "lora_func batched .backward()"
+    methods = {
+        reference: batched_backward,
+        "lora_func batched torch.func.grad": batched,
+        "lora_func per_example_grads": lambda: per_example_grads(loss, adapter, ids, mask),
+        "lora_func vmap(grad) (the torch.func idiom)": vmap_grad,
+        "lora_func Python loop over examples": loop,
+    }
+    references = {name: reference for name in methods if name != reference}
+    try:
+        peft = peft_model(model, [adapter], r, alpha)
+    except ImportError:
+        peft = None
+        print("peft not installed: no peft columns")
+    if peft is not None:
+        trainable = {n: p for n, p in peft.named_parameters() if p.requires_grad}
+
+        def peft_loss(p, ids_, mask_):
+            return token_loss(functional_call(peft, p, (ids_,), {"attention_mask": mask_}).logits, ids_, mask_)
+
+        def peft_backward():
+            for p in trainable.values():
+                p.grad = None
+            token_loss(peft(ids, attention_mask=mask).logits, ids, mask).backward()
+
+        detached = {n: p.detach() for n, p in trainable.items()}
+        methods["peft batched backward"] = peft_backward
+        methods["peft + vmap(grad) per example"] = lambda: vmap(
+            grad(lambda p, i, m: peft_loss(p, i[None], m[None])), in_dims=(None, 0, 0)
+        )(detached, ids, mask)
+        references["peft + vmap(grad) per example"] = "peft batched backward"
+        try:
+            import opacus
+            from opacus import GradSampleModule
+        except ImportError:
+            print("opacus not installed: no Opacus column")
+        else:
+            gsm = GradSampleModule(peft_model(model, [adapter], r, alpha).train(), loss_reduction="mean")  # hooks record in train mode only
+
+            def opacus_step():
+                gsm.zero_grad(set_to_none=True)
+                token_loss(gsm(ids, attention_mask=mask).logits, ids, mask).backward()
+                return [p.grad_sample for p in gsm.parameters() if p.requires_grad]
+
+            methods[f"opacus {opacus.__version__} GradSampleModule (peft model)"] = opacus_step
+            references[f"opacus {opacus.__version__} GradSampleModule (peft model)"] = "peft batched backward"
+    times = timed_rounds(methods, rounds)
+    print_table(f"Per-example gradients, batch {tuple(ids.shape)} (target: per_example_grads <= 1.10x batched backward)", times, references)
+    return ratio(times, "lora_func per_example_grads", reference)
+
+
+def mixed_section(model, adapters, ids, mask, r, alpha, rounds):
+    base = lf.base_params(model)
+    stacked = lf.stack(adapters)
+    index = torch.arange(len(ids)) % len(adapters)
+    one = adapters[0]
+
+    def single_forward():
+        with torch.no_grad():
+            return lf.adapted_call(model, one, ids, attention_mask=mask, base=base).logits
+
+    def mixed_forward():
+        with torch.no_grad():
+            return mixed_call(model, stacked, index, ids, attention_mask=mask, base=base).logits
+
+    def single_train():
+        f = lambda p: token_loss(lf.adapted_call(model, one.with_params(p), ids, attention_mask=mask, base=base).logits, ids, mask)
+        return grad(f)({k: v.detach() for k, v in one.params.items()})
+
+    def mixed_train():
+        def f(p):
+            logits = mixed_call(model, stacked.with_params(p), index, ids, attention_mask=mask, base=base).logits
+            return token_loss(logits, ids, mask)
+
+        return grad(f)({k: v.detach() for k, v in stacked.params.items()})
+
+    n = len(adapters)
+    methods = {
+        "lora_func one adapter, forward": single_forward,
+        f"lora_func {n} adapters mixed_call, forward": mixed_forward,
+        "lora_func one adapter, grad step": single_train,
+        f"lora_func {n} adapters mixed_call, grad step": mixed_train,
+    }
+    references = {
+        f"lora_func {n} adapters mixed_call, forward": "lora_func one adapter, forward",
+        f"lora_func {n} adapters mixed_call, grad step": "lora_func one adapter, grad step",
+    }
+    try:
+        peft = peft_model(model, adapters, r, alpha)
+    except ImportError:
+        peft = None
+    if peft is not None:
+        names = [f"a{int(i)}" for i in index]
+
+        def peft_single():
+            with torch.no_grad():
+                return peft(ids, attention_mask=mask).logits
+
+        def peft_mixed():
+            with torch.no_grad():
+                return peft(ids, attention_mask=mask, adapter_names=names).logits
+
+        methods["peft one adapter, forward"] = peft_single
+        methods[f"peft {n} adapters adapter_names, forward"] = peft_mixed
+        references[f"peft {n} adapters adapter_names, forward"] = "peft one adapter, forward"
+    times = timed_rounds(methods, rounds)
+    print_table(f"Mixed-adapter batch, {n} distinct adapters, batch {tuple(ids.shape)} (target <= 1.10x one adapter)", times, references)
+    return ratio(times, f"lora_func {n} adapters mixed_call, forward", "lora_func one adapter, forward")
+
+
+def ensemble_section(model, adapters, ids, mask) -> None:
+    base = lf.base_params(model)
+    stacked = lf.stack(adapters)
+    k = len(adapters)
+    target_bytes = sum(base[layer.target.weight_key].nbytes for layer in adapters[0].layers)
+
+    def run(merged: bool):
+        with torch.no_grad():
+            return ensemble_call(model, stacked, ids, attention_mask=mask, base=base, merged=merged).logits
+
+    lazy, merged = peak_allocated(lambda: run(False)), peak_allocated(lambda: run(True))
+    print(f"\nEnsemble of K={k} adapters, batch {tuple(ids.shape)}: peak allocated CPU memory during ensemble_call")
+    print(f"  lazy overlay (default) {lazy / 2**20:8.1f} MiB")
+    print(f"  merged weights         {merged / 2**20:8.1f} MiB")
+    print(f"  K merged copies of the {len(adapters[0].layers)} target weights would be {k * target_bytes / 2**20:.1f} MiB")
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--clock", choices=sorted(CLOCK), default="cpu", help="process CPU time (default) or wall time")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, 1 round (a smoke test)")
+    args = parser.parse_args(argv)
+    global clock
+    clock = CLOCK[args.clock]
+    torch.set_num_threads(args.threads)
+    if args.quick:
+        hidden, layers, vocab, size, length, rounds, k = 32, 1, 61, 4, 8, 1, 2
+    else:
+        hidden, layers, vocab, size, length, rounds, k = 256, 4, 512, 16, 64, 7, 8
+        rounds = args.rounds
+    r, alpha = 8 if not args.quick else 2, 16.0
+    model = build(hidden, layers, vocab)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), {args.clock} clock; Llama hidden {hidden}, {layers} layers, "
+          f"vocab {vocab}; LoRA r={r} on {TARGETS}; {rounds} interleaved rounds")
+    spec = lf.AdapterSpec("lora", targets=TARGETS, r=r, alpha=alpha)
+    adapters = [perturbed(lf.init_adapter(model, spec, generator=torch.Generator().manual_seed(i)), i) for i in range(size)]
+    ids, mask = batch(size, length, vocab)
+    results = {
+        "per_example_over_batched": per_example_section(model, adapters[0], ids, mask, r, alpha, rounds),
+        "mixed_over_single": mixed_section(model, adapters, ids, mask, r, alpha, rounds),
+    }
+    ensemble_section(model, adapters[:k], ids[:2], mask[:2])
+    print(f"\nsummary: {json.dumps({key: round(value, 3) for key, value in results.items()})}")
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,200 @@
+"""Where the time goes besides the adapter math.
+
+Four sections (``--sections`` picks some):
+
+- ``calls``: per-call cost of building the overlays (``overlay``, ``merge_overlay``) and of
+  ``functional_call`` itself, on a tiny input so that Python overhead dominates, and how it
+  grows with the number of model layers (the overlay copies the base dict and validates
+  every adapted layer on every call).
+- ``targets``: the LoRA training-step ratio as the number of targeted modules grows
+  (q,v -> q,k,v,o -> every Linear of the blocks).
+- ``rank``: the LoRA training-step ratio as the rank grows.
+- ``inference``: forward-only (``torch.no_grad``) time of the lazy and the merged overlay
+  against the frozen base as the tokens per call grow: where merged is faster.
+
+    python bench/overhead.py
+    python bench/overhead.py --sections inference --device cuda --dtype bfloat16 --hidden 2048 --layers 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see bench/ratios.py
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _common as c
+
+import lora_func as lf
+
+ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _per_call_us(fn, *, reps: int, rounds: int = 9) -> float:
+    """CPU microseconds per call, best of ``rounds``: Python overhead is a floor that other
+    processes on the machine can only add to."""
+    for _ in range(max(3, reps // 10)):
+        fn()
+    samples = []
+    for _ in range(rounds):
+        t0 = time.process_time()
+        for _ in range(reps):
+            fn()
+        samples.append((time.process_time() - t0) / reps)
+    return 1e6 * min(samples)
+
+
+def _call_costs(model: torch.nn.Module, base: dict, adapter: object, ids: torch.Tensor) -> tuple[float, ...]:
+    """CPU microseconds per call: overlay(), merge_overlay(), the direct model call,
+    functional_call with the base dict, functional_call with a prebuilt lazy overlay."""
+    prebuilt = lf.overlay(base, adapter)
+    with torch.no_grad():
+        return (
+            _per_call_us(lambda: lf.overlay(base, adapter), reps=200),
+            _per_call_us(lambda: lf.merge_overlay(base, adapter), reps=50),
+            _per_call_us(lambda: model(ids), reps=20),
+            _per_call_us(lambda: torch.func.functional_call(model, base, (ids,), tie_weights=True, strict=False), reps=20),
+            _per_call_us(lambda: torch.func.functional_call(model, prebuilt, (ids,), tie_weights=True, strict=False), reps=20),
+        )
+
+
+def section_calls(args: argparse.Namespace) -> None:
+    print("## per-call overhead (CPU microseconds per call, best of 9; batch 1 x 1 token, eager attention, no_grad)")
+    print()
+    print(
+        "| model layers | targets (q,v) | overlay() | merge_overlay() | functional_call vs direct call | "
+        "lazy stand-ins (per target call) | model(...) direct |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for layers in (4, 16, 64):
+        s = c.build_setup(args, layers=layers)
+        # Eager attention: CPU SDPA costs milliseconds on a 1-token input and would hide the rest.
+        s.model.config._attn_implementation = "eager"
+        ids = torch.tensor([[5]], device=s.device)
+        adapter = c.our_adapter(s, "lora", args.rank)
+        model, base = s.model, s.base
+        n_targets = len(adapter.layers)
+        ov, mo, direct, fb, fo = _call_costs(model, base, adapter, ids)
+        # The stand-ins' cost is what a LoRA forward with B = 0 adds beyond the base call, minus
+        # the two small matmuls; it is dominated by __torch_function__ dispatch in Python.
+        per_target = (fo - fb) / n_targets
+        print(f"| {layers} | {n_targets} | {ov:.0f} | {mo:.0f} | +{fb - direct:.0f} | {per_target:.0f} | {direct:.0f} |")
+    print()
+
+
+def _ratio_table(args: argparse.Namespace, title: str, configs: list[tuple[str, tuple[str, ...], int]]) -> None:
+    s = c.build_setup(args)
+    steps = {"base": c.base_step(s).step}
+    for label, targets, rank in configs:
+        adapter = c.our_adapter(s, "lora", rank, targets=targets)
+        steps[label] = c.our_step(s, adapter, merged=False).step
+    stats, noise = c.interleaved_ratios(steps, "base", rounds=args.rounds, warmup=1, device=s.device, seed=args.seed)
+    print(f"## {title} (LoRA, lazy overlay; training-step ratio, median of {args.rounds} rounds; base noise {noise:.1%})")
+    print()
+    print("| config | ratio [q1, q3] | extra per targeted module (ms) |")
+    print("|---|---|---|")
+    base_ms = stats["base"].ms
+    for label, targets, _rank in configs:
+        st = stats[label]
+        per = (st.median - 1.0) * base_ms / (len(targets) * args.layers)
+        print(f"| {label} | {st.median:.3f} [{st.q1:.3f}, {st.q3:.3f}] | {per:.2f} |")
+    print()
+
+
+def section_targets(args: argparse.Namespace) -> None:
+    configs = [
+        ("q,v", ("q_proj", "v_proj"), args.rank),
+        ("q,k,v,o", ("q_proj", "k_proj", "v_proj", "o_proj"), args.rank),
+        ("all 7 linears", ALL_LINEAR, args.rank),
+    ]
+    _ratio_table(args, "cost vs targeted modules", configs)
+
+
+def section_rank(args: argparse.Namespace) -> None:
+    configs = [(f"r={r}", ("q_proj", "v_proj"), r) for r in (4, 8, 16, 32, 64)]
+    _ratio_table(args, "cost vs rank (targets q,v)", configs)
+
+
+def section_inference(args: argparse.Namespace) -> None:
+    rows = ("lora", "dora", "hra", "ia3_kv_down")
+    paths = ("lazy", "merged", "merged once")
+    sizes = ((1, 1), (1, 16), (1, 128), (8, 128), (32, 128))
+    cells: dict[tuple[str, str], list[str]] = {(r, p): [] for r in rows for p in paths}
+    for batch, seq in sizes:
+        sub = argparse.Namespace(**{**vars(args), "batch": batch, "seq": seq})
+        s = c.build_setup(sub)
+        model, base, embeds = s.model, s.base, s.embeds.detach()
+        steps = {"base": lambda model=model, embeds=embeds: model(inputs_embeds=embeds)}
+        for row in rows:
+            adapter = c.our_adapter(s, row, args.rank).detach()
+            with torch.no_grad():
+                once = lf.merge_overlay(base, adapter)  # merged weights built once, reused every call
+            for path in paths:
+                if path == "merged once":
+                    make = lambda base, adapter, once=once: once
+                else:
+                    make = lf.merge_overlay if path == "merged" else lf.overlay
+
+                def fwd(make=make, adapter=adapter, model=model, base=base, embeds=embeds):
+                    params = make(base, adapter)
+                    return torch.func.functional_call(model, params, (), {"inputs_embeds": embeds}, tie_weights=True, strict=False)
+
+                steps[f"{row}/{path}"] = fwd
+        reps = max(1, min(50, 4096 // (batch * seq)))
+
+        def batched(fn, reps=reps):
+            def run():
+                for _ in range(reps):
+                    fn()
+
+            return run
+
+        with torch.no_grad():
+            stats, _noise = c.interleaved_ratios(
+                {k: batched(v) for k, v in steps.items()}, "base", rounds=args.rounds, warmup=1, device=s.device, seed=args.seed
+            )
+        for row in rows:
+            for path in paths:
+                cells[(row, path)].append(f"{stats[f'{row}/{path}'].median:.2f}")
+    print("## inference: forward-only time / frozen-base forward (no_grad), by tokens per call")
+    print()
+    print("| variant | overlay | " + " | ".join(f"{b * q} tokens" for b, q in sizes) + " |")
+    print("|---|---|" + "---|" * len(sizes))
+    for row in rows:
+        for path in paths:
+            print(f"| {row} | {path} | " + " | ".join(cells[(row, path)]) + " |")
+    print()
+    print("# lazy: overlay() every call; merged: merge_overlay() every call; merged once: merge_overlay()")
+    print("# computed once and the dict reused (what lora_func.adapted(model, adapter) does for generate)")
+    print()
+
+
+SECTIONS = {"calls": section_calls, "targets": section_targets, "rank": section_rank, "inference": section_inference}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    c.add_model_args(parser)
+    parser.add_argument("--sections", default=",".join(SECTIONS))
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--clock", default="cpu", choices=("wall", "cpu"), help="for the ratio sections (calls: always wall)")
+    args = parser.parse_args(argv)
+    c.setup(args)
+    c.set_clock("wall" if args.device.startswith("cuda") else args.clock)
+    print(f"# lora_func overheads; {c.machine_line(args)}; {args.clock} clock")
+    print(f"# Llama hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, batch {args.batch} x {args.seq}, r={args.rank}")
+    print()
+    for name in args.sections.split(","):
+        SECTIONS[name](args)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

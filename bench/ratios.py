@@ -1,0 +1,125 @@
+"""Training-step cost of every variant, lazy and merged overlay, next to HF peft.
+
+Prints ``ratio = step time / frozen-base step time`` (medians over interleaved rounds; see
+bench/_common.py and docs/benchmarks.md for the exact definitions), the quartiles as noise,
+the activation memory each step saves for backward, and whether the targets hold.
+
+    python bench/ratios.py                       # CPU, the documented configuration
+    python bench/ratios.py --device cuda --dtype bfloat16 --hidden 2048 --layers 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+from pathlib import Path
+
+# Idle OpenMP threads sleep instead of spinning, so --clock cpu counts work, not waiting.
+# Must be set before torch loads its OpenMP runtime.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _common as c
+
+# Targets on the lazy overlay (the training path): (max ratio, must also be <= peft's ratio).
+TARGETS = {"lora": (1.03, True), "dora": (1.10, False), "ia3_kv_down": (1.01, False), "hra": (1.08, False), "delora": (1.05, False)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    c.add_model_args(parser)
+    parser.add_argument("--variants", default=",".join(c.ALL_VARIANTS), help="comma-separated rows")
+    parser.add_argument("--paths", default="lazy,merged", help="which of our overlays to time")
+    parser.add_argument("--no-peft", action="store_true")
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--clock", default="cpu", choices=("wall", "cpu"), help="cpu: process CPU time (default; robust to other load); wall: elapsed time (always on CUDA)")
+    parser.add_argument("--no-memory", action="store_true")
+    args = parser.parse_args(argv)
+    c.setup(args)
+    c.set_clock("wall" if args.device.startswith("cuda") else args.clock)
+    rows = [v for v in args.variants.split(",") if v]
+    paths = [p for p in args.paths.split(",") if p]
+    s = c.build_setup(args)
+    steps: dict[str, c.Step] = {"base": c.base_step(s)}
+    excludes: dict[str, list[torch.Tensor]] = {"base": [*s.base.values(), s.embeds]}
+    for row in rows:
+        adapter = c.our_adapter(s, row, args.rank)
+        for path in paths:
+            steps[f"{row}/{path}"] = c.our_step(s, adapter, merged=path == "merged")
+            excludes[f"{row}/{path}"] = [*s.base.values(), s.embeds, *adapter.params.values(), *adapter.buffers.values()]
+        if not args.no_peft:
+            pm = c.peft_model(s, row, args.rank)
+            if pm is not None:
+                steps[f"{row}/peft"] = c.peft_step(s, pm)
+                excludes[f"{row}/peft"] = [*pm.parameters(), *pm.buffers(), s.embeds]
+    memory: dict[str, int] = {}
+    if not args.no_memory:
+        for name, st in steps.items():
+            if s.device.type == "cuda":
+                memory[name] = c.cuda_peak_bytes(st.step)
+            else:
+                memory[name] = c.saved_tensor_bytes(st.forward, excludes[name])
+    stats, noise = c.interleaved_ratios(
+        {n: st.step for n, st in steps.items()}, "base", rounds=args.rounds, warmup=args.warmup, device=s.device, seed=args.seed
+    )
+
+    print(f"# lora_func step-cost ratios, {datetime.datetime.now().isoformat(timespec='minutes')}")
+    print(f"# {c.machine_line(args)}; {args.clock} clock")
+    print(
+        f"# Llama hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, batch {args.batch} x {args.seq} tokens, "
+        f"r={args.rank}; {args.rounds} interleaved rounds; frozen-base step {stats['base'].ms:.1f} ms (median), "
+        f"round-to-round noise of the base step (IQR/median) {noise:.1%}"
+    )
+    mem_head = " memory lazy / merged / peft |" if memory else ""
+    print()
+    print(f"| variant | targets | ours lazy | ours merged | peft |{mem_head} target (lazy) |")
+    print(f"|---|---|---|---|---|{'---|' if memory else ''}---|")
+
+    def cell(name: str) -> str:
+        if name not in stats:
+            return "—"
+        st = stats[name]
+        return f"{st.median:.3f} [{st.q1:.2f}, {st.q3:.2f}] ({st.best:.3f})"
+
+    failures = []
+    for row in rows:
+        target = TARGETS.get(row)
+        verdict = ""
+        if target is not None and f"{row}/lazy" in stats:
+            limit, vs_peft = target
+            got = stats[f"{row}/lazy"].median
+            ok = got <= limit
+            text = f"<= {limit:.2f}"
+            if vs_peft and f"{row}/peft" in stats:
+                ok = ok and got <= stats[f"{row}/peft"].median
+                text += " and <= peft"
+            verdict = f"{text}: {'PASS' if ok else 'FAIL'}"
+            if not ok:
+                failures.append(row)
+        mem = ""
+        if memory:
+            base_mem = memory["base"]
+            parts = []
+            for p in ("lazy", "merged", "peft"):
+                key = f"{row}/{p}"
+                parts.append("—" if key not in memory else f"{(memory[key] - base_mem) / 2**20:+.1f}")
+            mem = f" {' / '.join(parts)} MiB |"
+        targets = ",".join(c.ROW_TARGETS[row])
+        print(f"| {row} | {targets} | {cell(f'{row}/lazy')} | {cell(f'{row}/merged')} | {cell(f'{row}/peft')} |{mem} {verdict} |")
+    print()
+    if memory:
+        kind = "peak CUDA memory of a step" if s.device.type == "cuda" else "bytes saved for backward"
+        print(f"# memory: {kind}, relative to the frozen base ({c.fmt_bytes(memory['base'])})")
+    print("# cells: median of the paired per-round ratios [its first, third quartile] (fastest step / fastest base)")
+    print(f"# targets: {'all hold' if not failures else 'FAIL: ' + ', '.join(failures)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,347 @@
+"""The demo run: fine-tune each variant on the question task, measure, save, reload, report.
+
+Everything here is what a user would write with the public API (``lora_func`` and
+``lora_func.train``); the CLI (``lora-func demo``) and the dashboard (examples/dashboard.py)
+only call :func:`run_demo` / :func:`run_variant`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+import lora_func as lf
+from lora_func.demo.corpus import TaskExample, task_split
+from lora_func.demo.model import default_targets, load_model
+from lora_func.train import IGNORE_INDEX, StepStats, TrainState, fit, make_optimizer
+
+__all__ = [
+    "DEFAULT_LR",
+    "DEFAULT_VARIANTS",
+    "DemoConfig",
+    "TaskData",
+    "batch_sampler",
+    "correct_answers",
+    "encode_examples",
+    "generate",
+    "held_out_accuracy",
+    "results_markdown",
+    "run_demo",
+    "run_variant",
+    "save_loss_plot",
+]
+
+# What `lora-func demo` runs without --variants: three adapters with different ideas
+# (low-rank update, magnitude/direction split, per-feature scaling).
+DEFAULT_VARIANTS = ("lora", "dora", "ia3")
+
+# Learning rates measured on this task (scripts/lr_sweep.py: r=8, attention projections, 100
+# steps, batch 16, AdamW, clipping at 1.0; the table is in docs/guide/hyperparameters.md).
+# IA3 needs ~30x LoRA's rate: Adam moves every parameter by about lr per step, IA3 has one
+# gain per feature that must move by tenths, while one step on LoRA's B moves each output
+# through a whole row of A.
+DEFAULT_LR = {
+    "lora": 3e-3,
+    "pissa": 3e-3,
+    "dora": 3e-3,
+    "eva": 3e-3,
+    "hra": 1e-2,
+    "delora": 1e-3,
+    "ia3": 1e-1,
+    "ia3_ff": 1e-1,
+    "antipasto": 1e-2,
+}
+
+
+@dataclasses.dataclass
+class DemoConfig:
+    """Everything ``lora-func demo`` can be told (the CLI flags, one to one)."""
+
+    variants: Sequence[str] = DEFAULT_VARIANTS
+    r: int = 8
+    steps: int = 120
+    lr: float | None = None  # None: DEFAULT_LR per variant
+    batch_size: int = 16
+    dtype: torch.dtype = torch.float32  # the base model's dtype; adapters stay fp32
+    device: str = "cpu"
+    model_dir: str | None = None  # None: the shipped tiny model
+    targets: Sequence[str] | None = None  # None: the model's attention projections
+    out: Path | None = None  # where the plot, tables and adapters go; None: a temporary dir
+    seed: int = 0
+    progress: bool = True
+    samples: int = 2  # generated examples shown before/after per variant
+
+    def lr_for(self, variant: str) -> float:
+        return self.lr if self.lr is not None else DEFAULT_LR.get(variant, 1e-2)
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskData:
+    """A task split tokenized for training and scoring.
+
+    Attributes:
+      examples: the questions, in row order.
+      input_ids / attention_mask / labels: ``(n, seq)``, right-padded; ``labels`` is
+        ``IGNORE_INDEX`` except on the answer tokens and the closing full stop.
+      answer_mask: ``(n, seq)`` bool, True at positions whose *next* token is an answer token
+        (where greedy decoding must pick the answer).
+    """
+
+    examples: tuple[TaskExample, ...]
+    input_ids: Tensor
+    attention_mask: Tensor
+    labels: Tensor
+    answer_mask: Tensor
+
+    def batch(self, index: Tensor | slice = slice(None)) -> dict[str, Tensor]:
+        return {"input_ids": self.input_ids[index], "attention_mask": self.attention_mask[index], "labels": self.labels[index]}
+
+    def to(self, device: str | torch.device) -> TaskData:
+        move = {f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self) if f.name != "examples"}
+        return TaskData(self.examples, **move)
+
+
+def encode_examples(tokenizer: Any, examples: Sequence[TaskExample]) -> TaskData:
+    """Tokenize prompt, answer and the closing ``" ."`` separately (so the answer's tokens are
+    the same wherever it is scored), right-pad. The full stop ends the answer as it ends every
+    sum in the corpus; an end-of-sequence token would be a word the base never predicted, and
+    learning it would dominate the loss curve."""
+    rows, answer_spans = [], []
+    for ex in examples:
+        prompt = tokenizer(ex.prompt)["input_ids"]
+        answer = tokenizer(" " + ex.answer, add_special_tokens=False)["input_ids"]
+        stop = tokenizer(" .", add_special_tokens=False)["input_ids"]
+        rows.append(prompt + answer + stop)
+        answer_spans.append((len(prompt), len(prompt) + len(answer)))
+    length = max(map(len, rows))
+    n = len(rows)
+    input_ids = torch.full((n, length), tokenizer.pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((n, length), dtype=torch.long)
+    labels = torch.full((n, length), IGNORE_INDEX, dtype=torch.long)
+    answer_mask = torch.zeros((n, length), dtype=torch.bool)
+    for i, (row, (start, stop)) in enumerate(zip(rows, answer_spans, strict=True)):
+        input_ids[i, : len(row)] = torch.tensor(row)
+        attention_mask[i, : len(row)] = 1
+        labels[i, start : len(row)] = input_ids[i, start : len(row)]
+        answer_mask[i, start - 1 : stop - 1] = True
+    return TaskData(tuple(examples), input_ids, attention_mask, labels, answer_mask)
+
+
+@torch.no_grad()
+def held_out_accuracy(model: nn.Module, adapter: Any, data: TaskData, *, base: dict[str, Tensor] | None = None) -> tuple[float, Tensor]:
+    """``(exact-match accuracy, logits)``: a question counts when greedy decoding gives every
+    answer token (one teacher-forced pass: greedy picks the argmax at each answer position).
+    ``adapter=None`` scores the base model."""
+    kwargs = {"attention_mask": data.attention_mask}
+    if adapter is None:
+        logits = model(data.input_ids, **kwargs).logits
+    else:
+        logits = lf.adapted_call(model, adapter, data.input_ids, base=base, **kwargs).logits
+    return correct_answers(logits, data).float().mean().item(), logits
+
+
+def correct_answers(logits: Tensor, data: TaskData) -> Tensor:
+    """``(n,)`` bool: whether greedy decoding from ``logits`` (``(n, seq, vocab)``, teacher
+    forced on ``data``) gives every answer token of each question."""
+    hits = logits.argmax(-1) == data.input_ids.roll(-1, dims=1)
+    return (hits | ~data.answer_mask).all(dim=1)
+
+
+@torch.no_grad()
+def generate(model: nn.Module, tokenizer: Any, prompt: str, adapter: Any = None, *, max_new_tokens: int = 6) -> str:
+    """Greedy continuation of ``prompt`` by ``model.generate``, with ``adapter`` applied through
+    :func:`lora_func.adapted` (merged weights for the whole generation) when given."""
+    ids = tokenizer(prompt, return_tensors="pt")["input_ids"].to(next(model.parameters()).device)
+    kwargs = {"max_new_tokens": max_new_tokens, "do_sample": False, "pad_token_id": tokenizer.pad_token_id}
+    if adapter is None:
+        out = model.generate(ids, **kwargs)
+    else:
+        with lf.adapted(model, adapter):
+            out = model.generate(ids, **kwargs)
+    text = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()
+    return text.split(" .")[0] + " ." if " ." in text else text  # up to the first full stop
+
+
+def batch_sampler(data: TaskData, batch_size: int, seed: int) -> Callable[[int], dict[str, Tensor]]:
+    """``step -> batch``, a pure function of the step (a resumed run sees the same batches)."""
+
+    def batch_at(step: int) -> dict[str, Tensor]:
+        g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+        index = torch.randint(0, len(data.examples), (batch_size,), generator=g)
+        return data.batch(index.to(data.input_ids.device))
+
+    return batch_at
+
+
+def _peft_io() -> tuple[Any, Any]:
+    """``(save_peft, load_peft)``, or ``(None, None)`` where this lora_func has no peft format."""
+    save_peft = getattr(lf, "save_peft", None)
+    if save_peft is None:
+        try:
+            from lora_func.io.peft import load_peft, save_peft
+        except ImportError:
+            return None, None
+        return save_peft, load_peft
+    return save_peft, lf.load_peft
+
+
+def _save_and_reload(model: nn.Module, adapter: Any, directory: Path) -> tuple[Any, str]:
+    """Save in peft's format where peft has the method (antipasto has none: lora_func's own
+    format); return the reloaded adapter and a note on the format used."""
+    save_peft, load_peft = _peft_io()
+    if adapter.spec.variant != "antipasto" and save_peft is not None:
+        path = save_peft(adapter, directory / adapter.spec.variant, model=model)
+        return load_peft(path, model), f"peft format ({path.name}/adapter_model.safetensors)"
+    path = lf.save(adapter, directory / f"{adapter.spec.variant}.safetensors")
+    why = "peft has no antipasto" if adapter.spec.variant == "antipasto" else "this lora_func has no save_peft"
+    return lf.load(path, model=model), f"lora_func format ({path.name}; {why})"
+
+
+def run_variant(
+    model: nn.Module,
+    tokenizer: Any,
+    variant: str,
+    config: DemoConfig,
+    train: TaskData,
+    held_out: TaskData,
+    adapter_dir: Path,
+    *,
+    on_step: Callable[[StepStats], None] | None = None,
+) -> dict[str, Any]:
+    """Fine-tune one variant and measure it. Returns one results row (JSON-able, plus
+    ``"losses"``: the per-step training loss)."""
+    base = lf.base_params(model)
+    total = sum(t.numel() for t in {id(t): t for t in base.values()}.values() if t.is_floating_point())
+    targets = list(config.targets) if config.targets else default_targets(model)
+    spec = lf.AdapterSpec(variant, targets=targets, r=config.r)
+    calibration = None
+    if lf.get_variant(variant).calibrate is not None:  # EVA: SVD of the layer inputs on training batches
+        calibration = [
+            {"input_ids": train.input_ids[i : i + 16], "attention_mask": train.attention_mask[i : i + 16]}
+            for i in range(0, len(train.examples), 16)
+        ]
+    adapter = lf.init_adapter(model, spec, generator=torch.Generator().manual_seed(config.seed), calibration=calibration)
+    before, _ = held_out_accuracy(model, adapter, held_out, base=base)
+    prompts = [ex.prompt for ex in held_out.examples[: config.samples]]
+    samples_before = [generate(model, tokenizer, p) for p in prompts]
+
+    half = config.dtype == torch.float16
+    device_type = torch.device(config.device).type
+    state = TrainState(adapter, make_optimizer(adapter, config.lr_for(variant)), torch.amp.GradScaler(device_type) if half else None)
+    start = time.perf_counter()
+    history = fit(
+        model, state, batch_sampler(train, config.batch_size, config.seed), config.steps,
+        progress=config.progress, desc=f"{variant:>9}", on_step=on_step,
+    )
+    seconds = time.perf_counter() - start
+
+    after, logits = held_out_accuracy(model, adapter, held_out, base=base)
+    samples_after = [generate(model, tokenizer, p, adapter) for p in prompts]
+    reloaded, saved_as = _save_and_reload(model, adapter, adapter_dir)
+    _, reloaded_logits = held_out_accuracy(model, reloaded, held_out, base=base)
+    trainable = adapter.num_parameters()
+    losses = [s.loss for s in history]
+    return {
+        "variant": variant,
+        "lr": config.lr_for(variant),
+        "trainable": trainable,
+        "trainable_pct": 100 * trainable / total,
+        "acc_before": before,
+        "acc_after": after,
+        "final_loss": sum(losses[-10:]) / max(1, len(losses[-10:])),
+        "ms_per_step": 1e3 * seconds / max(1, len(history)),
+        "skipped_steps": sum(s.skipped for s in history),
+        "saved_as": saved_as,
+        "reload_identical": bool(torch.equal(logits, reloaded_logits)),
+        "reload_max_abs_diff": (logits - reloaded_logits).abs().max().item(),
+        "samples": [{"prompt": p, "before": b, "after": a} for p, b, a in zip(prompts, samples_before, samples_after, strict=True)],
+        "losses": losses,
+    }
+
+
+def results_markdown(rows: Sequence[dict[str, Any]]) -> str:
+    """The results as a Markdown table."""
+    lines = [
+        "| variant | lr | trainable params | held-out acc before | after | final loss | ms/step | reload |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        reload = "identical" if row["reload_identical"] else f"max diff {row['reload_max_abs_diff']:.1e}"
+        lines.append(
+            f"| {row['variant']} | {row['lr']:g} | {row['trainable']:,} ({row['trainable_pct']:.2f} %) | "
+            f"{row['acc_before']:.0%} | {row['acc_after']:.0%} | {row['final_loss']:.3f} | {row['ms_per_step']:.0f} | {reload} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def save_loss_plot(rows: Sequence[dict[str, Any]], path: Path) -> Path:
+    """One training-loss curve per variant (log scale), as a PNG (matplotlib, Agg backend)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    for row in rows:
+        ax.plot(range(1, len(row["losses"]) + 1), row["losses"], label=row["variant"], linewidth=1.2)
+    ax.set(xlabel="step", ylabel="training loss", yscale="log", title="lora-func demo: fine-tuning loss")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def run_demo(config: DemoConfig, *, emit: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    """Run every variant of ``config``; print (through ``emit``) the dataset preview, each
+    variant's numbers and samples, and the final table; write ``loss_curves.png``,
+    ``results.md``, ``results.json`` and the adapters to ``config.out``. Returns the rows."""
+    torch.manual_seed(config.seed)
+    model, tokenizer = load_model(config.model_dir, dtype=config.dtype, device=config.device)
+    train_examples, held_out_examples = task_split(config.seed)
+    train = encode_examples(tokenizer, train_examples).to(config.device)
+    held_out = encode_examples(tokenizer, held_out_examples).to(config.device)
+    n_params = sum(p.numel() for p in model.parameters())
+    source = config.model_dir or "the shipped tiny Llama (lora_func/demo/assets)"
+    emit(f"model: {source}, {n_params:,} parameters, {config.dtype} on {config.device}; adapters in fp32")
+    emit(f"task: answer 'what is a plus b ?' ({len(train_examples)} training pairs, {len(held_out_examples)} held-out pairs never trained on)")
+    for ex in train_examples[:3]:
+        emit(f"  e.g.  {ex.prompt}  ->  {ex.answer}")
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(config.out) if config.out is not None else Path(tmp)
+        out.mkdir(parents=True, exist_ok=True)
+        rows = []
+        for variant in config.variants:
+            row = run_variant(model, tokenizer, variant, config, train, held_out, out / "adapters")
+            rows.append(row)
+            emit(
+                f"\n{variant}: {row['trainable']:,} trainable parameters ({row['trainable_pct']:.2f} % of the model), lr {row['lr']:g}\n"
+                f"  held-out accuracy {row['acc_before']:.0%} -> {row['acc_after']:.0%}; final loss {row['final_loss']:.3f}; "
+                f"{row['ms_per_step']:.0f} ms/step" + (f"; {row['skipped_steps']} steps skipped by the GradScaler" if row["skipped_steps"] else "")
+            )
+            for s in row["samples"]:
+                emit(f"  {s['prompt']!r}: before {s['before']!r}, after {s['after']!r}")
+            verdict = "identical outputs" if row["reload_identical"] else f"outputs differ by at most {row['reload_max_abs_diff']:.1e}"
+            emit(f"  saved as {row['saved_as']}; reloaded: {verdict}")
+        table = results_markdown(rows)
+        emit("\n" + table)
+        save_loss_plot(rows, out / "loss_curves.png")
+        (out / "results.md").write_text(table)
+        (out / "results.json").write_text(json.dumps(rows, indent=1))
+        if config.out is not None:
+            emit(f"wrote {out / 'loss_curves.png'}, {out / 'results.md'}, {out / 'results.json'} and the adapters in {out / 'adapters'}")
+    bad = [r["variant"] for r in rows if not math.isfinite(r["final_loss"])]
+    if bad:
+        raise FloatingPointError(f"training diverged (non-finite loss) for {bad}; lower the learning rate (--lr) or train in float32 (--dtype float32)")
+    return rows

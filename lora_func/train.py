@@ -1,0 +1,284 @@
+"""Training utilities for adapters: a loss, one step, a loop, and an exact resume.
+
+Built on the public API only. The model is never trained: its tensors reach the forward pass
+through :func:`lora_func.adapted_call` (detached), so only the adapter's tensors get gradients.
+
+One step (:func:`train_step`) does, in order:
+
+1. forward under ``torch.autocast`` when ``autocast_dtype`` is set (bf16 or fp16 matmuls),
+   the loss in fp32;
+2. backward, through a ``torch.amp.GradScaler`` when one is given: fp16 activation gradients
+   underflow to zero without one (fp16's smallest normal is 6e-5);
+3. ``scaler.unscale_`` *before* clipping, so the clip threshold means the true gradient norm;
+4. clipping of the global gradient norm;
+5. the optimiser step: with a scaler, a step whose gradients are inf/NaN is skipped and the
+   scale lowered (that is the scaler's job, not an error); without one, a non-finite loss or
+   gradient raises ``FloatingPointError`` naming the step and the tensors.
+
+Adapters stay fp32 on a bf16/fp16 base (``AdapterSpec``'s default): see docs/guide/precision.md.
+
+Exact resume: :func:`fit` takes ``batch_at(step)``, a pure function of the step number, so
+the data order does not depend on how many steps ran before; :func:`save_checkpoint` writes
+the adapter (``lora_func.save``, bit-exact), the optimiser state and the scaler state;
+:func:`load_checkpoint` rebuilds them, and training continues bit-identically.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+from tqdm import tqdm
+
+import lora_func as lf
+from lora_func.checks import check_finite
+
+__all__ = [
+    "IGNORE_INDEX",
+    "StepStats",
+    "TrainState",
+    "adapter_loss",
+    "causal_lm_loss",
+    "fit",
+    "load_checkpoint",
+    "make_optimizer",
+    "save_checkpoint",
+    "train_step",
+]
+
+IGNORE_INDEX = -100  # label of positions that carry no loss (transformers' convention)
+Batch = Mapping[str, Tensor]
+
+
+def causal_lm_loss(logits: Tensor, labels: Tensor) -> Tensor:
+    """Mean next-token cross-entropy in fp32.
+
+    Args:
+      logits: ``(batch, seq, vocab)``, any float dtype (upcast to fp32 here: a bf16/fp16
+        log-softmax over the vocabulary loses the small probabilities).
+      labels: ``(batch, seq)`` token ids, ``IGNORE_INDEX`` where no loss is wanted; position
+        ``t`` of ``logits`` predicts ``labels[:, t + 1]``.
+    """
+    shifted = logits[:, :-1].float()
+    return F.cross_entropy(shifted.reshape(-1, shifted.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=IGNORE_INDEX)
+
+
+def adapter_loss(model: nn.Module, adapter: Any, batch: Batch, *, base: Mapping[str, Tensor] | None = None) -> Tensor:
+    """:func:`causal_lm_loss` of ``model`` with ``adapter`` on ``batch`` (``input_ids``,
+    optional ``attention_mask``, ``labels``; labels default to ``input_ids``).
+
+    A pure function of the adapter's tensors, so it also works under ``torch.func``::
+
+        grads = torch.func.grad(lambda p: adapter_loss(model, adapter.with_params(p), batch, base=base))(adapter.params)
+    """
+    kwargs = {"attention_mask": batch["attention_mask"]} if "attention_mask" in batch else {}
+    logits = lf.adapted_call(model, adapter, batch["input_ids"], base=base, **kwargs).logits
+    return causal_lm_loss(logits, batch.get("labels", batch["input_ids"]))
+
+
+def make_optimizer(adapter: Any, lr: float, *, weight_decay: float = 0.0) -> torch.optim.Optimizer:
+    """AdamW over the adapter's trainable tensors (in ``adapter.params`` order)."""
+    return torch.optim.AdamW(list(adapter.params.values()), lr=lr, weight_decay=weight_decay)
+
+
+@dataclasses.dataclass
+class TrainState:
+    """What training carries from step to step.
+
+    Attributes:
+      adapter: its ``params`` are the leaf tensors the optimiser updates in place.
+      optimizer: built over ``adapter.params`` (:func:`make_optimizer`).
+      scaler: a ``torch.amp.GradScaler`` for fp16, else ``None``.
+      step: the number of completed steps (the next step's index).
+    """
+
+    adapter: Any
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler | None = None
+    step: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class StepStats:
+    """One step's outcome: ``loss`` (fp32, before the step), the global gradient norm before
+    clipping, and whether a GradScaler skipped the update (inf/NaN gradients)."""
+
+    step: int
+    loss: float
+    grad_norm: float
+    skipped: bool
+
+
+def train_step(
+    model: nn.Module,
+    state: TrainState,
+    batch: Batch,
+    *,
+    base: Mapping[str, Tensor] | None = None,
+    autocast_dtype: torch.dtype | None = None,
+    max_grad_norm: float | None = 1.0,
+) -> StepStats:
+    """One optimiser step on ``batch``; advances ``state.step``. See the module docstring for
+    the order of operations. Raises ``FloatingPointError`` naming the step (and the adapter
+    tensors) on a non-finite loss, or on non-finite gradients without a scaler."""
+    adapter, optimizer, scaler, step = state.adapter, state.optimizer, state.scaler, state.step
+    params = adapter.params
+    device_type = next(iter(params.values())).device.type
+    optimizer.zero_grad(set_to_none=True)
+    with torch.autocast(device_type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
+        loss = adapter_loss(model, adapter, batch, base=base)
+    if not torch.isfinite(loss):
+        # Name the culprit: a non-finite adapter tensor, else the forward pass itself.
+        check_finite(params, f"adapter tensors before step {step}")
+        check_finite({"loss": loss}, f"loss at step {step} (the adapter tensors are finite)")
+    (scaler.scale(loss) if scaler is not None else loss).backward()
+    if scaler is not None:
+        scaler.unscale_(optimizer)  # before clipping: the threshold is on the true gradients
+    grads = {key: p.grad for key, p in params.items() if p.grad is not None}
+    # The norm before clipping; an infinite threshold measures without clipping.
+    with_grads = [p for p in params.values() if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(with_grads, math.inf if max_grad_norm is None else max_grad_norm)
+    if scaler is None and not torch.isfinite(norm):
+        check_finite(grads, f"gradients at step {step}")  # raises before the optimiser moves anything
+    if scaler is not None:
+        scaler.step(optimizer)  # skipped (and the scale lowered) when the gradients hold inf/NaN
+        scaler.update()
+    else:
+        optimizer.step()
+    state.step += 1
+    norm_value = norm.item()
+    return StepStats(step, loss.item(), norm_value, skipped=not math.isfinite(norm_value))
+
+
+def fit(
+    model: nn.Module,
+    state: TrainState,
+    batch_at: Callable[[int], Batch],
+    steps: int,
+    *,
+    autocast_dtype: torch.dtype | None = None,
+    max_grad_norm: float | None = 1.0,
+    max_skipped: int = 20,
+    progress: bool = True,
+    desc: str = "training",
+    on_step: Callable[[StepStats], None] | None = None,
+) -> list[StepStats]:
+    """Train from ``state.step`` up to ``steps`` (total, not additional) and return each step's
+    stats.
+
+    ``batch_at(step)`` gives the batch of a step; make it a pure function of ``step`` (e.g. a
+    generator seeded with it) and a resumed run sees the same batches. Shows a tqdm progress
+    bar unless ``progress=False``; ``on_step`` is called after every step (live plots).
+    ``max_skipped`` consecutive scaler-skipped steps raise: the scale has collapsed and the
+    gradients are not finite at any scale.
+    """
+    base = lf.base_params(model)
+    history: list[StepStats] = []
+    skipped_in_a_row = 0
+    bar = tqdm(total=steps, initial=state.step, desc=desc, unit="step", disable=not progress, leave=False)
+    try:
+        while state.step < steps:
+            stats = train_step(
+                model, state, batch_at(state.step), base=base, autocast_dtype=autocast_dtype, max_grad_norm=max_grad_norm
+            )
+            history.append(stats)
+            skipped_in_a_row = skipped_in_a_row + 1 if stats.skipped else 0
+            if skipped_in_a_row >= max_skipped:
+                grads = {k: p.grad for k, p in state.adapter.params.items() if p.grad is not None}
+                scale = state.scaler.get_scale() if state.scaler is not None else float("nan")
+                check_finite(grads, f"gradients at step {stats.step}, the {max_skipped}th skipped step in a row (scale {scale:g})")
+            bar.update(1)
+            bar.set_postfix(loss=f"{stats.loss:.4f}", refresh=False)
+            if on_step is not None:
+                on_step(stats)
+    finally:
+        bar.close()
+    return history
+
+
+# --- checkpoints ----------------------------------------------------------------------------
+
+_ADAPTER_FILE = "adapter.safetensors"
+_OPTIMIZER_FILE = "optimizer.safetensors"
+_STATE_FILE = "trainer_state.json"
+
+
+def save_checkpoint(directory: str | os.PathLike, state: TrainState) -> Path:
+    """Write ``state`` to ``directory``: the adapter (:func:`lora_func.save`), the optimiser's
+    tensors keyed by adapter tensor name (safetensors) and its hyperparameters, the scaler and
+    the step (JSON). Returns the directory."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    names = _param_names(state)
+    saved = state.optimizer.state_dict()
+    tensors = {
+        f"{names[index]}/{field}": value.detach().to("cpu").contiguous()
+        for index, fields in saved["state"].items()
+        for field, value in fields.items()
+    }
+    groups = [{k: v for k, v in group.items() if k != "params"} | {"params": [names[i] for i in group["params"]]} for group in saved["param_groups"]]
+    meta = {
+        "step": state.step,
+        "optimizer": type(state.optimizer).__name__,
+        "param_groups": groups,
+        "scaler": None if state.scaler is None else state.scaler.state_dict(),
+        "device_type": next(iter(state.adapter.params.values())).device.type,
+    }
+    lf.save(state.adapter, directory / _ADAPTER_FILE)
+    save_file(tensors, str(directory / _OPTIMIZER_FILE))
+    (directory / _STATE_FILE).write_text(json.dumps(meta, indent=1))
+    return directory
+
+
+def load_checkpoint(directory: str | os.PathLike, model: nn.Module) -> TrainState:
+    """Rebuild the :class:`TrainState` saved by :func:`save_checkpoint` for ``model``: same
+    adapter bits, optimiser class, hyperparameters and moments, scaler and step."""
+    directory = Path(directory)
+    missing = [name for name in (_ADAPTER_FILE, _OPTIMIZER_FILE, _STATE_FILE) if not (directory / name).is_file()]
+    if missing:
+        raise FileNotFoundError(f"{directory} is not a lora_func training checkpoint: {missing} missing; write one with save_checkpoint")
+    meta = json.loads((directory / _STATE_FILE).read_text())
+    adapter = lf.load(directory / _ADAPTER_FILE, model=model)
+    optimizer_class = getattr(torch.optim, meta["optimizer"], None)
+    if optimizer_class is None:
+        raise ValueError(f"checkpoint optimizer {meta['optimizer']!r} is not in torch.optim; rebuild it yourself from {directory}")
+    order = [name for group in meta["param_groups"] for name in group["params"]]
+    unknown = sorted(set(order) - set(adapter.params))
+    if unknown:
+        raise ValueError(f"{directory}: optimizer state names {unknown} that the adapter does not have")
+    groups = [{**group, "params": [adapter.params[n] for n in group["params"]]} for group in meta["param_groups"]]
+    optimizer = optimizer_class(groups)
+    index = {name: i for i, name in enumerate(order)}
+    tensors = load_file(str(directory / _OPTIMIZER_FILE))
+    per_param: dict[int, dict[str, Tensor]] = {}
+    for key, value in tensors.items():
+        name, field = key.rsplit("/", 1)
+        per_param.setdefault(index[name], {})[field] = value.to(adapter.params[name].device)
+    state_dict = {"state": per_param, "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in meta["param_groups"]]}
+    optimizer.load_state_dict(state_dict)
+    scaler = None
+    if meta["scaler"] is not None:
+        scaler = torch.amp.GradScaler(meta["device_type"])
+        scaler.load_state_dict(meta["scaler"])
+    return TrainState(adapter, optimizer, scaler, meta["step"])
+
+
+def _param_names(state: TrainState) -> list[str]:
+    """Adapter tensor names in the optimiser's parameter order."""
+    by_id = {id(p): key for key, p in state.adapter.params.items()}
+    names = []
+    for group in state.optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in by_id:
+                raise ValueError("the optimizer holds a tensor that is not in state.adapter.params; build it with make_optimizer(adapter, ...)")
+            names.append(by_id[id(p)])
+    return names

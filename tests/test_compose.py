@@ -1,0 +1,204 @@
+"""compose() and combine(): merged == lazy == the independent float64 oracle, for every ordered
+pair of registered variants on one layer (nn.Linear with bias and GPT-2 Conv1D with bias)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from torch.func import functional_call
+
+import lora_func as lf
+from lora_func.targeting import canonical_weight, stored_weight
+from tests.contract_helpers import calibration_batches, perturbed
+from tests.models import LAYER_KIND_MODEL, tiny_model, tokens
+from tests.variant_table import ROWS
+
+# One biased target per layer kind, so bias handling (IA3 scales it, DoRA must not) composes.
+LAYER = {"linear": "model.layers.1.self_attn.q_proj", "conv1d": "transformer.h.1.attn.c_attn"}
+PAIRS = list(itertools.product(sorted(ROWS), repeat=2))
+# DeLoRA's column norms of W are a buffer fixed at init from the base it was built on (as in
+# peft), so on top of another part its delta is the one it has on the base; the row's oracle
+# recomputes the norms from the W it gets, so the chain oracle feeds it the original base.
+DELTA_FROM_INIT_BASE = {"delora"}
+
+
+@pytest.fixture(scope="module", params=sorted(LAYER))
+def setting(request):
+    kind = request.param
+    model = tiny_model(LAYER_KIND_MODEL[kind])
+    return kind, model, lf.base_params(model), tokens(2, 12, seed=5)
+
+
+def _adapter(model, variant: str, layers: list[str], seed: int) -> lf.Adapter:
+    row = ROWS[variant]
+    spec = lf.AdapterSpec(variant, targets=layers, **row.spec_kwargs)
+    adapter = lf.init_adapter(
+        model, spec, generator=torch.Generator().manual_seed(seed), calibration=calibration_batches() if row.calibration else None
+    )
+    return perturbed(adapter, row.perturb_scale, seed=seed + 1)
+
+
+def _chain_oracle(base, parts: list[lf.Adapter]) -> dict[str, torch.Tensor]:
+    """Each part's explicit W_eff formula (tests/variant_rows) applied to the previous result, float64."""
+    out = dict(base)
+    for part in parts:
+        row = ROWS[part.spec.variant]
+        for layer in part.layers:
+            t = layer.target
+            p, b = part.layer_tensors(layer)
+            p64, b64 = ({k: v.detach().double() for k, v in d.items()} for d in (p, b))
+            w = canonical_weight(out[t.weight_key], t.layout).double()
+            bias = out[t.bias_key].double() if t.bias_key else None
+            if part.spec.variant in DELTA_FROM_INIT_BASE:
+                w0 = canonical_weight(base[t.weight_key], t.layout).double()
+                w_eff, b_eff = w + (row.w_eff(p64, b64, w0, bias, layer.info)[0] - w0), bias
+            else:
+                w_eff, b_eff = row.w_eff(p64, b64, w, bias, layer.info)
+            out[t.weight_key] = stored_weight(w_eff, t.layout).to(base[t.weight_key].dtype)
+            if t.bias_key is not None and b_eff is not None:
+                out[t.bias_key] = b_eff.to(base[t.bias_key].dtype)
+    return out
+
+
+def _logits(model, params, ids):
+    return functional_call(model, params, (ids,)).logits
+
+
+@pytest.mark.parametrize(("first", "second"), PAIRS, ids=[f"{a}-then-{b}" for a, b in PAIRS])
+def test_compose_pair_on_one_layer_merged_lazy_oracle(setting, first, second):
+    kind, model, base, ids = setting
+    a = _adapter(model, first, [LAYER[kind]], seed=10)
+    b = _adapter(model, second, [LAYER[kind]], seed=20)
+    if second == "pissa":
+        with pytest.raises(ValueError, match=r"part 1 \(pissa\) replaces the base weight of .*Put part 1 first"):
+            lf.compose(a, b)
+        return
+    both = lf.compose(a, b)
+    oracle = _logits(model, _chain_oracle(base, [a, b]), ids)
+    merged = _logits(model, lf.merge_overlay(base, both), ids)
+    lazy = _logits(model, lf.overlay(base, both), ids)
+    scale = oracle.abs().max()
+    tol = 4e-5 * float(scale)
+    torch.testing.assert_close(merged, oracle, atol=tol, rtol=0)
+    torch.testing.assert_close(lazy, oracle, atol=tol, rtol=0)
+    # The second part is really applied on top of the first (not instead of it, not ignored).
+    for alone in (a, b):
+        assert (_logits(model, lf.merge_overlay(base, alone), ids) - oracle).abs().max() > 100 * tol
+
+
+@pytest.mark.parametrize("variant", sorted(ROWS))
+def test_compose_gradients_lazy_equal_merged(setting, variant):
+    kind, model, base, ids = setting
+    first = "pissa" if variant != "pissa" else "lora"
+    parts = [_adapter(model, first, [LAYER[kind]], seed=1), _adapter(model, variant, [LAYER[kind]], seed=2)]
+    if variant == "pissa":
+        parts.reverse()
+    both = lf.compose(*parts)
+
+    def loss(params, merged):
+        over = (lf.merge_overlay if merged else lf.overlay)(base, both.with_params(params))
+        return _logits(model, over, ids).square().mean()
+
+    lazy = torch.func.grad(loss)(both.params, False)
+    merged = torch.func.grad(loss)(both.params, True)
+    assert sorted(lazy) == sorted(both.params) and all(k.split("/")[0] in "01" for k in lazy)
+    for key in lazy:
+        assert lazy[key].abs().max() > 0, f"{key} gets no gradient"
+        torch.testing.assert_close(lazy[key], merged[key], atol=1e-5 * float(merged[key].detach().abs().max()) + 1e-7, rtol=1e-4)
+
+
+def test_compose_on_different_layers_is_both_applied(setting):
+    kind, model, base, ids = setting
+    other = {"linear": "model.layers.0.mlp.down_proj", "conv1d": "transformer.h.0.mlp.c_proj"}[kind]
+    a = _adapter(model, "dora", [LAYER[kind]], seed=1)
+    b = _adapter(model, "ia3_ff", [other], seed=2)
+    both = lf.compose(a, b)
+    oracle = _logits(model, _chain_oracle(base, [a, b]), ids)
+    for over in (lf.merge_overlay, lf.overlay):
+        torch.testing.assert_close(_logits(model, over(base, both), ids), oracle, atol=4e-5 * float(oracle.abs().max()), rtol=0)
+    # Different layers: the order does not matter.
+    torch.testing.assert_close(_logits(model, lf.overlay(base, lf.compose(b, a)), ids), oracle, atol=4e-5 * float(oracle.abs().max()), rtol=0)
+
+
+def _sum_oracle(base, parts, weights):
+    out = dict(base)
+    deltas: dict[str, torch.Tensor] = {}
+    for part, w in zip(parts, weights.tolist(), strict=True):
+        single = _chain_oracle(base, [part])
+        for key, value in single.items():
+            if value is not base[key]:
+                deltas[key] = deltas.get(key, 0) + w * (value.double() - base[key].double())
+    for key, delta in deltas.items():
+        out[key] = (base[key].double() + delta).to(base[key].dtype)
+    return out
+
+
+def test_combine_every_variant_weighted_sum_of_deltas(setting):
+    kind, model, base, ids = setting
+    parts = [_adapter(model, v, [LAYER[kind]], seed=30 + i) for i, v in enumerate(sorted(ROWS))]
+    weights = torch.linspace(-0.7, 1.3, len(parts))
+    mix = lf.combine(parts, weights)
+    oracle = _logits(model, _sum_oracle(base, parts, weights), ids)
+    tol = 4e-5 * float(oracle.abs().max())
+    torch.testing.assert_close(_logits(model, lf.merge_overlay(base, mix), ids), oracle, atol=tol, rtol=0)
+    torch.testing.assert_close(_logits(model, lf.overlay(base, mix), ids), oracle, atol=tol, rtol=0)
+
+    # Gradients w.r.t. the mixing weights (learned mixing) agree between the two paths and are
+    # the directional derivatives along each part's delta.
+    def loss(params, merged):
+        over = (lf.merge_overlay if merged else lf.overlay)(base, mix.with_params(params))
+        return _logits(model, over, ids).square().mean()
+
+    g_lazy = torch.func.grad(loss)(mix.params, False)
+    g_merged = torch.func.grad(loss)(mix.params, True)
+    assert g_lazy["weights"].abs().min() > 0
+    for key in g_lazy:
+        torch.testing.assert_close(g_lazy[key], g_merged[key], atol=1e-5 * float(g_merged[key].detach().abs().max()) + 1e-7, rtol=1e-4)
+
+
+def test_combine_is_not_a_sum_of_factors(setting):
+    # Averaging A and B separately gives ((A1+A2)/2)((B1+B2)/2), not the average update.
+    kind, model, base, ids = setting
+    a, b = (_adapter(model, "lora", [LAYER[kind]], seed=s) for s in (1, 2))
+    mean = lf.combine([a, b], torch.tensor([0.5, 0.5]))
+    naive = a.with_params({k: (a.params[k] + b.params[k]) / 2 for k in a.params})
+    oracle = _logits(model, _sum_oracle(base, [a, b], torch.tensor([0.5, 0.5])), ids)
+    got = _logits(model, lf.overlay(base, mean), ids)
+    torch.testing.assert_close(got, oracle, atol=4e-5 * float(oracle.abs().max()), rtol=0)
+    assert (_logits(model, lf.overlay(base, naive), ids) - oracle).abs().max() > 1e-3
+
+
+def test_combined_and_composed_stack_and_vmap_like_a_loop(setting):
+    kind, model, base, ids = setting
+    members = [
+        lf.compose(_adapter(model, "lora", [LAYER[kind]], seed=s), _adapter(model, "ia3", [LAYER[kind]], seed=s + 1))
+        for s in (1, 5, 9)
+    ]
+    stacked = lf.stack(members)
+    got = torch.func.vmap(lambda ad: _logits(model, lf.overlay(base, ad), ids))(stacked)
+    for k, member in enumerate(members):
+        torch.testing.assert_close(got[k], _logits(model, lf.overlay(base, member), ids), atol=1e-5, rtol=1e-5)
+    mixes = [lf.combine([m.parts[0], m.parts[1]], torch.tensor([0.3 * k, 1.0])) for k, m in enumerate(members)]
+    got = torch.func.vmap(lambda ad: _logits(model, lf.merge_overlay(base, ad), ids))(lf.stack(mixes))
+    for k, mix in enumerate(mixes):
+        torch.testing.assert_close(got[k], _logits(model, lf.merge_overlay(base, mix), ids), atol=1e-5, rtol=1e-5)
+    back = lf.unstack(lf.stack(mixes))
+    assert all(torch.equal(x.weights, y.weights) for x, y in zip(back, mixes, strict=True))
+
+
+def test_compose_and_combine_bad_input(setting):
+    kind, model, base, _ = setting
+    a = _adapter(model, "lora", [LAYER[kind]], seed=1)
+    with pytest.raises(ValueError, match="at least one adapter"):
+        lf.compose()
+    with pytest.raises(TypeError, match="expected an Adapter, Composed or Combined, got dict"):
+        lf.compose(a, a.params)
+    with pytest.raises(ValueError, match=r"one entry per adapter \(2\), got shape \(3,\)"):
+        lf.combine([a, a], torch.ones(3))
+    with pytest.raises(ValueError, match="different stack shapes"):
+        lf.compose(a, lf.stack([a, a]))
+    composed = lf.compose(a, a)
+    with pytest.raises(KeyError, match=r"missing keys \['0/"):
+        composed.with_params({k: v for k, v in composed.params.items() if not k.startswith("0/")})

@@ -1,0 +1,136 @@
+"""The demo: the shipped model and tokenizer, the task and its metric, `lora-func demo` end to end,
+and `--model DIR` on another architecture."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaForCausalLM
+
+import lora_func as lf
+from lora_func.cli import main
+from lora_func.demo.corpus import (
+    pretraining_corpus,
+    task_examples,
+    task_split,
+    vocabulary,
+)
+from lora_func.demo.model import build_tokenizer, default_targets, load_model
+from lora_func.demo.run import (
+    DemoConfig,
+    batch_sampler,
+    correct_answers,
+    encode_examples,
+    generate,
+    held_out_accuracy,
+    run_demo,
+)
+from lora_func.train import IGNORE_INDEX, TrainState, fit, make_optimizer
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    return load_model()
+
+
+def test_shipped_model_knows_the_sums_but_not_the_question_form(shipped):
+    model, tokenizer = shipped
+    assert isinstance(model, LlamaForCausalLM) and 1_000_000 < sum(p.numel() for p in model.parameters()) < 3_000_000
+    examples = task_examples()
+    with torch.no_grad():
+        for form, at_least, at_most in ((lambda e: f"{e.a} + {e.b} =", 1.0, 1.0), (lambda e: e.prompt, 0.0, 0.05)):
+            ids = torch.tensor([tokenizer(form(e))["input_ids"] for e in examples])
+            predicted = tokenizer.convert_ids_to_tokens(model(ids).logits[:, -1].argmax(-1).tolist())
+            accuracy = sum(p == e.answer for p, e in zip(predicted, examples, strict=True)) / len(examples)
+            assert at_least <= accuracy <= at_most, (form(examples[0]), accuracy)
+
+
+def test_tokenizer_covers_the_corpus_and_round_trips(shipped):
+    _, tokenizer = shipped
+    text = " ".join(pretraining_corpus(300, seed=5))
+    ids = tokenizer(text)["input_ids"]
+    assert ids[0] == tokenizer.bos_token_id and tokenizer.unk_token_id not in ids
+    assert tokenizer.decode(ids, skip_special_tokens=True) == text
+    assert tokenizer.get_vocab() == build_tokenizer().get_vocab()  # the shipped file is what the script builds
+    assert tokenizer.convert_ids_to_tokens(list(range(4 + len(vocabulary())))) == ["<pad>", "<unk>", "<bos>", "<eos>", *vocabulary()]
+
+
+def test_task_split_is_a_fixed_partition_of_all_100_questions():
+    train, held_out = task_split(0)
+    assert len(train) == 70 and len(held_out) == 30
+    assert {(e.a, e.b) for e in train}.isdisjoint({(e.a, e.b) for e in held_out})
+    assert {(e.a, e.b) for e in train + held_out} == {(a, b) for a in range(10) for b in range(10)}
+    assert task_split(0) == (train, held_out) and task_split(1) != (train, held_out)
+    assert all(int(e.answer) == e.a + e.b and e.prompt == f"what is {e.a} plus {e.b} ?" for e in train)
+
+
+def test_encoding_puts_labels_on_the_answer_and_full_stop_only(shipped):
+    _, tokenizer = shipped
+    data = encode_examples(tokenizer, task_examples()[34:36])  # what is 3 plus 4 ? 7 . / what is 3 plus 5 ? 8 .
+    words = tokenizer.convert_ids_to_tokens(data.input_ids[0].tolist())
+    assert words == ["<bos>", "what", "is", "3", "plus", "4", "?", "7", "."]
+    assert data.labels[0].tolist() == [IGNORE_INDEX] * 7 + tokenizer.convert_tokens_to_ids(["7", "."])
+    assert data.answer_mask[0].tolist() == [False] * 6 + [True, False, False]  # "?" predicts the answer
+
+
+def test_teacher_forced_score_agrees_with_generate_question_by_question(shipped):
+    """Oracle: model.generate under lora_func.adapted, one question at a time."""
+    model, tokenizer = shipped
+    train_examples, held_out_examples = task_split(0)
+    train = encode_examples(tokenizer, train_examples)
+    adapter = lf.init_adapter(model, lf.AdapterSpec("ia3", targets=default_targets(model)), generator=torch.Generator().manual_seed(0))
+    fit(model, TrainState(adapter, make_optimizer(adapter, 0.1)), batch_sampler(train, 16, 0), 25, progress=False)
+    questions = held_out_examples[:12]
+    accuracy, logits = held_out_accuracy(model, adapter, encode_examples(tokenizer, questions))
+    scored = correct_answers(logits, encode_examples(tokenizer, questions)).tolist()
+    generated = [generate(model, tokenizer, e.prompt, adapter, max_new_tokens=2).split(" ")[0] == e.answer for e in questions]
+    assert scored == generated and any(scored) and not all(scored), scored  # partly trained: both outcomes occur
+    assert accuracy == pytest.approx(sum(scored) / len(scored))
+
+
+def test_lora_r8_on_attention_trains_under_3_percent_of_the_parameters(shipped):
+    model, _ = shipped
+    adapter = lf.init_adapter(model, lf.AdapterSpec("lora", targets=default_targets(model), r=8))
+    expected = sum(8 * (m.in_features + m.out_features) for n, m in model.named_modules() if n.endswith(("q_proj", "k_proj", "v_proj", "o_proj")))
+    total = sum(p.numel() for p in model.parameters())
+    assert adapter.num_parameters() == expected and expected / total < 0.03
+
+
+def test_cli_demo_writes_plot_tables_adapters_and_improves(tmp_path, capsys):
+    out = tmp_path / "demo"
+    assert main(["demo", "--variants", "eva,antipasto", "--steps", "25", "--out", str(out), "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert "| variant | lr | trainable params |" in printed and "% of the model" in printed
+    assert "peft format" in printed and "lora_func format (antipasto.safetensors; peft has no antipasto)" in printed
+    assert (out / "loss_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rows = json.loads((out / "results.json").read_text())
+    assert [r["variant"] for r in rows] == ["eva", "antipasto"] and (out / "results.md").read_text().count("\n") == 4
+    for row in rows:
+        assert row["acc_after"] > row["acc_before"], row["variant"]
+        assert row["reload_identical"], row["variant"]
+        assert len(row["losses"]) == 25 and row["samples"][0]["prompt"].startswith("what is")
+    assert (out / "adapters" / "eva" / "adapter_config.json").is_file() and (out / "adapters" / "antipasto.safetensors").is_file()
+
+
+def test_demo_on_a_bf16_base_keeps_fp32_adapters_and_learns():
+    (row,) = run_demo(DemoConfig(variants=["ia3"], steps=15, dtype=torch.bfloat16, progress=False, samples=0), emit=lambda _: None)
+    assert row["acc_after"] > row["acc_before"] and row["skipped_steps"] == 0
+    assert all(torch.isfinite(torch.tensor(row["losses"])))
+
+
+def test_model_flag_takes_any_local_causal_lm_directory(tmp_path):
+    """A GPT-2 (Conv1D layers, fused c_attn) saved with save_pretrained: the same demo runs."""
+    tokenizer = build_tokenizer()
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=2, n_positions=32, bos_token_id=2, eos_token_id=3))
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    lines = []
+    (row,) = run_demo(DemoConfig(variants=["lora"], steps=3, model_dir=str(tmp_path), progress=False, samples=1), emit=lines.append)
+    assert str(tmp_path) in lines[0] and row["reload_identical"] and len(row["losses"]) == 3
+    loaded, _ = load_model(tmp_path)
+    assert default_targets(loaded) == ["c_attn"]
+    with pytest.raises(FileNotFoundError, match="not a Hugging Face model directory"):
+        load_model(tmp_path / "nope")
