@@ -7,10 +7,9 @@ DESIGN.md recommends, for:
 - ``merged``: ``functional_call(model, merge_overlay(base, adapter.with_params(p)), ...)``;
 - ``lazy``: the same with ``overlay`` (``AdaptedWeight`` stand-ins, made with
   ``Tensor._make_wrapper_subclass``, which dynamo cannot trace: reported, not timed);
-- ``lazy-mode``: a prototype of the lazy path that swaps the *call* instead of the tensor: the
-  overlay keeps the base tensors, and a ``TorchFunctionMode`` active around ``functional_call``
-  routes ``F.linear`` on a target weight (found by identity) to the variant's activation form.
-  Dynamo traces torch-function modes, so this compiles with ``fullgraph=True``.
+- ``lazy adapted_call``: ``lf.adapted_call(model, adapter, ...)``, which under ``torch.compile``
+  runs the lazy path as a torch-function mode over the base tensors
+  (``lora_func._lazy.AdaptedCalls``); dynamo traces it with ``fullgraph=True``.
 
 Then it times eager vs compiled steps (interleaved, medians) with the frozen base compiled
 too, and calls each compiled step with fresh adapter values under
@@ -32,8 +31,6 @@ from typing import Any
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see bench/ratios.py
 
 import torch
-import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -42,49 +39,14 @@ import _common as c
 import lora_func as lf
 
 
-class _LazyCallMode(TorchFunctionMode):
-    """Prototype lazy overlay for ``torch.compile``: ``F.linear(x, w, b)`` with ``w`` one of the
-    target weights (by identity) becomes ``step.activation(x, base)``. nn.Linear targets only."""
-
-    def __init__(self, table: list[tuple[torch.Tensor, Any]]) -> None:
-        super().__init__()
-        self.table = table
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.linear:
-            x = args[0] if args else kwargs["input"]
-            w = args[1] if len(args) > 1 else kwargs["weight"]
-            b = args[2] if len(args) > 2 else kwargs.get("bias")
-            for weight, step in self.table:
-                if w is weight:
-                    from lora_func._lazy import LayerCall
-
-                    return step.activation(x, LayerCall(w, b, lambda x_, w=w, b=b: F.linear(x_, w, b)))
-        return func(*args, **kwargs)
-
-
-def mode_lazy_call(model: torch.nn.Module, base: dict, adapter: Any, kwargs: dict) -> Any:
-    from lora_func import core
-
-    steps = core._layer_steps(adapter)
-    table = []
-    for key, (target, step) in steps.items():
-        if target.layout != "linear":
-            raise NotImplementedError("prototype: nn.Linear targets only")
-        table.append((base[key], step))
-    with _LazyCallMode(table):
-        return torch.func.functional_call(model, base, (), kwargs, tie_weights=True, strict=False)
-
-
 def make_loss(s: c.Setup, adapter: Any, path: str):
     model, base = s.model, s.base
 
     def loss_fn(params: dict, embeds: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         ad = adapter.with_params(params)
         kwargs = {"inputs_embeds": embeds}
-        if path == "lazy-mode":
-            out = mode_lazy_call(model, base, ad, kwargs)
+        if path == "lazy adapted_call":
+            out = lf.adapted_call(model, ad, base=base, **kwargs)
         else:
             make = lf.merge_overlay if path == "merged" else lf.overlay
             out = torch.func.functional_call(model, make(base, ad), (), kwargs, tie_weights=True, strict=False)
@@ -131,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     for row in args.variants.split(","):
         adapter = c.our_adapter(s, row, args.rank)
         params = adapter.params
-        for path in ("merged", "lazy", "lazy-mode"):
+        for path in ("merged", "lazy", "lazy adapted_call"):
             loss_fn = make_loss(s, adapter, path)
             compiled = torch.compile(loss_fn, fullgraph=True)
             t0 = time.perf_counter()

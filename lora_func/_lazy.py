@@ -17,11 +17,12 @@ import torch
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch import Tensor
+from torch.overrides import TorchFunctionMode
 
 from lora_func._types import RANK_MASK, BaseLayer, LayerInfo, TensorDict, Variant
 from lora_func.targeting import canonical_weight, stored_weight
 
-__all__ = ["AdaptedWeight", "ChainStep", "LayerCall", "LayerStep", "SumStep", "VariantStep", "merged_weight"]
+__all__ = ["AdaptedCalls", "AdaptedWeight", "ChainStep", "LayerCall", "LayerStep", "SumStep", "VariantStep", "merged_weight"]
 
 _METADATA_FUNCS = {
     Tensor.dtype.__get__,  # type: ignore[attr-defined]
@@ -283,30 +284,7 @@ class AdaptedWeight(Tensor):
         if func in _METADATA_FUNCS:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
-        if func is F.linear:
-            bound = _bind(("input", "weight", "bias"), args, kwargs, bias=None)
-            x, w, b = bound["input"], bound["weight"], bound["bias"]
-            if type(w) is cls and not _has_standin((x, b)):
-                return w._adapted(x, b, lambda x_: F.linear(x_, w._weight, b))
-        elif func is torch.addmm:
-            bound = _bind(("input", "mat1", "mat2"), args, kwargs, beta=1, alpha=1)
-            b, x, w = bound["input"], bound["mat1"], bound["mat2"]
-            if type(w) is cls and w._layout == "conv1d" and bound["beta"] == 1 and bound["alpha"] == 1 and not _has_standin((x, b)):
-                return w._adapted(x, b, lambda x_: torch.addmm(b, x_, w._weight))
-        elif func in (torch.matmul, Tensor.matmul, Tensor.__matmul__):
-            bound = _bind(("input", "other"), args, kwargs)
-            x, w = bound["input"], bound["other"]
-            if type(w) is cls and w._layout == "conv1d" and not _has_standin((x,)):
-                return w._adapted(x, None, lambda x_: torch.matmul(x_, w._weight))
-        standins = sorted({t._name for t in pytree.tree_leaves((args, kwargs)) if type(t) is cls})
-        if any(t._strict for t in pytree.tree_leaves((args, kwargs)) if type(t) is cls):
-            raise RuntimeError(
-                f"lazy overlay (strict): {getattr(func, '__name__', func)} on adapted weight(s) {standins} has no "
-                f"low-rank path; use merge_overlay (merged weights) or overlay(..., strict=False) to fall back "
-                f"to the dense merged weight"
-            )
-        args, kwargs = pytree.tree_map_only(cls, lambda t: t.merged(), (args, kwargs))
-        return func(*args, **kwargs)
+        return _route(func, args, kwargs, _standin_of)
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -317,8 +295,95 @@ class AdaptedWeight(Tensor):
         )
 
 
-def _has_standin(values: tuple) -> bool:
-    return any(type(v) is AdaptedWeight for v in values)
+def _standin_of(value: Any) -> AdaptedWeight | None:
+    return value if type(value) is AdaptedWeight else None
+
+
+class _Adapted(Protocol):
+    """What the router needs of an adapted weight: a stand-in, or a mode's entry."""
+
+    _weight: Tensor
+    _layout: str
+    _strict: bool
+    _name: str
+
+    def merged(self) -> Tensor: ...
+
+    def _adapted(self, x: Tensor, bias: Tensor | None, call: Callable[[Tensor], Tensor]) -> Tensor: ...
+
+
+def _route(func: Any, args: tuple, kwargs: dict, find: Callable[[Any], _Adapted | None]) -> Any:
+    """``func(*args, **kwargs)`` where ``find`` tells which values are adapted weights: the
+    layer's own op on one takes the low-rank path; any other op gets the dense merged weight,
+    or raises when the weight is strict."""
+    if func is F.linear:
+        bound = _bind(("input", "weight", "bias"), args, kwargs, bias=None)
+        x, b, w = bound["input"], bound["bias"], find(bound["weight"])
+        if w is not None and w._layout == "linear" and find(x) is None and find(b) is None:
+            return w._adapted(x, b, lambda x_: F.linear(x_, w._weight, b))
+    elif func is torch.addmm:
+        bound = _bind(("input", "mat1", "mat2"), args, kwargs, beta=1, alpha=1)
+        b, x, w = bound["input"], bound["mat1"], find(bound["mat2"])
+        if w is not None and w._layout == "conv1d" and bound["beta"] == 1 and bound["alpha"] == 1 and find(x) is None and find(b) is None:
+            return w._adapted(x, b, lambda x_: torch.addmm(b, x_, w._weight))
+    elif func in (torch.matmul, Tensor.matmul, Tensor.__matmul__):
+        bound = _bind(("input", "other"), args, kwargs)
+        x, w = bound["input"], find(bound["other"])
+        if w is not None and w._layout == "conv1d" and find(x) is None:
+            return w._adapted(x, None, lambda x_: torch.matmul(x_, w._weight))
+    found = [a for a in map(find, pytree.tree_leaves((args, kwargs))) if a is not None]
+    if any(a._strict for a in found):
+        raise RuntimeError(
+            f"lazy overlay (strict): {getattr(func, '__name__', func)} on adapted weight(s) {sorted({a._name for a in found})} "
+            f"has no low-rank path; use merge_overlay (merged weights) or overlay(..., strict=False) to fall back "
+            f"to the dense merged weight"
+        )
+    if found:
+        args, kwargs = pytree.tree_map(lambda v: v if find(v) is None else find(v).merged(), (args, kwargs))  # type: ignore[union-attr]
+    return func(*args, **kwargs)
+
+
+class _ModeEntry:
+    """One target weight of :class:`AdaptedCalls`: the base tensor itself, found by identity."""
+
+    __slots__ = ("_bias", "_layout", "_name", "_step", "_strict", "_weight")
+
+    def __init__(self, weight: Tensor, bias: Tensor | None, step: LayerStep, *, layout: str, strict: bool, name: str) -> None:
+        self._weight, self._bias, self._step = weight, bias, step
+        self._layout, self._strict, self._name = layout, strict, name
+
+    merged = AdaptedWeight.merged
+    _adapted = AdaptedWeight._adapted
+
+
+class AdaptedCalls(TorchFunctionMode):
+    """The lazy overlay as a torch-function mode, for code that ``torch.compile`` traces.
+
+    Dynamo cannot trace the creation of :class:`AdaptedWeight` stand-ins
+    (``Tensor._make_wrapper_subclass``), but it traces torch-function modes. So the model gets
+    its own base tensors, and while the mode is active the layer's own op on a target weight
+    (found by identity) takes the same low-rank path a stand-in would, and any other op on it
+    gets the dense merged weight (or raises when ``strict``): the same semantics as
+    :func:`lora_func.overlay`. Checking every op's arguments costs Python time per op, which
+    only the trace pays; eager code uses the stand-ins.
+    """
+
+    def __init__(self, entries: Sequence[_ModeEntry]) -> None:
+        super().__init__()
+        self._entries = tuple(entries)
+
+    def _find(self, value: Any) -> _ModeEntry | None:
+        if isinstance(value, Tensor):
+            for entry in self._entries:
+                if value is entry._weight:
+                    return entry
+        return None
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _METADATA_FUNCS:
+            return func(*args, **kwargs)
+        return _route(func, args, kwargs, self._find)
 
 
 def _bind(names: tuple[str, ...], args: tuple, kwargs: dict, **defaults: Any) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lora_func._lazy import AdaptedWeight, ChainStep, LayerStep, SumStep, VariantStep, merged_weight
+from lora_func._lazy import AdaptedCalls, AdaptedWeight, ChainStep, LayerStep, SumStep, VariantStep, _ModeEntry, merged_weight
 from lora_func._types import LayerInfo
 from lora_func.adapter import Adapter, AdapterLayer, AdapterLike, Combined, Composed, leaf_adapters
 from lora_func.spec import AdapterSpec
@@ -306,11 +306,27 @@ def adapted_call(
 
     Same as ``functional_call(model, (merge_overlay if merged else overlay)(base, adapter),
     args, kwargs)``. Pass ``base=base_params(model)`` to reuse one base dict across calls.
+
+    Under ``torch.compile`` the lazy path (``merged=False``) runs as a torch-function mode
+    (:class:`lora_func._lazy.AdaptedCalls`) instead of stand-in tensors, which dynamo cannot
+    create: same outputs and gradients, ``fullgraph=True`` works, and new adapter values reuse
+    the compiled graph. A hand-written ``functional_call(model, overlay(...))`` does not
+    compile: call ``adapted_call`` (or use ``merge_overlay``) in compiled code.
     """
     if base is None:
         base = base_params(model)
     else:
         check_params(model, base)
+    if not merged and torch.compiler.is_compiling():
+        # Dynamo cannot trace the creation of the lazy stand-ins; the same lazy path as a
+        # torch-function mode over the base tensors traces with fullgraph=True.
+        _check(base, adapter)
+        entries = [
+            _ModeEntry(base[key], base[t.bias_key] if t.bias_key is not None else None, step, layout=t.layout, strict=strict, name=key)
+            for key, (t, step) in _layer_steps(adapter).items()
+        ]
+        with AdaptedCalls(entries):
+            return torch.func.functional_call(model, dict(base), args, kwargs, tie_weights=True, strict=False)
     params = merge_overlay(base, adapter) if merged else overlay(base, adapter, strict=strict)
     return torch.func.functional_call(model, params, args, kwargs, tie_weights=True, strict=False)
 

@@ -74,8 +74,12 @@ def test_rank_padded_stack_equals_each_alone(variant, kind):
             g_alone, v_alone = _value_and_grad(loss)(member)
             torch.testing.assert_close(values[k], v_alone, atol=2e-6, rtol=2e-6)
             trimmed = lf.unstack(stacked.with_params(grads))[k]
+            # Round-off is relative to the member's gradient scale, not to each tensor's own: a
+            # scalar like DeLoRA's lambda gradient can be a sum that cancels to 1 % of its terms
+            # (measured: the stacked value was the closer one to float64 there).
+            scale = max(float(g.detach().abs().max()) for g in g_alone.values())
             for key, g in g_alone.items():
-                torch.testing.assert_close(trimmed.params[key], g, atol=1e-5 * float(g.detach().abs().max()) + 1e-8, rtol=1e-4)
+                torch.testing.assert_close(trimmed.params[key], g, atol=1e-5 * scale + 1e-8, rtol=1e-4)
             # Padded entries get exactly zero gradient, so they stay zero under any optimiser.
             for key, g in grads.items():
                 padding = g[k].detach().clone()

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lora_func._types import BaseLayer, LayerInfo, TensorDict, Variant
+from lora_func._types import BaseLayer, LayerInfo, TensorDict, Variant, add_low_rank
 
 __all__ = ["VARIANT", "rotation", "trunc_normal", "with_steering"]
 
@@ -167,11 +167,9 @@ def weight_form(
 def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: BaseLayer, info: LayerInfo) -> Tensor:
     # x W_resᵀ + b = base(x) − ((x V) ⊙ S) Uᵀ, so
     # y = ((x V_rot) ⊙ (S + alpha·delta_s)) U_rotᵀ + x W_resᵀ + b = base(x) + ((x V) Mᵀ) Uᵀ.
-    y = base(x)
     u, v = buffers["U"], buffers["V"]
     core = _core(params, buffers, info).to(u.dtype)
-    delta = ((x.to(v.dtype) @ v) @ core.transpose(-1, -2)) @ u.transpose(-1, -2)
-    return y + delta.to(y.dtype)
+    return add_low_rank(base(x), (x.to(v.dtype) @ v) @ core.transpose(-1, -2), u)
 
 
 def with_steering(adapter_buffers: Mapping[str, Tensor], alpha: Tensor | float) -> dict[str, Tensor]:
@@ -183,11 +181,14 @@ def with_steering(adapter_buffers: Mapping[str, Tensor], alpha: Tensor | float) 
         f = lambda a: logits(adapter.with_buffers(with_steering(adapter.buffers, a)))
         torch.func.vmap(f)(torch.tensor([-1.0, 0.0, 1.0]))
     """
-    alpha = torch.as_tensor(alpha)
-    return {
-        key: (alpha.to(dtype=value.dtype, device=value.device).expand(value.shape) if key.rsplit(".", 1)[-1] == "steer" else value)
-        for key, value in adapter_buffers.items()
-    }
+    # A Python number becomes a tensor in each buffer's own dtype directly (going through a
+    # float32 tensor first would round 0.7 to 0.699999988 in an fp64 adapter).
+    def steer(value: Tensor) -> Tensor:
+        if isinstance(alpha, Tensor):
+            return alpha.to(dtype=value.dtype, device=value.device).expand(value.shape)
+        return torch.as_tensor(alpha, dtype=value.dtype, device=value.device).expand(value.shape)
+
+    return {key: (steer(value) if key.rsplit(".", 1)[-1] == "steer" else value) for key, value in adapter_buffers.items()}
 
 
 def check_options(options: Mapping[str, Any]) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lora_func._types import BaseLayer, LayerInfo, TensorDict, Variant, kaiming_uniform, layer_rank
+from lora_func._types import BaseLayer, LayerInfo, TensorDict, Variant, add_low_rank, kaiming_uniform, layer_rank
 
 NORM_CLAMP = 1e-4  # peft's clamp on the per-rank norms of A and B
 
@@ -75,14 +75,14 @@ def weight_form(
 
 
 def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: BaseLayer, info: LayerInfo) -> Tensor:
-    y = base(x)
     a, b = params["delora_A"], params["delora_B"]
     ct = _compute_dtype(a.dtype)
-    # peft's order: (x ⊙ w_norm) Aᵀ, times the per-rank scale, then Bᵀ. The first product
-    # runs in the adapter dtype; from the scale on (≈1e4 at init) it runs in >= fp32.
-    h = (x.to(a.dtype) * buffers["delora_w_norm"]) @ a.T
-    delta = (h.to(ct) * _rank_scale(params, layer_rank(info, buffers))) @ b.to(ct).T
-    return y + delta.to(y.dtype)
+    # peft computes (x ⊙ w_norm) Aᵀ; x (A diag(w_norm))ᵀ is the same product with the column
+    # scaling moved onto the (r, d_in) factor: no pass over (and no saved copy of) the inputs.
+    # It runs in the adapter dtype; from the per-rank scale on (≈1e4 at init) in >= fp32.
+    h = x.to(a.dtype) @ (a * buffers["delora_w_norm"]).T
+    h = h.to(ct) * _rank_scale(params, layer_rank(info, buffers))
+    return add_low_rank(base(x), h, b.to(ct))
 
 
 def check_options(options: Mapping[str, Any]) -> None:

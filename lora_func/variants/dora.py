@@ -6,7 +6,7 @@ initialised to the row norms ``‖W[i, :]‖₂``.
 
 ``V = W + s·B A``; ``n = ‖W + s·(B A).detach()‖_row``, then detached (paper §4.3, as peft
 and NVlabs); ``k = m / n``; ``W_eff = diag(k) V``, ``b_eff = b`` (the bias is not rescaled).
-Activation form: ``y = base(x) + (k − 1) ⊙ (x Wᵀ) + k ⊙ s·(x Aᵀ) Bᵀ`` with ``x Wᵀ = base(x) − b``.
+Activation form: ``y = k ⊙ t + (1 − k) ⊙ b`` with ``t = base(x) + s·(x Aᵀ) Bᵀ = x Vᵀ + b``.
 Norms are computed in fp32 (at least), from the same operations at init and in both forms,
 so ``k = 1`` exactly at init and the adapter is exactly the identity on any base dtype.
 """
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lora_func._types import BaseLayer, LayerInfo, TensorDict, Variant, kaiming_uniform, lora_scale
+from lora_func._types import BaseLayer, LayerInfo, TensorDict, Variant, add_low_rank, kaiming_uniform, lora_scale
 
 MAGNITUDE = "lora_magnitude_vector"
 
@@ -65,10 +65,13 @@ def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: Ba
     # The dense W is needed every step for the norm (DoRA's inherent cost).
     norm = _row_norm(base.weight, lora_a, lora_b, s)
     k = (magnitude / norm).to(lora_a.dtype)
-    plain = y if base.bias is None else y - base.bias  # x Wᵀ: the bias is not rescaled
-    lora = (x.to(lora_a.dtype) @ lora_a.T) @ lora_b.T * s
-    delta = (k - 1) * plain.to(lora_a.dtype) + k * lora
-    return y + delta.to(y.dtype)
+    # t = x Vᵀ + b = base(x) + s·(x Aᵀ) Bᵀ; y_eff = k ⊙ (t − b) + b = k ⊙ t + (1 − k) ⊙ b: the
+    # bias is not rescaled. Two passes over the outputs (addmm, addcmul) instead of peft's six;
+    # at init (B = 0, k = 1) every step is exact, so the adapter is exactly the identity.
+    t = add_low_rank(y.to(lora_a.dtype), (x.to(lora_a.dtype) @ lora_a.T) * s, lora_b)
+    if base.bias is None:
+        return (t * k).to(y.dtype)
+    return torch.addcmul((1 - k) * base.bias.to(t.dtype), t, k).to(y.dtype)
 
 
 VARIANT = Variant(

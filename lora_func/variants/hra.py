@@ -9,8 +9,10 @@ Trainable ``hra_u (d_in, r)``, one column per reflection. With ``û_i = u_i / �
 
 Activation form: the reflections act on ``x`` from the LAST column to the FIRST
 (``x ← x − 2 (x·û_i) û_iᵀ`` for ``i = r−1 … 0``), then the base layer. Weight form: the
-reflections act on the rows of ``W`` from the FIRST column to the LAST. Neither builds a
-``d_in × d_in`` matrix.
+reflections act on the rows of ``W`` from the FIRST column to the LAST. Both apply the ``r``
+reflections at once through the compact WY form ``R = I − Û T Ûᵀ`` (``T`` upper triangular,
+``r × r``, :func:`reflection_wy`), so neither builds a ``d_in × d_in`` matrix nor loops over
+the reflections.
 
 Init (``init="paired"``, default, peft's ``init_weights=True``): ``half ~
 kaiming_uniform((d_in, r/2), a=√5)``, ``U = repeat_interleave(half, 2, dim=1)``, so each
@@ -73,24 +75,39 @@ def unit_columns(u: Tensor) -> Tensor:
     return (uc / norm).to(u.dtype)
 
 
+def reflection_wy(u_hat: Tensor) -> Tensor:
+    """``T (r, r)``, upper triangular, with ``H_0 H_1 ⋯ H_{r−1} = I − Û T Ûᵀ``.
+
+    The compact WY form of a product of Householder reflections (Schreiber and Van Loan 1989;
+    LAPACK's ``larft``) in Puglisi's closed form ``T⁻¹ = I/2 + striu(ÛᵀÛ)`` for unit columns
+    (``τ = 2``); a zero column contributes nothing. It lets both forms apply all ``r``
+    reflections with two rank-``r`` products instead of ``r`` sequential rank-1 updates, each
+    a pass over (and, for backward, a saved copy of) the whole input.
+    """
+    # The r x r solve runs in at least fp32 (as every solve in lora_func); returned in u_hat's dtype.
+    ct = torch.promote_types(u_hat.dtype, torch.float32)
+    uc = u_hat.to(ct)
+    eye = torch.eye(u_hat.shape[-1], dtype=ct, device=u_hat.device)
+    t_inv = 0.5 * eye + torch.triu(uc.transpose(-1, -2) @ uc, diagonal=1)
+    return torch.linalg.solve_triangular(t_inv, eye, upper=True).to(u_hat.dtype)
+
+
 def weight_form(
     params: TensorDict, buffers: TensorDict, weight: Tensor, bias: Tensor | None, info: LayerInfo
 ) -> tuple[Tensor, Tensor | None]:
     u_hat = unit_columns(params["hra_u"]).to(weight.dtype)
-    w = weight
-    for i in range(u_hat.shape[-1]):  # W R = (((W H_0) H_1) ⋯) H_{r-1}
-        col = u_hat[:, i]
-        w = w - 2.0 * (w @ col)[:, None] * col[None, :]
-    return w, bias
+    # W R = W − (W Û) T Ûᵀ
+    return weight - ((weight @ u_hat) @ reflection_wy(u_hat)) @ u_hat.transpose(-1, -2), bias
 
 
 def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: BaseLayer, info: LayerInfo) -> Tensor:
     u_hat = unit_columns(params["hra_u"])
     xa = x.to(u_hat.dtype)
-    for i in reversed(range(u_hat.shape[-1])):  # x Rᵀ = (((x H_{r-1}) H_{r-2}) ⋯) H_0
-        col = u_hat[:, i]
-        xa = xa - 2.0 * (xa @ col)[..., None] * col
-    return base(xa.to(x.dtype))
+    # x Rᵀ = x − (x Û) Tᵀ Ûᵀ: the reflections applied to x from the last to the first.
+    h = (xa @ u_hat) @ reflection_wy(u_hat).transpose(-1, -2)
+    ut = u_hat.transpose(-1, -2).contiguous()  # (r, d_in): see add_low_rank on gradient layouts
+    rotated = torch.addmm(xa.reshape(-1, xa.shape[-1]), h.reshape(-1, h.shape[-1]), ut, alpha=-1).reshape(xa.shape)
+    return base(rotated.to(x.dtype))
 
 
 def check_options(options: Mapping[str, Any]) -> None:

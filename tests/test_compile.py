@@ -1,0 +1,82 @@
+"""torch.compile of the adapted step (DESIGN.md: compile the function that calls
+functional_call): every variant, lazy and merged, on both layer kinds, traces with
+``fullgraph=True``, gives eager's outputs and gradients, and new adapter values reuse the graph.
+
+The backend is ``aot_eager``: dynamo's trace and AOTAutograd's joint graph (where an adapter
+can break) without inductor's code generation (a minute per graph on a CPU, and not ours to
+test; bench/compile.py times inductor). One-layer models keep the 36 traces fast; one tiny
+Llama checks a whole transformers model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lora_func as lf
+from tests.models import tiny_model, tokens
+from tests.one_layer import calibration, one_layer, perturbed
+from tests.variant_table import ROWS
+
+BACKEND = "aot_eager"
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _value_and_grads(fn, params):
+    leaves = {k: v.detach().requires_grad_(True) for k, v in params.items()}
+    value = fn(leaves)
+    return value, torch.autograd.grad(value, list(leaves.values()))
+
+
+def _check_compiled(loss, adapter, base_value):
+    compiled = torch.compile(loss, fullgraph=True, backend=BACKEND)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for shift in (0.0, 0.05):  # the second call: new adapter values, the same graph
+            params = {k: v.detach() + shift for k, v in adapter.params.items()}
+            want_value, want_grads = _value_and_grads(loss, params)
+            got_value, got_grads = _value_and_grads(compiled, params)
+            torch.testing.assert_close(got_value, want_value, rtol=1e-5, atol=1e-6)
+            for key, got, want in zip(params, got_grads, want_grads, strict=True):
+                assert float(want.abs().max()) > 0, f"{key}: no gradient to compare"
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * float(want.abs().max()), msg=key)
+            # The adapter reached the compiled model: the loss is not the base model's.
+            assert not torch.allclose(got_value, base_value, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("merged", [False, True], ids=["lazy", "merged"])
+@pytest.mark.parametrize("layout", ["linear", "conv1d"])
+@pytest.mark.parametrize("variant", sorted(ROWS))
+def test_every_variant_compiles_fullgraph_without_recompiling(variant, layout, merged):
+    row = ROWS[variant]
+    model = one_layer(layout, 12, 10, bias=True, dtype=torch.float32, seed=0)
+    spec = lf.AdapterSpec(variant, targets=["proj"], **{**row.spec_kwargs, "r": 4})
+    adapter = lf.init_adapter(
+        model, spec, generator=torch.Generator().manual_seed(1), calibration=calibration(2) if row.calibration else None
+    )
+    adapter = perturbed(adapter, seed=3)
+    base, x = lf.base_params(model), torch.randn(3, 5, 12, generator=torch.Generator().manual_seed(4))
+    target = torch.randn(3, 5, 10, generator=torch.Generator().manual_seed(5))
+
+    def loss(params):
+        y = lf.adapted_call(model, adapter.with_params(params), x=x, merged=merged, base=base)
+        return ((y - target) ** 2).mean()
+
+    _check_compiled(loss, adapter, ((model(x=x) - target) ** 2).mean())
+
+
+def test_lazy_path_of_a_transformers_model_compiles_fullgraph():
+    model = tiny_model("llama")
+    adapter = perturbed(lf.init_adapter(model, lf.AdapterSpec("dora", targets=["q_proj", "v_proj", "down_proj"], r=2)), seed=3)
+    base, ids = lf.base_params(model), tokens(2, 8)
+
+    def loss(params):
+        logits = lf.adapted_call(model, adapter.with_params(params), ids, base=base).logits
+        return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+    base_loss = torch.nn.functional.cross_entropy(model(ids).logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    _check_compiled(loss, adapter, base_loss)
