@@ -422,6 +422,9 @@ def _stack_adapters(adapters: list[Adapter]) -> Adapter:
     # Rank-padded: zero-pad every tensor to the largest shape (only rank axes differ) and give
     # each layer a rank mask and the member's alpha, so each keeps its own scale.
     variant = first.variant
+    # The mask and alpha make each member's scale alpha/r: in the adapter dtype, but at least
+    # fp32 (a bf16 alpha such as 0.1 would be rounded, a bf16 rank above 256 inexact).
+    scale_dtype = torch.promote_types(first.spec.dtype, torch.float32)
     params: dict[str, list[Tensor]] = {k: [] for k in first.params}
     buffers: dict[str, list[Tensor]] = {k: [] for k in first.buffers}
     layers = []
@@ -447,9 +450,9 @@ def _stack_adapters(adapters: list[Adapter]) -> Adapter:
             for name, shape in b_shapes:
                 buffers[f"{module}.{name}"].append(_pad_to(a.buffers[f"{module}.{name}"], shape))
             device = a.params[f"{module}.{p_shapes[0][0]}"].device if p_shapes else None
-            mask = (torch.arange(r_max, device=device) < lay.info.r).to(torch.float32)
+            mask = (torch.arange(r_max, device=device) < lay.info.r).to(scale_dtype)
             buffers.setdefault(f"{module}.{RANK_MASK}", []).append(mask)
-            buffers.setdefault(f"{module}.{RANK_ALPHA}", []).append(torch.tensor(float(lay.info.alpha), device=device))
+            buffers.setdefault(f"{module}.{RANK_ALPHA}", []).append(torch.tensor(float(lay.info.alpha), dtype=scale_dtype, device=device))
         layers.append(
             dataclasses.replace(
                 layer,

@@ -545,7 +545,7 @@ CASES: dict[str, Case] = {
     "load-missing": Case(lambda ctx: lambda: lf.load(ctx.tmp / "missing.safetensors"), ("missing.safetensors",)),
     "load-unreadable": Case(save_then(_truncate), ("truncated.safetensors",)),
     "load-foreign": Case(save_then(_foreign), ("foreign.safetensors", "format='lora_func'")),
-    "load-version": Case(save_then(lambda p, ctx: _rewrite(p, metadata={"format_version": "99"})), ("edited.safetensors", "'99'", "'1'")),
+    "load-version": Case(save_then(lambda p, ctx: _rewrite(p, metadata={"format_version": "99"})), ("edited.safetensors", "'99'", "['1', '2']")),
     "load-inconsistent": Case(save_then(lambda p, ctx: _rewrite(p, drop="layers.1")), ("edited.safetensors", "params/model.layers.1.self_attn.q_proj.lora_A")),
     "load-wrong-model": Case(save_then(lambda p, ctx: p, with_model=True), ("a.safetensors", "GPT2LMHeadModel", Q + ".weight: not in the model")),
     # distributed
@@ -917,6 +917,7 @@ CASES.update(
         "save-peft-wrong-model": Case(save_peft_of(lambda ctx: (ctx.adapter(ctx.model()), ctx.model("gpt2"))), (Q + ".weight", "GPT2LMHeadModel")),
         "save-peft-mixed-methods": Case(save_peft_of(lambda ctx: (_composed(ctx, {}, {"variant": "ia3", "targets": ["v_proj"]}), None)), ("LORA", "IA3")),
         "save-peft-same-layers": Case(save_peft_of(lambda ctx: (_composed(ctx, {}, {"r": 3}), None)), (Q,)),
+        "save-peft-not-a-directory": Case(save_peft_of(lambda ctx: (ctx.adapter(ctx.model()), (ctx.tmp / "out").write_text("a file") and None)), ("out",)),
         # training utilities
         "train-not-a-checkpoint": Case(_checkpoint_then(replace_with_empty=True), ("adapter.safetensors", "save_checkpoint")),
         "train-unknown-optimizer": Case(_checkpoint_then(optimizer_class=CustomSGD), ("'CustomSGD'",)),

@@ -5,6 +5,7 @@ atomic writes."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import pytest
@@ -175,7 +176,7 @@ def test_corrupted_edited_and_misplaced_files_are_refused_clearly(saved, tmp_pat
     data = bytearray(path.read_bytes())
     data[-3] ^= 0x10  # one bit of one tensor value: safetensors itself would not notice
     flipped.write_bytes(bytes(data))
-    with pytest.raises(ValueError, match=r"flipped.safetensors is corrupted: its tensors do not match the checksum"):
+    with pytest.raises(ValueError, match=r"flipped.safetensors is corrupted: its tensors or metadata do not match the checksum"):
         lf.load(flipped, model=model)
     with pytest.raises(ValueError, match=r"damaged lora_func metadata \(JSONDecodeError"):
         lf.load(_rewrite(path, metadata={"tree": "{"}))
@@ -189,12 +190,50 @@ def test_corrupted_edited_and_misplaced_files_are_refused_clearly(saved, tmp_pat
         lf.load(path, model=tiny_model("gpt2"))
     with pytest.raises(ValueError, match=r"does not fit LlamaForCausalLM: .*derived from different base weights"):
         lf.load(path, model=tiny_model("llama", seed=1))
-    with pytest.raises(ValueError, match=r"format_version '2'; this lora_func reads '1'"):
-        lf.load(_rewrite(path, metadata={"format_version": "2"}))
+    with pytest.raises(ValueError, match=r"format_version '99'; this lora_func reads \['1', '2'\]: load it with"):
+        lf.load(_rewrite(path, metadata={"format_version": "99"}))
     with pytest.raises(TypeError, match=r"save\(\) expects an Adapter, Composed or Combined, got dict"):
         lf.save(adapter.params, tmp_path / "x.safetensors")
     assert_unchanged(model, snap)
     assert_same_adapter(adapter, lf.load(path, model=model))
+
+
+def test_saving_one_adapter_again_gives_the_same_bytes(saved, tmp_path):
+    """The header is canonical (metadata keys sorted): safetensors alone writes the metadata in
+    a random order on every save, so a file's bytes (and any hash of it, and which field a
+    given byte offset falls in) would change from save to save."""
+    _model, adapter, path = saved
+    again = [lf.save(adapter, tmp_path / f"again{i}.safetensors").read_bytes() for i in range(5)]
+    assert all(data == path.read_bytes() for data in again)
+    length = int.from_bytes(again[0][:8], "little")
+    metadata = json.loads(again[0][8 : 8 + length])["__metadata__"]
+    assert list(metadata) == sorted(metadata)
+
+
+def _version_1_digest(tensors) -> str:
+    """How lora_func format_version "1" computed a file's digest: the tensors only."""
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        data = tensors[name].contiguous()
+        digest.update(f"{name}|{data.dtype}|{tuple(data.shape)}|".encode())
+        digest.update(data.reshape(-1).view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+    return digest.hexdigest()
+
+
+def test_a_version_1_file_still_loads_and_its_tensors_are_still_checked(saved, tmp_path):
+    model, adapter, path = saved
+    tensors = load_file(str(path))
+    old = _rewrite(path, metadata={"format_version": "1", "digest": _version_1_digest(tensors)})
+    assert_same_adapter(adapter, lf.load(old, model=model))
+    flipped = tmp_path / "flipped.safetensors"
+    data = bytearray(old.read_bytes())
+    data[-3] ^= 0x10
+    flipped.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="flipped.safetensors is corrupted"):
+        lf.load(flipped, model=model)
+    # A version "2" file relabelled "1" (its digest covers the metadata too) is refused.
+    with pytest.raises(ValueError, match="edited.safetensors is corrupted"):
+        lf.load(_rewrite(path, metadata={"format_version": "1"}), model=model)
 
 
 def load_meta(path):

@@ -399,18 +399,7 @@ def test_eva_lowrank_svd_is_peft_default_svd_lowrank(shape):
     assert torch.equal(vh, vh_ref * signs)
 
 
-@pytest.mark.parametrize(
-    "dtype",
-    [
-        pytest.param(
-            torch.float64,
-            marks=pytest.mark.xfail(
-                strict=True, reason="known gap: with_steering makes a Python float alpha float32 first (torch.as_tensor), so an fp64 steer is 0.699999988"
-            ),
-        ),
-        torch.bfloat16,
-    ],
-)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 def test_antipasto_with_steering_keeps_each_buffer_dtype(dtype):
     """``with_steering`` writes alpha in each steer buffer's own dtype (an fp64 adapter keeps
     0.7 to fp64 precision); other buffers are the same objects."""
@@ -522,12 +511,12 @@ def test_rank_padded_stack_with_rslora_equals_each_alone(variant):
     for overlay_name, make in OVERLAYS:
         together = torch.func.vmap(lambda a, make=make: run(model, make(base, a), x))(stacked)
         for k, member in enumerate(members):
-            # 1e-6: the stack's rank_mask / rank_alpha are fp32 (see the xfail below)
-            torch.testing.assert_close(together[k], oracle_out(model, member, x), atol=1e-6, rtol=1e-6, msg=f"{overlay_name} member {k}")
+            torch.testing.assert_close(together[k], oracle_out(model, member, x), atol=1e-10, rtol=1e-10, msg=f"{overlay_name} member {k}")
 
 
-@pytest.mark.xfail(strict=True, reason="known gap: stack() makes rank_mask/rank_alpha float32 for any adapter dtype, so an fp64 stack's scale alpha/r is fp32-rounded (~1e-8)")
 def test_rank_padded_stack_of_float64_adapters_is_float64_exact():
+    """An fp64 rank-padded stack keeps its rank mask and alpha in fp64, so each member's scale
+    alpha/r is not fp32-rounded (~1e-8 off). Kills a hard-coded fp32 mask/alpha in stack()."""
     model = one_layer("linear", D_IN, D_OUT, True, torch.float64, 0)
     members = [
         perturbed(lf.init_adapter(model, lf.AdapterSpec("lora", ["proj"], r=r, alpha=8.0, dtype=torch.float64), generator=torch.Generator().manual_seed(r)), seed=r, scale=0.3)
@@ -536,6 +525,18 @@ def test_rank_padded_stack_of_float64_adapters_is_float64_exact():
     x, base = inputs(), lf.base_params(model)
     together = torch.func.vmap(lambda a: run(model, lf.merge_overlay(base, a), x))(lf.stack(members))
     torch.testing.assert_close(together[0], oracle_out(model, members[0], x), atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize(("dtype", "scale_dtype"), [(torch.float64, torch.float64), (torch.float32, torch.float32), (torch.bfloat16, torch.float32)])
+def test_rank_padded_stack_keeps_mask_and_alpha_in_the_adapter_dtype_but_at_least_fp32(dtype, scale_dtype):
+    """The rank mask and alpha of a padded stack are in the adapter dtype, but never below
+    fp32 (a bf16 alpha of 0.1 would be 0.10009765625, a bf16 rank above 256 inexact)."""
+    model = one_layer("linear", D_IN, D_OUT, True, torch.float64, 0)
+    members = [lf.init_adapter(model, lf.AdapterSpec("lora", ["proj"], r=r, alpha=0.1, dtype=dtype), generator=torch.Generator().manual_seed(r)) for r in (3, 4)]
+    buffers = lf.stack(members).buffers
+    assert buffers["proj.rank_mask"].dtype == scale_dtype and buffers["proj.rank_alpha"].dtype == scale_dtype
+    assert torch.equal(buffers["proj.rank_alpha"], torch.tensor([0.1, 0.1], dtype=scale_dtype))
+    assert torch.equal(buffers["proj.rank_mask"], torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]], dtype=scale_dtype))
 
 
 @pytest.mark.parametrize("layout", ["linear", "conv1d"])
@@ -614,8 +615,9 @@ def test_lazy_standin_takes_the_low_rank_path_only_for_the_layers_own_call():
         torch.testing.assert_close(op(standin), op(merged), atol=1e-12, rtol=1e-12, msg=what)
 
 
-@pytest.mark.xfail(strict=True, reason="known gap: F.linear on a Conv1D-layout stand-in takes the low-rank path (no layout check), adding the canonical delta to x Wᵀ of the stored weight")
 def test_conv1d_standin_in_f_linear_falls_back_to_the_merged_weight():
+    """F.linear on a Conv1D-layout stand-in is not that layer's own call: it goes through the
+    dense merged weight. Kills a missing layout check in the F.linear branch."""
     x = torch.randn(3, 5, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     conv, conv_merged, b = _standin_and_merged("conv1d")
     torch.testing.assert_close(torch.nn.functional.linear(x, conv, b), torch.nn.functional.linear(x, conv_merged, b), atol=1e-12, rtol=1e-12)

@@ -7,8 +7,10 @@ Layout of a file:
   adapter's mixing weights are ``params/weights``), contiguous, in the adapter dtype;
 - metadata ``tree``: JSON describing the adapter (each leaf's spec, per-layer static info,
   base fingerprints and, for a rank-padded stack, each member's spec and layers; the
-  composition structure above the leaves); ``digest``: a sha256 over every tensor's name,
-  dtype, shape and bytes, checked on load, so a corrupted file is refused instead of giving
+  composition structure above the leaves); ``digest``: a sha256 over the metadata that defines
+  the adapter (``format``, ``format_version``, ``tree``, ``trainable_only``,
+  ``buffer_digests``) and every tensor's name, dtype, shape and bytes, checked on load, so a
+  corrupted file (or one edited by hand, say its ``alpha``) is refused instead of giving
   silently different outputs (safetensors itself has no checksum);
 - with ``trainable_only=True``: no buffers; instead ``buffer_digests``, a digest of each
   layer's buffers, and ``load(path, model=)`` rebuilds them by re-running the variant's init
@@ -16,6 +18,11 @@ Layout of a file:
 
 Since everything (residuals, singular bases, EVA's per-layer ranks) is stored, a reload
 needs no calibration data and gives bit-identical outputs.
+
+The header is written in one canonical order (safetensors writes the metadata in a random
+order, different on every save), so saving the same adapter twice gives the same bytes.
+
+Format versions: ``"2"`` (written); ``"1"`` (read), whose ``digest`` covers only the tensors.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import struct
 import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -42,7 +50,11 @@ from lora_func.variants import get_variant
 __all__ = ["load", "save"]
 
 FORMAT = "lora_func"
-FORMAT_VERSION = "1"
+FORMAT_VERSION = "2"
+# Versions load() reads. In "1" the digest covers only the tensors (see _file_digest).
+READABLE_VERSIONS = ("1", "2")
+# The metadata entries that define the adapter, covered by the file's digest.
+DIGESTED_METADATA = ("format", "format_version", "tree", "trainable_only", "buffer_digests")
 
 
 # ------------------------------------------------------------------------------- metadata
@@ -122,6 +134,35 @@ def _digest(tensors: Mapping[str, Tensor]) -> str:
     return digest.hexdigest()
 
 
+def _file_digest(metadata: Mapping[str, str], tensors: Mapping[str, Tensor]) -> str:
+    """The file's ``digest``: sha256 over the metadata that defines the adapter
+    (:data:`DIGESTED_METADATA`, as stored) and the tensors (:func:`_digest`). A version "1"
+    file's digest is the tensors' alone."""
+    if metadata.get("format_version") == "1":
+        return _digest(tensors)
+    digest = hashlib.sha256(json.dumps([[key, metadata.get(key)] for key in DIGESTED_METADATA]).encode())
+    digest.update(_digest(tensors).encode())
+    return digest.hexdigest()
+
+
+def _canonical_header(path: str) -> None:
+    """Rewrite the safetensors header of ``path`` in place with the metadata in sorted order,
+    so one adapter always gives the same bytes (safetensors writes the metadata in the random
+    order of a Rust ``HashMap``). The tensor entries and data are left as they are; the header
+    keeps its length (same content, same escaping), else the file is left as written (valid,
+    only not canonical)."""
+    with open(path, "r+b") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+        metadata = header.pop("__metadata__", {})
+        text = json.dumps(
+            {"__metadata__": dict(sorted(metadata.items()))} | header, separators=(",", ":"), ensure_ascii=False
+        ).encode()
+        if len(text) <= length:
+            f.seek(8)
+            f.write(text + b" " * (length - len(text)))
+
+
 # ----------------------------------------------------------------------------------- save
 
 
@@ -168,13 +209,14 @@ def save(adapter: AdapterLike, path: str | os.PathLike, *, trainable_only: bool 
         "tree": json.dumps(tree),
         "trainable_only": json.dumps(trainable_only),
         "buffer_digests": json.dumps(buffer_digests),
-        "digest": _digest(tensors),
     }
+    metadata["digest"] = _file_digest(metadata, tensors)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
         save_file(tensors, tmp, metadata=metadata)
+        _canonical_header(tmp)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -308,8 +350,11 @@ def load(path: str | os.PathLike, model: nn.Module | None = None) -> AdapterLike
     if metadata.get("format") != FORMAT:
         hint = " (a peft checkpoint? use lora_func.load_peft on its directory)" if "adapter_model" in path.name else ""
         raise ValueError(f"{path} is not a lora_func adapter file: its metadata has no format={FORMAT!r}{hint}")
-    if metadata.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"{path} has format_version {metadata.get('format_version')!r}; this lora_func reads {FORMAT_VERSION!r}")
+    if metadata.get("format_version") not in READABLE_VERSIONS:
+        raise ValueError(
+            f"{path} has format_version {metadata.get('format_version')!r}; this lora_func reads "
+            f"{list(READABLE_VERSIONS)}: load it with the (newer) lora_func that wrote it"
+        )
     tree, trainable_only, buffer_digests, digest = _parse(path, metadata)
     expected = _expected_tensors(tree, trainable_only)
     missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
@@ -318,8 +363,12 @@ def load(path: str | os.PathLike, model: nn.Module | None = None) -> AdapterLike
             f"{path} is inconsistent: missing tensors {missing}, unexpected tensors {unexpected}; "
             f"the file was edited or assembled by hand: save the adapter again"
         )
-    if _digest(tensors) != digest:
-        raise ValueError(f"{path} is corrupted: its tensors do not match the checksum saved with them; save the adapter again")
+    if _file_digest(metadata, tensors) != digest:
+        raise ValueError(
+            f"{path} is corrupted: its tensors or metadata do not match the checksum saved with them (damaged on "
+            f"disk or in transfer, or edited by hand); save the adapter again (change hyperparameters through "
+            f"the API, not in the file)"
+        )
     leaves = {prefix: leaf for prefix, leaf in _leaves(tree)}
     layers_of = {prefix: [_layer_from_json(d) for d in leaf["layers"]] for prefix, leaf in leaves.items()}
     with_buffers = sorted(layer.target.module for layers in layers_of.values() for layer in layers if layer.buffer_shapes)

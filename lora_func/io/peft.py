@@ -33,11 +33,14 @@ recomputed from the base exactly as peft does on load.
 from __future__ import annotations
 
 import collections
+import ctypes
 import json
 import math
 import os
 import re
-import tempfile
+import secrets
+import shutil
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -605,15 +608,106 @@ def _peft_config(peft_type: str, shared: Mapping[str, Any], layers: Sequence[_Ou
     return config | {"lora_alpha": alpha, "rank_pattern": rank_pattern, "alpha_pattern": alpha_pattern, "lora_dropout": 0.0}
 
 
-def _write_atomically(path: Path, write: Any) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
+# ------------------------------------------------------------ writing a directory atomically
+#
+# A peft checkpoint is two files, and an interrupted save must never leave the new weights
+# with the old config (or the reverse): both files are written into a fresh sibling
+# directory, which then takes the place of the old one in one step,
+# renameat2(RENAME_EXCHANGE) on Linux. The other
+# entries of the old directory (a README, tokenizer files) are carried over as hard links
+# first. Where the exchange is not available (another OS, an old kernel, a file system or a
+# mount point that refuses it) the two files are renamed into the old directory one after
+# the other: each file stays whole, the pair is best effort.
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 1 << 1
+
+
+def _renameat2() -> Any:
+    """libc's ``renameat2``, or None where there is none."""
+    if not sys.platform.startswith("linux"):
+        return None
     try:
-        write(tmp)
-        os.replace(tmp, path)
+        function = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    function.restype = ctypes.c_int
+    return function
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap the directories ``a`` and ``b`` in one atomic step; False (nothing changed) where
+    the platform or the file system cannot."""
+    function = _renameat2()
+    return function is not None and function(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0
+
+
+def _link_or_copy(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def _carry(src: Path, dst: Path) -> None:
+    """``src`` (an entry of the old directory that save_peft does not write) at ``dst``."""
+    if src.is_symlink():
+        os.symlink(os.readlink(src), dst)
+    elif src.is_dir():
+        shutil.copytree(src, dst, symlinks=True, copy_function=_link_or_copy)
+    else:
+        _link_or_copy(src, dst)
+
+
+def _staging_directory(target: Path) -> Path:
+    """A new empty directory next to ``target`` (mode as ``mkdir`` gives it, unlike mkdtemp's 0700)."""
+    while True:
+        staging = target.with_name(f".{target.name}.{secrets.token_hex(6)}.tmp")
+        try:
+            staging.mkdir()
+        except FileExistsError:
+            continue
+        return staging
+
+
+def _working_directory() -> Path | None:
+    try:
+        return Path(os.getcwd())
+    except OSError:  # deleted
+        return None
+
+
+def _write_text(path: Path, text: str) -> None:
+    path.write_text(text)
+
+
+def _replace_directory(target: Path, files: Mapping[str, Any]) -> None:
+    """Make ``target`` a directory holding ``files`` (name -> ``write(path)``) and, if it
+    existed, its other entries, in one atomic step where the platform allows (see above). A
+    failure at any point leaves ``target`` as it was and no temporary entry next to it."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = _staging_directory(target)
+    try:
+        for name, write in files.items():
+            write(staging / name)
+        if not target.exists():
+            os.rename(staging, target)
+            return
+        shutil.copymode(target, staging)
+        for entry in sorted(target.iterdir()):
+            if entry.name not in files:
+                _carry(entry, staging / entry.name)
+        cwd = _working_directory()
+        if _exchange(staging, target):
+            if cwd is not None and (cwd == target or target in cwd.parents):
+                os.chdir(cwd)  # the same path, now in the new directory (the old one is removed below)
+        else:
+            for name in files:  # best effort: each file atomically, one after the other
+                os.replace(staging / name, target / name)
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        # The staging directory, or after the exchange the old checkpoint.
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def save_peft(adapter: AdapterLike, directory: str | os.PathLike, *, model: nn.Module | None = None) -> Path:
@@ -630,8 +724,16 @@ def save_peft(adapter: AdapterLike, directory: str | os.PathLike, *, model: nn.M
     model's ``name_or_path``.
 
     Raises before writing anything for what peft cannot express: antipasto, a ``Combined``
-    adapter, a stacked adapter, hra/delora on GPT-2 ``Conv1D`` (peft refuses them). Each file
-    is written atomically (temporary name, then rename).
+    adapter, a stacked adapter, hra/delora on GPT-2 ``Conv1D`` (peft refuses them).
+
+    The checkpoint is replaced as a whole: both files are written into a new directory next to
+    ``directory``, which then takes its place in one atomic step (Linux ``renameat2``), so an
+    interrupted save leaves the complete old checkpoint or the complete new one, never a mix,
+    and at every moment ``directory`` holds one complete checkpoint. Other entries of
+    ``directory`` (a README, tokenizer files) are kept (as hard links, or copies where links
+    are refused). Elsewhere, or where the file system refuses the exchange, the two files are
+    renamed into place one after the other (each file whole; the pair best effort). See
+    docs/io.md.
     """
     leaves = _leaves(adapter)
     base = base_params(model) if model is not None else None
@@ -663,8 +765,19 @@ def save_peft(adapter: AdapterLike, directory: str | os.PathLike, *, model: nn.M
         for suffix, tensor in o.tensors.items()
     }
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    _write_atomically(directory / WEIGHTS_NAME, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
+    # The real directory (a symlink to a checkpoint directory is kept, its target replaced).
+    target = Path(os.path.realpath(directory))
+    if target.exists() and not target.is_dir():
+        raise NotADirectoryError(
+            f"save_peft: {directory} exists and is not a directory; pass a directory path (a peft checkpoint is "
+            f"a directory holding {CONFIG_NAME} and {WEIGHTS_NAME})"
+        )
     text = json.dumps(config, indent=2, sort_keys=True) + "\n"
-    _write_atomically(directory / CONFIG_NAME, lambda tmp: Path(tmp).write_text(text))
+    _replace_directory(
+        target,
+        {
+            WEIGHTS_NAME: lambda path: save_file(tensors, str(path), metadata={"format": "pt"}),
+            CONFIG_NAME: lambda path: _write_text(path, text),
+        },
+    )
     return directory
