@@ -173,9 +173,9 @@ def _(mo, results):
             "variant": r["variant"],
             "trainable": f"{r['trainable']:,} ({r['trainable_pct']:.2f} %)",
             "lr": r["lr"],
-            "held-out accuracy before": f"{r['acc_before']:.0%}",
-            "held-out accuracy after": f"{r['acc_after']:.0%}",
-            "final loss": round(r["final_loss"], 4),
+            "acc. before": f"{r['acc_before']:.0%}",
+            "acc. after": f"{r['acc_after']:.0%}",
+            "final loss": round(r["final_loss"], 3),
             "ms/step": round(r["ms_per_step"], 1),
             "reload": "identical" if r["reload_identical"] else f"max diff {r['reload_max_abs_diff']:.1e}",
         }
@@ -185,7 +185,7 @@ def _(mo, results):
     mo.vstack(
         [
             mo.md("## Results"),
-            mo.ui.table(summary, selection=None, label="results table"),
+            mo.ui.table(summary, selection=None, label="results (acc.: held-out accuracy on the 30 questions never trained on)"),
             mo.md("## Generated answers, before and after"),
             mo.ui.table(samples, selection=None, page_size=10, label="samples"),
         ]

@@ -46,6 +46,11 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--targets", default=None, help="comma-separated module names (default: the attention projections)")
     demo.add_argument("--out", type=Path, default=Path("lora-func-demo"), help="where the plot, the tables and the adapters go")
     demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument(
+        "--threads", type=int, default=None,
+        help="torch CPU threads for training (default: 1 for the shipped tiny model, whose matmuls are too small to "
+        "split, torch's default for --model)",
+    )
     demo.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
 
@@ -56,9 +61,13 @@ def main(argv: list[str] | None = None) -> int:
     config = DemoConfig(
         variants=variants, r=args.r, steps=args.steps, lr=args.lr, batch_size=args.batch_size, dtype=DTYPES[args.dtype],
         device=args.device, model_dir=args.model, targets=args.targets.split(",") if args.targets else None,
-        out=args.out, seed=args.seed, progress=not args.no_progress,
+        out=args.out, seed=args.seed, progress=not args.no_progress, threads=args.threads,
     )
-    rows = run_demo(config)
+    try:
+        rows = run_demo(config)
+    except FloatingPointError as err:  # a diverged run: the message names the variant, the step and the tensors
+        print(f"lora-func demo: {err}\nTry a lower --lr (or --dtype float32).", file=sys.stderr)
+        return 1
     not_learnt = [r["variant"] for r in rows if r["acc_after"] <= r["acc_before"]]
     if not_learnt:
         print(f"note: held-out accuracy did not improve for {not_learnt}; try more --steps or another --lr", file=sys.stderr)

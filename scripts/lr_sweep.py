@@ -14,6 +14,7 @@ import json
 import sys
 
 import torch
+from tqdm import tqdm
 
 import lora_func as lf
 from lora_func.demo.corpus import task_split
@@ -38,12 +39,14 @@ def main() -> None:
     train, held_out = encode_examples(tokenizer, train_examples), encode_examples(tokenizer, held_out_examples)
     base = lf.base_params(model)
     calibration = [
-            {"input_ids": train.input_ids[i : i + 16], "attention_mask": train.attention_mask[i : i + 16]}
-            for i in range(0, len(train.examples), 16)
-        ]
+        {"input_ids": train.input_ids[i : i + 16], "attention_mask": train.attention_mask[i : i + 16]}
+        for i in range(0, len(train.examples), 16)
+    ]
     cells: dict[str, dict[float, str]] = {}
+    bar = tqdm(total=len(variants) * len(lrs), desc="sweep", unit="run")
     for variant in variants:
         for lr in lrs:
+            bar.set_postfix(variant=variant, lr=f"{lr:g}")
             spec = lf.AdapterSpec(variant, targets=default_targets(model), r=args.r)
             calib = calibration if lf.get_variant(variant).calibrate is not None else None
             adapter = lf.init_adapter(model, spec, generator=torch.Generator().manual_seed(0), calibration=calib)
@@ -52,7 +55,9 @@ def main() -> None:
             accuracy, _ = held_out_accuracy(model, adapter, held_out, base=base)
             loss = sum(s.loss for s in history[-10:]) / 10
             cells.setdefault(variant, {})[lr] = f"{accuracy:.0%} / {loss:.2f}"
-            print(json.dumps({"variant": variant, "lr": lr, "acc": accuracy, "loss": loss}), file=sys.stderr, flush=True)
+            tqdm.write(json.dumps({"variant": variant, "lr": lr, "acc": accuracy, "loss": loss}), file=sys.stderr)
+            bar.update(1)
+    bar.close()
     print("| variant | " + " | ".join(f"lr {lr:g}" for lr in lrs) + " |")
     print("|---|" + "---|" * len(lrs))
     for variant, row in cells.items():

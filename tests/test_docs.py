@@ -37,6 +37,18 @@ def test_readme_has_exactly_two_setup_commands_and_ci_runs_the_test_one():
     assert tests in ci.splitlines(), ".ci/run must call the README's test command verbatim"
 
 
+def test_api_page_documents_every_public_name():
+    """docs/api.md has a row (or a heading) for every name in lora_func.__all__ and
+    lora_func.train.__all__: a new public function without documentation fails here."""
+    import lora_func
+    import lora_func.train
+
+    text = (ROOT / "docs" / "api.md").read_text()
+    names = [*lora_func.__all__, *lora_func.train.__all__]
+    missing = [name for name in names if not re.search(rf"`{re.escape(name)}[(`]", text)]
+    assert not missing, f"docs/api.md does not document {missing}"
+
+
 @pytest.mark.parametrize("block", PY_BLOCKS)
 def test_python_blocks_in_docs_run(block, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -67,6 +79,8 @@ def test_readme_demo_command_learns_every_variant_and_writes_its_report(tmp_path
         assert row["reload_identical"] and "peft format" in row["saved_as"], row["variant"]
         assert f"{row['variant']}: {row['trainable']:,} trainable parameters" in printed
         assert all(s["before"] != s["after"] for s in row["samples"]), row["samples"]
+    (lora,) = [row for row in rows if row["variant"] == "lora"]  # r = 8 on the attention projections
+    assert 2.0 < lora["trainable_pct"] < 3.0 and f"28,672 trainable parameters ({lora['trainable_pct']:.2f} % of the model)" in printed
     assert (out / "loss_curves.png").stat().st_size > 10_000
 
 
@@ -76,3 +90,13 @@ def test_cli_entry_point_rejects_unknown_variants():
         capture_output=True, text=True, check=False,
     )
     assert result.returncode == 2 and "unknown variant(s) ['nope']" in result.stderr
+
+
+def test_cli_reports_a_diverged_run_with_the_variant_and_step_and_exits_1(tmp_path, capsys):
+    from lora_func.cli import main
+
+    code = main(["demo", "--variants", "lora", "--lr", "1e8", "--steps", "20", "--no-progress", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert re.search(r"^lora-func demo: training lora at lr 1e\+08 diverged: .*at step \d+: non-finite values in", err, re.M), err[:500]
+    assert "Traceback" not in err and "Try a lower --lr" in err

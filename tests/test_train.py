@@ -127,10 +127,31 @@ def test_fp16_base_with_grad_scaler_skips_overflows_then_trains_without_nan():
 def test_bf16_autocast_trains_without_nan(base_dtype):
     model = tiny_model("llama", dtype=base_dtype)
     state = _state(model)
-    history = fit(model, state, _successor_batch, 40, autocast_dtype=torch.bfloat16, progress=False)
+    dtypes = []
+    hook = model.lm_head.register_forward_hook(lambda module, args, out: dtypes.append(out.dtype))
+    try:
+        history = fit(model, state, _successor_batch, 40, autocast_dtype=torch.bfloat16, progress=False)
+    finally:
+        hook.remove()
+    assert set(dtypes) == {torch.bfloat16}  # on the fp32 base too: autocast ran the matmuls in bf16
     assert all(math.isfinite(s.loss) and not s.skipped for s in history)
     assert _learnt(history), [s.loss for s in history]
     assert all(p.dtype == torch.float32 for p in state.adapter.params.values())
+
+
+def test_fp16_autocast_on_an_fp32_base_with_a_grad_scaler_trains_without_nan():
+    model = tiny_model("llama")
+    dtypes = []
+    hook = model.lm_head.register_forward_hook(lambda module, args, out: dtypes.append(out.dtype))
+    try:
+        state = _state(model, scaler=torch.amp.GradScaler("cpu"))
+        history = fit(model, state, _successor_batch, 40, autocast_dtype=torch.float16, progress=False)
+    finally:
+        hook.remove()
+    assert set(dtypes) == {torch.float16}  # the matmuls really ran in fp16
+    assert all(math.isfinite(s.loss) for s in history) and sum(s.skipped for s in history) <= 5
+    assert _learnt([s for s in history if not s.skipped]), [s.loss for s in history]
+    assert all(p.dtype == torch.float32 and torch.isfinite(p).all() for p in state.adapter.params.values())
 
 
 def test_nan_in_an_adapter_tensor_names_the_step_and_the_tensor_and_changes_nothing():
