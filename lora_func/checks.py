@@ -17,7 +17,9 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
-__all__ = ["check_finite", "non_finite_keys"]
+__all__ = ["MAX_LISTED", "check_finite", "non_finite_keys"]
+
+MAX_LISTED = 8  # offending keys named in one error message
 
 
 def non_finite_keys(tensors: Mapping[str, Tensor]) -> list[str]:
@@ -51,17 +53,20 @@ def check_finite(tensors: Mapping[str, Tensor], what: str) -> None:
         ``{"loss": loss}``); the names appear in the error.
       what: what the tensors are, for the message (``"gradients at step 12"``).
 
-    The message lists every offending key, sorted, with its count of NaN and inf entries.
+    The message names the offending keys, sorted, each with its count of NaN and inf entries
+    (the first ``MAX_LISTED``, then how many more), so a diverged step over hundreds of
+    tensors still gives a readable error.
     """
     bad = non_finite_keys(tensors)
     if not bad:
         return
     details = []
-    for key in bad:
+    for key in bad[:MAX_LISTED]:
         t = tensors[key].detach()
         n_nan, n_inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
         details.append(f"{key} ({n_nan} NaN, {n_inf} inf of {t.numel()})")
+    more = f" and {len(bad) - MAX_LISTED} more" if len(bad) > MAX_LISTED else ""
     raise FloatingPointError(
-        f"{what}: non-finite values in {bad}: {'; '.join(details)}. Lower the learning rate, clip "
+        f"{what}: non-finite values in {bad[:MAX_LISTED]}{more}: {'; '.join(details)}. Lower the learning rate, clip "
         f"gradients, use bf16/fp32 instead of fp16 (or a GradScaler), or check the inputs that produced them"
     )

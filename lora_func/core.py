@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from lora_func._lazy import AdaptedCalls, AdaptedWeight, ChainStep, LayerStep, SumStep, VariantStep, _ModeEntry, merged_weight
 from lora_func._types import LayerInfo
 from lora_func.adapter import Adapter, AdapterLayer, AdapterLike, Combined, Composed, leaf_adapters
+from lora_func.checks import check_finite
 from lora_func.spec import AdapterSpec
 from lora_func.targeting import Target, canonical_weight, find_targets, tensor_names
 from lora_func.variants import get_variant
@@ -235,34 +236,52 @@ def _layer_steps(adapter: AdapterLike) -> dict[str, tuple[Target, LayerStep]]:
     return out
 
 
-def merge_overlay(base: Mapping[str, Tensor], adapter: AdapterLike) -> dict[str, Tensor]:
+def _check_adapter_finite(adapter: AdapterLike, where: str) -> None:
+    check_finite({**adapter.params, **adapter.buffers}, f"{where}(safe=True): adapter tensors")
+
+
+def merge_overlay(base: Mapping[str, Tensor], adapter: AdapterLike, *, safe: bool = False) -> dict[str, Tensor]:
     """``base`` with the merged weight (and bias, where the variant changes it) of every target.
 
     ``W_eff`` is computed in the adapter dtype from the base weight and cast to the base
     dtype. Tied names of a target (``tied="both"``) get the same merged tensor. ``adapter``
     may be composed (:func:`compose`) or combined (:func:`combine`).
+
+    ``safe=True`` raises ``FloatingPointError`` naming the tensors, before anything is
+    returned, when an adapter tensor or a merged weight or bias holds a NaN or inf (a diverged
+    step, a bad checkpoint, a merge that overflows a half-precision base) instead of handing
+    the model garbage. It reads values, so not inside ``torch.func.vmap``.
     """
     _check(base, adapter)
+    if safe:
+        _check_adapter_finite(adapter, "merge_overlay")
     out = dict(base)
+    merged: dict[str, Tensor] = {}
     for key, (t, step) in _layer_steps(adapter).items():
         bias = base[t.bias_key] if t.bias_key is not None else None
         w_eff, b_eff = merged_weight(step, base[key], bias, t.layout)
         for name in (key, *t.tied_keys):
             out[name] = w_eff
+        merged[key] = w_eff
         if step.changes_bias and t.bias_key is not None:
-            out[t.bias_key] = b_eff  # type: ignore[assignment]
+            out[t.bias_key] = merged[t.bias_key] = b_eff  # type: ignore[assignment]
+    if safe:
+        check_finite(merged, "merge_overlay(safe=True): merged weights")
     return out
 
 
-def overlay(base: Mapping[str, Tensor], adapter: AdapterLike, *, strict: bool = False) -> dict[str, Tensor]:
+def overlay(base: Mapping[str, Tensor], adapter: AdapterLike, *, strict: bool = False, safe: bool = False) -> dict[str, Tensor]:
     """``base`` with lazy stand-ins for the target weights (no merged weights built).
 
     Each stand-in computes ``base(x)`` plus the variant's activation form inside
     ``F.linear`` (nn.Linear) or ``addmm``/``matmul`` (GPT-2 Conv1D). Any other op on a
     stand-in (an embedding lookup through a tied weight, ...) gets the dense merged weight,
-    or raises when ``strict=True``.
+    or raises when ``strict=True``. ``safe=True`` raises ``FloatingPointError`` naming the
+    adapter tensors that hold a NaN or inf (no merged weight exists to check here).
     """
     _check(base, adapter)
+    if safe:
+        _check_adapter_finite(adapter, "overlay")
     out = dict(base)
     for key, (t, step) in _layer_steps(adapter).items():
         bias = base[t.bias_key] if t.bias_key is not None else None
@@ -300,6 +319,7 @@ def adapted_call(
     merged: bool = False,
     base: Mapping[str, Tensor] | None = None,
     strict: bool = False,
+    safe: bool = False,
     **kwargs: Any,
 ) -> Any:
     """``model(*args, **kwargs)`` with ``adapter`` applied, the model untouched.
@@ -312,6 +332,8 @@ def adapted_call(
     create: same outputs and gradients, ``fullgraph=True`` works, and new adapter values reuse
     the compiled graph. A hand-written ``functional_call(model, overlay(...))`` does not
     compile: call ``adapted_call`` (or use ``merge_overlay``) in compiled code.
+
+    ``safe=True``: see :func:`merge_overlay` and :func:`overlay` (eager code only: it reads values).
     """
     if base is None:
         base = base_params(model)
@@ -321,13 +343,15 @@ def adapted_call(
         # Dynamo cannot trace the creation of the lazy stand-ins; the same lazy path as a
         # torch-function mode over the base tensors traces with fullgraph=True.
         _check(base, adapter)
+        if safe:
+            _check_adapter_finite(adapter, "adapted_call")
         entries = [
             _ModeEntry(base[key], base[t.bias_key] if t.bias_key is not None else None, step, layout=t.layout, strict=strict, name=key)
             for key, (t, step) in _layer_steps(adapter).items()
         ]
         with AdaptedCalls(entries):
             return torch.func.functional_call(model, dict(base), args, kwargs, tie_weights=True, strict=False)
-    params = merge_overlay(base, adapter) if merged else overlay(base, adapter, strict=strict)
+    params = merge_overlay(base, adapter, safe=safe) if merged else overlay(base, adapter, strict=strict, safe=safe)
     return torch.func.functional_call(model, params, args, kwargs, tie_weights=True, strict=False)
 
 

@@ -13,7 +13,7 @@ from lora_func.core import base_params, merge_overlay
 __all__ = ["merge"]
 
 
-def merge(model_or_base: nn.Module | Mapping[str, Tensor], adapter: AdapterLike) -> dict[str, Tensor]:
+def merge(model_or_base: nn.Module | Mapping[str, Tensor], adapter: AdapterLike, *, safe: bool = False) -> dict[str, Tensor]:
     """The merged weights of ``adapter`` on a model, as a full state dict; the base untouched.
 
     ``model_or_base`` is the model (the result is keyed as ``model.state_dict()``, so
@@ -25,7 +25,8 @@ def merge(model_or_base: nn.Module | Mapping[str, Tensor], adapter: AdapterLike)
     copies (``load_state_dict`` copies them anyway), so never write into them. Tied names
     (GPT-2 ``lm_head.weight`` / ``transformer.wte.weight`` with ``tied="both"``) get one
     merged tensor. ``adapter`` may be composed or combined; a stacked adapter raises (pick
-    one member with ``lora_func.take``).
+    one member with ``lora_func.take``). ``safe=True`` refuses NaN/inf in the adapter or the
+    merged weights, naming them (see :func:`lora_func.merge_overlay`).
     """
     if isinstance(model_or_base, nn.Module):
         base = base_params(model_or_base)
@@ -38,7 +39,7 @@ def merge(model_or_base: nn.Module | Mapping[str, Tensor], adapter: AdapterLike)
             f"merge() expects a model (nn.Module) or the dict of lora_func.base_params(model), got {type(model_or_base).__name__}"
         )
     with torch.no_grad():
-        merged = merge_overlay(base, adapter)
+        merged = merge_overlay(base, adapter, safe=safe)
     out: dict[str, Tensor] = {}
     plain: dict[int, Tensor] = {}  # one output tensor per input object, so tied names stay tied
     for key in keys:

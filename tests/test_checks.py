@@ -70,3 +70,64 @@ def test_a_tensor_that_requires_grad_is_checked_without_autograd_history():
     w = torch.tensor([1.0, math.inf], requires_grad=True)
     with pytest.raises(FloatingPointError, match=r"\['w'\]"):
         check_finite({"w": w * 2}, "forward")
+
+
+def test_the_message_names_at_most_eight_keys_and_counts_the_rest():
+    tensors = {f"layer{i:02d}.lora_B": torch.tensor([math.nan]) for i in range(20)}
+    with pytest.raises(FloatingPointError) as err:
+        check_finite(tensors, "gradients at step 4")
+    message = str(err.value)
+    assert "layer07.lora_B (1 NaN, 0 inf of 1)" in message and "layer08" not in message
+    assert "and 12 more" in message and len(message) < 1000
+
+
+def _lora_on(model_kind: str, dtype: torch.dtype = torch.float32):
+    import lora_func as lf
+    from tests.models import tiny_model
+
+    model = tiny_model(model_kind, dtype=dtype)
+    adapter = lf.init_adapter(model, lf.AdapterSpec("lora", targets=["q_proj", "v_proj"], r=2), generator=torch.Generator().manual_seed(0))
+    return model, adapter
+
+
+def test_safe_merging_names_the_non_finite_adapter_tensor_and_leaves_the_model_alone():
+    import lora_func as lf
+    from tests.contract_helpers import assert_unchanged, snapshot
+    from tests.models import tokens
+
+    model, adapter = _lora_on("llama")
+    snap = snapshot(model)
+    key = "model.layers.1.self_attn.v_proj.lora_B"
+    params = dict(adapter.params)
+    params[key] = params[key].detach().clone()
+    params[key][3, 1] = math.nan
+    bad = adapter.with_params(params)
+    base = lf.base_params(model)
+    # Without safe=True the NaN silently reaches the outputs: this is what the option is for.
+    assert torch.isnan(lf.adapted_call(model, bad, tokens(), merged=True).logits).any()
+    for call in (
+        lambda: lf.merge_overlay(base, bad, safe=True),
+        lambda: lf.overlay(base, bad, safe=True),
+        lambda: lf.merge(model, bad, safe=True),
+        lambda: lf.adapted_call(model, bad, tokens(), merged=True, safe=True),
+        lambda: lf.adapted_call(model, bad, tokens(), safe=True),
+    ):
+        with pytest.raises(FloatingPointError, match=rf"adapter tensors: non-finite values in \['{key}'\]: {key} \(1 NaN"):
+            call()
+    assert_unchanged(model, snap)
+    lf.merge_overlay(base, adapter, safe=True)  # a finite adapter passes
+
+
+def test_safe_merging_catches_a_merge_that_overflows_a_half_precision_base():
+    import lora_func as lf
+
+    model, adapter = _lora_on("llama", torch.float16)
+    base = lf.base_params(model)
+    key = "model.layers.0.self_attn.q_proj"
+    params = {k: v.detach().clone() for k, v in adapter.params.items()}
+    params[f"{key}.lora_A"].fill_(300.0)  # finite fp32 adapter tensors ...
+    params[f"{key}.lora_B"].fill_(300.0)  # ... whose product overflows fp16 (> 65504)
+    big = adapter.with_params(params)
+    with pytest.raises(FloatingPointError, match=rf"merged weights: non-finite values in \['{key}.weight'\]"):
+        lf.merge_overlay(base, big, safe=True)
+    assert torch.isinf(lf.merge_overlay(base, big)[f"{key}.weight"]).any()  # unsafe: silently inf
