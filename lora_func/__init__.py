@@ -3,7 +3,7 @@
 from lora_func.adapter import Adapter, AdapterLayer, Combined, Composed, combine, compose, stack, take, unstack
 from lora_func.batching import ensemble_call, mixed_call, per_example_grads
 from lora_func.checks import check_finite
-from lora_func.core import adapted, adapted_call, base_params, check_params, init_adapter, merge_overlay, overlay
+from lora_func.core import adapted, adapted_call, base_params, check_params, init_adapter, merge_overlay, overlay, overlay_calls
 from lora_func.distributed import all_reduce_mean, all_reduce_mean_grads_, broadcast_adapter
 from lora_func.export import merge
 from lora_func.io import load, load_peft, save, save_peft
@@ -36,6 +36,7 @@ __all__ = [
     "merge_overlay",
     "mixed_call",
     "overlay",
+    "overlay_calls",
     "per_example_grads",
     "save",
     "save_peft",

@@ -33,6 +33,7 @@ __all__ = [
     "init_adapter",
     "merge_overlay",
     "overlay",
+    "overlay_calls",
     "weight_fingerprint",
 ]
 
@@ -291,6 +292,32 @@ def overlay(base: Mapping[str, Tensor], adapter: AdapterLike, *, strict: bool = 
     return out
 
 
+def overlay_calls(base: Mapping[str, Tensor], adapter: AdapterLike, *, strict: bool = False, safe: bool = False) -> AdaptedCalls:
+    """The lazy overlay as a torch-function mode over the model's own base tensors, for code
+    that ``torch.compile`` traces (dynamo cannot create :func:`overlay`'s stand-ins)::
+
+        with lora_func.overlay_calls(base, adapter):
+            out = functional_call(model, base, args)
+
+    While the ``with`` block runs, the layer's own op on a target weight of ``base`` (found by
+    identity: pass the same ``base`` dict, or tensors from it, to ``functional_call``) takes
+    the variant's low-rank path, any other op on a target weight gets the dense merged weight
+    (or raises with ``strict=True``), exactly as with :func:`overlay`. :func:`adapted_call`
+    uses it by itself while compiling. In eager code prefer :func:`overlay`: the mode looks at
+    the arguments of every torch call in the block, a Python cost per op that only a trace
+    pays once. ``safe=True`` checks the adapter tensors as :func:`overlay` does.
+    """
+    _check(base, adapter)
+    if safe:
+        _check_adapter_finite(adapter, "overlay_calls")
+    return AdaptedCalls(
+        [
+            _ModeEntry(base[key], base[t.bias_key] if t.bias_key is not None else None, step, layout=t.layout, strict=strict, name=key)
+            for key, (t, step) in _layer_steps(adapter).items()
+        ]
+    )
+
+
 def check_params(model: nn.Module, params: Mapping[str, Tensor]) -> None:
     """Raise ``KeyError`` unless ``params`` names exactly the model's parameters and buffers.
 
@@ -328,9 +355,9 @@ def adapted_call(
     args, kwargs)``. Pass ``base=base_params(model)`` to reuse one base dict across calls.
 
     Under ``torch.compile`` the lazy path (``merged=False``) runs as a torch-function mode
-    (:class:`lora_func._lazy.AdaptedCalls`) instead of stand-in tensors, which dynamo cannot
-    create: same outputs and gradients, ``fullgraph=True`` works, and new adapter values reuse
-    the compiled graph. A hand-written ``functional_call(model, overlay(...))`` does not
+    (:func:`overlay_calls`) instead of stand-in tensors, which dynamo cannot create: same
+    outputs and gradients, ``fullgraph=True`` works, and new adapter values reuse the compiled
+    graph. A hand-written ``functional_call(model, overlay(...))`` does not
     compile: call ``adapted_call`` (or use ``merge_overlay``) in compiled code.
 
     ``safe=True``: see :func:`merge_overlay` and :func:`overlay` (eager code only: it reads values).
@@ -342,14 +369,7 @@ def adapted_call(
     if not merged and torch.compiler.is_compiling():
         # Dynamo cannot trace the creation of the lazy stand-ins; the same lazy path as a
         # torch-function mode over the base tensors traces with fullgraph=True.
-        _check(base, adapter)
-        if safe:
-            _check_adapter_finite(adapter, "adapted_call")
-        entries = [
-            _ModeEntry(base[key], base[t.bias_key] if t.bias_key is not None else None, step, layout=t.layout, strict=strict, name=key)
-            for key, (t, step) in _layer_steps(adapter).items()
-        ]
-        with AdaptedCalls(entries):
+        with overlay_calls(base, adapter, strict=strict, safe=safe):
             return torch.func.functional_call(model, dict(base), args, kwargs, tie_weights=True, strict=False)
     params = merge_overlay(base, adapter, safe=safe) if merged else overlay(base, adapter, strict=strict, safe=safe)
     return torch.func.functional_call(model, params, args, kwargs, tie_weights=True, strict=False)

@@ -294,6 +294,18 @@ def _steered_forward(w: World) -> None:
     steered = adapter.with_buffers(api("with_steering")(adapter.buffers, -0.5))
     loss_of(model, lf.overlay(lf.base_params(model), steered))
 
+def _through_overlay_calls(w: World, kind: str, *, strict: bool = False, **adapter_kwargs: Any) -> None:
+    """Forward and backward of every variant (or one tied-weight adapter) with the lazy path as a mode."""
+    model = w.model(kind)
+    base = lf.base_params(model)
+    variants = ["lora"] if adapter_kwargs else lf.list_variants()
+    for variant in variants:
+        adapter = w.adapter(variant, kind, **adapter_kwargs)
+        with lf.overlay_calls(base, adapter, strict=strict):
+            loss = loss_of(model, base)
+        loss.backward()
+
+
 MERGED, LAZY = lf.merge_overlay, lf.overlay
 
 ROWS: dict[str, list[Call]] = {
@@ -361,6 +373,10 @@ ROWS: dict[str, list[Call]] = {
         Call("training steps", lambda w: train_steps(w, LAZY, "hra")),
         Call("forward raising midway", lambda w: forward_that_raises_midway(w, LAZY), IndexError),
         Call("strict lazy on a tied weight", lambda w: _tied_lm_head(w, functools.partial(LAZY, strict=True)), RuntimeError),
+    ],
+    "overlay_calls": [
+        Call("every variant: forward + backward (Conv1D)", lambda w: _through_overlay_calls(w, "gpt2")),
+        Call("strict on a tied weight", lambda w: _through_overlay_calls(w, "gpt2", strict=True, targets=["lm_head"], tied="both"), RuntimeError),
     ],
     "save": [
         Call("into a new directory", lambda w: lf.save(w.adapter("eva"), w.tmp / "new" / "e.safetensors")),

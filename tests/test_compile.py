@@ -1,6 +1,8 @@
-"""torch.compile of the adapted step (DESIGN.md: compile the function that calls
-functional_call): every variant, lazy and merged, on both layer kinds, traces with
-``fullgraph=True``, gives eager's outputs and gradients, and new adapter values reuse the graph.
+"""The compile path: ``overlay_calls`` (the lazy overlay as a torch-function mode) in eager
+code equals the stand-ins, and torch.compile of the adapted step (DESIGN.md: compile the
+function that calls functional_call): every variant, lazy and merged, on both layer kinds,
+traces with ``fullgraph=True``, gives eager's outputs and gradients, and new adapter values
+reuse the graph.
 
 The backend is ``aot_eager``: dynamo's trace and AOTAutograd's joint graph (where an adapter
 can break) without inductor's code generation (a minute per graph on a CPU, and not ours to
@@ -13,6 +15,8 @@ import pytest
 import torch
 
 import lora_func as lf
+from tests.contract_helpers import build
+from tests.contract_helpers import perturbed as perturbed_row
 from tests.models import tiny_model, tokens
 from tests.one_layer import calibration, one_layer, perturbed
 from tests.variant_table import ROWS
@@ -46,6 +50,74 @@ def _check_compiled(loss, adapter, base_value):
                 torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * float(want.abs().max()), msg=key)
             # The adapter reached the compiled model: the loss is not the base model's.
             assert not torch.allclose(got_value, base_value, rtol=1e-4, atol=1e-6)
+
+
+def _loss_and_grads(model, params_of, adapter, ids):
+    """Cross-entropy of ``functional_call(model, params_of(p))`` and its gradients w.r.t. the adapter."""
+    leaves = {k: v.detach().requires_grad_(True) for k, v in adapter.params.items()}
+    with params_of(adapter.with_params(leaves)) as params:
+        logits = torch.func.functional_call(model, params, (ids,)).logits
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    return logits.detach(), dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values())), strict=True))
+
+
+class _StandIns:
+    """``overlay(base, adapter)`` as a context manager yielding the dict, for symmetry with the mode."""
+
+    def __init__(self, base, adapter):
+        self.params = lf.overlay(base, adapter)
+
+    def __enter__(self):
+        return self.params
+
+    def __exit__(self, *exc):
+        return False
+
+
+class _Mode:
+    def __init__(self, base, adapter, strict=False):
+        self.base, self.mode = base, lf.overlay_calls(base, adapter, strict=strict)
+
+    def __enter__(self):
+        self.mode.__enter__()
+        return self.base
+
+    def __exit__(self, *exc):
+        return self.mode.__exit__(*exc)
+
+
+@pytest.mark.parametrize("kind", ["linear", "conv1d"])
+@pytest.mark.parametrize("variant", sorted(ROWS))
+def test_overlay_calls_in_eager_code_equals_the_stand_ins(variant, kind):
+    row = ROWS[variant]
+    model, adapter = build(row, kind)
+    adapter = perturbed_row(adapter, row.perturb_scale)
+    base, ids = lf.base_params(model), tokens(2, 8)
+    want_logits, want_grads = _loss_and_grads(model, lambda a: _StandIns(base, a), adapter, ids)
+    got_logits, got_grads = _loss_and_grads(model, lambda a: _Mode(base, a), adapter, ids)
+    torch.testing.assert_close(got_logits, want_logits, rtol=0, atol=0)
+    for key, want in want_grads.items():
+        torch.testing.assert_close(got_grads[key], want, rtol=1e-6, atol=1e-7 * float(want.abs().max()), msg=key)
+    # Only the base dict's own tensors are routed (by identity): copies are just the base model.
+    clones = {id(v): v.clone() for v in base.values()}  # one clone per tensor: tied names stay tied
+    copies = {k: clones[id(v)] for k, v in base.items()}
+    with lf.overlay_calls(base, adapter):
+        plain = torch.func.functional_call(model, copies, (ids,)).logits
+    torch.testing.assert_close(plain, model(ids).logits, rtol=0, atol=0)
+
+
+def test_overlay_calls_gives_other_ops_the_merged_weight_or_raises_when_strict():
+    model = tiny_model("gpt2")
+    adapter = lf.init_adapter(model, lf.AdapterSpec("lora", targets=["lm_head"], r=2, tied="both"))
+    adapter = perturbed(adapter, seed=3)
+    base, ids = lf.base_params(model), tokens(2, 8)
+    with lf.overlay_calls(base, adapter):
+        got = torch.func.functional_call(model, base, (ids,)).logits
+    # The embedding lookup reads the tied weight too: it gets the merged weight, as with overlay().
+    torch.testing.assert_close(got, lf.adapted_call(model, adapter, ids, merged=True).logits, rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match=r"embedding on adapted weight\(s\) \['lm_head.weight'\] has no low-rank path"):
+        with lf.overlay_calls(base, adapter, strict=True):
+            torch.func.functional_call(model, base, (ids,))
 
 
 @pytest.mark.parametrize("merged", [False, True], ids=["lazy", "merged"])

@@ -40,6 +40,7 @@ PROPERTIES = "tests/test_properties.py"
 CONTRACT = "tests/test_contract.py"
 RANK_STACK = "tests/test_rank_stack.py"
 CATALOGUE = "tests/test_error_catalogue.py"
+COMPILE = "tests/test_compile.py"
 
 
 def _variant_stages(select: str, *files: str) -> list[list[str]]:
@@ -70,13 +71,13 @@ TARGETS: dict[str, tuple[tuple[str, ...] | None, list[list[str]]]] = {
     "lora_func/variants/antipasto.py": (None, _variant_stages("antipasto", "tests/test_variant_antipasto.py")),
     "lora_func/variants/eva.py": (None, _variant_stages("eva", "tests/test_variant_eva.py")),
     "lora_func/_types.py": (
-        ("layer_rank", "layer_alpha", "lora_scale", "lora_weight_form", "lora_activation_form", "kaiming_uniform"),
+        ("layer_rank", "layer_alpha", "lora_scale", "add_low_rank", "lora_weight_form", "lora_activation_form", "kaiming_uniform"),
         _ALL,
     ),
-    "lora_func/_lazy.py": (None, [*_ALL[:3], ["tests/test_core.py"], _ALL[3]]),
+    "lora_func/_lazy.py": (None, [*_ALL[:3], ["tests/test_core.py"], [COMPILE, "-k", "overlay_calls"], _ALL[3]]),
     "lora_func/core.py": (
-        ("_layer_steps", "merge_overlay", "overlay", "adapted_call", "adapted", "base_params"),
-        [*_ALL[:3], ["tests/test_core.py", "tests/test_adapted_context.py"], _ALL[3]],
+        ("_layer_steps", "_check_adapter_finite", "merge_overlay", "overlay", "overlay_calls", "adapted_call", "adapted", "base_params"),
+        [*_ALL[:3], ["tests/test_core.py", "tests/test_adapted_context.py", "tests/test_checks.py"], [COMPILE, "-k", "overlay_calls"], _ALL[3]],
     ),
 }
 

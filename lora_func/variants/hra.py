@@ -102,11 +102,13 @@ def weight_form(
 
 def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: BaseLayer, info: LayerInfo) -> Tensor:
     u_hat = unit_columns(params["hra_u"])
-    xa = x.to(u_hat.dtype)
+    # Ûᵀ (r, d_in) contiguous for both products, so that autograd computes both gradients that
+    # reach it with their long axis last (see add_low_rank on gradient layouts).
+    ut = u_hat.transpose(-1, -2).contiguous()
+    x2 = x.to(u_hat.dtype).reshape(-1, x.shape[-1])
     # x Rᵀ = x − (x Û) Tᵀ Ûᵀ: the reflections applied to x from the last to the first.
-    h = (xa @ u_hat) @ reflection_wy(u_hat).transpose(-1, -2)
-    ut = u_hat.transpose(-1, -2).contiguous()  # (r, d_in): see add_low_rank on gradient layouts
-    rotated = torch.addmm(xa.reshape(-1, xa.shape[-1]), h.reshape(-1, h.shape[-1]), ut, alpha=-1).reshape(xa.shape)
+    h = (x2 @ ut.transpose(-1, -2)) @ reflection_wy(u_hat).transpose(-1, -2)
+    rotated = torch.addmm(x2, h, ut, alpha=-1).reshape(x.shape)
     return base(rotated.to(x.dtype))
 
 
