@@ -18,13 +18,14 @@ median over rounds of the per-round ratio, so a machine whose load drifts during
 on one thread (``--clock cpu --threads 1``): on a shared machine other processes then cost
 nothing; ``--clock wall --threads N`` measures elapsed time on N threads.
 
-Run: python bench/functional.py [--rounds 7] [--clock cpu|wall] [--threads 1] [--quick]
+Run: python bench/functional.py [--rounds 15] [--clock cpu|wall] [--threads 1] [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import statistics
 import tempfile
@@ -84,11 +85,18 @@ def timed_rounds(methods: dict[str, Callable[[], object]], rounds: int) -> dict[
     for fn in methods.values():  # warm-up (allocator, lazy init)
         fn()
     times: dict[str, list[float]] = {name: [] for name in methods}
-    for _ in range(rounds):
-        for name, fn in methods.items():
-            start = clock()
-            fn()
-            times[name].append(clock() - start)
+    enabled = gc.isenabled()
+    gc.disable()  # as timeit does: a collection would land in whichever method allocated last
+    try:
+        for _ in range(rounds):
+            gc.collect()  # between rounds, outside any timing
+            for name, fn in methods.items():
+                start = clock()
+                fn()
+                times[name].append(clock() - start)
+    finally:
+        if enabled:
+            gc.enable()
     return times
 
 
@@ -290,7 +298,7 @@ def ensemble_section(model, adapters, ids, mask) -> None:
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--clock", choices=sorted(CLOCK), default="cpu", help="process CPU time (default) or wall time")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, 1 round (a smoke test)")
