@@ -66,13 +66,15 @@ def perturbed(adapter: lf.Adapter, seed: int, scale: float | None = None) -> lf.
     )
 
 
-def oracle_forms(model: OneLayer, adapter: lf.Adapter, p: dict[str, Tensor] | None = None) -> tuple[Tensor, Tensor | None]:
-    """``(W_eff (d_out, d_in), b_eff)`` in float64 from the row's explicit formula; ``p``
-    (float64 params, e.g. with ``requires_grad``) replaces the adapter's params."""
+def oracle_forms(model: OneLayer, adapter: lf.Adapter, p: dict[str, Tensor] | None = None, w_eff_fn=None) -> tuple[Tensor, Tensor | None]:
+    """``(W_eff (d_out, d_in), b_eff)`` in float64 from the row's explicit formula (or
+    ``w_eff_fn``, with the row's signature); ``p`` (float64 params, e.g. with
+    ``requires_grad``) replaces the adapter's params."""
     (layer,) = adapter.layers
     params, buffers = adapter.layer_tensors(layer)
     base = lf.base_params(model)
     w = canonical_weight(base["proj.weight"], layer.target.layout).double()
     bias = base["proj.bias"].double() if layer.target.bias_key else None
     p64 = p if p is not None else {k: v.detach().double() for k, v in params.items()}
-    return ROWS[adapter.spec.variant].w_eff(p64, {k: v.detach().double() for k, v in buffers.items()}, w, bias, layer.info)
+    w_eff_fn = w_eff_fn or ROWS[adapter.spec.variant].w_eff
+    return w_eff_fn(p64, {k: v.detach().double() for k, v in buffers.items()}, w, bias, layer.info)

@@ -87,14 +87,7 @@ def killer_oracle(variant: str):
 
 
 def oracle_out(model, adapter, x: Tensor, p: dict[str, Tensor] | None = None, w_eff_fn=None) -> Tensor:
-    (layer,) = adapter.layers
-    params, buffers = adapter.layer_tensors(layer)
-    base = lf.base_params(model)
-    w = canonical_weight(base["proj.weight"], layer.target.layout).double()
-    bias = base["proj.bias"].double() if layer.target.bias_key else None
-    p64 = p if p is not None else {k: v.detach().double() for k, v in params.items()}
-    w_eff_fn = w_eff_fn or killer_oracle(adapter.spec.variant)
-    w_eff, b_eff = w_eff_fn(p64, {k: v.detach().double() for k, v in buffers.items()}, w, bias, layer.info)
+    w_eff, b_eff = oracle_forms(model, adapter, p, w_eff_fn or killer_oracle(adapter.spec.variant))
     y = x.double() @ w_eff.T
     return y if b_eff is None else y + b_eff
 
