@@ -103,17 +103,23 @@ def test_safe_merging_names_the_non_finite_adapter_tensor_and_leaves_the_model_a
     params[key][3, 1] = math.nan
     bad = adapter.with_params(params)
     base = lf.base_params(model)
-    # Without safe=True the NaN silently reaches the outputs: this is what the option is for.
+    calls = {
+        "merge_overlay": lambda **safe: lf.merge_overlay(base, bad, **safe),
+        "overlay": lambda **safe: lf.overlay(base, bad, **safe),
+        "overlay_calls": lambda **safe: lf.overlay_calls(base, bad, **safe),
+        "merge": lambda **safe: lf.merge(model, bad, **safe),
+        "adapted_call merged": lambda **safe: lf.adapted_call(model, bad, tokens(), merged=True, **safe),
+        "adapted_call lazy": lambda **safe: lf.adapted_call(model, bad, tokens(), **safe),
+    }
+    # Without safe=True (the default) nothing is checked: the NaN silently reaches the outputs,
+    # which is what the option is for.
+    for name, call in calls.items():
+        call()
     assert torch.isnan(lf.adapted_call(model, bad, tokens(), merged=True).logits).any()
-    for call in (
-        lambda: lf.merge_overlay(base, bad, safe=True),
-        lambda: lf.overlay(base, bad, safe=True),
-        lambda: lf.merge(model, bad, safe=True),
-        lambda: lf.adapted_call(model, bad, tokens(), merged=True, safe=True),
-        lambda: lf.adapted_call(model, bad, tokens(), safe=True),
-    ):
+    for name, call in calls.items():
         with pytest.raises(FloatingPointError, match=rf"adapter tensors: non-finite values in \['{key}'\]: {key} \(1 NaN"):
-            call()
+            call(safe=True)
+            pytest.fail(f"{name}(safe=True) did not raise")
     assert_unchanged(model, snap)
     lf.merge_overlay(base, adapter, safe=True)  # a finite adapter passes
 

@@ -120,6 +120,25 @@ def test_overlay_calls_gives_other_ops_the_merged_weight_or_raises_when_strict()
             torch.func.functional_call(model, base, (ids,))
 
 
+def test_compiled_adapted_call_keeps_the_path_it_was_asked_for():
+    """Under compile ``merged=True`` merges and ``merged=False`` runs the lazy mode. A tied
+    ``lm_head`` tells them apart: the embedding lookup reads the adapted weight, which the
+    merged path serves and the strict lazy path refuses, compiled as in eager code."""
+    model = tiny_model("gpt2")
+    adapter = perturbed(lf.init_adapter(model, lf.AdapterSpec("lora", targets=["lm_head"], r=2, tied="both")), seed=3)
+    base, ids = lf.base_params(model), tokens(2, 8)
+
+    def logits(merged):
+        return lf.adapted_call(model, adapter, ids, merged=merged, strict=True, base=base).logits
+
+    want = logits(True)
+    got = torch.compile(lambda: logits(True), fullgraph=True, backend=BACKEND)()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for call in (lambda: logits(False), torch.compile(lambda: logits(False), fullgraph=True, backend=BACKEND)):
+        with pytest.raises(Exception, match=r"embedding on adapted weight\(s\) \['lm_head.weight'\] has no low-rank path"):
+            call()
+
+
 @pytest.mark.parametrize("merged", [False, True], ids=["lazy", "merged"])
 @pytest.mark.parametrize("layout", ["linear", "conv1d"])
 @pytest.mark.parametrize("variant", sorted(ROWS))

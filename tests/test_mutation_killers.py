@@ -250,6 +250,34 @@ def test_dora_norm_is_detached_in_the_gradient_of_the_magnitude_path():
     assert (grads["proj.lora_A"] - g_und).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("layout", ["linear", "conv1d"])
+def test_dora_lazy_on_a_bf16_base_rounds_once(layout):
+    """With fp32 adapters on a bf16 base, DoRA's lazy path computes ``k ⊙ (y + s·x Aᵀ Bᵀ) +
+    (1 − k) ⊙ b`` from the bf16 base output ``y`` in fp32 and rounds to bf16 once, as peft
+    does (its fp32 DoRA term is added before the cast back). Kills rounding the inner sum to
+    bf16 first: a second rounding, then rescaled by ``k``, moves about a third of the outputs
+    by one bf16 step, which an error bound of a few bf16 steps cannot see."""
+    model, adapter = build("dora", layout, dtype=torch.bfloat16, adapter_dtype=torch.float32)
+    adapter = perturbed(adapter, seed=7)
+    g = torch.Generator().manual_seed(8)
+    params = dict(adapter.params)
+    # magnitudes far from the norms, so that k = m / ‖W + sBA‖ rescales the rounded sum
+    params["proj.lora_magnitude_vector"] = params["proj.lora_magnitude_vector"] * (0.5 + torch.rand(D_OUT, generator=g))
+    adapter = adapter.with_params(params)
+    x = torch.randn(200, D_IN, generator=g).bfloat16()
+    p = {k.removeprefix("proj."): v.detach().double() for k, v in adapter.params.items()}
+    w = canonical_weight(model.proj.weight, layout).double()
+    s = 6.0 / 3
+    k = p["lora_magnitude_vector"] / (w + s * p["lora_B"] @ p["lora_A"]).norm(dim=1)
+    y = model(x=x).double()  # the bf16 base output, bias included
+    want = (k * (y + s * (x.double() @ p["lora_A"].T) @ p["lora_B"].T) + (1 - k) * model.proj.bias.double()).bfloat16()
+    got = run(model, lf.overlay(lf.base_params(model), adapter), x)
+    assert got.dtype == torch.bfloat16 and not torch.equal(got, model(x=x))
+    # fp32 round-off flips a correctly rounded result only next to a tie: rarely
+    mismatched = float((got != want).double().mean())
+    assert mismatched < 0.02, f"{mismatched:.1%} of the outputs are not the once-rounded exact value"
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 def test_delora_w_norm_buffer(dtype):
     """The frozen column norms ‖W[:, j]‖ of the base per input feature, computed in fp32 at
@@ -401,6 +429,10 @@ def test_antipasto_with_steering_keeps_each_buffer_dtype(dtype):
     assert steered["proj.steer"].dtype == dtype and steered["proj.steer"].shape == ()
     assert steered["proj.steer"] == torch.tensor(0.7, dtype=dtype)
     assert all(steered[k] is v for k, v in adapter.buffers.items() if not k.endswith("steer"))
+    # A tensor alpha of another dtype (here the one vmap would pass) is converted too.
+    other = torch.float32 if dtype == torch.float64 else torch.float64
+    steered = with_steering(adapter.buffers, torch.tensor(-0.3, dtype=other))
+    assert steered["proj.steer"].dtype == dtype and steered["proj.steer"] == torch.tensor(-0.3, dtype=other).to(dtype)
 
 
 def test_dora_on_top_of_another_part_detaches_the_norm_of_the_incoming_weight():
