@@ -41,6 +41,7 @@ from tqdm import tqdm
 
 import lora_func as lf
 from lora_func.checks import check_finite
+from lora_func.io._files import replace_directory
 
 __all__ = [
     "IGNORE_INDEX",
@@ -215,9 +216,19 @@ _STATE_FILE = "trainer_state.json"
 def save_checkpoint(directory: str | os.PathLike, state: TrainState) -> Path:
     """Write ``state`` to ``directory``: the adapter (:func:`lora_func.save`), the optimiser's
     tensors keyed by adapter tensor name (safetensors) and its hyperparameters, the scaler and
-    the step (JSON). Returns the directory."""
+    the step (JSON). Returns the directory.
+
+    The three files are written into a new directory next to ``directory`` that then takes
+    its place in one step (as :func:`lora_func.save_peft` does; other entries of an existing
+    ``directory`` are kept), so a crash or a kill during the save leaves the previous
+    checkpoint or the new one, never one step's adapter with another step's optimiser."""
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    target = Path(os.path.realpath(directory))
+    if target.exists() and not target.is_dir():
+        raise NotADirectoryError(
+            f"save_checkpoint: {directory} exists and is not a directory; pass a directory path (a training "
+            f"checkpoint is a directory holding {_ADAPTER_FILE}, {_OPTIMIZER_FILE} and {_STATE_FILE})"
+        )
     names = _param_names(state)
     saved = state.optimizer.state_dict()
     tensors = {
@@ -233,9 +244,15 @@ def save_checkpoint(directory: str | os.PathLike, state: TrainState) -> Path:
         "scaler": None if state.scaler is None else state.scaler.state_dict(),
         "device_type": next(iter(state.adapter.params.values())).device.type,
     }
-    lf.save(state.adapter, directory / _ADAPTER_FILE)
-    save_file(tensors, str(directory / _OPTIMIZER_FILE))
-    (directory / _STATE_FILE).write_text(json.dumps(meta, indent=1))
+    text = json.dumps(meta, indent=1)
+    replace_directory(
+        target,
+        {
+            _ADAPTER_FILE: lambda path: lf.save(state.adapter, path),
+            _OPTIMIZER_FILE: lambda path: save_file(tensors, str(path)),
+            _STATE_FILE: lambda path: path.write_text(text),
+        },
+    )
     return directory
 
 

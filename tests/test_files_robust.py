@@ -14,8 +14,9 @@ import pytest
 import torch
 
 import lora_func as lf
-from lora_func.io import load_peft, native, peft, save_peft
+from lora_func.io import _files, load_peft, native, peft, save_peft
 from tests.contract_helpers import assert_unchanged, perturbed, snapshot
+from tests.crashes import Crash, crashed_during
 from tests.models import tiny_model
 
 # What a refused lora_func file may say (docs/errors.md: load-unreadable, load-foreign,
@@ -29,10 +30,6 @@ REFUSALS = (
     "format_version",
     "does not fit",  # a flipped module name: no such layer in the model
 )
-
-
-class Crash(Exception):
-    pass
 
 
 @pytest.fixture(scope="module")
@@ -228,7 +225,7 @@ def _exchange_works(tmp: Path) -> bool:
     a.mkdir()
     b.mkdir()
     (a / "x").touch()
-    swapped = peft._exchange(a, b) and (b / "x").exists() and not (a / "x").exists()
+    swapped = _files._exchange(a, b) and (b / "x").exists() and not (a / "x").exists()
     shutil.rmtree(a)
     shutil.rmtree(b)
     return swapped
@@ -250,8 +247,9 @@ def _neighbours(directory: Path) -> list[str]:
 STEPS = {
     "weights": (peft, "save_file", 1),
     "config": (peft, "_write_text", 1),
-    "carry-over": (peft, "_carry", 1),
-    "exchange": (peft, "_exchange", 1),
+    "flush": (_files, "fsync", 1),
+    "carry-over": (_files, "_carry", 1),
+    "exchange": (_files, "_exchange", 1),
     "rename": (os, "rename", 1),
     "first-replace": (os, "replace", 1),
     "second-replace": (os, "replace", 2),
@@ -279,26 +277,7 @@ def test_a_crash_while_saving_a_peft_checkpoint_leaves_the_old_or_the_new_one(pe
     old = _contents(directory)
     neighbours = _neighbours(directory)
 
-    owner, name, nth = STEPS[step]
-    real, calls = getattr(owner, name), []
-
-    def crashing(*args, **kwargs):
-        calls.append(args)
-        if len(calls) == nth and when == "before":
-            raise Crash(f"power cut before {step}")
-        out = real(*args, **kwargs)
-        if len(calls) == nth:
-            raise Crash(f"power cut after {step}")
-        return out
-
-    monkeypatch.setattr(owner, name, crashing)
-    try:
-        save_peft(bigger, directory, model=model)
-    except Crash:
-        crashed = True
-    else:
-        crashed = False
-    monkeypatch.undo()
+    crashed = crashed_during(monkeypatch, *STEPS[step], when, lambda: save_peft(bigger, directory, model=model))
     now = _contents(directory)
     assert now in (old, new), f"{'crashed' if crashed else 'finished'}: the directory holds {sorted(now)}, a mix of the old and the new checkpoint"
     if not crashed:
@@ -317,7 +296,7 @@ def test_save_peft_without_an_atomic_exchange_still_writes_the_whole_checkpoint(
     (directory / "README.md").write_text("model card\n")
     (directory / "tokenizer").mkdir()
     (directory / "tokenizer" / "vocab.txt").write_text("a\nb\n")
-    monkeypatch.setattr(peft, "_exchange", lambda a, b: False)
+    monkeypatch.setattr(_files, "_exchange", lambda a, b: False)
     bigger = lf.init_adapter(model, lf.AdapterSpec("lora", targets=["q_proj", "v_proj"], r=4, alpha=3.0), generator=torch.Generator().manual_seed(1))
     save_peft(bigger, directory, model=model)
     assert sorted(p.name for p in directory.iterdir()) == ["README.md", "adapter_config.json", "adapter_model.safetensors", "tokenizer"]
@@ -359,3 +338,36 @@ def test_save_peft_keeps_the_other_entries_the_mode_and_a_symlinked_directory(pe
     assert directory.stat().st_mode & 0o777 == 0o750
     assert sorted(p.name for p in directory.parent.iterdir()) == ["ckpt", "links"]
     assert _same_peft(load_peft(directory, model), bigger)
+
+
+@pytest.mark.parametrize("saver", ["save", "save_peft", "save_checkpoint"])
+@pytest.mark.parametrize("exists", [True, False], ids=["over-old", "new"])
+def test_every_written_file_is_flushed_before_its_rename_and_the_directory_after(tmp_path, monkeypatch, saver, exists):
+    """Atomic is not durable: a rename can reach the disk before the data it points to, and
+    the rename itself lives in the parent directory. Each saver flushes every file it writes
+    before the rename that publishes it, and the directory holding the new entry after."""
+    from lora_func.train import TrainState, make_optimizer, save_checkpoint
+
+    model = tiny_model("llama")
+    adapter = lf.init_adapter(model, lf.AdapterSpec("lora", targets=["q_proj"], r=2), generator=torch.Generator().manual_seed(0))
+    target = tmp_path / ("a.safetensors" if saver == "save" else "ckpt")
+    save = {
+        "save": lambda: lf.save(adapter, target),
+        "save_peft": lambda: save_peft(adapter, target, model=model),
+        "save_checkpoint": lambda: save_checkpoint(target, TrainState(adapter, make_optimizer(adapter, 1e-3))),
+    }[saver]
+    if exists:
+        save()
+    events: list[tuple[str, Path]] = []
+    real_fsync, real_replace, real_rename, real_exchange = _files.fsync, os.replace, os.rename, _files._exchange
+    monkeypatch.setattr(_files, "fsync", lambda p: (events.append(("fsync", Path(p))), real_fsync(p))[1])
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("publish", Path(b))), real_replace(a, b))[1])
+    monkeypatch.setattr(os, "rename", lambda a, b: (events.append(("publish", Path(b))), real_rename(a, b))[1])
+    monkeypatch.setattr(_files, "_exchange", lambda a, b: (events.append(("publish", Path(b))), real_exchange(a, b))[1])
+    save()
+    monkeypatch.undo()
+    publish = max(i for i, (kind, path) in enumerate(events) if kind == "publish" and path == target)
+    flushed_before = {path.name for kind, path in events[:publish] if kind == "fsync"}
+    written = {target.name} if saver == "save" else {p.name for p in target.iterdir()}
+    assert all(any(f.startswith(f".{name}.") or f == name for f in flushed_before) for name in written), (written, events)
+    assert ("fsync", tmp_path) in events[publish + 1 :], events

@@ -22,6 +22,7 @@ from lora_func.train import (
     save_checkpoint,
     train_step,
 )
+from tests.crashes import crashed_during
 from tests.models import DEFAULT_TARGETS, VOCAB, tiny_model
 
 
@@ -209,6 +210,69 @@ def test_resume_from_a_checkpoint_continues_bit_identically(tmp_path, half):
         assert torch.equal(resumed.adapter.params[key], value), key
     if half:
         assert resumed.scaler.get_scale() == straight.scaler.get_scale()
+
+
+# (module, attribute, which call): the steps of save_checkpoint; the crash comes just before or
+# just after that call. The fsync calls: the adapter's temporary file and its directory
+# (lora_func.save), each of the three files, the new directory, then its parent.
+CHECKPOINT_STEPS = {
+    "adapter": ("lora_func.io.native", "save_file", 1),
+    "optimizer": ("lora_func.train", "save_file", 1),
+    "first-flush": ("lora_func.io._files", "fsync", 1),
+    "files-flushed": ("lora_func.io._files", "fsync", 6),
+    "exchange": ("lora_func.io._files", "_exchange", 1),
+    "rename": ("os", "rename", 1),
+    "last-flush": ("lora_func.io._files", "fsync", 7),
+    "cleanup": ("shutil", "rmtree", 1),
+}
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+@pytest.mark.parametrize("step", sorted(CHECKPOINT_STEPS))
+@pytest.mark.parametrize("exists", [True, False], ids=["over-a-checkpoint", "new-directory"])
+def test_a_crash_while_saving_a_checkpoint_leaves_the_old_or_the_new_one(tmp_path, monkeypatch, exists, step, when):
+    """save_checkpoint of step 3 over the checkpoint of step 2 (with a file that is not ours),
+    or into a new directory, crashing just before or after each step of the save: the
+    directory then holds exactly the old checkpoint or exactly the new one, never step 3's
+    adapter with step 2's optimiser; no temporary entry is left next to it."""
+    import importlib
+
+    model = tiny_model("llama")
+    state = _state(model)
+    fit(model, state, _successor_batch, 2, progress=False)
+    directory = tmp_path / "ckpt"
+    if exists:
+        save_checkpoint(directory, state)
+        (directory / "notes.txt").write_text("kept\n")
+    old = _dir_bytes(directory)
+    fit(model, state, _successor_batch, 3, progress=False)
+    new = _dir_bytes(save_checkpoint(tmp_path / "reference", state)) | ({"notes.txt": b"kept\n"} if exists else {})
+    assert new != old
+
+    module, name, nth = CHECKPOINT_STEPS[step]
+    crashed = crashed_during(monkeypatch, importlib.import_module(module), name, nth, when, lambda: save_checkpoint(directory, state))
+    now = _dir_bytes(directory)
+    assert now in (old, new), f"{'crashed' if crashed else 'finished'}: {sorted(now)} is a mix of two checkpoints"
+    assert crashed or now == new
+    if not (crashed and step == "cleanup" and when == "before"):
+        litter = sorted(p.name for p in tmp_path.iterdir() if p.name not in ("ckpt", "reference"))
+        assert litter == [], f"temporary entries left behind: {litter}"
+        assert (directory.exists()) == bool(now)
+    if now:
+        resumed = load_checkpoint(directory, tiny_model("llama"))
+        assert resumed.step == (3 if now == new else 2)
+
+
+def test_save_checkpoint_refuses_a_file_and_names_it(tmp_path):
+    model = tiny_model("llama")
+    (tmp_path / "ckpt").write_text("not a checkpoint")
+    with pytest.raises(NotADirectoryError, match=r"save_checkpoint: .*ckpt exists and is not a directory"):
+        save_checkpoint(tmp_path / "ckpt", _state(model))
+    assert (tmp_path / "ckpt").read_text() == "not a checkpoint"
+
+
+def _dir_bytes(directory) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in directory.iterdir()} if directory.exists() else {}
 
 
 def test_load_checkpoint_names_the_missing_files(tmp_path):

@@ -31,7 +31,6 @@ import hashlib
 import json
 import os
 import struct
-import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -43,6 +42,7 @@ from torch import Tensor, nn
 from lora_func._types import LayerInfo
 from lora_func.adapter import Adapter, AdapterLayer, AdapterLike, Combined, Composed
 from lora_func.core import base_params, weight_fingerprint
+from lora_func.io._files import write_file
 from lora_func.spec import AdapterSpec
 from lora_func.targeting import Target, canonical_weight
 from lora_func.variants import get_variant
@@ -211,16 +211,12 @@ def save(adapter: AdapterLike, path: str | os.PathLike, *, trainable_only: bool 
         "buffer_digests": json.dumps(buffer_digests),
     }
     metadata["digest"] = _file_digest(metadata, tensors)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        save_file(tensors, tmp, metadata=metadata)
-        _canonical_header(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+
+    def write(tmp: Path) -> None:
+        save_file(tensors, str(tmp), metadata=metadata)
+        _canonical_header(str(tmp))
+
+    write_file(path, write)
     return path
 
 

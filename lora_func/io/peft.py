@@ -33,14 +33,10 @@ recomputed from the base exactly as peft does on load.
 from __future__ import annotations
 
 import collections
-import ctypes
 import json
 import math
 import os
 import re
-import secrets
-import shutil
-import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,6 +50,7 @@ from torch import Tensor, nn
 from lora_func._types import LayerInfo, lora_scale
 from lora_func.adapter import Adapter, AdapterLayer, AdapterLike, Combined, Composed, compose
 from lora_func.core import base_params, weight_fingerprint
+from lora_func.io._files import replace_directory
 from lora_func.spec import AdapterSpec
 from lora_func.targeting import Target, canonical_weight, find_targets, tensor_names
 from lora_func.variants import get_variant
@@ -608,106 +605,8 @@ def _peft_config(peft_type: str, shared: Mapping[str, Any], layers: Sequence[_Ou
     return config | {"lora_alpha": alpha, "rank_pattern": rank_pattern, "alpha_pattern": alpha_pattern, "lora_dropout": 0.0}
 
 
-# ------------------------------------------------------------ writing a directory atomically
-#
-# A peft checkpoint is two files, and an interrupted save must never leave the new weights
-# with the old config (or the reverse): both files are written into a fresh sibling
-# directory, which then takes the place of the old one in one step,
-# renameat2(RENAME_EXCHANGE) on Linux. The other
-# entries of the old directory (a README, tokenizer files) are carried over as hard links
-# first. Where the exchange is not available (another OS, an old kernel, a file system or a
-# mount point that refuses it) the two files are renamed into the old directory one after
-# the other: each file stays whole, the pair is best effort.
-
-_AT_FDCWD = -100
-_RENAME_EXCHANGE = 1 << 1
-
-
-def _renameat2() -> Any:
-    """libc's ``renameat2``, or None where there is none."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        function = ctypes.CDLL(None, use_errno=True).renameat2
-    except (OSError, AttributeError):
-        return None
-    function.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    function.restype = ctypes.c_int
-    return function
-
-
-def _exchange(a: Path, b: Path) -> bool:
-    """Swap the directories ``a`` and ``b`` in one atomic step; False (nothing changed) where
-    the platform or the file system cannot."""
-    function = _renameat2()
-    return function is not None and function(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0
-
-
-def _link_or_copy(src: str | os.PathLike, dst: str | os.PathLike) -> None:
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
-
-
-def _carry(src: Path, dst: Path) -> None:
-    """``src`` (an entry of the old directory that save_peft does not write) at ``dst``."""
-    if src.is_symlink():
-        os.symlink(os.readlink(src), dst)
-    elif src.is_dir():
-        shutil.copytree(src, dst, symlinks=True, copy_function=_link_or_copy)
-    else:
-        _link_or_copy(src, dst)
-
-
-def _staging_directory(target: Path) -> Path:
-    """A new empty directory next to ``target`` (mode as ``mkdir`` gives it, unlike mkdtemp's 0700)."""
-    while True:
-        staging = target.with_name(f".{target.name}.{secrets.token_hex(6)}.tmp")
-        try:
-            staging.mkdir()
-        except FileExistsError:
-            continue
-        return staging
-
-
-def _working_directory() -> Path | None:
-    try:
-        return Path(os.getcwd())
-    except OSError:  # deleted
-        return None
-
-
 def _write_text(path: Path, text: str) -> None:
     path.write_text(text)
-
-
-def _replace_directory(target: Path, files: Mapping[str, Any]) -> None:
-    """Make ``target`` a directory holding ``files`` (name -> ``write(path)``) and, if it
-    existed, its other entries, in one atomic step where the platform allows (see above). A
-    failure at any point leaves ``target`` as it was and no temporary entry next to it."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = _staging_directory(target)
-    try:
-        for name, write in files.items():
-            write(staging / name)
-        if not target.exists():
-            os.rename(staging, target)
-            return
-        shutil.copymode(target, staging)
-        for entry in sorted(target.iterdir()):
-            if entry.name not in files:
-                _carry(entry, staging / entry.name)
-        cwd = _working_directory()
-        if _exchange(staging, target):
-            if cwd is not None and (cwd == target or target in cwd.parents):
-                os.chdir(cwd)  # the same path, now in the new directory (the old one is removed below)
-        else:
-            for name in files:  # best effort: each file atomically, one after the other
-                os.replace(staging / name, target / name)
-    finally:
-        # The staging directory, or after the exchange the old checkpoint.
-        shutil.rmtree(staging, ignore_errors=True)
 
 
 def save_peft(adapter: AdapterLike, directory: str | os.PathLike, *, model: nn.Module | None = None) -> Path:
@@ -773,7 +672,7 @@ def save_peft(adapter: AdapterLike, directory: str | os.PathLike, *, model: nn.M
             f"a directory holding {CONFIG_NAME} and {WEIGHTS_NAME})"
         )
     text = json.dumps(config, indent=2, sort_keys=True) + "\n"
-    _replace_directory(
+    replace_directory(
         target,
         {
             WEIGHTS_NAME: lambda path: save_file(tensors, str(path), metadata={"format": "pt"}),
