@@ -370,4 +370,7 @@ def test_every_written_file_is_flushed_before_its_rename_and_the_directory_after
     flushed_before = {path.name for kind, path in events[:publish] if kind == "fsync"}
     written = {target.name} if saver == "save" else {p.name for p in target.iterdir()}
     assert all(any(f.startswith(f".{name}.") or f == name for f in flushed_before) for name in written), (written, events)
+    if saver != "save":  # the new directory's own entries (new files, links carried over), after the last of them
+        last_entry = max(i for i, (kind, path) in enumerate(events[:publish]) if path.parent.name.startswith(f".{target.name}."))
+        assert any(kind == "fsync" and path.name.startswith(f".{target.name}.") for kind, path in events[last_entry:publish]), events
     assert ("fsync", tmp_path) in events[publish + 1 :], events

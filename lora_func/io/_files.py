@@ -123,8 +123,8 @@ def replace_directory(target: Path, files: Mapping[str, Callable[[Path], Any]]) 
         for name, write in files.items():
             write(staging / name)
             fsync(staging / name)
-        fsync(staging)
         if not target.exists():
+            fsync(staging)
             os.rename(staging, target)
             fsync(target.parent)
             return
@@ -132,6 +132,7 @@ def replace_directory(target: Path, files: Mapping[str, Callable[[Path], Any]]) 
         for entry in sorted(target.iterdir()):
             if entry.name not in files:
                 _carry(entry, staging / entry.name)
+        fsync(staging)  # its entries: the new files and the links carried over
         cwd = _working_directory()
         if _exchange(staging, target):
             fsync(target.parent)
