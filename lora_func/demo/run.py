@@ -242,66 +242,53 @@ def run_variant(
     """Fine-tune one variant and measure it. Returns one results row (JSON-able, plus
     ``"losses"``: the per-step training loss)."""
     with cpu_threads(config.threads_for_run()):
-        return _run_variant(model, tokenizer, variant, config, train, held_out, adapter_dir, on_step)
+        base = lf.base_params(model)
+        total = sum(p.numel() for p in model.parameters())  # tied weights once, buffers not counted
+        targets = list(config.targets) if config.targets else default_targets(model)
+        spec = lf.AdapterSpec(variant, targets=targets, r=config.r)
+        calibration = None
+        if lf.get_variant(variant).calibrate is not None:  # EVA: SVD of the layer inputs on training batches
+            calibration = [
+                {"input_ids": train.input_ids[i : i + 16], "attention_mask": train.attention_mask[i : i + 16]}
+                for i in range(0, len(train.examples), 16)
+            ]
+        adapter = lf.init_adapter(model, spec, generator=torch.Generator().manual_seed(config.seed), calibration=calibration)
+        before, _ = held_out_accuracy(model, adapter, held_out, base=base)
+        prompts = [ex.prompt for ex in held_out.examples[: config.samples]]
+        samples_before = [generate(model, tokenizer, p) for p in prompts]
 
+        half = config.dtype == torch.float16
+        device_type = torch.device(config.device).type
+        state = TrainState(adapter, make_optimizer(adapter, config.lr_for(variant)), torch.amp.GradScaler(device_type) if half else None)
+        start = time.perf_counter()
+        history = fit(
+            model, state, batch_sampler(train, config.batch_size, config.seed), config.steps,
+            progress=config.progress, desc=f"{variant:>9}", on_step=on_step,
+        )
+        seconds = time.perf_counter() - start
 
-def _run_variant(
-    model: nn.Module,
-    tokenizer: Any,
-    variant: str,
-    config: DemoConfig,
-    train: TaskData,
-    held_out: TaskData,
-    adapter_dir: Path,
-    on_step: Callable[[StepStats], None] | None,
-) -> dict[str, Any]:
-    base = lf.base_params(model)
-    total = sum(p.numel() for p in model.parameters())  # tied weights once, buffers not counted
-    targets = list(config.targets) if config.targets else default_targets(model)
-    spec = lf.AdapterSpec(variant, targets=targets, r=config.r)
-    calibration = None
-    if lf.get_variant(variant).calibrate is not None:  # EVA: SVD of the layer inputs on training batches
-        calibration = [
-            {"input_ids": train.input_ids[i : i + 16], "attention_mask": train.attention_mask[i : i + 16]}
-            for i in range(0, len(train.examples), 16)
-        ]
-    adapter = lf.init_adapter(model, spec, generator=torch.Generator().manual_seed(config.seed), calibration=calibration)
-    before, _ = held_out_accuracy(model, adapter, held_out, base=base)
-    prompts = [ex.prompt for ex in held_out.examples[: config.samples]]
-    samples_before = [generate(model, tokenizer, p) for p in prompts]
-
-    half = config.dtype == torch.float16
-    device_type = torch.device(config.device).type
-    state = TrainState(adapter, make_optimizer(adapter, config.lr_for(variant)), torch.amp.GradScaler(device_type) if half else None)
-    start = time.perf_counter()
-    history = fit(
-        model, state, batch_sampler(train, config.batch_size, config.seed), config.steps,
-        progress=config.progress, desc=f"{variant:>9}", on_step=on_step,
-    )
-    seconds = time.perf_counter() - start
-
-    after, logits = held_out_accuracy(model, adapter, held_out, base=base)
-    samples_after = [generate(model, tokenizer, p, adapter) for p in prompts]
-    reloaded, saved_as = _save_and_reload(model, adapter, adapter_dir)
-    _, reloaded_logits = held_out_accuracy(model, reloaded, held_out, base=base)
-    trainable = adapter.num_parameters()
-    losses = [s.loss for s in history]
-    return {
-        "variant": variant,
-        "lr": config.lr_for(variant),
-        "trainable": trainable,
-        "trainable_pct": 100 * trainable / total,
-        "acc_before": before,
-        "acc_after": after,
-        "final_loss": sum(losses[-10:]) / max(1, len(losses[-10:])),
-        "ms_per_step": 1e3 * seconds / max(1, len(history)),
-        "skipped_steps": sum(s.skipped for s in history),
-        "saved_as": saved_as,
-        "reload_identical": bool(torch.equal(logits, reloaded_logits)),
-        "reload_max_abs_diff": (logits - reloaded_logits).abs().max().item(),
-        "samples": [{"prompt": p, "before": b, "after": a} for p, b, a in zip(prompts, samples_before, samples_after, strict=True)],
-        "losses": losses,
-    }
+        after, logits = held_out_accuracy(model, adapter, held_out, base=base)
+        samples_after = [generate(model, tokenizer, p, adapter) for p in prompts]
+        reloaded, saved_as = _save_and_reload(model, adapter, adapter_dir)
+        _, reloaded_logits = held_out_accuracy(model, reloaded, held_out, base=base)
+        trainable = adapter.num_parameters()
+        losses = [s.loss for s in history]
+        return {
+            "variant": variant,
+            "lr": config.lr_for(variant),
+            "trainable": trainable,
+            "trainable_pct": 100 * trainable / total,
+            "acc_before": before,
+            "acc_after": after,
+            "final_loss": sum(losses[-10:]) / max(1, len(losses[-10:])),
+            "ms_per_step": 1e3 * seconds / max(1, len(history)),
+            "skipped_steps": sum(s.skipped for s in history),
+            "saved_as": saved_as,
+            "reload_identical": bool(torch.equal(logits, reloaded_logits)),
+            "reload_max_abs_diff": (logits - reloaded_logits).abs().max().item(),
+            "samples": [{"prompt": p, "before": b, "after": a} for p, b, a in zip(prompts, samples_before, samples_after, strict=True)],
+            "losses": losses,
+        }
 
 
 def results_markdown(rows: Sequence[dict[str, Any]]) -> str:
