@@ -27,6 +27,7 @@ __all__ = [
     "RANK_ALPHA",
     "RANK_MASK",
     "add_low_rank",
+    "base_plus_low_rank",
     "kaiming_uniform",
     "layer_alpha",
     "layer_rank",
@@ -223,6 +224,32 @@ def add_low_rank(y: Tensor, h: Tensor, b: Tensor) -> Tensor:
     return out.reshape(y.shape)
 
 
+def _fresh_output_in_place() -> bool:
+    """Whether a layer's fresh output may be updated in place: plain eager autograd, no
+    ``torch.func`` transform active (under ``vmap`` the base output can be unbatched while the
+    low-rank term is batched) and nothing tracing."""
+    return not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack() is None
+
+
+def base_plus_low_rank(base: Callable[[Tensor], Tensor], x: Tensor, h: Tensor, b: Tensor) -> Tensor:
+    """``base(x) + h bᵀ``, as :func:`add_low_rank`, for a base output the caller uses nowhere
+    else: ``x (..., d_in)``, ``h (..., r)`` already scaled, ``b (d_out, r)``.
+
+    In plain eager autograd the product is accumulated in place into the base layer's output
+    (``addmm_``), which is a new tensor that no backward formula needs (a linear layer's
+    backward reads its input and weight, not its output): an out-of-place ``addmm`` would first
+    copy the whole ``(n, d_out)`` output, about 1% of a LoRA training step on the benchmark
+    CPU. Under a ``torch.func`` transform or a trace, and across dtypes, it is
+    :func:`add_low_rank`."""
+    if h.dtype != b.dtype or not _fresh_output_in_place():
+        return add_low_rank(base(x), h, b)
+    y = base(x.reshape(-1, x.shape[-1]))
+    if y.dtype != h.dtype:
+        return add_low_rank(y, h.reshape(-1, h.shape[-1]), b).reshape(*x.shape[:-1], y.shape[-1])
+    y.addmm_(h.reshape(-1, h.shape[-1]), b.transpose(-1, -2).contiguous())
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
 def lora_activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: BaseLayer, info: LayerInfo) -> Tensor:
     """LoRA's activation form: ``base(x) + s·(x Aᵀ) Bᵀ``, ``x (..., d_in) -> (..., d_out)``.
 
@@ -232,4 +259,4 @@ def lora_activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, bas
     the outputs fewer (:func:`add_low_rank`)."""
     lora_a, lora_b = params["lora_A"], params["lora_B"]
     h = (x.to(lora_a.dtype) @ lora_a.T) * lora_scale(info, buffers)
-    return add_low_rank(base(x), h, lora_b)
+    return base_plus_low_rank(base, x, h, lora_b)

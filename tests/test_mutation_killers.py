@@ -755,3 +755,77 @@ def test_the_layers_own_call_never_builds_the_merged_weight(monkeypatch):
     monkeypatch.setattr(AdaptedWeight, "merged", refuse)
     for what, (call, want) in expected.items():
         torch.testing.assert_close(call(), want, atol=1e-12, rtol=1e-12, msg=what)
+
+
+# ---------------------------------------------------------------- the shared low-rank update
+
+
+def _low_rank_case(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 5, 6, generator=g, dtype=torch.float64)
+    w, bias = torch.randn(4, 6, generator=g, dtype=torch.float64), torch.randn(4, generator=g, dtype=torch.float64)
+    h, b = torch.randn(2, 5, 3, generator=g, dtype=torch.float64), torch.randn(4, 3, generator=g, dtype=torch.float64)
+    return x, w, bias, h, b
+
+
+def test_base_plus_low_rank_updates_the_fresh_base_output_in_place_in_eager_autograd():
+    """The eager path accumulates ``h bᵀ`` into the base layer's own output (no copy of it) and
+    keeps values and every gradient of ``base(x) + h bᵀ``; a mutant that drops the term, adds
+    it twice, uses ``b`` untransposed or writes into a tensor autograd still needs fails."""
+    from lora_func._types import base_plus_low_rank
+
+    x, w, bias, h, b = (t.requires_grad_(True) for t in _low_rank_case())
+    outputs = []
+
+    def base(x_):
+        outputs.append(torch.nn.functional.linear(x_, w, bias))
+        return outputs[-1]
+
+    out = base_plus_low_rank(base, x, h, b)
+    assert out.shape == (2, 5, 4) and out.untyped_storage().data_ptr() == outputs[0].untyped_storage().data_ptr()
+    want = torch.nn.functional.linear(x, w, bias) + h @ b.T
+    torch.testing.assert_close(out, want, atol=1e-12, rtol=0)
+    upstream = torch.randn(2, 5, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    got = torch.autograd.grad((out * upstream).sum(), [x, w, bias, h, b])
+    expected = torch.autograd.grad((want * upstream).sum(), [x, w, bias, h, b])
+    for name, g_, e in zip(("x", "w", "bias", "h", "b"), got, expected):
+        torch.testing.assert_close(g_, e, atol=1e-12, rtol=0, msg=name)
+
+
+def test_base_plus_low_rank_under_vmap_with_an_unbatched_base_output():
+    """Under ``vmap`` over adapters sharing one input, the base output is unbatched while ``h``
+    and ``b`` are batched: an in-place update is impossible there (vmap raises), so the path
+    must fall back. Oracle: a Python loop over the members."""
+    from lora_func._types import base_plus_low_rank
+
+    x, w, bias, _, _ = _low_rank_case()
+    g = torch.Generator().manual_seed(2)
+    hs, bs = torch.randn(3, 2, 5, 2, generator=g, dtype=torch.float64), torch.randn(3, 4, 2, generator=g, dtype=torch.float64)
+
+    def one(h, b):
+        return base_plus_low_rank(lambda x_: torch.nn.functional.linear(x_, w, bias), x, h, b)
+
+    got = torch.func.vmap(one)(hs, bs)
+    want = torch.stack([torch.nn.functional.linear(x, w, bias) + hs[k] @ bs[k].T for k in range(3)])
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+    grads = torch.func.grad(lambda h: one(h, bs[0]).square().sum())(hs[0])
+    h0 = hs[0].clone().requires_grad_(True)
+    (expected,) = torch.autograd.grad((torch.nn.functional.linear(x, w, bias) + h0 @ bs[0].T).square().sum(), [h0])
+    torch.testing.assert_close(grads, expected, atol=1e-10, rtol=0)
+
+
+def test_base_plus_low_rank_on_a_bf16_base_adds_the_fp32_product_once_rounded():
+    """A bf16 base output with an fp32 low-rank path: the product is computed in fp32 and
+    rounded once into the base dtype, as ``add_low_rank`` (and peft) do."""
+    from lora_func._types import add_low_rank, base_plus_low_rank
+
+    x, w, bias, h, b = _low_rank_case(3)
+    xb, wb, bb = x.bfloat16(), w.bfloat16(), bias.bfloat16()
+
+    def base(x_):
+        return torch.nn.functional.linear(x_, wb, bb)
+
+    got = base_plus_low_rank(base, xb, h.float(), b.float())
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, add_low_rank(base(xb), h.float(), b.float()))
+    assert torch.equal(got, base(xb) + (h.float() @ b.float().T).bfloat16())

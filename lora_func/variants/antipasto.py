@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lora_func._types import BaseLayer, LayerInfo, TensorDict, Variant, add_low_rank
+from lora_func._types import BaseLayer, LayerInfo, TensorDict, Variant, base_plus_low_rank
 
 __all__ = ["VARIANT", "rotation", "trunc_normal", "with_steering"]
 
@@ -169,7 +169,7 @@ def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: Ba
     # y = ((x V_rot) ⊙ (S + alpha·delta_s)) U_rotᵀ + x W_resᵀ + b = base(x) + ((x V) Mᵀ) Uᵀ.
     u, v = buffers["U"], buffers["V"]
     core = _core(params, buffers, info).to(u.dtype)
-    return add_low_rank(base(x), (x.to(v.dtype) @ v) @ core.transpose(-1, -2), u)
+    return base_plus_low_rank(base, x, (x.to(v.dtype) @ v) @ core.transpose(-1, -2), u)
 
 
 def with_steering(adapter_buffers: Mapping[str, Tensor], alpha: Tensor | float) -> dict[str, Tensor]:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lora_func._types import BaseLayer, LayerInfo, TensorDict, Variant, add_low_rank, kaiming_uniform, layer_rank
+from lora_func._types import BaseLayer, LayerInfo, TensorDict, Variant, base_plus_low_rank, kaiming_uniform, layer_rank
 
 NORM_CLAMP = 1e-4  # peft's clamp on the per-rank norms of A and B
 
@@ -82,7 +82,7 @@ def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: Ba
     # It runs in the adapter dtype; from the per-rank scale on (≈1e4 at init) in >= fp32.
     h = x.to(a.dtype) @ (a * buffers["delora_w_norm"]).T
     h = h.to(ct) * _rank_scale(params, layer_rank(info, buffers))
-    return add_low_rank(base(x), h, b.to(ct))
+    return base_plus_low_rank(base, x, h, b.to(ct))
 
 
 def check_options(options: Mapping[str, Any]) -> None:

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lora_func._types import BaseLayer, LayerInfo, TensorDict, Variant, lora_scale
+from lora_func._types import BaseLayer, LayerInfo, TensorDict, Variant, base_plus_low_rank, lora_scale
 
 
 def svd_lowrank(weight: Tensor, q: int, niter: int, generator: torch.Generator) -> tuple[Tensor, Tensor, Tensor]:
@@ -97,10 +97,10 @@ def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: Ba
     # Not base(x): the base op multiplies by W, and base(x) − x (W − W_res)ᵀ would cancel two
     # large terms. The residual runs like the base layer would (base dtype, bias included),
     # as peft's residualised base layer does; the low-rank path as in LoRA.
-    y = F.linear(x, buffers["W_res"].to(base.weight.dtype), base.bias)
+    w_res = buffers["W_res"].to(base.weight.dtype)
     lora_a, lora_b = params["lora_A"], params["lora_B"]
-    delta = (x.to(lora_a.dtype) @ lora_a.T) @ lora_b.T * lora_scale(info, buffers)
-    return y + delta.to(y.dtype)
+    h = (x.to(lora_a.dtype) @ lora_a.T) * lora_scale(info, buffers)
+    return base_plus_low_rank(lambda x_: F.linear(x_, w_res, base.bias), x, h, lora_b)
 
 
 def check_options(options: Mapping[str, Any]) -> None:
