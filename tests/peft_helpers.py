@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 
 def peft_key_to_lf(name: str, tensor_names: tuple[str, ...]) -> str:
@@ -32,3 +33,36 @@ class NoWeightBase:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(x, self._w, self.bias)
+
+
+class LinearBase:
+    """A plain BaseLayer: ``F.linear`` with ``weight (d_out, d_in)`` and ``bias (d_out,)``."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.weight, self.bias = weight, bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.weight, self.bias)
+
+
+_PRODUCTS = {
+    torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__, torch.mm, torch.Tensor.mm,
+    torch.addmm, torch.Tensor.addmm, torch.Tensor.addmm_, torch.bmm, torch.einsum, torch.outer, torch.nn.functional.linear,
+}
+
+
+class NoDenseProducts(TorchFunctionMode):
+    """Fails when a product builds a dense matrix over the layer's feature axes (both of its
+    last two sizes in ``{d_in, d_out}``: a merged weight, a ``(d_in, d_in)`` rotation): an
+    activation form may read the frozen weight but must stay low-rank. Pick test sizes whose
+    ranks and row counts differ from ``d_in`` and ``d_out``."""
+
+    def __init__(self, d_in: int, d_out: int) -> None:
+        super().__init__()
+        self.dims = {d_in, d_out}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in _PRODUCTS and isinstance(out, torch.Tensor) and out.dim() >= 2 and {out.shape[-2], out.shape[-1]} <= self.dims:
+            raise AssertionError(f"the activation form built a dense {tuple(out.shape)} matrix with {getattr(func, '__name__', func)}")
+        return out

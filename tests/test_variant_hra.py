@@ -20,7 +20,7 @@ from lora_func.variants.hra import VARIANT
 from tests.contract_helpers import loss_fn
 from tests.models import tiny_model, tokens
 from tests import peft_helpers
-from tests.peft_helpers import NoWeightBase, ce_loss
+from tests.peft_helpers import LinearBase, NoDenseProducts, ce_loss
 
 PEFT_TARGETS = {"llama": ["q_proj", "v_proj", "down_proj"], "qwen2": ["q_proj", "v_proj", "down_proj"]}
 
@@ -98,8 +98,9 @@ def test_random_init_option(r):
 @pytest.mark.parametrize("r", [1, 2, 5])
 def test_one_layer_forms_and_gradient_equal_the_explicit_product(r):
     """Both forms vs y = x Rᵀ Wᵀ + b with R = H_0 ⋯ H_{r-1} built explicitly in float64, values and
-    dL/dU, with random (unpaired) columns; the activation form never reads W."""
-    d_in, d_out = 7, 5
+    dL/dU, with random (unpaired) columns; the activation form builds no dense matrix (it may
+    read W: it maps the reflections through W Û, a (d_out, r) product)."""
+    d_in, d_out = 7, 6
     gen = torch.Generator().manual_seed(r)
     w, bias = torch.randn(d_out, d_in, generator=gen), torch.randn(d_out, generator=gen)
     x = torch.randn(2, 4, d_in, generator=gen)
@@ -119,7 +120,11 @@ def test_one_layer_forms_and_gradient_equal_the_explicit_product(r):
         assert b_eff is bias
         return x @ w_eff.T + b_eff
 
-    for name, form in (("lazy", lambda p: VARIANT.activation_form(p, {}, x, NoWeightBase(w, bias), info)), ("merged", merged)):
+    def lazy(p):
+        with NoDenseProducts(d_in, d_out):
+            return VARIANT.activation_form(p, {}, x, LinearBase(w, bias), info)
+
+    for name, form in (("lazy", lazy), ("merged", merged)):
         u32 = u0.clone().requires_grad_(True)
         out = form({"hra_u": u32})
         torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5, msg=name)
@@ -153,7 +158,7 @@ def test_reflection_order_x_R_transpose_not_x_R():
         return x_ @ w.T + bias
 
     torch.testing.assert_close(forward_order_loop(x).double(), wrong, atol=1e-5, rtol=0)
-    out = VARIANT.activation_form({"hra_u": u}, {}, x, NoWeightBase(w, bias), info)
+    out = VARIANT.activation_form({"hra_u": u}, {}, x, LinearBase(w, bias), info)
     torch.testing.assert_close(out.double(), right, atol=1e-5, rtol=0)
     w_eff, _ = VARIANT.weight_form({"hra_u": u}, {}, w, bias, info)
     torch.testing.assert_close(w_eff.double(), w.double() @ R, atol=1e-5, rtol=0)
@@ -167,7 +172,7 @@ def test_zero_column_is_the_identity_reflection_with_zero_gradient():
     w, bias, x = torch.randn(d_out, d_in, generator=gen), torch.randn(d_out, generator=gen), torch.randn(3, d_in, generator=gen)
     u = torch.randn(d_in, 2, generator=gen)
     padded = torch.cat([u, torch.zeros(d_in, 2)], dim=1)
-    base = NoWeightBase(w, bias)
+    base = LinearBase(w, bias)
 
     def loss(p, info):
         return VARIANT.activation_form(p, {}, x, base, info).square().sum()

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lora_func._types import BaseLayer, LayerInfo, TensorDict, Variant, kaiming_uniform
+from lora_func._types import BaseLayer, LayerInfo, TensorDict, Variant, base_plus_low_rank, kaiming_uniform
 
 INITS = ("paired", "random")
 _MIN_NORM = 1e-30
@@ -102,14 +102,17 @@ def weight_form(
 
 def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: BaseLayer, info: LayerInfo) -> Tensor:
     u_hat = unit_columns(params["hra_u"])
-    # Ûᵀ (r, d_in) contiguous for both products, so that autograd computes both gradients that
-    # reach it with their long axis last (see add_low_rank on gradient layouts).
+    # base(x Rᵀ) with x Rᵀ = x − (x Û) Tᵀ Ûᵀ (all r reflections of x at once) is
+    # base(x) − ((x Û) Tᵀ) (W Û)ᵀ: the same reflections, pushed through the frozen weight. So the
+    # layer is LoRA-shaped (two rank-r products plus W Û, an (d_out, r) product) and never
+    # builds the reflected (n, d_in) input, a full copy of x and a pass over it each way.
+    # The low-rank path runs in the adapter dtype, as every variant's.
+    # Ûᵀ (r, d_in) contiguous: x Û then runs as x (Ûᵀ)ᵀ, the layout BLAS is fastest with for
+    # an (n, r) result, and autograd computes ∂Ûᵀ = ∂hᵀ x with its long axis last.
     ut = u_hat.transpose(-1, -2).contiguous()
-    x2 = x.to(u_hat.dtype).reshape(-1, x.shape[-1])
-    # x Rᵀ = x − (x Û) Tᵀ Ûᵀ: the reflections applied to x from the last to the first.
-    h = (x2 @ ut.transpose(-1, -2)) @ reflection_wy(u_hat).transpose(-1, -2)
-    rotated = torch.addmm(x2, h, ut, alpha=-1).reshape(x.shape)
-    return base(rotated.to(x.dtype))
+    h = (x.to(ut.dtype) @ ut.transpose(-1, -2)) @ reflection_wy(u_hat).transpose(-1, -2)
+    weight_u = base.weight.to(ut.dtype) @ ut.transpose(-1, -2)
+    return base_plus_low_rank(base, x, -h, weight_u)
 
 
 def check_options(options: Mapping[str, Any]) -> None:
