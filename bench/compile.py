@@ -22,13 +22,10 @@ too, and calls each compiled step with fresh adapter values under
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
-
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see bench/ratios.py
 
 import torch
 
@@ -68,7 +65,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clock", default="cpu", choices=("wall", "cpu"))
     args = parser.parse_args(argv)
     c.setup(args)
-    c.set_clock("wall" if args.device.startswith("cuda") else args.clock)
     import torch._dynamo
 
     s = c.build_setup(args)
@@ -147,4 +143,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    c.reexec_with_steady_allocator()
     raise SystemExit(main())

@@ -19,12 +19,9 @@ Four sections (``--sections`` picks some):
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
-
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see bench/ratios.py
 
 import torch
 
@@ -187,7 +184,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clock", default="cpu", choices=("wall", "cpu"), help="for the ratio sections (calls: always wall)")
     args = parser.parse_args(argv)
     c.setup(args)
-    c.set_clock("wall" if args.device.startswith("cuda") else args.clock)
     print(f"# lora_func overheads; {c.machine_line(args)}; {args.clock} clock")
     print(f"# Llama hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, batch {args.batch} x {args.seq}, r={args.rank}")
     print()
@@ -197,4 +193,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    c.reexec_with_steady_allocator()
     raise SystemExit(main())

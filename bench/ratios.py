@@ -12,13 +12,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
 import sys
 from pathlib import Path
-
-# Idle OpenMP threads sleep instead of spinning, so --clock cpu counts work, not waiting.
-# Must be set before torch loads its OpenMP runtime.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch
 
@@ -42,7 +37,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-memory", action="store_true")
     args = parser.parse_args(argv)
     c.setup(args)
-    c.set_clock("wall" if args.device.startswith("cuda") else args.clock)
     rows = [v for v in args.variants.split(",") if v]
     paths = [p for p in args.paths.split(",") if p]
     s = c.build_setup(args)
@@ -122,4 +116,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    c.reexec_with_steady_allocator()
     raise SystemExit(main())
