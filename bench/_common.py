@@ -142,8 +142,12 @@ def build_model(args: argparse.Namespace, *, layers: int | None = None, hidden: 
     return model
 
 
-def build_setup(args: argparse.Namespace, *, layers: int | None = None, hidden: int | None = None) -> Setup:
-    model = build_model(args, layers=layers, hidden=hidden)
+def build_setup(
+    args: argparse.Namespace, *, layers: int | None = None, hidden: int | None = None, model: nn.Module | None = None
+) -> Setup:
+    """The frozen model (``model`` if given, e.g. one built earlier, reused for new inputs)
+    and the step inputs for ``args.batch`` x ``args.seq`` tokens."""
+    model = model if model is not None else build_model(args, layers=layers, hidden=hidden)
     dtype = getattr(torch, args.dtype)
     g = torch.Generator().manual_seed(args.seed + 1)
     ids = torch.randint(3, args.vocab, (args.batch, args.seq), generator=g)

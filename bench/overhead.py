@@ -124,9 +124,10 @@ def section_inference(args: argparse.Namespace) -> None:
     paths = ("lazy", "merged", "merged once")
     sizes = ((1, 1), (1, 16), (1, 128), (8, 128), (32, 128))
     cells: dict[tuple[str, str], list[str]] = {(r, p): [] for r in rows for p in paths}
+    model = None  # one model for every size (only the inputs change), built once
     for batch, seq in sizes:
         sub = argparse.Namespace(**{**vars(args), "batch": batch, "seq": seq})
-        s = c.build_setup(sub)
+        s = c.build_setup(sub, model=model)
         model, base, embeds = s.model, s.base, s.embeds.detach()
         steps = {"base": lambda model=model, embeds=embeds: model(inputs_embeds=embeds)}
         for row in rows:
