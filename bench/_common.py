@@ -51,8 +51,8 @@ ROW_TARGETS = {
 # activations in again: 4,000-10,000 faults and 10-40 ms of system time per benchmark step,
 # varying from step to step. Keeping freed memory in the process (as jemalloc and tcmalloc
 # do, and as PyTorch's CUDA caching allocator does on the GPU) removes that cost and its
-# noise for every configuration alike; peft's ratios then land within 0-3 points of the
-# ones the targets were set against.
+# noise for every configuration alike; peft's ratios then land between 2 points below and 5
+# above the ones the targets were set against (docs/benchmarks.md).
 MALLOC_TUNABLES = "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=4294967296"
 
 

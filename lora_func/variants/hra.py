@@ -111,8 +111,9 @@ def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: Ba
     # an (n, r) result, and autograd computes ∂Ûᵀ = ∂hᵀ x with its long axis last.
     ut = u_hat.transpose(-1, -2).contiguous()
     h = (x.to(ut.dtype) @ ut.transpose(-1, -2)) @ reflection_wy(u_hat).transpose(-1, -2)
-    weight_u = base.weight.to(ut.dtype) @ ut.transpose(-1, -2)
-    return base_plus_low_rank(base, x, -h, weight_u)
+    # The sign goes on the (d_out, r) factor, not on the (n, r) activations.
+    minus_weight_u = -(base.weight.to(ut.dtype) @ ut.transpose(-1, -2))
+    return base_plus_low_rank(base, x, h, minus_weight_u)
 
 
 def check_options(options: Mapping[str, Any]) -> None:
