@@ -239,9 +239,10 @@ def base_plus_low_rank(base: Callable[[Tensor], Tensor], x: Tensor, h: Tensor, b
     (``addmm_``), which is a new tensor that no backward formula needs (a linear layer's
     backward reads its input and weight, not its output): an out-of-place ``addmm`` would first
     copy the whole ``(n, d_out)`` output, about 1% of a LoRA training step on the benchmark
-    CPU. Under a ``torch.func`` transform or a trace it is :func:`add_low_rank`, and across
-    dtypes (a half-precision base output) :func:`add_low_rank`'s cast-then-add."""
-    if not _fresh_output_in_place():
+    CPU. Under a ``torch.func`` transform or a trace, and when ``h`` and ``b`` differ in dtype
+    (under autocast ``h`` comes out in bf16/fp16 while ``b`` stays fp32, and an in-place
+    ``addmm_`` is not autocast), it is :func:`add_low_rank`."""
+    if h.dtype != b.dtype or not _fresh_output_in_place():
         return add_low_rank(base(x), h, b)
     y = base(x.reshape(-1, x.shape[-1]))
     if y.dtype != h.dtype:
