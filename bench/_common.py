@@ -307,9 +307,44 @@ class RatioStats:
     q3: float
     ms: float  # median step time, milliseconds
     best: float  # fastest time of this step / fastest time of the baseline (timeit's estimator)
+    lo: float = -math.inf  # 95 % confidence interval of the median (median_ci)
+    hi: float = math.inf
+    samples: tuple[float, ...] = ()  # the paired ratio of every round, in round order
 
     def fmt(self) -> str:
         return f"{self.median:.3f}"
+
+
+def median_ci(xs: Sequence[float], level: float = 0.95) -> tuple[float, float]:
+    """A distribution-free confidence interval for the median that ``xs`` were drawn from.
+
+    The order statistics ``(x_(j), x_(n+1-j))`` cover the true median with probability
+    ``1 - 2 P(K < j)``, ``K ~ Binomial(n, 1/2)``, whatever the distribution (no normality:
+    step times here have a long right tail). ``j`` is the largest index reaching ``level``;
+    with too few samples for any (fewer than 6 at 95 %) the interval is unbounded.
+    """
+    xs = sorted(xs)
+    n = len(xs)
+    below, j = 0.0, 0  # below = P(K < j + 1) = P(K <= j)
+    while j < n // 2:
+        below += math.comb(n, j) / 2**n
+        if 1 - 2 * below < level:
+            break
+        j += 1
+    if j == 0:
+        return -math.inf, math.inf
+    return xs[j - 1], xs[n - j]
+
+
+def verdict(lo: float, hi: float, limit: float) -> str:
+    """``"holds"`` when the whole confidence interval is at or under ``limit``, ``"fails"``
+    when all of it is above, ``"unresolved"`` when it straddles the limit (the machine's noise
+    is larger than the distance to the target: more rounds or a quieter machine decide)."""
+    if hi <= limit:
+        return "holds"
+    if lo > limit:
+        return "fails"
+    return "unresolved"
 
 
 def _rounds(
@@ -371,10 +406,13 @@ def interleaved_ratios(
     for n in names:
         qs = statistics.quantiles(ratios[n], n=4) if len(ratios[n]) > 1 else [ratios[n][0]] * 3
         best = min(times[n]) / min(times[baseline])
-        stats[n] = RatioStats(statistics.median(ratios[n]), qs[0], qs[2], 1e3 * statistics.median(times[n]), best)
+        lo, hi = median_ci(ratios[n])
+        stats[n] = RatioStats(
+            statistics.median(ratios[n]), qs[0], qs[2], 1e3 * statistics.median(times[n]), best, lo, hi, tuple(ratios[n])
+        )
     bt = times[baseline]
     bq = statistics.quantiles(bt, n=4) if len(bt) > 1 else [bt[0]] * 3
-    stats[baseline] = RatioStats(1.0, 1.0, 1.0, 1e3 * statistics.median(bt), 1.0)
+    stats[baseline] = RatioStats(1.0, 1.0, 1.0, 1e3 * statistics.median(bt), 1.0, 1.0, 1.0)
     return stats, (bq[2] - bq[0]) / statistics.median(bt)
 
 

@@ -1,8 +1,11 @@
 """Training-step cost of every variant, lazy and merged overlay, next to HF peft.
 
 Prints ``ratio = step time / frozen-base step time`` (medians over interleaved rounds; see
-bench/_common.py and docs/benchmarks.md for the exact definitions), the quartiles as noise,
-the activation memory each step saves for backward, and whether the targets hold.
+bench/_common.py and docs/benchmarks.md for the exact definitions) with a 95 % confidence
+interval of each median, the activation memory each step saves for backward, and for each
+target whether it holds, fails, or is unresolved at this machine's noise. A null row (the
+frozen base timed once more as if it were a configuration, true ratio 1) shows the harness's
+own resolution in the same run.
 
     python bench/ratios.py                       # CPU, the documented configuration
     python bench/ratios.py --device cuda --dtype bfloat16 --hidden 2048 --layers 8
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import statistics
 import sys
 from pathlib import Path
 
@@ -23,6 +27,15 @@ import _common as c
 
 # Targets on the lazy overlay (the training path): (max ratio, must also be <= peft's ratio).
 TARGETS = {"lora": (1.03, True), "dora": (1.10, False), "ia3_kv_down": (1.01, False), "hra": (1.08, False), "delora": (1.05, False)}
+NULL = "base, timed again"  # the null configuration: identical to the baseline, true ratio 1
+
+
+def combine_verdicts(verdicts: list[str]) -> str:
+    """All parts must hold: any failing part fails the target, else any unresolved part
+    leaves it unresolved."""
+    if "fails" in verdicts:
+        return "fails"
+    return "unresolved" if "unresolved" in verdicts else "holds"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variants", default=",".join(c.ALL_VARIANTS), help="comma-separated rows")
     parser.add_argument("--paths", default="lazy,merged", help="which of our overlays to time")
     parser.add_argument("--no-peft", action="store_true")
-    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--clock", default="cpu", choices=("wall", "cpu"), help="cpu: process CPU time (default; robust to other load); wall: elapsed time (always on CUDA)")
     parser.add_argument("--no-memory", action="store_true")
@@ -40,8 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = [v for v in args.variants.split(",") if v]
     paths = [p for p in args.paths.split(",") if p]
     s = c.build_setup(args)
-    steps: dict[str, c.Step] = {"base": c.base_step(s)}
-    excludes: dict[str, list[torch.Tensor]] = {"base": [*s.base.values(), s.embeds]}
+    steps: dict[str, c.Step] = {"base": c.base_step(s), NULL: c.base_step(s)}
+    excludes: dict[str, list[torch.Tensor]] = {"base": [*s.base.values(), s.embeds], NULL: [*s.base.values(), s.embeds]}
     for row in rows:
         adapter = c.our_adapter(s, row, args.rank)
         for path in paths:
@@ -63,12 +76,17 @@ def main(argv: list[str] | None = None) -> int:
         {n: st.step for n, st in steps.items()}, "base", rounds=args.rounds, warmup=args.warmup, device=s.device, seed=args.seed
     )
 
+    null = stats[NULL]
     print(f"# lora_func step-cost ratios, {datetime.datetime.now().isoformat(timespec='minutes')}")
     print(f"# {c.machine_line(args)}; {args.clock} clock")
     print(
         f"# Llama hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, batch {args.batch} x {args.seq} tokens, "
         f"r={args.rank}; {args.rounds} interleaved rounds; frozen-base step {stats['base'].ms:.1f} ms (median), "
         f"round-to-round noise of the base step (IQR/median) {noise:.1%}"
+    )
+    print(
+        f"# null check: the frozen base timed again as a configuration (true ratio 1.000) measures {null.median:.3f} "
+        f"[95% CI {null.lo:.3f}, {null.hi:.3f}]: this run's resolution"
     )
     mem_head = " memory lazy / merged / peft |" if memory else ""
     print()
@@ -79,39 +97,52 @@ def main(argv: list[str] | None = None) -> int:
         if name not in stats:
             return "—"
         st = stats[name]
-        return f"{st.median:.3f} [{st.q1:.2f}, {st.q3:.2f}] ({st.best:.3f})"
+        return f"{st.median:.3f} [{st.lo:.3f}, {st.hi:.3f}]"
 
-    failures = []
+    failures, unresolved = [], []
     for row in rows:
         target = TARGETS.get(row)
-        verdict = ""
+        text = ""
         if target is not None and f"{row}/lazy" in stats:
             limit, vs_peft = target
-            got = stats[f"{row}/lazy"].median
-            ok = got <= limit
+            lazy = stats[f"{row}/lazy"]
+            parts = [c.verdict(lazy.lo, lazy.hi, limit)]
             text = f"<= {limit:.2f}"
             if vs_peft and f"{row}/peft" in stats:
-                ok = ok and got <= stats[f"{row}/peft"].median
-                text += " and <= peft"
-            verdict = f"{text}: {'PASS' if ok else 'FAIL'}"
-            if not ok:
+                # Paired within each round: lazy and peft ran in the same round, between the
+                # same base timings, so their quotient cancels that round's load.
+                paired = [a / b for a, b in zip(lazy.samples, stats[f"{row}/peft"].samples, strict=True)]
+                lo, hi = c.median_ci(paired)
+                parts.append(c.verdict(lo, hi, 1.0))
+                text += f" and <= peft (lazy/peft {statistics.median(paired):.3f} [{lo:.3f}, {hi:.3f}])"
+            result = combine_verdicts(parts)
+            text += f": {result.upper()}"
+            if result == "fails":
                 failures.append(row)
+            elif result == "unresolved":
+                unresolved.append(row)
         mem = ""
         if memory:
             base_mem = memory["base"]
-            parts = []
+            mem_parts = []
             for p in ("lazy", "merged", "peft"):
                 key = f"{row}/{p}"
-                parts.append("—" if key not in memory else f"{(memory[key] - base_mem) / 2**20:+.1f}")
-            mem = f" {' / '.join(parts)} MiB |"
+                mem_parts.append("—" if key not in memory else f"{(memory[key] - base_mem) / 2**20:+.1f}")
+            mem = f" {' / '.join(mem_parts)} MiB |"
         targets = ",".join(c.ROW_TARGETS[row])
-        print(f"| {row} | {targets} | {cell(f'{row}/lazy')} | {cell(f'{row}/merged')} | {cell(f'{row}/peft')} |{mem} {verdict} |")
+        print(f"| {row} | {targets} | {cell(f'{row}/lazy')} | {cell(f'{row}/merged')} | {cell(f'{row}/peft')} |{mem} {text} |")
     print()
     if memory:
         kind = "peak CUDA memory of a step" if s.device.type == "cuda" else "bytes saved for backward"
         print(f"# memory: {kind}, relative to the frozen base ({c.fmt_bytes(memory['base'])})")
-    print("# cells: median of the paired per-round ratios [its first, third quartile] (fastest step / fastest base)")
-    print(f"# targets: {'all hold' if not failures else 'FAIL: ' + ', '.join(failures)}")
+    print("# cells: median of the per-round ratios to the frozen base [95% confidence interval of that median, distribution-free]")
+    print(
+        "# targets: HOLDS when the whole interval is at or under the limit, FAILS when all of it is above, "
+        "UNRESOLVED when it straddles the limit (more --rounds or a quieter machine decide)"
+    )
+    summary = [f"fail: {', '.join(failures)}"] if failures else []
+    summary += [f"unresolved: {', '.join(unresolved)}"] if unresolved else []
+    print(f"# targets: {'; '.join(summary) if summary else 'all hold'}")
     return 0
 
 

@@ -3,6 +3,7 @@ docs/benchmarks.md says. The numbers themselves are measured by hand, not in CI.
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import runpy
@@ -46,6 +47,39 @@ def test_ratios_prints_a_row_for_every_variant_with_peft_where_peft_has_it(bench
         assert lazy != "—" and merged != "—", line
         assert (peft == "—") == (name == "antipasto"), line
     assert "# targets:" in out
+    # One round cannot bound a median: every target is reported unresolved, none passes on it.
+    targeted = {name: line for name, line in rows.items() if name in ratios["TARGETS"]}
+    assert set(targeted) == set(ratios["TARGETS"])
+    assert all(line.rstrip(" |").endswith("UNRESOLVED") for line in targeted.values()), targeted
+    assert "and <= peft (lazy/peft" in rows["lora"]
+    null = [line for line in out.splitlines() if line.startswith("# null check:")]
+    assert len(null) == 1 and "true ratio 1.000" in null[0]
+
+
+def test_median_ci_uses_the_binomial_order_statistics_and_covers_the_median(bench_module):
+    common = bench_module("_common.py")
+    median_ci = common["median_ci"]
+    # Textbook indices (1-based): n = 6 -> (x1, x6) (coverage 96.9 %), n = 40 -> (x14, x27).
+    assert median_ci([6.0, 1.0, 5.0, 2.0, 4.0, 3.0]) == (1.0, 6.0)
+    assert median_ci([float(i) for i in range(40, 0, -1)]) == (14.0, 27.0)
+    assert median_ci([1.0, 2.0, 3.0, 4.0, 5.0]) == (float("-inf"), float("inf"))  # 93.8 % at best
+    rng = random.Random(0)
+    true_median = math.log(2)  # of the unit exponential: skewed, like step times
+    trials = 2000
+    hits = sum(lo <= true_median <= hi for lo, hi in (median_ci([rng.expovariate(1.0) for _ in range(40)]) for _ in range(trials)))
+    assert 0.94 <= hits / trials <= 0.985
+
+
+def test_a_target_holds_or_fails_only_when_the_whole_interval_says_so(bench_module):
+    common, ratios = bench_module("_common.py"), bench_module("ratios.py")
+    verdict = common["verdict"]
+    assert verdict(1.01, 1.03, 1.03) == "holds"
+    assert verdict(1.031, 1.06, 1.03) == "fails"
+    assert verdict(1.02, 1.04, 1.03) == "unresolved"
+    combine = ratios["combine_verdicts"]
+    assert combine(["holds", "holds"]) == "holds"
+    assert combine(["holds", "unresolved"]) == "unresolved"
+    assert combine(["unresolved", "fails"]) == "fails"
 
 
 def test_reexec_sets_the_allocator_tunables_once_and_keeps_the_callers_own(bench_module, monkeypatch):
