@@ -35,21 +35,23 @@ ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
 
 
 def _per_call_us(fn, *, reps: int, rounds: int = 9) -> float:
-    """CPU microseconds per call, best of ``rounds``: Python overhead is a floor that other
-    processes on the machine can only add to."""
+    """Wall-clock microseconds per call, best of ``rounds``: Python overhead is a floor that
+    other processes on the machine can only add to. (Not process CPU time: on 2 threads that
+    also counts OpenMP's spinning second thread, which made differences of two such
+    measurements swing by milliseconds.)"""
     for _ in range(max(3, reps // 10)):
         fn()
     samples = []
     for _ in range(rounds):
-        t0 = time.process_time()
+        t0 = time.perf_counter()
         for _ in range(reps):
             fn()
-        samples.append((time.process_time() - t0) / reps)
+        samples.append((time.perf_counter() - t0) / reps)
     return 1e6 * min(samples)
 
 
 def _call_costs(model: torch.nn.Module, base: dict, adapter: object, ids: torch.Tensor) -> tuple[float, ...]:
-    """CPU microseconds per call: overlay(), merge_overlay(), the direct model call,
+    """Wall-clock microseconds per call: overlay(), merge_overlay(), the direct model call,
     functional_call with the base dict, functional_call with a prebuilt lazy overlay."""
     prebuilt = lf.overlay(base, adapter)
     with torch.no_grad():
@@ -63,7 +65,7 @@ def _call_costs(model: torch.nn.Module, base: dict, adapter: object, ids: torch.
 
 
 def section_calls(args: argparse.Namespace) -> None:
-    print("## per-call overhead (CPU microseconds per call, best of 9; batch 1 x 1 token, eager attention, no_grad)")
+    print("## per-call overhead (wall-clock microseconds per call, best of 9; batch 1 x 1 token, eager attention, no_grad)")
     print()
     print(
         "| model layers | targets (q,v) | overlay() | merge_overlay() | functional_call vs direct call | "
@@ -82,7 +84,7 @@ def section_calls(args: argparse.Namespace) -> None:
         # The stand-ins' cost is what a LoRA forward with B = 0 adds beyond the base call, minus
         # the two small matmuls; it is dominated by __torch_function__ dispatch in Python.
         per_target = (fo - fb) / n_targets
-        print(f"| {layers} | {n_targets} | {ov:.0f} | {mo:.0f} | +{fb - direct:.0f} | {per_target:.0f} | {direct:.0f} |")
+        print(f"| {layers} | {n_targets} | {ov:.0f} | {mo:.0f} | {fb - direct:+.0f} | {per_target:+.0f} | {direct:.0f} |")
     print()
 
 
@@ -95,13 +97,13 @@ def _ratio_table(args: argparse.Namespace, title: str, configs: list[tuple[str, 
     stats, noise = c.interleaved_ratios(steps, "base", rounds=args.rounds, warmup=1, device=s.device, seed=args.seed)
     print(f"## {title} (LoRA, lazy overlay; training-step ratio, median of {args.rounds} rounds; base noise {noise:.1%})")
     print()
-    print("| config | ratio [q1, q3] | extra per targeted module (ms) |")
+    print("| config | ratio [95% CI of the median] | extra per targeted module (ms) |")
     print("|---|---|---|")
     base_ms = stats["base"].ms
     for label, targets, _rank in configs:
         st = stats[label]
         per = (st.median - 1.0) * base_ms / (len(targets) * args.layers)
-        print(f"| {label} | {st.median:.3f} [{st.q1:.3f}, {st.q3:.3f}] | {per:.2f} |")
+        print(f"| {label} | {st.median:.3f} [{st.lo:.3f}, {st.hi:.3f}] | {per:.2f} |")
     print()
 
 
