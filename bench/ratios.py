@@ -109,8 +109,8 @@ def main(argv: list[str] | None = None) -> int:
             parts = [c.verdict(lazy.lo, lazy.hi, limit)]
             text = f"<= {limit:.2f}"
             if vs_peft and f"{row}/peft" in stats:
-                # Paired within each round: lazy and peft ran in the same round, between the
-                # same base timings, so their quotient cancels that round's load.
+                # Paired within each round: lazy and peft ran in the same round, a few steps
+                # apart, so their quotient cancels most of that round's load.
                 paired = [a / b for a, b in zip(lazy.samples, stats[f"{row}/peft"].samples, strict=True)]
                 lo, hi = c.median_ci(paired)
                 parts.append(c.verdict(lo, hi, 1.0))
