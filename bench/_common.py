@@ -303,12 +303,9 @@ def timed(fn: Callable[[], Any], device: torch.device) -> float:
 @dataclasses.dataclass
 class RatioStats:
     median: float  # median over rounds of the paired ratio (the headline number)
-    q1: float  # first and third quartiles of the paired ratio: the noise
-    q3: float
     ms: float  # median step time, milliseconds
-    best: float  # fastest time of this step / fastest time of the baseline (timeit's estimator)
-    lo: float = -math.inf  # 95 % confidence interval of the median (median_ci)
-    hi: float = math.inf
+    lo: float  # 95 % confidence interval of the median (median_ci)
+    hi: float
     samples: tuple[float, ...] = ()  # the paired ratio of every round, in round order
 
     def fmt(self) -> str:
@@ -404,15 +401,11 @@ def interleaved_ratios(
             gc.enable()
     stats = {}
     for n in names:
-        qs = statistics.quantiles(ratios[n], n=4) if len(ratios[n]) > 1 else [ratios[n][0]] * 3
-        best = min(times[n]) / min(times[baseline])
         lo, hi = median_ci(ratios[n])
-        stats[n] = RatioStats(
-            statistics.median(ratios[n]), qs[0], qs[2], 1e3 * statistics.median(times[n]), best, lo, hi, tuple(ratios[n])
-        )
+        stats[n] = RatioStats(statistics.median(ratios[n]), 1e3 * statistics.median(times[n]), lo, hi, tuple(ratios[n]))
     bt = times[baseline]
     bq = statistics.quantiles(bt, n=4) if len(bt) > 1 else [bt[0]] * 3
-    stats[baseline] = RatioStats(1.0, 1.0, 1.0, 1e3 * statistics.median(bt), 1.0, 1.0, 1.0)
+    stats[baseline] = RatioStats(1.0, 1e3 * statistics.median(bt), 1.0, 1.0)
     return stats, (bq[2] - bq[0]) / statistics.median(bt)
 
 
