@@ -14,11 +14,10 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
-import torch.nn.functional as F
-import torch.utils._pytree as pytree
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
+from lora_func._routing import found_weights, replace_weights, weight_use
 from lora_func._types import RANK_MASK, BaseLayer, LayerInfo, TensorDict, Variant
 from lora_func.targeting import canonical_weight, stored_weight
 
@@ -314,24 +313,13 @@ class _Adapted(Protocol):
 
 def _route(func: Any, args: tuple, kwargs: dict, find: Callable[[Any], _Adapted | None]) -> Any:
     """``func(*args, **kwargs)`` where ``find`` tells which values are adapted weights: the
-    layer's own op on one takes the low-rank path; any other op gets the dense merged weight,
-    or raises when the weight is strict."""
-    if func is F.linear:
-        bound = _bind(("input", "weight", "bias"), args, kwargs, bias=None)
-        x, b, w = bound["input"], bound["bias"], find(bound["weight"])
-        if w is not None and w._layout == "linear" and find(x) is None and find(b) is None:
-            return w._adapted(x, b, lambda x_: F.linear(x_, w._weight, b))
-    elif func is torch.addmm:
-        bound = _bind(("input", "mat1", "mat2"), args, kwargs, beta=1, alpha=1)
-        b, x, w = bound["input"], bound["mat1"], find(bound["mat2"])
-        if w is not None and w._layout == "conv1d" and bound["beta"] == 1 and bound["alpha"] == 1 and find(x) is None and find(b) is None:
-            return w._adapted(x, b, lambda x_: torch.addmm(b, x_, w._weight))
-    elif func in (torch.matmul, Tensor.matmul, Tensor.__matmul__):
-        bound = _bind(("input", "other"), args, kwargs)
-        x, w = bound["input"], find(bound["other"])
-        if w is not None and w._layout == "conv1d" and find(x) is None:
-            return w._adapted(x, None, lambda x_: torch.matmul(x_, w._weight))
-    found = [a for a in map(find, pytree.tree_leaves((args, kwargs))) if a is not None]
+    layer's own op on one (:func:`lora_func._routing.weight_use`) takes the low-rank path; any
+    other op gets the dense merged weight, or raises when the weight is strict."""
+    use = weight_use(func, args, kwargs, find)
+    if use is not None:
+        w = use.entry
+        return w._adapted(use.x, use.bias, lambda x_: use.replay(x_, w._weight))
+    found = found_weights(args, kwargs, find)
     if any(a._strict for a in found):
         raise RuntimeError(
             f"lazy overlay (strict): {getattr(func, '__name__', func)} on adapted weight(s) {sorted({a._name for a in found})} "
@@ -339,7 +327,7 @@ def _route(func: Any, args: tuple, kwargs: dict, find: Callable[[Any], _Adapted 
             f"to the dense merged weight"
         )
     if found:
-        args, kwargs = pytree.tree_map(lambda v: v if find(v) is None else find(v).merged(), (args, kwargs))  # type: ignore[union-attr]
+        args, kwargs = replace_weights(args, kwargs, find, lambda a: a.merged())
     return func(*args, **kwargs)
 
 
@@ -384,13 +372,3 @@ class AdaptedCalls(TorchFunctionMode):
         if func in _METADATA_FUNCS:
             return func(*args, **kwargs)
         return _route(func, args, kwargs, self._find)
-
-
-def _bind(names: tuple[str, ...], args: tuple, kwargs: dict, **defaults: Any) -> dict[str, Any]:
-    bound = dict(defaults)
-    bound.update(zip(names, args, strict=False))
-    extra = args[len(names) :]
-    for name, value in zip(tuple(defaults), extra, strict=False):
-        bound[name] = value
-    bound.update(kwargs)
-    return bound

@@ -18,10 +18,10 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
+from lora_func._routing import replace_weights, weight_use
 from lora_func.core import base_params
 from lora_func.targeting import Target
 
@@ -66,22 +66,14 @@ class RecordingWeight(Tensor):
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        x = None
-        if func is F.linear:
-            bound = dict(zip(("input", "weight", "bias"), args, strict=False)) | kwargs
-            if type(bound.get("weight")) is cls and bound["weight"]._layout == "linear":
-                x, w = bound["input"], bound["weight"]
-        elif func is torch.addmm:
-            bound = dict(zip(("input", "mat1", "mat2"), args, strict=False)) | kwargs
-            if type(bound.get("mat2")) is cls and bound["mat2"]._layout == "conv1d":
-                x, w = bound["mat1"], bound["mat2"]
-        elif func in (torch.matmul, Tensor.matmul, Tensor.__matmul__):
-            bound = dict(zip(("input", "other"), args, strict=False)) | kwargs
-            if type(bound.get("other")) is cls and bound["other"]._layout == "conv1d":
-                x, w = bound["input"], bound["other"]
-        if x is not None and type(x) is not cls:
-            w._record(x)
-        args, kwargs = pytree.tree_map_only(cls, lambda t: t._weight, (args, kwargs))
+
+        def find(value: Any) -> RecordingWeight | None:
+            return value if type(value) is cls else None
+
+        use = weight_use(func, args, kwargs, find)
+        if use is not None:
+            use.entry._record(use.x)
+        args, kwargs = replace_weights(args, kwargs, find, lambda t: t._weight)
         return func(*args, **kwargs)
 
     @classmethod

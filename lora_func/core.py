@@ -17,7 +17,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lora_func._lazy import AdaptedCalls, AdaptedWeight, ChainStep, LayerStep, SumStep, VariantStep, _ModeEntry, merged_weight
+from lora_func._application import Application
+from lora_func._lazy import AdaptedCalls, AdaptedWeight, ChainStep, LayerCall, LayerStep, SumStep, VariantStep, _ModeEntry, merged_weight
+from lora_func._routing import module_forward
 from lora_func._types import LayerInfo
 from lora_func.adapter import Adapter, AdapterLayer, AdapterLike, Combined, Composed, leaf_adapters
 from lora_func.checks import check_finite
@@ -339,6 +341,70 @@ def check_params(model: nn.Module, params: Mapping[str, Tensor]) -> None:
         )
 
 
+ROUTES = ("auto", "overlay", "module")
+
+
+def _module_call(target: Target, step: LayerStep, merged: bool) -> Any:
+    """The module-call route's forward of one target: the variant on the tensor the module holds."""
+    layout = module_forward(target.layout)
+
+    def forward(module: nn.Module, inner: Any, x: Tensor) -> Tensor:
+        x_op, finish = layout.prepare(x, target.d_out)
+        weight, bias = module.weight, module.bias
+        if merged:
+            w_eff, b_eff = merged_weight(step, weight, bias, target.layout)
+            return finish(layout.merged(x_op, w_eff, b_eff if step.changes_bias else bias))
+        return finish(step.activation(x_op, LayerCall(canonical_weight(weight, target.layout), bias, inner)))
+
+    return forward
+
+
+def _module_forwards(adapter: AdapterLike, *, merged: bool) -> dict[str, Any]:
+    steps = _layer_steps(adapter)
+    tied = sorted(f"{key} (also {', '.join(t.tied_keys)})" for key, (t, _) in steps.items() if t.tied_keys)
+    if tied:
+        raise ValueError(
+            f"route='module' adapts a target at its module's call, but target weight(s) {tied} are also used "
+            f"elsewhere under another name, which would see the base weight; use route='overlay' for tied targets"
+        )
+    return {t.module: _module_call(t, step, merged) for t, step in steps.values()}
+
+
+def _resolve_route(route: str) -> str:
+    if route not in ROUTES:
+        raise ValueError(f"route={route!r} is not one of {list(ROUTES)}; route='auto' picks the overlay for plain layers")
+    return "overlay" if route == "auto" else route
+
+
+def _application(
+    model: nn.Module,
+    base: Mapping[str, Tensor],
+    adapter: AdapterLike,
+    *,
+    merged: bool,
+    route: str,
+    strict: bool,
+    safe: bool,
+    whole_base: bool,
+) -> Application:
+    """What an adapted call puts on ``model`` (see :mod:`lora_func._application`).
+
+    ``whole_base``: reparametrize every tensor with ``base`` (``adapted_call``: no ``.grad`` on
+    the model) or only the adapted entries (``adapted``: the model keeps its own tensors)."""
+    route = _resolve_route(route)
+    if route == "overlay":
+        params = merge_overlay(base, adapter, safe=safe) if merged else overlay(base, adapter, strict=strict, safe=safe)
+        forwards: dict[str, Any] = {}
+    else:
+        _check(base, adapter)
+        if safe:
+            _check_adapter_finite(adapter, "adapted_call")
+        params, forwards = dict(base), _module_forwards(adapter, merged=merged)
+    if not whole_base:
+        params = {name: tensor for name, tensor in params.items() if tensor is not base[name]}
+    return Application(model, params, forwards, trainable=tuple(adapter.params.values()))
+
+
 def adapted_call(
     model: nn.Module,
     adapter: AdapterLike,
@@ -347,18 +413,29 @@ def adapted_call(
     base: Mapping[str, Tensor] | None = None,
     strict: bool = False,
     safe: bool = False,
+    route: str = "auto",
     **kwargs: Any,
 ) -> Any:
     """``model(*args, **kwargs)`` with ``adapter`` applied, the model untouched.
 
     Same as ``functional_call(model, (merge_overlay if merged else overlay)(base, adapter),
-    args, kwargs)``. Pass ``base=base_params(model)`` to reuse one base dict across calls.
+    args, kwargs)``, and it also works with activation checkpointing (HF gradient checkpointing,
+    reentrant or not, and ``torch.utils.checkpoint`` around blocks of your own): a region that
+    backward recomputes gets the adapter again for the recompute. Pass ``base=base_params(model)``
+    to reuse one base dict across calls.
+
+    ``route`` says where the adapter meets a target: ``"overlay"`` replaces the target weights
+    in the parameter dict (stand-ins or merged weights; the canonical path for plain
+    ``nn.Linear``/``Conv1D``), ``"module"`` applies the variant at the target module's call to
+    whatever weight the module holds then (for layers whose weight a parameter dict cannot
+    replace; it refuses tied targets). ``"auto"`` (default) picks the overlay for plain layers.
+    On plain layers both give the same outputs and gradients.
 
     Under ``torch.compile`` the lazy path (``merged=False``) runs as a torch-function mode
     (:func:`overlay_calls`) instead of stand-in tensors, which dynamo cannot create: same
     outputs and gradients, ``fullgraph=True`` works, and new adapter values reuse the compiled
     graph. A hand-written ``functional_call(model, overlay(...))`` does not
-    compile: call ``adapted_call`` (or use ``merge_overlay``) in compiled code.
+    compile, nor survive checkpointing: call ``adapted_call`` (or use ``merge_overlay``) there.
 
     ``safe=True``: see :func:`merge_overlay` and :func:`overlay` (eager code only: it reads values).
     """
@@ -366,17 +443,19 @@ def adapted_call(
         base = base_params(model)
     else:
         check_params(model, base)
-    if not merged and torch.compiler.is_compiling():
+    if not merged and _resolve_route(route) == "overlay" and torch.compiler.is_compiling():
         # Dynamo cannot trace the creation of the lazy stand-ins; the same lazy path as a
         # torch-function mode over the base tensors traces with fullgraph=True.
         with overlay_calls(base, adapter, strict=strict, safe=safe):
             return torch.func.functional_call(model, dict(base), args, kwargs, tie_weights=True, strict=False)
-    params = merge_overlay(base, adapter, safe=safe) if merged else overlay(base, adapter, strict=strict, safe=safe)
-    return torch.func.functional_call(model, params, args, kwargs, tie_weights=True, strict=False)
+    application = _application(model, base, adapter, merged=merged, route=route, strict=strict, safe=safe, whole_base=True)
+    return application(*args, **kwargs)
 
 
 @contextlib.contextmanager
-def adapted(model: nn.Module, adapter: AdapterLike, *, merged: bool = True, strict: bool = False) -> Iterator[nn.Module]:
+def adapted(
+    model: nn.Module, adapter: AdapterLike, *, merged: bool = True, strict: bool = False, route: str = "auto"
+) -> Iterator[nn.Module]:
     """Within the ``with`` block, ``model``'s adapted tensors are swapped for the overlay's;
     on exit (also on error) the model's own tensors are put back, untouched.
 
@@ -387,12 +466,11 @@ def adapted(model: nn.Module, adapter: AdapterLike, *, merged: bool = True, stri
 
     ``merged=True`` (default) computes the merged weights once for the whole block (fast for
     generation); ``merged=False`` uses the lazy stand-ins. Only the adapted entries are
-    swapped. Not for training (use :func:`adapted_call` or ``functional_call`` under
-    ``torch.func.grad``), and not thread-safe: other users of ``model`` see the adapter while
-    the block runs.
+    swapped. ``route``: as in :func:`adapted_call`. Not for training (use :func:`adapted_call`
+    or ``functional_call`` under ``torch.func.grad``), and not thread-safe: other users of
+    ``model`` see the adapter while the block runs.
     """
     base = base_params(model)
-    params = merge_overlay(base, adapter) if merged else overlay(base, adapter, strict=strict)
-    swapped = {name: tensor for name, tensor in params.items() if tensor is not base[name]}
-    with torch.nn.utils.stateless._reparametrize_module(model, swapped, tie_weights=True, strict=False):
+    application = _application(model, base, adapter, merged=merged, route=route, strict=strict, safe=False, whole_base=False)
+    with application.applied():
         yield model

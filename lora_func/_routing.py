@@ -1,0 +1,143 @@
+"""Which op consumes a target weight, and in which layout: the one table every interception reads.
+
+lora_func meets a target layer in four places, and all four ask this module:
+
+- the lazy stand-ins (:class:`lora_func._lazy.AdaptedWeight`) and the compile-time mode
+  (:class:`lora_func._lazy.AdaptedCalls`) see torch calls and ask :func:`weight_use` whether the
+  call is the layer's own op on an adapted weight;
+- the calibration recorder (:class:`lora_func.calibration.RecordingWeight`) asks the same
+  question to find a layer's input;
+- the module-call route (:mod:`lora_func._application`) sees the module's call itself and asks
+  :func:`module_forward` for the layer's input, its base map and its merged map.
+
+A layer's own op, per layout: ``F.linear(x, W, b)`` for ``nn.Linear`` (``W`` stored
+``(d_out, d_in)``), and ``torch.addmm(b, x, W)`` with ``beta == alpha == 1`` or
+``torch.matmul(x, W)`` for transformers' GPT-2 ``Conv1D`` (``W`` stored ``(d_in, d_out)``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple, Protocol
+
+import torch
+import torch.nn.functional as F
+import torch.utils._pytree as pytree
+from torch import Tensor, nn
+
+__all__ = ["LayoutForward", "WeightUse", "module_forward", "replace_weights", "weight_use"]
+
+
+class Entry(Protocol):
+    """What the table needs of an adapted weight: the layout of the layer it belongs to."""
+
+    _layout: str
+
+
+class WeightUse(NamedTuple):
+    """The layer's own op on an adapted weight, taken apart.
+
+    ``entry`` is the adapted weight found; ``x`` the layer input as the op sees it (``(..., d_in)``
+    for ``F.linear``, ``(n, d_in)`` for ``addmm``); ``bias`` the bias the op adds (or ``None``);
+    ``replay(x, W)`` the same op, same bias and options, with another input and stored weight.
+    """
+
+    entry: Any
+    x: Tensor
+    bias: Tensor | None
+    replay: Callable[[Tensor, Tensor], Tensor]
+
+
+def _bind(names: tuple[str, ...], args: tuple, kwargs: dict, **defaults: Any) -> dict[str, Any]:
+    bound = dict(defaults)
+    bound.update(zip(names, args, strict=False))
+    extra = args[len(names) :]
+    for name, value in zip(tuple(defaults), extra, strict=False):
+        bound[name] = value
+    bound.update(kwargs)
+    return bound
+
+
+def weight_use(func: Any, args: tuple, kwargs: dict, find: Callable[[Any], Entry | None]) -> WeightUse | None:
+    """The layer's own op on an adapted weight, or ``None`` when ``func`` is any other call.
+
+    ``find(value)`` returns the adapted weight that ``value`` is (a stand-in, a mode's entry, a
+    recorder), or ``None``. An op whose input or bias is itself adapted is not a layer's op.
+    """
+    if func is F.linear:
+        bound = _bind(("input", "weight", "bias"), args, kwargs, bias=None)
+        x, b, w = bound["input"], bound["bias"], find(bound["weight"])
+        if w is not None and w._layout == "linear" and find(x) is None and find(b) is None:
+            return WeightUse(w, x, b, lambda x_, w_: F.linear(x_, w_, b))
+    elif func is torch.addmm:
+        bound = _bind(("input", "mat1", "mat2"), args, kwargs, beta=1, alpha=1)
+        b, x, w = bound["input"], bound["mat1"], find(bound["mat2"])
+        if (
+            w is not None
+            and w._layout == "conv1d"
+            and bound["beta"] == 1
+            and bound["alpha"] == 1
+            and find(x) is None
+            and find(b) is None
+        ):
+            return WeightUse(w, x, b, lambda x_, w_: torch.addmm(b, x_, w_))
+    elif func in (torch.matmul, Tensor.matmul, Tensor.__matmul__):
+        bound = _bind(("input", "other"), args, kwargs)
+        x, w = bound["input"], find(bound["other"])
+        if w is not None and w._layout == "conv1d" and find(x) is None:
+            return WeightUse(w, x, None, lambda x_, w_: torch.matmul(x_, w_))
+    return None
+
+
+def found_weights(args: tuple, kwargs: dict, find: Callable[[Any], Entry | None]) -> list[Any]:
+    """Every adapted weight among a call's arguments."""
+    return [a for a in map(find, pytree.tree_leaves((args, kwargs))) if a is not None]
+
+
+def replace_weights(args: tuple, kwargs: dict, find: Callable[[Any], Any], replace: Callable[[Any], Tensor]) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` with every adapted weight ``w`` replaced by ``replace(w)``."""
+    return pytree.tree_map(lambda v: v if find(v) is None else replace(find(v)), (args, kwargs))
+
+
+class LayoutForward(NamedTuple):
+    """How the module-call route runs one plain layer of a layout.
+
+    ``prepare(x) -> (x_op, finish)``: the input as the layer's op sees it, and how to shape the
+    op's output back (``Conv1D`` flattens to ``(n, d_in)`` and views the result back);
+    ``merged(x_op, W, b)``: the op with a given stored weight and bias.
+    """
+
+    prepare: Callable[[Tensor, int], tuple[Tensor, Callable[[Tensor], Tensor]]]
+    merged: Callable[[Tensor, Tensor, Tensor | None], Tensor]
+
+
+def _linear_prepare(x: Tensor, d_out: int) -> tuple[Tensor, Callable[[Tensor], Tensor]]:
+    return x, lambda y: y
+
+
+def _conv1d_prepare(x: Tensor, d_out: int) -> tuple[Tensor, Callable[[Tensor], Tensor]]:
+    # Exactly transformers' Conv1D.forward, so both routes run the same kernels on the same shapes.
+    size_out = x.size()[:-1] + (d_out,)
+    return x.view(-1, x.size(-1)), lambda y: y.view(size_out)
+
+
+def _conv1d_merged(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    return torch.addmm(bias, x, weight) if bias is not None else torch.matmul(x, weight)
+
+
+_LAYOUTS = {
+    "linear": LayoutForward(_linear_prepare, lambda x, w, b: F.linear(x, w, b)),
+    "conv1d": LayoutForward(_conv1d_prepare, _conv1d_merged),
+}
+
+
+def module_forward(layout: str) -> LayoutForward:
+    """The module-call route's forward of a plain layer with stored ``layout``."""
+    return _LAYOUTS[layout]
+
+
+def plain_layer(module: nn.Module, layout: str) -> bool:
+    """Whether ``module`` is the plain layer of ``layout`` whose weight a parameter dict can replace
+    (a floating-point tensor, not a tensor subclass the layer's own op must see)."""
+    weight = getattr(module, "weight", None)
+    return isinstance(weight, Tensor) and type(weight) in (Tensor, nn.Parameter) and weight.is_floating_point()
