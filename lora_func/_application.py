@@ -27,7 +27,7 @@ import torch
 import torch.utils.checkpoint as _checkpoint
 from torch import Tensor, nn
 
-__all__ = ["Application", "active_applications"]
+__all__ = ["Application", "active_applications", "refuse_checkpointing_in_transform"]
 
 _state = threading.local()
 
@@ -117,8 +117,30 @@ def _bound_forward(forward: Callable[..., Any], module: nn.Module, inner: Callab
 # ------------------------------------------------------------------ activation checkpointing
 
 
-def _in_functorch_transform() -> bool:
-    return bool(torch._C._functorch.get_interpreter_stack())
+def refuse_checkpointing_in_transform(model: nn.Module | None = None) -> None:
+    """Raise when activation checkpointing would run inside a ``torch.func`` transform.
+
+    With ``model``: when HF gradient checkpointing is on in a module in training mode, or HF's
+    input-requires-grad hook is set (checked at the call's boundary, before HF's hooks fail less
+    clearly); without: always (a ``torch.utils.checkpoint`` region is being entered)."""
+    if not torch.is_grad_enabled() or not torch._C._functorch.get_interpreter_stack():
+        return
+    # HF's enable_input_require_grads (set up for reentrant checkpointing) calls requires_grad_
+    # in a forward hook, which torch.func refuses as well, less clearly.
+    if (
+        model is not None
+        and getattr(model, "_require_grads_hook", None) is None
+        and not any(getattr(m, "gradient_checkpointing", False) is True and m.training for m in model.modules())
+    ):
+        return
+    raise RuntimeError(
+        "activation checkpointing inside a torch.func transform (grad, vmap, ...) with an adapter applied: "
+        "torch's checkpoint relies on saved-tensor hooks or an autograd.Function that torch.func does not "
+        "support, so the recompute could not be done. Train with loss.backward() and a torch optimiser "
+        "(lora_func.train.train_step does), or switch checkpointing off for the torch.func idiom "
+        "(model.gradient_checkpointing_disable(), then model.disable_input_require_grads(): its hook fails under "
+        "torch.func too)"
+    )
 
 
 def _rebound(function: Callable[..., Any], reentrant: bool, args: tuple) -> Callable[..., Any]:
@@ -126,14 +148,7 @@ def _rebound(function: Callable[..., Any], reentrant: bool, args: tuple) -> Call
     apps = active_applications()
     if not apps or not torch.is_grad_enabled():
         return function
-    if _in_functorch_transform():
-        raise RuntimeError(
-            "activation checkpointing inside a torch.func transform (grad, vmap, ...) with an adapter applied: "
-            "torch's checkpoint relies on saved-tensor hooks or an autograd.Function that torch.func does not "
-            "support, so the recompute could not be done. Train with loss.backward() and a torch optimiser "
-            "(lora_func.train.train_step does), or switch checkpointing off for the torch.func idiom "
-            "(model.gradient_checkpointing_disable())"
-        )
+    refuse_checkpointing_in_transform()
     if reentrant and any(t.requires_grad for app in apps for t in app.trainable):
         if not any(isinstance(a, Tensor) and a.requires_grad for a in args):
             raise RuntimeError(

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lora_func._application import Application
+from lora_func._application import Application, refuse_checkpointing_in_transform
 from lora_func._lazy import AdaptedCalls, AdaptedWeight, ChainStep, LayerCall, LayerStep, SumStep, VariantStep, _ModeEntry, merged_weight
 from lora_func._routing import module_forward
 from lora_func._types import LayerInfo
@@ -392,6 +392,7 @@ def _application(
     ``whole_base``: reparametrize every tensor with ``base`` (``adapted_call``: no ``.grad`` on
     the model) or only the adapted entries (``adapted``: the model keeps its own tensors)."""
     route = _resolve_route(route)
+    refuse_checkpointing_in_transform(model)
     if route == "overlay":
         params = merge_overlay(base, adapter, safe=safe) if merged else overlay(base, adapter, strict=strict, safe=safe)
         forwards: dict[str, Any] = {}
