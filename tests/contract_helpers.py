@@ -73,13 +73,26 @@ def logits(model, params: dict[str, Tensor], ids: Tensor) -> Tensor:
     return functional_call(model, params, (ids,)).logits
 
 
-def loss_fn(model, base, adapter: lf.Adapter, ids: Tensor, *, merged: bool = False):
+# The ways an adapter reaches the model: the parameter-dict overlays (lazy stand-ins, merged
+# weights) and the module-call route (the variant applied at each target module's call).
+PATHS = ("lazy", "merged", "module-lazy", "module-merged")
+
+
+def run_path(model, base: dict[str, Tensor], adapter, ids: Tensor, path: str) -> Tensor:
+    """The adapted model's logits on ``ids`` through ``path``."""
+    if path == "lazy":
+        return logits(model, lf.overlay(base, adapter), ids)
+    if path == "merged":
+        return logits(model, lf.merge_overlay(base, adapter), ids)
+    return lf.adapted_call(model, adapter, ids, base=base, merged=path == "module-merged", route="module").logits
+
+
+def loss_fn(model, base, adapter: lf.Adapter, ids: Tensor, *, merged: bool = False, path: str | None = None):
     """Next-token cross-entropy of the adapted model on ``ids``; a function of the params."""
+    path = path or ("merged" if merged else "lazy")
 
     def loss(params):
-        a = adapter.with_params(params)
-        over = lf.merge_overlay(base, a) if merged else lf.overlay(base, a)
-        out = functional_call(model, over, (ids,)).logits
+        out = run_path(model, base, adapter.with_params(params), ids, path)
         return torch.nn.functional.cross_entropy(out[..., :-1, :].reshape(-1, out.shape[-1]), ids[..., 1:].reshape(-1))
 
     return loss

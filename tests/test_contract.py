@@ -15,9 +15,11 @@ from tests.contract_helpers import (
     build,
     calibration_batches,
     logits,
+    PATHS,
     loss_fn,
     oracle_params,
     perturbed,
+    run_path,
     snapshot,
     spec_for,
 )
@@ -26,7 +28,7 @@ from tests.variant_table import ROWS
 
 KINDS = ("linear", "conv1d")
 CASES = [pytest.param(ROWS[v], kind, id=f"{v}-{kind}") for v in sorted(ROWS) for kind in KINDS]
-OVERLAYS = {"lazy": lf.overlay, "merged": lf.merge_overlay}
+
 
 
 def test_every_registered_variant_has_a_row():
@@ -49,8 +51,8 @@ def test_identity_at_init(row, kind):
     ids = tokens()
     reference = model(ids).logits
     base = lf.base_params(model)
-    for name, make in OVERLAYS.items():
-        out = logits(model, make(base, adapter), ids)
+    for name in PATHS:
+        out = run_path(model, base, adapter, ids, name)
         if row.identity_rtol == 0.0:
             assert torch.equal(out, reference), name
         else:
@@ -63,7 +65,7 @@ def test_step0_gradient_pattern_per_tensor(row, kind):
     names = {name for layer in adapter.layers for name, _ in layer.param_shapes}
     assert row.step0_nonzero <= names, f"row names {sorted(row.step0_nonzero - names)} are not trainable tensors"
     base, ids = lf.base_params(model), tokens()
-    grads = {m: grad(loss_fn(model, base, adapter, ids, merged=m == "merged"))(adapter.params) for m in OVERLAYS}
+    grads = {m: grad(loss_fn(model, base, adapter, ids, path=m))(adapter.params) for m in PATHS}
     for layer in adapter.layers:
         for name, _ in layer.param_shapes:
             key = f"{layer.target.module}.{name}"
@@ -76,7 +78,8 @@ def test_step0_gradient_pattern_per_tensor(row, kind):
             # atol relative to the tensor's largest gradient once that exceeds 1 (DeLoRA's
             # step-0 B gradient is ~1e4: the 1e4 per-rank factor of its norm clamp).
             atol = 1e-6 * max(1.0, float(g.detach().abs().max()))
-            torch.testing.assert_close(grads["merged"][key], g, atol=atol, rtol=1e-4, msg=key)
+            for other in PATHS[1:]:
+                torch.testing.assert_close(grads[other][key], g, atol=atol, rtol=1e-4, msg=f"{other} {key}")
 
 
 @pytest.mark.parametrize(("row", "kind"), CASES)
@@ -87,11 +90,26 @@ def test_merged_lazy_and_oracle_agree_after_perturbation(row, kind):
     reference = model(ids).logits
     oracle = logits(model, oracle_params(base, adapter, row), ids)
     assert (oracle - reference).abs().max() > 1e-3, "the perturbed adapter should change the output"
-    for name, make in OVERLAYS.items():
-        out = logits(model, make(base, adapter), ids)
+    for name in PATHS:
+        out = run_path(model, base, adapter, ids, name)
         torch.testing.assert_close(out, oracle, atol=row.tol, rtol=0, msg=name)
-        via_call = lf.adapted_call(model, adapter, ids, merged=name == "merged").logits
+        route = "module" if name.startswith("module") else "overlay"
+        via_call = lf.adapted_call(model, adapter, ids, merged=name.endswith("merged"), route=route).logits
         assert torch.equal(via_call, out), name
+
+
+@pytest.mark.parametrize(("row", "kind"), CASES)
+def test_module_call_route_equals_the_overlay_bit_for_bit(row, kind):
+    # Same kernels on the same tensors in the same order: logits and gradients identical.
+    model, adapter = build(row, kind)
+    adapter = perturbed(adapter, row.perturb_scale)
+    base, ids = lf.base_params(model), tokens()
+    for overlay_path, module_path in (("lazy", "module-lazy"), ("merged", "module-merged")):
+        assert torch.equal(run_path(model, base, adapter, ids, module_path), run_path(model, base, adapter, ids, overlay_path))
+        want = grad(loss_fn(model, base, adapter, ids, path=overlay_path))(adapter.params)
+        got = grad(loss_fn(model, base, adapter, ids, path=module_path))(adapter.params)
+        for key in want:
+            assert torch.equal(got[key], want[key]), f"{module_path} {key}"
 
 
 @pytest.mark.parametrize(("row", "kind"), CASES)
@@ -100,12 +118,12 @@ def test_each_trainable_tensor_alone_changes_the_output(row, kind):
     adapter = perturbed(adapter, row.perturb_scale)
     base, ids = lf.base_params(model), tokens()
     g = torch.Generator().manual_seed(11)
-    for name, make in OVERLAYS.items():
-        out = logits(model, make(base, adapter), ids)
+    for name in PATHS:
+        out = run_path(model, base, adapter, ids, name)
         for key, value in adapter.params.items():
             bumped = dict(adapter.params)
             bumped[key] = value.detach() + 0.5 * torch.randn(value.shape, generator=g)
-            moved = logits(model, make(base, adapter.with_params(bumped)), ids)
+            moved = run_path(model, base, adapter.with_params(bumped), ids, name)
             assert (moved - out).abs().max() > 1e-5, f"{name}: {key} does not affect the output"
 
 
@@ -116,10 +134,10 @@ def test_vmap_over_stacked_adapters_equals_loop(row, kind):
     stacked = lf.stack(members)
     assert stacked.stack_shape == (3,)
     base, ids = lf.base_params(model), tokens()
-    for name, make in OVERLAYS.items():
-        batched = vmap(lambda a: logits(model, make(base, a), ids))(stacked)  # noqa: B023
+    for name in PATHS:
+        batched = vmap(lambda a: run_path(model, base, a, ids, name))(stacked)  # noqa: B023
         for i, member in enumerate(members):
-            torch.testing.assert_close(batched[i], logits(model, make(base, member), ids), atol=1e-5, rtol=0, msg=name)
+            torch.testing.assert_close(batched[i], run_path(model, base, member, ids, name), atol=1e-5, rtol=0, msg=name)
     assert not torch.allclose(batched[0], batched[1])
     for original, back in zip(members, lf.unstack(stacked), strict=True):
         for key in original.params:
@@ -131,10 +149,10 @@ def test_per_example_gradients_equal_loop(row, kind):
     model, adapter = build(row, kind)
     adapter = perturbed(adapter, row.perturb_scale)
     base, ids = lf.base_params(model), tokens(batch=3)
-    for name in OVERLAYS:
+    for name in PATHS:
 
-        def example_loss(params, x, merged=name == "merged"):
-            return loss_fn(model, base, adapter, x[None], merged=merged)(params)
+        def example_loss(params, x, path=name):
+            return loss_fn(model, base, adapter, x[None], path=path)(params)
 
         per_example = vmap(grad(example_loss), in_dims=(None, 0))(adapter.params, ids)
         for i in range(ids.shape[0]):
@@ -155,9 +173,10 @@ def test_base_model_never_changes(row, kind, tmp_path):
     adapter = lf.init_adapter(model, spec, generator=torch.Generator().manual_seed(0), calibration=calibration)
     adapter = perturbed(adapter, row.perturb_scale).detach()
     base, ids = lf.base_params(model), tokens()
-    for merged in (False, True):
-        lf.adapted_call(model, adapter, ids, merged=merged)
-        grad(loss_fn(model, base, adapter, ids, merged=merged))(adapter.params)
+    for path in PATHS:
+        grad(loss_fn(model, base, adapter, ids, path=path))(adapter.params)
+        route = "module" if path.startswith("module") else "overlay"
+        lf.adapted_call(model, adapter, ids, merged=path.endswith("merged"), route=route).logits.square().mean().backward()
     vmap(lambda a: logits(model, lf.overlay(base, a), ids))(lf.stack([adapter, adapter]))
     lf.take(lf.stack([adapter, adapter]), torch.tensor([1, 0]))
     optimizer = torch.optim.SGD(adapter.params.values(), lr=0.1)
@@ -196,12 +215,12 @@ def test_dtype_policy_fp32_adapter_on_half_base(row, kind, dtype):
     base32 = lf.base_params(model32)
     oracle = logits(model32, oracle_params(base32, adapter, row), ids)
     effect = (oracle - model32(ids).logits).abs().max()
-    for name, make in OVERLAYS.items():
-        out = logits(model, make(base, adapter), ids)
+    for name in PATHS:
+        out = run_path(model, base, adapter, ids, name)
         assert out.dtype == dtype, name
         assert torch.isfinite(out).all(), name
         assert (out.float() - oracle).abs().max() < 0.25 * effect, f"{name}: half-precision output far from the fp32 oracle"
-        grads = grad(loss_fn(model, base, adapter, ids, merged=name == "merged"))(adapter.params)
+        grads = grad(loss_fn(model, base, adapter, ids, path=name))(adapter.params)
         for key, g in grads.items():
             assert g.dtype == torch.float32 and torch.isfinite(g).all(), f"{name} {key}"
 
