@@ -944,6 +944,50 @@ CASES.update(
 # from the global RNG before the calibration check, the variant inits and the calibration run,
 # so a failed call still consumes a draw (a later init in the same script gets another adapter).
 # Fix in init_adapter: save torch.random.get_rng_state() first and restore it when raising.
+def _checkpointed_in_grad(ctx: Ctx) -> Callable[[], Any]:
+    model = ctx.model()
+    adapter = ctx.adapter(model)
+    model.train()
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    ids = tokens()
+    return lambda: torch.func.grad(lambda p: lf.adapted_call(model, adapter.with_params(p), ids).logits.sum())(adapter.params)
+
+
+class _ReentrantBlock(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return torch.utils.checkpoint.checkpoint(functools.partial(self.inner, **kwargs), *args, use_reentrant=True)
+
+
+def _reentrant_no_grad(ctx: Ctx) -> Callable[[], Any]:
+    model = ctx.model()
+    layers = model.model.layers
+    for i, layer in enumerate(layers):
+        layers[i] = _ReentrantBlock(layer)
+    ctx.models[-1] = (model, snapshot(model))
+    adapter = ctx.adapter(model)
+    model.train()
+    return lambda: lf.adapted_call(model, adapter, tokens(), use_cache=False)
+
+
+def _tied_gpt2(ctx: Ctx) -> Callable[[], Any]:
+    model = ctx.model("gpt2")
+    adapter = ctx.adapter(model, targets=("lm_head",), tied="both")
+    return lambda: lf.adapted_call(model, adapter, tokens(), route="module")
+
+
+CASES.update(
+    {
+        "route-unknown": Case(on_adapter(lambda a, ctx: lf.adapted_call(ctx.models[-1][0], a, tokens(), route="modules")), ("'modules'",)),
+        "route-module-tied": Case(_tied_gpt2, ("lm_head.weight", "transformer.wte.weight")),
+        "checkpoint-in-transform": Case(_checkpointed_in_grad, ("torch.func", "gradient_checkpointing_disable")),
+        "checkpoint-reentrant-no-grad": Case(_reentrant_no_grad, ("use_reentrant=True", "enable_input_require_grads")),
+    }
+)
+
 RNG_ADVANCES = frozenset(
     {
         "demo-diverged",
