@@ -51,6 +51,10 @@ def main(argv: list[str] | None = None) -> int:
         help="torch CPU threads for training (default: 1 for the shipped tiny model, whose matmuls are too small to "
         "split, torch's default for --model)",
     )
+    demo.add_argument(
+        "--gradient-checkpointing", action="store_true",
+        help="recompute each decoder layer in backward instead of keeping its activations (less memory, more time)",
+    )
     demo.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
 
@@ -62,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         variants=variants, r=args.r, steps=args.steps, lr=args.lr, batch_size=args.batch_size, dtype=DTYPES[args.dtype],
         device=args.device, model_dir=args.model, targets=args.targets.split(",") if args.targets else None,
         out=args.out, seed=args.seed, progress=not args.no_progress, threads=args.threads,
+        gradient_checkpointing=args.gradient_checkpointing,
     )
     try:
         rows = run_demo(config)

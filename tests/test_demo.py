@@ -212,3 +212,30 @@ def test_scripts_run(tmp_path):
     assert isinstance(model, LlamaForCausalLM) and tokenizer.get_vocab() == build_tokenizer().get_vocab()
     table = script("lr_sweep.py", "--variants", "ia3", "--lrs", "0.1", "--steps", "2")
     assert table.splitlines()[0] == "| variant | lr 0.1 |" and table.splitlines()[2].startswith("| ia3 | ")
+
+
+def test_gradient_checkpointing_flag_trains_exactly_as_without_and_restores_the_model(tmp_path, monkeypatch):
+    """``--gradient-checkpointing`` recomputes each decoder layer in backward (a recompute must
+    happen) and trains to the same losses and adapter; the model comes back in eval mode with
+    checkpointing off."""
+    import lora_func._application as application
+
+    recomputed = []
+    rebound = application._rebound
+
+    def spy(function, reentrant, args):
+        wrapped = rebound(function, reentrant, args)
+        return wrapped if wrapped is function else lambda *a, **k: (recomputed.append(torch._C._current_graph_task_id() != -1), wrapped(*a, **k))[1]
+
+    monkeypatch.setattr(application, "_rebound", spy)
+    model, tokenizer = load_model()
+    train_examples, held_out_examples = task_split(0)
+    train, held_out = encode_examples(tokenizer, train_examples), encode_examples(tokenizer, held_out_examples[:4])
+    rows = []
+    for on in (False, True):
+        config = DemoConfig(steps=3, progress=False, samples=0, gradient_checkpointing=on)
+        rows.append(run_variant(model, tokenizer, "dora", config, train, held_out, tmp_path / str(on)))
+        assert not model.training and not any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+        assert getattr(model, "_require_grads_hook", None) is None
+    assert any(recomputed) and rows[0]["losses"] == pytest.approx(rows[1]["losses"], abs=1e-6)
+    assert main(["demo", "--variants", "ia3", "--steps", "2", "--gradient-checkpointing", "--out", str(tmp_path / "cli"), "--no-progress"]) == 0

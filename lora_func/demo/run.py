@@ -82,6 +82,7 @@ class DemoConfig:
     progress: bool = True
     samples: int = 2  # generated examples shown before/after per variant
     threads: int | None = None  # torch CPU threads while training; None: see threads_for_run
+    gradient_checkpointing: bool = False  # recompute each decoder layer in backward (HF's, non-reentrant)
 
     def lr_for(self, variant: str) -> float:
         return self.lr if self.lr is not None else DEFAULT_LR.get(variant, 1e-2)
@@ -228,6 +229,25 @@ def _save_and_reload(model: nn.Module, adapter: Any, directory: Path) -> tuple[A
     return lf.load_peft(path, model), note + ")"
 
 
+@contextlib.contextmanager
+def training_mode(model: nn.Module, *, checkpointing: bool) -> Iterator[None]:
+    """With ``checkpointing``: the model in training mode with HF gradient checkpointing on
+    (HF checkpoints only in training mode) for the block, and as it was afterwards."""
+    if not checkpointing:
+        yield
+        return
+    was_training = model.training
+    model.train()
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    try:
+        yield
+    finally:
+        model.activation_checkpointing_disable()
+        if getattr(model, "_require_grads_hook", None) is not None:
+            model.disable_input_require_grads()
+        model.train(was_training)
+
+
 def run_variant(
     model: nn.Module,
     tokenizer: Any,
@@ -261,10 +281,11 @@ def run_variant(
         device_type = torch.device(config.device).type
         state = TrainState(adapter, make_optimizer(adapter, config.lr_for(variant)), torch.amp.GradScaler(device_type) if half else None)
         start = time.perf_counter()
-        history = fit(
-            model, state, batch_sampler(train, config.batch_size, config.seed), config.steps,
-            progress=config.progress, desc=f"{variant:>9}", on_step=on_step,
-        )
+        with training_mode(model, checkpointing=config.gradient_checkpointing):
+            history = fit(
+                model, state, batch_sampler(train, config.batch_size, config.seed), config.steps,
+                progress=config.progress, desc=f"{variant:>9}", on_step=on_step,
+            )
         seconds = time.perf_counter() - start
 
         after, logits = held_out_accuracy(model, adapter, held_out, base=base)
