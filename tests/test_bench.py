@@ -97,3 +97,25 @@ def test_reexec_sets_the_allocator_tunables_once_and_keeps_the_callers_own(bench
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=1")
     common["reexec_with_steady_allocator"]()
     assert calls == [] and os.environ["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=1"
+
+
+# peft 0.21 reads transformers 5's deprecated `is_gradient_checkpointing` in get_peft_model.
+@pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
+def test_checkpointing_counts_what_autograd_keeps_and_the_target_holds(bench_module, capsys):
+    """Deterministic counts, pinned: with checkpointing a LoRA step keeps exactly what the frozen
+    base keeps (the layer inputs), far less than without; the script's verdict says so."""
+    script = bench_module("checkpointing.py")
+    args = ["--hidden", "64", "--layers", "3", "--vocab", "128", "--batch", "2", "--seq", "64", "--threads", "1"]
+    assert script["main"](args) == 0
+    out = capsys.readouterr().out
+    rows = {line.split("|")[1].strip(): line.split("|")[2:5] for line in out.splitlines() if line.startswith("| ") and "configuration" not in line}
+    assert set(rows) == {"frozen base", "lora lazy (overlay)", "lora merged (overlay)", "lora lazy (module-call route)", "peft lora"}
+    counts = script["measure"](script["parse_args"]([*args, "--no-peft"]))
+    base_off, base_on = counts["frozen base"]
+    assert base_on < base_off / 3
+    for name, (off, on) in counts.items():
+        assert on <= 1.2 * base_on, name
+        if name != "frozen base":
+            assert off > base_off, f"{name}: the adapter's own saved tensors are missing without checkpointing"
+    assert "-> HOLDS" in out
+
