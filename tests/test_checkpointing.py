@@ -202,8 +202,9 @@ def test_a_reentrant_block_whose_inputs_need_no_grad_is_refused():
     assert_clean(model)
 
 
+@pytest.mark.parametrize("autocast", [None, torch.bfloat16], ids=["fp32", "bf16-autocast"])
 @pytest.mark.parametrize("flavour", ["hf", "hf-reentrant"])
-def test_train_step_and_fit_with_checkpointing_train_as_without(flavour):
+def test_train_step_and_fit_with_checkpointing_train_as_without(flavour, autocast):
     row = ROWS["lora"]
     runs = []
     for on in (False, True):
@@ -213,7 +214,9 @@ def test_train_step_and_fit_with_checkpointing_train_as_without(flavour):
         state = TrainState(adapter, make_optimizer(adapter, lr=1e-2))
         g = torch.Generator().manual_seed(0)
         batches = [{"input_ids": torch.randint(3, 61, (2, 8), generator=g)} for _ in range(3)]
-        history = fit(model, state, lambda step: {**batches[step], "labels": batches[step]["input_ids"]}, 3, progress=False)
+        history = fit(
+            model, state, lambda step: {**batches[step], "labels": batches[step]["input_ids"]}, 3, progress=False, autocast_dtype=autocast
+        )
         runs.append(([s.loss for s in history], {k: v.detach() for k, v in adapter.params.items()}))
     (loss0, params0), (loss1, params1) = runs
     assert loss0 == pytest.approx(loss1, abs=1e-6)
