@@ -28,7 +28,10 @@ def test_inside_the_block_the_model_is_adapted_and_restored_after(model_and_adap
     want = lf.adapted_call(model, adapter, ids).logits.detach()
     with torch.no_grad(), lf.adapted(model, adapter, merged=merged):
         got = model(ids).logits
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # merged (inside the block) against lazy (adapted_call): fp32 round-off of two different
+    # orders of summation, up to ~1e-5 on GPT-2's logits depending on the CPU's kernels; the
+    # adapter's effect is 1000x larger.
+    torch.testing.assert_close(got, want, atol=5e-5, rtol=1e-5)
     assert (got - plain).abs().max() > 1e-2
     assert_unchanged(model, snap)
     torch.testing.assert_close(model(ids).logits.detach(), plain, atol=0, rtol=0)
