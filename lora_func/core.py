@@ -444,9 +444,13 @@ def adapted_call(
         base = base_params(model)
     else:
         check_params(model, base)
-    if not merged and _resolve_route(route) == "overlay" and torch.compiler.is_compiling():
+    if _resolve_route(route) == "overlay" and torch.compiler.is_compiling():
         # Dynamo cannot trace the creation of the lazy stand-ins; the same lazy path as a
-        # torch-function mode over the base tensors traces with fullgraph=True.
+        # torch-function mode over the base tensors traces with fullgraph=True. Checkpointed
+        # regions are dynamo's own (it traces them, the adapter's ops included), so no
+        # Application re-applies anything at recompute.
+        if merged:
+            return torch.func.functional_call(model, merge_overlay(base, adapter, safe=safe), args, kwargs, tie_weights=True, strict=False)
         with overlay_calls(base, adapter, strict=strict, safe=safe):
             return torch.func.functional_call(model, dict(base), args, kwargs, tie_weights=True, strict=False)
     application = _application(model, base, adapter, merged=merged, route=route, strict=strict, safe=safe, whole_base=True)

@@ -179,7 +179,8 @@ def test_zero_column_is_the_identity_reflection_with_zero_gradient():
 
     out2 = VARIANT.activation_form({"hra_u": u}, {}, x, base, info_for(d_in, d_out, 2))
     out4 = VARIANT.activation_form({"hra_u": padded}, {}, x, base, info_for(d_in, d_out, 4))
-    torch.testing.assert_close(out4, out2, atol=1e-6, rtol=0)
+    # fp32 round-off of two reflection products of different rank (outputs ~10: 2e-6 seen)
+    torch.testing.assert_close(out4, out2, atol=1e-6, rtol=1e-6)
     w_eff, _ = VARIANT.weight_form({"hra_u": padded}, {}, w, bias, info_for(d_in, d_out, 4))
     torch.testing.assert_close(w_eff, VARIANT.weight_form({"hra_u": u}, {}, w, bias, info_for(d_in, d_out, 2))[0], atol=1e-6, rtol=0)
     g = grad(loss)({"hra_u": padded}, info_for(d_in, d_out, 4))["hra_u"]
