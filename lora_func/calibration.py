@@ -21,8 +21,10 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
+from lora_func._application import Application
 from lora_func._routing import replace_weights, weight_use
 from lora_func.core import base_params
+from lora_func.quantized import frozen_call, frozen_forwards, kind_of_tensor
 from lora_func.targeting import Target
 
 __all__ = ["IGNORE_INDEX", "RecordingWeight", "layer_input_batches"]
@@ -83,6 +85,18 @@ class RecordingWeight(Tensor):
         # which layer_input_batches reports as a layer that saw no input).
         args, kwargs = pytree.tree_map_only(cls, lambda t: t._weight, (args, kwargs or {}))
         return func(*args, **kwargs)
+
+
+class _CallRecorder:
+    """A module-call forward that records the layer's input, then runs its frozen op."""
+
+    def __init__(self, d_in: int) -> None:
+        self.d_in = d_in
+        self.records: list[Tensor] = []
+
+    def __call__(self, module: nn.Module, inner: Any, x: Tensor) -> Tensor:
+        self.records.append(x.detach().reshape(-1, self.d_in))
+        return frozen_call(module, kind_of_tensor(module.weight))(x)  # type: ignore[arg-type]
 
 
 def _forward_keys(model: nn.Module) -> tuple[set[str], bool]:
@@ -186,14 +200,20 @@ def layer_input_batches(
         if takes_use_cache:
             inputs["use_cache"] = False
         params = dict(base)
-        standins = {}
+        standins: dict[str, RecordingWeight | _CallRecorder] = {}
+        forwards = {}
         for t in targets:
+            if kind_of_tensor(base[t.weight_key]) is not None:
+                # A quantized layer runs its own op on its packed weight: record at its call.
+                recorder = _CallRecorder(t.d_in)
+                forwards[t.module] = standins[t.module] = recorder
+                continue
             standin = RecordingWeight(base[t.weight_key], name=t.module, layout=t.layout)
             for key in (t.weight_key, *t.tied_keys):
                 params[key] = standin
             standins[t.module] = standin
         with torch.no_grad():
-            torch.func.functional_call(model, params, (), inputs, tie_weights=True, strict=False)
+            Application(model, params, {**frozen_forwards(model, exclude=forwards), **forwards})(**inputs)
         n_tokens = ids.numel()
         out = {}
         for module, standin in standins.items():

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from lora_func._application import Application, refuse_checkpointing_in_transform
 from lora_func._lazy import AdaptedCalls, AdaptedWeight, ChainStep, LayerCall, LayerStep, SumStep, VariantStep, _ModeEntry, merged_weight
 from lora_func._routing import module_forward
+from lora_func.quantized import QuantizedKind, frozen_call, frozen_forwards, kind_of_tensor, logical_shape
 from lora_func._types import LayerInfo
 from lora_func.adapter import Adapter, AdapterLayer, AdapterLike, Combined, Composed, leaf_adapters
 from lora_func.checks import check_finite
@@ -43,13 +44,15 @@ __all__ = [
 def base_params(model: nn.Module) -> dict[str, Tensor]:
     """Every parameter and buffer of ``model`` by name, detached, sharing storage (no copies).
 
-    Tied names map to one tensor object, as ``functional_call(tie_weights=True)`` requires.
+    Tied names map to one tensor object, as ``functional_call(tie_weights=True)`` requires. A
+    quantized weight (:mod:`lora_func.quantized`) is kept as the object the layer holds: its
+    layer's op needs the quantization state that a detached view would lose (it is frozen).
     """
     detached: dict[int, Tensor] = {}
     out: dict[str, Tensor] = {}
     for name, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
         if id(tensor) not in detached:
-            detached[id(tensor)] = tensor.detach()
+            detached[id(tensor)] = tensor if kind_of_tensor(tensor) is not None else tensor.detach()
         out[name] = detached[id(tensor)]
     return out
 
@@ -95,14 +98,24 @@ def init_adapter(
                 f"r={spec.r} exceeds min(d_in, d_out) of target(s) {sorted(too_big)}; lower r or leave them out"
             )
     modules = dict(model.named_modules())
-    # Checked once here for every variant: no adapter math is defined on a quantized weight.
+    quantized = {t.module: kind for t in targets if (kind := kind_of_tensor(modules[t.module].weight)) is not None}
+    # Checked once here for every variant: integer weights of no registered quantized kind.
     non_float = sorted(
-        f"{t.weight_key} is {modules[t.module].weight.dtype}" for t in targets if not modules[t.module].weight.is_floating_point()
+        f"{t.weight_key} is {modules[t.module].weight.dtype}"
+        for t in targets
+        if t.module not in quantized and not modules[t.module].weight.is_floating_point()
     )
     if non_float:
         raise TypeError(
             f"{spec.variant} needs a floating-point base weight, but {', '.join(non_float)}; dequantize the "
             f"layer to float32/bfloat16/float16 first, or leave it out of the targets"
+        )
+    if quantized and variant.replaces_weight:
+        raise ValueError(
+            f"{spec.variant} replaces the base weight by a dense residual fixed at init, and targets "
+            f"{sorted(quantized)[:4]}{' ...' if len(quantized) > 4 else ''} are quantized (the quantized weight would go "
+            f"unused and the residual would take full precision memory): build the adapter on the float model and "
+            f"quantize its residual (peft's practice for PiSSA with QLoRA), or pick a variant that keeps the base"
         )
     generator = _default_generator() if generator is None else generator
     infos = {
@@ -132,9 +145,11 @@ def init_adapter(
             module = modules[target.module]
             bias = module.bias.detach() if target.bias_key is not None else None
             info = infos[target.module]
+            kind = quantized.get(target.module)
+            weight = kind.dequantize(module) if kind is not None else canonical_weight(module.weight.detach(), target.layout)
             try:
                 layer_params, layer_buffers = variant.init(
-                    canonical_weight(module.weight.detach(), target.layout),
+                    weight,
                     bias,
                     info,
                     dtype=spec.dtype,
@@ -168,11 +183,24 @@ def _close(names: list[str], pool: Mapping[str, Any]) -> list[str]:
     return sorted(close)
 
 
-def _check(base: Mapping[str, Tensor], adapter: AdapterLike) -> None:
-    """Validate every adapter inside ``adapter`` against ``base`` before anything is computed."""
+def _check(base: Mapping[str, Tensor], adapter: AdapterLike, *, quantized_ok: bool = False) -> None:
+    """Validate every adapter inside ``adapter`` against ``base`` before anything is computed;
+    a parameter-dict overlay (``quantized_ok=False``) cannot replace a quantized target."""
     _check_weights(adapter)
     for leaf in leaf_adapters(adapter):
         _check_leaf(base, leaf)
+    quantized = _quantized_targets(base, adapter)
+    if quantized and not quantized_ok:
+        raise ValueError(
+            f"target(s) {quantized} hold quantized weights, which a parameter dict cannot replace (the layer runs "
+            f"its own op on them): use lora_func.adapted_call or lora_func.adapted (they adapt quantized targets at "
+            f"the module's call, route='module'), or lora_func.merge(..., dtype=...) for a dense export"
+        )
+
+
+def _quantized_targets(base: Mapping[str, Tensor], adapter: AdapterLike) -> list[str]:
+    keys = {layer.target.weight_key for leaf in leaf_adapters(adapter) for layer in leaf.layers}
+    return sorted(key for key in keys if kind_of_tensor(base[key]) is not None)
 
 
 def _check_weights(adapter: AdapterLike) -> None:
@@ -197,8 +225,8 @@ def _check_leaf(base: Mapping[str, Tensor], adapter: Adapter) -> None:
     for layer in adapter.layers:
         t = layer.target
         stored = (t.d_out, t.d_in) if t.layout == "linear" else (t.d_in, t.d_out)
-        if tuple(base[t.weight_key].shape) != stored:
-            wrong.append(f"{t.weight_key}: adapter built for {stored}, model has {tuple(base[t.weight_key].shape)}")
+        if logical_shape(base[t.weight_key]) != stored:
+            wrong.append(f"{t.weight_key}: adapter built for {stored}, model has {logical_shape(base[t.weight_key])}")
     if wrong:
         raise ValueError(f"adapter does not fit this model's target shapes: {sorted(wrong)}")
     for layer in adapter.layers:
@@ -344,13 +372,44 @@ def check_params(model: nn.Module, params: Mapping[str, Tensor]) -> None:
 ROUTES = ("auto", "overlay", "module")
 
 
+class _QuantizedLayer:
+    """A quantized target as the activation form sees it (a ``BaseLayer``): calling it runs the
+    layer's frozen op; ``weight`` is dequantized only if the form reads it (DoRA, HRA)."""
+
+    __slots__ = ("_call", "_kind", "_module", "_weight", "bias")
+
+    def __init__(self, module: nn.Module, kind: QuantizedKind) -> None:
+        self._module, self._kind, self.bias = module, kind, module.bias
+        self._call = frozen_call(module, kind)
+        self._weight: Tensor | None = None
+
+    @property
+    def weight(self) -> Tensor:
+        if self._weight is None:
+            self._weight = self._kind.dequantize(self._module)
+        return self._weight
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return self._call(x)
+
+
 def _module_call(target: Target, step: LayerStep, merged: bool) -> Any:
     """The module-call route's forward of one target: the variant on the tensor the module holds."""
     layout = module_forward(target.layout)
 
     def forward(module: nn.Module, inner: Any, x: Tensor) -> Tensor:
         x_op, finish = layout.prepare(x, target.d_out)
-        weight, bias = module.weight, module.bias
+        bias = module.bias
+        kind = kind_of_tensor(module.weight)
+        if kind is not None and merged:
+            # A dense merged weight for this call only, in the dtype the weight was quantized from.
+            w_eff, b_eff = merged_weight(step, kind.dequantize(module), bias, target.layout)
+            b = b_eff if step.changes_bias else bias
+            y = layout.merged(x_op.to(w_eff.dtype), w_eff, None if b is None else b.to(w_eff.dtype))
+            return finish(y.to(x.dtype))
+        if kind is not None:
+            return finish(step.activation(x_op, _QuantizedLayer(module, kind)))
+        weight = module.weight
         if merged:
             w_eff, b_eff = merged_weight(step, weight, bias, target.layout)
             return finish(layout.merged(x_op, w_eff, b_eff if step.changes_bias else bias))
@@ -370,10 +429,19 @@ def _module_forwards(adapter: AdapterLike, *, merged: bool) -> dict[str, Any]:
     return {t.module: _module_call(t, step, merged) for t, step in steps.values()}
 
 
-def _resolve_route(route: str) -> str:
+def _resolve_route(route: str, base: Mapping[str, Tensor], adapter: AdapterLike) -> str:
     if route not in ROUTES:
-        raise ValueError(f"route={route!r} is not one of {list(ROUTES)}; route='auto' picks the overlay for plain layers")
-    return "overlay" if route == "auto" else route
+        raise ValueError(
+            f"route={route!r} is not one of {list(ROUTES)}; route='auto' picks the overlay for plain layers and the "
+            f"module-call route for quantized ones"
+        )
+    if route != "auto":
+        return route
+    try:
+        quantized = _quantized_targets(base, adapter)
+    except (KeyError, AttributeError, TypeError):
+        return "overlay"  # not an adapter of this model: the overlay's checks say what is wrong
+    return "module" if quantized else "overlay"
 
 
 def _application(
@@ -391,19 +459,19 @@ def _application(
 
     ``whole_base``: reparametrize every tensor with ``base`` (``adapted_call``: no ``.grad`` on
     the model) or only the adapted entries (``adapted``: the model keeps its own tensors)."""
-    route = _resolve_route(route)
+    route = _resolve_route(route, base, adapter)
     refuse_checkpointing_in_transform(model)
     if route == "overlay":
         params = merge_overlay(base, adapter, safe=safe) if merged else overlay(base, adapter, strict=strict, safe=safe)
         forwards: dict[str, Any] = {}
     else:
-        _check(base, adapter)
+        _check(base, adapter, quantized_ok=True)
         if safe:
             _check_adapter_finite(adapter, "adapted_call")
         params, forwards = dict(base), _module_forwards(adapter, merged=merged)
     if not whole_base:
         params = {name: tensor for name, tensor in params.items() if tensor is not base[name]}
-    return Application(model, params, forwards, trainable=tuple(adapter.params.values()))
+    return Application(model, params, {**frozen_forwards(model, exclude=forwards), **forwards}, trainable=tuple(adapter.params.values()))
 
 
 def adapted_call(
@@ -444,7 +512,7 @@ def adapted_call(
         base = base_params(model)
     else:
         check_params(model, base)
-    if _resolve_route(route) == "overlay" and torch.compiler.is_compiling():
+    if _resolve_route(route, base, adapter) == "overlay" and torch.compiler.is_compiling():
         # Dynamo cannot trace the creation of the lazy stand-ins; the same lazy path as a
         # torch-function mode over the base tensors traces with fullgraph=True. Checkpointed
         # regions are dynamo's own (it traces them, the adapter's ops included), so no

@@ -15,6 +15,7 @@ from collections.abc import Iterable
 
 from torch import Tensor, nn
 
+from lora_func.quantized import logical_shape
 from lora_func.spec import AdapterSpec
 
 __all__ = ["Target", "canonical_weight", "find_targets", "layer_kind", "stored_weight", "tensor_names"]
@@ -134,7 +135,8 @@ def find_targets(model: nn.Module, spec: AdapterSpec) -> list[Target]:
     targets = []
     for name, module, kind in kinds:
         weight = module.weight
-        d_in, d_out = (weight.shape[1], weight.shape[0]) if kind == "linear" else (weight.shape[0], weight.shape[1])
+        shape = logical_shape(weight)  # a packed quantized weight reports its layer's shape
+        d_in, d_out = (shape[1], shape[0]) if kind == "linear" else (shape[0], shape[1])
         others = tuple(sorted(n for n in names_of.get(id(weight), []) if n != f"{name}.weight"))
         if others and spec.tied == "error":
             raise ValueError(
