@@ -58,11 +58,23 @@ def base_params(model: nn.Module) -> dict[str, Tensor]:
 
 
 def weight_fingerprint(weight: Tensor) -> str:
-    """A digest of a tensor's dtype, shape and bytes (sha256, first 16 hex digits)."""
-    data = weight.detach().to("cpu").contiguous()
-    digest = hashlib.sha256(f"{data.dtype}{tuple(data.shape)}".encode())
-    digest.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+    """A digest of a tensor's dtype, shape and bytes (sha256, first 16 hex digits); a quantized
+    tensor subclass by the bytes of its inner tensors (its own ops may not view its bytes)."""
+    digest = hashlib.sha256()
+    _digest_into(digest, weight)
     return digest.hexdigest()[:16]
+
+
+def _digest_into(digest: Any, tensor: Tensor) -> None:
+    if type(tensor) not in (Tensor, nn.Parameter) and hasattr(tensor, "__tensor_flatten__"):
+        names, _ = tensor.__tensor_flatten__()
+        digest.update(f"{type(tensor).__name__}{tuple(tensor.shape)}".encode())
+        for name in names:
+            _digest_into(digest, getattr(tensor, name))
+        return
+    data = tensor.detach().as_subclass(Tensor).to("cpu").contiguous()
+    digest.update(f"{data.dtype}{tuple(data.shape)}".encode())
+    digest.update(data.reshape(-1).view(torch.uint8).numpy().tobytes() if data.numel() else b"")
 
 
 def _default_generator() -> torch.Generator:

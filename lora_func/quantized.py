@@ -83,7 +83,9 @@ class _FrozenOp(torch.autograd.Function):
 
     @staticmethod
     def forward(x: Tensor, call: Callable[[Tensor], Tensor], weight: Callable[[], Tensor]) -> Tensor:
-        return call(x)
+        out = call(x)
+        # A view (a library's reshape) could not be written in place by the variant's sum.
+        return out.clone() if out._is_view() else out
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Tensor) -> None:

@@ -1,0 +1,243 @@
+"""Quantized bases (QLoRA): every scheme x every variant against a float model holding the
+dequantized weights (the libraries' own dequantization), on the module-call route that
+``adapted_call`` picks for quantized targets; non-target quantized layers included."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import lora_func as lf
+import lora_func.quantized as quantized
+from tests.contract_helpers import calibration_batches, perturbed, spec_for
+from tests.quantized_models import SCHEMES, dequantized_weight, float_oracle, quantized_llama, state_bytes
+from tests.variant_table import ROWS
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning", "ignore::FutureWarning")
+
+VARIANTS = sorted(v for v in ROWS if v != "pissa")  # PiSSA is refused (test below)
+ATOL = 1e-5
+# torchao's int8 weight-only op scales the int8 product after the matmul, not the weight before:
+# ~2e-6 per layer from the dequantized float model, ~7e-6 on the plain model's logits already.
+SCHEME_ATOL = {"torchao-int8": 2e-5}
+
+
+def tokens(batch: int = 2, length: int = 8, seed: int = 1) -> torch.Tensor:
+    return torch.randint(3, 61, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def build(model, variant: str, seed: int = 0) -> lf.Adapter:
+    row = ROWS[variant]
+    adapter = lf.init_adapter(
+        model, spec_for(row, "llama"), generator=torch.Generator().manual_seed(seed + 100),
+        calibration=calibration_batches() if row.calibration else None,
+    )
+    return adapter
+
+
+def same_values(adapter: lf.Adapter, like: lf.Adapter) -> lf.Adapter:
+    return like.with_params({k: v.detach().clone().requires_grad_(True) for k, v in adapter.params.items()})
+
+
+def loss(model, adapter, ids, merged):
+    logits = lf.adapted_call(model, adapter, ids, merged=merged).logits
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+
+@pytest.fixture(scope="module", params=sorted(SCHEMES))
+def scheme(request):
+    model = quantized_llama(request.param)
+    return request.param, model, float_oracle(model)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_logits_and_gradients_equal_the_dequantized_float_model(scheme, variant):
+    name, model, oracle = scheme
+    before = state_bytes(model)
+    adapter = build(model, variant)
+    reference = build(oracle, variant)
+    # The init reads the (dequantized) weights: both adapters start equal.
+    for key in reference.params:
+        torch.testing.assert_close(adapter.params[key], reference.params[key], atol=ATOL, rtol=1e-5, msg=key)
+    adapter = perturbed(adapter, ROWS[variant].perturb_scale)
+    reference = same_values(adapter, reference)
+    ids = tokens()
+    plain = model(ids).logits
+    for merged in (False, True):
+        got = lf.adapted_call(model, adapter, ids, merged=merged).logits
+        want = lf.adapted_call(oracle, reference, ids, merged=merged).logits
+        atol = SCHEME_ATOL.get(name, ATOL)
+        torch.testing.assert_close(got, want, atol=atol, rtol=0, msg=f"{name} {variant} merged={merged}")
+        assert (got - plain).abs().max() > 1e-2, "the adapter must change the logits"
+        g_got = torch.func.grad(lambda p: loss(model, adapter.with_params(p), ids, merged))(adapter.params)
+        g_want = torch.func.grad(lambda p: loss(oracle, reference.with_params(p), ids, merged))(reference.params)
+        fresh = same_values(adapter, adapter)
+        loss(model, fresh, ids, merged).backward()
+        for key in g_want:
+            assert g_want[key].abs().max() > 0, key
+            torch.testing.assert_close(g_got[key], g_want[key], atol=atol, rtol=1e-4, msg=f"{name} {variant} grad {key}")
+            torch.testing.assert_close(fresh.params[key].grad, g_want[key], atol=atol, rtol=1e-4, msg=f"{name} {variant} backward {key}")
+    after = state_bytes(model)
+    assert sorted(after) == sorted(before)
+    for key in before:
+        assert torch.equal(after[key], before[key]), f"{name}: {key} changed"
+
+
+@pytest.mark.parametrize("variant", ["lora", "dora"])
+def test_three_adamw_steps_train_as_the_float_model(scheme, variant):
+    name, model, oracle = scheme
+    adapter = perturbed(build(model, variant), ROWS[variant].perturb_scale)
+    reference = same_values(adapter, build(oracle, variant))
+    adapter = same_values(adapter, adapter)
+    # eps well above the gradients' round-off (~1e-6): Adam divides by |g| + eps, so with the
+    # default 1e-8 an entry whose gradient is ~0 would move by a sign of round-off.
+    opts = [torch.optim.AdamW(a.params.values(), lr=1e-2, eps=1e-3) for a in (adapter, reference)]
+    for step in range(3):
+        ids = tokens(seed=10 + step)
+        for m, a, opt in ((model, adapter, opts[0]), (oracle, reference, opts[1])):
+            opt.zero_grad()
+            loss(m, a, ids, merged=False).backward()
+            opt.step()
+    for key in adapter.params:
+        torch.testing.assert_close(adapter.params[key], reference.params[key], atol=SCHEME_ATOL.get(name, ATOL), rtol=1e-4, msg=f"{name} {key}")
+
+
+@pytest.mark.parametrize("scheme_name", ["bnb-nf4", "torchao-nf4"])
+def test_checkpointing_on_a_quantized_base_equals_the_run_without(scheme_name):
+    model = quantized_llama(scheme_name).train()
+    adapter = perturbed(build(model, "dora"), 0.3)
+    ids = tokens()
+    grads = []
+    for on in (False, True):
+        if on:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        a = same_values(adapter, adapter)
+        loss(model, a, ids, merged=False).backward()
+        grads.append({k: v.grad for k, v in a.params.items()})
+    for key in grads[0]:
+        torch.testing.assert_close(grads[1][key], grads[0][key], atol=1e-6, rtol=0, msg=key)
+
+
+@pytest.mark.parametrize("scheme_name", ["bnb-nf4", "torchao-int8"])
+def test_bf16_autocast_with_fp32_adapters(scheme_name):
+    model = quantized_llama(scheme_name)
+    oracle = float_oracle(model)
+    adapter = perturbed(build(model, "lora"), 0.3)
+    reference = same_values(adapter, build(oracle, "lora"))
+    ids = tokens()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = loss(model, adapter, ids, merged=False)
+        want = loss(oracle, reference, ids, merged=False)
+    got.backward()
+    want.backward()
+    assert torch.isfinite(got) and abs(got.item() - want.item()) < 2e-2 * abs(want.item())
+    for key in adapter.params:
+        assert adapter.params[key].dtype == torch.float32 and adapter.params[key].grad.dtype == torch.float32
+        g, w = adapter.params[key].grad, reference.params[key].grad
+        # bf16 round-off differs between the quantized op and the float one: compare directions.
+        assert torch.isfinite(g).all() and F.cosine_similarity(g.flatten(), w.flatten(), dim=0) > 0.98, key
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).abs().max() / want.abs().max())
+
+
+def test_a_dora_forward_after_an_eval_pass_that_repacked_the_4bit_weight():
+    """bitsandbytes repacks a 4-bit weight in place for its AVX512-BF16 CPU kernel on the first
+    eval forward under no_grad (block scales become bf16, in another layout; the kernel then
+    computes in bf16). lora_func must read the repacked weight as the kernel does: the generic
+    dequantization of the repacked bytes is garbage."""
+    import bitsandbytes.functional as bf
+    from bitsandbytes.functional import _convert_weight_packed_for_cpu
+
+    model = quantized_llama("bnb-nf4")
+    adapter = perturbed(build(model, "dora"), 0.3)
+    ids = tokens()
+    before = lf.adapted_call(model, adapter, ids).logits.detach()
+    with torch.no_grad():
+        model(ids)  # repacks, on a CPU with AVX512-BF16
+    for module in model.modules():  # elsewhere: repack as such a CPU would
+        weight = getattr(module, "weight", None)
+        if type(weight).__name__ == "Params4bit" and not getattr(weight.quant_state, "packing_format_for_cpu", False):
+            weight.data, weight.quant_state = _convert_weight_packed_for_cpu(weight.data, weight.quant_state)
+    q_proj = model.model.layers[0].self_attn.q_proj
+    assert q_proj.weight.quant_state.packing_format_for_cpu
+    # The registry's weight is the one bnb's kernel multiplies by (up to the kernel's bf16).
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(0))
+    kind = quantized.kind_of_tensor(q_proj.weight)
+    with torch.no_grad():
+        kernel = kind.call(q_proj)(x)
+        assert _relative_error(F.linear(x, kind.dequantize(q_proj), q_proj.bias), kernel) < 1e-2
+        garbage = bf.dequantize_4bit(q_proj.weight.data.reshape(-1, 1), q_proj.weight.quant_state)
+        assert _relative_error(F.linear(x, garbage.reshape(64, 64).float(), q_proj.bias), kernel) > 0.2
+    after = lf.adapted_call(model, adapter, ids).logits.detach()
+    assert _relative_error(after, before) < 5e-2  # bf16 block scales and kernel, not garbage
+    grads = torch.func.grad(lambda p: loss(model, adapter.with_params(p), ids, False))(adapter.params)
+    assert all(torch.isfinite(g).all() and g.abs().max() > 0 for g in grads.values())
+
+
+def test_bnb_int8_matches_peft_lora_and_dora_on_the_same_model():
+    """LLM.int8 quantizes the activations too, so the oracle is peft's bitsandbytes layer on the
+    same quantized model. Only the first layer's q/v are quantized (and adapted): the int8
+    rounding of a later layer's input would turn round-off into 1/127 jumps in either run."""
+    import peft
+
+    targets = ["model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.v_proj"]
+    for variant in ("lora", "dora"):
+        model = quantized_llama("bnb-int8-first")
+        assert type(model.model.layers[0].self_attn.q_proj.weight).__name__ == "Int8Params"
+        adapter = perturbed(lf.init_adapter(model, lf.AdapterSpec(variant, targets=targets, r=4, alpha=8)), 0.3)
+        ids = tokens()
+        ours = lf.adapted_call(model, adapter, ids).logits
+        grads = torch.func.grad(lambda p: loss(model, adapter.with_params(p), ids, False))(adapter.params)  # noqa: B023
+        pm = peft.get_peft_model(
+            quantized_llama("bnb-int8-first"),
+            peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0, use_dora=variant == "dora"),
+        )
+        peft_layers = {n.removeprefix("base_model.model."): m for n, m in pm.named_modules() if hasattr(m, "lora_A") and "default" in m.lora_A}
+        assert sorted(peft_layers) == targets
+        with torch.no_grad():
+            for key, module in peft_layers.items():
+                module.lora_A["default"].weight.copy_(adapter.params[f"{key}.lora_A"])
+                module.lora_B["default"].weight.copy_(adapter.params[f"{key}.lora_B"])
+                if variant == "dora":
+                    module.lora_magnitude_vector["default"].weight.copy_(adapter.params[f"{key}.lora_magnitude_vector"])
+        theirs = pm(ids).logits
+        assert (ours - model(ids).logits).abs().max() > 1e-2
+        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0, msg=variant)
+        F.cross_entropy(theirs[:, :-1].reshape(-1, 61), ids[:, 1:].reshape(-1)).backward()
+        for key, module in peft_layers.items():
+            torch.testing.assert_close(grads[f"{key}.lora_A"], module.lora_A["default"].weight.grad, atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(grads[f"{key}.lora_B"], module.lora_B["default"].weight.grad, atol=1e-5, rtol=1e-4)
+            if variant == "dora":
+                torch.testing.assert_close(
+                    grads[f"{key}.lora_magnitude_vector"], module.lora_magnitude_vector["default"].weight.grad, atol=1e-5, rtol=1e-4
+                )
+
+
+def test_pissa_on_a_quantized_base_is_refused_with_peft_practice():
+    model = quantized_llama("bnb-nf4")
+    with pytest.raises(ValueError, match=r"pissa replaces the base weight.*quantize its residual"):
+        lf.init_adapter(model, lf.AdapterSpec("pissa", targets=["q_proj"], r=2))
+
+
+def test_overlays_refuse_quantized_targets_and_auto_picks_the_module_route():
+    model = quantized_llama("torchao-nf4")
+    adapter = perturbed(build(model, "lora"), 0.3)
+    base = lf.base_params(model)
+    for make in (lf.overlay, lf.merge_overlay):
+        with pytest.raises(ValueError, match=r"hold quantized weights.*adapted_call"):
+            make(base, adapter)
+    with pytest.raises(ValueError, match=r"hold quantized weights"):
+        lf.adapted_call(model, adapter, tokens(), route="overlay")
+    torch.testing.assert_close(lf.adapted_call(model, adapter, tokens()).logits, lf.adapted_call(model, adapter, tokens(), route="module").logits, atol=0, rtol=0)
+
+
+def test_targets_have_the_layers_sizes_not_the_packed_weights():
+    model = quantized_llama("bnb-nf4")
+    assert tuple(model.model.layers[0].mlp.down_proj.weight.shape) != (64, 128)  # packed
+    adapter = lf.init_adapter(model, lf.AdapterSpec("lora", targets=["down_proj"], r=4))
+    layer = adapter.layers[0]
+    assert (layer.target.d_in, layer.target.d_out) == (128, 64)
+    assert dequantized_weight(model.model.layers[0].mlp.down_proj).shape == (64, 128)
