@@ -17,7 +17,7 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
-__all__ = ["MAX_LISTED", "check_finite", "non_finite_keys"]
+__all__ = ["MAX_LISTED", "check_base", "check_finite", "check_float_targets", "check_model", "detached_base", "non_finite_keys"]
 
 MAX_LISTED = 8  # offending keys named in one error message
 
@@ -70,3 +70,70 @@ def check_finite(tensors: Mapping[str, Tensor], what: str) -> None:
         f"{what}: non-finite values in {bad[:MAX_LISTED]}{more}: {'; '.join(details)}. Lower the learning rate, clip "
         f"gradients, use bf16/fp32 instead of fp16 (or a GradScaler), or check the inputs that produced them"
     )
+
+
+# --- argument checks at the public boundary (shared by core, io, batching and train) -------
+
+
+def check_model(model: object, where: str, argument: str = "model") -> None:
+    """Raise ``TypeError`` unless ``model`` is an ``nn.Module`` (a state dict, a path or a
+    peft config passed as the model would otherwise fail deep inside with an AttributeError)."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(
+            f"{where}: {argument} must be a torch.nn.Module (the base model), got {type(model).__name__}; pass the "
+            f"model itself (for a dict of its tensors use base=lora_func.base_params(model))"
+        )
+
+
+def check_base(base: object, where: str) -> None:
+    """Raise ``TypeError`` unless ``base`` is a mapping of names to tensors (the shape of
+    :func:`lora_func.base_params`); lists of pairs, modules or ``named_parameters()``
+    generators are refused with the fix."""
+    if not isinstance(base, Mapping):
+        raise TypeError(
+            f"{where}: base must be a dict of name -> tensor, got {type(base).__name__}; build it with "
+            f"lora_func.base_params(model)"
+        )
+    wrong = sorted(str(k) for k, v in base.items() if not isinstance(k, str) or not isinstance(v, Tensor))
+    if wrong:
+        raise TypeError(
+            f"{where}: base must map names (str) to tensors, but {wrong[:5]} do not; build it with "
+            f"lora_func.base_params(model)"
+        )
+
+
+def detached_base(base: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """``base`` with every tensor that requires grad detached (no copy), one object per
+    object (tied names stay tied). A dict built from ``model.named_parameters()`` holds the
+    model's own ``requires_grad=True`` tensors: ``backward()`` would fill their ``.grad``
+    (full fine-tuning cost, and a changed model)."""
+    seen: dict[int, Tensor] = {}
+    out = {}
+    for key, tensor in base.items():
+        if id(tensor) not in seen:
+            seen[id(tensor)] = tensor.detach() if tensor.requires_grad else tensor
+        out[key] = seen[id(tensor)]
+    return out
+
+
+def check_float_targets(base: Mapping[str, Tensor], adapter: object, where: str) -> None:
+    """Raise ``TypeError`` when a target weight of ``adapter`` (an adapter, or a list of its
+    ``AdapterLayer``) in ``base`` is not a float
+    tensor (int8 / uint8 storage of a quantized layer, an integer copy): merging into it would
+    round the delta away, and the lazy path would mix integer and float math."""
+    from lora_func.adapter import leaf_adapters
+
+    layers = adapter if isinstance(adapter, list) else [layer for leaf in leaf_adapters(adapter) for layer in leaf.layers]  # type: ignore[arg-type]
+    bad = sorted(
+        {
+            f"{layer.target.weight_key} ({base[layer.target.weight_key].dtype})"
+            for layer in layers
+            if layer.target.weight_key in base and not base[layer.target.weight_key].is_floating_point()
+        }
+    )
+    if bad:
+        raise TypeError(
+            f"{where}: target weights {bad[:5]} are not floating-point (quantized or integer); the adapter's delta "
+            f"would be rounded away. Dequantize those layers to float32/bfloat16/float16 first (a model loaded with "
+            f"a quantization config: load it without one), or leave them out of the targets"
+        )
