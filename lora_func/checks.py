@@ -17,7 +17,17 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
-__all__ = ["MAX_LISTED", "check_base", "check_finite", "check_float_targets", "check_model", "detached_base", "non_finite_keys"]
+__all__ = [
+    "MAX_LISTED",
+    "check_adapter_placement",
+    "check_base",
+    "check_finite",
+    "check_float_targets",
+    "check_layouts",
+    "check_model",
+    "detached_base",
+    "non_finite_keys",
+]
 
 MAX_LISTED = 8  # offending keys named in one error message
 
@@ -136,4 +146,60 @@ def check_float_targets(base: Mapping[str, Tensor], adapter: object, where: str)
             f"{where}: target weights {bad[:5]} are not floating-point (quantized or integer); the adapter's delta "
             f"would be rounded away. Dequantize those layers to float32/bfloat16/float16 first (a model loaded with "
             f"a quantization config: load it without one), or leave them out of the targets"
+        )
+
+
+def check_adapter_placement(base: Mapping[str, Tensor], adapter: object, where: str) -> None:
+    """Raise unless every tensor of ``adapter`` is a float tensor on its target weight's device.
+
+    On another device than the model (e.g. ``meta``, or CPU tensors for a CUDA model) the lazy
+    path computes garbage or fails deep inside; an integer param (a cast gone wrong) would be
+    truncated or promoted by the low-rank path. Shapes and devices only, no values read, so
+    it runs under ``torch.func`` transforms too."""
+    from lora_func.adapter import leaf_adapters
+
+    misplaced, not_float = [], []
+    for leaf in leaf_adapters(adapter):  # type: ignore[arg-type]
+        for layer in leaf.layers:
+            weight = base.get(layer.target.weight_key)
+            if weight is None:
+                continue  # reported by the caller's own missing-target check
+            params, buffers = leaf.layer_tensors(layer)
+            for name, tensor in {**params, **buffers}.items():
+                key = f"{layer.target.module}.{name}"
+                if tensor.device != weight.device:
+                    misplaced.append(f"{key} on {tensor.device} (the model's {layer.target.weight_key} is on {weight.device})")
+                elif name in params and not (tensor.is_floating_point() or tensor.is_complex()):
+                    not_float.append(f"{key} ({tensor.dtype})")
+    if misplaced:
+        raise ValueError(
+            f"{where}: adapter tensors {sorted(misplaced)[:5]} are not on their target weight's device; move them "
+            f"(adapter.with_params({{k: v.to(device) ...}}).with_buffers(...)), or load the adapter with "
+            f"lora_func.load(path, model=model), which places every tensor on its layer's device"
+        )
+    if not_float:
+        raise TypeError(
+            f"{where}: adapter params {sorted(not_float)[:5]} are not floating-point; the low-rank path would "
+            f"truncate or promote them. Rebuild the adapter (init_adapter / load) or pass float tensors to with_params"
+        )
+
+
+def check_layouts(model: torch.nn.Module, adapter: object, where: str) -> None:
+    """Raise ``ValueError`` when a target module of ``model`` is of another kind than the layer
+    the adapter was built on (an ``nn.Linear`` adapter on a same-named, same-shaped GPT-2
+    ``Conv1D``): the stored weight would be read transposed and the outputs silently wrong."""
+    from lora_func.adapter import leaf_adapters
+    from lora_func.targeting import layer_kind
+
+    modules = dict(model.named_modules())
+    wrong = []
+    for leaf in leaf_adapters(adapter):  # type: ignore[arg-type]
+        for layer in leaf.layers:
+            module = modules.get(layer.target.module)
+            if module is not None and layer_kind(module) != layer.target.layout:
+                wrong.append(f"{layer.target.module}: adapter built for a {layer.target.layout} layer, the model's is {layer_kind(module) or type(module).__name__}")
+    if wrong:
+        raise ValueError(
+            f"{where}: {sorted(wrong)[:5]}; the stored weight layouts differ (Linear (out, in) vs Conv1D (in, out)), so "
+            f"the outputs would be silently wrong. Build the adapter on this model (init_adapter or load_peft)"
         )

@@ -1072,8 +1072,37 @@ def _misfit_moment_in_memory(ctx: Ctx) -> Callable[[], Any]:
     return lambda: train_step(model, state, {"input_ids": IDS})
 
 
+def _meta_adapter(m: nn.Module, a: lf.Adapter, b: lf.Adapter, ctx: Ctx) -> Any:
+    from lora_func.checks import check_adapter_placement
+
+    moved = a.with_params({k: v.detach().to("meta") for k, v in a.params.items()})
+    return check_adapter_placement(lf.base_params(m), moved, "adapted_call")
+
+
+def _integer_adapter(m: nn.Module, a: lf.Adapter, b: lf.Adapter, ctx: Ctx) -> Any:
+    from lora_func.checks import check_adapter_placement
+
+    ints = lf.Adapter({k: v.detach().long() for k, v in a.params.items()}, a.buffers, a.spec, a.layers)
+    return check_adapter_placement(lf.base_params(m), ints, "overlay")
+
+
+def _linear_adapter_on_conv1d(ctx: Ctx) -> Callable[[], Any]:
+    from transformers.pytorch_utils import Conv1D
+
+    from lora_func.checks import check_layouts
+
+    adapter = ctx.adapter(ctx.track(_proj_model()), targets=["proj"])
+    conv = nn.Sequential()
+    conv.add_module("proj", Conv1D(4, 4))
+    conv = ctx.track(conv)
+    return lambda: check_layouts(conv, adapter, "adapted_call")
+
+
 CASES.update(
     {
+        "adapter-placement-device": Case(on_two(_meta_adapter), ("adapted_call", Q + ".lora_A on meta", "lora_func.load")),
+        "adapter-placement-dtype": Case(on_two(_integer_adapter), ("overlay", "torch.int64")),
+        "adapter-layout": Case(_linear_adapter_on_conv1d, ("adapted_call", "proj", "linear", "conv1d")),
         "spec-alpha-finite": Case(spec("lora", targets=["q_proj"], alpha=math.nan), ("alpha=nan",)),
         "spec-layer-types-type": Case(spec("lora", targets=["q_proj"], layer_types=5), ("got 5", "('linear',)")),
         "spec-option-finite": Case(spec("eva", targets=["q_proj"], rho=math.inf), ("rho=inf", "'eva'", "2.0")),
