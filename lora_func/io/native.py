@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import struct
 from collections.abc import Iterator, Mapping
@@ -41,7 +42,7 @@ from torch import Tensor, nn
 
 from lora_func._types import LayerInfo
 from lora_func.adapter import Adapter, AdapterLayer, AdapterLike, Combined, Composed
-from lora_func.checks import check_float_targets, check_model
+from lora_func.checks import check_float_targets, check_model, check_path
 from lora_func.core import base_params, weight_fingerprint
 from lora_func.io._files import safetensors_write, write_file
 from lora_func.spec import AdapterSpec
@@ -185,6 +186,7 @@ def save(adapter: AdapterLike, path: str | os.PathLike, *, trainable_only: bool 
             f"save() expects an Adapter, Composed or Combined, got {type(adapter).__name__}; "
             f"build one with lora_func.init_adapter(model, spec)"
         )
+    check_path(path, "save")
     tree = _tree_to_json(adapter)
     if trainable_only and adapter.stack_shape:
         raise ValueError(
@@ -254,23 +256,44 @@ def _read(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
     return tensors, metadata
 
 
+def _sane_layer(layer: AdapterLayer) -> bool:
+    """Sizes and rank positive integers, alpha a finite number: a hostile file can recompute
+    the checksum, and a NaN alpha (or a float rank) would give NaN or wrong outputs."""
+    info = layer.info
+    sizes = (info.d_in, info.d_out, info.r)
+    return (
+        all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in sizes)
+        and isinstance(info.alpha, (int, float))
+        and not isinstance(info.alpha, bool)
+        and math.isfinite(info.alpha)
+        and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for _, shape in layer.param_shapes + layer.buffer_shapes for n in shape)
+    )
+
+
 def _parse(path: Path, metadata: Mapping[str, str]) -> tuple[dict, bool, dict[str, dict[str, str]], str]:
     """``(tree, trainable_only, buffer_digests, digest)`` from the file's metadata."""
+    problem = None
     try:
         tree = json.loads(metadata["tree"])
         trainable_only = json.loads(metadata["trainable_only"])
         buffer_digests = json.loads(metadata["buffer_digests"])
-        # Build every spec once here, so a damaged spec fails as metadata damage.
+        # Build every spec and layer once here (stack members too), so damage fails as metadata damage.
+        layers = []
         for _, leaf in _leaves(tree):
             AdapterSpec.from_json(json.dumps(leaf["spec"]))
-            for layer in leaf["layers"]:
-                _layer_from_json(layer)
+            layers += [_layer_from_json(layer) for layer in leaf["layers"]]
+            for spec, member_layers in leaf["members"] or ():
+                AdapterSpec.from_json(json.dumps(spec))
+                layers += [_layer_from_json(layer) for layer in member_layers]
+        insane = [layer.target.module for layer in layers if not _sane_layer(layer)]
+        if insane:
+            problem = f"layer info of {insane[:3]} has sizes that are not positive integers or a non-finite alpha"
         digest = metadata["digest"]
     except (KeyError, TypeError, ValueError, AttributeError, IndexError, RecursionError) as err:
         # RecursionError: a hostile, deeply nested tree (json.loads and the tree walk recurse).
-        raise ValueError(
-            f"{path} has damaged lora_func metadata ({type(err).__name__}: {err}); save the adapter again"
-        ) from None
+        problem = f"{type(err).__name__}: {err}"
+    if problem is not None:
+        raise ValueError(f"{path} has damaged lora_func metadata ({problem}); save the adapter again")
     return tree, bool(trainable_only), buffer_digests, digest
 
 
@@ -379,6 +402,7 @@ def load(path: str | os.PathLike, model: nn.Module | None = None) -> AdapterLike
     A file saved with ``trainable_only=True`` needs ``model``: its buffers are rebuilt from
     it. Params come back as leaf tensors with ``requires_grad=True``.
     """
+    check_path(path, "load")
     path = Path(path)
     if model is not None:
         check_model(model, "load")
