@@ -50,7 +50,7 @@ from torch import Tensor, nn
 
 from lora_func._types import LayerInfo, lora_scale
 from lora_func.adapter import Adapter, AdapterLayer, AdapterLike, Combined, Composed, compose
-from lora_func.checks import check_model
+from lora_func.checks import check_model, check_path
 from lora_func.core import base_params, weight_fingerprint
 from lora_func.io._files import replace_directory, safetensors_write
 from lora_func.spec import AdapterSpec
@@ -125,6 +125,9 @@ def _read_tensors(directory: Path) -> dict[str, Tensor]:
             problem = f"it holds a {type(loaded).__name__}, not a dict of named tensors"
         elif not all(isinstance(k, str) and isinstance(v, Tensor) for k, v in loaded.items()):
             problem = "it holds entries that are not named tensors"
+        elif any(not v.is_floating_point() for v in loaded.values()):
+            # An integer "adapter" would be cast to an integer spec dtype, or truncate the layer.
+            problem = f"tensors {sorted(k for k, v in loaded.items() if not v.is_floating_point())[:3]} are not floating-point"
     if problem is not None:
         raise ValueError(f"the weights in {directory} are not readable (truncated or corrupted?): {problem}; re-save the checkpoint")
     if loaded is None:
@@ -482,6 +485,7 @@ def load_peft(directory: str | os.PathLike, model: nn.Module) -> AdapterLike:
     tensors in the file. Everything is checked (modules, shapes, config consistency) before
     anything is returned; the model is only read.
     """
+    check_path(directory, "load_peft", "directory")
     directory = Path(directory)
     check_model(model, "load_peft")
     config = _read_config(directory)
@@ -731,6 +735,9 @@ def save_peft(adapter: AdapterLike, directory: str | os.PathLike, *, model: nn.M
     docs/io.md.
     """
     leaves = _leaves(adapter)
+    check_path(directory, "save_peft", "directory")
+    if model is not None:
+        check_model(model, "save_peft")
     base = base_params(model) if model is not None else None
     if base is not None:
         missing = sorted({layer.target.weight_key for leaf in leaves for layer in leaf.layers} - set(base))
