@@ -380,11 +380,16 @@ def combine(adapters: Sequence[AdapterLike], weights: Tensor | Sequence[float]) 
         raise ValueError("combine() needs at least one adapter")
     for part in adapters:
         leaf_adapters(part)
-    weights = torch.as_tensor(weights) if not isinstance(weights, Tensor) else weights
+    given = weights
+    if not isinstance(weights, Tensor):
+        try:
+            weights = torch.as_tensor(weights)
+        except (TypeError, ValueError, RuntimeError):
+            weights = torch.tensor([])  # not numbers: reported below with the expected form
     if not weights.is_floating_point() or weights.dim() != 1 or weights.shape[0] != len(adapters):
+        shown = f"shape {tuple(weights.shape)} dtype {weights.dtype}" if weights.numel() or isinstance(given, Tensor) else repr(given)[:80]
         raise ValueError(
-            f"combine(): weights must be a 1-D float tensor with one entry per adapter ({len(adapters)}), got "
-            f"shape {tuple(weights.shape)} dtype {weights.dtype}"
+            f"combine(): weights must be a 1-D float tensor with one entry per adapter ({len(adapters)}), got {shown}"
         )
     shapes = {part.stack_shape for part in adapters}
     if len(shapes) > 1:
@@ -509,9 +514,15 @@ def stack(adapters: Sequence[AdapterLike]) -> AdapterLike:
     zero). :func:`unstack` gives the originals back. Composed/Combined adapters of the same
     structure stack part by part.
     """
+    if isinstance(adapters, (Adapter, Composed, Combined, Mapping, str)) or not isinstance(adapters, Iterable):
+        raise TypeError(
+            f"stack() expects a list of adapters, got {type(adapters).__name__}; e.g. lora_func.stack([adapter_0, adapter_1])"
+        )
     adapters = list(adapters)
     if not adapters:
         raise ValueError("stack() needs at least one adapter")
+    for adapter in adapters:
+        leaf_adapters(adapter)
     kinds = {type(a) for a in adapters}
     if len(kinds) > 1:
         raise TypeError(f"stack(): mixed kinds {sorted(k.__name__ for k in kinds)}; stack adapters of one kind")
@@ -550,6 +561,7 @@ def _as_leaves(stacked: Adapter, sources: Sequence[Adapter]) -> Adapter:
 def unstack(adapter: AdapterLike) -> list[AdapterLike]:
     """The inverse of :func:`stack`: the adapters along the leading axis (a rank-padded stack
     gives each member back at its own rank, without the padding and mask buffers)."""
+    leaf_adapters(adapter)
     if not adapter.stack_shape:
         raise ValueError("unstack(): this adapter is not stacked (it has no leading stack axis)")
     return [_member(adapter, k) for k in range(adapter.stack_shape[0])]
@@ -576,6 +588,7 @@ def take(adapter: AdapterLike, index: int | Tensor) -> AdapterLike:
     """The stack members at ``index``: an int gives one adapter (as :func:`unstack`), a 1-D
     integer tensor gives a stacked adapter of ``len(index)`` members (e.g. one adapter per
     example of a batch, for a mixed-adapter batch under ``vmap``)."""
+    leaf_adapters(adapter)
     if not adapter.stack_shape:
         raise ValueError("take(): this adapter is not stacked; build one with lora_func.stack([...])")
     size = adapter.stack_shape[0]

@@ -25,6 +25,7 @@ __all__ = [
     "check_float_targets",
     "check_layouts",
     "check_model",
+    "check_path",
     "detached_base",
     "non_finite_keys",
 ]
@@ -202,4 +203,16 @@ def check_layouts(model: torch.nn.Module, adapter: object, where: str) -> None:
         raise ValueError(
             f"{where}: {sorted(wrong)[:5]}; the stored weight layouts differ (Linear (out, in) vs Conv1D (in, out)), so "
             f"the outputs would be silently wrong. Build the adapter on this model (init_adapter or load_peft)"
+        )
+
+
+def check_path(path: object, where: str, argument: str = "path") -> None:
+    """Raise ``TypeError`` unless ``path`` is a ``str`` or ``os.PathLike`` (an int, ``None`` or
+    an open file would otherwise fail inside ``pathlib`` without naming the argument)."""
+    import os
+
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(
+            f"{where}: {argument} must be a str or os.PathLike (a file or directory path), got {type(path).__name__}; "
+            f"pass a string or a pathlib.Path"
         )

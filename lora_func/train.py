@@ -42,7 +42,8 @@ from torch import Tensor, nn
 from tqdm import tqdm
 
 import lora_func as lf
-from lora_func.checks import check_base, check_finite, check_model, non_finite_keys
+from lora_func.adapter import leaf_adapters
+from lora_func.checks import check_base, check_finite, check_model, check_path, non_finite_keys
 from lora_func.io._files import replace_directory, safetensors_write
 
 __all__ = [
@@ -90,6 +91,7 @@ def adapter_loss(model: nn.Module, adapter: Any, batch: Batch, *, base: Mapping[
 
 def make_optimizer(adapter: Any, lr: float, *, weight_decay: float = 0.0) -> torch.optim.Optimizer:
     """AdamW over the adapter's trainable tensors (in ``adapter.params`` order)."""
+    leaf_adapters(adapter)
     return torch.optim.AdamW(list(adapter.params.values()), lr=lr, weight_decay=weight_decay)
 
 
@@ -134,8 +136,17 @@ def train_step(
     the order of operations. Raises ``FloatingPointError`` naming the step (and the adapter
     tensors) on a non-finite loss, or on non-finite gradients without a scaler."""
     check_model(model, "train_step")
+    _check_state(state, "train_step")
     if base is not None:
         check_base(base, "train_step")
+    if max_grad_norm is not None and (
+        isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)) or not max_grad_norm > 0
+    ):
+        # NaN makes clip_grad_norm_ turn every gradient NaN; <= 0 zeroes them: both silently.
+        raise ValueError(
+            f"train_step: max_grad_norm={max_grad_norm!r} must be a number > 0 (math.inf measures without clipping) "
+            f"or None; 1.0 is the usual choice"
+        )
     adapter, optimizer, scaler, step = state.adapter, state.optimizer, state.scaler, state.step
     params = adapter.params
     _check_optimizer_state(optimizer, params)
@@ -188,6 +199,15 @@ def fit(
     ``max_skipped`` consecutive scaler-skipped steps raise: the scale has collapsed and the
     gradients are not finite at any scale.
     """
+    check_model(model, "fit")
+    _check_state(state, "fit")
+    if not callable(batch_at):
+        raise TypeError(
+            f"fit: batch_at must be a function batch_at(step) -> batch (a pure function of the step, for an exact "
+            f"resume), got {type(batch_at).__name__}; e.g. fit(model, state, lambda step: batches[step % len(batches)], steps)"
+        )
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        raise ValueError(f"fit: steps={steps!r} must be an integer >= 0 (the total number of steps, not additional ones)")
     base = lf.base_params(model)
     history: list[StepStats] = []
     skipped_in_a_row = 0
@@ -229,6 +249,8 @@ def save_checkpoint(directory: str | os.PathLike, state: TrainState) -> Path:
     its place in one step (as :func:`lora_func.save_peft` does; other entries of an existing
     ``directory`` are kept), so a crash or a kill during the save leaves the previous
     checkpoint or the new one, never one step's adapter with another step's optimiser."""
+    check_path(directory, "save_checkpoint", "directory")
+    _check_state(state, "save_checkpoint")
     directory = Path(directory)
     target = Path(os.path.realpath(directory))
     if target.exists() and not target.is_dir():
@@ -280,6 +302,7 @@ def load_checkpoint(directory: str | os.PathLike, model: nn.Module) -> TrainStat
     optimiser moment against its adapter tensor (name, shape, dtype, finite values), so a
     damaged checkpoint raises here, naming the file, instead of in a later half-applied step.
     """
+    check_path(directory, "load_checkpoint", "directory")
     directory = Path(directory)
     check_model(model, "load_checkpoint")
     missing = [name for name in (_ADAPTER_FILE, _OPTIMIZER_FILE, _STATE_FILE) if not (directory / name).is_file()]
@@ -436,6 +459,14 @@ def _checked_moments(
             f"{f' and {len(problems) - 5} more' if len(problems) > 5 else ''}; resume from another checkpoint"
         )
     return per_param
+
+
+def _check_state(state: Any, where: str) -> None:
+    if not isinstance(state, TrainState):
+        raise TypeError(
+            f"{where}: state must be a lora_func.train.TrainState, got {type(state).__name__}; build one with "
+            f"TrainState(adapter, make_optimizer(adapter, lr)) or load_checkpoint(directory, model)"
+        )
 
 
 def _check_optimizer_state(optimizer: torch.optim.Optimizer, params: Mapping[str, Tensor]) -> None:
