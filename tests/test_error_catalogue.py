@@ -1072,6 +1072,27 @@ def _misfit_moment_in_memory(ctx: Ctx) -> Callable[[], Any]:
     return lambda: train_step(model, state, {"input_ids": IDS})
 
 
+def _train_with(**kwargs: Any) -> Callable[[Ctx], Callable[[], Any]]:
+    from lora_func.train import train_step
+
+    def arrange(ctx: Ctx) -> Callable[[], Any]:
+        model, state = _train_state(ctx)
+        return lambda: train_step(model, state, {"input_ids": IDS}, **kwargs)
+
+    return arrange
+
+
+def _fit_with(**kwargs: Any) -> Callable[[Ctx], Callable[[], Any]]:
+    from lora_func.train import fit
+
+    def arrange(ctx: Ctx) -> Callable[[], Any]:
+        model, state = _train_state(ctx)
+        args = {"batch_at": lambda step: {"input_ids": IDS}, "steps": 1} | kwargs
+        return lambda: fit(model, state, args["batch_at"], args["steps"], progress=False)
+
+    return arrange
+
+
 def _meta_adapter(m: nn.Module, a: lf.Adapter, b: lf.Adapter, ctx: Ctx) -> Any:
     from lora_func.checks import check_adapter_placement
 
@@ -1100,6 +1121,12 @@ def _linear_adapter_on_conv1d(ctx: Ctx) -> Callable[[], Any]:
 
 CASES.update(
     {
+        "arg-path-type": Case(on_adapter(lambda a, ctx: lf.save(a, 7)), ("save", "int", "pathlib.Path")),
+        "stack-not-a-list": Case(on_adapter(lambda a, ctx: lf.stack(a)), ("Adapter", "lora_func.stack([adapter_0")),
+        "train-not-a-state": Case(on_adapter(lambda a, ctx: __import__("lora_func.train").train.save_checkpoint(ctx.tmp / "ckpt", a)), ("save_checkpoint", "Adapter", "TrainState(")),
+        "train-max-grad-norm": Case(_train_with(max_grad_norm=math.nan), ("max_grad_norm=nan", "math.inf")),
+        "fit-batch-at": Case(_fit_with(batch_at=[{"input_ids": IDS}]), ("list", "lambda step")),
+        "fit-steps": Case(_fit_with(steps=-1), ("steps=-1",)),
         "adapter-placement-device": Case(on_two(_meta_adapter), ("adapted_call", Q + ".lora_A on meta", "lora_func.load")),
         "adapter-placement-dtype": Case(on_two(_integer_adapter), ("overlay", "torch.int64")),
         "adapter-layout": Case(_linear_adapter_on_conv1d, ("adapted_call", "proj", "linear", "conv1d")),

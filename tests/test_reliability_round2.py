@@ -627,3 +627,123 @@ def test_detach_gives_fresh_leaves_that_do_not_share_storage():
         for key, value in part.params.items():
             if key != "weights":
                 assert value.untyped_storage().data_ptr() != original.params[key.split("/", 1)[1]].untyped_storage().data_ptr()
+
+
+# ------------------------------------------------- beyond the examples: more of each class
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda layer: layer["info"] | {"alpha": math.nan},
+        lambda layer: layer["info"] | {"alpha": math.inf},
+        lambda layer: layer["info"] | {"r": 2.5},
+        lambda layer: layer["info"] | {"d_in": -8},
+    ],
+    ids=["layer-alpha-nan", "layer-alpha-inf", "float-rank", "negative-size"],
+)
+def test_a_resealed_file_with_non_finite_or_nonsense_layer_info_is_refused(tmp_path, edit):
+    # Classes 2 and 5 together: per-layer alpha lives in the metadata, and a hostile file can
+    # recompute the checksum; AdapterSpec's own check does not see per-layer info.
+    def metadata(meta):
+        tree = json.loads(meta["tree"])
+        tree["layers"][0]["info"] = edit(tree["layers"][0])
+        return meta | {"tree": json.dumps(tree)}
+
+    path = _resealed_native(lf.save(lora(Net()), tmp_path / "a.safetensors"), edit_metadata=metadata)
+    with pytest.raises(ValueError, match="has damaged lora_func metadata"):
+        lf.load(path)
+
+
+def test_a_resealed_file_with_a_nan_spec_alpha_is_refused(tmp_path):
+    def metadata(meta):
+        tree = json.loads(meta["tree"])
+        tree["spec"]["alpha"] = math.nan
+        return meta | {"tree": json.dumps(tree)}
+
+    path = _resealed_native(lf.save(lora(Net()), tmp_path / "a.safetensors"), edit_metadata=metadata)
+    with pytest.raises(ValueError, match="has damaged lora_func metadata") as err:
+        lf.load(path)
+    assert "finite" in str(err.value)
+
+
+def test_a_peft_checkpoint_with_integer_tensors_is_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model = Net()
+    directory = _peft_dir(tmp_path, model)
+    path = directory / "adapter_model.safetensors"
+    save_file({k: v.round().to(torch.int32) for k, v in load_file(str(path)).items()}, str(path))
+    with pytest.raises(ValueError, match="are not floating-point") as err:
+        load_peft(directory, model)
+    assert "base_model.model.proj.lora_A.weight" in str(err.value)
+
+
+@pytest.mark.parametrize("call", ["save", "load", "save_peft", "load_peft", "save_checkpoint", "load_checkpoint"])
+def test_a_path_of_the_wrong_type_is_named(call):
+    model = Net()
+    adapter = lora(model)
+    state = TrainState(adapter, make_optimizer(adapter, lr=0.1))
+    calls = {
+        "save": lambda: lf.save(adapter, 7),
+        "load": lambda: lf.load(None),
+        "save_peft": lambda: save_peft(adapter, 7),
+        "load_peft": lambda: load_peft(None, model),
+        "save_checkpoint": lambda: save_checkpoint(7, state),
+        "load_checkpoint": lambda: load_checkpoint(None, model),
+    }
+    with pytest.raises(TypeError, match="must be a str or os.PathLike") as err:
+        calls[call]()
+    assert str(err.value).startswith(call)
+
+
+def test_adapter_functions_name_what_is_not_an_adapter():
+    model = Net()
+    adapter = lora(model)
+    with pytest.raises(TypeError, match=r"stack\(\) expects a list of adapters, got Adapter"):
+        lf.stack(adapter)
+    with pytest.raises(TypeError, match=r"stack\(\) expects a list of adapters, got int"):
+        lf.stack(5)
+    for call in (lambda: lf.take({}, 0), lambda: lf.unstack([adapter]), lambda: lf.stack([{}, {}]), lambda: make_optimizer({}, lr=0.1)):
+        with pytest.raises(TypeError, match="expected an Adapter, Composed or Combined"):
+            call()
+    with pytest.raises(ValueError, match="got 'ab'"):
+        lf.combine([adapter, adapter], "ab")
+
+
+def test_training_arguments_are_checked_before_any_work():
+    from lora_func.train import fit
+
+    model = Net()
+    adapter = lora(model)
+    state = TrainState(adapter, make_optimizer(adapter, lr=0.1))
+    batch = {"input_ids": torch.zeros(1, 2, dtype=torch.long)}  # never reaches the model
+    with pytest.raises(TypeError, match="state must be a lora_func.train.TrainState, got AdamW"):
+        train_step(model, state.optimizer, batch)  # type: ignore[arg-type]
+    for bad in (math.nan, 0.0, -1.0, "1"):
+        with pytest.raises(ValueError, match="max_grad_norm="):
+            train_step(model, state, batch, max_grad_norm=bad)
+    with pytest.raises(TypeError, match="batch_at must be a function"):
+        fit(model, state, [batch], 1, progress=False)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="steps=-1"):
+        fit(model, state, lambda step: batch, -1, progress=False)
+    assert state.step == 0 and all(p.grad is None for p in adapter.params.values())
+
+
+def test_a_checkpoint_save_on_a_full_disk_raises_oserror_and_leaves_nothing(tmp_path, monkeypatch):
+    from safetensors import SafetensorError
+
+    from lora_func import train
+
+    model = tiny_model("llama")
+    adapter = lf.init_adapter(model, lf.AdapterSpec("lora", targets=["q_proj"], r=2), generator=torch.Generator().manual_seed(0))
+    state = TrainState(adapter, make_optimizer(adapter, lr=1e-2))
+    train_step(model, state, {"input_ids": tokens()})
+
+    def full(*args, **kwargs):
+        raise SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull })")
+
+    monkeypatch.setattr(train, "save_file", full)
+    with pytest.raises(OSError, match="optimizer.safetensors"):
+        save_checkpoint(tmp_path / "runs" / "a" / "ckpt", state)
+    assert files_under(tmp_path) == []
