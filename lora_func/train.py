@@ -277,16 +277,19 @@ def save_checkpoint(directory: str | os.PathLike, state: TrainState) -> Path:
     # Checked on load: safetensors has no checksum, and a flipped bit in a moment (or in the
     # learning rate in trainer_state.json) would otherwise train on silently.
     # One metadata entry: safetensors writes several in a random order (different bytes per save).
-    digest = {
-        _DIGESTS: json.dumps(
-            {"tensors_sha256": _tensors_digest(tensors), "trainer_state_sha256": hashlib.sha256(text.encode()).hexdigest()}, sort_keys=True
-        )
-    }
+    checksums = {"tensors_sha256": _tensors_digest(tensors), "trainer_state_sha256": hashlib.sha256(text.encode()).hexdigest()}
+
+    def write_optimizer(path: Path) -> None:
+        # The adapter file is written first (same directory): binding its digest here makes
+        # one step's adapter next to another step's moments (a hand-copied file) detectable.
+        digest = {_DIGESTS: json.dumps(checksums | {"adapter_digest": _adapter_digest(path.parent / _ADAPTER_FILE)}, sort_keys=True)}
+        safetensors_write(path, lambda: save_file(tensors, str(path), metadata=digest))
+
     replace_directory(
         target,
         {
             _ADAPTER_FILE: lambda path: lf.save(state.adapter, path),
-            _OPTIMIZER_FILE: lambda path: safetensors_write(path, lambda: save_file(tensors, str(path), metadata=digest)),
+            _OPTIMIZER_FILE: write_optimizer,
             _STATE_FILE: lambda path: path.write_text(text),
         },
     )
@@ -339,6 +342,16 @@ def _tensors_digest(tensors: Mapping[str, Tensor]) -> str:
         digest.update(f"{name}|{data.dtype}|{tuple(data.shape)}|".encode())
         digest.update(data.reshape(-1).view(torch.uint8).numpy().tobytes() if data.numel() else b"")
     return digest.hexdigest()
+
+
+def _adapter_digest(path: Path) -> str | None:
+    """The checksum that lora_func.save stored in an adapter file (``None`` if unreadable:
+    lora_func.load then says why)."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return (f.metadata() or {}).get("digest")
+    except (SafetensorError, OSError, ValueError):
+        return None
 
 
 def _finite_number(value: Any) -> bool:
@@ -417,13 +430,14 @@ def _check_digests(directory: Path, text: str, tensors: Mapping[str, Tensor], fi
     except (ValueError, RecursionError):
         saved = {}
     bad = [name for name, ok in (
+        (_ADAPTER_FILE, "adapter_digest" not in saved or saved["adapter_digest"] == _adapter_digest(directory / _ADAPTER_FILE)),
         (_OPTIMIZER_FILE, saved.get("tensors_sha256") == _tensors_digest(tensors)),
         (_STATE_FILE, saved.get("trainer_state_sha256") == hashlib.sha256(text.encode()).hexdigest()),
     ) if not ok]
     if bad:
         raise ValueError(
             f"{directory} is corrupted: {bad} do not match the checksums saved with the checkpoint (damaged on disk or "
-            f"in transfer, or edited by hand); resume from another checkpoint"
+            f"in transfer, edited by hand, or copied in from another checkpoint); resume from another checkpoint"
         )
 
 

@@ -199,6 +199,22 @@ def test_a_flipped_bit_in_the_moments_is_refused(tmp_path):
     assert "optimizer.safetensors" in str(err.value)
 
 
+def test_an_adapter_file_from_another_step_is_refused(tmp_path):
+    # Beyond the examples: save_checkpoint never mixes steps, but a hand-copied file can.
+    import shutil
+
+    model = tiny_model("llama")
+    adapter = lf.init_adapter(model, lf.AdapterSpec("lora", targets=["q_proj"], r=2), generator=torch.Generator().manual_seed(0))
+    state = TrainState(adapter, make_optimizer(adapter, lr=1e-2))
+    train_step(model, state, {"input_ids": tokens()})
+    first = save_checkpoint(tmp_path / "step1", state)
+    train_step(model, state, {"input_ids": tokens()})
+    second = save_checkpoint(tmp_path / "step2", state)
+    shutil.copy(first / "adapter.safetensors", second / "adapter.safetensors")
+    with pytest.raises(ValueError, match=r"is corrupted: \['adapter.safetensors'\]"):
+        load_checkpoint(second, model)
+
+
 def test_an_edited_learning_rate_is_refused(tmp_path):
     model, directory = _trained_checkpoint(tmp_path)
     path = directory / "trainer_state.json"
