@@ -33,7 +33,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
 from lora_func.adapter import AdapterLike, leaf_adapters, take
-from lora_func.checks import check_base, check_model
+from lora_func.checks import check_base, check_model, detached_base
 from lora_func.core import adapted_call
 
 __all__ = ["ensemble_call", "mixed_call", "per_example_grads"]
@@ -156,6 +156,8 @@ def mixed_call(
     """
     where = "mixed_call"
     _check_arguments(where, model, adapters, base)
+    # A base from named_parameters() would give the model .grad in a training step.
+    base = None if base is None else detached_base(base)
     size = _stack_size(adapters, where)
     if not isinstance(index, Tensor) or index.dim() != 1 or index.dtype not in _INDEX_DTYPES:
         shown = f"a {index.dtype} tensor of shape {tuple(index.shape)}" if isinstance(index, Tensor) else type(index).__name__
@@ -208,6 +210,7 @@ def ensemble_call(
     """
     where = "ensemble_call"
     _check_arguments(where, model, adapters, base)
+    base = None if base is None else detached_base(base)
     _stack_size(adapters, where)
     _check_attention(model, where)
 

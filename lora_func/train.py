@@ -43,7 +43,7 @@ from tqdm import tqdm
 
 import lora_func as lf
 from lora_func.adapter import leaf_adapters
-from lora_func.checks import check_base, check_finite, check_model, check_path, non_finite_keys
+from lora_func.checks import check_base, check_finite, check_model, check_path, detached_base, non_finite_keys
 from lora_func.io._files import replace_directory, safetensors_write
 
 __all__ = [
@@ -85,6 +85,9 @@ def adapter_loss(model: nn.Module, adapter: Any, batch: Batch, *, base: Mapping[
         grads = torch.func.grad(lambda p: adapter_loss(model, adapter.with_params(p), batch, base=base))(adapter.params)
     """
     kwargs = {"attention_mask": batch["attention_mask"]} if "attention_mask" in batch else {}
+    # A base built from model.named_parameters() holds the model's requires_grad tensors:
+    # backward would fill (and train_step's clipping would read) the model's .grad.
+    base = None if base is None else detached_base(base)
     logits = lf.adapted_call(model, adapter, batch["input_ids"], base=base, **kwargs).logits
     return causal_lm_loss(logits, batch.get("labels", batch["input_ids"]))
 

@@ -763,3 +763,33 @@ def test_a_checkpoint_save_on_a_full_disk_raises_oserror_and_leaves_nothing(tmp_
     with pytest.raises(OSError, match="optimizer.safetensors"):
         save_checkpoint(tmp_path / "runs" / "a" / "ckpt", state)
     assert files_under(tmp_path) == []
+
+
+# ------------------------------------------- 9. a user base= dict, in the files of this branch
+
+
+def test_train_step_with_a_base_from_named_parameters_leaves_the_model_without_grad():
+    model = tiny_model("llama")
+    adapter = lf.init_adapter(model, lf.AdapterSpec("lora", targets=["q_proj"], r=2), generator=torch.Generator().manual_seed(0))
+    reference = adapter.detach()
+    batch = {"input_ids": tokens()}
+    state = TrainState(adapter, make_optimizer(adapter, lr=1e-2))
+    stats = train_step(model, state, batch, base=dict(model.named_parameters()) | dict(model.named_buffers()))
+    assert all(p.grad is None for p in model.parameters()), "the model received gradients"
+    # Oracle: the same step with the library's own base dict.
+    ref_state = TrainState(reference, make_optimizer(reference, lr=1e-2))
+    ref_stats = train_step(model, ref_state, batch)
+    assert stats.grad_norm == pytest.approx(ref_stats.grad_norm, rel=1e-6)
+    for key, value in adapter.params.items():
+        torch.testing.assert_close(value, reference.params[key])
+
+
+@pytest.mark.parametrize("call", ["mixed_call", "ensemble_call"])
+def test_batched_calls_with_a_base_from_named_parameters_leave_the_model_without_grad(call):
+    model, stacked = _stack_of_two()
+    x = torch.randn(2, 8)
+    base = dict(model.named_parameters())
+    out = lf.mixed_call(model, stacked, torch.tensor([0, 1]), x, base=base) if call == "mixed_call" else lf.ensemble_call(model, stacked, x, base=base)
+    out.square().sum().backward()
+    assert all(p.grad is None for p in model.parameters()), "the model received gradients"
+    assert all(p.grad is not None for p in stacked.params.values())
