@@ -319,7 +319,7 @@ def load_checkpoint(directory: str | os.PathLike, model: nn.Module) -> TrainStat
     _check_digests(directory, text, tensors, file_meta)
     adapter = lf.load(directory / _ADAPTER_FILE, model=model)
     optimizer_class = getattr(torch.optim, meta["optimizer"], None)
-    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)) or optimizer_class is torch.optim.Optimizer:
         raise ValueError(f"checkpoint optimizer {meta['optimizer']!r} is not in torch.optim; rebuild it yourself from {directory}")
     order = [name for group in meta["param_groups"] for name in group["params"]]
     unknown = sorted(set(order) - set(adapter.params))
@@ -357,6 +357,13 @@ def _adapter_digest(path: Path) -> str | None:
         return None
 
 
+def _is_device_type(name: str) -> bool:
+    try:
+        return torch.device(name).index is None
+    except (RuntimeError, ValueError):
+        return False
+
+
 def _finite_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
@@ -372,8 +379,8 @@ def _state_problems(meta: Any) -> list[str]:
         problems.append(f"step={meta['step']!r} is not an integer >= 0")
     if not isinstance(meta["optimizer"], str):
         problems.append(f"optimizer={meta['optimizer']!r} is not a class name")
-    if not isinstance(meta["device_type"], str):
-        problems.append(f"device_type={meta['device_type']!r} is not a string")
+    if not isinstance(meta["device_type"], str) or not _is_device_type(meta["device_type"]):
+        problems.append(f"device_type={meta['device_type']!r} is not a device type")
     groups = meta["param_groups"]
     if not isinstance(groups, list) or not groups or not all(isinstance(g, dict) for g in groups):
         problems.append("param_groups is not a non-empty list of objects")
@@ -384,6 +391,13 @@ def _state_problems(meta: Any) -> list[str]:
         for i, group in enumerate(groups):
             if not _finite_number(group.get("lr")) or group["lr"] < 0:
                 problems.append(f"param_groups[{i}].lr={group.get('lr')!r} is not a finite number >= 0")
+            # The hyperparameters torch.optim validates only in a constructor, not in load_state_dict.
+            betas = group.get("betas", [0.0, 0.0])
+            if not (isinstance(betas, list) and len(betas) == 2 and all(_finite_number(b) and 0 <= b < 1 for b in betas)):
+                problems.append(f"param_groups[{i}].betas={betas!r} are not two numbers in [0, 1)")
+            for key, low in (("eps", 0.0), ("weight_decay", 0.0), ("momentum", 0.0), ("dampening", 0.0)):
+                if key in group and not (_finite_number(group[key]) and group[key] >= low and (key != "eps" or group[key] > 0)):
+                    problems.append(f"param_groups[{i}].{key}={group[key]!r} is out of range")
             for key, value in group.items():
                 numbers = value if isinstance(value, list) and key != "params" else [value]
                 if key != "params" and any(isinstance(v, float) and not math.isfinite(v) for v in numbers):

@@ -266,6 +266,23 @@ def test_a_damaged_trainer_state_names_its_path(tmp_path, text):
     assert type(err.value) is ValueError and "trainer_state.json" in str(err.value)
 
 
+@pytest.mark.parametrize(
+    "group",
+    [{"betas": [2.0, 0.5]}, {"eps": 0.0}, {"weight_decay": -1.0}, {"lr": "0.1"}],
+    ids=lambda g: json.dumps(g),
+)
+def test_out_of_range_optimiser_hyperparameters_are_refused(tmp_path, group):
+    # Beyond the examples: torch.optim validates these in its constructor only, and
+    # load_state_dict puts the saved groups back unchecked.
+    model, directory = _trained_checkpoint(tmp_path)
+    meta = json.loads((directory / "trainer_state.json").read_text())
+    meta["param_groups"][0] |= group
+    _reseal(directory, state_text=json.dumps(meta))
+    with pytest.raises(ValueError, match="is not a valid lora_func trainer state") as err:
+        load_checkpoint(directory, model)
+    assert next(iter(group)) in str(err.value)
+
+
 def test_a_truncated_optimizer_file_names_its_path(tmp_path):
     model, directory = _trained_checkpoint(tmp_path)
     path = directory / "optimizer.safetensors"
@@ -655,15 +672,22 @@ def test_detach_gives_fresh_leaves_that_do_not_share_storage():
         lambda layer: layer["info"] | {"alpha": math.inf},
         lambda layer: layer["info"] | {"r": 2.5},
         lambda layer: layer["info"] | {"d_in": -8},
+        "layout",
+        "trainable_only",
     ],
-    ids=["layer-alpha-nan", "layer-alpha-inf", "float-rank", "negative-size"],
+    ids=["layer-alpha-nan", "layer-alpha-inf", "float-rank", "negative-size", "unknown-layout", "trainable-only-not-bool"],
 )
 def test_a_resealed_file_with_non_finite_or_nonsense_layer_info_is_refused(tmp_path, edit):
     # Classes 2 and 5 together: per-layer alpha lives in the metadata, and a hostile file can
     # recompute the checksum; AdapterSpec's own check does not see per-layer info.
     def metadata(meta):
         tree = json.loads(meta["tree"])
-        tree["layers"][0]["info"] = edit(tree["layers"][0])
+        if edit == "layout":
+            tree["layers"][0]["target"]["layout"] = "transposed"
+        elif edit == "trainable_only":
+            return meta | {"trainable_only": '"no"', "buffer_digests": '"x"'}
+        else:
+            tree["layers"][0]["info"] = edit(tree["layers"][0])
         return meta | {"tree": json.dumps(tree)}
 
     path = _resealed_native(lf.save(lora(Net()), tmp_path / "a.safetensors"), edit_metadata=metadata)

@@ -45,7 +45,7 @@ from lora_func.adapter import Adapter, AdapterLayer, AdapterLike, Combined, Comp
 from lora_func.checks import check_float_targets, check_model, check_path
 from lora_func.core import base_params, weight_fingerprint
 from lora_func.io._files import safetensors_write, write_file
-from lora_func.spec import AdapterSpec
+from lora_func.spec import LAYER_TYPES, AdapterSpec
 from lora_func.targeting import Target, canonical_weight, layer_kind
 from lora_func.variants import get_variant
 
@@ -257,12 +257,16 @@ def _read(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
 
 
 def _sane_layer(layer: AdapterLayer) -> bool:
-    """Sizes and rank positive integers, alpha a finite number: a hostile file can recompute
-    the checksum, and a NaN alpha (or a float rank) would give NaN or wrong outputs."""
-    info = layer.info
-    sizes = (info.d_in, info.d_out, info.r)
+    """Sizes and rank positive integers, alpha a finite number, a known layout, names that are
+    strings: a hostile file can recompute the checksum, and a NaN alpha (or a float rank, or
+    a made-up layout) would give NaN or wrong outputs instead of an error."""
+    info, target = layer.info, layer.target
+    sizes = (info.d_in, info.d_out, info.r, target.d_in, target.d_out)
+    names = (target.module, target.weight_key, *target.tied_keys, *([] if target.bias_key is None else [target.bias_key]))
     return (
-        all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in sizes)
+        target.layout in LAYER_TYPES
+        and all(isinstance(n, str) for n in names)
+        and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in sizes)
         and isinstance(info.alpha, (int, float))
         and not isinstance(info.alpha, bool)
         and math.isfinite(info.alpha)
@@ -287,7 +291,11 @@ def _parse(path: Path, metadata: Mapping[str, str]) -> tuple[dict, bool, dict[st
                 layers += [_layer_from_json(layer) for layer in member_layers]
         insane = [layer.target.module for layer in layers if not _sane_layer(layer)]
         if insane:
-            problem = f"layer info of {insane[:3]} has sizes that are not positive integers or a non-finite alpha"
+            problem = f"layer info of {insane[:3]} has sizes that are not positive integers, a non-finite alpha or an unknown layout"
+        elif not isinstance(trainable_only, bool) or not (
+            isinstance(buffer_digests, dict) and all(isinstance(d, dict) and all(isinstance(v, str) for v in d.values()) for d in buffer_digests.values())
+        ):
+            problem = f"trainable_only={trainable_only!r} or buffer_digests are not what lora_func writes"
         digest = metadata["digest"]
     except (KeyError, TypeError, ValueError, AttributeError, IndexError, RecursionError) as err:
         # RecursionError: a hostile, deeply nested tree (json.loads and the tree walk recurse).
