@@ -96,6 +96,15 @@ class Adapter:
     def with_params(self, params: Mapping[str, Tensor]) -> Adapter:
         """A new adapter with these trainable tensors (same keys as ``self.params``)."""
         _check_same_keys("with_params", params, self.params)
+        wrong = sorted(k for k, v in params.items() if not isinstance(v, Tensor) or not (v.is_floating_point() or v.is_complex()))
+        if wrong:
+            got = params[wrong[0]]
+            shown = f"a {got.dtype} tensor" if isinstance(got, Tensor) else type(got).__name__
+            # An integer tensor would be silently truncated or promoted by the low-rank path.
+            raise TypeError(
+                f"Adapter.with_params: {wrong[:5]} must be floating-point tensors, got {shown}; pass tensors of "
+                f"the adapter dtype ({self.spec.dtype})"
+            )
         return Adapter(params, self.buffers, self.spec, self.layers, self.members)
 
     def with_buffers(self, buffers: Mapping[str, Tensor]) -> Adapter:
@@ -103,11 +112,12 @@ class Adapter:
         return Adapter(self.params, buffers, self.spec, self.layers, self.members)
 
     def detach(self) -> Adapter:
-        """The same values as new leaf tensors: params with ``requires_grad=True`` (ready for a
-        ``torch.optim`` optimiser, e.g. after :func:`stack`), buffers without."""
+        """The same values as new leaf tensors in new storage: params with ``requires_grad=True``
+        (ready for a ``torch.optim`` optimiser), buffers without. An optimiser step (or any
+        in-place write) on the copy leaves ``self`` unchanged."""
         return Adapter(
-            {k: v.detach().requires_grad_(True) for k, v in self.params.items()},
-            {k: v.detach() for k, v in self.buffers.items()},
+            {k: v.detach().clone().requires_grad_(True) for k, v in self.params.items()},
+            {k: v.detach().clone() for k, v in self.buffers.items()},
             self.spec,
             self.layers,
             self.members,
@@ -257,7 +267,7 @@ class Combined:
         return Combined(parts, self.weights)
 
     def detach(self) -> Combined:
-        return Combined([part.detach() for part in self.parts], self.weights.detach().requires_grad_(self.weights.requires_grad))
+        return Combined([part.detach() for part in self.parts], self.weights.detach().clone().requires_grad_(self.weights.requires_grad))
 
     def num_parameters(self) -> int:
         return self.weights.shape[-1] + sum(part.num_parameters() for part in self.parts)
@@ -370,15 +380,33 @@ def combine(adapters: Sequence[AdapterLike], weights: Tensor | Sequence[float]) 
         raise ValueError("combine() needs at least one adapter")
     for part in adapters:
         leaf_adapters(part)
-    weights = torch.as_tensor(weights) if not isinstance(weights, Tensor) else weights
+    given = weights
+    if not isinstance(weights, Tensor):
+        try:
+            weights = torch.as_tensor(weights)
+        except (TypeError, ValueError, RuntimeError):
+            weights = torch.tensor([])  # not numbers: reported below with the expected form
     if not weights.is_floating_point() or weights.dim() != 1 or weights.shape[0] != len(adapters):
+        shown = f"shape {tuple(weights.shape)} dtype {weights.dtype}" if weights.numel() or isinstance(given, Tensor) else repr(given)[:80]
         raise ValueError(
-            f"combine(): weights must be a 1-D float tensor with one entry per adapter ({len(adapters)}), got "
-            f"shape {tuple(weights.shape)} dtype {weights.dtype}"
+            f"combine(): weights must be a 1-D float tensor with one entry per adapter ({len(adapters)}), got {shown}"
         )
     shapes = {part.stack_shape for part in adapters}
     if len(shapes) > 1:
         raise ValueError(f"combine(): parts have different stack shapes {sorted(shapes)}; stack each part alike")
+    (stack_shape,) = shapes
+    if stack_shape:
+        # Combined.stack_shape is read from the weights: 1-D weights over stacked parts would
+        # make an object whose parts are stacked and whose weights are not.
+        raise ValueError(
+            f"combine(): the parts are stacked (stack_shape {stack_shape}) but weights has shape {tuple(weights.shape)}; "
+            f"combine the unstacked adapters, then stack the combinations (lora_func.stack([combine(...), ...]))"
+        )
+    if not torch._C._functorch.is_functorch_wrapped_tensor(weights) and not bool(torch.isfinite(weights.detach()).all()):
+        raise ValueError(
+            f"combine(): weights {weights.detach().tolist()} hold a NaN or inf, which would make every adapted "
+            f"output NaN; pass finite weights"
+        )
     return Combined(adapters, weights)
 
 
@@ -486,27 +514,54 @@ def stack(adapters: Sequence[AdapterLike]) -> AdapterLike:
     zero). :func:`unstack` gives the originals back. Composed/Combined adapters of the same
     structure stack part by part.
     """
+    if isinstance(adapters, (Adapter, Composed, Combined, Mapping, str)) or not isinstance(adapters, Iterable):
+        raise TypeError(
+            f"stack() expects a list of adapters, got {type(adapters).__name__}; e.g. lora_func.stack([adapter_0, adapter_1])"
+        )
     adapters = list(adapters)
     if not adapters:
         raise ValueError("stack() needs at least one adapter")
+    for adapter in adapters:
+        leaf_adapters(adapter)
     kinds = {type(a) for a in adapters}
     if len(kinds) > 1:
         raise TypeError(f"stack(): mixed kinds {sorted(k.__name__ for k in kinds)}; stack adapters of one kind")
     first = adapters[0]
     if isinstance(first, Adapter):
-        return _stack_adapters(adapters)  # type: ignore[arg-type]
+        return _as_leaves(_stack_adapters(adapters), adapters)  # type: ignore[arg-type]
     n = {len(a.parts) for a in adapters}  # type: ignore[union-attr]
     if len(n) > 1:
         raise ValueError(f"stack(): {type(first).__name__} adapters with different numbers of parts {sorted(n)}")
     parts = [stack([a.parts[i] for a in adapters]) for i in range(len(first.parts))]  # type: ignore[union-attr]
     if isinstance(first, Composed):
         return Composed(parts)
-    return Combined(parts, torch.stack([a.weights for a in adapters]))  # type: ignore[union-attr]
+    all_weights = [a.weights for a in adapters]  # type: ignore[union-attr]
+    weights = torch.stack(all_weights)
+    if all(_plain_leaf(w) for w in all_weights):
+        weights = weights.detach().requires_grad_(any(w.requires_grad for w in all_weights))
+    return Combined(parts, weights)
+
+
+def _plain_leaf(tensor: Tensor) -> bool:
+    """A tensor without autograd history, outside any torch.func transform."""
+    return tensor.is_leaf and not torch._C._functorch.is_functorch_wrapped_tensor(tensor)
+
+
+def _as_leaves(stacked: Adapter, sources: Sequence[Adapter]) -> Adapter:
+    """``stacked`` with its params as new leaves (``requires_grad=True``) when every source
+    param is a plain leaf: ``torch.stack`` gives non-leaf tensors, which ``torch.optim``
+    refuses. Stacking inside ``torch.func.grad`` or through an autograd graph keeps the
+    history, so gradients still reach the members there."""
+    if not all(_plain_leaf(t) for a in sources for t in a.params.values()):
+        return stacked
+    params = {k: v.detach().requires_grad_(True) for k, v in stacked.params.items()}
+    return Adapter(params, stacked.buffers, stacked.spec, stacked.layers, stacked.members)
 
 
 def unstack(adapter: AdapterLike) -> list[AdapterLike]:
     """The inverse of :func:`stack`: the adapters along the leading axis (a rank-padded stack
     gives each member back at its own rank, without the padding and mask buffers)."""
+    leaf_adapters(adapter)
     if not adapter.stack_shape:
         raise ValueError("unstack(): this adapter is not stacked (it has no leading stack axis)")
     return [_member(adapter, k) for k in range(adapter.stack_shape[0])]
@@ -533,11 +588,36 @@ def take(adapter: AdapterLike, index: int | Tensor) -> AdapterLike:
     """The stack members at ``index``: an int gives one adapter (as :func:`unstack`), a 1-D
     integer tensor gives a stacked adapter of ``len(index)`` members (e.g. one adapter per
     example of a batch, for a mixed-adapter batch under ``vmap``)."""
+    leaf_adapters(adapter)
     if not adapter.stack_shape:
         raise ValueError("take(): this adapter is not stacked; build one with lora_func.stack([...])")
-    if isinstance(index, int):
+    size = adapter.stack_shape[0]
+    if isinstance(index, int) and not isinstance(index, bool):
+        if not 0 <= index < size:
+            raise IndexError(f"take(): index {index} is outside [0, {size}) (the stack has {size} adapters); pass 0 <= index < {size}")
         return _member(adapter, index)
+    # A bool would index as a new axis, a bool tensor as a mask, a float tensor not at all.
+    if not isinstance(index, Tensor) or index.dtype not in (torch.int64, torch.int32) or index.dim() != 1:
+        shown = f"a {index.dtype} tensor of shape {tuple(index.shape)}" if isinstance(index, Tensor) else repr(index)
+        raise TypeError(
+            f"take(): index must be an int or a 1-D int64/int32 tensor of stack positions, got {shown}; "
+            f"e.g. take(stack, 0) or take(stack, torch.tensor([0, 1, 0]))"
+        )
+    outside = _outside(index, size)
+    if outside:
+        raise IndexError(
+            f"take(): index has values {outside} outside [0, {size}) (the stack has {size} adapters); negative "
+            f"positions are refused rather than counted from the end"
+        )
     return _take(adapter, index)
+
+
+def _outside(index: Tensor, size: int) -> list[int]:
+    """The values of ``index`` outside ``[0, size)`` (at most 5); none can be read under vmap."""
+    if torch._C._functorch.is_functorch_wrapped_tensor(index):
+        return []
+    bad = index[(index < 0) | (index >= size)]
+    return bad.unique()[:5].tolist()
 
 
 def _take(adapter: AdapterLike, index: Tensor) -> AdapterLike:

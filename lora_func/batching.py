@@ -32,7 +32,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
-from lora_func.adapter import AdapterLike, take
+from lora_func.adapter import AdapterLike, leaf_adapters, take
+from lora_func.checks import check_base, check_model, detached_base
 from lora_func.core import adapted_call
 
 __all__ = ["ensemble_call", "mixed_call", "per_example_grads"]
@@ -52,6 +53,13 @@ def _check_attention(model: nn.Module, where: str) -> None:
             f"attention mask); use eager attention: model.set_attn_implementation('eager') or "
             f"from_pretrained(..., attn_implementation='eager')"
         )
+
+
+def _check_arguments(where: str, model: Any, adapters: Any, base: Any) -> None:
+    check_model(model, where)
+    leaf_adapters(adapters)
+    if base is not None:
+        check_base(base, where)
 
 
 def _stack_size(adapters: AdapterLike, where: str) -> int:
@@ -147,10 +155,21 @@ def mixed_call(
     merged weights (``B`` dense copies per target): keep the default lazy path.
     """
     where = "mixed_call"
+    _check_arguments(where, model, adapters, base)
+    # A base from named_parameters() would give the model .grad in a training step.
+    base = None if base is None else detached_base(base)
     size = _stack_size(adapters, where)
     if not isinstance(index, Tensor) or index.dim() != 1 or index.dtype not in _INDEX_DTYPES:
         shown = f"a {index.dtype} tensor of shape {tuple(index.shape)}" if isinstance(index, Tensor) else type(index).__name__
         raise TypeError(f"mixed_call: index must be a 1-D int64 or int32 tensor (one adapter index per example), got {shown}")
+    outside = sorted({int(i) for i in index.tolist() if not 0 <= i < size})
+    if outside:
+        # Checked here, not left to tensor indexing: a negative index would silently pick a
+        # member counted from the end.
+        raise IndexError(
+            f"mixed_call: index has values outside [0, {size}) (the stack has {size} adapters): index {', '.join(map(str, outside[:5]))}; "
+            f"negative positions are refused, not counted from the end"
+        )
     _check_attention(model, where)
     batch_size = index.shape[0]
     examples, rebuild = _split_examples(args, kwargs, batch_size)
@@ -159,10 +178,7 @@ def mixed_call(
             f"mixed_call: no tensor argument has the batch size len(index)={batch_size} on dim 0; index needs one "
             f"entry per example of the batch"
         )
-    try:
-        per_example = take(adapters, index)
-    except IndexError as err:
-        raise IndexError(f"mixed_call: index has values outside [0, {size}) (the stack has {size} adapters): {err}") from err
+    per_example = take(adapters, index)
 
     def one(adapter: AdapterLike, *example: Tensor) -> Any:
         example_args, example_kwargs = rebuild(example)
@@ -193,6 +209,8 @@ def ensemble_call(
     ``use_cache=False`` to transformers models.
     """
     where = "ensemble_call"
+    _check_arguments(where, model, adapters, base)
+    base = None if base is None else detached_base(base)
     _stack_size(adapters, where)
     _check_attention(model, where)
 
@@ -237,6 +255,12 @@ def per_example_grads(
     dropout in train mode needs ``randomness="different"``.
     """
     where = "per_example_grads"
+    if not callable(loss_fn):
+        raise TypeError(
+            f"per_example_grads: loss_fn must be a function loss_fn(adapter, *example) -> 0-d loss, got "
+            f"{type(loss_fn).__name__}; the adapter is the second argument: per_example_grads(loss_fn, adapter, *batch)"
+        )
+    leaf_adapters(adapter)
     sizes = sorted({t.shape[0] for t in pytree.tree_leaves(batch) if isinstance(t, Tensor) and t.dim() >= 1})
     scalars = [t for t in pytree.tree_leaves(batch) if isinstance(t, Tensor) and t.dim() == 0]
     if len(sizes) != 1 or scalars:

@@ -17,7 +17,18 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
-__all__ = ["MAX_LISTED", "check_finite", "non_finite_keys"]
+__all__ = [
+    "MAX_LISTED",
+    "check_adapter_placement",
+    "check_base",
+    "check_finite",
+    "check_float_targets",
+    "check_layouts",
+    "check_model",
+    "check_path",
+    "detached_base",
+    "non_finite_keys",
+]
 
 MAX_LISTED = 8  # offending keys named in one error message
 
@@ -70,3 +81,138 @@ def check_finite(tensors: Mapping[str, Tensor], what: str) -> None:
         f"{what}: non-finite values in {bad[:MAX_LISTED]}{more}: {'; '.join(details)}. Lower the learning rate, clip "
         f"gradients, use bf16/fp32 instead of fp16 (or a GradScaler), or check the inputs that produced them"
     )
+
+
+# --- argument checks at the public boundary (shared by core, io, batching and train) -------
+
+
+def check_model(model: object, where: str, argument: str = "model") -> None:
+    """Raise ``TypeError`` unless ``model`` is an ``nn.Module`` (a state dict, a path or a
+    peft config passed as the model would otherwise fail deep inside with an AttributeError)."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(
+            f"{where}: {argument} must be a torch.nn.Module (the base model), got {type(model).__name__}; pass the "
+            f"model itself (for a dict of its tensors use base=lora_func.base_params(model))"
+        )
+
+
+def check_base(base: object, where: str) -> None:
+    """Raise ``TypeError`` unless ``base`` is a mapping of names to tensors (the shape of
+    :func:`lora_func.base_params`); lists of pairs, modules or ``named_parameters()``
+    generators are refused with the fix."""
+    if not isinstance(base, Mapping):
+        raise TypeError(
+            f"{where}: base must be a dict of name -> tensor, got {type(base).__name__}; build it with "
+            f"lora_func.base_params(model)"
+        )
+    wrong = sorted(str(k) for k, v in base.items() if not isinstance(k, str) or not isinstance(v, Tensor))
+    if wrong:
+        raise TypeError(
+            f"{where}: base must map names (str) to tensors, but {wrong[:5]} do not; build it with "
+            f"lora_func.base_params(model)"
+        )
+
+
+def detached_base(base: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """``base`` with every tensor that requires grad detached (no copy), one object per
+    object (tied names stay tied). A dict built from ``model.named_parameters()`` holds the
+    model's own ``requires_grad=True`` tensors: ``backward()`` would fill their ``.grad``
+    (full fine-tuning cost, and a changed model)."""
+    seen: dict[int, Tensor] = {}
+    out = {}
+    for key, tensor in base.items():
+        if id(tensor) not in seen:
+            seen[id(tensor)] = tensor.detach() if tensor.requires_grad else tensor
+        out[key] = seen[id(tensor)]
+    return out
+
+
+def check_float_targets(base: Mapping[str, Tensor], adapter: object, where: str) -> None:
+    """Raise ``TypeError`` when a target weight of ``adapter`` (an adapter, or a list of its
+    ``AdapterLayer``) in ``base`` is not a float
+    tensor (int8 / uint8 storage of a quantized layer, an integer copy): merging into it would
+    round the delta away, and the lazy path would mix integer and float math."""
+    from lora_func.adapter import leaf_adapters
+
+    layers = adapter if isinstance(adapter, list) else [layer for leaf in leaf_adapters(adapter) for layer in leaf.layers]  # type: ignore[arg-type]
+    bad = sorted(
+        {
+            f"{layer.target.weight_key} ({base[layer.target.weight_key].dtype})"
+            for layer in layers
+            if layer.target.weight_key in base and not base[layer.target.weight_key].is_floating_point()
+        }
+    )
+    if bad:
+        raise TypeError(
+            f"{where}: target weights {bad[:5]} are not floating-point (quantized or integer); the adapter's delta "
+            f"would be rounded away. Dequantize those layers to float32/bfloat16/float16 first (a model loaded with "
+            f"a quantization config: load it without one), or leave them out of the targets"
+        )
+
+
+def check_adapter_placement(base: Mapping[str, Tensor], adapter: object, where: str) -> None:
+    """Raise unless every tensor of ``adapter`` is a float tensor on its target weight's device.
+
+    On another device than the model (e.g. ``meta``, or CPU tensors for a CUDA model) the lazy
+    path computes garbage or fails deep inside; an integer param (a cast gone wrong) would be
+    truncated or promoted by the low-rank path. Shapes and devices only, no values read, so
+    it runs under ``torch.func`` transforms too."""
+    from lora_func.adapter import leaf_adapters
+
+    misplaced, not_float = [], []
+    for leaf in leaf_adapters(adapter):  # type: ignore[arg-type]
+        for layer in leaf.layers:
+            weight = base.get(layer.target.weight_key)
+            if weight is None:
+                continue  # reported by the caller's own missing-target check
+            params, buffers = leaf.layer_tensors(layer)
+            for name, tensor in {**params, **buffers}.items():
+                key = f"{layer.target.module}.{name}"
+                if tensor.device != weight.device:
+                    misplaced.append(f"{key} on {tensor.device} (the model's {layer.target.weight_key} is on {weight.device})")
+                elif name in params and not (tensor.is_floating_point() or tensor.is_complex()):
+                    not_float.append(f"{key} ({tensor.dtype})")
+    if misplaced:
+        raise ValueError(
+            f"{where}: adapter tensors {sorted(misplaced)[:5]} are not on their target weight's device; move them "
+            f"(adapter.with_params({{k: v.to(device) ...}}).with_buffers(...)), or load the adapter with "
+            f"lora_func.load(path, model=model), which places every tensor on its layer's device"
+        )
+    if not_float:
+        raise TypeError(
+            f"{where}: adapter params {sorted(not_float)[:5]} are not floating-point; the low-rank path would "
+            f"truncate or promote them. Rebuild the adapter (init_adapter / load) or pass float tensors to with_params"
+        )
+
+
+def check_layouts(model: torch.nn.Module, adapter: object, where: str) -> None:
+    """Raise ``ValueError`` when a target module of ``model`` is of another kind than the layer
+    the adapter was built on (an ``nn.Linear`` adapter on a same-named, same-shaped GPT-2
+    ``Conv1D``): the stored weight would be read transposed and the outputs silently wrong."""
+    from lora_func.adapter import leaf_adapters
+    from lora_func.targeting import layer_kind
+
+    modules = dict(model.named_modules())
+    wrong = []
+    for leaf in leaf_adapters(adapter):  # type: ignore[arg-type]
+        for layer in leaf.layers:
+            module = modules.get(layer.target.module)
+            if module is not None and layer_kind(module) != layer.target.layout:
+                wrong.append(f"{layer.target.module}: adapter built for a {layer.target.layout} layer, the model's is {layer_kind(module) or type(module).__name__}")
+    if wrong:
+        raise ValueError(
+            f"{where}: {sorted(wrong)[:5]}; the stored weight layouts differ (Linear (out, in) vs Conv1D (in, out)), so "
+            f"the outputs would be silently wrong. Build the adapter on this model (init_adapter or load_peft)"
+        )
+
+
+def check_path(path: object, where: str, argument: str = "path") -> None:
+    """Raise ``TypeError`` unless ``path`` is a ``str`` or ``os.PathLike`` (an int, ``None`` or
+    an open file would otherwise fail inside ``pathlib`` without naming the argument)."""
+    import os
+
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(
+            f"{where}: {argument} must be a str or os.PathLike (a file or directory path), got {type(path).__name__}; "
+            f"pass a string or a pathlib.Path"
+        )

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from lora_func.adapter import AdapterLike
+from lora_func.checks import check_base, check_float_targets
 from lora_func.core import base_params, merge_overlay
 
 __all__ = ["merge"]
@@ -32,12 +33,14 @@ def merge(model_or_base: nn.Module | Mapping[str, Tensor], adapter: AdapterLike,
         base = base_params(model_or_base)
         keys = list(model_or_base.state_dict(keep_vars=True))
     elif isinstance(model_or_base, Mapping):
+        check_base(model_or_base, "merge")
         base = dict(model_or_base)
         keys = list(base)
     else:
         raise TypeError(
             f"merge() expects a model (nn.Module) or the dict of lora_func.base_params(model), got {type(model_or_base).__name__}"
         )
+    check_float_targets(base, adapter, "merge")
     with torch.no_grad():
         merged = merge_overlay(base, adapter, safe=safe)
     out: dict[str, Tensor] = {}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -16,6 +17,8 @@ __all__ = ["LAYER_TYPES", "TIED_POLICIES", "AdapterSpec"]
 
 LAYER_TYPES = ("conv1d", "linear")
 TIED_POLICIES = ("error", "both")
+# Options where an infinite value has a documented meaning (antipasto: no rotation clamp).
+_INFINITE_OPTIONS = {("antipasto", "max_rotation_angle")}
 _FLOAT_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.float64, torch.bfloat16, torch.float16)}
 
 
@@ -71,13 +74,21 @@ class AdapterSpec:
             alpha = var.default_alpha
         if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
             raise TypeError(f"AdapterSpec alpha must be a number, got {alpha!r}")
+        if not math.isfinite(alpha):
+            # A NaN or inf scale turns every output NaN (or, through SDPA, finite but wrong).
+            raise ValueError(f"AdapterSpec alpha must be a finite number, got alpha={alpha!r}; pass e.g. alpha=2*r, or None for the default")
         if isinstance(dtype, str):
             dtype = _FLOAT_DTYPES.get(dtype.removeprefix("torch."), dtype)  # type: ignore[arg-type]
         if dtype not in _FLOAT_DTYPES.values():
             raise TypeError(f"AdapterSpec dtype must be a floating dtype ({', '.join(_FLOAT_DTYPES)}), got {dtype!r}")
         if layer_types is not None:
+            if isinstance(layer_types, str) or not isinstance(layer_types, Sequence):
+                raise TypeError(
+                    f"AdapterSpec layer_types must be a tuple of kinds from {list(LAYER_TYPES)} or None, got "
+                    f"{layer_types!r}; e.g. layer_types=('linear',)"
+                )
             layer_types = tuple(layer_types)
-            bad = sorted(set(layer_types) - set(LAYER_TYPES))
+            bad = [kind for kind in layer_types if kind not in LAYER_TYPES]
             if bad or not layer_types:
                 raise ValueError(f"AdapterSpec layer_types {bad or list(layer_types)} invalid; choose from {list(LAYER_TYPES)}")
         if tied not in TIED_POLICIES:
@@ -97,6 +108,14 @@ class AdapterSpec:
                 )
         if var.check_options is not None:
             var.check_options(resolved)
+        # After the variant's own checks (their messages are more specific), for the options
+        # they leave unchecked (eva's rho=nan passes `rho < 1`).
+        for name, value in resolved.items():
+            if isinstance(value, float) and not math.isfinite(value) and (math.isnan(value) or (variant, name) not in _INFINITE_OPTIONS):
+                raise ValueError(
+                    f"option {name}={value!r} for variant {variant!r} must be a finite number (the outputs would be "
+                    f"NaN or silently wrong); leave it out for the default {var.options[name]!r}"
+                )
         set_ = object.__setattr__
         set_(self, "variant", variant)
         set_(self, "targets", targets)

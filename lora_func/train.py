@@ -26,6 +26,7 @@ the adapter (``lora_func.save``, bit-exact), the optimiser state and the scaler 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -35,13 +36,15 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from tqdm import tqdm
 
 import lora_func as lf
-from lora_func.checks import check_finite
-from lora_func.io._files import replace_directory
+from lora_func.adapter import leaf_adapters
+from lora_func.checks import check_base, check_finite, check_model, check_path, detached_base, non_finite_keys
+from lora_func.io._files import replace_directory, safetensors_write
 
 __all__ = [
     "IGNORE_INDEX",
@@ -82,12 +85,16 @@ def adapter_loss(model: nn.Module, adapter: Any, batch: Batch, *, base: Mapping[
         grads = torch.func.grad(lambda p: adapter_loss(model, adapter.with_params(p), batch, base=base))(adapter.params)
     """
     kwargs = {"attention_mask": batch["attention_mask"]} if "attention_mask" in batch else {}
+    # A base built from model.named_parameters() holds the model's requires_grad tensors:
+    # backward would fill (and train_step's clipping would read) the model's .grad.
+    base = None if base is None else detached_base(base)
     logits = lf.adapted_call(model, adapter, batch["input_ids"], base=base, **kwargs).logits
     return causal_lm_loss(logits, batch.get("labels", batch["input_ids"]))
 
 
 def make_optimizer(adapter: Any, lr: float, *, weight_decay: float = 0.0) -> torch.optim.Optimizer:
     """AdamW over the adapter's trainable tensors (in ``adapter.params`` order)."""
+    leaf_adapters(adapter)
     return torch.optim.AdamW(list(adapter.params.values()), lr=lr, weight_decay=weight_decay)
 
 
@@ -131,8 +138,21 @@ def train_step(
     """One optimiser step on ``batch``; advances ``state.step``. See the module docstring for
     the order of operations. Raises ``FloatingPointError`` naming the step (and the adapter
     tensors) on a non-finite loss, or on non-finite gradients without a scaler."""
+    check_model(model, "train_step")
+    _check_state(state, "train_step")
+    if base is not None:
+        check_base(base, "train_step")
+    if max_grad_norm is not None and (
+        isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)) or not max_grad_norm > 0
+    ):
+        # NaN makes clip_grad_norm_ turn every gradient NaN; <= 0 zeroes them: both silently.
+        raise ValueError(
+            f"train_step: max_grad_norm={max_grad_norm!r} must be a number > 0 (math.inf measures without clipping) "
+            f"or None; 1.0 is the usual choice"
+        )
     adapter, optimizer, scaler, step = state.adapter, state.optimizer, state.scaler, state.step
     params = adapter.params
+    _check_optimizer_state(optimizer, params)
     device_type = next(iter(params.values())).device.type
     optimizer.zero_grad(set_to_none=True)
     with torch.autocast(device_type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
@@ -182,6 +202,15 @@ def fit(
     ``max_skipped`` consecutive scaler-skipped steps raise: the scale has collapsed and the
     gradients are not finite at any scale.
     """
+    check_model(model, "fit")
+    _check_state(state, "fit")
+    if not callable(batch_at):
+        raise TypeError(
+            f"fit: batch_at must be a function batch_at(step) -> batch (a pure function of the step, for an exact "
+            f"resume), got {type(batch_at).__name__}; e.g. fit(model, state, lambda step: batches[step % len(batches)], steps)"
+        )
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        raise ValueError(f"fit: steps={steps!r} must be an integer >= 0 (the total number of steps, not additional ones)")
     base = lf.base_params(model)
     history: list[StepStats] = []
     skipped_in_a_row = 0
@@ -211,6 +240,7 @@ def fit(
 _ADAPTER_FILE = "adapter.safetensors"
 _OPTIMIZER_FILE = "optimizer.safetensors"
 _STATE_FILE = "trainer_state.json"
+_DIGESTS = "lora_func_checksums"  # metadata of optimizer.safetensors
 
 
 def save_checkpoint(directory: str | os.PathLike, state: TrainState) -> Path:
@@ -222,6 +252,8 @@ def save_checkpoint(directory: str | os.PathLike, state: TrainState) -> Path:
     its place in one step (as :func:`lora_func.save_peft` does; other entries of an existing
     ``directory`` are kept), so a crash or a kill during the save leaves the previous
     checkpoint or the new one, never one step's adapter with another step's optimiser."""
+    check_path(directory, "save_checkpoint", "directory")
+    _check_state(state, "save_checkpoint")
     directory = Path(directory)
     target = Path(os.path.realpath(directory))
     if target.exists() and not target.is_dir():
@@ -245,11 +277,22 @@ def save_checkpoint(directory: str | os.PathLike, state: TrainState) -> Path:
         "device_type": next(iter(state.adapter.params.values())).device.type,
     }
     text = json.dumps(meta, indent=1)
+    # Checked on load: safetensors has no checksum, and a flipped bit in a moment (or in the
+    # learning rate in trainer_state.json) would otherwise train on silently.
+    # One metadata entry: safetensors writes several in a random order (different bytes per save).
+    checksums = {"tensors_sha256": _tensors_digest(tensors), "trainer_state_sha256": hashlib.sha256(text.encode()).hexdigest()}
+
+    def write_optimizer(path: Path) -> None:
+        # The adapter file is written first (same directory): binding its digest here makes
+        # one step's adapter next to another step's moments (a hand-copied file) detectable.
+        digest = {_DIGESTS: json.dumps(checksums | {"adapter_digest": _adapter_digest(path.parent / _ADAPTER_FILE)}, sort_keys=True)}
+        safetensors_write(path, lambda: save_file(tensors, str(path), metadata=digest))
+
     replace_directory(
         target,
         {
             _ADAPTER_FILE: lambda path: lf.save(state.adapter, path),
-            _OPTIMIZER_FILE: lambda path: save_file(tensors, str(path)),
+            _OPTIMIZER_FILE: write_optimizer,
             _STATE_FILE: lambda path: path.write_text(text),
         },
     )
@@ -258,28 +301,34 @@ def save_checkpoint(directory: str | os.PathLike, state: TrainState) -> Path:
 
 def load_checkpoint(directory: str | os.PathLike, model: nn.Module) -> TrainState:
     """Rebuild the :class:`TrainState` saved by :func:`save_checkpoint` for ``model``: same
-    adapter bits, optimiser class, hyperparameters and moments, scaler and step."""
+    adapter bits, optimiser class, hyperparameters and moments, scaler and step.
+
+    Everything is checked before anything is built: the files' checksums (a flipped bit in
+    the moments or the state raises), the structure of ``trainer_state.json``, and every
+    optimiser moment against its adapter tensor (name, shape, dtype, finite values), so a
+    damaged checkpoint raises here, naming the file, instead of in a later half-applied step.
+    """
+    check_path(directory, "load_checkpoint", "directory")
     directory = Path(directory)
+    check_model(model, "load_checkpoint")
     missing = [name for name in (_ADAPTER_FILE, _OPTIMIZER_FILE, _STATE_FILE) if not (directory / name).is_file()]
     if missing:
         raise FileNotFoundError(f"{directory} is not a lora_func training checkpoint: {missing} missing; write one with save_checkpoint")
-    meta = json.loads((directory / _STATE_FILE).read_text())
+    text, meta = _read_state(directory / _STATE_FILE)
+    tensors, file_meta = _read_optimizer_file(directory / _OPTIMIZER_FILE)
+    _check_digests(directory, text, tensors, file_meta)
     adapter = lf.load(directory / _ADAPTER_FILE, model=model)
     optimizer_class = getattr(torch.optim, meta["optimizer"], None)
-    if optimizer_class is None:
+    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)) or optimizer_class is torch.optim.Optimizer:
         raise ValueError(f"checkpoint optimizer {meta['optimizer']!r} is not in torch.optim; rebuild it yourself from {directory}")
     order = [name for group in meta["param_groups"] for name in group["params"]]
     unknown = sorted(set(order) - set(adapter.params))
     if unknown:
         raise ValueError(f"{directory}: optimizer state names {unknown} that the adapter does not have")
+    index = {name: i for i, name in enumerate(order)}
+    per_param = _checked_moments(directory, tensors, adapter.params, index)
     groups = [{**group, "params": [adapter.params[n] for n in group["params"]]} for group in meta["param_groups"]]
     optimizer = optimizer_class(groups)
-    index = {name: i for i, name in enumerate(order)}
-    tensors = load_file(str(directory / _OPTIMIZER_FILE))
-    per_param: dict[int, dict[str, Tensor]] = {}
-    for key, value in tensors.items():
-        name, field = key.rsplit("/", 1)
-        per_param.setdefault(index[name], {})[field] = value.to(adapter.params[name].device)
     state_dict = {"state": per_param, "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in meta["param_groups"]]}
     optimizer.load_state_dict(state_dict)
     scaler = None
@@ -287,6 +336,191 @@ def load_checkpoint(directory: str | os.PathLike, model: nn.Module) -> TrainStat
         scaler = torch.amp.GradScaler(meta["device_type"])
         scaler.load_state_dict(meta["scaler"])
     return TrainState(adapter, optimizer, scaler, meta["step"])
+
+
+def _tensors_digest(tensors: Mapping[str, Tensor]) -> str:
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        data = tensors[name].detach().to("cpu").contiguous()
+        digest.update(f"{name}|{data.dtype}|{tuple(data.shape)}|".encode())
+        digest.update(data.reshape(-1).view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+    return digest.hexdigest()
+
+
+def _adapter_digest(path: Path) -> str | None:
+    """The checksum that lora_func.save stored in an adapter file (``None`` if unreadable:
+    lora_func.load then says why)."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return (f.metadata() or {}).get("digest")
+    except (SafetensorError, OSError, ValueError):
+        return None
+
+
+def _is_device_type(name: str) -> bool:
+    try:
+        return torch.device(name).index is None
+    except (RuntimeError, ValueError):
+        return False
+
+
+def _finite_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _state_problems(meta: Any) -> list[str]:
+    """What is wrong with the structure of a parsed ``trainer_state.json`` (empty when fine)."""
+    if not isinstance(meta, dict):
+        return [f"a JSON {type(meta).__name__}, not an object"]
+    problems = [f"no {key!r}" for key in ("step", "optimizer", "param_groups", "scaler", "device_type") if key not in meta]
+    if problems:
+        return problems
+    if isinstance(meta["step"], bool) or not isinstance(meta["step"], int) or meta["step"] < 0:
+        problems.append(f"step={meta['step']!r} is not an integer >= 0")
+    if not isinstance(meta["optimizer"], str):
+        problems.append(f"optimizer={meta['optimizer']!r} is not a class name")
+    if not isinstance(meta["device_type"], str) or not _is_device_type(meta["device_type"]):
+        problems.append(f"device_type={meta['device_type']!r} is not a device type")
+    groups = meta["param_groups"]
+    if not isinstance(groups, list) or not groups or not all(isinstance(g, dict) for g in groups):
+        problems.append("param_groups is not a non-empty list of objects")
+    else:
+        names = [n for g in groups for n in (g.get("params") if isinstance(g.get("params"), list) else [None])]
+        if not all(isinstance(n, str) for n in names) or len(set(names)) != len(names):
+            problems.append("param_groups[*].params are not distinct tensor names")
+        for i, group in enumerate(groups):
+            if not _finite_number(group.get("lr")) or group["lr"] < 0:
+                problems.append(f"param_groups[{i}].lr={group.get('lr')!r} is not a finite number >= 0")
+            # The hyperparameters torch.optim validates only in a constructor, not in load_state_dict.
+            betas = group.get("betas", [0.0, 0.0])
+            if not (isinstance(betas, list) and len(betas) == 2 and all(_finite_number(b) and 0 <= b < 1 for b in betas)):
+                problems.append(f"param_groups[{i}].betas={betas!r} are not two numbers in [0, 1)")
+            for key, low in (("eps", 0.0), ("weight_decay", 0.0), ("momentum", 0.0), ("dampening", 0.0)):
+                if key in group and not (_finite_number(group[key]) and group[key] >= low and (key != "eps" or group[key] > 0)):
+                    problems.append(f"param_groups[{i}].{key}={group[key]!r} is out of range")
+            for key, value in group.items():
+                numbers = value if isinstance(value, list) and key != "params" else [value]
+                if key != "params" and any(isinstance(v, float) and not math.isfinite(v) for v in numbers):
+                    problems.append(f"param_groups[{i}].{key}={value!r} is not finite")
+    scaler = meta["scaler"]
+    if scaler is not None and (not isinstance(scaler, dict) or not all(_finite_number(v) for v in scaler.values())):
+        problems.append(f"scaler={scaler!r} is not an object of finite numbers")
+    return problems
+
+
+def _read_state(path: Path) -> tuple[str, dict]:
+    """The text of ``trainer_state.json`` and its parsed, structurally checked content."""
+    try:
+        text = path.read_text()
+        meta = json.loads(text)
+        problems = _state_problems(meta)
+    except (OSError, ValueError, RecursionError) as err:
+        text, problems = "", [f"{type(err).__name__}: {err}"]
+    if problems:
+        raise ValueError(
+            f"{path} is not a valid lora_func trainer state (truncated, damaged or edited): {problems[:5]}; resume "
+            f"from another checkpoint, or save one again with save_checkpoint"
+        )
+    return text, meta
+
+
+def _read_optimizer_file(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            file_meta = f.metadata() or {}
+        tensors = load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as err:
+        raise ValueError(
+            f"{path} is not a readable safetensors file (truncated or corrupted?): {err}; resume from another "
+            f"checkpoint, or save one again with save_checkpoint"
+        ) from None
+    return tensors, file_meta
+
+
+def _check_digests(directory: Path, text: str, tensors: Mapping[str, Tensor], file_meta: Mapping[str, str]) -> None:
+    """The checksums save_checkpoint wrote (checkpoints written before them have none)."""
+    if _DIGESTS not in file_meta:
+        return
+    try:
+        saved = json.loads(file_meta[_DIGESTS])
+        saved = saved if isinstance(saved, dict) else {}
+    except (ValueError, RecursionError):
+        saved = {}
+    bad = [name for name, ok in (
+        (_ADAPTER_FILE, "adapter_digest" not in saved or saved["adapter_digest"] == _adapter_digest(directory / _ADAPTER_FILE)),
+        (_OPTIMIZER_FILE, saved.get("tensors_sha256") == _tensors_digest(tensors)),
+        (_STATE_FILE, saved.get("trainer_state_sha256") == hashlib.sha256(text.encode()).hexdigest()),
+    ) if not ok]
+    if bad:
+        raise ValueError(
+            f"{directory} is corrupted: {bad} do not match the checksums saved with the checkpoint (damaged on disk or "
+            f"in transfer, edited by hand, or copied in from another checkpoint); resume from another checkpoint"
+        )
+
+
+def _checked_moments(
+    directory: Path, tensors: Mapping[str, Tensor], params: Mapping[str, Tensor], index: Mapping[str, int]
+) -> dict[int, dict[str, Tensor]]:
+    """The optimiser state by parameter index, after checking every moment against its
+    adapter tensor: a known name, one set of fields for every tensor, the tensor's shape
+    (0-d or one element for ``step``), a float dtype and finite values."""
+    per_param: dict[int, dict[str, Tensor]] = {}
+    problems = []
+    for key, value in sorted(tensors.items()):
+        name, _, field_name = key.rpartition("/")
+        if name not in index:
+            problems.append(f"{key}: no parameter {name!r} in the optimizer's groups")
+            continue
+        param = params[name]
+        scalar = field_name == "step"
+        if scalar and value.numel() != 1 or not scalar and tuple(value.shape) != tuple(param.shape):
+            problems.append(f"{key}: shape {tuple(value.shape)}, the adapter tensor has {tuple(param.shape)}")
+        elif not value.is_floating_point():
+            problems.append(f"{key}: dtype {value.dtype}, not floating-point")
+        per_param.setdefault(index[name], {})[field_name] = value.to(param.device)
+    fields = {tuple(sorted(state)) for state in per_param.values()}
+    if len(fields) > 1:
+        problems.append(f"the tensors have different sets of moments {sorted(fields)}")
+    flat = {f"{name}/{field_name}": value for name, i in index.items() for field_name, value in per_param.get(i, {}).items()}
+    problems += [f"{key}: NaN or inf" for key in non_finite_keys(flat)]
+    problems += [f"{key}: negative" for key, value in flat.items() if key.endswith("/step") and bool((value < 0).any())]
+    if problems:
+        raise ValueError(
+            f"{directory}/{_OPTIMIZER_FILE} holds optimizer moments that do not fit the adapter: {problems[:5]}"
+            f"{f' and {len(problems) - 5} more' if len(problems) > 5 else ''}; resume from another checkpoint"
+        )
+    return per_param
+
+
+def _check_state(state: Any, where: str) -> None:
+    if not isinstance(state, TrainState):
+        raise TypeError(
+            f"{where}: state must be a lora_func.train.TrainState, got {type(state).__name__}; build one with "
+            f"TrainState(adapter, make_optimizer(adapter, lr)) or load_checkpoint(directory, model)"
+        )
+
+
+def _check_optimizer_state(optimizer: torch.optim.Optimizer, params: Mapping[str, Tensor]) -> None:
+    """Raise before the step, when nothing has moved yet, if a moment does not fit its
+    tensor: the optimiser would update the tensors one by one and fail part-way (a
+    half-applied step). Shapes and devices only: no values are read."""
+    names = {id(p): key for key, p in params.items()}
+    problems = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            for field_name, value in optimizer.state.get(p, {}).items():
+                if not isinstance(value, Tensor) or value.dim() == 0 or field_name == "step":
+                    continue
+                if value.shape != p.shape or value.device != p.device:
+                    problems.append(
+                        f"{names.get(id(p), '<a tensor not in the adapter>')}/{field_name}: {tuple(value.shape)} on {value.device}, "
+                        f"the tensor is {tuple(p.shape)} on {p.device}"
+                    )
+    if problems:
+        raise ValueError(
+            f"train_step: the optimizer state does not fit the adapter: {problems[:5]}; nothing was updated. Build the "
+            f"optimizer with make_optimizer(adapter, ...) or load it with load_checkpoint"
+        )
 
 
 def _param_names(state: TrainState) -> list[str]:

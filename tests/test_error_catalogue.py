@@ -811,7 +811,21 @@ def _rename_optimizer_params(directory: Path) -> None:
     path = directory / "trainer_state.json"
     meta = json.loads(path.read_text())
     meta["param_groups"][0]["params"][0] = "model.layers.9.nope.lora_A"
-    path.write_text(json.dumps(meta))
+    _reseal_checkpoint(directory, state_text=json.dumps(meta))  # else the checksum refuses it first
+
+
+def _reseal_checkpoint(directory: Path, tensors: dict[str, torch.Tensor] | None = None, state_text: str | None = None) -> None:
+    """Rewrite a training checkpoint with its checksums recomputed, as a hostile edit would."""
+    from safetensors.torch import load_file, save_file
+
+    from lora_func import train
+
+    path = directory / "optimizer.safetensors"
+    tensors = load_file(str(path)) if tensors is None else tensors
+    text = (directory / "trainer_state.json").read_text() if state_text is None else state_text
+    (directory / "trainer_state.json").write_text(text)
+    digests = {"tensors_sha256": train._tensors_digest(tensors), "trainer_state_sha256": hashlib.sha256(text.encode()).hexdigest()}
+    save_file(tensors, str(path), metadata={train._DIGESTS: json.dumps(digests, sort_keys=True)})
 
 
 def _foreign_param(ctx: Ctx) -> Callable[[], Any]:
@@ -1012,6 +1026,181 @@ RNG_ADVANCES = frozenset(
 # expected change, exactly. None at the moment (save_checkpoint used to create its directory
 # before refusing a foreign optimiser).
 FILE_SIDE_EFFECTS: dict[str, dict[str, str]] = {}
+
+
+# --- issue 22 (reliability, round two) ------------------------------------------------------
+
+
+def _int8_twin(model: nn.Module) -> nn.Module:
+    """A copy of the 4x4 ``proj`` model whose target weight is int8 (a quantized layer's storage)."""
+    twin = nn.Sequential()
+    twin.add_module("proj", nn.Linear(4, 4))
+    twin.proj.weight = nn.Parameter(torch.ones(4, 4, dtype=torch.int8), requires_grad=False)
+    return twin
+
+
+def _proj_model() -> nn.Module:
+    model = nn.Sequential()
+    torch.manual_seed(0)
+    model.add_module("proj", nn.Linear(4, 4))
+    return model.eval()
+
+
+def _merge_int8(ctx: Ctx) -> Callable[[], Any]:
+    adapter = ctx.adapter(ctx.track(_proj_model()), targets=["proj"])
+    twin = ctx.track(_int8_twin(ctx.models[-1][0]))
+    return lambda: lf.merge(twin, adapter)
+
+
+def _load_peft_int8(ctx: Ctx) -> Callable[[], Any]:
+    from lora_func.io import save_peft
+
+    model = ctx.track(_proj_model())
+    directory = save_peft(ctx.adapter(model, targets=["proj"]), ctx.tmp / "ckpt", model=model)
+    twin = ctx.track(_int8_twin(model))
+    return lambda: _load_peft(directory, twin)()
+
+
+def _disk_full(ctx: Ctx) -> Callable[[], Any]:
+    from safetensors import SafetensorError
+
+    from lora_func.io import native
+
+    adapter = ctx.adapter(ctx.model())
+
+    def full(*args: Any, **kwargs: Any) -> None:
+        raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })')
+
+    ctx.monkeypatch.setattr(native, "save_file", full)
+    return lambda: lf.save(adapter, ctx.tmp / "new" / "a.safetensors")
+
+
+def _contradicting_tensors(path: Path, ctx: Ctx) -> Callable[[], Any]:
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from lora_func.io import native
+
+    with safe_open(str(path), framework="pt") as f:
+        meta = dict(f.metadata())
+    tensors = load_file(str(path))
+    key = f"params/{Q}.lora_A"
+    tensors[key] = tensors[key][:1]
+    meta["digest"] = native._file_digest(meta, tensors)  # a hostile file recomputes the checksum
+    out = path.with_name("hostile.safetensors")
+    save_file(tensors, str(out), metadata=meta)
+    return lambda: lf.load(out)
+
+
+def _meta_model(path: Path, ctx: Ctx) -> Callable[[], Any]:
+    with torch.device("meta"):
+        meta = tiny_model("llama")
+    return lambda: lf.load(path, model=meta)
+
+
+def _flip_learning_rate(directory: Path) -> None:
+    path = directory / "trainer_state.json"
+    path.write_text(path.read_text().replace('"lr": 0.1', '"lr": 0.2'))
+
+
+def _misfit_moment(directory: Path) -> None:
+    _reseal_checkpoint(directory, tensors={f"{Q}.lora_A/momentum_buffer": torch.zeros(3)})
+
+
+def _misfit_moment_in_memory(ctx: Ctx) -> Callable[[], Any]:
+    from lora_func.train import train_step
+
+    model, state = _train_state(ctx, torch.optim.Adam)
+    first = next(iter(state.adapter.params.values()))
+    state.optimizer.state[first]["exp_avg"] = torch.zeros(3)
+    return lambda: train_step(model, state, {"input_ids": IDS})
+
+
+def _train_with(**kwargs: Any) -> Callable[[Ctx], Callable[[], Any]]:
+    from lora_func.train import train_step
+
+    def arrange(ctx: Ctx) -> Callable[[], Any]:
+        model, state = _train_state(ctx)
+        return lambda: train_step(model, state, {"input_ids": IDS}, **kwargs)
+
+    return arrange
+
+
+def _fit_with(**kwargs: Any) -> Callable[[Ctx], Callable[[], Any]]:
+    from lora_func.train import fit
+
+    def arrange(ctx: Ctx) -> Callable[[], Any]:
+        model, state = _train_state(ctx)
+        args = {"batch_at": lambda step: {"input_ids": IDS}, "steps": 1} | kwargs
+        return lambda: fit(model, state, args["batch_at"], args["steps"], progress=False)
+
+    return arrange
+
+
+def _meta_adapter(m: nn.Module, a: lf.Adapter, b: lf.Adapter, ctx: Ctx) -> Any:
+    from lora_func.checks import check_adapter_placement
+
+    moved = a.with_params({k: v.detach().to("meta") for k, v in a.params.items()})
+    return check_adapter_placement(lf.base_params(m), moved, "adapted_call")
+
+
+def _integer_adapter(m: nn.Module, a: lf.Adapter, b: lf.Adapter, ctx: Ctx) -> Any:
+    from lora_func.checks import check_adapter_placement
+
+    ints = lf.Adapter({k: v.detach().long() for k, v in a.params.items()}, a.buffers, a.spec, a.layers)
+    return check_adapter_placement(lf.base_params(m), ints, "overlay")
+
+
+def _linear_adapter_on_conv1d(ctx: Ctx) -> Callable[[], Any]:
+    from transformers.pytorch_utils import Conv1D
+
+    from lora_func.checks import check_layouts
+
+    adapter = ctx.adapter(ctx.track(_proj_model()), targets=["proj"])
+    conv = nn.Sequential()
+    conv.add_module("proj", Conv1D(4, 4))
+    conv = ctx.track(conv)
+    return lambda: check_layouts(conv, adapter, "adapted_call")
+
+
+CASES.update(
+    {
+        "arg-path-type": Case(on_adapter(lambda a, ctx: lf.save(a, 7)), ("save", "int", "pathlib.Path")),
+        "stack-not-a-list": Case(on_adapter(lambda a, ctx: lf.stack(a)), ("Adapter", "lora_func.stack([adapter_0")),
+        "train-not-a-state": Case(on_adapter(lambda a, ctx: __import__("lora_func.train").train.save_checkpoint(ctx.tmp / "ckpt", a)), ("save_checkpoint", "Adapter", "TrainState(")),
+        "train-max-grad-norm": Case(_train_with(max_grad_norm=math.nan), ("max_grad_norm=nan", "math.inf")),
+        "fit-batch-at": Case(_fit_with(batch_at=[{"input_ids": IDS}]), ("list", "lambda step")),
+        "fit-steps": Case(_fit_with(steps=-1), ("steps=-1",)),
+        "adapter-placement-device": Case(on_two(_meta_adapter), ("adapted_call", Q + ".lora_A on meta", "lora_func.load")),
+        "adapter-placement-dtype": Case(on_two(_integer_adapter), ("overlay", "torch.int64")),
+        "adapter-layout": Case(_linear_adapter_on_conv1d, ("adapted_call", "proj", "linear", "conv1d")),
+        "spec-alpha-finite": Case(spec("lora", targets=["q_proj"], alpha=math.nan), ("alpha=nan",)),
+        "spec-layer-types-type": Case(spec("lora", targets=["q_proj"], layer_types=5), ("got 5", "('linear',)")),
+        "spec-option-finite": Case(spec("eva", targets=["q_proj"], rho=math.inf), ("rho=inf", "'eva'", "2.0")),
+        "adapter-params-dtype": Case(on_adapter(lambda a, ctx: a.with_params({k: v.detach().long() for k, v in a.params.items()})), (Q + ".lora_A", "torch.int64", "torch.float32")),
+        "take-index-range": Case(on_two(lambda m, a, b, ctx: lf.take(lf.stack([a, a]), -1)), ("-1", "[0, 2)")),
+        "take-index-type": Case(on_two(lambda m, a, b, ctx: lf.take(lf.stack([a, a]), True)), ("True",)),
+        "take-index-values": Case(on_two(lambda m, a, b, ctx: lf.take(lf.stack([a, a]), torch.tensor([0, -1]))), ("[-1]", "[0, 2)")),
+        "combine-stacked-parts": Case(on_two(lambda m, a, b, ctx: lf.combine([lf.stack([a, a]), lf.stack([b, b])], [0.5, 0.5])), ("(2,)", "lora_func.stack")),
+        "combine-weights-finite": Case(on_two(lambda m, a, b, ctx: lf.combine([a, b], [math.nan, 1.0])), ("nan",)),
+        "arg-not-a-model": Case(on_two(lambda m, a, b, ctx: lf.ensemble_call(m.state_dict(), lf.stack([a, a]), IDS)), ("ensemble_call", "OrderedDict", "base_params")),
+        "arg-base-not-mapping": Case(on_two(lambda m, a, b, ctx: lf.ensemble_call(m, lf.stack([a, a]), IDS, base=list(lf.base_params(m).items()))), ("ensemble_call", "list", "base_params")),
+        "arg-base-values": Case(on_two(lambda m, a, b, ctx: lf.merge({**lf.base_params(m), "extra": 1.0}, a)), ("merge", "'extra'")),
+        "target-not-float": Case(_merge_int8, ("merge", "proj.weight (torch.int8)", "Dequantize")),
+        "per-example-not-callable": Case(on_adapter(lambda a, ctx: lf.per_example_grads(a, a, IDS)), ("Adapter", "per_example_grads(loss_fn, adapter, *batch)")),
+        "file-write-failed": Case(_disk_full, ("a.safetensors", "No space left")),
+        "load-tensor-mismatch": Case(saved_native(_contradicting_tensors), ("hostile.safetensors", f"params/{Q}.lora_A", "(1, 32)")),
+        "load-meta-model": Case(saved_native(_meta_model), ("a.safetensors", Q + ".weight", "to_empty")),
+        "peft-config-values": Case(saved_peft(lambda d, ctx, m: _peft_on(d, ctx, m, config={"lora_alpha": math.nan})), ("adapter_config.json", "lora_alpha=nan")),
+        "peft-target-modules-unmatched": Case(saved_peft(lambda d, ctx, m: _peft_on(d, ctx, m, config={"target_modules": ["nope_proj"]})), ("['nope_proj']", "LlamaForCausalLM")),
+        "peft-non-float-base": Case(_load_peft_int8, ("proj.weight (torch.int8)", "dequantize")),
+        "train-bad-state": Case(_checkpoint_then(lambda d: (d / "trainer_state.json").write_text('{"step": 1, "opt')), ("trainer_state.json", "JSONDecodeError")),
+        "train-unreadable-optimizer": Case(_checkpoint_then(lambda d: (d / "optimizer.safetensors").write_bytes(b"\x00" * 9)), ("optimizer.safetensors",)),
+        "train-corrupted": Case(_checkpoint_then(_flip_learning_rate), ("['trainer_state.json']",)),
+        "train-bad-moments": Case(_checkpoint_then(_misfit_moment), (f"{Q}.lora_A/momentum_buffer", "(3,)", "(2, 32)")),
+        "train-step-optimizer-state": Case(_misfit_moment_in_memory, (f"{Q}.lora_A/exp_avg", "nothing was updated", "make_optimizer")),
+    }
+)
 
 
 def test_every_catalogue_entry_has_a_case():

@@ -16,6 +16,7 @@ effort.
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import secrets
 import shutil
@@ -45,17 +46,43 @@ def write_file(path: Path, write: Callable[[Path], Any]) -> None:
     """``write(tmp)`` to a temporary file next to ``path``, flushed, then renamed to ``path``:
     ``path`` is the old file or the whole new one, never a part. On any failure the old file
     is untouched and the temporary one removed."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
+    created = make_parents(path.parent)
     try:
-        write(Path(tmp))
-        fsync(Path(tmp))
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        os.close(fd)
+        try:
+            write(Path(tmp))
+            fsync(Path(tmp))
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    except BaseException:
+        remove_empty(created)
+        raise
     fsync(path.parent)
+
+
+def make_parents(directory: Path) -> list[Path]:
+    """``directory.mkdir(parents=True, exist_ok=True)``, returning the directories it
+    created, outermost first, so that a failed save can take them away again."""
+    missing = []
+    for parent in (directory, *directory.parents):
+        if parent.exists():
+            break
+        missing.append(parent)
+    directory.mkdir(parents=True, exist_ok=True)
+    return missing[::-1]
+
+
+def remove_empty(created: list[Path]) -> None:
+    """Remove the directories a failed save created, innermost first, where still empty
+    (another writer may have put something there meanwhile: then it stays)."""
+    for directory in reversed(created):
+        try:
+            directory.rmdir()
+        except OSError:
+            return
 
 
 def _renameat2() -> Any:
@@ -117,17 +144,28 @@ def replace_directory(target: Path, files: Mapping[str, Callable[[Path], Any]]) 
     """Make ``target`` a directory holding ``files`` (name -> ``write(path)``) and, if it
     existed, its other entries, in one atomic step where the platform allows (see above). A
     failure at any point leaves ``target`` as it was and no temporary entry next to it."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = _staging_directory(target)
+    created = make_parents(target.parent)
+    try:
+        staging = _staging_directory(target)
+    except BaseException:
+        remove_empty(created)
+        raise
     try:
         for name, write in files.items():
             write(staging / name)
             fsync(staging / name)
         if not target.exists():
             fsync(staging)
-            os.rename(staging, target)
-            fsync(target.parent)
-            return
+            try:
+                os.rename(staging, target)
+            except OSError as err:
+                # Another writer made the first save of the same new directory between the
+                # check and the rename: exchange with its directory, as for any existing one.
+                if err.errno not in (errno.ENOTEMPTY, errno.EEXIST) or not target.is_dir():
+                    raise
+            else:
+                fsync(target.parent)
+                return
         shutil.copymode(target, staging)
         for entry in sorted(target.iterdir()):
             if entry.name not in files:
@@ -142,6 +180,22 @@ def replace_directory(target: Path, files: Mapping[str, Callable[[Path], Any]]) 
             for name in files:  # best effort: each file atomically, one after the other
                 os.replace(staging / name, target / name)
             fsync(target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        remove_empty(created)
+        raise
     finally:
         # The staging directory, or after the exchange the old checkpoint.
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def safetensors_write(path: Path, write: Callable[[], Any]) -> None:
+    """``write()`` (a ``safetensors`` save to ``path``), with its I/O failures (a full disk, a
+    vanished directory), which safetensors raises as ``SafetensorError``, re-raised as
+    ``OSError``: callers' ``except OSError`` then sees them like any other failed write."""
+    from safetensors import SafetensorError
+
+    try:
+        write()
+    except SafetensorError as err:
+        raise OSError(f"could not write {path}: {err}; free disk space or check the directory, then save again") from err

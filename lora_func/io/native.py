@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import struct
 from collections.abc import Iterator, Mapping
@@ -41,10 +42,11 @@ from torch import Tensor, nn
 
 from lora_func._types import LayerInfo
 from lora_func.adapter import Adapter, AdapterLayer, AdapterLike, Combined, Composed
+from lora_func.checks import check_float_targets, check_model, check_path
 from lora_func.core import base_params, weight_fingerprint
-from lora_func.io._files import write_file
-from lora_func.spec import AdapterSpec
-from lora_func.targeting import Target, canonical_weight
+from lora_func.io._files import safetensors_write, write_file
+from lora_func.spec import LAYER_TYPES, AdapterSpec
+from lora_func.targeting import Target, canonical_weight, layer_kind
 from lora_func.variants import get_variant
 
 __all__ = ["load", "save"]
@@ -184,6 +186,7 @@ def save(adapter: AdapterLike, path: str | os.PathLike, *, trainable_only: bool 
             f"save() expects an Adapter, Composed or Combined, got {type(adapter).__name__}; "
             f"build one with lora_func.init_adapter(model, spec)"
         )
+    check_path(path, "save")
     tree = _tree_to_json(adapter)
     if trainable_only and adapter.stack_shape:
         raise ValueError(
@@ -213,7 +216,7 @@ def save(adapter: AdapterLike, path: str | os.PathLike, *, trainable_only: bool 
     metadata["digest"] = _file_digest(metadata, tensors)
 
     def write(tmp: Path) -> None:
-        save_file(tensors, str(tmp), metadata=metadata)
+        safetensors_write(path, lambda: save_file(tensors, str(tmp), metadata=metadata))
         _canonical_header(str(tmp))
 
     write_file(path, write)
@@ -253,22 +256,52 @@ def _read(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
     return tensors, metadata
 
 
+def _sane_layer(layer: AdapterLayer) -> bool:
+    """Sizes and rank positive integers, alpha a finite number, a known layout, names that are
+    strings: a hostile file can recompute the checksum, and a NaN alpha (or a float rank, or
+    a made-up layout) would give NaN or wrong outputs instead of an error."""
+    info, target = layer.info, layer.target
+    sizes = (info.d_in, info.d_out, info.r, target.d_in, target.d_out)
+    names = (target.module, target.weight_key, *target.tied_keys, *([] if target.bias_key is None else [target.bias_key]))
+    return (
+        target.layout in LAYER_TYPES
+        and all(isinstance(n, str) for n in names)
+        and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in sizes)
+        and isinstance(info.alpha, (int, float))
+        and not isinstance(info.alpha, bool)
+        and math.isfinite(info.alpha)
+        and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for _, shape in layer.param_shapes + layer.buffer_shapes for n in shape)
+    )
+
+
 def _parse(path: Path, metadata: Mapping[str, str]) -> tuple[dict, bool, dict[str, dict[str, str]], str]:
     """``(tree, trainable_only, buffer_digests, digest)`` from the file's metadata."""
+    problem = None
     try:
         tree = json.loads(metadata["tree"])
         trainable_only = json.loads(metadata["trainable_only"])
         buffer_digests = json.loads(metadata["buffer_digests"])
-        # Build every spec once here, so a damaged spec fails as metadata damage.
+        # Build every spec and layer once here (stack members too), so damage fails as metadata damage.
+        layers = []
         for _, leaf in _leaves(tree):
             AdapterSpec.from_json(json.dumps(leaf["spec"]))
-            for layer in leaf["layers"]:
-                _layer_from_json(layer)
+            layers += [_layer_from_json(layer) for layer in leaf["layers"]]
+            for spec, member_layers in leaf["members"] or ():
+                AdapterSpec.from_json(json.dumps(spec))
+                layers += [_layer_from_json(layer) for layer in member_layers]
+        insane = [layer.target.module for layer in layers if not _sane_layer(layer)]
+        if insane:
+            problem = f"layer info of {insane[:3]} has sizes that are not positive integers, a non-finite alpha or an unknown layout"
+        elif not isinstance(trainable_only, bool) or not (
+            isinstance(buffer_digests, dict) and all(isinstance(d, dict) and all(isinstance(v, str) for v in d.values()) for d in buffer_digests.values())
+        ):
+            problem = f"trainable_only={trainable_only!r} or buffer_digests are not what lora_func writes"
         digest = metadata["digest"]
-    except (KeyError, TypeError, ValueError, AttributeError) as err:
-        raise ValueError(
-            f"{path} has damaged lora_func metadata ({type(err).__name__}: {err}); save the adapter again"
-        ) from None
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError, RecursionError) as err:
+        # RecursionError: a hostile, deeply nested tree (json.loads and the tree walk recurse).
+        problem = f"{type(err).__name__}: {err}"
+    if problem is not None:
+        raise ValueError(f"{path} has damaged lora_func metadata ({problem}); save the adapter again")
     return tree, bool(trainable_only), buffer_digests, digest
 
 
@@ -282,14 +315,52 @@ def _expected_tensors(tree: dict, trainable_only: bool) -> set[str]:
     return expected
 
 
-def _model_problems(base: Mapping[str, Tensor], layers: list[AdapterLayer]) -> list[str]:
+def _tensor_problems(tree: dict, tensors: Mapping[str, Tensor]) -> list[str]:
+    """Where the file's tensors disagree with its own metadata: each leaf's tensors must all
+    have one leading stack shape followed by the recorded shape, params the spec's dtype and
+    buffers a float dtype. The checksum cannot catch this: a hostile file recomputes it."""
+    problems = []
+    for prefix, leaf in _leaves(tree):
+        dtype = AdapterSpec.from_json(json.dumps(leaf["spec"])).dtype
+        stacks = set()
+        for layer in map(_layer_from_json, leaf["layers"]):
+            for kind, shapes in (("params", layer.param_shapes), ("buffers", layer.buffer_shapes)):
+                for name, shape in shapes:
+                    key = f"{kind}/{prefix}{layer.target.module}.{name}"
+                    if key not in tensors:
+                        continue  # trainable_only: rebuilt from the model
+                    got = tuple(tensors[key].shape)
+                    if len(got) < len(shape) or got[len(got) - len(shape) :] != shape:
+                        problems.append(f"{key}: shape {got}, the metadata says {shape}")
+                        continue
+                    stacks.add(got[: len(got) - len(shape)])
+                    if kind == "params" and tensors[key].dtype != dtype:
+                        problems.append(f"{key}: dtype {tensors[key].dtype}, the spec says {dtype}")
+                    elif not tensors[key].is_floating_point():
+                        problems.append(f"{key}: dtype {tensors[key].dtype}, not floating-point")
+        if len(stacks) > 1:
+            problems.append(f"the tensors of {prefix or 'the adapter'} have different stack shapes {sorted(stacks)}")
+    for prefix in _combined_prefixes(tree):
+        weights = tensors[f"params/{prefix}weights"]
+        if weights.dim() < 1 or not weights.is_floating_point():
+            problems.append(f"params/{prefix}weights: shape {tuple(weights.shape)} dtype {weights.dtype}, not float weights")
+    return problems
+
+
+def _model_problems(model: nn.Module, base: Mapping[str, Tensor], layers: list[AdapterLayer]) -> list[str]:
     """Why ``layers`` do not fit the model whose tensors are ``base`` (empty when they do)."""
     problems = []
+    modules = dict(model.named_modules())
     for layer in layers:
         t = layer.target
         stored = (t.d_out, t.d_in) if t.layout == "linear" else (t.d_in, t.d_out)
+        kind = layer_kind(modules[t.module]) if t.module in modules else None
         if t.weight_key not in base:
             problems.append(f"{t.weight_key}: not in the model")
+        elif kind != t.layout:
+            # Same name and, for a square layer, same shape: an nn.Linear adapter on a GPT-2
+            # Conv1D would run transposed and give wrong outputs without an error.
+            problems.append(f"{t.weight_key}: adapter built for a {t.layout} layer, the model's is {kind or type(modules.get(t.module)).__name__}")
         elif tuple(base[t.weight_key].shape) != stored:
             problems.append(f"{t.weight_key}: adapter built for {stored}, model has {tuple(base[t.weight_key].shape)}")
         elif layer.base_fingerprint is not None and weight_fingerprint(base[t.weight_key]) != layer.base_fingerprint:
@@ -339,7 +410,10 @@ def load(path: str | os.PathLike, model: nn.Module | None = None) -> AdapterLike
     A file saved with ``trainable_only=True`` needs ``model``: its buffers are rebuilt from
     it. Params come back as leaf tensors with ``requires_grad=True``.
     """
+    check_path(path, "load")
     path = Path(path)
+    if model is not None:
+        check_model(model, "load")
     if not path.is_file():
         raise FileNotFoundError(f"no adapter file at {path}; pass the path of a file written by lora_func.save")
     tensors, metadata = _read(path)
@@ -359,6 +433,12 @@ def load(path: str | os.PathLike, model: nn.Module | None = None) -> AdapterLike
             f"{path} is inconsistent: missing tensors {missing}, unexpected tensors {unexpected}; "
             f"the file was edited or assembled by hand: save the adapter again"
         )
+    wrong = _tensor_problems(tree, tensors)
+    if wrong:
+        raise ValueError(
+            f"{path} is inconsistent: its tensors do not match its metadata: {wrong[:5]}; the file was edited or "
+            f"assembled by hand: save the adapter again"
+        )
     if _file_digest(metadata, tensors) != digest:
         raise ValueError(
             f"{path} is corrupted: its tensors or metadata do not match the checksum saved with them (damaged on "
@@ -377,11 +457,20 @@ def load(path: str | os.PathLike, model: nn.Module | None = None) -> AdapterLike
     rebuilt: dict[str, Tensor] = {}
     if model is not None:
         base = base_params(model)
-        problems = _model_problems(base, [layer for layers in layers_of.values() for layer in layers])
+        all_layers = [layer for layers in layers_of.values() for layer in layers]
+        problems = _model_problems(model, base, all_layers)
         if problems:
             raise ValueError(
                 f"{path} does not fit {type(model).__name__}: {problems}; load it onto the model the adapter was built on"
             )
+        meta = sorted(layer.target.weight_key for layer in all_layers if base[layer.target.weight_key].is_meta)
+        if meta:
+            raise ValueError(
+                f"load({path}, model=...): the target weights {meta[:5]} of {type(model).__name__} are on the meta "
+                f"device (no values): the adapter's tensors would lose theirs. Materialise the model first "
+                f"(model.to_empty(device=...) and load its weights), or load without model= and move the adapter later"
+            )
+        check_float_targets(base, all_layers, f"load({path}, model=...)")
         devices = {layer.target.module: base[layer.target.weight_key].device for layers in layers_of.values() for layer in layers}
         if trainable_only:
             for prefix, layers in layers_of.items():

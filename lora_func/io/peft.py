@@ -36,6 +36,7 @@ import collections
 import json
 import math
 import os
+import pickle
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -49,8 +50,9 @@ from torch import Tensor, nn
 
 from lora_func._types import LayerInfo, lora_scale
 from lora_func.adapter import Adapter, AdapterLayer, AdapterLike, Combined, Composed, compose
+from lora_func.checks import check_model, check_path
 from lora_func.core import base_params, weight_fingerprint
-from lora_func.io._files import replace_directory
+from lora_func.io._files import replace_directory, safetensors_write
 from lora_func.spec import AdapterSpec
 from lora_func.targeting import Target, canonical_weight, find_targets, tensor_names
 from lora_func.variants import get_variant
@@ -96,7 +98,7 @@ def _read_config(directory: Path) -> dict[str, Any]:
         )
     try:
         config = json.loads(path.read_text())
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, RecursionError) as err:  # RecursionError: hostile deep nesting
         config = err
     if not isinstance(config, dict):
         problem = config if isinstance(config, Exception) else f"a JSON {type(config).__name__}"
@@ -107,15 +109,94 @@ def _read_config(directory: Path) -> dict[str, Any]:
 def _read_tensors(directory: Path) -> dict[str, Tensor]:
     path = directory / WEIGHTS_NAME
     legacy = directory / LEGACY_WEIGHTS_NAME
+    loaded: Any = None
+    problem = None
     try:
         if path.is_file():
-            return load_file(str(path))
-        if legacy.is_file():
-            # weights_only: a pickle from the internet must not run code.
-            return dict(torch.load(legacy, map_location="cpu", weights_only=True))
-    except (SafetensorError, OSError, RuntimeError, ValueError) as err:
-        raise ValueError(f"the weights in {directory} are not readable (truncated or corrupted?): {err}") from None
-    raise FileNotFoundError(f"no peft checkpoint at {directory}: neither {WEIGHTS_NAME} nor {LEGACY_WEIGHTS_NAME} is there")
+            loaded = load_file(str(path))
+        elif legacy.is_file():
+            # weights_only: a pickle from the internet must not run code (a hostile one raises
+            # UnpicklingError, nothing runs).
+            loaded = torch.load(legacy, map_location="cpu", weights_only=True)
+    except (SafetensorError, OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as err:
+        problem = f"{type(err).__name__}: {err}"
+    if problem is None and loaded is not None:
+        if not isinstance(loaded, Mapping):
+            problem = f"it holds a {type(loaded).__name__}, not a dict of named tensors"
+        elif not all(isinstance(k, str) and isinstance(v, Tensor) for k, v in loaded.items()):
+            problem = "it holds entries that are not named tensors"
+        elif any(not v.is_floating_point() for v in loaded.values()):
+            # An integer "adapter" would be cast to an integer spec dtype, or truncate the layer.
+            problem = f"tensors {sorted(k for k, v in loaded.items() if not v.is_floating_point())[:3]} are not floating-point"
+    if problem is not None:
+        raise ValueError(f"the weights in {directory} are not readable (truncated or corrupted?): {problem}; re-save the checkpoint")
+    if loaded is None:
+        raise FileNotFoundError(f"no peft checkpoint at {directory}: neither {WEIGHTS_NAME} nor {LEGACY_WEIGHTS_NAME} is there")
+    return dict(loaded)
+
+
+def _is_regex(pattern: Any) -> bool:
+    try:
+        re.compile(pattern)
+    except (re.error, TypeError, RecursionError, OverflowError):
+        return False
+    return True
+
+
+def _config_problems(config: Mapping[str, Any]) -> list[str]:
+    """Values of the config fields lora_func reads that have the wrong type or are not finite
+    (json reads ``NaN`` and ``1e999``): each would fail deep inside, or make every output NaN."""
+
+    def number(value: Any) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+    def rank(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+    def selector(value: Any) -> bool:
+        return value is None or (isinstance(value, str) and _is_regex(value)) or (
+            isinstance(value, list) and all(isinstance(v, str) for v in value)
+        )
+
+    checks = {
+        "r": rank,
+        "lora_alpha": number,
+        "delora_lambda": number,
+        "use_rslora": lambda v: isinstance(v, bool),
+        "use_dora": lambda v: isinstance(v, bool),
+        "init_weights": lambda v: isinstance(v, bool),
+        "init_lora_weights": lambda v: isinstance(v, (bool, str)),
+        "target_modules": selector,
+        "feedforward_modules": selector,
+        "eva_config": lambda v: v is None or (isinstance(v, dict) and all(number(v[k]) for k in ("rho", "tau") if k in v)),
+    }
+    problems = [f"{name}={config[name]!r}" for name, ok in checks.items() if name in config and not ok(config[name])]
+    for name, ok in (("rank_pattern", rank), ("alpha_pattern", number)):
+        patterns = config.get(name)
+        if patterns is None:
+            continue
+        if not isinstance(patterns, dict):
+            problems.append(f"{name}={patterns!r} (not an object)")
+            continue
+        # peft matches every key as the regex rf"(.*\.)?({key})$".
+        problems += [f"{name}[{key!r}]={value!r}" for key, value in patterns.items() if not (_is_regex(rf"(.*\.)?({key})$") and ok(value))]
+    return problems
+
+
+def _check_config(directory: Path, config: Mapping[str, Any]) -> None:
+    problems = _config_problems(config)
+    if problems:
+        raise ValueError(
+            f"{directory / CONFIG_NAME} has invalid values: {problems[:5]} (ranks are integers >= 1, alphas finite "
+            f"numbers, patterns valid regular expressions, flags true/false); re-save the checkpoint or fix the config"
+        )
+
+
+def _selects(selector: str | Sequence[str], module: str) -> bool:
+    """peft's ``target_modules`` matching: a regex matched in full, or names / name suffixes."""
+    if isinstance(selector, str):
+        return re.fullmatch(selector, module) is not None
+    return any(module == t or module.endswith("." + t) for t in selector)
 
 
 def _by_module(directory: Path, peft_type: str, tensors: Mapping[str, Tensor]) -> dict[str, dict[str, Tensor]]:
@@ -159,6 +240,15 @@ def _check_model(model: nn.Module, directory: Path, modules: Iterable[str]) -> N
         raise ValueError(
             f"{directory} adapts modules that {type(model).__name__} does not have: {missing[:5]} ({len(missing)} in "
             f"all); load it onto the model it was trained for"
+        )
+    by_name = dict(model.named_modules())
+    weights = {m: getattr(by_name[m], "weight", None) for m in modules}
+    not_float = sorted(f"{m}.weight ({w.dtype})" for m, w in weights.items() if isinstance(w, Tensor) and not w.is_floating_point())
+    if not_float:
+        raise TypeError(
+            f"load_peft({directory}): the target weights {not_float[:5]} of {type(model).__name__} are not floating-point "
+            f"(quantized or integer): the adapter's delta would be rounded away; dequantize those layers first (load the "
+            f"model without a quantization config)"
         )
 
 
@@ -395,17 +485,27 @@ def load_peft(directory: str | os.PathLike, model: nn.Module) -> AdapterLike:
     tensors in the file. Everything is checked (modules, shapes, config consistency) before
     anything is returned; the model is only read.
     """
+    check_path(directory, "load_peft", "directory")
     directory = Path(directory)
+    check_model(model, "load_peft")
     config = _read_config(directory)
     peft_type = config.get("peft_type")
-    if peft_type not in READERS:
+    if not isinstance(peft_type, str) or peft_type not in READERS:
         raise ValueError(
             f"{directory} is a peft {peft_type!r} checkpoint; lora_func reads peft_type {sorted(READERS)} "
             f"(LoRA with rsLoRA/DoRA/PiSSA/EVA, IA3, HRA, DeLoRA)"
         )
+    _check_config(directory, config)
     _refuse_unsupported(directory, config)
     tensors = _by_module(directory, peft_type, _read_tensors(directory))
     _check_model(model, directory, tensors)
+    selector = config.get("target_modules")
+    if selector and not any(_selects(selector, name) for name, _ in model.named_modules()):
+        # peft refuses such a config ("Target modules ... not found in the base model").
+        raise ValueError(
+            f"{directory / CONFIG_NAME}: target_modules={selector!r} matches no module of {type(model).__name__}; load "
+            f"it onto the model it was trained for, or fix target_modules"
+        )
     return READERS[peft_type](directory, config, tensors, model)
 
 
@@ -635,6 +735,9 @@ def save_peft(adapter: AdapterLike, directory: str | os.PathLike, *, model: nn.M
     docs/io.md.
     """
     leaves = _leaves(adapter)
+    check_path(directory, "save_peft", "directory")
+    if model is not None:
+        check_model(model, "save_peft")
     base = base_params(model) if model is not None else None
     if base is not None:
         missing = sorted({layer.target.weight_key for leaf in leaves for layer in leaf.layers} - set(base))
@@ -675,7 +778,7 @@ def save_peft(adapter: AdapterLike, directory: str | os.PathLike, *, model: nn.M
     replace_directory(
         target,
         {
-            WEIGHTS_NAME: lambda path: save_file(tensors, str(path), metadata={"format": "pt"}),
+            WEIGHTS_NAME: lambda path: safetensors_write(path, lambda: save_file(tensors, str(path), metadata={"format": "pt"})),
             CONFIG_NAME: lambda path: _write_text(path, text),
         },
     )
