@@ -21,7 +21,7 @@ from lora_func._routing import found_weights, replace_weights, weight_use
 from lora_func._types import RANK_MASK, BaseLayer, LayerInfo, TensorDict, Variant
 from lora_func.targeting import canonical_weight, stored_weight
 
-__all__ = ["AdaptedCalls", "AdaptedWeight", "ChainStep", "LayerCall", "LayerStep", "SumStep", "VariantStep", "merged_weight"]
+__all__ = ["AdaptedBias", "AdaptedCalls", "AdaptedWeight", "ChainStep", "LayerCall", "LayerStep", "SumStep", "VariantStep", "merged_weight"]
 
 _METADATA_FUNCS = {
     Tensor.dtype.__get__,  # type: ignore[attr-defined]
@@ -102,8 +102,14 @@ class VariantStep:
         self.changes_bias = variant.changes_bias
 
     def weight(self, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        # Never below the base's precision: a bf16 adapter on an fp32 base would otherwise
+        # round the frozen weight itself to bf16 (2.8e-2 off peft's merge, which adds the
+        # delta to the fp32 weight). Above it (fp32 adapter, bf16 base) the adapter dtype.
+        dtype = torch.promote_types(self.dtype, weight.dtype)
+        params = {k: v.to(dtype) if v.is_floating_point() else v for k, v in self.params.items()}
+        buffers = {k: v.to(dtype) if v.is_floating_point() else v for k, v in self.buffers.items()}
         w_eff, b_eff = self.variant.weight_form(
-            self.params, self.buffers, weight.to(self.dtype), None if bias is None else bias.to(self.dtype), self.info
+            params, buffers, weight.to(dtype), None if bias is None else bias.to(dtype), self.info
         )
         return w_eff.to(weight.dtype), None if b_eff is None or bias is None else b_eff.to(bias.dtype)
 
@@ -294,8 +300,39 @@ class AdaptedWeight(Tensor):
         )
 
 
+class AdaptedBias(AdaptedWeight):
+    """Stand-in for the bias of a target whose variant changes the bias (IA3 scales it).
+
+    Inside its layer's own op, paired with its weight's stand-in, it is the base bias (the
+    activation form scales it); in any other op (a layer computing ``x @ W.T + b`` by hand) it is
+    the merged ``b_eff``, as its weight there is ``W_eff``, or it raises when strict."""
+
+    _pair: Any
+
+    @staticmethod
+    def __new__(cls, bias: Tensor, pair: AdaptedWeight, *, strict: bool, name: str) -> AdaptedBias:  # type: ignore[override]
+        out = Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
+            cls, bias.shape, strides=bias.stride(), dtype=bias.dtype, device=bias.device, requires_grad=False
+        )
+        out._weight, out._bias, out._step, out._pair = bias, None, pair._step, pair
+        out._layout, out._strict, out._name = "bias", strict, name
+        return out
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
+        return f"AdaptedBias({self._name}, shape={tuple(self._weight.shape)}, dtype={self._weight.dtype})"
+
+    def merged(self) -> Tensor:
+        """The merged bias ``b_eff``, in the base dtype."""
+        return merged_bias(self._pair)
+
+
+def merged_bias(pair: Any) -> Tensor:
+    """``b_eff`` of the target whose weight is ``pair`` (a stand-in or a mode entry)."""
+    return merged_weight(pair._step, pair._weight, pair._bias, pair._layout)[1]  # type: ignore[return-value]
+
+
 def _standin_of(value: Any) -> AdaptedWeight | None:
-    return value if type(value) is AdaptedWeight else None
+    return value if type(value) in (AdaptedWeight, AdaptedBias) else None
 
 
 class _Adapted(Protocol):
@@ -344,6 +381,18 @@ class _ModeEntry:
     _adapted = AdaptedWeight._adapted
 
 
+class _BiasEntry:
+    """The bias of a target of :class:`AdaptedCalls` whose variant changes it (see AdaptedBias)."""
+
+    __slots__ = ("_layout", "_name", "_pair", "_strict", "_weight")
+
+    def __init__(self, bias: Tensor, pair: _ModeEntry, *, strict: bool, name: str) -> None:
+        self._weight, self._pair, self._layout, self._strict, self._name = bias, pair, "bias", strict, name
+
+    def merged(self) -> Tensor:
+        return merged_bias(self._pair)
+
+
 class AdaptedCalls(TorchFunctionMode):
     """The lazy overlay as a torch-function mode, for code that ``torch.compile`` traces.
 
@@ -356,11 +405,11 @@ class AdaptedCalls(TorchFunctionMode):
     only the trace pays; eager code uses the stand-ins.
     """
 
-    def __init__(self, entries: Sequence[_ModeEntry]) -> None:
+    def __init__(self, entries: Sequence[_ModeEntry | _BiasEntry]) -> None:
         super().__init__()
         self._entries = tuple(entries)
 
-    def _find(self, value: Any) -> _ModeEntry | None:
+    def _find(self, value: Any) -> _ModeEntry | _BiasEntry | None:
         if isinstance(value, Tensor):
             for entry in self._entries:
                 if value is entry._weight:

@@ -66,20 +66,15 @@ def weight_use(func: Any, args: tuple, kwargs: dict, find: Callable[[Any], Entry
     """
     if func is F.linear:
         bound = _bind(("input", "weight", "bias"), args, kwargs, bias=None)
-        x, b, w = bound["input"], bound["bias"], find(bound["weight"])
-        if w is not None and w._layout == "linear" and find(x) is None and find(b) is None:
+        x, w = bound["input"], find(bound["weight"])
+        b = _own_bias(bound["bias"], w, find)
+        if w is not None and w._layout == "linear" and find(x) is None and b is not _NOT_OWN:
             return WeightUse(w, x, b, lambda x_, w_: F.linear(x_, w_, b))
     elif func is torch.addmm:
         bound = _bind(("input", "mat1", "mat2"), args, kwargs, beta=1, alpha=1)
-        b, x, w = bound["input"], bound["mat1"], find(bound["mat2"])
-        if (
-            w is not None
-            and w._layout == "conv1d"
-            and bound["beta"] == 1
-            and bound["alpha"] == 1
-            and find(x) is None
-            and find(b) is None
-        ):
+        x, w = bound["mat1"], find(bound["mat2"])
+        b = _own_bias(bound["input"], w, find)
+        if w is not None and w._layout == "conv1d" and bound["beta"] == 1 and bound["alpha"] == 1 and find(x) is None and b is not _NOT_OWN:
             return WeightUse(w, x, b, lambda x_, w_: torch.addmm(b, x_, w_))
     elif func in (torch.matmul, Tensor.matmul, Tensor.__matmul__):
         bound = _bind(("input", "other"), args, kwargs)
@@ -87,6 +82,18 @@ def weight_use(func: Any, args: tuple, kwargs: dict, find: Callable[[Any], Entry
         if w is not None and w._layout == "conv1d" and find(x) is None:
             return WeightUse(w, x, None, lambda x_, w_: torch.matmul(x_, w_))
     return None
+
+
+_NOT_OWN = object()
+
+
+def _own_bias(value: Any, weight: Any, find: Callable[[Any], Entry | None]) -> Any:
+    """The bias a layer's op adds: a plain tensor (or ``None``) as it is; the adapted stand-in
+    of ``weight``'s own bias as the base bias it stands for; anything else adapted: ``_NOT_OWN``."""
+    entry = find(value)
+    if entry is None:
+        return value
+    return entry._weight if getattr(entry, "_pair", None) is weight and weight is not None else _NOT_OWN
 
 
 def found_weights(args: tuple, kwargs: dict, find: Callable[[Any], Entry | None]) -> list[Any]:

@@ -108,7 +108,7 @@ def _forward_keys(model: nn.Module) -> tuple[set[str], bool]:
     return named, "use_cache" in named
 
 
-def _check_batch(batch: Any, index: int) -> tuple[Tensor, Tensor]:
+def _check_batch(batch: Any, index: int, vocab: int | None = None) -> tuple[Tensor, Tensor]:
     """Validate one calibration batch; return ``(input_ids, keep)`` with ``keep`` a ``(B, T)`` bool mask."""
     if not isinstance(batch, Mapping):
         raise TypeError(
@@ -124,6 +124,12 @@ def _check_batch(batch: Any, index: int) -> tuple[Tensor, Tensor]:
     if not isinstance(ids, Tensor) or ids.ndim != 2 or ids.is_floating_point():
         got = f"shape {tuple(ids.shape)}, dtype {ids.dtype}" if isinstance(ids, Tensor) else type(ids).__name__
         raise ValueError(f"calibration batch {index}: 'input_ids' must be an integer tensor (batch, seq), got {got}")
+    if vocab is not None and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        # Else the embedding lookup fails deep inside with "index out of range in self".
+        raise ValueError(
+            f"calibration batch {index}: 'input_ids' has ids outside [0, {vocab}) (min {int(ids.min())}, max "
+            f"{int(ids.max())}); tokenize with the model's own tokenizer (its vocabulary has {vocab} entries)"
+        )
     keep = torch.ones(ids.shape, dtype=torch.bool, device=ids.device)
     for key, drop in (("attention_mask", None), ("labels", IGNORE_INDEX)):
         value = batch.get(key)
@@ -192,10 +198,15 @@ def layer_input_batches(
         )
     accepted, takes_use_cache = _forward_keys(model)
     base = base_params(model)
+    # The token embedding's size (transformers' accessor, else the model's first nn.Embedding).
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else next(
+        (m for m in model.modules() if isinstance(m, torch.nn.Embedding)), None
+    )
+    vocab = getattr(embeddings, "num_embeddings", None)
     empty = True
     for index, batch in _cached(batches, cycle):
         empty = False
-        ids, keep = _check_batch(batch, index)
+        ids, keep = _check_batch(batch, index, vocab)
         inputs = {k: v for k, v in batch.items() if k in accepted}
         if takes_use_cache:
             inputs["use_cache"] = False

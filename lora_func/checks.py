@@ -17,6 +17,8 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
+from lora_func.quantized import kind_of_tensor
+
 __all__ = [
     "MAX_LISTED",
     "check_adapter_placement",
@@ -129,9 +131,9 @@ def detached_base(base: Mapping[str, Tensor]) -> dict[str, Tensor]:
 
 def check_float_targets(base: Mapping[str, Tensor], adapter: object, where: str) -> None:
     """Raise ``TypeError`` when a target weight of ``adapter`` (an adapter, or a list of its
-    ``AdapterLayer``) in ``base`` is not a float
-    tensor (int8 / uint8 storage of a quantized layer, an integer copy): merging into it would
-    round the delta away, and the lazy path would mix integer and float math."""
+    ``AdapterLayer``) in ``base`` is not a float tensor of no registered quantized kind
+    (:mod:`lora_func.quantized`; e.g. a plain int8 copy): merging into it would round the delta
+    away, and the lazy path would mix integer and float math."""
     from lora_func.adapter import leaf_adapters
 
     layers = adapter if isinstance(adapter, list) else [layer for leaf in leaf_adapters(adapter) for layer in leaf.layers]  # type: ignore[arg-type]
@@ -139,7 +141,9 @@ def check_float_targets(base: Mapping[str, Tensor], adapter: object, where: str)
         {
             f"{layer.target.weight_key} ({base[layer.target.weight_key].dtype})"
             for layer in layers
-            if layer.target.weight_key in base and not base[layer.target.weight_key].is_floating_point()
+            if layer.target.weight_key in base
+            and not base[layer.target.weight_key].is_floating_point()
+            and kind_of_tensor(base[layer.target.weight_key]) is None
         }
     )
     if bad:

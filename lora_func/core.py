@@ -11,19 +11,39 @@ from __future__ import annotations
 import contextlib
 import difflib
 import hashlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from lora_func._application import Application, refuse_checkpointing_in_transform
-from lora_func._lazy import AdaptedCalls, AdaptedWeight, ChainStep, LayerCall, LayerStep, SumStep, VariantStep, _ModeEntry, merged_weight
+from lora_func._lazy import (
+    AdaptedBias,
+    AdaptedCalls,
+    AdaptedWeight,
+    ChainStep,
+    LayerCall,
+    LayerStep,
+    SumStep,
+    VariantStep,
+    _BiasEntry,
+    _ModeEntry,
+    merged_weight,
+)
 from lora_func._routing import module_forward
 from lora_func.quantized import QuantizedKind, frozen_call, frozen_forwards, kind_of_tensor, logical_shape
 from lora_func._types import LayerInfo
 from lora_func.adapter import Adapter, AdapterLayer, AdapterLike, Combined, Composed, leaf_adapters
-from lora_func.checks import check_finite
+from lora_func.checks import (
+    check_adapter_placement,
+    check_base,
+    check_finite,
+    check_float_targets,
+    check_layouts,
+    check_model,
+    detached_base,
+)
 from lora_func.spec import AdapterSpec
 from lora_func.targeting import Target, canonical_weight, find_targets, tensor_names
 from lora_func.variants import get_variant
@@ -48,6 +68,7 @@ def base_params(model: nn.Module) -> dict[str, Tensor]:
     quantized weight (:mod:`lora_func.quantized`) is kept as the object the layer holds: its
     layer's op needs the quantization state that a detached view would lose (it is frozen).
     """
+    check_model(model, "base_params")
     detached: dict[int, Tensor] = {}
     out: dict[str, Tensor] = {}
     for name, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
@@ -99,9 +120,18 @@ def init_adapter(
     data-driven variants. Returns an :class:`Adapter` whose params are leaf tensors with
     ``requires_grad=True``.
     """
+    check_model(model, "init_adapter")
     if not isinstance(spec, AdapterSpec):
         raise TypeError(f"init_adapter expects an AdapterSpec, got {type(spec).__name__}")
     variant = get_variant(spec.variant)
+    if variant.calibrate is not None and calibration is not None and (
+        isinstance(calibration, (str, bytes, Mapping, Tensor)) or not isinstance(calibration, Iterable)
+    ):
+        # Before the generator draws its seed: a refused call leaves the global RNG alone.
+        raise TypeError(
+            f"init_adapter: calibration must be an iterable of batches (dicts with 'input_ids'), got "
+            f"{type(calibration).__name__}; e.g. calibration=[{{'input_ids': ids}}] or a DataLoader"
+        )
     targets = find_targets(model, spec)
     if variant.uses_rank:
         too_big = [f"{t.module} (d_in={t.d_in}, d_out={t.d_out})" for t in targets if spec.r > min(t.d_in, t.d_out)]
@@ -295,7 +325,10 @@ def merge_overlay(base: Mapping[str, Tensor], adapter: AdapterLike, *, safe: boo
     step, a bad checkpoint, a merge that overflows a half-precision base) instead of handing
     the model garbage. It reads values, so not inside ``torch.func.vmap``.
     """
+    check_base(base, "merge_overlay")
     _check(base, adapter)
+    check_adapter_placement(base, adapter, "merge_overlay")
+    check_float_targets(base, adapter, "merge_overlay")
     if safe:
         _check_adapter_finite(adapter, "merge_overlay")
     out = dict(base)
@@ -322,7 +355,10 @@ def overlay(base: Mapping[str, Tensor], adapter: AdapterLike, *, strict: bool = 
     or raises when ``strict=True``. ``safe=True`` raises ``FloatingPointError`` naming the
     adapter tensors that hold a NaN or inf (no merged weight exists to check here).
     """
+    check_base(base, "overlay")
     _check(base, adapter)
+    check_adapter_placement(base, adapter, "overlay")
+    check_float_targets(base, adapter, "overlay")
     if safe:
         _check_adapter_finite(adapter, "overlay")
     out = dict(base)
@@ -331,6 +367,8 @@ def overlay(base: Mapping[str, Tensor], adapter: AdapterLike, *, strict: bool = 
         standin = AdaptedWeight(base[key], bias, step, layout=t.layout, strict=strict, name=key)
         for name in (key, *t.tied_keys):
             out[name] = standin
+        if step.changes_bias and bias is not None:
+            out[t.bias_key] = AdaptedBias(bias, standin, strict=strict, name=t.bias_key)  # type: ignore[index]
     return out
 
 
@@ -349,15 +387,20 @@ def overlay_calls(base: Mapping[str, Tensor], adapter: AdapterLike, *, strict: b
     the arguments of every torch call in the block, a Python cost per op that only a trace
     pays once. ``safe=True`` checks the adapter tensors as :func:`overlay` does.
     """
+    check_base(base, "overlay_calls")
     _check(base, adapter)
+    check_adapter_placement(base, adapter, "overlay_calls")
+    check_float_targets(base, adapter, "overlay_calls")
     if safe:
         _check_adapter_finite(adapter, "overlay_calls")
-    return AdaptedCalls(
-        [
-            _ModeEntry(base[key], base[t.bias_key] if t.bias_key is not None else None, step, layout=t.layout, strict=strict, name=key)
-            for key, (t, step) in _layer_steps(adapter).items()
-        ]
-    )
+    entries: list[_ModeEntry | _BiasEntry] = []
+    for key, (t, step) in _layer_steps(adapter).items():
+        bias = base[t.bias_key] if t.bias_key is not None else None
+        entry = _ModeEntry(base[key], bias, step, layout=t.layout, strict=strict, name=key)
+        entries.append(entry)
+        if step.changes_bias and bias is not None:
+            entries.append(_BiasEntry(bias, entry, strict=strict, name=t.bias_key))  # type: ignore[arg-type]
+    return AdaptedCalls(entries)
 
 
 def check_params(model: nn.Module, params: Mapping[str, Tensor]) -> None:
@@ -478,6 +521,7 @@ def _application(
         forwards: dict[str, Any] = {}
     else:
         _check(base, adapter, quantized_ok=True)
+        check_adapter_placement(base, adapter, "adapted_call")
         if safe:
             _check_adapter_finite(adapter, "adapted_call")
         params, forwards = dict(base), _module_forwards(adapter, merged=merged)
@@ -520,10 +564,16 @@ def adapted_call(
 
     ``safe=True``: see :func:`merge_overlay` and :func:`overlay` (eager code only: it reads values).
     """
+    check_model(model, "adapted_call")
     if base is None:
         base = base_params(model)
     else:
+        check_base(base, "adapted_call")
         check_params(model, base)
+        # A dict from named_parameters() holds the model's requires_grad tensors: backward
+        # would fill their .grad.
+        base = detached_base(base)
+    check_layouts(model, adapter, "adapted_call")
     if _resolve_route(route, base, adapter) == "overlay" and torch.compiler.is_compiling():
         # Dynamo cannot trace the creation of the lazy stand-ins; the same lazy path as a
         # torch-function mode over the base tensors traces with fullgraph=True. Checkpointed
@@ -556,6 +606,7 @@ def adapted(
     ``model`` see the adapter while the block runs.
     """
     base = base_params(model)
+    check_layouts(model, adapter, "adapted")
     application = _application(model, base, adapter, merged=merged, route=route, strict=strict, safe=False, whole_base=False)
     with application.applied():
         yield model

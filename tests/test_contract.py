@@ -219,7 +219,8 @@ def test_dtype_policy_fp32_adapter_on_half_base(row, kind, dtype):
         out = run_path(model, base, adapter, ids, name)
         assert out.dtype == dtype, name
         assert torch.isfinite(out).all(), name
-        assert (out.float() - oracle).abs().max() < 0.25 * effect, f"{name}: half-precision output far from the fp32 oracle"
+        # Worst case measured 0.040 of the effect (DoRA, bf16, lazy): a 10% loss of the adapter fails.
+        assert (out.float() - oracle).abs().max() < 0.08 * effect, f"{name}: half-precision output far from the fp32 oracle"
         grads = grad(loss_fn(model, base, adapter, ids, path=name))(adapter.params)
         for key, g in grads.items():
             assert g.dtype == torch.float32 and torch.isfinite(g).all(), f"{name} {key}"

@@ -1002,6 +1002,32 @@ CASES.update(
     }
 )
 
+def _quantized(ctx: Ctx) -> nn.Module:
+    from tests.quantized_models import quantized_llama
+
+    return ctx.track(quantized_llama("bnb-nf4"))
+
+
+def _pissa_on_quantized(ctx: Ctx) -> Callable[[], Any]:
+    model = _quantized(ctx)
+    the_spec = lf.AdapterSpec("pissa", targets=["q_proj"], r=2)
+    return lambda: lf.init_adapter(model, the_spec, generator=torch.Generator().manual_seed(0))
+
+
+def _overlay_on_quantized(ctx: Ctx) -> Callable[[], Any]:
+    model = _quantized(ctx)
+    adapter = ctx.adapter(model)
+    base = lf.base_params(model)
+    return lambda: lf.merge_overlay(base, adapter)
+
+
+CASES.update(
+    {
+        "quantized-replaces-weight": Case(_pissa_on_quantized, ("pissa", "model.layers.0.self_attn.q_proj")),
+        "quantized-overlay": Case(_overlay_on_quantized, ("model.layers.0.self_attn.q_proj.weight", "adapted_call")),
+    }
+)
+
 RNG_ADVANCES = frozenset(
     {
         "demo-diverged",
@@ -1011,6 +1037,7 @@ RNG_ADVANCES = frozenset(
         "antipasto-alpha",
         "calib-batch-type",
         "calib-empty",
+        "calib-ids-range",
         "calib-input-ids-type",
         "calib-mask-shape",
         "calib-no-input-ids",
@@ -1171,6 +1198,8 @@ CASES.update(
         "train-max-grad-norm": Case(_train_with(max_grad_norm=math.nan), ("max_grad_norm=nan", "math.inf")),
         "fit-batch-at": Case(_fit_with(batch_at=[{"input_ids": IDS}]), ("list", "lambda step")),
         "fit-steps": Case(_fit_with(steps=-1), ("steps=-1",)),
+        "init-calibration-type": Case(on_model(lambda m, ctx: lf.init_adapter(m, lf.AdapterSpec("eva", targets=["q_proj"], r=2), calibration=5)), ("int", "DataLoader")),
+        "calib-ids-range": Case(lambda ctx: calib(ctx, [{"input_ids": torch.full((2, 8), 99)}]), ("batch 0", "[0, 16)", "max 99")),
         "adapter-placement-device": Case(on_two(_meta_adapter), ("adapted_call", Q + ".lora_A on meta", "lora_func.load")),
         "adapter-placement-dtype": Case(on_two(_integer_adapter), ("overlay", "torch.int64")),
         "adapter-layout": Case(_linear_adapter_on_conv1d, ("adapted_call", "proj", "linear", "conv1d")),
