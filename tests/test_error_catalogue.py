@@ -1021,10 +1021,21 @@ def _overlay_on_quantized(ctx: Ctx) -> Callable[[], Any]:
     return lambda: lf.merge_overlay(base, adapter)
 
 
+def _merge_quantized(of: Callable[[nn.Module], Any]) -> Callable[[Ctx], Callable[[], Any]]:
+    def arrange(ctx: Ctx) -> Callable[[], Any]:
+        model = _quantized(ctx)
+        adapter = ctx.adapter(model)
+        return lambda: lf.merge(of(model), adapter)
+
+    return arrange
+
+
 CASES.update(
     {
         "quantized-replaces-weight": Case(_pissa_on_quantized, ("pissa", "model.layers.0.self_attn.q_proj")),
         "quantized-overlay": Case(_overlay_on_quantized, ("model.layers.0.self_attn.q_proj.weight", "adapted_call")),
+        "merge-quantized-dtype": Case(_merge_quantized(lambda model: model), ("model.layers.0.self_attn.q_proj.weight", "dtype=")),
+        "merge-quantized-base-dict": Case(_merge_quantized(lf.base_params), ("model.layers.0.self_attn.q_proj.weight", "dtype=")),
     }
 )
 

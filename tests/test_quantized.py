@@ -241,3 +241,36 @@ def test_targets_have_the_layers_sizes_not_the_packed_weights():
     layer = adapter.layers[0]
     assert (layer.target.d_in, layer.target.d_out) == (128, 64)
     assert dequantized_weight(model.model.layers[0].mlp.down_proj).shape == (64, 128)
+
+
+@pytest.mark.parametrize("scheme_name", ["bnb-nf4", "torchao-int8"])
+def test_save_load_both_ways_and_a_dense_merge(scheme_name, tmp_path):
+    """An adapter trained on a quantized base reloads exactly there and onto the float model (off
+    by the dequantization round-off only); merge names a dense dtype and never rounds the delta."""
+    model = quantized_llama(scheme_name)
+    oracle = float_oracle(model)
+    ids = tokens()
+    for variant in ("lora", "dora"):
+        adapter = perturbed(build(model, variant), 0.3)
+        want = lf.adapted_call(model, adapter, ids).logits
+        lf.save(adapter, tmp_path / f"{variant}.safetensors")
+        lf.save_peft(adapter, tmp_path / variant)
+        for loaded in (lf.load(tmp_path / f"{variant}.safetensors", model=model), lf.load_peft(tmp_path / variant, model)):
+            assert torch.equal(lf.adapted_call(model, loaded, ids).logits, want)
+        for loaded in (lf.load(tmp_path / f"{variant}.safetensors", model=oracle), lf.load_peft(tmp_path / variant, oracle)):
+            torch.testing.assert_close(lf.adapted_call(oracle, loaded, ids).logits, want, atol=SCHEME_ATOL.get(scheme_name, ATOL), rtol=0)
+        with pytest.raises(TypeError, match=r"are quantized.*dtype=torch.bfloat16"):
+            lf.merge(model, adapter)
+        merged = lf.merge(model, adapter, dtype=torch.float32)
+        dense = float_llama_like(oracle)
+        dense.load_state_dict(merged)
+        torch.testing.assert_close(dense(ids).logits, lf.adapted_call(oracle, same_values(adapter, build(oracle, variant)), ids, merged=True).logits, atol=ATOL, rtol=0)
+        assert (dense(ids).logits - oracle(ids).logits).abs().max() > 1e-2  # the delta is in
+
+
+def float_llama_like(model):
+    from tests.quantized_models import float_llama
+
+    fresh = float_llama(seed=1)
+    assert sorted(fresh.state_dict()) == sorted(model.state_dict())
+    return fresh

@@ -43,6 +43,7 @@ from torch import Tensor, nn
 from lora_func._types import LayerInfo
 from lora_func.adapter import Adapter, AdapterLayer, AdapterLike, Combined, Composed
 from lora_func.checks import check_float_targets, check_model, check_path
+from lora_func.quantized import logical_shape
 from lora_func.core import base_params, weight_fingerprint
 from lora_func.io._files import safetensors_write, write_file
 from lora_func.spec import LAYER_TYPES, AdapterSpec
@@ -361,8 +362,8 @@ def _model_problems(model: nn.Module, base: Mapping[str, Tensor], layers: list[A
             # Same name and, for a square layer, same shape: an nn.Linear adapter on a GPT-2
             # Conv1D would run transposed and give wrong outputs without an error.
             problems.append(f"{t.weight_key}: adapter built for a {t.layout} layer, the model's is {kind or type(modules.get(t.module)).__name__}")
-        elif tuple(base[t.weight_key].shape) != stored:
-            problems.append(f"{t.weight_key}: adapter built for {stored}, model has {tuple(base[t.weight_key].shape)}")
+        elif logical_shape(base[t.weight_key]) != stored:
+            problems.append(f"{t.weight_key}: adapter built for {stored}, model has {logical_shape(base[t.weight_key])}")
         elif layer.base_fingerprint is not None and weight_fingerprint(base[t.weight_key]) != layer.base_fingerprint:
             problems.append(
                 f"{t.weight_key}: the adapter was derived from different base weights "

@@ -54,6 +54,7 @@ from lora_func.checks import check_model, check_path
 from lora_func.core import base_params, weight_fingerprint
 from lora_func.io._files import replace_directory, safetensors_write
 from lora_func.spec import AdapterSpec
+from lora_func.quantized import kind_of_tensor
 from lora_func.targeting import Target, canonical_weight, find_targets, tensor_names
 from lora_func.variants import get_variant
 
@@ -243,7 +244,11 @@ def _check_model(model: nn.Module, directory: Path, modules: Iterable[str]) -> N
         )
     by_name = dict(model.named_modules())
     weights = {m: getattr(by_name[m], "weight", None) for m in modules}
-    not_float = sorted(f"{m}.weight ({w.dtype})" for m, w in weights.items() if isinstance(w, Tensor) and not w.is_floating_point())
+    not_float = sorted(
+        f"{m}.weight ({w.dtype})"
+        for m, w in weights.items()
+        if isinstance(w, Tensor) and not w.is_floating_point() and kind_of_tensor(w) is None
+    )
     if not_float:
         raise TypeError(
             f"load_peft({directory}): the target weights {not_float[:5]} of {type(model).__name__} are not floating-point "
