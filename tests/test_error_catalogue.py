@@ -1034,8 +1034,8 @@ CASES.update(
     {
         "quantized-replaces-weight": Case(_pissa_on_quantized, ("pissa", "model.layers.0.self_attn.q_proj")),
         "quantized-overlay": Case(_overlay_on_quantized, ("model.layers.0.self_attn.q_proj.weight", "adapted_call")),
-        "merge-quantized-dtype": Case(_merge_quantized(lambda model: model), ("model.layers.0.self_attn.q_proj.weight", "dtype=")),
-        "merge-quantized-base-dict": Case(_merge_quantized(lf.base_params), ("model.layers.0.self_attn.q_proj.weight", "dtype=")),
+        "merge-quantized-dtype": Case(_merge_quantized(lambda model: model), ("model.layers.0.mlp.down_proj.weight", "dtype=")),
+        "merge-quantized-base-dict": Case(_merge_quantized(lf.base_params), ("model.layers.0.mlp.down_proj.weight", "dtype=")),
     }
 )
 
