@@ -55,6 +55,10 @@ def main(argv: list[str] | None = None) -> int:
         "--gradient-checkpointing", action="store_true",
         help="recompute each decoder layer in backward instead of keeping its activations (less memory, more time)",
     )
+    demo.add_argument(
+        "--quantize", choices=("nf4", "int8"), default=None,
+        help="load the base quantized with bitsandbytes (QLoRA; needs bitsandbytes installed): nf4 4-bit or LLM.int8",
+    )
     demo.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
 
@@ -62,11 +66,13 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(variants) - set(lf.list_variants()))
     if unknown or not variants:
         parser.error(f"unknown variant(s) {unknown}; known: {', '.join(lf.list_variants())}, or 'all'")
+    if args.quantize and "pissa" in variants:
+        parser.error("pissa replaces the base weight by a dense residual, which a quantized base cannot hold; leave it out with --quantize")
     config = DemoConfig(
         variants=variants, r=args.r, steps=args.steps, lr=args.lr, batch_size=args.batch_size, dtype=DTYPES[args.dtype],
         device=args.device, model_dir=args.model, targets=args.targets.split(",") if args.targets else None,
         out=args.out, seed=args.seed, progress=not args.no_progress, threads=args.threads,
-        gradient_checkpointing=args.gradient_checkpointing,
+        gradient_checkpointing=args.gradient_checkpointing, quantize=args.quantize,
     )
     try:
         rows = run_demo(config)

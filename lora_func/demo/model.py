@@ -18,7 +18,7 @@ from torch import nn
 
 from lora_func.demo.corpus import vocabulary
 
-__all__ = ["ASSETS", "SPECIAL_TOKENS", "build_tokenizer", "default_targets", "load_model", "tiny_config"]
+__all__ = ["ASSETS", "QUANTIZE", "SPECIAL_TOKENS", "build_tokenizer", "default_targets", "load_model", "quantization_config", "tiny_config"]
 
 ASSETS = Path(str(resources.files("lora_func.demo") / "assets"))
 SPECIAL_TOKENS = {"pad_token": "<pad>", "unk_token": "<unk>", "bos_token": "<bos>", "eos_token": "<eos>"}
@@ -58,11 +58,38 @@ def tiny_config(vocab_size: int):
     )
 
 
-def load_model(model_dir: str | os.PathLike | None = None, *, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+QUANTIZE = ("nf4", "int8")
+
+
+def quantization_config(quantize: str, dtype: torch.dtype):
+    """bitsandbytes' config for ``quantize``: ``"nf4"`` (QLoRA's 4-bit NormalFloat, double
+    quantization, compute in ``dtype``) or ``"int8"`` (LLM.int8)."""
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError as err:
+        raise ImportError(
+            f"quantize={quantize!r} needs bitsandbytes (pip install bitsandbytes); lora_func does not depend on it"
+        ) from err
+    from transformers import BitsAndBytesConfig
+
+    if quantize == "nf4":
+        return BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype
+        )
+    if quantize == "int8":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    raise ValueError(f"quantize={quantize!r} is not one of {list(QUANTIZE)}")
+
+
+def load_model(
+    model_dir: str | os.PathLike | None = None, *, dtype: torch.dtype = torch.float32, device: str = "cpu", quantize: str | None = None
+):
     """``(model, tokenizer)`` from ``model_dir`` (any local causal-LM directory that
     ``AutoModelForCausalLM`` and ``AutoTokenizer`` read), or the shipped tiny model when
     ``None``. The model is in eval mode with eager attention (what ``torch.func.vmap`` needs);
-    a tokenizer without a pad token gets its eos token as pad."""
+    a tokenizer without a pad token gets its eos token as pad. ``quantize`` (``"nf4"`` or
+    ``"int8"``, bitsandbytes) loads the linear layers of the decoder quantized, the rest in
+    ``dtype``: a QLoRA base."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = ASSETS if model_dir is None else Path(model_dir)
@@ -74,6 +101,10 @@ def load_model(model_dir: str | os.PathLike | None = None, *, dtype: torch.dtype
         tokenizer.pad_token = tokenizer.eos_token
     # Cast after loading: ``from_pretrained``'s dtype keyword changed name across transformers
     # versions (torch_dtype -> dtype); the shipped bf16 weights upcast exactly.
+    if quantize is not None:
+        config = quantization_config(quantize, dtype)
+        model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", quantization_config=config, dtype=dtype)
+        return model.to(device).eval(), tokenizer
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").to(device=device, dtype=dtype).eval()
     return model, tokenizer
 

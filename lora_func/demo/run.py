@@ -23,6 +23,7 @@ from torch import Tensor, nn
 import lora_func as lf
 from lora_func.demo.corpus import TaskExample, task_split
 from lora_func.demo.model import default_targets, load_model
+from lora_func.quantized import logical_shape
 from lora_func.train import IGNORE_INDEX, StepStats, TrainState, fit, make_optimizer
 
 __all__ = [
@@ -83,6 +84,7 @@ class DemoConfig:
     samples: int = 2  # generated examples shown before/after per variant
     threads: int | None = None  # torch CPU threads while training; None: see threads_for_run
     gradient_checkpointing: bool = False  # recompute each decoder layer in backward (HF's, non-reentrant)
+    quantize: str | None = None  # "nf4" or "int8": a bitsandbytes-quantized base (QLoRA)
 
     def lr_for(self, variant: str) -> float:
         return self.lr if self.lr is not None else DEFAULT_LR.get(variant, 1e-2)
@@ -229,6 +231,12 @@ def _save_and_reload(model: nn.Module, adapter: Any, directory: Path) -> tuple[A
     return lf.load_peft(path, model), note + ")"
 
 
+def model_size(model: nn.Module) -> int:
+    """The model's parameter count, tied weights once, buffers not counted; a quantized weight
+    counts the weights it stands for, not its packed bytes."""
+    return sum(math.prod(logical_shape(p)) for p in model.parameters())
+
+
 @contextlib.contextmanager
 def training_mode(model: nn.Module, *, checkpointing: bool) -> Iterator[None]:
     """With ``checkpointing``: the model in training mode with HF gradient checkpointing on
@@ -263,7 +271,7 @@ def run_variant(
     ``"losses"``: the per-step training loss)."""
     with cpu_threads(config.threads_for_run()):
         base = lf.base_params(model)
-        total = sum(p.numel() for p in model.parameters())  # tied weights once, buffers not counted
+        total = model_size(model)
         targets = list(config.targets) if config.targets else default_targets(model)
         spec = lf.AdapterSpec(variant, targets=targets, r=config.r)
         calibration = None
@@ -364,13 +372,14 @@ def run_demo(config: DemoConfig, *, emit: Callable[[str], None] = print) -> list
     variant's numbers and samples, and the final table; write ``loss_curves.png``,
     ``results.md``, ``results.json`` and the adapters to ``config.out``. Returns the rows."""
     torch.manual_seed(config.seed)
-    model, tokenizer = load_model(config.model_dir, dtype=config.dtype, device=config.device)
+    model, tokenizer = load_model(config.model_dir, dtype=config.dtype, device=config.device, quantize=config.quantize)
     train_examples, held_out_examples = task_split(config.seed)
     train = encode_examples(tokenizer, train_examples).to(config.device)
     held_out = encode_examples(tokenizer, held_out_examples).to(config.device)
-    n_params = sum(p.numel() for p in model.parameters())
+    n_params = model_size(model)
     source = config.model_dir or "the shipped tiny Llama (lora_func/demo/assets)"
-    emit(f"model: {source}, {n_params:,} parameters, {config.dtype} on {config.device}; adapters in fp32")
+    quantized = f", decoder linears quantized {config.quantize} (bitsandbytes)" if config.quantize else ""
+    emit(f"model: {source}, {n_params:,} parameters, {config.dtype} on {config.device}{quantized}; adapters in fp32")
     emit(f"task: answer 'what is a plus b ?' ({len(train_examples)} training pairs, {len(held_out_examples)} held-out pairs never trained on)")
     for ex in train_examples[:3]:
         emit(f"  e.g.  {ex.prompt}  ->  {ex.answer}")
