@@ -119,3 +119,16 @@ def test_checkpointing_counts_what_autograd_keeps_and_the_target_holds(bench_mod
             assert off > base_off, f"{name}: the adapter's own saved tensors are missing without checkpointing"
     assert "-> HOLDS" in out
 
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning", "ignore::FutureWarning")
+def test_qlora_prints_base_memory_saved_bytes_and_the_peft_ratio(bench_module, capsys):
+    script = bench_module("qlora.py")
+    tiny = ["--hidden", "64", "--layers", "1", "--vocab", "128", "--batch", "2", "--seq", "16", "--rank", "2", "--rounds", "2", "--warmup", "0", "--threads", "1"]
+    assert script["main"](tiny) == 0
+    out = capsys.readouterr().out
+    held = next(line for line in out.splitlines() if line.startswith("# base held:"))
+    assert "nf4" in held and float(held.split("(")[1].split(" ")[0]) < 1.0  # the 4-bit base holds less
+    rows = [line for line in out.splitlines() if line.startswith("| nf4") or line.startswith("| bf16")]
+    assert len(rows) == 4 and all("MiB" in row for row in rows)
+    assert "lora_func / peft:" in out
