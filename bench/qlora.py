@@ -7,7 +7,9 @@ loaded back with bitsandbytes' nf4 quantization, double quantization, bf16 compu
   nf4 against the same model in bf16;
 - bytes autograd keeps for backward during one LoRA training step (a deterministic count):
   lora_func against peft on the same nf4 model, and on the bf16 model;
-- on CUDA, the peak memory of a whole step (``torch.cuda.max_memory_allocated``);
+- the peak memory of a whole step: on CUDA ``torch.cuda.max_memory_allocated``; on the CPU the
+  process's peak resident set (``VmHWM``, reset with ``/proc/self/clear_refs`` after the models
+  are built), in a fresh process per configuration so that one cannot inherit another's peak;
 - the step time of lora_func over peft's on the nf4 model: median of interleaved rounds with
   its 95 % confidence interval.
 
@@ -80,14 +82,61 @@ def steps(s: c.Setup, model: torch.nn.Module, rank: int, args: argparse.Namespac
     return {"lora_func": ours, "peft": c.peft_step(setup, peft_model)}
 
 
+PEAK_CONFIGS = ("nf4:lora_func", "nf4:peft", "bf16:lora_func")
+
+
+def _vm(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def cpu_peak(args: argparse.Namespace, config: str) -> tuple[int, int]:
+    """(resident bytes before one step of ``config``, peak resident bytes while it runs): the
+    models are built, the other base freed, the high-water mark reset, one step run."""
+    bf16, nf4 = models(args)
+    s = c.build_setup(args, model=bf16)
+    base, name = config.split(":")
+    step = steps(s, nf4 if base == "nf4" else bf16, args.rank, args)[name]
+    other = bf16 if base == "nf4" else nf4
+    for p in [*other.parameters(), *other.buffers()]:  # not this configuration's base: free it
+        p.data = torch.empty(0, dtype=p.dtype)
+    import gc
+
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = _vm("VmRSS")
+    step.step()
+    return before, _vm("VmHWM")
+
+
+def _peak_in_child(argv: list[str], config: str) -> tuple[int, int] | None:
+    import subprocess
+
+    out = subprocess.run(
+        [sys.executable, __file__, *argv, "--peak-child", config], capture_output=True, text=True, check=False
+    )
+    lines = [line for line in out.stdout.splitlines() if line.startswith("peak ")]
+    return (int(lines[-1].split()[1]), int(lines[-1].split()[2])) if lines else None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     c.add_model_args(parser)
     parser.set_defaults(dtype="bfloat16")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--no-peak", dest="peak", action="store_false", help="skip the CPU peak measurement (3 child processes)")
+    parser.add_argument("--peak-child", default=None, help=argparse.SUPPRESS)
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     c.setup(args)
+    if args.peak_child:
+        print("peak {} {}".format(*cpu_peak(args, args.peak_child)))
+        return 0
     c.set_clock("wall")
     bf16, nf4 = models(args)
     s = c.build_setup(args, model=bf16)
@@ -104,6 +153,14 @@ def main(argv: list[str] | None = None) -> int:
             saved = c.saved_tensor_bytes(step.forward, [*step.inputs])
             peak = c.fmt_bytes(c.cuda_peak_bytes(step.step)) if device.type == "cuda" else "n/a (CPU)"
             print(f"| {base_name} | {name} | {c.fmt_bytes(saved)} | {peak} |")
+    if device.type == "cpu" and args.peak and Path("/proc/self/clear_refs").exists():
+        child_argv = [a for a in argv if a != "--no-peak"]
+        peaks = {config: _peak_in_child(child_argv, config) for config in PEAK_CONFIGS}
+        cells = "; ".join(
+            f"{k} {c.fmt_bytes(v[1])} (resident before the step {c.fmt_bytes(v[0])}, step +{c.fmt_bytes(v[1] - v[0])})" if v else f"{k} failed"
+            for k, v in peaks.items()
+        )
+        print(f"# CPU peak resident memory of one step, whole process: {cells}")
     stats, noise = c.interleaved_ratios(
         {"peft": nf4_steps["peft"].step, "lora_func": nf4_steps["lora_func"].step}, "peft", rounds=args.rounds, warmup=args.warmup, device=device
     )
