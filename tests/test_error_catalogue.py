@@ -1021,6 +1021,17 @@ def _overlay_on_quantized(ctx: Ctx) -> Callable[[], Any]:
     return lambda: lf.merge_overlay(base, adapter)
 
 
+def _demo_quantize(*, missing: bool) -> Callable[[Ctx], Callable[[], Any]]:
+    def arrange(ctx: Ctx) -> Callable[[], Any]:
+        from lora_func.demo.model import quantization_config
+
+        if missing:
+            ctx.monkeypatch.setitem(__import__("sys").modules, "bitsandbytes", None)  # import raises ImportError
+        return lambda: quantization_config("nf4" if missing else "nf3", torch.float32)
+
+    return arrange
+
+
 def _merge_quantized(of: Callable[[nn.Module], Any]) -> Callable[[Ctx], Callable[[], Any]]:
     def arrange(ctx: Ctx) -> Callable[[], Any]:
         model = _quantized(ctx)
@@ -1034,6 +1045,8 @@ CASES.update(
     {
         "quantized-replaces-weight": Case(_pissa_on_quantized, ("pissa", "model.layers.0.self_attn.q_proj")),
         "quantized-overlay": Case(_overlay_on_quantized, ("model.layers.0.self_attn.q_proj.weight", "adapted_call")),
+        "demo-quantize-needs-bitsandbytes": Case(_demo_quantize(missing=True), ("bitsandbytes", "'nf4'")),
+        "demo-quantize-unknown": Case(_demo_quantize(missing=False), ("'nf3'",)),
         "merge-quantized-dtype": Case(_merge_quantized(lambda model: model), ("model.layers.0.mlp.down_proj.weight", "dtype=")),
         "merge-quantized-base-dict": Case(_merge_quantized(lf.base_params), ("model.layers.0.mlp.down_proj.weight", "dtype=")),
     }
