@@ -10,14 +10,19 @@ from lora_func.io import load, load_peft, save, save_peft
 from lora_func.spec import AdapterSpec
 from lora_func.variants import get_variant, list_variants
 
+# Ecosystem: peft habits, optree/torchopt, nn.Module frameworks (Trainer, accelerate, DDP).
+from lora_func.summary import AdapterSummary, adapter_summary
+
 __all__ = [
     "Adapter",
     "AdapterLayer",
     "AdapterSpec",
+    "AdapterSummary",
     "Combined",
     "Composed",
     "adapted",
     "adapted_call",
+    "adapter_summary",
     "all_reduce_mean",
     "all_reduce_mean_grads_",
     "base_params",

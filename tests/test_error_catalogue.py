@@ -970,6 +970,33 @@ RNG_ADVANCES = frozenset(
 FILE_SIDE_EFFECTS: dict[str, dict[str, str]] = {}
 
 
+# --- ecosystem (lora_func/summary.py, bridge.py, _optree.py; "all-linear" in targeting.py)
+
+
+def _only_head(ctx: Ctx) -> Callable[[], Any]:
+    class HeadOnly(nn.Module):  # a model whose only Linear is its output head
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(8, 4)
+            self.head = nn.Linear(4, 8)
+
+        def get_output_embeddings(self) -> nn.Module:
+            return self.head
+
+    model = ctx.track(HeadOnly().eval())
+    the_spec = lf.AdapterSpec("lora", targets="all-linear", r=2)
+    return lambda: lf.init_adapter(model, the_spec, generator=torch.Generator().manual_seed(0))
+
+
+CASES.update(
+    {
+        "target-all-linear-none": Case(_only_head, ("HeadOnly", "'head'", "targets")),
+        "summary-model-type": Case(on_adapter(lambda adapter, ctx: lf.adapter_summary(adapter, ctx.models[0][0])), ("Adapter", "adapter_summary(model, adapter)")),
+        "summary-adapter-type": Case(on_adapter(lambda adapter, ctx: lf.adapter_summary(ctx.models[0][0], adapter.params)), ("dict", "init_adapter")),
+    }
+)
+
+
 def test_every_catalogue_entry_has_a_case():
     assert sorted(CASES) == sorted(ENTRIES), (
         f"cases without entry: {sorted(set(CASES) - set(ENTRIES))}; entries without case: {sorted(set(ENTRIES) - set(CASES))}"
