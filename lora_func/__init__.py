@@ -14,6 +14,7 @@ from lora_func.variants import get_variant, list_variants
 from lora_func.summary import AdapterSummary, adapter_summary
 
 __all__ = [
+    "AdaptedModule",
     "Adapter",
     "AdapterLayer",
     "AdapterSpec",
@@ -24,6 +25,7 @@ __all__ = [
     "adapted_call",
     "adapter_summary",
     "all_reduce_mean",
+    "as_module",
     "all_reduce_mean_grads_",
     "base_params",
     "broadcast_adapter",
@@ -51,3 +53,13 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # The module bridge subclasses transformers' PreTrainedModel, whose import costs seconds:
+    # loaded on first use only.
+    if name in ("AdaptedModule", "as_module"):
+        from lora_func import bridge
+
+        return getattr(bridge, name)
+    raise AttributeError(f"module 'lora_func' has no attribute {name!r}")

@@ -988,11 +988,22 @@ def _only_head(ctx: Ctx) -> Callable[[], Any]:
     return lambda: lf.init_adapter(model, the_spec, generator=torch.Generator().manual_seed(0))
 
 
+def _empty_directory_bridge(ctx: Ctx) -> Callable[[], Any]:
+    (ctx.tmp / "nothing-here").mkdir()
+    model = ctx.model()
+    return lambda: lf.AdaptedModule.from_pretrained(ctx.tmp / "nothing-here", model=model)
+
+
 CASES.update(
     {
         "target-all-linear-none": Case(_only_head, ("HeadOnly", "'head'", "targets")),
         "summary-model-type": Case(on_adapter(lambda adapter, ctx: lf.adapter_summary(adapter, ctx.models[0][0])), ("Adapter", "adapter_summary(model, adapter)")),
         "summary-adapter-type": Case(on_adapter(lambda adapter, ctx: lf.adapter_summary(ctx.models[0][0], adapter.params)), ("dict", "init_adapter")),
+        "bridge-model-type": Case(on_adapter(lambda adapter, ctx: lf.as_module(adapter, ctx.models[0][0])), ("Adapter", "as_module(model, adapter)")),
+        "bridge-adapter-type": Case(on_adapter(lambda adapter, ctx: lf.as_module(ctx.models[0][0], adapter.params)), ("dict", "init_adapter")),
+        "bridge-stacked": Case(on_adapter(lambda adapter, ctx: lf.as_module(ctx.models[0][0], lf.stack([adapter, adapter]))), ("(2,)", "lora_func.take")),
+        "bridge-no-adapter-files": Case(_empty_directory_bridge, ("nothing-here", "save_pretrained")),
+        "unknown-attribute": Case(lambda ctx: lambda: lf.adapter_sumary, ("'adapter_sumary'",)),
     }
 )
 
