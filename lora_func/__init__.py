@@ -11,6 +11,7 @@ from lora_func.spec import AdapterSpec
 from lora_func.variants import get_variant, list_variants
 
 # Ecosystem: peft habits, optree/torchopt, nn.Module frameworks (Trainer, accelerate, DDP).
+from lora_func import _optree  # noqa: F401  (registers the adapter types with optree, if installed)
 from lora_func.summary import AdapterSummary, adapter_summary
 
 __all__ = [
