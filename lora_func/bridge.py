@@ -51,6 +51,9 @@ class AdaptedModule(PreTrainedModel):
     config_class = PreTrainedConfig
     base_model_prefix = ""
     _no_split_modules: list[str] = []
+    # The base model computes attention, not the bridge: whatever it was configured with
+    # PreTrainedModel.__init__ must accept (it refuses e.g. sdpa for a class without these).
+    _supports_sdpa = _supports_flash_attn = _supports_flex_attn = _supports_attention_backend = True
 
     def __init__(self, model: nn.Module, adapter: AdapterLike) -> None:
         config = getattr(model, "config", None)

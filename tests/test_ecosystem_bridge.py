@@ -86,6 +86,18 @@ def test_bridge_parameters_are_the_adapter_tensors_and_the_base_stays_out():
     assert model.config._attn_implementation == "eager"  # the base's config is not the bridge's
 
 
+def test_bridge_over_a_model_configured_for_sdpa_attention():
+    """PreTrainedModel.__init__ refuses an attention implementation its class does not declare;
+    the bridge computes no attention itself, so it must accept whatever the base uses."""
+    model = tiny_model("llama")
+    model.set_attn_implementation("sdpa")
+    adapter = _adapter(model)
+    bridge = lf.as_module(model, adapter)
+    ids = _batch(0)["input_ids"]
+    torch.testing.assert_close(bridge(ids).logits, lf.adapted_call(model, adapter, ids).logits, rtol=0, atol=0)
+    assert model.config._attn_implementation == "sdpa"
+
+
 def test_bridge_refuses_bad_arguments_with_the_fix():
     model = tiny_model("llama")
     adapter = _adapter(model)
