@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import copy
 import inspect
+import json
 import os
 import types
 from pathlib import Path
 from typing import Any
 
+from safetensors.torch import save_file
 from torch import nn
 from transformers import PreTrainedConfig, PreTrainedModel
 
@@ -27,6 +29,10 @@ __all__ = ["NATIVE_FILE", "AdaptedModule", "as_module"]
 
 NATIVE_FILE = "adapter.safetensors"  # save_pretrained's file for adapters peft cannot express
 _PEFT_CONFIG = "adapter_config.json"
+# Trainer(resume_from_checkpoint=...) reloads a non-peft module only through a sharded-checkpoint
+# index naming its state-dict keys; this small file and index are that, for the bridge's tensors.
+_RESUME_FILE = "bridge_parameters.safetensors"
+_RESUME_INDEX = "model.safetensors.index.json"
 
 
 def _encode(key: str) -> str:
@@ -109,20 +115,28 @@ class AdaptedModule(PreTrainedModel):
         ``adapter_model.safetensors``, :func:`lora_func.save_peft`) when peft has the variant,
         else ``adapter.safetensors`` (:func:`lora_func.save`). ``transformers.Trainer`` calls it
         for ``save_model`` and for every checkpoint (its ``state_dict=`` is ignored: the
-        adapter is the state)."""
+        adapter is the state). The bridge's parameters are also written under their own names
+        with a ``model.safetensors.index.json`` (a few KB: the adapter again), the one form
+        ``Trainer(resume_from_checkpoint=...)`` reloads into a module that is not a peft model."""
         directory = Path(save_directory)
         if not is_main_process:
             return directory
         adapter = self.adapter
         detached = adapter.with_params({k: v.detach() for k, v in adapter.params.items()})
         try:
-            return save_peft(detached, directory, model=self.base)
+            save_peft(detached, directory, model=self.base)
         except (TypeError, ValueError):
             # save_peft refuses, before writing anything, what peft cannot express (antipasto,
             # combine, hra/delora on Conv1D, tied targets): the native format has everything.
-            pass
-        directory.mkdir(parents=True, exist_ok=True)
-        save(detached, directory / NATIVE_FILE)
+            directory.mkdir(parents=True, exist_ok=True)
+            save(detached, directory / NATIVE_FILE)
+        tensors = {f"adapter_params.{name}": p.detach().contiguous() for name, p in self.adapter_params.items()}
+        save_file(tensors, str(directory / _RESUME_FILE), metadata={"format": "pt"})
+        index = {
+            "metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+            "weight_map": dict.fromkeys(tensors, _RESUME_FILE),
+        }
+        (directory / _RESUME_INDEX).write_text(json.dumps(index, indent=1))
         return directory
 
     @classmethod

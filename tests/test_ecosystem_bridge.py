@@ -118,8 +118,9 @@ def test_save_pretrained_writes_only_the_adapter_and_from_pretrained_reads_it(tm
     bridge = lf.as_module(model, adapter)
     bridge.save_pretrained(tmp_path / "out")
     files = sorted(p.name for p in (tmp_path / "out").iterdir())
-    # peft has LoRA; AntiPaSTO only has lora_func's own format.
-    assert files == (["adapter_config.json", "adapter_model.safetensors"] if variant == "lora" else ["adapter.safetensors"])
+    # peft has LoRA; AntiPaSTO only has lora_func's own format. The last two: Trainer's resume.
+    adapter_files = ["adapter_config.json", "adapter_model.safetensors"] if variant == "lora" else ["adapter.safetensors"]
+    assert files == sorted([*adapter_files, "bridge_parameters.safetensors", "model.safetensors.index.json"])
     again = lf.AdaptedModule.from_pretrained(tmp_path / "out", model=model)
     for k, v in adapter.params.items():
         torch.testing.assert_close(again.adapter.params[k], v.detach(), rtol=0, atol=0)
@@ -177,6 +178,29 @@ def test_trainer_trains_the_adapter_like_lora_func_train_and_saves_only_the_adap
     reloaded = lf.AdaptedModule.from_pretrained(tmp_path / "final", model=model)
     for k, v in bridge.adapter.params.items():
         torch.testing.assert_close(reloaded.adapter.params[k], v.detach(), rtol=0, atol=0)
+
+
+def test_trainer_resumes_from_a_bridge_checkpoint_exactly(tmp_path, fresh_accelerate_state):
+    from transformers import Trainer, TrainingArguments
+
+    def run(adapter, resume=None):
+        model = tiny_model("llama")
+        bridge = lf.as_module(model, _copy(adapter))
+        args = TrainingArguments(
+            str(tmp_path / "run"), max_steps=STEPS, per_device_train_batch_size=BATCH, learning_rate=LR,
+            lr_scheduler_type="linear", save_steps=2, report_to=[], use_cpu=True, disable_tqdm=True,
+            logging_strategy="no", seed=0,
+        )
+        Trainer(model=bridge, args=args, train_dataset=_Batches()).train(resume_from_checkpoint=resume)
+        return bridge.adapter
+
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    start = _adapter(tiny_model("llama"))
+    straight = run(start)
+    # Another init: the resumed run must take the adapter (and optimiser, schedule) from checkpoint-2.
+    other = start.with_params({k: v + 1.0 for k, v in start.params.items()})
+    resumed = run(other, resume=str(tmp_path / "run" / "checkpoint-2"))
+    _assert_same(resumed, straight, start, atol=0.0)
 
 
 # --- accelerate -------------------------------------------------------------------------------
