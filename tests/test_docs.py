@@ -28,6 +28,12 @@ PY_BLOCKS = [
 ]
 
 
+def test_the_ecosystem_guide_blocks_are_all_collected():
+    """docs/guide/ecosystem.md is the acceptance of the Trainer and torchopt routes: every block runs."""
+    ids = [p.id for p in PY_BLOCKS if p.id.startswith("docs/guide/ecosystem.md#")]
+    assert len(ids) == len(_blocks(ROOT / "docs" / "guide" / "ecosystem.md", "python")) == 4, ids
+
+
 def test_readme_has_exactly_two_setup_commands_and_ci_runs_the_test_one():
     commands = _blocks(ROOT / "README.md", "bash")
     assert len(commands) == 2, commands
