@@ -91,11 +91,6 @@ class AdaptedModule(PreTrainedModel):
     def _adapted_forward(self, *args: Any, **kwargs: Any) -> Any:
         return adapted_call(self.base, self.adapter, *args, **kwargs)
 
-    def train(self, mode: bool = True) -> AdaptedModule:
-        # The base's dropout follows the bridge's mode, as with peft's wrapped model.
-        self.base.train(mode)
-        return super().train(mode)
-
     def _apply(self, fn: Any, recurse: bool = True) -> AdaptedModule:
         # .to(device) / .cuda() move the base too, as if it were a submodule.
         self.base._apply(fn, recurse)
@@ -178,8 +173,10 @@ def as_module(model: nn.Module, adapter: AdapterLike) -> AdaptedModule:
     Its parameters are exactly the adapter's trainable tensors (sharing their storage, named
     like the adapter's keys with ``.`` -> ``-``: ``bridge.names`` maps back); the base model
     is not a submodule, so its tensors get no gradient, no optimiser state and are not saved.
-    ``bridge(...)`` is ``lora_func.adapted_call(model, bridge.adapter, ...)``;
-    ``bridge.train()`` / ``.eval()`` / ``.to()`` reach the base too. ``save_pretrained`` /
+    ``bridge(...)`` is ``lora_func.adapted_call(model, bridge.adapter, ...)``; ``.to()`` moves
+    the base too (a device move you ask for), while ``.train()`` / ``.eval()`` leave the base's
+    mode as you set it (Trainer calls them; lora_func never changes the model behind your back,
+    so the base's dropout is on only if you put the model in train mode yourself). ``save_pretrained`` /
     ``from_pretrained`` write and read the adapter (peft's format where peft has the
     variant), which is what ``Trainer.save_model`` and Trainer checkpoints then contain.
     """

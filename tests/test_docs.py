@@ -11,6 +11,11 @@ from pathlib import Path
 
 import pytest
 
+# docs/guide/ecosystem.md builds a transformers Trainer. transformers.trainer decides at import
+# whether it runs in a notebook and counts a process that imported marimo as one (then it needs
+# IPython); the dashboard example runs marimo in this process: import it first, at collection.
+import transformers.trainer  # noqa: F401
+
 ROOT = Path(__file__).resolve().parents[1]
 FENCE = re.compile(r"^```(\w+)\n(.*?)^```", re.S | re.M)
 

@@ -18,6 +18,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+# transformers.trainer decides once, at import, whether it runs in a notebook, and counts any
+# process that has imported marimo as one (then it needs IPython). The dashboard tests run
+# marimo inside the pytest process: import Trainer at collection, before any test runs.
+from transformers import Trainer, TrainingArguments  # noqa: E402
+
 import lora_func as lf
 from lora_func import train as lft
 from tests.models import VOCAB, tiny_model
@@ -79,10 +84,8 @@ def test_bridge_parameters_are_the_adapter_tensors_and_the_base_stays_out():
     out.loss.backward()
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in bridge.parameters())
     assert all(p.grad is None for p in model.parameters())
-    bridge.train()
-    assert model.training
-    bridge.eval()
-    assert not model.training
+    bridge.train()  # Trainer does this: the user's model keeps its own mode (eval here)
+    assert bridge.training and not model.training
     assert model.config._attn_implementation == "eager"  # the base's config is not the bridge's
 
 
@@ -151,8 +154,6 @@ class _Batches(torch.utils.data.IterableDataset):
 
 
 def test_trainer_trains_the_adapter_like_lora_func_train_and_saves_only_the_adapter(tmp_path, fresh_accelerate_state):
-    from transformers import Trainer, TrainingArguments
-
     model = tiny_model("llama")
     start = _adapter(model)
     bridge = lf.as_module(model, _copy(start))
@@ -181,8 +182,6 @@ def test_trainer_trains_the_adapter_like_lora_func_train_and_saves_only_the_adap
 
 
 def test_trainer_resumes_from_a_bridge_checkpoint_exactly(tmp_path, fresh_accelerate_state):
-    from transformers import Trainer, TrainingArguments
-
     def run(adapter, resume=None):
         model = tiny_model("llama")
         bridge = lf.as_module(model, _copy(adapter))
