@@ -10,16 +10,24 @@ from lora_func.io import load, load_peft, save, save_peft
 from lora_func.spec import AdapterSpec
 from lora_func.variants import get_variant, list_variants
 
+# Ecosystem: peft habits, optree/torchopt, nn.Module frameworks (Trainer, accelerate, DDP).
+from lora_func import _optree  # noqa: F401  (registers the adapter types with optree, if installed)
+from lora_func.summary import AdapterSummary, adapter_summary
+
 __all__ = [
+    "AdaptedModule",
     "Adapter",
     "AdapterLayer",
     "AdapterSpec",
+    "AdapterSummary",
     "Combined",
     "Composed",
     "adapted",
     "adapted_call",
+    "adapter_summary",
     "all_reduce_mean",
     "all_reduce_mean_grads_",
+    "as_module",
     "base_params",
     "broadcast_adapter",
     "check_finite",
@@ -46,3 +54,13 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # The module bridge subclasses transformers' PreTrainedModel, whose import costs seconds:
+    # loaded on first use only.
+    if name in ("AdaptedModule", "as_module"):
+        from lora_func import bridge
+
+        return getattr(bridge, name)
+    raise AttributeError(f"module 'lora_func' has no attribute {name!r}")

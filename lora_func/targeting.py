@@ -18,7 +18,15 @@ from torch import Tensor, nn
 from lora_func.quantized import logical_shape
 from lora_func.spec import AdapterSpec
 
-__all__ = ["Target", "canonical_weight", "find_targets", "layer_kind", "stored_weight", "tensor_names"]
+__all__ = ["ALL_LINEAR", "Target", "canonical_weight", "find_targets", "layer_kind", "output_head", "stored_weight", "tensor_names"]
+
+# peft's shorthand, with peft's meaning: every nn.Linear / GPT-2 Conv1D except the output head.
+ALL_LINEAR = "all-linear"
+# Appended to "matches nothing" errors: users coming from peft often only know its shorthand.
+_HINT = (
+    f"targets={ALL_LINEAR!r} adapts every Linear/Conv1D but the output head, and "
+    f"targets='.*' with layer_types=('linear',) every Linear"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +88,16 @@ def tensor_names(model: nn.Module) -> dict[int, list[str]]:
     return names
 
 
+def output_head(model: nn.Module) -> str | None:
+    """The name of the model's output head (transformers' ``get_output_embeddings()``, e.g.
+    ``"lm_head"``), or ``None`` for a model without one."""
+    getter = getattr(model, "get_output_embeddings", None)
+    head = getter() if callable(getter) else None
+    if head is None:
+        return None
+    return next((name for name, module in model.named_modules() if module is head), None)
+
+
 def _matches(name: str, targets: str | tuple[str, ...]) -> bool:
     if isinstance(targets, str):
         return re.fullmatch(targets, name) is not None
@@ -97,25 +115,39 @@ def _close_names(wanted: Iterable[str], names: list[str]) -> list[str]:
 def find_targets(model: nn.Module, spec: AdapterSpec) -> list[Target]:
     """The targets of ``spec`` in ``model``, in module order; raises before touching anything.
 
+    ``spec.targets == "all-linear"`` is peft's shorthand: every ``nn.Linear`` and GPT-2
+    ``Conv1D`` except the output head (:func:`output_head`); ``layer_types`` still filters.
+
     Raises ``ValueError`` when nothing matches (listing close module names), when a matched
     module is neither ``nn.Linear`` nor GPT-2 ``Conv1D`` (unless ``layer_types`` filters),
     when a list entry matches nothing, or when a target's weight is tied and ``tied="error"``.
     """
     modules = [(name, module) for name, module in model.named_modules() if name]
     module_names = [name for name, _ in modules]
-    matched = [(name, module) for name, module in modules if _matches(name, spec.targets)]
+    if spec.targets == ALL_LINEAR:
+        # peft's "all-linear": the output head stays frozen (it is usually tied to the input
+        # embedding, and adapting it is rarely wanted); modules of other kinds are not matched.
+        head = output_head(model)
+        matched = [(n, m) for n, m in modules if n != head and layer_kind(m) is not None]
+        if not matched:
+            raise ValueError(
+                f"targets={ALL_LINEAR!r} found no nn.Linear or transformers Conv1D in {type(model).__name__} "
+                f"(besides the output head {head!r}); name the layers to adapt in `targets` instead"
+            )
+    else:
+        matched = [(name, module) for name, module in modules if _matches(name, spec.targets)]
     if not isinstance(spec.targets, str):
         unmatched = [t for t in spec.targets if not any(n == t or n.endswith("." + t) for n in module_names)]
         if unmatched:
             raise ValueError(
                 f"target(s) {sorted(unmatched)} match no module of {type(model).__name__}; "
-                f"close module names: {_close_names(unmatched, module_names) or 'none'}"
+                f"close module names: {_close_names(unmatched, module_names) or 'none'}; {_HINT}"
             )
     if not matched:
         raise ValueError(
             f"target pattern {spec.targets!r} matches no module of {type(model).__name__} "
             f"(the pattern must match the whole name, e.g. r'.*\\.q_proj'); "
-            f"close module names: {_close_names([spec.targets], module_names) or 'none'}"  # type: ignore[list-item]
+            f"close module names: {_close_names([spec.targets], module_names) or 'none'}; {_HINT}"  # type: ignore[list-item]
         )
     kinds = [(name, module, layer_kind(module)) for name, module in matched]
     if spec.layer_types is None:

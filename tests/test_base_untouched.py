@@ -513,6 +513,28 @@ def loss_of_ids(model: nn.Module, adapter: lf.Adapter, ids: Tensor) -> Tensor:
     logits = lf.adapted_call(model, adapter, ids).logits
     return nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
 
+# Ecosystem (issue 21): the module bridge and the summary.
+def _bridge_round(w: World, kind: str) -> None:
+    """Trainer's uses of the bridge: train(), forward, backward, save_pretrained, from_pretrained."""
+    model = w.model(kind)
+    adapter = w.adapter("lora", kind, targets=["c_attn"]) if kind == "gpt2" else w.adapter().detach()
+    bridge = lf.as_module(model, adapter.with_params({k: v.detach().clone().requires_grad_(True) for k, v in adapter.params.items()}))
+    bridge.train()
+    bridge(IDS).logits.sum().backward()
+    bridge.save_pretrained(w.tmp / kind)
+    lf.AdaptedModule.from_pretrained(w.tmp / kind, model=model)(IDS)
+
+
+ROWS.update(
+    {
+        "as_module": [Call("Trainer's calls, both models", lambda w: [_bridge_round(w, kind) for kind in ("llama", "gpt2")])],
+        "AdaptedModule": [Call("no adapter in the directory", lambda w: lf.AdaptedModule.from_pretrained(w.tmp, model=w.model("llama")), FileNotFoundError)],
+        "adapter_summary": [Call("per layer", lambda w: str(lf.adapter_summary(w.model("gpt2"), w.adapter("lora", "gpt2", targets=["c_attn"]), per_layer=True)))],
+        "AdapterSummary": [Call("printed", lambda w: str(lf.adapter_summary(w.model("llama"), w.adapter())))],
+    }
+)
+
+
 def test_every_public_name_has_a_row():
     missing = sorted(set(lf.__all__) - set(ROWS))
     stale = sorted(set(ROWS) - set(lf.__all__) - set(PENDING))

@@ -80,7 +80,7 @@ def served_dashboard(tmp_path):
                 server.wait()
 
 
-def test_dashboard_in_a_headless_browser_trains_and_shows_plot_and_results(served_dashboard):
+def test_dashboard_in_a_headless_browser_trains_shows_a_full_width_plot_and_keeps_results_when_settings_change(served_dashboard):
     if not CHROMIUM.is_file():
         message = f"{CHROMIUM} is missing: apt-get install -y chromium (.ci/run does this)"
         if os.environ.get("CI"):
@@ -91,18 +91,52 @@ def test_dashboard_in_a_headless_browser_trains_and_shows_plot_and_results(serve
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
         try:
-            page = browser.new_page()
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
             page.set_default_timeout(90_000)
             expect.set_options(timeout=90_000)  # the kernel imports torch and loads the model first
             page.goto(served_dashboard)
             expect(page.get_by_text("what is", exact=False).first).to_be_visible()  # the dataset preview
+            expect(page.get_by_role("columnheader", name="#").first).to_be_visible()  # with a row index
             expect(page.get_by_text("Press Train", exact=False)).to_be_visible()
+            page.get_by_text("What do these mean?").click()
+            expect(page.get_by_text("lora 0.003", exact=False)).to_be_visible()  # readable, not a dict
+            assert "{'lora'" not in page.locator("body").inner_text()
+
             page.get_by_role("button", name="Train").click()
+            expect(page.get_by_text("Training complete", exact=False)).to_be_visible()
             expect(page.get_by_role("heading", name="Generated answers, before and after")).to_be_visible()
-            expect(page.get_by_text("acc. after").first).to_be_visible()
             expect(page.get_by_text("identical").first).to_be_visible()
-            plots = page.locator("img[src^='data:image/png']")
-            expect(plots.first).to_be_visible()
-            assert plots.first.evaluate("img => img.naturalWidth") > 300  # a rendered figure, not an icon
+            plot = page.locator("img[src^='data:image/png'][alt='training loss']")
+            expect(plot).to_be_visible()
+            assert plot.evaluate("img => img.naturalWidth") > 300  # a rendered figure, not an icon
+            # Full width: as wide as the results heading above it (the column), not ~65 % of it.
+            column = page.get_by_role("heading", name="Results").evaluate("h => h.getBoundingClientRect().width")
+            width = plot.evaluate("img => img.getBoundingClientRect().width")
+            assert width >= 0.97 * column, (width, column)
+
+            # Touch a control after the run: nothing re-runs, the results stay until the next Train.
+            slider = page.get_by_role("slider").first
+            slider.focus()
+            page.keyboard.press("ArrowRight")
+            page.wait_for_timeout(3000)
+            expect(page.get_by_text("Training complete", exact=False)).to_be_visible()
+            expect(plot).to_be_visible()
+            expect(page.get_by_text("acc. after").first).to_be_visible()
+            expect(page.get_by_text("Press Train", exact=False)).to_have_count(0)
         finally:
             browser.close()
+
+
+def test_dashboard_declares_pep_723_dependencies_for_marimo_sandbox():
+    """`marimo run --sandbox` reads the PEP 723 block; its lora-func source must be this checkout."""
+    import re
+    import tomllib
+
+    block = re.search(r"^# /// script\n((?:^#(?: .*)?\n)+)^# ///$", DASHBOARD.read_text(), re.M)
+    assert block, "no PEP 723 `# /// script` block"
+    meta = tomllib.loads("".join(line[2:] + "\n" for line in block[1].splitlines()))
+    names = {re.split(r"[<>=!~ \[]", d, maxsplit=1)[0] for d in meta["dependencies"]}
+    assert {"marimo", "lora-func", "torch", "matplotlib"} <= names, names
+    source = meta["tool"]["uv"]["sources"]["lora-func"]
+    root = (DASHBOARD.parent / source["path"]).resolve()
+    assert root == ROOT and 'name = "lora_func"' in (root / "pyproject.toml").read_text()

@@ -11,6 +11,11 @@ from pathlib import Path
 
 import pytest
 
+# docs/guide/ecosystem.md builds a transformers Trainer. transformers.trainer decides at import
+# whether it runs in a notebook and counts a process that imported marimo as one (then it needs
+# IPython); the dashboard example runs marimo in this process: import it first, at collection.
+import transformers.trainer  # noqa: F401
+
 ROOT = Path(__file__).resolve().parents[1]
 FENCE = re.compile(r"^```(\w+)\n(.*?)^```", re.S | re.M)
 
@@ -26,6 +31,12 @@ PY_BLOCKS = [
     for i, block in enumerate(_blocks(path, "python"))
     if not block.startswith("# illustrative")  # a fragment with undefined names, marked in the doc
 ]
+
+
+def test_the_ecosystem_guide_blocks_are_all_collected():
+    """docs/guide/ecosystem.md is the acceptance of the Trainer and torchopt routes: every block runs."""
+    ids = [p.id for p in PY_BLOCKS if p.id.startswith("docs/guide/ecosystem.md#")]
+    assert len(ids) == len(_blocks(ROOT / "docs" / "guide" / "ecosystem.md", "python")) == 4, ids
 
 
 def test_readme_has_exactly_two_setup_commands_and_ci_runs_the_test_one():

@@ -1212,6 +1212,28 @@ def _linear_adapter_on_conv1d(ctx: Ctx) -> Callable[[], Any]:
     conv.add_module("proj", Conv1D(4, 4))
     conv = ctx.track(conv)
     return lambda: check_layouts(conv, adapter, "adapted_call")
+# --- ecosystem (lora_func/summary.py, bridge.py, _optree.py; "all-linear" in targeting.py)
+
+
+def _only_head(ctx: Ctx) -> Callable[[], Any]:
+    class HeadOnly(nn.Module):  # a model whose only Linear is its output head
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(8, 4)
+            self.head = nn.Linear(4, 8)
+
+        def get_output_embeddings(self) -> nn.Module:
+            return self.head
+
+    model = ctx.track(HeadOnly().eval())
+    the_spec = lf.AdapterSpec("lora", targets="all-linear", r=2)
+    return lambda: lf.init_adapter(model, the_spec, generator=torch.Generator().manual_seed(0))
+
+
+def _empty_directory_bridge(ctx: Ctx) -> Callable[[], Any]:
+    (ctx.tmp / "nothing-here").mkdir()
+    model = ctx.model()
+    return lambda: lf.AdaptedModule.from_pretrained(ctx.tmp / "nothing-here", model=model)
 
 
 CASES.update(
@@ -1252,6 +1274,14 @@ CASES.update(
         "train-corrupted": Case(_checkpoint_then(_flip_learning_rate), ("['trainer_state.json']",)),
         "train-bad-moments": Case(_checkpoint_then(_misfit_moment), (f"{Q}.lora_A/momentum_buffer", "(3,)", "(2, 32)")),
         "train-step-optimizer-state": Case(_misfit_moment_in_memory, (f"{Q}.lora_A/exp_avg", "nothing was updated", "make_optimizer")),
+        "target-all-linear-none": Case(_only_head, ("HeadOnly", "'head'", "targets")),
+        "summary-model-type": Case(on_adapter(lambda adapter, ctx: lf.adapter_summary(adapter, ctx.models[0][0])), ("Adapter", "adapter_summary(model, adapter)")),
+        "summary-adapter-type": Case(on_adapter(lambda adapter, ctx: lf.adapter_summary(ctx.models[0][0], adapter.params)), ("dict", "init_adapter")),
+        "bridge-model-type": Case(on_adapter(lambda adapter, ctx: lf.as_module(adapter, ctx.models[0][0])), ("Adapter", "as_module(model, adapter)")),
+        "bridge-adapter-type": Case(on_adapter(lambda adapter, ctx: lf.as_module(ctx.models[0][0], adapter.params)), ("dict", "init_adapter")),
+        "bridge-stacked": Case(on_adapter(lambda adapter, ctx: lf.as_module(ctx.models[0][0], lf.stack([adapter, adapter]))), ("(2,)", "lora_func.take")),
+        "bridge-no-adapter-files": Case(_empty_directory_bridge, ("nothing-here", "save_pretrained")),
+        "unknown-attribute": Case(lambda ctx: lambda: lf.adapter_sumary, ("'adapter_sumary'",)),
     }
 )
 

@@ -1,0 +1,199 @@
+"""An adapted model as an ``nn.Module``, for frameworks that train modules: HF ``Trainer``,
+``accelerate``, torch DDP, Lightning.
+
+The base model stays outside the module tree: its tensors are not parameters of the bridge, so
+they get no gradients, no optimiser state, and are never saved; only the adapter is. The
+forward is :func:`lora_func.adapted_call` with the bridge's current parameters, so the model is
+as untouched as with the functional API.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import json
+import os
+import types
+from pathlib import Path
+from typing import Any
+
+from safetensors.torch import save_file
+from torch import nn
+from transformers import PreTrainedConfig, PreTrainedModel
+
+from lora_func.adapter import Adapter, AdapterLike, Combined, Composed
+from lora_func.core import adapted_call
+from lora_func.io import load, load_peft, save, save_peft
+
+__all__ = ["NATIVE_FILE", "AdaptedModule", "as_module"]
+
+NATIVE_FILE = "adapter.safetensors"  # save_pretrained's file for adapters peft cannot express
+_PEFT_CONFIG = "adapter_config.json"
+# Trainer(resume_from_checkpoint=...) reloads a non-peft module only through a sharded-checkpoint
+# index naming its state-dict keys; this small file and index are that, for the bridge's tensors.
+_RESUME_FILE = "bridge_parameters.safetensors"
+_RESUME_INDEX = "model.safetensors.index.json"
+
+
+def _encode(key: str) -> str:
+    # nn.ParameterDict forbids "." in names; "-" never occurs in transformers module names.
+    return key.replace(".", "-")
+
+
+def _parameter_names(keys: list[str]) -> dict[str, str]:
+    """``bridge parameter name -> adapter key``; positional names only if ``-`` made two keys equal."""
+    names = {_encode(k): k for k in keys}
+    return names if len(names) == len(keys) else {f"p{i}": k for i, k in enumerate(keys)}
+
+
+class AdaptedModule(PreTrainedModel):
+    """``model`` with ``adapter`` applied, as a module whose parameters are the adapter's
+    trainable tensors (see :func:`as_module`).
+
+    A ``PreTrainedModel`` so that ``transformers.Trainer`` saves it with :meth:`save_pretrained`
+    (the adapter) instead of a state dict; nothing else of ``PreTrainedModel`` is relied on.
+    """
+
+    config_class = PreTrainedConfig
+    base_model_prefix = ""
+    _no_split_modules: list[str] = []
+    # The base model computes attention, not the bridge: whatever it was configured with
+    # PreTrainedModel.__init__ must accept (it refuses e.g. sdpa for a class without these).
+    _supports_sdpa = _supports_flash_attn = _supports_flex_attn = _supports_attention_backend = True
+
+    def __init__(self, model: nn.Module, adapter: AdapterLike) -> None:
+        config = getattr(model, "config", None)
+        # A copy: PreTrainedModel.__init__ may adjust the config (attention implementation),
+        # and the user's model must not change.
+        super().__init__(copy.deepcopy(config) if isinstance(config, PreTrainedConfig) else PreTrainedConfig())
+        # Not a submodule (plain attribute set past nn.Module.__setattr__): the base's tensors
+        # must not be parameters of the bridge.
+        object.__setattr__(self, "base", model)
+        object.__setattr__(self, "_template", adapter)
+        object.__setattr__(self, "names", _parameter_names(list(adapter.params)))
+        by_key = {key: name for name, key in self.names.items()}
+        # nn.Parameter(t.detach()) shares t's storage: training the bridge moves the adapter the
+        # user passed, as a torch.optim optimiser over adapter.params would.
+        self.adapter_params = nn.ParameterDict(
+            {by_key[key]: nn.Parameter(tensor.detach(), requires_grad=True) for key, tensor in adapter.params.items()}
+        )
+        # The model's forward signature on the bridge's forward: Trainer drops every batch
+        # column that is not a forward argument, and finds nothing in (*args, **kwargs).
+        object.__setattr__(self, "forward", types.MethodType(_signed_forward(model), self))
+
+    @property
+    def adapter(self) -> AdapterLike:
+        """The adapter with the bridge's current parameters (the same tensor objects), keyed by
+        the adapter's own names; ``lf.save(bridge.adapter, path)`` and every lora_func function
+        take it."""
+        return self._template.with_params({self.names[name]: p for name, p in self.adapter_params.items()})
+
+    def _adapted_forward(self, *args: Any, **kwargs: Any) -> Any:
+        return adapted_call(self.base, self.adapter, *args, **kwargs)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> AdaptedModule:
+        # .to(device) / .cuda() move the base too, as if it were a submodule.
+        self.base._apply(fn, recurse)
+        return super()._apply(fn, recurse)
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None) -> None:
+        self.base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gradient_checkpointing_kwargs)
+
+    def gradient_checkpointing_disable(self) -> None:
+        self.base.gradient_checkpointing_disable()
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.base.get_input_embeddings()
+
+    def save_pretrained(self, save_directory: str | os.PathLike, *, is_main_process: bool = True, **ignored: Any) -> Path:
+        """Write the adapter, nothing of the base: peft's format (``adapter_config.json`` +
+        ``adapter_model.safetensors``, :func:`lora_func.save_peft`) when peft has the variant,
+        else ``adapter.safetensors`` (:func:`lora_func.save`). ``transformers.Trainer`` calls it
+        for ``save_model`` and for every checkpoint (its ``state_dict=`` is ignored: the
+        adapter is the state). The bridge's parameters are also written under their own names
+        with a ``model.safetensors.index.json`` (a few KB: the adapter again), the one form
+        ``Trainer(resume_from_checkpoint=...)`` reloads into a module that is not a peft model."""
+        directory = Path(save_directory)
+        if not is_main_process:
+            return directory
+        adapter = self.adapter
+        detached = adapter.with_params({k: v.detach() for k, v in adapter.params.items()})
+        try:
+            save_peft(detached, directory, model=self.base)
+        except (TypeError, ValueError):
+            # save_peft refuses, before writing anything, what peft cannot express (antipasto,
+            # combine, hra/delora on Conv1D, tied targets): the native format has everything.
+            directory.mkdir(parents=True, exist_ok=True)
+            save(detached, directory / NATIVE_FILE)
+        tensors = {f"adapter_params.{name}": p.detach().contiguous() for name, p in self.adapter_params.items()}
+        save_file(tensors, str(directory / _RESUME_FILE), metadata={"format": "pt"})
+        index = {
+            "metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+            "weight_map": dict.fromkeys(tensors, _RESUME_FILE),
+        }
+        (directory / _RESUME_INDEX).write_text(json.dumps(index, indent=1))
+        return directory
+
+    @classmethod
+    def from_pretrained(cls, save_directory: str | os.PathLike, *, model: nn.Module, **ignored: Any) -> AdaptedModule:  # type: ignore[override]
+        """The bridge over ``model`` with the adapter that :meth:`save_pretrained` (or peft)
+        wrote to ``save_directory``."""
+        directory = Path(save_directory)
+        if (directory / _PEFT_CONFIG).is_file():
+            return cls(model, load_peft(directory, model))
+        if (directory / NATIVE_FILE).is_file():
+            return cls(model, load(directory / NATIVE_FILE, model=model))
+        raise FileNotFoundError(
+            f"AdaptedModule.from_pretrained: {directory} holds neither {_PEFT_CONFIG} (peft format) nor "
+            f"{NATIVE_FILE}; pass the directory that save_pretrained or Trainer.save_model wrote"
+        )
+
+
+def _signed_forward(model: nn.Module) -> Any:
+    def forward(self: AdaptedModule, *args: Any, **kwargs: Any) -> Any:
+        return self._adapted_forward(*args, **kwargs)
+
+    try:
+        signature = inspect.signature(model.forward)
+    except (TypeError, ValueError):  # a builtin or C forward: keep (*args, **kwargs)
+        return forward
+    self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)
+    forward.__signature__ = signature.replace(parameters=[self_param, *signature.parameters.values()])  # type: ignore[attr-defined]
+    return forward
+
+
+def as_module(model: nn.Module, adapter: AdapterLike) -> AdaptedModule:
+    """``model`` with ``adapter`` applied, as an ``nn.Module`` for module-based training
+    frameworks (HF ``Trainer``, ``accelerate``, DDP, Lightning)::
+
+        bridge = lf.as_module(model, adapter)
+        Trainer(model=bridge, args=args, train_dataset=data).train()
+        trained = bridge.adapter
+
+    Its parameters are exactly the adapter's trainable tensors (sharing their storage, named
+    like the adapter's keys with ``.`` -> ``-``: ``bridge.names`` maps back); the base model
+    is not a submodule, so its tensors get no gradient, no optimiser state and are not saved.
+    ``bridge(...)`` is ``lora_func.adapted_call(model, bridge.adapter, ...)``; ``.to()`` moves
+    the base too (a device move you ask for), while ``.train()`` / ``.eval()`` leave the base's
+    mode as you set it (Trainer calls them; lora_func never changes the model behind your back,
+    so the base's dropout is on only if you put the model in train mode yourself). ``save_pretrained`` /
+    ``from_pretrained`` write and read the adapter (peft's format where peft has the
+    variant), which is what ``Trainer.save_model`` and Trainer checkpoints then contain.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"as_module(model, adapter): model must be the nn.Module the adapter was built for, got "
+            f"{type(model).__name__}; pass the model first and the adapter second"
+        )
+    if not isinstance(adapter, (Adapter, Composed, Combined)):
+        raise TypeError(
+            f"as_module(model, adapter): adapter must be an Adapter, Composed or Combined, got "
+            f"{type(adapter).__name__}; build one with lora_func.init_adapter(model, spec)"
+        )
+    if adapter.stack_shape:
+        raise ValueError(
+            f"as_module(model, adapter): adapter is stacked (stack_shape {adapter.stack_shape}); a module runs one "
+            f"adapter: pick one with lora_func.take(adapter, i), or train the stack with torch.func.vmap"
+        )
+    return AdaptedModule(model, adapter)
+
