@@ -96,11 +96,27 @@ class AdaptedModule(PreTrainedModel):
         self.base._apply(fn, recurse)
         return super()._apply(fn, recurse)
 
-    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None) -> None:
-        self.base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gradient_checkpointing_kwargs)
+    # Checkpointing is the base model's (HF's own layers): the bridge's forward is adapted_call,
+    # which re-applies the adapter in every recompute.
+    def activation_checkpointing_enable(self, activation_checkpointing_kwargs: dict | None = None, **options: Any) -> None:
+        if not self.base.training:
+            # The bridge never changes the base's mode, and HF checkpoints only in training mode:
+            # enabling it on an eval-mode base would silently checkpoint nothing.
+            raise ValueError(
+                f"activation checkpointing through the bridge: the base {type(self.base).__name__} is in eval mode, and "
+                f"HF checkpoints only in training mode (the bridge never changes the base's mode); call model.train() on "
+                f"the base model first"
+            )
+        self.base.activation_checkpointing_enable(activation_checkpointing_kwargs=activation_checkpointing_kwargs, **options)
+
+    def activation_checkpointing_disable(self) -> None:
+        self.base.activation_checkpointing_disable()
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None, **options: Any) -> None:
+        self.activation_checkpointing_enable(gradient_checkpointing_kwargs, **options)
 
     def gradient_checkpointing_disable(self) -> None:
-        self.base.gradient_checkpointing_disable()
+        self.activation_checkpointing_disable()
 
     def get_input_embeddings(self) -> nn.Module:
         return self.base.get_input_embeddings()

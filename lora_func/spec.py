@@ -31,6 +31,8 @@ class AdapterSpec:
       targets: a ``str`` is an anchored regular expression matched (``re.fullmatch``)
         against module names (``"model.layers.0.self_attn.q_proj"``); a list of strings
         selects modules whose name equals an entry or ends with ``"." + entry``.
+        ``"all-linear"`` (peft's shorthand): every ``nn.Linear`` / GPT-2 ``Conv1D`` but the
+        output head.
       r: rank (``1 <= r <= min(d_in, d_out)`` of every target).
       alpha: scale numerator; ``None`` takes the variant's default (peft's, e.g. 8 for LoRA).
       dtype: dtype of the adapter tensors and of the low-rank computation (fp32 default on

@@ -181,6 +181,42 @@ def test_trainer_trains_the_adapter_like_lora_func_train_and_saves_only_the_adap
         torch.testing.assert_close(reloaded.adapter.params[k], v.detach(), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_trainer_with_gradient_checkpointing_matches_lora_func_train(tmp_path, fresh_accelerate_state, reentrant, monkeypatch):
+    """TrainingArguments(activation_checkpointing=True): Trainer turns HF checkpointing on through
+    the bridge; every layer is recomputed in backward with the adapter (a recompute must happen)
+    and the adapter trains exactly as lora_func's own loop without checkpointing."""
+    import lora_func._application as application
+
+    recomputed = []
+    rebound = application._rebound
+
+    def spy(function, reentrant_, args):
+        wrapped = rebound(function, reentrant_, args)
+        if wrapped is function:
+            return function
+        return lambda *a, **k: (recomputed.append(torch._C._current_graph_task_id() != -1), wrapped(*a, **k))[1]
+
+    monkeypatch.setattr(application, "_rebound", spy)
+    model = tiny_model("llama")
+    start = _adapter(model)
+    bridge = lf.as_module(model, _copy(start))
+    with pytest.raises(ValueError, match=r"is in eval mode.*model.train\(\)"):
+        bridge.activation_checkpointing_enable()  # HF would silently checkpoint nothing
+    model.train()  # the base's mode is the user's (no dropout in this model)
+    args = TrainingArguments(
+        str(tmp_path / "run"), max_steps=STEPS, per_device_train_batch_size=BATCH, learning_rate=LR,
+        lr_scheduler_type="constant", max_grad_norm=1.0, save_strategy="no", report_to=[], use_cpu=True,
+        disable_tqdm=True, logging_strategy="no", seed=0, activation_checkpointing=True,
+        activation_checkpointing_kwargs={"use_reentrant": reentrant},
+    )
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    Trainer(model=bridge, args=args, train_dataset=_Batches()).train()
+    assert any(recomputed), "Trainer's checkpointing did not engage"
+    _assert_same(bridge.adapter, _reference(start), start, atol=1e-5)
+    assert all(p.grad is None for p in model.parameters())
+
+
 def test_trainer_resumes_from_a_bridge_checkpoint_exactly(tmp_path, fresh_accelerate_state):
     def run(adapter, resume=None):
         model = tiny_model("llama")

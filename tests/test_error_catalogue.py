@@ -1047,6 +1047,7 @@ CASES.update(
         "quantized-overlay": Case(_overlay_on_quantized, ("model.layers.0.self_attn.q_proj.weight", "adapted_call")),
         "demo-quantize-needs-bitsandbytes": Case(_demo_quantize(missing=True), ("bitsandbytes", "'nf4'")),
         "demo-quantize-unknown": Case(_demo_quantize(missing=False), ("'nf3'",)),
+        "bridge-checkpointing-eval-base": Case(on_adapter(lambda a, ctx: lf.as_module(ctx.models[-1][0], a).activation_checkpointing_enable()), ("LlamaForCausalLM", "model.train()")),
         "merge-quantized-dtype": Case(_merge_quantized(lambda model: model), ("model.layers.0.mlp.down_proj.weight", "dtype=")),
         "merge-quantized-base-dict": Case(_merge_quantized(lf.base_params), ("model.layers.0.mlp.down_proj.weight", "dtype=")),
     }
