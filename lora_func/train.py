@@ -45,6 +45,7 @@ import lora_func as lf
 from lora_func.adapter import leaf_adapters
 from lora_func.checks import check_base, check_finite, check_model, check_path, detached_base, non_finite_keys
 from lora_func.io._files import replace_directory, safetensors_write
+from lora_func.io.native import tensors_digest
 
 __all__ = [
     "IGNORE_INDEX",
@@ -280,7 +281,7 @@ def save_checkpoint(directory: str | os.PathLike, state: TrainState) -> Path:
     # Checked on load: safetensors has no checksum, and a flipped bit in a moment (or in the
     # learning rate in trainer_state.json) would otherwise train on silently.
     # One metadata entry: safetensors writes several in a random order (different bytes per save).
-    checksums = {"tensors_sha256": _tensors_digest(tensors), "trainer_state_sha256": hashlib.sha256(text.encode()).hexdigest()}
+    checksums = {"tensors_sha256": tensors_digest(tensors), "trainer_state_sha256": hashlib.sha256(text.encode()).hexdigest()}
 
     def write_optimizer(path: Path) -> None:
         # The adapter file is written first (same directory): binding its digest here makes
@@ -336,15 +337,6 @@ def load_checkpoint(directory: str | os.PathLike, model: nn.Module) -> TrainStat
         scaler = torch.amp.GradScaler(meta["device_type"])
         scaler.load_state_dict(meta["scaler"])
     return TrainState(adapter, optimizer, scaler, meta["step"])
-
-
-def _tensors_digest(tensors: Mapping[str, Tensor]) -> str:
-    digest = hashlib.sha256()
-    for name in sorted(tensors):
-        data = tensors[name].detach().to("cpu").contiguous()
-        digest.update(f"{name}|{data.dtype}|{tuple(data.shape)}|".encode())
-        digest.update(data.reshape(-1).view(torch.uint8).numpy().tobytes() if data.numel() else b"")
-    return digest.hexdigest()
 
 
 def _adapter_digest(path: Path) -> str | None:
@@ -448,7 +440,7 @@ def _check_digests(directory: Path, text: str, tensors: Mapping[str, Tensor], fi
         saved = {}
     bad = [name for name, ok in (
         (_ADAPTER_FILE, "adapter_digest" not in saved or saved["adapter_digest"] == _adapter_digest(directory / _ADAPTER_FILE)),
-        (_OPTIMIZER_FILE, saved.get("tensors_sha256") == _tensors_digest(tensors)),
+        (_OPTIMIZER_FILE, saved.get("tensors_sha256") == tensors_digest(tensors)),
         (_STATE_FILE, saved.get("trainer_state_sha256") == hashlib.sha256(text.encode()).hexdigest()),
     ) if not ok]
     if bad:

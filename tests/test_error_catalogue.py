@@ -824,7 +824,7 @@ def _reseal_checkpoint(directory: Path, tensors: dict[str, torch.Tensor] | None 
     tensors = load_file(str(path)) if tensors is None else tensors
     text = (directory / "trainer_state.json").read_text() if state_text is None else state_text
     (directory / "trainer_state.json").write_text(text)
-    digests = {"tensors_sha256": train._tensors_digest(tensors), "trainer_state_sha256": hashlib.sha256(text.encode()).hexdigest()}
+    digests = {"tensors_sha256": train.tensors_digest(tensors), "trainer_state_sha256": hashlib.sha256(text.encode()).hexdigest()}
     save_file(tensors, str(path), metadata={train._DIGESTS: json.dumps(digests, sort_keys=True)})
 
 

@@ -179,10 +179,10 @@ def _reseal(directory: Path, tensors: dict[str, torch.Tensor] | None = None, sta
     tensors = load_file(str(opt)) if tensors is None else tensors
     text = (directory / "trainer_state.json").read_text() if state_text is None else state_text
     (directory / "trainer_state.json").write_text(text)
-    if not hasattr(train, "_tensors_digest"):  # checkpoints without checksums (before issue 22)
+    if not hasattr(train, "tensors_digest"):  # checkpoints without checksums (before issue 22)
         save_file(tensors, str(opt))
         return
-    digests = {"tensors_sha256": train._tensors_digest(tensors), "trainer_state_sha256": hashlib.sha256(text.encode()).hexdigest()}
+    digests = {"tensors_sha256": train.tensors_digest(tensors), "trainer_state_sha256": hashlib.sha256(text.encode()).hexdigest()}
     save_file(tensors, str(opt), metadata={train._DIGESTS: json.dumps(digests, sort_keys=True)})
 
 

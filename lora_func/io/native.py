@@ -127,7 +127,7 @@ def _combined_prefixes(tree: dict, prefix: str = "") -> Iterator[str]:
             yield from _combined_prefixes(part, f"{prefix}{i}/")
 
 
-def _digest(tensors: Mapping[str, Tensor]) -> str:
+def tensors_digest(tensors: Mapping[str, Tensor]) -> str:
     """sha256 over every tensor's name, dtype, shape and bytes (sorted by name)."""
     digest = hashlib.sha256()
     for name in sorted(tensors):
@@ -142,9 +142,9 @@ def _file_digest(metadata: Mapping[str, str], tensors: Mapping[str, Tensor]) -> 
     (:data:`DIGESTED_METADATA`, as stored) and the tensors (:func:`_digest`). A version "1"
     file's digest is the tensors' alone."""
     if metadata.get("format_version") == "1":
-        return _digest(tensors)
+        return tensors_digest(tensors)
     digest = hashlib.sha256(json.dumps([[key, metadata.get(key)] for key in DIGESTED_METADATA]).encode())
-    digest.update(_digest(tensors).encode())
+    digest.update(tensors_digest(tensors).encode())
     return digest.hexdigest()
 
 
@@ -200,7 +200,7 @@ def save(adapter: AdapterLike, path: str | os.PathLike, *, trainable_only: bool 
     if trainable_only:
         for prefix, leaf in _leaf_adapters(adapter):
             buffer_digests[prefix] = {
-                layer.target.module: _digest(leaf.layer_tensors(layer)[1])
+                layer.target.module: tensors_digest(leaf.layer_tensors(layer)[1])
                 for layer in leaf.layers
                 if layer.buffer_shapes
             }
@@ -390,7 +390,7 @@ def _rebuild_buffers(
             calibration=None,
         )
     buffers = {name: buffers[name].detach().contiguous() for name, _ in layer.buffer_shapes if name in buffers}
-    if sorted(buffers) != sorted(name for name, _ in layer.buffer_shapes) or _digest(buffers) != expected_digest:
+    if sorted(buffers) != sorted(name for name, _ in layer.buffer_shapes) or tensors_digest(buffers) != expected_digest:
         raise ValueError(
             f"{path} holds only trainable tensors, and the buffers of layer {layer.target.module} "
             f"({spec.variant}) that its init gives on this {type(model).__name__} differ from the saved ones "
