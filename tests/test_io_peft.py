@@ -392,3 +392,18 @@ def test_merged_state_dict_round_trips_through_save_pretrained(tmp_path):
     assert merge(lf.base_params(model), adapter).keys() >= merged.keys()
     with pytest.raises(TypeError, match=r"merge\(\) expects a model"):
         merge([1], adapter)
+
+
+def test_a_training_only_dropout_in_the_config_is_not_dropped_silently(tmp_path):
+    """peft's lora_dropout acts only in training; lora_func has none yet: loading warns, and the
+    outputs still equal those of the checkpoint without it."""
+    model = tiny_model("llama")
+    adapter = lf.init_adapter(model, lf.AdapterSpec("lora", targets=["q_proj", "v_proj"], r=2))
+    directory = lf.save_peft(adapter, tmp_path / "a")
+    plain = lf.load_peft(directory, model)
+    config = json.loads((directory / "adapter_config.json").read_text())
+    (directory / "adapter_config.json").write_text(json.dumps(config | {"lora_dropout": 0.1}))
+    with pytest.warns(UserWarning, match=r"'lora_dropout': 0.1.*not applied"):
+        loaded = lf.load_peft(directory, model)
+    for key in plain.params:
+        assert torch.equal(loaded.params[key], plain.params[key])

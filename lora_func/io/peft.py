@@ -38,6 +38,7 @@ import math
 import os
 import pickle
 import re
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -363,6 +364,19 @@ def _pissa_residual(weight: Tensor, target: Target, info: LayerInfo, dtype: torc
     return buffers
 
 
+def _warn_training_only(directory: Path, config: Mapping[str, Any]) -> None:
+    """Say so when a field that only acts in training is dropped (the loaded adapter computes
+    what peft computes at inference, but training it would differ)."""
+    dropped = {k: config[k] for k in ("lora_dropout", "module_dropout") if isinstance(config.get(k), (int, float)) and config[k] > 0}
+    if dropped:
+        warnings.warn(
+            f"{directory / CONFIG_NAME}: {dropped} not applied: lora_func has no adapter dropout yet. The loaded "
+            f"adapter gives peft's outputs at inference; further training runs without dropout",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
 def _refuse_unsupported(directory: Path, config: Mapping[str, Any]) -> None:
     """Raise for config features that change the math and that lora_func does not have."""
     fields = UNSUPPORTED_LORA_FIELDS if config.get("peft_type") == "LORA" else ("modules_to_save",)
@@ -502,6 +516,7 @@ def load_peft(directory: str | os.PathLike, model: nn.Module) -> AdapterLike:
         )
     _check_config(directory, config)
     _refuse_unsupported(directory, config)
+    _warn_training_only(directory, config)
     tensors = _by_module(directory, peft_type, _read_tensors(directory))
     _check_model(model, directory, tensors)
     selector = config.get("target_modules")
