@@ -48,15 +48,17 @@ class LayerCall:
     """The frozen base layer as a variant's activation form sees it (a ``BaseLayer``).
 
     ``weight`` is the canonical ``(d_out, d_in)`` view, ``bias`` the bias the model passed;
-    calling it replays the model's own op with the base weight.
+    calling it replays the model's own op with the base weight. ``training``: whether this is a
+    training step (the adapter's dropout acts then only).
     """
 
-    __slots__ = ("_call", "bias", "weight")
+    __slots__ = ("_call", "bias", "training", "weight")
 
-    def __init__(self, weight: Tensor, bias: Tensor | None, call: Callable[[Tensor], Tensor]) -> None:
+    def __init__(self, weight: Tensor, bias: Tensor | None, call: Callable[[Tensor], Tensor], training: bool = False) -> None:
         self.weight = weight
         self.bias = bias
         self._call = call
+        self.training = training
 
     def __call__(self, x: Tensor) -> Tensor:
         return self._call(x)
@@ -129,6 +131,10 @@ class _StepBase:
         self._weight: Tensor | None = None
         self._bias: Tensor | None = None
 
+    @property
+    def training(self) -> bool:
+        return getattr(self._inner, "training", False)
+
     def _merge(self) -> None:
         if self._weight is None:
             self._weight, self._bias = self._step.weight(self._inner.weight, self._inner.bias)
@@ -177,6 +183,10 @@ class _SharedBase:
     def __init__(self, base: BaseLayer) -> None:
         self._base = base
         self._last: tuple[Tensor, Tensor] | None = None
+
+    @property
+    def training(self) -> bool:
+        return getattr(self._base, "training", False)
 
     @property
     def weight(self) -> Tensor:
@@ -242,6 +252,7 @@ class AdaptedWeight(Tensor):
     _layout: str
     _strict: bool
     _name: str
+    _training: bool
 
     @staticmethod
     def __new__(
@@ -253,6 +264,7 @@ class AdaptedWeight(Tensor):
         layout: str,
         strict: bool,
         name: str,
+        training: bool = False,
     ) -> AdaptedWeight:
         out = Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
             cls,
@@ -263,7 +275,7 @@ class AdaptedWeight(Tensor):
             requires_grad=False,
         )
         out._weight, out._bias, out._step = weight, bias, step
-        out._layout, out._strict, out._name = layout, strict, name
+        out._layout, out._strict, out._name, out._training = layout, strict, name, training
         return out
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -280,7 +292,7 @@ class AdaptedWeight(Tensor):
         return merged_weight(self._step, self._weight, self._bias, self._layout)[0]
 
     def _adapted(self, x: Tensor, bias: Tensor | None, call: Callable[[Tensor], Tensor]) -> Tensor:
-        base = LayerCall(canonical_weight(self._weight, self._layout), bias, call)
+        base = LayerCall(canonical_weight(self._weight, self._layout), bias, call, self._training)
         return self._step.activation(x, base)
 
     @classmethod
@@ -371,11 +383,13 @@ def _route(func: Any, args: tuple, kwargs: dict, find: Callable[[Any], _Adapted 
 class _ModeEntry:
     """One target weight of :class:`AdaptedCalls`: the base tensor itself, found by identity."""
 
-    __slots__ = ("_bias", "_layout", "_name", "_step", "_strict", "_weight")
+    __slots__ = ("_bias", "_layout", "_name", "_step", "_strict", "_training", "_weight")
 
-    def __init__(self, weight: Tensor, bias: Tensor | None, step: LayerStep, *, layout: str, strict: bool, name: str) -> None:
+    def __init__(
+        self, weight: Tensor, bias: Tensor | None, step: LayerStep, *, layout: str, strict: bool, name: str, training: bool = False
+    ) -> None:
         self._weight, self._bias, self._step = weight, bias, step
-        self._layout, self._strict, self._name = layout, strict, name
+        self._layout, self._strict, self._name, self._training = layout, strict, name, training
 
     merged = AdaptedWeight.merged
     _adapted = AdaptedWeight._adapted

@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = [
@@ -78,6 +79,8 @@ class BaseLayer(Protocol):
     Attributes:
       weight: ``(d_out, d_in)`` canonical view of the frozen weight, base dtype.
       bias: ``(d_out,)`` or ``None``.
+      training: whether the call is a training step (the adapter's dropout acts then only);
+        a base layer without the attribute counts as not training.
     Calling it maps ``x (..., d_in) -> (..., d_out)`` with exactly the model's own op
     (``F.linear`` for nn.Linear, ``addmm``/``matmul`` for GPT-2 Conv1D), bias included.
     """
@@ -86,6 +89,22 @@ class BaseLayer(Protocol):
     bias: Tensor | None
 
     def __call__(self, x: Tensor) -> Tensor: ...
+
+
+def lowrank_input(x: Tensor, base: BaseLayer, info: LayerInfo) -> Tensor:
+    """The low-rank path's input: ``x`` after the variant's ``dropout`` option (peft's
+    ``lora_dropout``) in a training step, else ``x`` itself. Draws from the global RNG through
+    ``F.dropout``, so under ``torch.func.vmap`` it follows ``randomness=``."""
+    p = dict(info.options).get("dropout", 0.0)
+    if not p or not getattr(base, "training", False):
+        return x
+    return F.dropout(x, float(p), training=True)
+
+
+def check_dropout(variant: str, options: Mapping[str, Any]) -> None:
+    p = options["dropout"]
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"{variant} option dropout={p!r} must be in [0, 1) (peft's lora_dropout: the probability of zeroing an input)")
 
 
 class InitFn(Protocol):
@@ -259,5 +278,5 @@ def lora_activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, bas
     rather than to the ``(..., d_out)`` product (peft's order): the same math, one pass over
     the outputs fewer (:func:`add_low_rank`)."""
     lora_a, lora_b = params["lora_A"], params["lora_B"]
-    h = (x.to(lora_a.dtype) @ lora_a.T) * lora_scale(info, buffers)
+    h = (lowrank_input(x, base, info).to(lora_a.dtype) @ lora_a.T) * lora_scale(info, buffers)
     return base_plus_low_rank(base, x, h, lora_b)

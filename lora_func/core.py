@@ -346,7 +346,9 @@ def merge_overlay(base: Mapping[str, Tensor], adapter: AdapterLike, *, safe: boo
     return out
 
 
-def overlay(base: Mapping[str, Tensor], adapter: AdapterLike, *, strict: bool = False, safe: bool = False) -> dict[str, Tensor]:
+def overlay(
+    base: Mapping[str, Tensor], adapter: AdapterLike, *, strict: bool = False, safe: bool = False, training: bool = False
+) -> dict[str, Tensor]:
     """``base`` with lazy stand-ins for the target weights (no merged weights built).
 
     Each stand-in computes ``base(x)`` plus the variant's activation form inside
@@ -354,6 +356,8 @@ def overlay(base: Mapping[str, Tensor], adapter: AdapterLike, *, strict: bool = 
     stand-in (an embedding lookup through a tied weight, ...) gets the dense merged weight,
     or raises when ``strict=True``. ``safe=True`` raises ``FloatingPointError`` naming the
     adapter tensors that hold a NaN or inf (no merged weight exists to check here).
+    ``training=True``: a training step, where the adapter's ``dropout`` option acts
+    (``adapted_call`` passes ``model.training``).
     """
     check_base(base, "overlay")
     _check(base, adapter)
@@ -364,7 +368,7 @@ def overlay(base: Mapping[str, Tensor], adapter: AdapterLike, *, strict: bool = 
     out = dict(base)
     for key, (t, step) in _layer_steps(adapter).items():
         bias = base[t.bias_key] if t.bias_key is not None else None
-        standin = AdaptedWeight(base[key], bias, step, layout=t.layout, strict=strict, name=key)
+        standin = AdaptedWeight(base[key], bias, step, layout=t.layout, strict=strict, name=key, training=training)
         for name in (key, *t.tied_keys):
             out[name] = standin
         if step.changes_bias and bias is not None:
@@ -372,7 +376,9 @@ def overlay(base: Mapping[str, Tensor], adapter: AdapterLike, *, strict: bool = 
     return out
 
 
-def overlay_calls(base: Mapping[str, Tensor], adapter: AdapterLike, *, strict: bool = False, safe: bool = False) -> AdaptedCalls:
+def overlay_calls(
+    base: Mapping[str, Tensor], adapter: AdapterLike, *, strict: bool = False, safe: bool = False, training: bool = False
+) -> AdaptedCalls:
     """The lazy overlay as a torch-function mode over the model's own base tensors, for code
     that ``torch.compile`` traces (dynamo cannot create :func:`overlay`'s stand-ins)::
 
@@ -396,7 +402,7 @@ def overlay_calls(base: Mapping[str, Tensor], adapter: AdapterLike, *, strict: b
     entries: list[_ModeEntry | _BiasEntry] = []
     for key, (t, step) in _layer_steps(adapter).items():
         bias = base[t.bias_key] if t.bias_key is not None else None
-        entry = _ModeEntry(base[key], bias, step, layout=t.layout, strict=strict, name=key)
+        entry = _ModeEntry(base[key], bias, step, layout=t.layout, strict=strict, name=key, training=training)
         entries.append(entry)
         if step.changes_bias and bias is not None:
             entries.append(_BiasEntry(bias, entry, strict=strict, name=t.bias_key))  # type: ignore[arg-type]
@@ -431,10 +437,10 @@ class _QuantizedLayer:
     """A quantized target as the activation form sees it (a ``BaseLayer``): calling it runs the
     layer's frozen op; ``weight`` is dequantized only if the form reads it (DoRA, HRA)."""
 
-    __slots__ = ("_call", "_kind", "_module", "_weight", "bias")
+    __slots__ = ("_call", "_kind", "_module", "_weight", "bias", "training")
 
     def __init__(self, module: nn.Module, kind: QuantizedKind) -> None:
-        self._module, self._kind, self.bias = module, kind, module.bias
+        self._module, self._kind, self.bias, self.training = module, kind, module.bias, module.training
         self._call = frozen_call(module, kind)
         self._weight: Tensor | None = None
 
@@ -468,7 +474,7 @@ def _module_call(target: Target, step: LayerStep, merged: bool) -> Any:
         if merged:
             w_eff, b_eff = merged_weight(step, weight, bias, target.layout)
             return finish(layout.merged(x_op, w_eff, b_eff if step.changes_bias else bias))
-        return finish(step.activation(x_op, LayerCall(canonical_weight(weight, target.layout), bias, inner)))
+        return finish(step.activation(x_op, LayerCall(canonical_weight(weight, target.layout), bias, inner, module.training)))
 
     return forward
 
@@ -517,7 +523,7 @@ def _application(
     route = _resolve_route(route, base, adapter)
     refuse_checkpointing_in_transform(model)
     if route == "overlay":
-        params = merge_overlay(base, adapter, safe=safe) if merged else overlay(base, adapter, strict=strict, safe=safe)
+        params = merge_overlay(base, adapter, safe=safe) if merged else overlay(base, adapter, strict=strict, safe=safe, training=model.training)
         forwards: dict[str, Any] = {}
     else:
         _check(base, adapter, quantized_ok=True)
@@ -581,7 +587,7 @@ def adapted_call(
         # Application re-applies anything at recompute.
         if merged:
             return torch.func.functional_call(model, merge_overlay(base, adapter, safe=safe), args, kwargs, tie_weights=True, strict=False)
-        with overlay_calls(base, adapter, strict=strict, safe=safe):
+        with overlay_calls(base, adapter, strict=strict, safe=safe, training=model.training):
             return torch.func.functional_call(model, dict(base), args, kwargs, tie_weights=True, strict=False)
     application = _application(model, base, adapter, merged=merged, route=route, strict=strict, safe=safe, whole_base=True)
     return application(*args, **kwargs)

@@ -394,16 +394,21 @@ def test_merged_state_dict_round_trips_through_save_pretrained(tmp_path):
         merge([1], adapter)
 
 
-def test_a_training_only_dropout_in_the_config_is_not_dropped_silently(tmp_path):
-    """peft's lora_dropout acts only in training; lora_func has none yet: loading warns, and the
-    outputs still equal those of the checkpoint without it."""
+def test_lora_dropout_is_read_and_written_and_delora_module_dropout_warns(tmp_path):
+    """peft's lora_dropout becomes the adapter's dropout option and is written back; DeLoRA's
+    module_dropout (which lora_func does not have) warns instead of vanishing."""
     model = tiny_model("llama")
-    adapter = lf.init_adapter(model, lf.AdapterSpec("lora", targets=["q_proj", "v_proj"], r=2))
-    directory = lf.save_peft(adapter, tmp_path / "a")
-    plain = lf.load_peft(directory, model)
-    config = json.loads((directory / "adapter_config.json").read_text())
-    (directory / "adapter_config.json").write_text(json.dumps(config | {"lora_dropout": 0.1}))
-    with pytest.warns(UserWarning, match=r"'lora_dropout': 0.1.*not applied"):
+    for variant in ("lora", "dora"):
+        adapter = lf.init_adapter(model, lf.AdapterSpec(variant, targets=["q_proj", "v_proj"], r=2, dropout=0.1))
+        directory = lf.save_peft(adapter, tmp_path / variant)
+        assert json.loads((directory / "adapter_config.json").read_text())["lora_dropout"] == 0.1
         loaded = lf.load_peft(directory, model)
-    for key in plain.params:
-        assert torch.equal(loaded.params[key], plain.params[key])
+        assert loaded.spec.option("dropout") == 0.1
+        for key in adapter.params:
+            assert torch.equal(loaded.params[key], adapter.params[key])
+    delora = lf.init_adapter(model, lf.AdapterSpec("delora", targets=["q_proj", "v_proj"], r=2))
+    directory = lf.save_peft(delora, tmp_path / "delora")
+    config = json.loads((directory / "adapter_config.json").read_text())
+    (directory / "adapter_config.json").write_text(json.dumps(config | {"module_dropout": 0.1}))
+    with pytest.warns(UserWarning, match=r"'module_dropout': 0.1.*not applied"):
+        lf.load_peft(directory, model)

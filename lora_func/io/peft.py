@@ -164,6 +164,7 @@ def _config_problems(config: Mapping[str, Any]) -> list[str]:
         "r": rank,
         "lora_alpha": number,
         "delora_lambda": number,
+        "lora_dropout": lambda v: v is None or (number(v) and 0 <= v < 1),
         "use_rslora": lambda v: isinstance(v, bool),
         "use_dora": lambda v: isinstance(v, bool),
         "init_weights": lambda v: isinstance(v, bool),
@@ -367,11 +368,11 @@ def _pissa_residual(weight: Tensor, target: Target, info: LayerInfo, dtype: torc
 def _warn_training_only(directory: Path, config: Mapping[str, Any]) -> None:
     """Say so when a field that only acts in training is dropped (the loaded adapter computes
     what peft computes at inference, but training it would differ)."""
-    dropped = {k: config[k] for k in ("lora_dropout", "module_dropout") if isinstance(config.get(k), (int, float)) and config[k] > 0}
+    dropped = {k: config[k] for k in ("module_dropout",) if isinstance(config.get(k), (int, float)) and config[k] > 0}
     if dropped:
         warnings.warn(
-            f"{directory / CONFIG_NAME}: {dropped} not applied: lora_func has no adapter dropout yet. The loaded "
-            f"adapter gives peft's outputs at inference; further training runs without dropout",
+            f"{directory / CONFIG_NAME}: {dropped} not applied: lora_func's DeLoRA has no module dropout. The loaded "
+            f"adapter gives peft's outputs at inference; further training runs without it",
             UserWarning,
             stacklevel=3,
         )
@@ -413,6 +414,7 @@ def _read_lora(directory: Path, config: Mapping[str, Any], tensors: Mapping[str,
     init = config.get("init_lora_weights", True)
     use_dora = bool(config.get("use_dora", False))
     rslora = bool(config.get("use_rslora", False))
+    dropout = float(config.get("lora_dropout") or 0.0)
     if use_dora and init in PLAIN_LORA_INITS:
         variant, options = "dora", {"use_rslora": rslora}
     elif init == "pissa" and not use_dora:
@@ -430,6 +432,7 @@ def _read_lora(directory: Path, config: Mapping[str, Any], tensors: Mapping[str,
             f"save_pretrained(..., path_initial_model_for_weight_conversion=<dir of the initial adapter>) to get a "
             f"plain LoRA on the original base"
         )
+    options["dropout"] = dropout  # peft's lora_dropout: acts in training steps only
     layers = {}
     for module, found in tensors.items():
         _check_complete(directory, module, found, ["lora_A", "lora_B"] + (["lora_magnitude_vector"] if use_dora else []))
@@ -636,6 +639,7 @@ def _export_leaf(adapter: Adapter, base: Mapping[str, Tensor] | None) -> _Export
     options = dict(adapter.spec.options)
     if name in ("lora", "eva", "dora", "pissa"):
         shared: dict[str, Any] = {
+            "lora_dropout": float(options.get("dropout", 0.0)),
             "use_rslora": bool(options.get("use_rslora", False)),
             "use_dora": name == "dora",
             "init_lora_weights": "eva" if name == "eva" else True,
@@ -722,7 +726,7 @@ def _peft_config(peft_type: str, shared: Mapping[str, Any], layers: Sequence[_Ou
         return config | {"rank_pattern": rank_pattern, "lambda_pattern": {}, "module_dropout": 0.0}
     alpha = _most_common([o.alpha for o in layers])
     alpha_pattern = {o.target.module: o.alpha for o in layers if o.alpha != alpha}
-    return config | {"lora_alpha": alpha, "rank_pattern": rank_pattern, "alpha_pattern": alpha_pattern, "lora_dropout": 0.0}
+    return config | {"lora_alpha": alpha, "rank_pattern": rank_pattern, "alpha_pattern": alpha_pattern}
 
 
 def _write_text(path: Path, text: str) -> None:

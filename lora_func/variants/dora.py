@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lora_func._types import BaseLayer, LayerInfo, TensorDict, Variant, add_low_rank, kaiming_uniform, lora_scale
+from lora_func._types import BaseLayer, LayerInfo, TensorDict, Variant, add_low_rank, check_dropout, kaiming_uniform, lora_scale, lowrank_input
 
 MAGNITUDE = "lora_magnitude_vector"
 
@@ -65,6 +65,15 @@ def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: Ba
     # The dense W is needed every step for the norm (DoRA's inherent cost).
     norm = _row_norm(base.weight, lora_a, lora_b, s)
     k = (magnitude / norm).to(lora_a.dtype)
+    dropped = lowrank_input(x, base, info)
+    if dropped is not x:
+        # peft's DoRA with dropout in training: y = base(x) + (k − 1)·W x_d + k·s·B A x_d, the
+        # magnitude rescaling applied to the dropped input's base product (bias excluded).
+        w_xd = base(dropped).to(lora_a.dtype)
+        if base.bias is not None:
+            w_xd = w_xd - base.bias.to(lora_a.dtype)
+        lowrank = ((dropped.to(lora_a.dtype) @ lora_a.T) * s) @ lora_b.T
+        return (y.to(lora_a.dtype) + (k - 1) * w_xd + k * lowrank).to(y.dtype)
     # t = x Vᵀ + b = base(x) + s·(x Aᵀ) Bᵀ; y_eff = k ⊙ (t − b) + b = k ⊙ t + (1 − k) ⊙ b: the
     # bias is not rescaled. Two passes over the outputs (addmm, addcmul) instead of peft's six;
     # at init (B = 0, k = 1) every step is exact, so the adapter is exactly the identity.
@@ -79,7 +88,8 @@ VARIANT = Variant(
     init=init,
     weight_form=weight_form,
     activation_form=activation_form,
-    options={"use_rslora": False},
+    options={"use_rslora": False, "dropout": 0.0},
+    check_options=lambda options: check_dropout("dora", options),
     default_alpha=8.0,
     rank_axes={"lora_A": 0, "lora_B": 1},
 )

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lora_func._types import LayerInfo, TensorDict, Variant, lora_activation_form, lora_weight_form
+from lora_func._types import LayerInfo, TensorDict, Variant, check_dropout, lora_activation_form, lora_weight_form
 
 SVD_METHODS = ("lowrank", "full")
 LOWRANK_NITER = 4  # peft IncrementalPCA(lowrank=True) default: lowrank_q = 2·n_components, niter = 4
@@ -291,6 +291,7 @@ def _not_converged(
 
 
 def check_options(options: Mapping[str, Any]) -> None:
+    check_dropout("eva", options)
     if options["rho"] < 1.0:
         raise ValueError(f"eva option rho={options['rho']!r} must be >= 1.0 (a layer's rank is at most round(r·rho))")
     if not 0.0 <= options["tau"] <= 1.0:
@@ -314,6 +315,7 @@ VARIANT = Variant(
         "adjust_scaling_factors": True,
         "svd": "lowrank",
         "max_batches": 1000,
+        "dropout": 0.0,
     },
     default_alpha=8.0,
     rank_axes={"lora_A": 0, "lora_B": 1},

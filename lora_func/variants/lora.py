@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lora_func._types import LayerInfo, TensorDict, Variant, kaiming_uniform, lora_activation_form, lora_weight_form
+from lora_func._types import LayerInfo, TensorDict, Variant, check_dropout, kaiming_uniform, lora_activation_form, lora_weight_form
 
 INITS = ("kaiming", "gaussian")
 
@@ -40,6 +40,7 @@ def init(
 
 
 def check_options(options: Mapping[str, Any]) -> None:
+    check_dropout("lora", options)
     if options["init"] not in INITS:
         raise ValueError(f"lora option init={options['init']!r} is not one of {list(INITS)}")
 
@@ -49,7 +50,7 @@ VARIANT = Variant(
     init=init,
     weight_form=lora_weight_form,
     activation_form=lora_activation_form,
-    options={"use_rslora": False, "init": "kaiming"},
+    options={"use_rslora": False, "init": "kaiming", "dropout": 0.0},
     default_alpha=8.0,
     rank_axes={"lora_A": 0, "lora_B": 1},
     check_options=check_options,

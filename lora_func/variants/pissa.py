@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lora_func._types import BaseLayer, LayerInfo, TensorDict, Variant, base_plus_low_rank, lora_scale
+from lora_func._types import BaseLayer, LayerInfo, TensorDict, Variant, base_plus_low_rank, check_dropout, lora_scale, lowrank_input
 
 
 def svd_lowrank(weight: Tensor, q: int, niter: int, generator: torch.Generator) -> tuple[Tensor, Tensor, Tensor]:
@@ -99,11 +99,12 @@ def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: Ba
     # as peft's residualised base layer does; the low-rank path as in LoRA.
     w_res = buffers["W_res"].to(base.weight.dtype)
     lora_a, lora_b = params["lora_A"], params["lora_B"]
-    h = (x.to(lora_a.dtype) @ lora_a.T) * lora_scale(info, buffers)
+    h = (lowrank_input(x, base, info).to(lora_a.dtype) @ lora_a.T) * lora_scale(info, buffers)
     return base_plus_low_rank(lambda x_: F.linear(x_, w_res, base.bias), x, h, lora_b)
 
 
 def check_options(options: Mapping[str, Any]) -> None:
+    check_dropout("pissa", options)
     niter = options["niter"]
     if isinstance(niter, bool) or not isinstance(niter, int) or niter < 0:
         raise ValueError(
@@ -117,7 +118,7 @@ VARIANT = Variant(
     init=init,
     weight_form=weight_form,
     activation_form=activation_form,
-    options={"use_rslora": False, "niter": 0},
+    options={"use_rslora": False, "niter": 0, "dropout": 0.0},
     default_alpha=8.0,
     rank_axes={"lora_A": 0, "lora_B": 1},
     check_options=check_options,
