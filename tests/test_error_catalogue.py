@@ -1048,6 +1048,7 @@ CASES.update(
         "demo-quantize-needs-bitsandbytes": Case(_demo_quantize(missing=True), ("bitsandbytes", "'nf4'")),
         "demo-quantize-unknown": Case(_demo_quantize(missing=False), ("'nf3'",)),
         "bridge-checkpointing-eval-base": Case(on_adapter(lambda a, ctx: lf.as_module(ctx.models[-1][0], a).activation_checkpointing_enable()), ("LlamaForCausalLM", "model.train()")),
+        "save-peft-task-type": Case(on_adapter(lambda a, ctx: lf.save_peft(a, ctx.tmp / "p", task_type=1)), ("task_type", "1")),
         "spec-dropout": Case(spec("lora", ["q_proj"], dropout=1.0), ("dropout=1.0",)),
         "merge-quantized-dtype": Case(_merge_quantized(lambda model: model), ("model.layers.0.mlp.down_proj.weight", "dtype=")),
         "merge-quantized-base-dict": Case(_merge_quantized(lf.base_params), ("model.layers.0.mlp.down_proj.weight", "dtype=")),

@@ -81,7 +81,7 @@ def test_rank_above_min_dims_names_the_layers(llama):
 
 
 def test_unknown_and_mistyped_options():
-    with pytest.raises(TypeError, match=r"unknown option\(s\) \['use_rs_lora'\] for variant 'lora'; it accepts \['init', 'use_rslora'\]"):
+    with pytest.raises(TypeError, match=r"unknown option\(s\) \['use_rs_lora'\] for variant 'lora'; it accepts \['dropout', 'init', 'use_rslora'\]"):
         lf.AdapterSpec("lora", targets=["q_proj"], use_rs_lora=True)
     with pytest.raises(TypeError, match="option use_rslora=1 for variant 'lora' must be a bool"):
         lf.AdapterSpec("lora", targets=["q_proj"], use_rslora=1)

@@ -404,6 +404,8 @@ def test_lora_dropout_is_read_and_written_and_delora_module_dropout_warns(tmp_pa
         assert json.loads((directory / "adapter_config.json").read_text())["lora_dropout"] == 0.1
         loaded = lf.load_peft(directory, model)
         assert loaded.spec.option("dropout") == 0.1
+        typed = lf.save_peft(loaded, tmp_path / f"{variant}-typed", task_type="CAUSAL_LM")
+        assert json.loads((typed / "adapter_config.json").read_text())["task_type"] == "CAUSAL_LM"
         for key in adapter.params:
             assert torch.equal(loaded.params[key], adapter.params[key])
     delora = lf.init_adapter(model, lf.AdapterSpec("delora", targets=["q_proj", "v_proj"], r=2))

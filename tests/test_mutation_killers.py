@@ -298,9 +298,9 @@ def test_delora_w_norm_buffer(dtype):
 # without that argument, and the oracles above read the resolved options, so they cannot see it.
 DOCUMENTED = {
     # name: (default alpha, default options, uses_rank, changes_bias, records_base, rank_axes)
-    "lora": (8.0, {"use_rslora": False, "init": "kaiming"}, True, False, False, {"lora_A": 0, "lora_B": 1}),
-    "dora": (8.0, {"use_rslora": False}, True, False, False, {"lora_A": 0, "lora_B": 1}),
-    "pissa": (8.0, {"use_rslora": False, "niter": 0}, True, False, True, {"lora_A": 0, "lora_B": 1}),
+    "lora": (8.0, {"use_rslora": False, "init": "kaiming", "dropout": 0.0}, True, False, False, {"lora_A": 0, "lora_B": 1}),
+    "dora": (8.0, {"use_rslora": False, "dropout": 0.0}, True, False, False, {"lora_A": 0, "lora_B": 1}),
+    "pissa": (8.0, {"use_rslora": False, "niter": 0, "dropout": 0.0}, True, False, True, {"lora_A": 0, "lora_B": 1}),
     "delora": (8.0, {"lambda0": 15.0}, True, False, False, {"delora_A": 0, "delora_B": 1}),
     "hra": (8.0, {"init": "paired"}, True, False, False, {"hra_u": 1}),
     "antipasto": (
@@ -315,7 +315,7 @@ DOCUMENTED = {
     "ia3_ff": (1.0, {}, False, False, False, {}),
     "eva": (
         8.0,
-        {"rho": 2.0, "tau": 0.99, "whiten": False, "use_rslora": False, "adjust_scaling_factors": True, "svd": "lowrank", "max_batches": 1000},
+        {"rho": 2.0, "tau": 0.99, "whiten": False, "use_rslora": False, "adjust_scaling_factors": True, "svd": "lowrank", "max_batches": 1000, "dropout": 0.0},
         True,
         False,
         False,

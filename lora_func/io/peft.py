@@ -692,12 +692,14 @@ def _module_selector(selected: Sequence[str], candidates: Sequence[str] | None, 
     return sorted(selected)
 
 
-def _peft_config(peft_type: str, shared: Mapping[str, Any], layers: Sequence[_Out], model: nn.Module | None) -> dict[str, Any]:
+def _peft_config(
+    peft_type: str, shared: Mapping[str, Any], layers: Sequence[_Out], model: nn.Module | None, task_type: str | None = None
+) -> dict[str, Any]:
     modules = [o.target.module for o in layers]
     all_modules = [n for n, _ in model.named_modules() if n] if model is not None else None
     config: dict[str, Any] = {
         "peft_type": peft_type,
-        "task_type": None,
+        "task_type": task_type,
         "base_model_name_or_path": (getattr(model, "name_or_path", None) or None) if model is not None else None,
         "inference_mode": True,
         "target_modules": _module_selector(modules, all_modules),
@@ -733,7 +735,9 @@ def _write_text(path: Path, text: str) -> None:
     path.write_text(text)
 
 
-def save_peft(adapter: AdapterLike, directory: str | os.PathLike, *, model: nn.Module | None = None) -> Path:
+def save_peft(
+    adapter: AdapterLike, directory: str | os.PathLike, *, model: nn.Module | None = None, task_type: str | None = None
+) -> Path:
     """Write ``adapter`` as a peft checkpoint: ``directory/adapter_config.json`` and
     ``directory/adapter_model.safetensors``, loadable with ``PeftModel.from_pretrained(base,
     directory)``. Returns the directory.
@@ -744,7 +748,9 @@ def save_peft(adapter: AdapterLike, directory: str | os.PathLike, *, model: nn.M
     peft method on different layers (e.g. ``compose(ia3, ia3_ff)``) is one checkpoint.
     ``model`` (the base) is optional otherwise; with it the config uses short module names
     (``["q_proj", "v_proj"]``) when they select exactly the adapted layers, and records the
-    model's ``name_or_path``.
+    model's ``name_or_path``. ``task_type`` (e.g. ``"CAUSAL_LM"``) is written as peft's
+    ``task_type``: it picks peft's wrapper class, not the adapter's math, so ``load_peft``
+    does not keep it (pass it again when you save).
 
     Raises before writing anything for what peft cannot express: antipasto, a ``Combined``
     adapter, a stacked adapter, hra/delora on GPT-2 ``Conv1D`` (peft refuses them).
@@ -760,6 +766,8 @@ def save_peft(adapter: AdapterLike, directory: str | os.PathLike, *, model: nn.M
     """
     leaves = _leaves(adapter)
     check_path(directory, "save_peft", "directory")
+    if task_type is not None and not isinstance(task_type, str):
+        raise TypeError(f"save_peft: task_type must be a peft task name such as 'CAUSAL_LM' or None, got {task_type!r}")
     if model is not None:
         check_model(model, "save_peft")
     base = base_params(model) if model is not None else None
@@ -784,7 +792,7 @@ def save_peft(adapter: AdapterLike, directory: str | os.PathLike, *, model: nn.M
             f"layer: save the parts separately, or export the merged model with lora_func.merge"
         )
     peft_type, shared = kinds[0][0], {k: json.loads(v) for k, v in kinds[0][1]}
-    config = _peft_config(peft_type, shared, layers, model)
+    config = _peft_config(peft_type, shared, layers, model, task_type)
     tensors = {
         f"{PREFIX}{o.target.module}.{suffix}": tensor.detach().to("cpu").contiguous()
         for o in layers
