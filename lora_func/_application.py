@@ -49,6 +49,7 @@ class Application:
         run (its class's forward, or an instance-level one somebody else installed).
       trainable: the adapter tensors that may need gradients; used to refuse a reentrant
         checkpoint region that would silently give them none.
+      modules: ``dict(model.named_modules())`` when the caller has it already.
     """
 
     def __init__(
@@ -57,13 +58,17 @@ class Application:
         params: Mapping[str, Tensor],
         forwards: Mapping[str, Callable[..., Any]],
         trainable: tuple[Tensor, ...] = (),
+        modules: Mapping[str, nn.Module] | None = None,
     ) -> None:
         self.model = model
         self.params = dict(params)
         self.forwards = dict(forwards)
         self.trainable = trainable
-        modules = dict(model.named_modules())
-        self._modules = {name: modules[name] for name in self.forwards}
+        if self.forwards:
+            modules = dict(model.named_modules()) if modules is None else modules
+            self._modules = {name: modules[name] for name in self.forwards}
+        else:
+            self._modules = {}
 
     @contextlib.contextmanager
     def applied(self) -> Iterator[None]:

@@ -189,14 +189,15 @@ def check_adapter_placement(base: Mapping[str, Tensor], adapter: object, where: 
         )
 
 
-def check_layouts(model: torch.nn.Module, adapter: object, where: str) -> None:
+def check_layouts(model: torch.nn.Module, adapter: object, where: str, modules: Mapping[str, torch.nn.Module] | None = None) -> None:
     """Raise ``ValueError`` when a target module of ``model`` is of another kind than the layer
     the adapter was built on (an ``nn.Linear`` adapter on a same-named, same-shaped GPT-2
-    ``Conv1D``): the stored weight would be read transposed and the outputs silently wrong."""
+    ``Conv1D``): the stored weight would be read transposed and the outputs silently wrong.
+    ``modules``: ``dict(model.named_modules())`` when the caller has it already."""
     from lora_func.adapter import leaf_adapters
     from lora_func.targeting import layer_kind
 
-    modules = dict(model.named_modules())
+    modules = dict(model.named_modules()) if modules is None else modules
     wrong = []
     for leaf in leaf_adapters(adapter):  # type: ignore[arg-type]
         for layer in leaf.layers:

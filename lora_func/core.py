@@ -515,6 +515,7 @@ def _application(
     strict: bool,
     safe: bool,
     whole_base: bool,
+    modules: Mapping[str, nn.Module] | None = None,
 ) -> Application:
     """What an adapted call puts on ``model`` (see :mod:`lora_func._application`).
 
@@ -533,7 +534,9 @@ def _application(
         params, forwards = dict(base), _module_forwards(adapter, merged=merged)
     if not whole_base:
         params = {name: tensor for name, tensor in params.items() if tensor is not base[name]}
-    return Application(model, params, {**frozen_forwards(model, exclude=forwards), **forwards}, trainable=tuple(adapter.params.values()))
+    modules = dict(model.named_modules()) if modules is None else modules
+    forwards = {**frozen_forwards(model, exclude=forwards, modules=modules), **forwards}
+    return Application(model, params, forwards, trainable=tuple(adapter.params.values()), modules=modules)
 
 
 def adapted_call(
@@ -579,7 +582,8 @@ def adapted_call(
         # A dict from named_parameters() holds the model's requires_grad tensors: backward
         # would fill their .grad.
         base = detached_base(base)
-    check_layouts(model, adapter, "adapted_call")
+    modules = dict(model.named_modules())  # one walk of the model per call, shared by the steps below
+    check_layouts(model, adapter, "adapted_call", modules)
     if _resolve_route(route, base, adapter) == "overlay" and torch.compiler.is_compiling():
         # Dynamo cannot trace the creation of the lazy stand-ins; the same lazy path as a
         # torch-function mode over the base tensors traces with fullgraph=True. Checkpointed
@@ -589,7 +593,9 @@ def adapted_call(
             return torch.func.functional_call(model, merge_overlay(base, adapter, safe=safe), args, kwargs, tie_weights=True, strict=False)
         with overlay_calls(base, adapter, strict=strict, safe=safe, training=model.training):
             return torch.func.functional_call(model, dict(base), args, kwargs, tie_weights=True, strict=False)
-    application = _application(model, base, adapter, merged=merged, route=route, strict=strict, safe=safe, whole_base=True)
+    application = _application(
+        model, base, adapter, merged=merged, route=route, strict=strict, safe=safe, whole_base=True, modules=modules
+    )
     return application(*args, **kwargs)
 
 

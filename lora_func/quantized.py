@@ -23,7 +23,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import sys
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import torch
@@ -113,11 +113,14 @@ def frozen_call(module: nn.Module, kind: QuantizedKind) -> Callable[[Tensor], Te
     return lambda x: _FrozenOp.apply(x, call, lambda: kind.dequantize(module))
 
 
-def frozen_forwards(model: nn.Module, *, exclude: Collection[str] = ()) -> dict[str, Callable[..., Tensor]]:
+def frozen_forwards(
+    model: nn.Module, *, exclude: Collection[str] = (), modules: Mapping[str, nn.Module] | None = None
+) -> dict[str, Callable[..., Tensor]]:
     """For an :class:`lora_func._application.Application`: every quantized layer of ``model`` not in
-    ``exclude`` runs :func:`frozen_call` (works under ``torch.func``, never changes the layer)."""
+    ``exclude`` runs :func:`frozen_call` (works under ``torch.func``, never changes the layer).
+    ``modules``: ``dict(model.named_modules())`` when the caller has it already."""
     forwards = {}
-    for name, module in model.named_modules():
+    for name, module in (model.named_modules() if modules is None else modules.items()):
         kind = kind_of_tensor(getattr(module, "weight", None))
         if kind is not None and name not in exclude:
             forwards[name] = _frozen_forward(kind)
