@@ -584,7 +584,8 @@ def adapted_call(
         base = detached_base(base)
     modules = dict(model.named_modules())  # one walk of the model per call, shared by the steps below
     check_layouts(model, adapter, "adapted_call", modules)
-    if _resolve_route(route, base, adapter) == "overlay" and torch.compiler.is_compiling():
+    route = _resolve_route(route, base, adapter)  # once: _application takes the resolved route as is
+    if route == "overlay" and torch.compiler.is_compiling():
         # Dynamo cannot trace the creation of the lazy stand-ins; the same lazy path as a
         # torch-function mode over the base tensors traces with fullgraph=True. Checkpointed
         # regions are dynamo's own (it traces them, the adapter's ops included), so no

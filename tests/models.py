@@ -54,13 +54,17 @@ def tiny_model(kind: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> 
     else:
         raise ValueError(kind)
     model.config._attn_implementation = "eager"
-    # Random biases, so that a variant that mishandles the bias is visible.
+    randomize_biases(model)
+    return model.to(dtype).eval()
+
+
+def randomize_biases(model: nn.Module) -> None:
+    """Random biases (std 0.1), so that a variant that mishandles the bias is visible."""
     with torch.no_grad():
         for module in model.modules():
             bias = getattr(module, "bias", None)
             if isinstance(bias, nn.Parameter):
                 bias.normal_(0.0, 0.1)
-    return model.to(dtype).eval()
 
 
 def tokens(batch: int = 2, length: int = 8, seed: int = 1) -> torch.Tensor:

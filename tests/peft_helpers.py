@@ -21,6 +21,19 @@ def ce_loss(out: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(out[..., :-1, :].reshape(-1, out.shape[-1]), ids[..., 1:].reshape(-1))
 
 
+def copy_into_peft(peft_model, adapter) -> dict:
+    """Copy a lora/dora adapter's values into the peft model's LoRA layers (same targets); returns
+    ``{module name: peft layer}``."""
+    layers = {n.removeprefix("base_model.model."): m for n, m in peft_model.named_modules() if hasattr(m, "lora_A") and "default" in m.lora_A}
+    with torch.no_grad():
+        for key, module in layers.items():
+            module.lora_A["default"].weight.copy_(adapter.params[f"{key}.lora_A"])
+            module.lora_B["default"].weight.copy_(adapter.params[f"{key}.lora_B"])
+            if f"{key}.lora_magnitude_vector" in adapter.params:
+                module.lora_magnitude_vector["default"].weight.copy_(adapter.params[f"{key}.lora_magnitude_vector"])
+    return layers
+
+
 class NoWeightBase:
     """A BaseLayer whose dense weight must not be read (checks an activation form is low-rank)."""
 

@@ -17,6 +17,8 @@ import torch
 from torch import nn
 from transformers import BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM
 
+from tests.models import randomize_biases
+
 VOCAB = 61
 
 
@@ -31,11 +33,7 @@ def float_llama(seed: int = 0) -> LlamaForCausalLM:
     )
     model = LlamaForCausalLM(config)
     model.config._attn_implementation = "eager"
-    with torch.no_grad():
-        for module in model.modules():
-            bias = getattr(module, "bias", None)
-            if isinstance(bias, nn.Parameter):
-                bias.normal_(0.0, 0.1)
+    randomize_biases(model)
     return model.eval()
 
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import lora_func as lf
 from tests.contract_helpers import calibration_batches, perturbed
 from tests.models import tiny_model, tokens
+from tests.peft_helpers import ce_loss, copy_into_peft
 
 VARIANTS = ("lora", "dora", "pissa", "eva")
 P = 0.3
@@ -58,23 +58,16 @@ def test_a_training_step_equals_peft_with_the_same_seed(variant):
     adapter = build(model, variant, P)
     ids = tokens()
     ours = logits(model, adapter, ids)
-    grads = torch.func.grad(lambda p: F.cross_entropy(logits(model, adapter.with_params(p), ids)[:, :-1].reshape(-1, 61), ids[:, 1:].reshape(-1)))(
-        adapter.params
-    )
+    grads = torch.func.grad(lambda p: ce_loss(logits(model, adapter.with_params(p), ids), ids))(adapter.params)
     pm = peft.get_peft_model(
         tiny_model("llama"), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=P, use_dora=variant == "dora")
     ).train()
-    layers = {n.removeprefix("base_model.model."): m for n, m in pm.named_modules() if hasattr(m, "lora_A") and "default" in m.lora_A}
-    with torch.no_grad():
-        for key, module in layers.items():
-            module.lora_A["default"].weight.copy_(adapter.params[f"{key}.lora_A"])
-            module.lora_B["default"].weight.copy_(adapter.params[f"{key}.lora_B"])
-            if variant == "dora":
-                module.lora_magnitude_vector["default"].weight.copy_(adapter.params[f"{key}.lora_magnitude_vector"])
+    layers = copy_into_peft(pm, adapter)
+    assert sorted(layers) == sorted({k.rsplit(".", 1)[0] for k in adapter.params})
     torch.manual_seed(0)
     theirs = pm(ids).logits
     torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
-    F.cross_entropy(theirs[:, :-1].reshape(-1, 61), ids[:, 1:].reshape(-1)).backward()
+    ce_loss(theirs, ids).backward()
     for key, module in layers.items():
         torch.testing.assert_close(grads[f"{key}.lora_A"], module.lora_A["default"].weight.grad, atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(grads[f"{key}.lora_B"], module.lora_B["default"].weight.grad, atol=1e-5, rtol=1e-4)

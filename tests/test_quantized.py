@@ -11,6 +11,7 @@ import torch.nn.functional as F
 import lora_func as lf
 import lora_func.quantized as quantized
 from tests.contract_helpers import calibration_batches, perturbed, spec_for
+from tests.peft_helpers import ce_loss, copy_into_peft
 from tests.quantized_models import SCHEMES, dequantized_weight, float_oracle, quantized_llama, state_bytes
 from tests.variant_table import ROWS
 
@@ -41,8 +42,7 @@ def same_values(adapter: lf.Adapter, like: lf.Adapter) -> lf.Adapter:
 
 
 def loss(model, adapter, ids, merged):
-    logits = lf.adapted_call(model, adapter, ids, merged=merged).logits
-    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+    return ce_loss(lf.adapted_call(model, adapter, ids, merged=merged).logits, ids)
 
 
 @pytest.fixture(scope="module", params=sorted(SCHEMES))
@@ -195,18 +195,12 @@ def test_bnb_int8_matches_peft_lora_and_dora_on_the_same_model():
             quantized_llama("bnb-int8-first"),
             peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0, use_dora=variant == "dora"),
         )
-        peft_layers = {n.removeprefix("base_model.model."): m for n, m in pm.named_modules() if hasattr(m, "lora_A") and "default" in m.lora_A}
+        peft_layers = copy_into_peft(pm, adapter)
         assert sorted(peft_layers) == targets
-        with torch.no_grad():
-            for key, module in peft_layers.items():
-                module.lora_A["default"].weight.copy_(adapter.params[f"{key}.lora_A"])
-                module.lora_B["default"].weight.copy_(adapter.params[f"{key}.lora_B"])
-                if variant == "dora":
-                    module.lora_magnitude_vector["default"].weight.copy_(adapter.params[f"{key}.lora_magnitude_vector"])
         theirs = pm(ids).logits
         assert (ours - model(ids).logits).abs().max() > 1e-2
         torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0, msg=variant)
-        F.cross_entropy(theirs[:, :-1].reshape(-1, 61), ids[:, 1:].reshape(-1)).backward()
+        ce_loss(theirs, ids).backward()
         for key, module in peft_layers.items():
             torch.testing.assert_close(grads[f"{key}.lora_A"], module.lora_A["default"].weight.grad, atol=1e-5, rtol=1e-4)
             torch.testing.assert_close(grads[f"{key}.lora_B"], module.lora_B["default"].weight.grad, atol=1e-5, rtol=1e-4)
