@@ -449,3 +449,12 @@ def fmt_bytes(n: float) -> str:
 
 def geo(xs: Sequence[float]) -> float:
     return math.exp(sum(math.log(x) for x in xs) / len(xs))
+
+
+def vm_bytes(field: str) -> int:
+    """A ``/proc/self/status`` memory field in bytes (``VmRSS``, ``VmHWM``: Linux only)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")

@@ -34,6 +34,8 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import _common as c
+
 import lora_func as lf
 
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -63,14 +65,6 @@ def held_bytes(model: torch.nn.Module) -> int:
             storage = local.untyped_storage()
             seen[storage.data_ptr()] = storage.nbytes()
     return sum(seen.values())
-
-
-def _vm(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(f"{field}:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 def _worker(rank: int, args: argparse.Namespace, config: str, rendezvous: str, out: str) -> None:
@@ -104,9 +98,9 @@ def _worker(rank: int, args: argparse.Namespace, config: str, rendezvous: str, o
         if args.peak:
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")
-            before = _vm("VmRSS")
+            before = c.vm_bytes("VmRSS")
             step()
-            peak = _vm("VmHWM") - before
+            peak = c.vm_bytes("VmHWM") - before
         else:
             step()
         params = {k: v.detach() for k, v in adapter.params.items()}

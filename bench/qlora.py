@@ -85,14 +85,6 @@ def steps(s: c.Setup, model: torch.nn.Module, rank: int, args: argparse.Namespac
 PEAK_CONFIGS = ("nf4:lora_func", "nf4:peft", "bf16:lora_func")
 
 
-def _vm(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(f"{field}:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {field} in /proc/self/status")
-
-
 def cpu_peak(args: argparse.Namespace, config: str) -> tuple[int, int]:
     """(resident bytes before one step of ``config``, peak resident bytes while it runs): the
     models are built, the other base freed, the high-water mark reset, one step run."""
@@ -108,9 +100,9 @@ def cpu_peak(args: argparse.Namespace, config: str) -> tuple[int, int]:
     gc.collect()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
-    before = _vm("VmRSS")
+    before = c.vm_bytes("VmRSS")
     step.step()
-    return before, _vm("VmHWM")
+    return before, c.vm_bytes("VmHWM")
 
 
 def _peak_in_child(argv: list[str], config: str) -> tuple[int, int] | None:

@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.func import functional_call, grad
 
 import lora_func as lf
 from tests.models import VOCAB, tiny_model
+from tests.spawn import run_ranks
 
 STEPS = 3
 LR = 0.5
@@ -111,31 +111,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
 
 
 def _spawn(world: int, tmp_path: Path) -> None:
-    ctx = mp.get_context("spawn")
-    old = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the children at start-up
-    try:
-        procs = [
-            ctx.Process(target=_worker, args=(rank, world, str(tmp_path / "rendezvous"), str(tmp_path)))
-            for rank in range(world)
-        ]
-        for p in procs:
-            p.start()
-    finally:
-        if old is None:
-            del os.environ["OMP_NUM_THREADS"]
-        else:
-            os.environ["OMP_NUM_THREADS"] = old
-    for p in procs:
-        p.join(timeout=JOIN_TIMEOUT_S)
-    hung = [p.pid for p in procs if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join(5)
-    assert not hung, f"worker processes {hung} did not finish within {JOIN_TIMEOUT_S} s"
-    codes = [p.exitcode for p in procs]
-    assert codes == [0] * world, f"worker exit codes {codes}"
+    run_ranks(_worker, world, (world, str(tmp_path / "rendezvous"), str(tmp_path)), JOIN_TIMEOUT_S)
 
 
 def _max_diff(a: lf.Adapter, b: lf.Adapter) -> float:

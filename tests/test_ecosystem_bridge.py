@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 # transformers.trainer decides once, at import, whether it runs in a notebook, and counts any
 # process that has imported marimo as one (then it needs IPython). The dashboard tests run
@@ -26,6 +25,7 @@ from transformers import Trainer, TrainingArguments  # noqa: E402
 import lora_func as lf
 from lora_func import train as lft
 from tests.models import VOCAB, tiny_model
+from tests.spawn import run_ranks
 
 STEPS, BATCH, LENGTH, LR = 3, 4, 8, 5e-2
 JOIN_TIMEOUT_S = 120
@@ -286,19 +286,7 @@ def _ddp_worker(rank: int, world: int, init_file: str, out: str) -> None:
 
 
 def test_ddp_over_the_bridge_on_two_processes_matches_lora_func_train_on_the_full_batch(tmp_path):
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_ddp_worker, args=(r, 2, str(tmp_path / "rendezvous"), str(tmp_path))) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=JOIN_TIMEOUT_S)
-    hung = [p.pid for p in procs if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join(5)
-    assert not hung, f"DDP workers {hung} did not finish within {JOIN_TIMEOUT_S} s"
-    assert [p.exitcode for p in procs] == [0, 0]
+    run_ranks(_ddp_worker, 2, (2, str(tmp_path / "rendezvous"), str(tmp_path)), JOIN_TIMEOUT_S, "DDP workers")
     model = tiny_model("llama")
     start = _adapter(model)
     ranks = [lf.load(tmp_path / f"rank{r}.safetensors", model=model) for r in range(2)]

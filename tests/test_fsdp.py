@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import lora_func as lf
 from tests import fsdp_worker as W
 from tests.models import tiny_model
+from tests.spawn import run_ranks
 
 JOIN_TIMEOUT_S = 300
 WORLD = 2
@@ -39,27 +39,7 @@ SCENARIOS = [
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> tuple[list[dict], Path]:
     out = tmp_path_factory.mktemp("fsdp")
-    ctx = mp.get_context("spawn")
-    old = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"
-    try:
-        procs = [ctx.Process(target=W.run, args=(rank, WORLD, str(out / "rendezvous"), str(out), SCENARIOS)) for rank in range(WORLD)]
-        for p in procs:
-            p.start()
-    finally:
-        if old is None:
-            del os.environ["OMP_NUM_THREADS"]
-        else:
-            os.environ["OMP_NUM_THREADS"] = old
-    for p in procs:
-        p.join(timeout=JOIN_TIMEOUT_S)
-    hung = [p.pid for p in procs if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join(5)
-    assert not hung, f"FSDP2 worker processes {hung} did not finish within {JOIN_TIMEOUT_S} s"
-    assert [p.exitcode for p in procs] == [0] * WORLD, [p.exitcode for p in procs]
+    run_ranks(W.run, WORLD, (WORLD, str(out / "rendezvous"), str(out), SCENARIOS), JOIN_TIMEOUT_S, "FSDP2 worker processes")
     return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)], out
 
 
