@@ -245,6 +245,7 @@ def save_scenario(out_dir: str) -> dict[str, Any]:
     if rank == 0:
         lf.save(adapter, os.path.join(out_dir, "sharded.safetensors"))
         torch.save(logits, os.path.join(out_dir, "sharded_logits.pt"))
+        torch.save({k: v.detach() for k, v in adapter.params.items()}, os.path.join(out_dir, "sharded_params.pt"))
     dist.barrier()
     return {}
 

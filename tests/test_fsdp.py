@@ -104,10 +104,13 @@ def test_adapter_saved_from_rank_0_reloads_bit_identically_on_an_unsharded_model
     out = results[1]
     model = tiny_model("llama")
     adapter = lf.load(out / "sharded.safetensors", model)
+    in_memory = torch.load(out / "sharded_params.pt")
+    assert sorted(adapter.params) == sorted(in_memory)
+    assert all(torch.equal(adapter.params[k], in_memory[k]) for k in in_memory)  # bit for bit
     with torch.no_grad():
         logits = lf.adapted_call(model, adapter, W.batch()).logits
     sharded = torch.load(out / "sharded_logits.pt")
-    assert (logits - sharded).abs().max() <= 1e-6
+    assert (logits - sharded).abs().max() <= 1e-6  # the unsharded model's outputs equal the sharded run's
 
 
 def test_refusals_name_the_culprit_and_leave_the_sharded_model_usable(results):
