@@ -602,8 +602,10 @@ def adapted_call(
     in the parameter dict (stand-ins or merged weights; the canonical path for plain
     ``nn.Linear``/``Conv1D``), ``"module"`` applies the variant at the target module's call to
     whatever weight the module holds then (for layers whose weight a parameter dict cannot
-    replace; it refuses tied targets). ``"auto"`` (default) picks the overlay for plain layers.
-    On plain layers both give the same outputs and gradients.
+    replace; it refuses tied targets). ``"auto"`` (default) picks the overlay for plain layers,
+    the module route for quantized targets and on a model sharded by FSDP2 (``fully_shard``:
+    the adapter meets each target after FSDP2's all-gather; the base must be frozen; see
+    docs/scaling.md). On plain layers both give the same outputs and gradients.
 
     Under ``torch.compile`` the lazy path (``merged=False``) runs as a torch-function mode
     (:func:`overlay_calls`) instead of stand-in tensors, which dynamo cannot create: same
