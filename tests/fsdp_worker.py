@@ -126,10 +126,16 @@ def training_scenario(kind: str, variant: str, targets: list[str], reshard: bool
     out["adapter_effect"] = maxdiff(oracle["logits0"], base_logits)
 
     optimizer = torch.optim.AdamW(adapter.params.values(), lr=LR)
+    calls = []  # a target's calls in one step: 2 when checkpointing recomputes its block in backward
+    first_target = next(m for name, m in model.named_modules() if name.endswith(tuple(targets)))
+    hook = first_target.register_forward_pre_hook(lambda *_: calls.append(1))
     for step in range(STEPS):
         optimizer.zero_grad()
         logits = lf.adapted_call(model, adapter, half, merged=merged).logits
         loss_of(logits, half).backward()
+        if step == 0:
+            out["target_calls_per_step"] = len(calls)
+            hook.remove()
         lf.all_reduce_mean_grads_(adapter.params)
         if step == 0:
             out["logits"] = maxdiff(logits, oracle["logits0"].chunk(world)[rank])
