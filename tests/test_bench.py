@@ -132,3 +132,17 @@ def test_qlora_prints_base_memory_saved_bytes_and_the_peft_ratio(bench_module, c
     rows = [line for line in out.splitlines() if line.startswith("| nf4") or line.startswith("| bf16")]
     assert len(rows) == 4 and all("MiB" in row for row in rows)
     assert "lora_func / peft:" in out
+
+
+# peft 0.21 reads transformers 5's deprecated `is_gradient_checkpointing` in get_peft_model.
+@pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
+def test_mixed_prints_every_row_and_lora_func_matches_peft_on_what_it_times(bench_module, capsys):
+    script = bench_module("mixed.py")
+    results = script["main"](["--quick", "--threads", "1"])
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "method" not in line]
+    assert len(rows) == 11, out
+    assert {"forward_mixed_over_one", "train_mixed_over_one", "generate_mixed_over_one_lazy", "generate_mixed_over_peft_mixed"} <= set(results)
+    # The timed mixed forward and peft's adapter_names forward compute the same logits.
+    difference = float(next(line for line in out.splitlines() if line.startswith("max |lora_func mixed - peft")).rsplit(" ", 1)[1])
+    assert difference < 1e-5
