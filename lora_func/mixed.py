@@ -134,11 +134,9 @@ def _gather(tensors: Mapping[str, Tensor], rows: Tensor) -> dict[str, Tensor]:
     return {name: tensor.index_select(0, rows) for name, tensor in tensors.items()}
 
 
-def _gathered_lora(
-    params: Mapping[str, Tensor], buffers: Mapping[str, Tensor], info: LayerInfo, x: Tensor, y: Tensor, training: bool
-) -> Tensor:
-    """``y + s_b (x_b A_bᵀ) B_bᵀ`` per row ``b``: ``x (n, ..., d_in)``, ``y (n, ..., d_out)`` the frozen
-    layer's output, ``A (n, r, d_in)`` and ``B (n, d_out, r)`` each row's own (gathered)."""
+def _lora_factors(params: Mapping[str, Tensor], buffers: Mapping[str, Tensor], info: LayerInfo) -> tuple[Tensor, Tensor]:
+    """Each row's ``s_b A_bᵀ (n, d_in, r)`` and ``B_bᵀ (n, r, d_out)`` from its gathered tensors
+    (``A (n, r, d_in)``, ``B (n, d_out, r)``); a rank-padded stack's padding masked out."""
     lora_a, lora_b = params["lora_A"], params["lora_B"]
     if RANK_MASK in buffers:  # rank-padded stack: padded rank entries never reach the output
         mask = buffers[RANK_MASK].to(lora_a.dtype)
@@ -146,16 +144,23 @@ def _gathered_lora(
     scale = lora_scale(info, buffers)
     if isinstance(scale, Tensor):
         scale = scale.to(lora_a.dtype).reshape(-1, 1, 1)
+    # Contiguous (n, r, d_out): autograd then computes both backward products with their long
+    # axis last, as add_low_rank's single-adapter path does.
+    return (lora_a * scale).transpose(1, 2), lora_b.transpose(1, 2).contiguous()
+
+
+def _gathered_lora(a_t: Tensor, b_t: Tensor, info: LayerInfo, x: Tensor, y: Tensor, training: bool) -> Tensor:
+    """``y + (x_b s_b A_bᵀ) B_bᵀ`` per row ``b``: ``x (n, ..., d_in)``, ``y (n, ..., d_out)`` the
+    frozen layer's output, ``a_t (n, d_in, r)`` and ``b_t (n, r, d_out)`` from :func:`_lora_factors`."""
     n = x.shape[0]
     dropped = lowrank_input(x, types.SimpleNamespace(training=training), info)
-    h = torch.bmm(dropped.reshape(n, -1, x.shape[-1]).to(lora_a.dtype), lora_a.transpose(1, 2)) * scale
+    h = torch.bmm(dropped.reshape(n, -1, x.shape[-1]).to(a_t.dtype), a_t)
     flat_y = y.reshape(n, -1, y.shape[-1])
-    bt = lora_b.transpose(1, 2)
     if flat_y.dtype == h.dtype and not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack() is None:
         # The frozen layer's output is fresh and no backward formula reads it: accumulate in place
         # (as the single-adapter path does), no copy of the (n, L, d_out) activations.
-        return flat_y.baddbmm_(h, bt).view(y.shape)
-    return (flat_y + torch.bmm(h, bt).to(flat_y.dtype)).view(y.shape)
+        return flat_y.baddbmm_(h, b_t).view(y.shape)
+    return (flat_y + torch.bmm(h, b_t).to(flat_y.dtype)).view(y.shape)
 
 
 def _target_forward(adapter: Adapter, layer: AdapterLayer, rows: _Rows) -> Any:
@@ -164,14 +169,32 @@ def _target_forward(adapter: Adapter, layer: AdapterLayer, rows: _Rows) -> Any:
     params, buffers = adapter.layer_tensors(layer)
     gathered = _gathered_path(variant.name)
     layout = module_forward(target.layout)
+    sources = (*params.values(), *buffers.values())
+    # Inference only (no autograd, no transform): each row count's gathered factors, computed once
+    # per block (every decoding step reuses them), keyed on the adapter tensors' version counters
+    # so an in-place update of an adapter inside the block is seen.
+    factors: dict[tuple[int, torch.device], tuple[tuple[int, ...], tuple[Tensor, Tensor]]] = {}
+
+    def lora_factors(n: int, device: torch.device) -> tuple[Tensor, Tensor]:
+        cacheable = not torch.is_grad_enabled() and torch._C._functorch.peek_interpreter_stack() is None
+        versions = tuple(t._version for t in sources) if cacheable else ()
+        if cacheable:
+            found = factors.get((n, device))
+            if found is not None and found[0] == versions:
+                return found[1]
+        index = rows(n, device, target.module)
+        out = _lora_factors(_gather(params, index), _gather(buffers, index), info)
+        if cacheable:
+            factors[(n, device)] = (versions, out)
+        return out
 
     def forward(module: nn.Module, inner: Any, x: Tensor) -> Tensor:
-        index = rows(x.shape[0], x.device, target.module)
-        row_params, row_buffers = _gather(params, index), _gather(buffers, index)
         kind = kind_of_tensor(module.weight)
         base_call = inner if kind is None else frozen_call(module, kind)
         if gathered:
-            return _gathered_lora(row_params, row_buffers, info, x, base_call(x), module.training)
+            a_t, b_t = lora_factors(x.shape[0], x.device)
+            return _gathered_lora(a_t, b_t, info, x, base_call(x), module.training)
+        index = rows(x.shape[0], x.device, target.module)
         weight = canonical_weight(module.weight, target.layout)
         bias, training = module.bias, module.training
 
@@ -182,7 +205,7 @@ def _target_forward(adapter: Adapter, layer: AdapterLayer, rows: _Rows) -> Any:
 
         # "different": the adapter's dropout (training only) draws an independent mask per row,
         # as one batched call would.
-        return torch.vmap(one_row, randomness="different")(row_params, row_buffers, x)
+        return torch.vmap(one_row, randomness="different")(_gather(params, index), _gather(buffers, index), x)
 
     return forward
 
