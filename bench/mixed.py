@@ -18,7 +18,10 @@ sequences of 64 tokens, LoRA r=8 on q_proj/v_proj, CPU, one run:
 Timings are interleaved rounds (each round runs every method once), each ratio the median over
 rounds of the per-round ratio. Default clock: this process's CPU time on one thread.
 
-Run: python bench/mixed.py [--rounds 9] [--clock cpu|wall] [--threads 1] [--quick]
+``--variant dora`` (any registered variant) measures the ``vmap`` path of the other variants
+(no peft rows then).
+
+Run: python bench/mixed.py [--rounds 9] [--clock cpu|wall] [--threads 1] [--variant lora] [--quick]
 """
 
 from __future__ import annotations
@@ -132,6 +135,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--clock", choices=sorted(CLOCK), default="cpu", help="process CPU time (default) or wall time")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--variant", default="lora", help="a registered variant without calibration data (not eva); peft rows for lora only")
     parser.add_argument("--no-peft", action="store_true")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, 1 round (a smoke test)")
     args = parser.parse_args(argv)
@@ -143,14 +147,14 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         hidden, layers, vocab, size, length, rounds, r, new_tokens = 256, 4, 2048, 16, 64, args.rounds, 8, args.new_tokens
     alpha = 16.0
     model = build(hidden, layers, vocab)
-    spec = lf.AdapterSpec("lora", targets=TARGETS, r=r, alpha=alpha)
+    spec = lf.AdapterSpec(args.variant, targets=TARGETS, r=r, alpha=alpha)
     adapters = [tenant(model, spec, seed) for seed in range(size)]
     one = adapters[0]
     index = torch.arange(size)  # sequence b -> adapter b: every adapter distinct
     ids, mask = batch(size, length, vocab)
     base = lf.base_params(model)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), {args.clock} clock; Llama hidden {hidden}, "
-          f"{layers} layers, vocab {vocab}, sdpa attention; LoRA r={r} on {TARGETS}; batch {size} x {length} tokens "
+          f"{layers} layers, vocab {vocab}, sdpa attention; {args.variant} r={r} on {TARGETS}; batch {size} x {length} tokens "
           f"(left-padded), {size} distinct adapters; {rounds} interleaved rounds")
 
     def forward_one():
@@ -197,7 +201,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         f"lora_func {size} adapters mixed_adapted, generate": "lora_func one adapter lazy, generate",
     }
     peft = None
-    if not args.no_peft:
+    if not args.no_peft and args.variant == "lora":
         try:
             peft = peft_model(model, adapters, r, alpha)
         except ImportError:
@@ -260,4 +264,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
 
 if __name__ == "__main__":
+    import _common
+
+    _common.reexec_with_steady_allocator()
     main()

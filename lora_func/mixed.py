@@ -297,6 +297,8 @@ def mixed_adapted(
     ``len(index)`` rows, or a multiple ``m * len(index)`` laid out as ``repeat_interleave(m)``
     (``num_beams``, ``num_return_sequences``). The base weights are never written (the block
     reparametrizes the model with detached views and swaps the target modules' ``forward``).
+    A list of adapters is stacked once, on entering the block (its values then are used); a
+    stack passed as such is read in place (an in-place update inside the block is seen).
     Not thread-safe: while the block runs, every caller of ``model`` goes through the mixed
     route with this ``index``; serve concurrent requests by batching them into one block.
     """

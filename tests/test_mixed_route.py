@@ -308,3 +308,41 @@ def test_other_variants_on_a_quantized_base_are_refused_naming_the_supported_one
     adapter = lf.init_adapter(model, spec, generator=torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match="'eva', 'lora'"):
         lf.mixed_adapted_call(model, [adapter, adapter], torch.tensor([0, 1]), tokens(2, 4))
+
+
+def test_an_in_place_update_of_a_stack_inside_a_block_is_seen_by_the_next_call():
+    """The gathered LoRA factors are reused across calls while grad is off (decoding steps);
+    an in-place change of the stack's tensors must invalidate them. (A list is stacked once, on
+    entering the block: its values at entry are used.)"""
+    model = _sdpa(tiny_model("llama"))
+    stacked = lf.stack([a.detach() for a in _tenants(model, "llama", count=2)])
+    index = torch.tensor([1, 0, 1])
+    ids = tokens(3, 6, seed=2)
+    with torch.no_grad(), lf.mixed_adapted(model, stacked, index):
+        before = model(ids).logits
+        stacked.params["model.layers.0.self_attn.q_proj.lora_B"][1].mul_(-2.0)
+        after = model(ids).logits
+    for j, k in enumerate(index.tolist()):
+        _close(after[j], lf.adapted_call(model, lf.take(stacked, k), ids[j : j + 1]).logits[0], f"row {j}")
+    assert not torch.allclose(before[0], after[0], atol=1e-3)
+    _close(before[1], after[1])  # row 1 uses adapter 0, unchanged
+
+
+def test_dropout_acts_per_row_in_training_only():
+    """peft's lora_dropout in a training step: each row draws its own mask (rows with the same
+    input and adapter differ), and in eval mode the route is deterministic and exact."""
+    model = _sdpa(tiny_model("llama"))
+    spec = lf.AdapterSpec("lora", targets=DEFAULT_TARGETS["llama"], r=2, dropout=0.5)
+    adapters = [perturbed(lf.init_adapter(model, spec, generator=torch.Generator().manual_seed(i)), 0.3, seed=i) for i in range(2)]
+    ids = tokens(1, 6, seed=3).repeat(2, 1)
+    index = torch.tensor([0, 0])
+    model.train()
+    try:
+        torch.manual_seed(0)
+        trained = lf.mixed_adapted_call(model, adapters, index, ids).logits
+    finally:
+        model.eval()
+    assert not torch.allclose(trained[0], trained[1], atol=1e-4)
+    evaluated = lf.mixed_adapted_call(model, adapters, index, ids).logits
+    _close(evaluated[0], lf.adapted_call(model, adapters[0], ids[:1]).logits[0])
+    _close(evaluated[0], evaluated[1])
