@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from lora_func._application import Application
 from lora_func._routing import replace_weights, weight_use
+from lora_func._sharded import is_fsdp_model
 from lora_func.core import base_params
 from lora_func.quantized import frozen_call, frozen_forwards, kind_of_tensor
 from lora_func.targeting import Target
@@ -88,7 +89,8 @@ class RecordingWeight(Tensor):
 
 
 class _CallRecorder:
-    """A module-call forward that records the layer's input, then runs its frozen op."""
+    """A module-call forward that records the layer's input, then runs the layer (a quantized
+    one through its frozen op)."""
 
     def __init__(self, d_in: int) -> None:
         self.d_in = d_in
@@ -96,7 +98,8 @@ class _CallRecorder:
 
     def __call__(self, module: nn.Module, inner: Any, x: Tensor) -> Tensor:
         self.records.append(x.detach().reshape(-1, self.d_in))
-        return frozen_call(module, kind_of_tensor(module.weight))(x)  # type: ignore[arg-type]
+        kind = kind_of_tensor(module.weight)
+        return inner(x) if kind is None else frozen_call(module, kind)(x)
 
 
 def _forward_keys(model: nn.Module) -> tuple[set[str], bool]:
@@ -198,6 +201,8 @@ def layer_input_batches(
         )
     accepted, takes_use_cache = _forward_keys(model)
     base = base_params(model)
+    # FSDP2 swaps its own parameters at each module's call: record there, reparametrize nothing.
+    fsdp = is_fsdp_model(dict(model.named_modules()))
     # The token embedding's size (transformers' accessor, else the model's first nn.Embedding).
     embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else next(
         (m for m in model.modules() if isinstance(m, torch.nn.Embedding)), None
@@ -210,11 +215,11 @@ def layer_input_batches(
         inputs = {k: v for k, v in batch.items() if k in accepted}
         if takes_use_cache:
             inputs["use_cache"] = False
-        params = dict(base)
+        params = {} if fsdp else dict(base)
         standins: dict[str, RecordingWeight | _CallRecorder] = {}
         forwards = {}
         for t in targets:
-            if kind_of_tensor(base[t.weight_key]) is not None:
+            if fsdp or kind_of_tensor(base[t.weight_key]) is not None:
                 # A quantized layer runs its own op on its packed weight: record at its call.
                 recorder = _CallRecorder(t.d_in)
                 forwards[t.module] = standins[t.module] = recorder

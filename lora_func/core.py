@@ -32,6 +32,7 @@ from lora_func._lazy import (
     merged_weight,
 )
 from lora_func._routing import module_forward
+from lora_func._sharded import check_sharded_frozen, full_tensor, is_fsdp_model, is_sharded, sharded_keys
 from lora_func.quantized import QuantizedKind, frozen_call, frozen_forwards, kind_of_tensor, logical_shape
 from lora_func._types import LayerInfo
 from lora_func.adapter import Adapter, AdapterLayer, AdapterLike, Combined, Composed, leaf_adapters
@@ -80,13 +81,16 @@ def base_params(model: nn.Module) -> dict[str, Tensor]:
 
 def weight_fingerprint(weight: Tensor) -> str:
     """A digest of a tensor's dtype, shape and bytes (sha256, first 16 hex digits); a quantized
-    tensor subclass by the bytes of its inner tensors (its own ops may not view its bytes)."""
+    tensor subclass by the bytes of its inner tensors (its own ops may not view its bytes); a
+    weight sharded by FSDP2 as the whole weight (gathered: every rank must call this)."""
     digest = hashlib.sha256()
     _digest_into(digest, weight)
     return digest.hexdigest()[:16]
 
 
 def _digest_into(digest: Any, tensor: Tensor) -> None:
+    if is_sharded(tensor):
+        tensor = full_tensor(tensor)  # the whole weight's digest, the same as unsharded (a collective)
     if type(tensor) not in (Tensor, nn.Parameter) and hasattr(tensor, "__tensor_flatten__"):
         names, _ = tensor.__tensor_flatten__()
         digest.update(f"{type(tensor).__name__}{tuple(tensor.shape)}".encode())
@@ -185,10 +189,13 @@ def init_adapter(
     with torch.no_grad():
         for target in targets:
             module = modules[target.module]
-            bias = module.bias.detach() if target.bias_key is not None else None
+            # Whole tensors of a sharded target, gathered one target at a time (collectives: every rank runs
+            # this loop in the same order).
+            bias = full_tensor(module.bias.detach()) if target.bias_key is not None else None
             info = infos[target.module]
             kind = quantized.get(target.module)
-            weight = kind.dequantize(module) if kind is not None else canonical_weight(module.weight.detach(), target.layout)
+            stored = None if kind is not None else full_tensor(module.weight.detach())
+            weight = kind.dequantize(module) if kind is not None else canonical_weight(stored, target.layout)
             try:
                 layer_params, layer_buffers = variant.init(
                     weight,
@@ -212,7 +219,9 @@ def init_adapter(
                     info=info,
                     param_shapes=tuple((n, tuple(t.shape)) for n, t in layer_params.items()),
                     buffer_shapes=tuple((n, tuple(t.shape)) for n, t in layer_buffers.items()),
-                    base_fingerprint=weight_fingerprint(module.weight) if variant.records_base else None,
+                    base_fingerprint=(
+                        weight_fingerprint(module.weight if stored is None else stored) if variant.records_base else None
+                    ),
                 )
             )
     return Adapter(params, buffers, spec, layers)
@@ -238,11 +247,21 @@ def _check(base: Mapping[str, Tensor], adapter: AdapterLike, *, quantized_ok: bo
             f"its own op on them): use lora_func.adapted_call or lora_func.adapted (they adapt quantized targets at "
             f"the module's call, route='module'), or lora_func.merge(..., dtype=...) for a dense export"
         )
+    sharded = sorted(_target_keys(adapter) & sharded_keys(base))
+    if sharded and not quantized_ok:
+        raise ValueError(
+            f"target(s) {sharded[:4]}{' ...' if len(sharded) > 4 else ''} are sharded by FSDP2 (DTensor), which a "
+            f"parameter dict cannot replace (FSDP2 installs its gathered weight at the module's call): use "
+            f"lora_func.adapted_call or lora_func.adapted, which adapt them at the module's call (route='module')"
+        )
+
+
+def _target_keys(adapter: AdapterLike) -> set[str]:
+    return {layer.target.weight_key for leaf in leaf_adapters(adapter) for layer in leaf.layers}
 
 
 def _quantized_targets(base: Mapping[str, Tensor], adapter: AdapterLike) -> list[str]:
-    keys = {layer.target.weight_key for leaf in leaf_adapters(adapter) for layer in leaf.layers}
-    return sorted(key for key in keys if kind_of_tensor(base[key]) is not None)
+    return sorted(key for key in _target_keys(adapter) if kind_of_tensor(base[key]) is not None)
 
 
 def _check_weights(adapter: AdapterLike) -> None:
@@ -461,6 +480,12 @@ def _module_call(target: Target, step: LayerStep, merged: bool) -> Any:
     def forward(module: nn.Module, inner: Any, x: Tensor) -> Tensor:
         x_op, finish = layout.prepare(x, target.d_out)
         bias = module.bias
+        if is_sharded(module.weight):
+            raise RuntimeError(
+                f"{target.module} was called while its weight is still sharded (a DTensor): FSDP2 gathers a "
+                f"module's weights in the forward of the fully_shard-ed module that owns them; call the model (or that "
+                f"module), not {target.module} on its own, or fully_shard a module that contains it"
+            )
         kind = kind_of_tensor(module.weight)
         if kind is not None and merged:
             # A dense merged weight for this call only, in the dtype the weight was quantized from.
@@ -490,12 +515,21 @@ def _module_forwards(adapter: AdapterLike, *, merged: bool) -> dict[str, Any]:
     return {t.module: _module_call(t, step, merged) for t, step in steps.values()}
 
 
-def _resolve_route(route: str, base: Mapping[str, Tensor], adapter: AdapterLike) -> str:
+def _resolve_route(route: str, base: Mapping[str, Tensor], adapter: AdapterLike, fsdp: bool = False) -> str:
+    """``fsdp``: the model has a ``fully_shard``-ed module (see :mod:`lora_func._sharded`)."""
     if route not in ROUTES:
         raise ValueError(
             f"route={route!r} is not one of {list(ROUTES)}; route='auto' picks the overlay for plain layers and the "
-            f"module-call route for quantized ones"
+            f"module-call route for quantized ones and for models sharded by FSDP2"
         )
+    if fsdp and route == "overlay":
+        raise ValueError(
+            "route='overlay' on a model sharded by FSDP2 (fully_shard): FSDP2 installs its gathered weights at each "
+            "module's call over anything a parameter dict put there, so the adapter would be silently ignored; use "
+            "route='auto' or route='module' (the adapter is applied at each target's call, after FSDP2's all-gather)"
+        )
+    if fsdp:
+        return "module"
     if route != "auto":
         return route
     try:
@@ -521,8 +555,12 @@ def _application(
 
     ``whole_base``: reparametrize every tensor with ``base`` (``adapted_call``: no ``.grad`` on
     the model) or only the adapted entries (``adapted``: the model keeps its own tensors)."""
-    route = _resolve_route(route, base, adapter)
+    modules = dict(model.named_modules()) if modules is None else modules
+    fsdp = is_fsdp_model(modules)
+    route = _resolve_route(route, base, adapter, fsdp)
     refuse_checkpointing_in_transform(model)
+    if fsdp:
+        check_sharded_frozen(modules, "adapted_call")
     if route == "overlay":
         params = merge_overlay(base, adapter, safe=safe) if merged else overlay(base, adapter, strict=strict, safe=safe, training=model.training)
         forwards: dict[str, Any] = {}
@@ -532,9 +570,11 @@ def _application(
         if safe:
             _check_adapter_finite(adapter, "adapted_call")
         params, forwards = dict(base), _module_forwards(adapter, merged=merged)
-    if not whole_base:
+    if fsdp:
+        # FSDP2 owns its parameters' swaps (see lora_func._sharded); the module route needs none.
+        params = {}
+    elif not whole_base:
         params = {name: tensor for name, tensor in params.items() if tensor is not base[name]}
-    modules = dict(model.named_modules()) if modules is None else modules
     forwards = {**frozen_forwards(model, exclude=forwards, modules=modules), **forwards}
     return Application(model, params, forwards, trainable=tuple(adapter.params.values()), modules=modules)
 
@@ -584,7 +624,7 @@ def adapted_call(
         base = detached_base(base)
     modules = dict(model.named_modules())  # one walk of the model per call, shared by the steps below
     check_layouts(model, adapter, "adapted_call", modules)
-    route = _resolve_route(route, base, adapter)  # once: _application takes the resolved route as is
+    route = _resolve_route(route, base, adapter, is_fsdp_model(modules))  # once: _application takes it as is
     if route == "overlay" and torch.compiler.is_compiling():
         # Dynamo cannot trace the creation of the lazy stand-ins; the same lazy path as a
         # torch-function mode over the base tensors traces with fullgraph=True. Checkpointed

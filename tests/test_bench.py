@@ -134,6 +134,21 @@ def test_qlora_prints_base_memory_saved_bytes_and_the_peft_ratio(bench_module, c
     assert "lora_func / peft:" in out
 
 
+def test_fsdp_bench_counts_the_sharded_base_at_half_per_rank_and_trains_the_same_adapter(bench_module, capsys):
+    """Pinned deterministic count: with 2 ranks each holds half of the base (every weight is
+    sharded, targets included; the rotary buffers are tiny), and the sharded run trains exactly
+    the adapter the replicated one does."""
+    script = bench_module("fsdp.py")
+    tiny = ["--hidden", "64", "--layers", "2", "--vocab", "128", "--batch", "1", "--seq", "16", "--rank", "2", "--no-peak"]
+    assert script["main"](tiny) == 0
+    out = capsys.readouterr().out
+    rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| replicated") or line.startswith("| fsdp2")]
+    ratios = {(r[0].strip(), r[1].strip()): float(r[3]) for r in rows}
+    assert sorted(ratios) == [("fsdp2", "0"), ("fsdp2", "1"), ("replicated", "0"), ("replicated", "1")]
+    assert all(0.49 <= ratios[("fsdp2", rank)] <= 0.51 for rank in "01"), ratios
+    assert "fsdp2 vs replicated: 0.00e+00" in out
+
+
 # peft 0.21 reads transformers 5's deprecated `is_gradient_checkpointing` in get_peft_model.
 @pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
 def test_mixed_prints_every_row_and_lora_func_matches_peft_on_what_it_times(bench_module, capsys):

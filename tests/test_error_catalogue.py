@@ -1289,6 +1289,74 @@ CASES.update(
 )
 
 
+
+def _in_a_sharded_world(build: Callable[[], Callable[[], Any]]) -> Callable[[Ctx], Callable[[], Any]]:
+    """A case on a model sharded by FSDP2 in a world of one process (gloo, file rendezvous); the
+    process group lives only for the failing call (other cases need torch.distributed off)."""
+
+    def arrange(ctx: Ctx) -> Callable[[], Any]:
+        import torch.distributed as dist
+
+        rendezvous = ctx.tmp.parent / f"{ctx.tmp.name}-rendezvous"
+
+        def call() -> Any:
+            dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=0, world_size=1)
+            try:
+                with torch.random.fork_rng():  # building the model is not part of the failing call
+                    failing = build()
+                return failing()
+            finally:
+                dist.destroy_process_group()
+
+        return call
+
+    return arrange
+
+
+def _sharded_llama(frozen: bool = True) -> tuple[nn.Module, lf.Adapter]:
+    from tests.fsdp_worker import shard
+
+    model = tiny_model("llama").requires_grad_(not frozen)
+    adapter = lf.init_adapter(model, lf.AdapterSpec("lora", targets=["q_proj"], r=2), generator=torch.Generator().manual_seed(0))
+    return shard(model), adapter
+
+
+def _overlay_route_on_sharded() -> Callable[[], Any]:
+    model, adapter = _sharded_llama()
+    return lambda: lf.adapted_call(model, adapter, tokens(), route="overlay")
+
+
+def _overlay_dict_on_sharded() -> Callable[[], Any]:
+    model, adapter = _sharded_llama()
+    return lambda: lf.overlay(lf.base_params(model), adapter)
+
+
+def _unfrozen_sharded() -> Callable[[], Any]:
+    model, adapter = _sharded_llama(frozen=False)
+    return lambda: lf.adapted_call(model, adapter, tokens())
+
+
+def _target_outside_its_unit() -> Callable[[], Any]:
+    from tests.fsdp_worker import _Outer
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    outer = _Outer().requires_grad_(False)
+    fully_shard(outer.block)
+    adapter = lf.init_adapter(outer, lf.AdapterSpec("lora", targets=["0"], r=2), generator=torch.Generator().manual_seed(0))
+    x = torch.randn(2, 8)
+    return lambda: lf.adapted_call(outer, adapter, x)
+
+
+CASES.update(
+    {
+        "fsdp-overlay-route": Case(_in_a_sharded_world(_overlay_route_on_sharded), ("route='overlay'", "route='module'")),
+        "fsdp-parameter-dict": Case(_in_a_sharded_world(_overlay_dict_on_sharded), ("model.layers.0.self_attn.q_proj.weight", "adapted_call")),
+        "fsdp-base-trainable": Case(_in_a_sharded_world(_unfrozen_sharded), ("model.embed_tokens.weight", "requires_grad_(False)")),
+        "fsdp-weight-still-sharded": Case(_in_a_sharded_world(_target_outside_its_unit), ("block.0", "fully_shard")),
+    }
+)
+
 def test_every_catalogue_entry_has_a_case():
     assert sorted(CASES) == sorted(ENTRIES), (
         f"cases without entry: {sorted(set(CASES) - set(ENTRIES))}; entries without case: {sorted(set(ENTRIES) - set(CASES))}"

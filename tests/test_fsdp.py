@@ -1,0 +1,172 @@
+"""Adapters on a base sharded by FSDP2 (targets sharded too): two gloo processes on the CPU.
+
+The scenarios live in tests/fsdp_worker.py; both ranks run all of them in one spawn (a spawn
+costs an interpreter start and imports). Each is compared with one process on the full batch
+through the parameter-dict overlay on an unsharded model (fp32, atol 1e-6), and each checks
+that the adapter matters (logits move, every gradient is non-zero), so a route that silently
+runs the base model fails.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import lora_func as lf
+from tests import fsdp_worker as W
+from tests.models import tiny_model
+
+JOIN_TIMEOUT_S = 300
+WORLD = 2
+TRAIN = [f"train:{case}/{int(r)}/{int(c)}/{int(m)}" for case in W.CASES for r, c, m in W.CONFIGS]
+SCENARIOS = [
+    *TRAIN,
+    *(f"func:{case}" for case in W.CASES),
+    "bf16:llama-lora",
+    "bf16:gpt2-lora",
+    *(f"init:{variant}" for variant in sorted(W.ROWS)),
+    "save:",
+    "refuse:",
+    "nf4:",
+    "context:",
+]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> tuple[list[dict], Path]:
+    out = tmp_path_factory.mktemp("fsdp")
+    ctx = mp.get_context("spawn")
+    old = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        procs = [ctx.Process(target=W.run, args=(rank, WORLD, str(out / "rendezvous"), str(out), SCENARIOS)) for rank in range(WORLD)]
+        for p in procs:
+            p.start()
+    finally:
+        if old is None:
+            del os.environ["OMP_NUM_THREADS"]
+        else:
+            os.environ["OMP_NUM_THREADS"] = old
+    for p in procs:
+        p.join(timeout=JOIN_TIMEOUT_S)
+    hung = [p.pid for p in procs if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+    assert not hung, f"FSDP2 worker processes {hung} did not finish within {JOIN_TIMEOUT_S} s"
+    assert [p.exitcode for p in procs] == [0] * WORLD, [p.exitcode for p in procs]
+    return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)], out
+
+
+def _get(results, name: str) -> list[dict]:
+    per_rank = [r[name] for r in results[0]]
+    for rank, r in enumerate(per_rank):
+        assert "error" not in r, f"rank {rank}, {name}:\n{r['error']}"
+    return per_rank
+
+
+@pytest.mark.parametrize("name", TRAIN)
+def test_sharded_training_equals_one_process_on_the_full_batch(results, name):
+    """Logits and adapter gradients at step 0, four AdamW steps, and no_grad forwards before and
+    after training, with and without reshard_after_forward, checkpointing, and the merged path."""
+    for rank, r in enumerate(_get(results, name)):
+        where = f"{name}, rank {rank}: {r}"
+        assert r["init"] == 0.0, where  # init_adapter on the sharded model: the same tensors
+        assert r["adapter_effect"] > 0.05, where  # the adapter moves the oracle's logits...
+        assert r["min_grad_norm"] > 1e-4, where  # ...and every tensor gets a gradient
+        assert r["nograd_logits"] <= 1e-6 and r["logits"] <= 1e-6, where
+        assert r["grads"] <= 1e-6, where
+        assert r["moved"] > 1e-3 and r["adamw"] <= 1e-6, where
+        # The trained adapters agree to 1e-6; logits of size ~10 computed from them, to 1e-5.
+        assert r["after_logits"] <= 1e-5, where
+        assert r["model_grads"] == 0 and r["forwards_left"] == 0, where
+
+
+@pytest.mark.parametrize("case", sorted(W.CASES))
+def test_torch_func_grad_idiom_on_a_sharded_model(results, case):
+    for rank, r in enumerate(_get(results, f"func:{case}")):
+        assert r["grads"] <= 1e-6 and r["min_grad_norm"] > 1e-4, (case, rank, r)
+
+
+@pytest.mark.parametrize("case", ["llama-lora", "gpt2-lora"])
+def test_bf16_mixed_precision_policy_keeps_the_adapter(results, case):
+    """bf16 compute (FSDP2's MixedPrecisionPolicy) against the fp32 oracle: the logits are far
+    closer to the adapted model than to the base, and the gradients as close as one process
+    computing in bf16 gets."""
+    for rank, r in enumerate(_get(results, f"bf16:{case}")):
+        assert r["dtype"] == "torch.bfloat16", r
+        assert r["to_oracle"] < 0.1 * r["to_base"], (case, rank, r)
+        # bf16 compute alone moves the gradients (one process on a bf16 copy of the model does the
+        # same to them): the sharded run must be no worse. A wrong scale or a lost term is ~1.
+        assert r["max_grad_relative_error"] <= max(1.25 * r["single_bf16_grad_relative_error"], 0.02), (case, rank, r)
+        assert r["single_bf16_grad_relative_error"] < 0.5, (case, rank, r)
+
+
+@pytest.mark.parametrize("variant", sorted(W.ROWS))
+def test_init_adapter_on_a_sharded_model_equals_unsharded(results, variant):
+    """Every registered variant: the same tensors (whole weights gathered one target at a time
+    for DoRA's norms, PiSSA's SVD, EVA's calibration, AntiPaSTO's basis), the same base
+    fingerprints, and the same outputs as on an unsharded model."""
+    for rank, r in enumerate(_get(results, f"init:{variant}")):
+        assert r["same"] and r["fingerprints_equal"], (variant, rank, r)
+        assert r["logits"] <= 1e-6, (variant, rank, r)
+    if lf.get_variant(variant).records_base if hasattr(lf, "get_variant") else False:
+        assert _get(results, f"init:{variant}")[0]["fingerprinted"] > 0
+
+
+def test_adapter_saved_from_rank_0_reloads_bit_identically_on_an_unsharded_model(results):
+    _get(results, "save:")
+    out = results[1]
+    model = tiny_model("llama")
+    adapter = lf.load(out / "sharded.safetensors", model)
+    with torch.no_grad():
+        logits = lf.adapted_call(model, adapter, W.batch()).logits
+    sharded = torch.load(out / "sharded_logits.pt")
+    assert (logits - sharded).abs().max() <= 1e-6
+
+
+def test_refusals_name_the_culprit_and_leave_the_sharded_model_usable(results):
+    (r0, r1) = _get(results, "refuse:")
+    for r in (r0, r1):
+        assert r["overlay_route"].startswith("ValueError: route='overlay' on a model sharded by FSDP2"), r
+        assert "sharded by FSDP2 (DTensor)" in r["overlay_dict"] and "model.layers.0.self_attn.q_proj.weight" in r["overlay_dict"], r
+        assert "sharded by FSDP2 (DTensor)" in r["merge_overlay_dict"], r
+        assert r["target_alone"].startswith("RuntimeError: block.0 was called while its weight is still sharded"), r
+        assert "model.layers.0.mlp.up_proj.weight" in r["unfrozen"] and "requires_grad_(False)" in r["unfrozen"], r
+        assert float(r["after"]) <= 1e-6, r
+
+
+def test_qlora_torchao_nf4_targets_sharded_by_fsdp2(results):
+    for rank, r in enumerate(_get(results, "nf4:")):
+        assert r["weight_type"] == "DTensor/NF4Tensor", r  # really sharded, really NF4
+        assert r["init"] == 0.0 and r["adapter_effect"] > 0.05 and r["min_grad_norm"] > 1e-4, (rank, r)
+        assert r["logits"] <= 1e-6 and r["grads"] <= 1e-6, (rank, r)
+
+
+def test_adapted_block_and_generate_on_a_sharded_model(results):
+    for rank, r in enumerate(_get(results, "context:")):
+        assert r["merged=True"] <= 1e-6 and r["merged=False"] <= 1e-6, (rank, r)
+        assert r["effect"] > 0.05 and r["base_after"] == 0.0 and r["forwards_left"] == 0, (rank, r)
+        assert r["greedy_equal"] and r["greedy_differs_from_base"], (rank, r)
+
+
+def test_the_fsdp_example_trains_under_torchrun_with_two_processes(tmp_path):
+    """examples/fsdp_train.py as its docstring runs it (tests/test_docs.py runs it in one process)."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "error::FutureWarning"}
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(root / "examples" / "fsdp_train.py")],
+        capture_output=True, text=True, timeout=JOIN_TIMEOUT_S, cwd=tmp_path, env=env, check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    losses = [float(line.rsplit(" ", 1)[1]) for line in result.stdout.splitlines() if line.startswith("step ")]
+    assert len(losses) == 5 and losses[-1] < losses[0] - 0.05, result.stdout
+    assert "saved 84 adapter tensors" in result.stdout, result.stdout
