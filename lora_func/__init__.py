@@ -2,6 +2,7 @@
 
 from lora_func.adapter import Adapter, AdapterLayer, Combined, Composed, combine, compose, stack, take, unstack
 from lora_func.batching import ensemble_call, mixed_call, per_example_grads
+from lora_func.mixed import mixed_adapted, mixed_adapted_call
 from lora_func.checks import check_finite
 from lora_func.core import adapted, adapted_call, base_params, check_params, init_adapter, merge_overlay, overlay, overlay_calls
 from lora_func.distributed import all_reduce_mean, all_reduce_mean_grads_, broadcast_adapter
@@ -42,6 +43,8 @@ __all__ = [
     "load_peft",
     "merge",
     "merge_overlay",
+    "mixed_adapted",
+    "mixed_adapted_call",
     "mixed_call",
     "overlay",
     "overlay_calls",

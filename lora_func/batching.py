@@ -20,6 +20,12 @@ Two consequences of running a transformers model under ``vmap`` (checked on torc
   pass ``randomness="different"`` (an independent mask per example, like a batched call) or
   ``"same"``; in eval mode nothing is drawn.
 
+For mixed-adapter batches there is a second route that does not run the model under ``vmap``:
+:func:`lora_func.mixed_adapted` / :func:`lora_func.mixed_adapted_call` (:mod:`lora_func.mixed`)
+apply each row's adapter inside the target layers only, so any attention implementation, the
+KV cache and ``model.generate`` work, and training goes through ``loss.backward()``. Prefer it;
+:func:`mixed_call` remains for a per-example loss and for stacks of composed/combined adapters.
+
 See docs/functional.md for the patterns and their costs.
 """
 
@@ -153,6 +159,10 @@ def mixed_call(
     (zero for members no example used). Needs eager attention (checked); a model with dropout
     in train mode needs ``randomness="different"``. ``merged=True`` builds every example's
     merged weights (``B`` dense copies per target): keep the default lazy path.
+
+    :func:`lora_func.mixed_adapted_call` computes the same rows without ``vmap`` of the model
+    (any attention, KV cache, ``generate`` through :func:`lora_func.mixed_adapted`); this
+    function remains for the per-example loss and composed/combined stacks.
     """
     where = "mixed_call"
     _check_arguments(where, model, adapters, base)

@@ -535,6 +535,40 @@ ROWS.update(
 )
 
 
+# Mixed adapters inside the target layers (issue 20): training through the route, generation.
+def _mixed_train_and_generate(w: World) -> None:
+    model = w.model("gpt2")
+    adapters = [w.adapter("lora", "gpt2"), w.adapter("lora", "gpt2", seed=2)]
+    leaves = [a.with_params({k: v.detach().clone().requires_grad_(True) for k, v in a.params.items()}) for a in adapters]
+    model.train()
+    try:
+        lf.mixed_adapted_call(model, leaves, torch.tensor([1, 0]), IDS).logits.sum().backward()
+    finally:
+        model.eval()
+    with torch.no_grad(), lf.mixed_adapted(model, adapters, torch.tensor([0, 1])):
+        model.generate(IDS, attention_mask=torch.ones_like(IDS), max_new_tokens=3, num_beams=2, pad_token_id=0)
+
+
+def _mixed_wrong_batch(w: World) -> None:
+    model = w.model("llama")
+    with lf.mixed_adapted(model, [w.adapter()], torch.tensor([0, 0, 0])):
+        model(IDS)  # IDS has 2 rows
+
+
+ROWS.update(
+    {
+        "mixed_adapted_call": [
+            Call("training step, per-row adapters (dora on llama)", lambda w: lf.mixed_adapted_call(w.model("llama"), [w.adapter("dora"), w.adapter("dora", seed=2)], torch.tensor([1, 0]), IDS).logits.sum().backward()),
+            Call("index out of range", lambda w: lf.mixed_adapted_call(w.model("llama"), [w.adapter(), w.adapter(seed=2)], torch.tensor([2, 0]), IDS), IndexError),
+        ],
+        "mixed_adapted": [
+            Call("train, then generate with beams", _mixed_train_and_generate),
+            Call("a batch that is not a multiple of the index", _mixed_wrong_batch, ValueError),
+        ],
+    }
+)
+
+
 def test_every_public_name_has_a_row():
     missing = sorted(set(lf.__all__) - set(ROWS))
     stale = sorted(set(ROWS) - set(lf.__all__) - set(PENDING))

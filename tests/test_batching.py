@@ -264,3 +264,24 @@ def test_the_benchmark_runs_at_tiny_size(capsys):
     assert set(results) == {"per_example_over_batched", "mixed_over_single"}
     out = capsys.readouterr().out
     assert "per_example_grads" in out and "mixed_call" in out and "merged weights" in out
+
+
+def test_mixed_call_and_the_in_layer_route_agree_on_logits_and_member_gradients():
+    """The two mixed-adapter routes (whole model under vmap; per-row adapters inside the target
+    layers) on the same stack, index and eager model: same logits, same per-member gradients."""
+    model = tiny_model("llama")
+    stacked = lf.stack(_adapters(model, "llama", "dora", ranks=(2, 2, 2)))
+    index = torch.tensor([1, 2, 1, 0])
+    ids, mask = _batch()
+    probe = _probe((4, 8, 61))
+
+    def loss(route, p):
+        return (route(model, stacked.with_params(p), index, ids, attention_mask=mask, use_cache=False).logits * probe).sum()
+
+    params = _leaves(stacked)
+    vmapped = grad(lambda p: loss(mixed_call, p))(params)
+    in_layers = grad(lambda p: loss(lf.mixed_adapted_call, p))(params)
+    for key in params:
+        _close(in_layers[key], vmapped[key], key)
+        assert vmapped[key].abs().max() > 0
+    _close(lf.mixed_adapted_call(model, stacked, index, ids, attention_mask=mask).logits, mixed_call(model, stacked, index, ids, attention_mask=mask, use_cache=False).logits)

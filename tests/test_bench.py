@@ -147,3 +147,17 @@ def test_fsdp_bench_counts_the_sharded_base_at_half_per_rank_and_trains_the_same
     assert sorted(ratios) == [("fsdp2", "0"), ("fsdp2", "1"), ("replicated", "0"), ("replicated", "1")]
     assert all(0.49 <= ratios[("fsdp2", rank)] <= 0.51 for rank in "01"), ratios
     assert "fsdp2 vs replicated: 0.00e+00" in out
+
+
+# peft 0.21 reads transformers 5's deprecated `is_gradient_checkpointing` in get_peft_model.
+@pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
+def test_mixed_prints_every_row_and_lora_func_matches_peft_on_what_it_times(bench_module, capsys):
+    script = bench_module("mixed.py")
+    results = script["main"](["--quick", "--threads", "1"])
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "method" not in line]
+    assert len(rows) == 11, out
+    assert {"forward_mixed_over_one", "train_mixed_over_one", "generate_mixed_over_one_lazy", "generate_mixed_over_peft_mixed"} <= set(results)
+    # The timed mixed forward and peft's adapter_names forward compute the same logits.
+    difference = float(next(line for line in out.splitlines() if line.startswith("max |lora_func mixed - peft")).rsplit(" ", 1)[1])
+    assert difference < 1e-5

@@ -1388,3 +1388,42 @@ def test_error(entry_id, tmp_path, monkeypatch):
     assert advanced == (entry_id in RNG_ADVANCES), (
         f"{entry_id}: the failing call {'advanced' if advanced else 'left'} the global RNG; update RNG_ADVANCES"
     )
+
+
+# Mixed adapters inside the target layers (issue 20).
+def _mixed_wrong_rows(ctx: Ctx) -> Callable[[], Any]:
+    model = ctx.model()
+    adapter = ctx.adapter(model)
+
+    def call() -> Any:
+        with lf.mixed_adapted(model, [adapter, adapter], torch.tensor([0, 1, 0])):
+            return model(IDS)  # 2 rows, 3 index entries
+
+    return call
+
+
+def _mixed_tied(ctx: Ctx) -> Callable[[], Any]:
+    model = ctx.model("gpt2")
+    adapter = ctx.adapter(model, targets=("lm_head",), tied="both")
+    return lambda: lf.mixed_adapted_call(model, [adapter, adapter], torch.tensor([0, 1]), IDS)
+
+
+def _mixed_dora_on_quantized(ctx: Ctx) -> Callable[[], Any]:
+    model = _quantized(ctx)
+    adapter = lf.init_adapter(model, lf.AdapterSpec("dora", targets=["q_proj"], r=2), generator=torch.Generator().manual_seed(0))
+    return lambda: lf.mixed_adapted_call(model, [adapter, adapter], torch.tensor([0, 1]), IDS)
+
+
+CASES.update(
+    {
+        "mixed-route-composite": Case(on_two(lambda m, a, b, ctx: lf.mixed_adapted_call(m, [lf.compose(a, b)], torch.tensor([0, 0]), IDS)), ("Composed/Combined", "lora_func.adapted")),
+        "mixed-route-list": Case(on_two(lambda m, a, b, ctx: lf.mixed_adapted_call(m, [a, a.params], torch.tensor([0, 1]), IDS)), ("['Adapter', 'dict']",)),
+        "mixed-route-adapters-type": Case(on_two(lambda m, a, b, ctx: lf.mixed_adapted_call(m, a.params, torch.tensor([0, 1]), IDS)), ("dict", "lora_func.stack")),
+        "mixed-route-not-stacked": Case(on_two(lambda m, a, b, ctx: lf.mixed_adapted_call(m, a, torch.tensor([0, 0]), IDS)), ("stack_shape ()", "[adapter_0, adapter_1")),
+        "mixed-route-index-type": Case(on_two(lambda m, a, b, ctx: lf.mixed_adapted_call(m, [a, a], [0, 1], IDS)), ("list", "torch.tensor([2, 0, 1, 0])")),
+        "mixed-route-index-range": Case(on_two(lambda m, a, b, ctx: lf.mixed_adapted_call(m, [a, a], torch.tensor([0, -1]), IDS)), ("[0, 2)", "-1")),
+        "mixed-route-batch-rows": Case(_mixed_wrong_rows, ("2 rows", "len(index)=3", "q_proj")),
+        "mixed-route-tied": Case(_mixed_tied, ("lm_head.weight", "transformer.wte.weight")),
+        "mixed-route-quantized": Case(_mixed_dora_on_quantized, ("'dora'", "['eva', 'lora']", "q_proj")),
+    }
+)

@@ -1,0 +1,270 @@
+"""Many adapters in one batch, inside the target layers: 16 sequences with 16 distinct adapters
+against the same batch with one adapter, forward, training step and generation; peft's
+``adapter_names`` alongside.
+
+One tiny Llama (hidden 256, 4 layers, vocab 2048, SDPA attention), a batch of 16 left-padded
+sequences of 64 tokens, LoRA r=8 on q_proj/v_proj, CPU, one run:
+
+- forward: ``lora_func.mixed_adapted_call`` (row ``b`` with adapter ``b``) vs
+  ``lora_func.adapted_call`` with one adapter (the lazy path, the same low-rank products
+  unbatched); peft ``model(..., adapter_names=[...])`` vs peft with its active adapter;
+- training step: forward, loss, ``loss.backward()`` into the 16 adapters' leaves vs into one
+  adapter's (peft's ``adapter_names`` is inference-only: no peft row);
+- generation of 32 new tokens (greedy, KV cache): ``with lora_func.mixed_adapted(...)`` vs
+  ``with lora_func.adapted(model, one, merged=False)`` (lazy, the fair reference: the same
+  per-token adapter products) and ``merged=True`` (no adapter cost at all, shown for scale);
+  peft ``generate(adapter_names=...)`` vs peft with one adapter.
+
+Timings are interleaved rounds (each round runs every method once), each ratio the median over
+rounds of the per-round ratio. Default clock: this process's CPU time on one thread.
+
+``--variant dora`` (any registered variant) measures the ``vmap`` path of the other variants
+(no peft rows then).
+
+Run: python bench/mixed.py [--rounds 9] [--clock cpu|wall] [--threads 1] [--variant lora] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import lora_func as lf
+
+TARGETS = ["q_proj", "v_proj"]
+CLOCK = {"cpu": time.process_time, "wall": time.perf_counter}
+
+
+def build(hidden: int, layers: int, vocab: int, seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 8 // 3, num_hidden_layers=layers,
+        num_attention_heads=max(hidden // 32, 1), num_key_value_heads=max(hidden // 64, 1),
+        max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    model = LlamaForCausalLM(config).eval()
+    model.set_attn_implementation("sdpa")  # the route leaves attention alone: the model's default
+    return model
+
+
+def batch(size: int, length: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and a left-padded attention mask (per-sequence lengths), as a serving batch."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, vocab, (size, length), generator=g)
+    pad = torch.randint(0, length // 4, (size,), generator=g)
+    mask = (torch.arange(length)[None] >= pad[:, None]).long()
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+def token_loss(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    labels = ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels.flatten())
+
+
+def tenant(model: LlamaForCausalLM, spec: lf.AdapterSpec, seed: int) -> lf.Adapter:
+    """A trained-looking adapter (B != 0), leaves that require grad."""
+    adapter = lf.init_adapter(model, spec, generator=torch.Generator().manual_seed(seed))
+    g = torch.Generator().manual_seed(1000 + seed)
+    return adapter.with_params({k: (0.02 * torch.randn(v.shape, generator=g)).requires_grad_() for k, v in adapter.params.items()})
+
+
+def peft_model(model: LlamaForCausalLM, adapters: list[lf.Adapter], r: int, alpha: float):
+    """A peft copy of ``model`` with the adapters loaded as "a0", "a1", ... (same weights)."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=r, lora_alpha=alpha, target_modules=TARGETS, lora_dropout=0.0)
+    peft = get_peft_model(copy.deepcopy(model), config, adapter_name="a0")
+    for i in range(1, len(adapters)):
+        peft.add_adapter(f"a{i}", config)
+    with torch.no_grad():
+        for name, module in peft.named_modules():
+            if hasattr(module, "lora_A") and len(module.lora_A):
+                key = name.removeprefix("base_model.model.")
+                for i, adapter in enumerate(adapters):
+                    module.lora_A[f"a{i}"].weight.copy_(adapter.params[f"{key}.lora_A"])
+                    module.lora_B[f"a{i}"].weight.copy_(adapter.params[f"{key}.lora_B"])
+    peft.set_adapter("a0")
+    return peft.eval()
+
+
+def timed_rounds(methods: dict[str, Callable[[], object]], rounds: int, clock: Callable[[], float]) -> dict[str, list[float]]:
+    for fn in methods.values():  # warm-up (allocator, lazy init)
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in methods}
+    enabled = gc.isenabled()
+    gc.disable()  # as timeit does: a collection would land in whichever method allocated last
+    try:
+        for _ in range(rounds):
+            gc.collect()  # between rounds, outside any timing
+            for name, fn in methods.items():
+                start = clock()
+                fn()
+                times[name].append(clock() - start)
+    finally:
+        if enabled:
+            gc.enable()
+    return times
+
+
+def ratio(times: dict[str, list[float]], name: str, reference: str) -> float:
+    return statistics.median(a / b for a, b in zip(times[name], times[reference], strict=True))
+
+
+def print_table(title: str, times: dict[str, list[float]], references: dict[str, str]) -> None:
+    print(f"\n{title}")
+    print(f"| {'method':<58} | {'median ms':>9} | {'ratio':>6} | vs |")
+    print(f"|{'-' * 60}|{'-' * 11}|{'-' * 8}|----|")
+    for name, seconds in times.items():
+        ref = references.get(name)
+        shown = f"{ratio(times, name, ref):6.2f} | {ref}" if ref else f"{'':>6} | "
+        print(f"| {name:<58} | {1e3 * statistics.median(seconds):9.1f} | {shown} |")
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--clock", choices=sorted(CLOCK), default="cpu", help="process CPU time (default) or wall time")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--variant", default="lora", help="a registered variant without calibration data (not eva); peft rows for lora only")
+    parser.add_argument("--no-peft", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, 1 round (a smoke test)")
+    args = parser.parse_args(argv)
+    clock = CLOCK[args.clock]
+    torch.set_num_threads(args.threads)
+    if args.quick:
+        hidden, layers, vocab, size, length, rounds, r, new_tokens = 32, 1, 61, 4, 8, 1, 2, 3
+    else:
+        hidden, layers, vocab, size, length, rounds, r, new_tokens = 256, 4, 2048, 16, 64, args.rounds, 8, args.new_tokens
+    alpha = 16.0
+    model = build(hidden, layers, vocab)
+    spec = lf.AdapterSpec(args.variant, targets=TARGETS, r=r, alpha=alpha)
+    adapters = [tenant(model, spec, seed) for seed in range(size)]
+    one = adapters[0]
+    index = torch.arange(size)  # sequence b -> adapter b: every adapter distinct
+    ids, mask = batch(size, length, vocab)
+    base = lf.base_params(model)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), {args.clock} clock; Llama hidden {hidden}, "
+          f"{layers} layers, vocab {vocab}, sdpa attention; {args.variant} r={r} on {TARGETS}; batch {size} x {length} tokens "
+          f"(left-padded), {size} distinct adapters; {rounds} interleaved rounds")
+
+    def forward_one():
+        with torch.no_grad():
+            return lf.adapted_call(model, one, ids, attention_mask=mask, base=base).logits
+
+    def forward_mixed():
+        with torch.no_grad():
+            return lf.mixed_adapted_call(model, adapters, index, ids, attention_mask=mask, base=base).logits
+
+    def train_one():
+        for t in one.params.values():
+            t.grad = None
+        token_loss(lf.adapted_call(model, one, ids, attention_mask=mask, base=base).logits, ids, mask).backward()
+
+    def train_mixed():
+        for a in adapters:
+            for t in a.params.values():
+                t.grad = None
+        token_loss(lf.mixed_adapted_call(model, adapters, index, ids, attention_mask=mask, base=base).logits, ids, mask).backward()
+
+    generation = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False, "pad_token_id": 0}
+
+    def generate_with(context: Callable[[], object]) -> Callable[[], torch.Tensor]:
+        def run():
+            with torch.no_grad(), context():
+                return model.generate(ids, attention_mask=mask, **generation)
+
+        return run
+
+    methods = {
+        "lora_func one adapter, forward": forward_one,
+        f"lora_func {size} adapters mixed_adapted_call, forward": forward_mixed,
+        "lora_func one adapter, training step": train_one,
+        f"lora_func {size} adapters mixed_adapted_call, training step": train_mixed,
+        "lora_func one adapter lazy, generate": generate_with(lambda: lf.adapted(model, one, merged=False)),
+        "lora_func one adapter merged, generate": generate_with(lambda: lf.adapted(model, one)),
+        f"lora_func {size} adapters mixed_adapted, generate": generate_with(lambda: lf.mixed_adapted(model, adapters, index)),
+    }
+    references = {
+        f"lora_func {size} adapters mixed_adapted_call, forward": "lora_func one adapter, forward",
+        f"lora_func {size} adapters mixed_adapted_call, training step": "lora_func one adapter, training step",
+        "lora_func one adapter merged, generate": "lora_func one adapter lazy, generate",
+        f"lora_func {size} adapters mixed_adapted, generate": "lora_func one adapter lazy, generate",
+    }
+    peft = None
+    if not args.no_peft and args.variant == "lora":
+        try:
+            peft = peft_model(model, adapters, r, alpha)
+        except ImportError:
+            print("peft not installed: no peft rows")
+    if peft is not None:
+        names = [f"a{int(i)}" for i in index]
+
+        def peft_forward(**kw):
+            def run():
+                with torch.no_grad():
+                    return peft(ids, attention_mask=mask, **kw).logits
+
+            return run
+
+        def peft_generate(**kw):
+            def run():
+                with torch.no_grad():
+                    return peft.generate(input_ids=ids, attention_mask=mask, **generation, **kw)
+
+            return run
+
+        methods["peft one adapter, forward"] = peft_forward()
+        methods[f"peft {size} adapters adapter_names, forward"] = peft_forward(adapter_names=names)
+        methods["peft one adapter, generate"] = peft_generate()
+        methods[f"peft {size} adapters adapter_names, generate"] = peft_generate(adapter_names=names)
+        references["peft one adapter, forward"] = "lora_func one adapter, forward"
+        references[f"peft {size} adapters adapter_names, forward"] = "peft one adapter, forward"
+        references["peft one adapter, generate"] = "lora_func one adapter lazy, generate"
+        references[f"peft {size} adapters adapter_names, generate"] = "peft one adapter, generate"
+        # Correctness of what is timed: both routes serve every sequence with its own adapter.
+        with torch.no_grad():
+            ours = forward_mixed()
+            theirs = methods[f"peft {size} adapters adapter_names, forward"]()
+        print(f"max |lora_func mixed - peft adapter_names| logits: {(ours - theirs).abs().max():.1e}")
+
+    times = timed_rounds(methods, rounds, clock)
+    print_table(
+        f"{size} sequences, {size} distinct adapters vs one adapter (target: mixed <= 1.10x one adapter for forward and "
+        f"generation, and ahead of peft)",
+        times,
+        references,
+    )
+    results = {
+        "forward_mixed_over_one": ratio(times, f"lora_func {size} adapters mixed_adapted_call, forward", "lora_func one adapter, forward"),
+        "train_mixed_over_one": ratio(times, f"lora_func {size} adapters mixed_adapted_call, training step", "lora_func one adapter, training step"),
+        "generate_mixed_over_one_lazy": ratio(times, f"lora_func {size} adapters mixed_adapted, generate", "lora_func one adapter lazy, generate"),
+        "generate_mixed_over_one_merged": ratio(times, f"lora_func {size} adapters mixed_adapted, generate", "lora_func one adapter merged, generate"),
+    }
+    if peft is not None:
+        results["forward_mixed_over_peft_mixed"] = ratio(
+            times, f"lora_func {size} adapters mixed_adapted_call, forward", f"peft {size} adapters adapter_names, forward"
+        )
+        results["generate_mixed_over_peft_mixed"] = ratio(
+            times, f"lora_func {size} adapters mixed_adapted, generate", f"peft {size} adapters adapter_names, generate"
+        )
+        results["peft_forward_mixed_over_one"] = ratio(times, f"peft {size} adapters adapter_names, forward", "peft one adapter, forward")
+        results["peft_generate_mixed_over_one"] = ratio(times, f"peft {size} adapters adapter_names, generate", "peft one adapter, generate")
+    print(f"\nsummary: {json.dumps({key: round(value, 3) for key, value in results.items()})}")
+    return results
+
+
+if __name__ == "__main__":
+    import _common
+
+    _common.reexec_with_steady_allocator()
+    main()
