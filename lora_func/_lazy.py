@@ -54,6 +54,10 @@ class LayerCall:
 
     __slots__ = ("_call", "bias", "training", "weight")
 
+    # Calling it is exactly ``x @ weight.T + bias`` on a plain weight: the base-dtype low-rank
+    # path (lora_func._types.base_plus_product) may compute the input gradient from ``weight``.
+    replays_weight = True
+
     def __init__(self, weight: Tensor, bias: Tensor | None, call: Callable[[Tensor], Tensor], training: bool = False) -> None:
         self.weight = weight
         self.bias = bias
