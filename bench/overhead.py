@@ -1,6 +1,10 @@
 """Where the time goes besides the adapter math.
 
-Four sections (``--sections`` picks some):
+Five sections (``--sections`` picks some):
+
+- ``adapted_call``: the per-call overhead of ``adapted_call`` with a reused base dict on a
+  1-token input, 32 layers x 7 targets (a Llama all-linear adapter), against peft's forward
+  overhead on the same weights, interleaved in one run (target: at most peft's).
 
 - ``calls``: per-call cost of building the overlays (``overlay``, ``merge_overlay``) and of
   ``functional_call`` itself, on a tiny input so that Python overhead dominates, and how it
@@ -176,7 +180,64 @@ def section_inference(args: argparse.Namespace) -> None:
     print()
 
 
-SECTIONS = {"calls": section_calls, "targets": section_targets, "rank": section_rank, "inference": section_inference}
+def adapted_call_overhead(args: argparse.Namespace, *, layers: int = 32, rounds: int | None = None, reps: int = 5) -> dict[str, object]:
+    """Per-call overhead of ``adapted_call(model, adapter, ids, base=base)`` (LoRA on all 7 linears
+    of every block, a reused base dict, a 1-token input, no_grad) and of peft's forward on the same
+    weights, each minus the direct model call, interleaved: every round times the three in a
+    fresh random order (``reps`` calls each, wall clock). Returns the medians (microseconds), the
+    per-round ``ours - peft`` differences and their 95% interval (``_common.median_ci``)."""
+    import random
+    import statistics
+
+    rounds = rounds or args.rounds
+    s = c.build_setup(argparse.Namespace(**{**vars(args), "batch": 1, "seq": 1}), layers=layers)
+    s.model.config._attn_implementation = "eager"  # CPU SDPA costs milliseconds on 1 token
+    adapter = c.our_adapter(s, "lora", args.rank, targets=ALL_LINEAR).detach()
+    pm = c.peft_model(s, "lora", args.rank, targets=ALL_LINEAR)
+    pm.config._attn_implementation = "eager"  # type: ignore[union-attr]
+    model, base, ids = s.model, s.base, torch.tensor([[5]], device=s.device)
+    calls = {
+        "direct": lambda: model(ids),
+        "ours": lambda: lf.adapted_call(model, adapter, ids, base=base),
+        "peft": lambda: pm(ids),  # type: ignore[misc]
+    }
+    rng = random.Random(args.seed)
+    times: dict[str, list[float]] = {k: [] for k in calls}
+    with torch.no_grad():
+        for fn in calls.values():
+            for _ in range(3):
+                fn()
+        for _ in range(rounds):
+            order = list(calls)
+            rng.shuffle(order)
+            for name in order:
+                t0 = time.perf_counter()
+                for _ in range(reps):
+                    calls[name]()
+                times[name].append(1e6 * (time.perf_counter() - t0) / reps)
+    ours = [o - d for o, d in zip(times["ours"], times["direct"], strict=True)]
+    peft = [p - d for p, d in zip(times["peft"], times["direct"], strict=True)]
+    diff = [o - p for o, p in zip(ours, peft, strict=True)]
+    lo, hi = c.median_ci(diff)
+    return {
+        "targets": len(adapter.layers), "direct": statistics.median(times["direct"]),
+        "ours": statistics.median(ours), "peft": statistics.median(peft), "diff": statistics.median(diff), "lo": lo, "hi": hi,
+    }
+
+
+def section_adapted_call(args: argparse.Namespace) -> None:
+    r = adapted_call_overhead(args, layers=args.overhead_layers)
+    print(f"## adapted_call per-call overhead vs peft ({args.overhead_layers} layers x 7 targets = {r['targets']} targets, 1 token, reused base, no_grad; wall clock, {args.rounds} interleaved rounds)")
+    print()
+    print("| direct model call (us) | adapted_call overhead (us) | peft forward overhead (us) | ours - peft [95% CI] (us) |")
+    print("|---|---|---|---|")
+    print(f"| {r['direct']:.0f} | {r['ours']:+.0f} | {r['peft']:+.0f} | {r['diff']:+.0f} [{r['lo']:+.0f}, {r['hi']:+.0f}] |")
+    verdict = c.verdict(r["lo"], r["hi"], 0.0)  # type: ignore[arg-type]
+    print(f"# target: adapted_call overhead <= peft's forward overhead: {verdict.upper()}")
+    print()
+
+
+SECTIONS = {"adapted_call": section_adapted_call, "calls": section_calls, "targets": section_targets, "rank": section_rank, "inference": section_inference}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -184,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     c.add_model_args(parser)
     parser.add_argument("--sections", default=",".join(SECTIONS))
     parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--overhead-layers", type=int, default=32, help="model layers of the adapted_call section")
     parser.add_argument("--clock", default="cpu", choices=("wall", "cpu"), help="for the ratio sections (calls: always wall)")
     args = parser.parse_args(argv)
     c.setup(args)

@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
@@ -53,6 +54,10 @@ class LayerCall:
     """
 
     __slots__ = ("_call", "bias", "training", "weight")
+
+    # Calling it is exactly ``x @ weight.T + bias`` on a plain weight: the base-dtype low-rank
+    # path (lora_func._types.base_plus_product) may compute the input gradient from ``weight``.
+    replays_weight = True
 
     def __init__(self, weight: Tensor, bias: Tensor | None, call: Callable[[Tensor], Tensor], training: bool = False) -> None:
         self.weight = weight
@@ -297,6 +302,14 @@ class AdaptedWeight(Tensor):
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func is F.linear and not kwargs and 2 <= len(args) <= 3:
+            # nn.Linear's own call, F.linear(x, W, b) with W a stand-in and x, b plain: what
+            # weight_use would find, without binding the arguments (once per target and call).
+            w, x = args[1], args[0]
+            bias = args[2] if len(args) == 3 else None
+            if type(w) is AdaptedWeight and w._layout == "linear" and type(x) not in _STANDINS and type(bias) not in _STANDINS:
+                weight = w._weight
+                return w._adapted(x, bias, lambda x_: F.linear(x_, weight, bias))
         kwargs = kwargs or {}
         if func in _METADATA_FUNCS:
             with torch._C.DisableTorchFunctionSubclass():
@@ -341,6 +354,9 @@ class AdaptedBias(AdaptedWeight):
 def merged_bias(pair: Any) -> Tensor:
     """``b_eff`` of the target whose weight is ``pair`` (a stand-in or a mode entry)."""
     return merged_weight(pair._step, pair._weight, pair._bias, pair._layout)[1]  # type: ignore[return-value]
+
+
+_STANDINS = (AdaptedWeight, AdaptedBias)
 
 
 def _standin_of(value: Any) -> AdaptedWeight | None:

@@ -9,6 +9,7 @@ model's own op, so one implementation serves both layer kinds.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
@@ -29,6 +30,8 @@ __all__ = [
     "RANK_MASK",
     "add_low_rank",
     "base_plus_low_rank",
+    "base_plus_product",
+    "half_product_applies",
     "kaiming_uniform",
     "layer_alpha",
     "layer_rank",
@@ -270,6 +273,117 @@ def base_plus_low_rank(base: Callable[[Tensor], Tensor], x: Tensor, h: Tensor, b
     return y.view(*x.shape[:-1], y.shape[-1])
 
 
+# Base dtypes whose low-rank path runs in base-dtype products (:func:`base_plus_product`):
+# bf16 has fp32's exponent range, so no adapter scale can overflow there (fp16's can: DeLoRA's
+# per-rank scale is ~1e4 at init), and fp16 keeps the adapter-dtype path.
+_HALF_PRODUCT_DTYPES = (torch.bfloat16,)
+
+
+class _BasePlusProduct(torch.autograd.Function):
+    """``base(x) + (x aᵀ) bᵀ`` on a half-precision base, one autograd node per target.
+
+    ``x (..., d_in)`` and ``weight (d_out, d_in)`` in the base dtype, ``a (r, d_in)`` and
+    ``b (d_out, r)`` in the adapter dtype (fp32); ``replay`` is the model's own op with the
+    base weight and bias (``replay(x) == x weightᵀ + bias``). Every product that touches the
+    ``(n, ·)`` activations runs on base-dtype operands, accumulating in fp32 inside the GEMM
+    (``a``, ``b`` are cast to the base dtype, ``(r, d)``-sized copies); nothing ``(n, ·)``-sized is
+    ever held in fp32. Saved for backward: ``x`` itself (the tensor the model passed, so the
+    targets reading the same input keep one copy), the ``(n, r)`` activations ``h = x aᵀ`` in
+    the base dtype, and the weight and adapter tensors (already held). Backward computes the
+    input gradient once, through ``weight + b aᵀ`` (a ``(d_out, d_in)`` sum), instead of a base
+    product plus a low-rank one plus their sum: one pass over the input gradient, as the base.
+    Outputs: ``(y (..., d_out), h (n, r))``; ``h`` is not differentiable (exposed only so that
+    ``setup_context`` can save it).
+    """
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(
+        x: Tensor, weight: Tensor, bias: Tensor | None, a: Tensor, b: Tensor, replay: Callable[[Tensor], Tensor]
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        y = replay(x)
+        a_h, b_h = a.to(x.dtype), b.to(x.dtype)
+        h = x.reshape(-1, x.shape[-1]) @ a_h.transpose(-1, -2)
+        out = torch.addmm(y.reshape(-1, y.shape[-1]), h, b_h.transpose(-1, -2))
+        return out.view(y.shape), h, a_h, b_h
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+        x, weight, bias, a, b, _replay = inputs
+        _out, h, a_h, b_h = output
+        # The base-dtype factors are (r, d)-sized: keeping them costs less than casting again.
+        ctx.save_for_backward(x, weight, a_h, b_h, h)
+        ctx.has_bias = bias is not None
+        ctx.dtypes = (a.dtype, b.dtype)
+        ctx.mark_non_differentiable(h, a_h, b_h)
+        ctx.set_materialize_grads(False)  # no zero-filled gradients for h, a_h, b_h
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor | None, *_unused: Any) -> tuple[Tensor | None, ...]:
+        if grad_out is None:
+            return None, None, None, None, None, None
+        x, weight, a_h, b_h, h = ctx.saved_tensors
+        g = grad_out.reshape(-1, grad_out.shape[-1])
+        x2 = x.reshape(-1, x.shape[-1])
+        needs = ctx.needs_input_grad
+        grad_x = grad_w = grad_bias = grad_a = grad_b = None
+        if needs[0]:
+            grad_x = (g @ torch.addmm(weight, b_h, a_h)).view(x.shape)
+        if needs[1]:
+            grad_w = g.transpose(-1, -2) @ x2
+        if needs[2] and ctx.has_bias:
+            grad_bias = g.sum(0)
+        if needs[3]:
+            grad_a = ((g @ b_h).transpose(-1, -2) @ x2).to(ctx.dtypes[0])
+        if needs[4]:
+            grad_b = (g.transpose(-1, -2) @ h).to(ctx.dtypes[1])
+        return grad_x, grad_w, grad_bias, grad_a, grad_b, None
+
+
+_promote_types_memo = functools.lru_cache(maxsize=None)(torch.promote_types)
+
+
+def promoted(a: torch.dtype, b: torch.dtype) -> torch.dtype:
+    """``torch.promote_types``, memoized in eager code: called per layer and per step, it would
+    otherwise be one dispatched op each time (counted by bench/counts.py). A trace (which cannot
+    follow the memo) runs it once anyway."""
+    if torch.compiler.is_compiling():
+        return torch.promote_types(a, b)
+    return _promote_types_memo(a, b)
+
+
+def half_product_applies(base: BaseLayer, x: Tensor, a: Tensor) -> bool:
+    """Whether :func:`base_plus_product` takes its base-dtype path: ``base`` replays a plain
+    layer (``replays_weight``) whose weight is a plain bf16 tensor, ``x`` has that dtype, the
+    adapter dtype ``a.dtype`` is wider, and nothing traces or autocasts (a trace fuses the casts
+    itself; autocast picks its own dtypes)."""
+    if not getattr(base, "replays_weight", False):
+        return False  # read no weight of any other base: a chain's merges it (lora_func._lazy._StepBase)
+    weight = base.weight
+    return (
+        type(weight) in (Tensor, torch.nn.Parameter)
+        and weight.dtype in _HALF_PRODUCT_DTYPES  # type: ignore[union-attr]
+        and x.dtype == weight.dtype  # type: ignore[union-attr]
+        and promoted(a.dtype, x.dtype) == a.dtype != x.dtype
+        and not torch.compiler.is_compiling()
+        and not torch.is_autocast_enabled(x.device.type)
+    )
+
+
+def base_plus_product(base: BaseLayer, x: Tensor, a: Tensor, b: Tensor) -> Tensor:
+    """``base(x) + (x aᵀ) bᵀ`` for ``x (..., d_in)``, ``a (r, d_in)``, ``b (d_out, r)`` (any scale
+    already folded into ``a`` or ``b``, in the adapter dtype), in the base output dtype.
+
+    On a bf16 base with wider adapters (:func:`half_product_applies`) one autograd node
+    (:class:`_BasePlusProduct`) whose products run on bf16 operands with fp32 accumulation;
+    otherwise the adapter-dtype path of :func:`base_plus_low_rank` (the input cast to ``a``'s
+    dtype). docs/dtype.md says what is computed in which dtype."""
+    if half_product_applies(base, x, a):
+        return _BasePlusProduct.apply(x, base.weight, base.bias, a, b, base)[0]
+    return base_plus_low_rank(base, x, x.to(a.dtype) @ a.transpose(-1, -2), b)
+
+
 def lora_activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: BaseLayer, info: LayerInfo) -> Tensor:
     """LoRA's activation form: ``base(x) + s·(x Aᵀ) Bᵀ``, ``x (..., d_in) -> (..., d_out)``.
 
@@ -278,5 +392,9 @@ def lora_activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, bas
     rather than to the ``(..., d_out)`` product (peft's order): the same math, one pass over
     the outputs fewer (:func:`add_low_rank`)."""
     lora_a, lora_b = params["lora_A"], params["lora_B"]
-    h = (lowrank_input(x, base, info).to(lora_a.dtype) @ lora_a.T) * lora_scale(info, buffers)
+    dropped = lowrank_input(x, base, info)
+    if dropped is x and half_product_applies(base, x, lora_a):
+        # The scale goes on the (d_out, r) factor: the base-dtype path folds it into its products.
+        return base_plus_product(base, x, lora_a, lora_b * lora_scale(info, buffers))
+    h = (dropped.to(lora_a.dtype) @ lora_a.T) * lora_scale(info, buffers)
     return base_plus_low_rank(base, x, h, lora_b)

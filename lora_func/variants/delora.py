@@ -23,14 +23,25 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lora_func._types import BaseLayer, LayerInfo, TensorDict, Variant, base_plus_low_rank, kaiming_uniform, layer_rank
+from lora_func._types import (
+    BaseLayer,
+    LayerInfo,
+    TensorDict,
+    Variant,
+    base_plus_low_rank,
+    base_plus_product,
+    half_product_applies,
+    kaiming_uniform,
+    layer_rank,
+    promoted,
+)
 
 NORM_CLAMP = 1e-4  # peft's clamp on the per-rank norms of A and B
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The adapter dtype, raised to at least fp32 (fp64 stays fp64)."""
-    return torch.promote_types(dtype, torch.float32)
+    return promoted(dtype, torch.float32)
 
 
 def init(
@@ -80,8 +91,14 @@ def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: Ba
     # peft computes (x ⊙ w_norm) Aᵀ; x (A diag(w_norm))ᵀ is the same product with the column
     # scaling moved onto the (r, d_in) factor: no pass over (and no saved copy of) the inputs.
     # It runs in the adapter dtype; from the per-rank scale on (≈1e4 at init) in >= fp32.
-    h = x.to(a.dtype) @ (a * buffers["delora_w_norm"]).T
-    h = h.to(ct) * _rank_scale(params, layer_rank(info, buffers))
+    a_scaled = a * buffers["delora_w_norm"]
+    rank_scale = _rank_scale(params, layer_rank(info, buffers))
+    if half_product_applies(base, x, a_scaled.to(ct)):
+        # bf16 base: the per-rank scale folded into the (d_out, r) factor, in >= fp32, and the
+        # products on bf16 operands (base_plus_product; docs/dtype.md).
+        return base_plus_product(base, x, a_scaled.to(ct), b.to(ct) * rank_scale)
+    h = x.to(a.dtype) @ a_scaled.T
+    h = h.to(ct) * rank_scale
     return base_plus_low_rank(base, x, h, b.to(ct))
 
 

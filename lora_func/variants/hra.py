@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lora_func._types import BaseLayer, LayerInfo, TensorDict, Variant, base_plus_low_rank, kaiming_uniform
+from lora_func._types import BaseLayer, LayerInfo, TensorDict, Variant, base_plus_low_rank, base_plus_product, half_product_applies, kaiming_uniform
 
 INITS = ("paired", "random")
 _MIN_NORM = 1e-30
@@ -110,9 +110,13 @@ def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: Ba
     # Ûᵀ (r, d_in) contiguous: x Û then runs as x (Ûᵀ)ᵀ, the layout BLAS is fastest with for
     # an (n, r) result, and autograd computes ∂Ûᵀ = ∂hᵀ x with its long axis last.
     ut = u_hat.transpose(-1, -2).contiguous()
-    h = (x.to(ut.dtype) @ ut.transpose(-1, -2)) @ reflection_wy(u_hat).transpose(-1, -2)
     # The sign goes on the (d_out, r) factor, not on the (n, r) activations.
     minus_weight_u = -(base.weight.to(ut.dtype) @ ut.transpose(-1, -2))
+    if half_product_applies(base, x, ut):
+        # bf16 base: x Û Tᵀ = x (T Ûᵀ)ᵀ, one (r, d_in) factor, and the products on bf16 operands
+        # (base_plus_product; docs/dtype.md).
+        return base_plus_product(base, x, reflection_wy(u_hat) @ ut, minus_weight_u)
+    h = (x.to(ut.dtype) @ ut.transpose(-1, -2)) @ reflection_wy(u_hat).transpose(-1, -2)
     return base_plus_low_rank(base, x, h, minus_weight_u)
 
 

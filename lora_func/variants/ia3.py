@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lora_func._types import BaseLayer, LayerInfo, TensorDict, Variant
+from lora_func._types import BaseLayer, LayerInfo, TensorDict, Variant, promoted
 
 
 def _init_out(
@@ -66,14 +66,21 @@ def _activation_out(params: TensorDict, buffers: TensorDict, x: Tensor, base: Ba
     # peft: base output (bias included) times the vector in the adapter dtype, cast back.
     y = base(x)
     g = params["ia3_l"]
-    return (y.to(g.dtype) * g).to(y.dtype)
+    # A wider adapter dtype: type promotion computes in it without an (n, d_out) upcast copy of
+    # y (the same values), and the product saves y itself for ∂g, not an upcast copy.
+    return ((y if _promotes_to(y, g) else y.to(g.dtype)) * g).to(y.dtype)
 
 
 def _activation_in(params: TensorDict, buffers: TensorDict, x: Tensor, base: BaseLayer, info: LayerInfo) -> Tensor:
     # peft: the input times the vector in the adapter dtype, cast back to the input dtype,
     # then the base layer (whose bias is untouched).
     g = params["ia3_l"]
-    return base((x.to(g.dtype) * g).to(x.dtype))
+    return base(((x if _promotes_to(x, g) else x.to(g.dtype)) * g).to(x.dtype))
+
+
+def _promotes_to(t: Tensor, g: Tensor) -> bool:
+    """Whether ``t * g`` computes in ``g``'s dtype: exactly ``t.to(g.dtype) * g``, without the copy."""
+    return promoted(t.dtype, g.dtype) == g.dtype
 
 
 IA3 = Variant(
