@@ -116,7 +116,13 @@ def run(args: argparse.Namespace, config: str, out: str) -> list[dict]:
     import importlib
 
     worker = importlib.import_module(Path(__file__).stem)._worker
-    mp.start_processes(worker, args=(args, config, rendezvous, out), nprocs=args.world, start_method="spawn")
+    try:
+        mp.start_processes(worker, args=(args, config, rendezvous, out), nprocs=args.world, start_method="spawn")
+    except mp.ProcessExitedException as err:
+        # Seen once in CI-like runs: a rank aborted by gloo while connecting ("terminate called
+        # without an active exception"), before any measurement. Start the group once more.
+        print(f"# {config}: {err}; starting its processes again")
+        mp.start_processes(worker, args=(args, config, rendezvous + "-again", out), nprocs=args.world, start_method="spawn")
     return [torch.load(os.path.join(out, f"{config}-rank{r}.pt")) for r in range(args.world)]
 
 
