@@ -341,6 +341,8 @@ def _scenario(name: str, out_dir: str) -> dict[str, Any]:
         return nf4_scenario()
     if kind == "context":
         return context_scenario()
+    if kind == "mixed":
+        return mixed_scenario()
     raise ValueError(name)
 
 
@@ -405,3 +407,33 @@ def context_scenario() -> dict[str, Any]:
         out["greedy_differs_from_base"] = not torch.equal(tokens, plain)
     out["forwards_left"] = sum("forward" in m.__dict__ for m in model.modules())
     return out
+
+
+def mixed_scenario() -> dict[str, Any]:
+    """Per-row adapters (lf.mixed_adapted_call / lf.mixed_adapted) on a sharded model: each row
+    equals its own adapter on the unsharded model, in a training step and in generation."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = shard(tiny_model("llama").requires_grad_(False), reshard=False)  # gathered weights stay between calls
+    reference = tiny_model("llama")
+    spec = lf.AdapterSpec("lora", targets=LLAMA_ALL, r=4, alpha=8)
+    adapters = [perturbed(lf.init_adapter(model, spec, generator=torch.Generator().manual_seed(s)), seed=20 + s, scale=0.3) for s in range(3)]
+    ids = batch()
+    index = torch.tensor([2, 0, 1, 2])
+    half, rows = ids.chunk(world)[rank], index.chunk(world)[rank]
+    logits = lf.mixed_adapted_call(model, adapters, rows, half).logits
+    loss_of(logits, half).backward()
+    expected = torch.cat([oracle_logits(reference, adapters[int(k)], half[i : i + 1]) for i, k in enumerate(rows)])
+    used = sorted({int(k) for k in rows})
+    with torch.no_grad():
+        with lf.mixed_adapted(model, adapters, rows):
+            tokens = model.generate(half[:, :4], max_new_tokens=4, do_sample=False, pad_token_id=0)
+        alone = []
+        for i, k in enumerate(rows):
+            with lf.adapted(reference, adapters[int(k)]):
+                alone.append(reference.generate(half[i : i + 1, :4], max_new_tokens=4, do_sample=False, pad_token_id=0))
+    return {
+        "logits": maxdiff(logits, expected),
+        "grads_of_used": min(float(adapters[k].params[n].grad.norm()) for k in used for n in adapters[k].params),
+        "greedy_equal": bool(torch.equal(tokens, torch.cat(alone))),
+        "forwards_left": sum("forward" in m.__dict__ for m in model.modules()),
+    }

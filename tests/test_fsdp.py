@@ -34,6 +34,7 @@ SCENARIOS = [
     "refuse:",
     "nf4:",
     "context:",
+    "mixed:",
 ]
 
 
@@ -139,6 +140,14 @@ def test_adapted_block_and_generate_on_a_sharded_model(results):
         assert r["merged=True"] <= 1e-6 and r["merged=False"] <= 1e-6, (rank, r)
         assert r["effect"] > 0.05 and r["base_after"] == 0.0 and r["forwards_left"] == 0, (rank, r)
         assert r["greedy_equal"] and r["greedy_differs_from_base"], (rank, r)
+
+
+def test_per_row_adapters_on_a_sharded_model(results):
+    """lf.mixed_adapted_call / lf.mixed_adapted (issue 20's route) on FSDP2 shards: every row as
+    its own adapter on the unsharded model, gradients reach each adapter a row used."""
+    for rank, r in enumerate(_get(results, "mixed:")):
+        assert r["logits"] <= 1e-5 and r["grads_of_used"] > 1e-4, (rank, r)
+        assert r["greedy_equal"] and r["forwards_left"] == 0, (rank, r)
 
 
 def test_the_fsdp_example_trains_under_torchrun_with_two_processes(tmp_path):
