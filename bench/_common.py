@@ -458,3 +458,49 @@ def vm_bytes(field: str) -> int:
             if line.startswith(f"{field}:"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def timed_rounds(methods: dict[str, Callable[[], object]], rounds: int, clock: Callable[[], float]) -> dict[str, list[float]]:
+    """Seconds of each method per round (every method once per round, in order), after one
+    warm-up call each (allocator, lazy init); garbage collection runs between rounds only."""
+    for fn in methods.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in methods}
+    enabled = gc.isenabled()
+    gc.disable()  # as timeit does: a collection would land in whichever method allocated last
+    try:
+        for _ in range(rounds):
+            gc.collect()  # between rounds, outside any timing
+            for name, fn in methods.items():
+                start = clock()
+                fn()
+                times[name].append(clock() - start)
+    finally:
+        if enabled:
+            gc.enable()
+    return times
+
+
+def paired_ratio(times: dict[str, list[float]], name: str, reference: str) -> float:
+    """The median over rounds of ``name``'s time over ``reference``'s in the same round."""
+    return statistics.median(a / b for a, b in zip(times[name], times[reference], strict=True))
+
+
+def peft_named_adapters(model: nn.Module, adapters: Sequence[Any], r: int, alpha: float, targets: Sequence[str]) -> nn.Module:
+    """A peft copy of ``model`` with lora_func LoRA ``adapters`` loaded as "a0", "a1", ... (the
+    same weights; "a0" active), for peft's ``adapter_names=`` mixed batches."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets), lora_dropout=0.0)
+    peft = get_peft_model(copy.deepcopy(model), config, adapter_name="a0")
+    for i in range(1, len(adapters)):
+        peft.add_adapter(f"a{i}", config)
+    with torch.no_grad():
+        for name, module in peft.named_modules():
+            if hasattr(module, "lora_A") and len(module.lora_A):
+                key = name.removeprefix("base_model.model.")
+                for i, adapter in enumerate(adapters):
+                    module.lora_A[f"a{i}"].weight.copy_(adapter.params[f"{key}.lora_A"])
+                    module.lora_B[f"a{i}"].weight.copy_(adapter.params[f"{key}.lora_B"])
+    peft.set_adapter("a0")
+    return peft.eval()

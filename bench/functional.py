@@ -24,18 +24,22 @@ Run: python bench/functional.py [--rounds 15] [--clock cpu|wall] [--threads 1] [
 from __future__ import annotations
 
 import argparse
-import copy
-import gc
 import json
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.func import functional_call, grad, vmap
 from transformers import LlamaConfig, LlamaForCausalLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _common as c
 
 import lora_func as lf
 from lora_func.batching import ensemble_call, mixed_call, per_example_grads
@@ -81,35 +85,12 @@ CLOCK = {"cpu": time.process_time, "wall": time.perf_counter}
 clock = CLOCK["cpu"]
 
 
-def timed_rounds(methods: dict[str, Callable[[], object]], rounds: int) -> dict[str, list[float]]:
-    for fn in methods.values():  # warm-up (allocator, lazy init)
-        fn()
-    times: dict[str, list[float]] = {name: [] for name in methods}
-    enabled = gc.isenabled()
-    gc.disable()  # as timeit does: a collection would land in whichever method allocated last
-    try:
-        for _ in range(rounds):
-            gc.collect()  # between rounds, outside any timing
-            for name, fn in methods.items():
-                start = clock()
-                fn()
-                times[name].append(clock() - start)
-    finally:
-        if enabled:
-            gc.enable()
-    return times
-
-
-def ratio(times: dict[str, list[float]], name: str, reference: str) -> float:
-    return statistics.median(a / b for a, b in zip(times[name], times[reference], strict=True))
-
-
 def print_table(title: str, times: dict[str, list[float]], references: dict[str, str]) -> None:
     print(f"\n{title}")
     print(f"  {'method':<52} {'median ms':>10} {'ratio':>7}  vs")
     for name, seconds in times.items():
         ref = references.get(name)
-        shown = f"{ratio(times, name, ref):7.2f}  {ref}" if ref else f"{'1.00':>7}"
+        shown = f"{c.paired_ratio(times, name, ref):7.2f}  {ref}" if ref else f"{'1.00':>7}"
         print(f"  {name:<52} {1e3 * statistics.median(seconds):10.1f} {shown}")
 
 
@@ -124,25 +105,6 @@ def peak_allocated(fn: Callable[[], object]) -> int:
         with open(f.name) as handle:
             events = json.load(handle)["traceEvents"]
     return max((e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]"), default=0)
-
-
-def peft_model(model: LlamaForCausalLM, adapters: list[lf.Adapter], r: int, alpha: float):
-    """A peft copy of ``model`` with the adapters loaded as "a0", "a1", ... (same weights)."""
-    from peft import LoraConfig, get_peft_model
-
-    config = LoraConfig(r=r, lora_alpha=alpha, target_modules=TARGETS, lora_dropout=0.0)
-    peft = get_peft_model(copy.deepcopy(model), config, adapter_name="a0")
-    for i in range(1, len(adapters)):
-        peft.add_adapter(f"a{i}", config)
-    with torch.no_grad():
-        for name, module in peft.named_modules():
-            if hasattr(module, "lora_A") and len(module.lora_A):
-                key = name.removeprefix("base_model.model.")
-                for i, adapter in enumerate(adapters):
-                    module.lora_A[f"a{i}"].weight.copy_(adapter.params[f"{key}.lora_A"])
-                    module.lora_B[f"a{i}"].weight.copy_(adapter.params[f"{key}.lora_B"])
-    peft.set_adapter("a0")
-    return peft.eval()
 
 
 def per_example_section(model, adapter, ids, mask, r, alpha, rounds):
@@ -179,7 +141,7 @@ def per_example_section(model, adapter, ids, mask, r, alpha, rounds):
     }
     references = {name: reference for name in methods if name != reference}
     try:
-        peft = peft_model(model, [adapter], r, alpha)
+        peft = c.peft_named_adapters(model, [adapter], r, alpha, TARGETS)
     except ImportError:
         peft = None
         print("peft not installed: no peft columns")
@@ -206,7 +168,7 @@ def per_example_section(model, adapter, ids, mask, r, alpha, rounds):
         except ImportError:
             print("opacus not installed: no Opacus column")
         else:
-            gsm = GradSampleModule(peft_model(model, [adapter], r, alpha).train(), loss_reduction="mean")  # hooks record in train mode only
+            gsm = GradSampleModule(c.peft_named_adapters(model, [adapter], r, alpha, TARGETS).train(), loss_reduction="mean")  # hooks record in train mode only
 
             def opacus_step():
                 gsm.zero_grad(set_to_none=True)
@@ -215,9 +177,9 @@ def per_example_section(model, adapter, ids, mask, r, alpha, rounds):
 
             methods[f"opacus {opacus.__version__} GradSampleModule (peft model)"] = opacus_step
             references[f"opacus {opacus.__version__} GradSampleModule (peft model)"] = "peft batched backward"
-    times = timed_rounds(methods, rounds)
+    times = c.timed_rounds(methods, rounds, clock)
     print_table(f"Per-example gradients, batch {tuple(ids.shape)} (target: per_example_grads <= 1.10x batched backward)", times, references)
-    return ratio(times, "lora_func per_example_grads", reference)
+    return c.paired_ratio(times, "lora_func per_example_grads", reference)
 
 
 def mixed_section(model, adapters, ids, mask, r, alpha, rounds):
@@ -257,7 +219,7 @@ def mixed_section(model, adapters, ids, mask, r, alpha, rounds):
         f"lora_func {n} adapters mixed_call, grad step": "lora_func one adapter, grad step",
     }
     try:
-        peft = peft_model(model, adapters, r, alpha)
+        peft = c.peft_named_adapters(model, adapters, r, alpha, TARGETS)
     except ImportError:
         peft = None
     if peft is not None:
@@ -274,9 +236,9 @@ def mixed_section(model, adapters, ids, mask, r, alpha, rounds):
         methods["peft one adapter, forward"] = peft_single
         methods[f"peft {n} adapters adapter_names, forward"] = peft_mixed
         references[f"peft {n} adapters adapter_names, forward"] = "peft one adapter, forward"
-    times = timed_rounds(methods, rounds)
+    times = c.timed_rounds(methods, rounds, clock)
     print_table(f"Mixed-adapter batch, {n} distinct adapters, batch {tuple(ids.shape)} (target <= 1.10x one adapter)", times, references)
-    return ratio(times, f"lora_func {n} adapters mixed_call, forward", "lora_func one adapter, forward")
+    return c.paired_ratio(times, f"lora_func {n} adapters mixed_call, forward", "lora_func one adapter, forward")
 
 
 def ensemble_section(model, adapters, ids, mask) -> None:
@@ -328,11 +290,5 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
 
 if __name__ == "__main__":
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import _common
-
-    _common.reexec_with_steady_allocator()
+    c.reexec_with_steady_allocator()
     main()

@@ -27,16 +27,20 @@ Run: python bench/mixed.py [--rounds 9] [--clock cpu|wall] [--threads 1] [--vari
 from __future__ import annotations
 
 import argparse
-import copy
-import gc
 import json
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _common as c
 
 import lora_func as lf
 
@@ -77,55 +81,13 @@ def tenant(model: LlamaForCausalLM, spec: lf.AdapterSpec, seed: int) -> lf.Adapt
     return adapter.with_params({k: (0.02 * torch.randn(v.shape, generator=g)).requires_grad_() for k, v in adapter.params.items()})
 
 
-def peft_model(model: LlamaForCausalLM, adapters: list[lf.Adapter], r: int, alpha: float):
-    """A peft copy of ``model`` with the adapters loaded as "a0", "a1", ... (same weights)."""
-    from peft import LoraConfig, get_peft_model
-
-    config = LoraConfig(r=r, lora_alpha=alpha, target_modules=TARGETS, lora_dropout=0.0)
-    peft = get_peft_model(copy.deepcopy(model), config, adapter_name="a0")
-    for i in range(1, len(adapters)):
-        peft.add_adapter(f"a{i}", config)
-    with torch.no_grad():
-        for name, module in peft.named_modules():
-            if hasattr(module, "lora_A") and len(module.lora_A):
-                key = name.removeprefix("base_model.model.")
-                for i, adapter in enumerate(adapters):
-                    module.lora_A[f"a{i}"].weight.copy_(adapter.params[f"{key}.lora_A"])
-                    module.lora_B[f"a{i}"].weight.copy_(adapter.params[f"{key}.lora_B"])
-    peft.set_adapter("a0")
-    return peft.eval()
-
-
-def timed_rounds(methods: dict[str, Callable[[], object]], rounds: int, clock: Callable[[], float]) -> dict[str, list[float]]:
-    for fn in methods.values():  # warm-up (allocator, lazy init)
-        fn()
-    times: dict[str, list[float]] = {name: [] for name in methods}
-    enabled = gc.isenabled()
-    gc.disable()  # as timeit does: a collection would land in whichever method allocated last
-    try:
-        for _ in range(rounds):
-            gc.collect()  # between rounds, outside any timing
-            for name, fn in methods.items():
-                start = clock()
-                fn()
-                times[name].append(clock() - start)
-    finally:
-        if enabled:
-            gc.enable()
-    return times
-
-
-def ratio(times: dict[str, list[float]], name: str, reference: str) -> float:
-    return statistics.median(a / b for a, b in zip(times[name], times[reference], strict=True))
-
-
 def print_table(title: str, times: dict[str, list[float]], references: dict[str, str]) -> None:
     print(f"\n{title}")
     print(f"| {'method':<58} | {'median ms':>9} | {'ratio':>6} | vs |")
     print(f"|{'-' * 60}|{'-' * 11}|{'-' * 8}|----|")
     for name, seconds in times.items():
         ref = references.get(name)
-        shown = f"{ratio(times, name, ref):6.2f} | {ref}" if ref else f"{'':>6} | "
+        shown = f"{c.paired_ratio(times, name, ref):6.2f} | {ref}" if ref else f"{'':>6} | "
         print(f"| {name:<58} | {1e3 * statistics.median(seconds):9.1f} | {shown} |")
 
 
@@ -203,7 +165,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     peft = None
     if not args.no_peft and args.variant == "lora":
         try:
-            peft = peft_model(model, adapters, r, alpha)
+            peft = c.peft_named_adapters(model, adapters, r, alpha, TARGETS)
         except ImportError:
             print("peft not installed: no peft rows")
     if peft is not None:
@@ -237,7 +199,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             theirs = methods[f"peft {size} adapters adapter_names, forward"]()
         print(f"max |lora_func mixed - peft adapter_names| logits: {(ours - theirs).abs().max():.1e}")
 
-    times = timed_rounds(methods, rounds, clock)
+    times = c.timed_rounds(methods, rounds, clock)
     print_table(
         f"{size} sequences, {size} distinct adapters vs one adapter (target: mixed <= 1.10x one adapter for forward and "
         f"generation, and ahead of peft)",
@@ -245,26 +207,24 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         references,
     )
     results = {
-        "forward_mixed_over_one": ratio(times, f"lora_func {size} adapters mixed_adapted_call, forward", "lora_func one adapter, forward"),
-        "train_mixed_over_one": ratio(times, f"lora_func {size} adapters mixed_adapted_call, training step", "lora_func one adapter, training step"),
-        "generate_mixed_over_one_lazy": ratio(times, f"lora_func {size} adapters mixed_adapted, generate", "lora_func one adapter lazy, generate"),
-        "generate_mixed_over_one_merged": ratio(times, f"lora_func {size} adapters mixed_adapted, generate", "lora_func one adapter merged, generate"),
+        "forward_mixed_over_one": c.paired_ratio(times, f"lora_func {size} adapters mixed_adapted_call, forward", "lora_func one adapter, forward"),
+        "train_mixed_over_one": c.paired_ratio(times, f"lora_func {size} adapters mixed_adapted_call, training step", "lora_func one adapter, training step"),
+        "generate_mixed_over_one_lazy": c.paired_ratio(times, f"lora_func {size} adapters mixed_adapted, generate", "lora_func one adapter lazy, generate"),
+        "generate_mixed_over_one_merged": c.paired_ratio(times, f"lora_func {size} adapters mixed_adapted, generate", "lora_func one adapter merged, generate"),
     }
     if peft is not None:
-        results["forward_mixed_over_peft_mixed"] = ratio(
+        results["forward_mixed_over_peft_mixed"] = c.paired_ratio(
             times, f"lora_func {size} adapters mixed_adapted_call, forward", f"peft {size} adapters adapter_names, forward"
         )
-        results["generate_mixed_over_peft_mixed"] = ratio(
+        results["generate_mixed_over_peft_mixed"] = c.paired_ratio(
             times, f"lora_func {size} adapters mixed_adapted, generate", f"peft {size} adapters adapter_names, generate"
         )
-        results["peft_forward_mixed_over_one"] = ratio(times, f"peft {size} adapters adapter_names, forward", "peft one adapter, forward")
-        results["peft_generate_mixed_over_one"] = ratio(times, f"peft {size} adapters adapter_names, generate", "peft one adapter, generate")
+        results["peft_forward_mixed_over_one"] = c.paired_ratio(times, f"peft {size} adapters adapter_names, forward", "peft one adapter, forward")
+        results["peft_generate_mixed_over_one"] = c.paired_ratio(times, f"peft {size} adapters adapter_names, generate", "peft one adapter, generate")
     print(f"\nsummary: {json.dumps({key: round(value, 3) for key, value in results.items()})}")
     return results
 
 
 if __name__ == "__main__":
-    import _common
-
-    _common.reexec_with_steady_allocator()
+    c.reexec_with_steady_allocator()
     main()
