@@ -19,21 +19,33 @@ gathering again in backward. So:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["check_sharded_frozen", "full_tensor", "is_fsdp_model", "is_sharded", "sharded_keys"]
+__all__ = ["check_sharded_frozen", "full_tensor", "is_fsdp_model", "is_sharded", "sharded_keys", "swapped_on"]
 
 
+@functools.cache
 def _dtensor_type() -> type | None:
+    # Cached: is_sharded runs at every target call of the module route.
     if not torch.distributed.is_available():
         return None
     from torch.distributed.tensor import DTensor
 
     return DTensor
+
+
+@functools.cache
+def _fsdp_module_type() -> type | None:
+    if not torch.distributed.is_available():
+        return None
+    from torch.distributed.fsdp import FSDPModule
+
+    return FSDPModule
 
 
 def is_sharded(t: Any) -> bool:
@@ -50,11 +62,8 @@ def full_tensor(t: Tensor) -> Tensor:
 
 def is_fsdp_model(modules: Mapping[str, nn.Module]) -> bool:
     """Whether any module (``dict(model.named_modules())``) was ``fully_shard``-ed."""
-    if _dtensor_type() is None:
-        return False
-    from torch.distributed.fsdp import FSDPModule
-
-    return any(isinstance(m, FSDPModule) for m in modules.values())
+    fsdp_module = _fsdp_module_type()
+    return fsdp_module is not None and any(isinstance(m, fsdp_module) for m in modules.values())
 
 
 def sharded_keys(base: Mapping[str, Tensor]) -> set[str]:
@@ -83,3 +92,13 @@ def check_sharded_frozen(modules: Mapping[str, nn.Module], where: str) -> None:
             f"compute and reduce-scatter base gradients while only the adapter trains; freeze the base with "
             f"model.requires_grad_(False) (before or after fully_shard)"
         )
+
+
+def swapped_on(params: Mapping[str, Tensor], modules: Mapping[str, nn.Module], fsdp: bool, where: str) -> Mapping[str, Tensor]:
+    """What an :class:`lora_func._application.Application` may swap into the model: ``params``,
+    or nothing on a model sharded by FSDP2 (``fsdp``), whose base must then be frozen
+    (:func:`check_sharded_frozen`): FSDP2 swaps its own parameters at each module's call."""
+    if not fsdp:
+        return params
+    check_sharded_frozen(modules, where)
+    return {}

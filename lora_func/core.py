@@ -32,7 +32,7 @@ from lora_func._lazy import (
     merged_weight,
 )
 from lora_func._routing import module_forward
-from lora_func._sharded import check_sharded_frozen, full_tensor, is_fsdp_model, is_sharded, sharded_keys
+from lora_func._sharded import full_tensor, is_fsdp_model, is_sharded, sharded_keys, swapped_on
 from lora_func.quantized import QuantizedKind, frozen_call, frozen_forwards, kind_of_tensor, logical_shape
 from lora_func._types import LayerInfo
 from lora_func.adapter import Adapter, AdapterLayer, AdapterLike, Combined, Composed, leaf_adapters
@@ -592,17 +592,16 @@ def _application(
     safe: bool,
     whole_base: bool,
     modules: Mapping[str, nn.Module] | None = None,
+    fsdp: bool | None = None,
 ) -> Application:
     """What an adapted call puts on ``model`` (see :mod:`lora_func._application`).
 
     ``whole_base``: reparametrize every tensor with ``base`` (``adapted_call``: no ``.grad`` on
     the model) or only the adapted entries (``adapted``: the model keeps its own tensors)."""
     modules = dict(model.named_modules()) if modules is None else modules
-    fsdp = is_fsdp_model(modules)
+    fsdp = is_fsdp_model(modules) if fsdp is None else fsdp
     route = _resolve_route(route, base, adapter, fsdp)
     refuse_checkpointing_in_transform(model)
-    if fsdp:
-        check_sharded_frozen(modules, "adapted_call")
     if route == "overlay":
         params = merge_overlay(base, adapter, safe=safe) if merged else overlay(base, adapter, strict=strict, safe=safe, training=model.training)
         forwards: dict[str, Any] = {}
@@ -612,11 +611,9 @@ def _application(
         if safe:
             _check_adapter_finite(adapter, "adapted_call")
         params, forwards = dict(base), _module_forwards(adapter, merged=merged)
-    if fsdp:
-        # FSDP2 owns its parameters' swaps (see lora_func._sharded); the module route needs none.
-        params = {}
-    elif not whole_base:
+    if not whole_base:
         params = {name: tensor for name, tensor in params.items() if tensor is not base[name]}
+    params = swapped_on(params, modules, fsdp, "adapted_call")
     forwards = {**frozen_forwards(model, exclude=forwards, modules=modules), **forwards}
     return Application(model, params, forwards, trainable=tuple(adapter.params.values()), modules=modules)
 
@@ -668,7 +665,8 @@ def adapted_call(
         base = detached_base(base)
     modules = dict(model.named_modules())  # one walk of the model per call, shared by the steps below
     check_layouts(model, adapter, "adapted_call", modules)
-    route = _resolve_route(route, base, adapter, is_fsdp_model(modules))  # once: _application takes it as is
+    fsdp = is_fsdp_model(modules)
+    route = _resolve_route(route, base, adapter, fsdp)  # once: _application takes it as is
     if route == "overlay" and torch.compiler.is_compiling():
         # Dynamo cannot trace the creation of the lazy stand-ins; the same lazy path as a
         # torch-function mode over the base tensors traces with fullgraph=True. Checkpointed
@@ -679,7 +677,7 @@ def adapted_call(
         with overlay_calls(base, adapter, strict=strict, safe=safe, training=model.training):
             return torch.func.functional_call(model, dict(base), args, kwargs, tie_weights=True, strict=False)
     application = _application(
-        model, base, adapter, merged=merged, route=route, strict=strict, safe=safe, whole_base=True, modules=modules
+        model, base, adapter, merged=merged, route=route, strict=strict, safe=safe, whole_base=True, modules=modules, fsdp=fsdp
     )
     return application(*args, **kwargs)
 

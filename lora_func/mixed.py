@@ -39,7 +39,7 @@ from torch import Tensor, nn
 from lora_func._application import Application, refuse_checkpointing_in_transform
 from lora_func._lazy import LayerCall, VariantStep
 from lora_func._routing import module_forward
-from lora_func._sharded import check_sharded_frozen, is_fsdp_model
+from lora_func._sharded import is_fsdp_model, swapped_on
 from lora_func._types import RANK_MASK, LayerInfo, lora_activation_form, lora_scale, lowrank_input
 from lora_func.adapter import Adapter, AdapterLayer, AdapterLike, Combined, Composed, _member, _stack_adapters
 from lora_func.checks import check_adapter_placement, check_base, check_layouts, check_model, detached_base
@@ -252,11 +252,8 @@ def _mixed_application(
     forwards = {layer.target.module: _target_forward(stacked, layer, rows) for layer in stacked.layers}
     forwards = {**frozen_forwards(model, exclude=forwards, modules=modules), **forwards}
     trainable = tuple(t for a in members for t in a.params.values()) if isinstance(adapters, (list, tuple)) else tuple(stacked.params.values())
-    if is_fsdp_model(modules):
-        # FSDP2 swaps its own parameters at each module's call (lora_func._sharded); swap none.
-        check_sharded_frozen(modules, where)
-        return Application(model, {}, forwards, trainable=trainable, modules=modules)
-    return Application(model, base, forwards, trainable=trainable, modules=modules)
+    params = swapped_on(base, modules, is_fsdp_model(modules), where)
+    return Application(model, params, forwards, trainable=trainable, modules=modules)
 
 
 def mixed_adapted_call(

@@ -37,14 +37,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import Tensor, nn
 from tqdm import tqdm
 
 import lora_func as lf
 from lora_func.adapter import leaf_adapters
 from lora_func.checks import check_base, check_finite, check_model, check_path, detached_base, non_finite_keys
-from lora_func.io._files import replace_directory, safetensors_write
+from lora_func.io._files import read_safetensors, replace_directory, safetensors_write
 from lora_func.io.native import tensors_digest
 
 __all__ = [
@@ -418,15 +418,9 @@ def _read_state(path: Path) -> tuple[str, dict]:
 
 def _read_optimizer_file(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
     try:
-        with safe_open(str(path), framework="pt") as f:
-            file_meta = f.metadata() or {}
-        tensors = load_file(str(path))
-    except (SafetensorError, OSError, ValueError) as err:
-        raise ValueError(
-            f"{path} is not a readable safetensors file (truncated or corrupted?): {err}; resume from another "
-            f"checkpoint, or save one again with save_checkpoint"
-        ) from None
-    return tensors, file_meta
+        return read_safetensors(path)
+    except ValueError as err:
+        raise ValueError(f"{err}; resume from another checkpoint, or save one again with save_checkpoint") from None
 
 
 def _check_digests(directory: Path, text: str, tensors: Mapping[str, Tensor], file_meta: Mapping[str, str]) -> None:

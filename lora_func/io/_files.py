@@ -26,6 +26,10 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file
+from torch import Tensor
+
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 1 << 1
 
@@ -199,3 +203,15 @@ def safetensors_write(path: Path, write: Callable[[], Any]) -> None:
         write()
     except SafetensorError as err:
         raise OSError(f"could not write {path}: {err}; free disk space or check the directory, then save again") from err
+
+
+def read_safetensors(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
+    """A safetensors file's tensors and metadata; ``ValueError`` naming the file when it cannot
+    be read (truncated, corrupted, not safetensors)."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            metadata = f.metadata() or {}
+        tensors = load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as err:
+        raise ValueError(f"{path} is not a readable safetensors file (truncated or corrupted?): {err}") from None
+    return tensors, metadata

@@ -36,8 +36,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from lora_func._types import LayerInfo
@@ -45,7 +44,7 @@ from lora_func.adapter import Adapter, AdapterLayer, AdapterLike, Combined, Comp
 from lora_func.checks import check_float_targets, check_model, check_path
 from lora_func.quantized import logical_shape
 from lora_func.core import base_params, weight_fingerprint
-from lora_func.io._files import safetensors_write, write_file
+from lora_func.io._files import read_safetensors, safetensors_write, write_file
 from lora_func.spec import LAYER_TYPES, AdapterSpec
 from lora_func.targeting import Target, canonical_weight, layer_kind
 from lora_func.variants import get_variant
@@ -247,16 +246,6 @@ def _leaf_adapters(adapter: AdapterLike, prefix: str = "") -> Iterator[tuple[str
 # ----------------------------------------------------------------------------------- load
 
 
-def _read(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            metadata = f.metadata() or {}
-        tensors = load_file(str(path))
-    except (SafetensorError, OSError, ValueError) as err:
-        raise ValueError(f"{path} is not a readable safetensors file (truncated or corrupted?): {err}") from None
-    return tensors, metadata
-
-
 def _sane_layer(layer: AdapterLayer) -> bool:
     """Sizes and rank positive integers, alpha a finite number, a known layout, names that are
     strings: a hostile file can recompute the checksum, and a NaN alpha (or a float rank, or
@@ -417,7 +406,7 @@ def load(path: str | os.PathLike, model: nn.Module | None = None) -> AdapterLike
         check_model(model, "load")
     if not path.is_file():
         raise FileNotFoundError(f"no adapter file at {path}; pass the path of a file written by lora_func.save")
-    tensors, metadata = _read(path)
+    tensors, metadata = read_safetensors(path)
     if metadata.get("format") != FORMAT:
         hint = " (a peft checkpoint? use lora_func.load_peft on its directory)" if "adapter_model" in path.name else ""
         raise ValueError(f"{path} is not a lora_func adapter file: its metadata has no format={FORMAT!r}{hint}")
