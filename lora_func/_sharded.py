@@ -19,7 +19,6 @@ gathering again in backward. So:
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -29,28 +28,29 @@ from torch import Tensor, nn
 __all__ = ["check_sharded_frozen", "full_tensor", "is_fsdp_model", "is_sharded", "sharded_keys", "swapped_on"]
 
 
-@functools.cache
-def _dtensor_type() -> type | None:
-    # Cached: is_sharded runs at every target call of the module route.
-    if not torch.distributed.is_available():
-        return None
-    from torch.distributed.tensor import DTensor
-
-    return DTensor
+_UNRESOLVED = object()
+_TYPES: dict[str, Any] = {"DTensor": _UNRESOLVED, "FSDPModule": _UNRESOLVED}
 
 
-@functools.cache
-def _fsdp_module_type() -> type | None:
-    if not torch.distributed.is_available():
-        return None
-    from torch.distributed.fsdp import FSDPModule
+def _distributed_type(name: str) -> type | None:
+    """``torch.distributed``'s ``DTensor`` or ``FSDPModule`` (``None`` without distributed support),
+    imported once: ``is_sharded`` runs at every target call of the module route. A plain dict,
+    not ``functools.cache``, which dynamo refuses to trace under ``torch.compile``."""
+    found = _TYPES[name]
+    if found is _UNRESOLVED:
+        found = None
+        if torch.distributed.is_available():
+            from torch.distributed.fsdp import FSDPModule
+            from torch.distributed.tensor import DTensor
 
-    return FSDPModule
+            found = {"DTensor": DTensor, "FSDPModule": FSDPModule}[name]
+        _TYPES[name] = found
+    return found
 
 
 def is_sharded(t: Any) -> bool:
     """Whether ``t`` is a ``DTensor`` (a parameter FSDP2 manages, outside its module's forward)."""
-    dtensor = _dtensor_type()
+    dtensor = _distributed_type("DTensor")
     return dtensor is not None and isinstance(t, dtensor)
 
 
@@ -62,7 +62,7 @@ def full_tensor(t: Tensor) -> Tensor:
 
 def is_fsdp_model(modules: Mapping[str, nn.Module]) -> bool:
     """Whether any module (``dict(model.named_modules())``) was ``fully_shard``-ed."""
-    fsdp_module = _fsdp_module_type()
+    fsdp_module = _distributed_type("FSDPModule")
     return fsdp_module is not None and any(isinstance(m, fsdp_module) for m in modules.values())
 
 
