@@ -19,7 +19,8 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from lora_func._routing import found_weights, replace_weights, weight_use
-from lora_func._types import RANK_MASK, BaseLayer, LayerInfo, TensorDict, Variant
+from lora_func.variants import BaseLayer, LayerInfo, TensorDict, Variant
+from lora_func.variants._contract import RANK_MASK
 from lora_func.targeting import canonical_weight, stored_weight
 
 __all__ = ["AdaptedBias", "AdaptedCalls", "AdaptedWeight", "ChainStep", "LayerCall", "LayerStep", "SumStep", "VariantStep", "merged_weight"]

@@ -9,7 +9,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from lora_func._types import RANK_ALPHA, RANK_MASK, LayerInfo, TensorDict, Variant
+from lora_func.variants import LayerInfo, TensorDict, Variant
+from lora_func.variants._contract import RANK_ALPHA, RANK_MASK
 from lora_func.spec import AdapterSpec
 from lora_func.targeting import Target
 from lora_func.variants import get_variant

@@ -34,7 +34,7 @@ from lora_func._lazy import (
 from lora_func._routing import module_forward
 from lora_func._sharded import full_tensor, is_fsdp_model, is_sharded, sharded_keys, swapped_on
 from lora_func.quantized import QuantizedKind, frozen_call, frozen_forwards, kind_of_tensor, logical_shape
-from lora_func._types import LayerInfo
+from lora_func.variants import LayerInfo
 from lora_func.adapter import Adapter, AdapterLayer, AdapterLike, Combined, Composed, leaf_adapters
 from lora_func.checks import (
     check_adapter_placement,

@@ -31,7 +31,7 @@ from torch import nn
 from torch.func import functional_call
 
 import lora_func as lf
-from lora_func._types import LayerInfo
+from lora_func.variants import LayerInfo
 from lora_func.calibration import layer_input_batches
 from lora_func.checks import check_finite
 from tests.contract_helpers import assert_unchanged, snapshot

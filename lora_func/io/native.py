@@ -39,7 +39,7 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from lora_func._types import LayerInfo
+from lora_func.variants import LayerInfo
 from lora_func.adapter import Adapter, AdapterLayer, AdapterLike, Combined, Composed
 from lora_func.checks import check_float_targets, check_model, check_path
 from lora_func.quantized import logical_shape

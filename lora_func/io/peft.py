@@ -49,7 +49,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from lora_func._types import LayerInfo, lora_scale
+from lora_func._kernels import lora_scale
+from lora_func.variants import LayerInfo
 from lora_func.adapter import Adapter, AdapterLayer, AdapterLike, Combined, Composed, compose
 from lora_func.checks import check_model, check_path
 from lora_func.core import base_params, weight_fingerprint
