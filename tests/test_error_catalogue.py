@@ -1427,3 +1427,11 @@ CASES.update(
         "mixed-route-quantized": Case(_mixed_dora_on_quantized, ("'dora'", "['eva', 'lora']", "q_proj")),
     }
 )
+
+
+# The public "can peft hold this?" (lora_func.io.peft_problems): only a non-adapter argument raises.
+CASES.update(
+    {
+        "peft-problems-not-adapter": Case(on_adapter(lambda a, ctx: lf.io.peft_problems(a.params)), ("dict",)),
+    }
+)
