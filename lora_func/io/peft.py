@@ -2,7 +2,9 @@
 
 Adapters trained with peft load onto the untouched base model (:func:`load_peft`), and
 lora_func adapters are written in peft's format (:func:`save_peft`) for peft and the tools
-that read it (vLLM, TGI, LoRAX). This is the only module that knows peft's key names:
+that read it (vLLM, TGI, LoRAX). This is the only module that knows peft's key names; each
+row below is one entry of :data:`FORMATS` (:class:`PeftFormat`), the one place that says how
+a variant is stored, written and read, and :func:`peft_problems` says whether an adapter fits:
 
 ============  ===========  =====================================================================
 lora_func     peft_type    tensors (``base_model.model.<module>.<name>``)
@@ -93,9 +95,12 @@ class _Method:
       rank_pattern: whether the method has per-layer ranks (peft's HRA has one rank).
       alpha: whether the method has ``lora_alpha`` / ``alpha_pattern``.
       feedforward_modules: whether the config lists the feed-forward layers (IA3).
+      refused: config fields that change the math in ways lora_func does not have: a
+        checkpoint with any of them set (truthy) is refused on load.
     """
 
     fixed: Mapping[str, Any]
+    refused: tuple[str, ...] = ("modules_to_save",)
     rank_of: tuple[str, int] | None = None
     rank_pattern: bool = False
     alpha: bool = False
@@ -103,9 +108,9 @@ class _Method:
 
 
 METHODS: dict[str, _Method] = {
-    "LORA": _Method({"bias": "none"}, rank_of=("lora_A", 0), rank_pattern=True, alpha=True),
+    "LORA": _Method({"bias": "none"}, UNSUPPORTED_LORA_FIELDS, rank_of=("lora_A", 0), rank_pattern=True, alpha=True),
     "IA3": _Method({"init_ia3_weights": True}, feedforward_modules=True),
-    "HRA": _Method({"bias": "none", "apply_GS": False}, rank_of=("hra_u", -1)),
+    "HRA": _Method({"bias": "none", "apply_GS": False}, ("modules_to_save", "apply_GS"), rank_of=("hra_u", -1)),
     "DELORA": _Method({"bias": "none", "lambda_pattern": {}, "module_dropout": 0.0}, rank_of=("delora_A", 0), rank_pattern=True),
 }
 
@@ -620,10 +625,8 @@ def _warn_training_only(directory: Path, config: Mapping[str, Any]) -> None:
 
 def _refuse_unsupported(directory: Path, config: Mapping[str, Any]) -> None:
     """Raise for config features that change the math and that lora_func does not have."""
-    fields = UNSUPPORTED_LORA_FIELDS if config.get("peft_type") == "LORA" else ("modules_to_save",)
-    bad = sorted(name for name in fields if config.get(name))
+    bad = sorted(name for name in METHODS[config["peft_type"]].refused if config.get(name))
     bad += ["bias"] if config.get("bias", "none") != "none" else []
-    bad += ["apply_GS"] if config.get("peft_type") == "HRA" and config.get("apply_GS") else []
     if bad:
         raise ValueError(
             f"{directory} uses {config.get('peft_type')} features lora_func does not support: {bad}; retrain without "
