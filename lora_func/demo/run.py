@@ -225,7 +225,8 @@ def _save_and_reload(model: nn.Module, adapter: Any, directory: Path) -> tuple[A
     problems = lf.io.peft_problems(adapter, model=model)
     if problems:
         path = lf.save(adapter, directory / f"{variant}.safetensors")
-        return lf.load(path, model=model), f"lora_func format ({path.name}; {problems[0].removeprefix('save_peft: ')})"
+        reason = problems[0].removeprefix("save_peft: ").split(";")[0]  # the what, not the fix
+        return lf.load(path, model=model), f"lora_func format ({path.name}; {reason})"
     path = lf.save_peft(adapter, directory / variant, model=model)
     note = f"peft format ({path.name}/adapter_model.safetensors"
     if variant == "pissa":  # peft's own convention: a LoRA of rank 2r on the original weights
