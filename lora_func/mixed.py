@@ -45,7 +45,8 @@ from lora_func.variants import LayerInfo
 from lora_func.variants._contract import RANK_MASK
 from lora_func.adapter import Adapter, AdapterLayer, AdapterLike, Combined, Composed, _member, _stack_adapters
 from lora_func.checks import check_adapter_placement, check_base, check_layouts, check_model, detached_base
-from lora_func.core import _check, base_params, check_params
+from lora_func._model import base_params, check_params
+from lora_func.core import _check
 from lora_func.quantized import frozen_call, frozen_forwards, kind_of_tensor
 from lora_func.targeting import canonical_weight
 from lora_func.variants import get_variant, list_variants

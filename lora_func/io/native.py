@@ -43,7 +43,7 @@ from lora_func.variants import LayerInfo
 from lora_func.adapter import Adapter, AdapterLayer, AdapterLike, Combined, Composed
 from lora_func.checks import check_float_targets, check_model, check_path
 from lora_func.quantized import logical_shape
-from lora_func.core import base_params, weight_fingerprint
+from lora_func._model import base_params, weight_fingerprint
 from lora_func.io._files import read_safetensors, safetensors_write, write_file
 from lora_func.spec import LAYER_TYPES, AdapterSpec
 from lora_func.targeting import Target, canonical_weight, layer_kind
