@@ -55,7 +55,7 @@ from torch import Tensor, nn
 from lora_func._kernels import lora_scale
 from lora_func.adapter import Adapter, AdapterLayer, AdapterLike, Combined, Composed, compose
 from lora_func.checks import check_model, check_path
-from lora_func._model import base_params, weight_fingerprint
+from lora_func._model import adapter_layer, base_params, layer_info, variant_init, weight_fingerprint
 from lora_func.io._files import replace_directory, safetensors_write
 from lora_func.spec import AdapterSpec
 from lora_func.quantized import kind_of_tensor
@@ -148,7 +148,7 @@ class PeftFormat:
       conv1d: peft accepts the method on GPT-2 ``Conv1D``.
       export: ``(adapter, layer, base) -> _Out`` where the variant is stored converted (PiSSA);
         ``None``: its tensors as they are.
-      load_buffers: ``(weight, target, info, dtype) -> buffers`` that the checkpoint does not
+      load_buffers: ``(module, target, info, spec) -> buffers`` that the checkpoint does not
         hold, recomputed from the base on load (PiSSA's residual); ``None``: the checkpoint's.
     """
 
@@ -163,7 +163,7 @@ class PeftFormat:
     feedforward: bool = False
     conv1d: bool = True
     export: Callable[[Adapter, AdapterLayer, Mapping[str, Tensor] | None], _Out] | None = None
-    load_buffers: Callable[[Tensor, Target, LayerInfo, torch.dtype], dict[str, Tensor]] | None = None
+    load_buffers: Callable[[nn.Module, Target, LayerInfo, AdapterSpec], dict[str, Tensor]] | None = None
 
     def out(self, adapter: Adapter, layer: AdapterLayer, base: Mapping[str, Tensor] | None) -> _Out:
         """``layer`` of ``adapter`` as peft stores it."""
@@ -239,13 +239,10 @@ def _is_feedforward(feedforward_modules: str | Sequence[str] | None, module: str
     return any(module.endswith(t) for t in feedforward_modules)
 
 
-def _pissa_residual(weight: Tensor, target: Target, info: LayerInfo, dtype: torch.dtype) -> dict[str, Tensor]:
+def _pissa_residual(module: nn.Module, target: Target, info: LayerInfo, spec: AdapterSpec) -> dict[str, Tensor]:
     """peft recomputes PiSSA's residual from the base when it loads an unconverted PiSSA
     checkpoint (full SVD, deterministic); lora_func's pissa init runs the same operations."""
-    with torch.no_grad():
-        _, buffers = get_variant("pissa").init(
-            canonical_weight(weight.detach(), target.layout), None, info, dtype=dtype, generator=torch.Generator().manual_seed(0)
-        )
+    _, buffers, _ = variant_init(get_variant("pissa"), spec, module, target, info, generator=torch.Generator().manual_seed(0))
     return buffers
 
 
@@ -584,23 +581,16 @@ def _assemble(
         if got != expected:
             wrong.append(f"{target.module}: checkpoint has {got}, the model needs {expected}")
             continue
-        weight = modules[target.module].weight
-        info = LayerInfo(
-            d_in=target.d_in, d_out=target.d_out, r=rank, alpha=layer_alpha, has_bias=target.bias_key is not None, options=spec.options
-        )
-        layer_buffers = dict(layer.buffers) if fmt.load_buffers is None else fmt.load_buffers(weight, target, info, dtype)
+        module = modules[target.module]
+        weight = module.weight
+        info = layer_info(spec, target, r=rank, alpha=layer_alpha)
+        layer_buffers = dict(layer.buffers) if fmt.load_buffers is None else fmt.load_buffers(module, target, info, spec)
         for name, tensor in layer.params.items():
             params[f"{target.module}.{name}"] = tensor.to(weight.device, dtype).contiguous().requires_grad_(True)
         for name, tensor in layer_buffers.items():
             buffers[f"{target.module}.{name}"] = tensor.to(weight.device).contiguous()
         out_layers.append(
-            AdapterLayer(
-                target=target,
-                info=info,
-                param_shapes=tuple((n, tuple(t.shape)) for n, t in layer.params.items()),
-                buffer_shapes=tuple((n, tuple(t.shape)) for n, t in layer_buffers.items()),
-                base_fingerprint=weight_fingerprint(weight) if variant.records_base else None,
-            )
+            adapter_layer(target, info, layer.params, layer_buffers, weight_fingerprint(weight) if variant.records_base else None)
         )
     if wrong:
         raise ValueError(
@@ -772,12 +762,12 @@ def _export_leaf(adapter: Adapter, base: Mapping[str, Tensor] | None) -> _Export
             raise ValueError(
                 f"save_peft: {layer.target.module} is adapted under its tied names {list(layer.target.tied_keys)} too "
                 f"(tied='both'), but peft would adapt only the {layer.target.module} module's output, not the embedding "
-                f"lookup: a different model. Export the merged model with lora_func.merge, or save with lora_func.save"
+                f"lookup: a different model. Export the merged model with lora_func.merged_state_dict, or save with lora_func.save"
             )
         if fmt is None:
             raise ValueError(
                 f"save_peft: {name} has no peft equivalent (peft has no such method); save it with lora_func.save, or "
-                f"export the merged model with lora_func.merge"
+                f"export the merged model with lora_func.merged_state_dict"
             )
         if layer.target.layout == "conv1d" and not fmt.conv1d:
             raise ValueError(
@@ -796,7 +786,7 @@ def _leaves(adapter: AdapterLike) -> list[Adapter]:
     if isinstance(adapter, Combined):
         raise TypeError(
             "save_peft: a Combined adapter (a weighted sum of deltas) has no peft checkpoint form; save it with "
-            "lora_func.save, or export the merged model with lora_func.merge"
+            "lora_func.save, or export the merged model with lora_func.merged_state_dict"
         )
     if isinstance(adapter, Composed):
         return [leaf for part in adapter.parts for leaf in _leaves(part)]
@@ -889,7 +879,7 @@ def _one_checkpoint(exports: Sequence[_Export], model: nn.Module | None, task_ty
     if twice:
         raise ValueError(
             f"save_peft: several parts adapt the same layers {twice[:5]}; a peft checkpoint has one adapter per "
-            f"layer: save the parts separately, or export the merged model with lora_func.merge"
+            f"layer: save the parts separately, or export the merged model with lora_func.merged_state_dict"
         )
     peft_type, shared = kinds[0][0], {k: json.loads(v) for k, v in kinds[0][1]}
     return _peft_config(peft_type, shared, layers, model, task_type), layers
