@@ -249,6 +249,16 @@ def lora_activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, bas
     the outputs fewer (:func:`add_low_rank`)."""
     lora_a, lora_b = params["lora_A"], params["lora_B"]
     dropped = lowrank_input(x, base, info)
+    if dropped is x and not torch.is_grad_enabled() and x.dtype == lora_a.dtype == lora_b.dtype and _fresh_output_in_place():
+        # Inference: no gradient layouts to prepare (add_low_rank's contiguous bᵀ), and the
+        # scale rides on the product inside the one addmm, as peft scales its product.
+        scale = lora_scale(info, buffers)
+        if not isinstance(scale, Tensor):
+            rows = x.reshape(-1, x.shape[-1])
+            y = base(rows)
+            if y.dtype == x.dtype:
+                return y.addmm_(rows @ lora_a.T, lora_b.T, alpha=scale).view(*x.shape[:-1], y.shape[-1])
+            return add_low_rank(y, (rows @ lora_a.T) * scale, lora_b).view(*x.shape[:-1], y.shape[-1])
     if dropped is x and half_product_applies(base, x, lora_a):
         # The scale goes on the (d_out, r) factor: the base-dtype path folds it into its products.
         return base_plus_product(base, x, lora_a, lora_b * lora_scale(info, buffers))
