@@ -9,6 +9,8 @@ tensors: backward costs what the adapter costs, and the model's ``.grad`` stays 
 from __future__ import annotations
 
 import contextlib
+import operator
+import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -502,6 +504,62 @@ def _application(
     return Application(model, params, forwards, trainable=tuple(adapter.params.values()), modules=modules)
 
 
+def _module_tree(model: nn.Module) -> list[Any]:
+    """Every module of ``model`` with its class and its numbers of parameters and buffers: the
+    structure an adapted call was validated against (a walk, but no names built)."""
+    out: list[Any] = []
+    stack = [model]
+    while stack:
+        module = stack.pop()
+        out += (module, type(module), len(module._parameters), len(module._buffers))
+        stack.extend(child for child in module._modules.values() if child is not None)
+    return out
+
+
+def _same_objects(a: tuple, b: tuple) -> bool:
+    return len(a) == len(b) and all(map(operator.is_, a, b))
+
+
+class _Reusable:
+    """A validated lazy application, kept for the next inference call with the same base dict,
+    adapter and options: valid while the dict holds the same names and tensor objects, the
+    adapter the same tensors at the same versions (no in-place write since), and the model the
+    same modules with as many parameters and buffers each."""
+
+    __slots__ = ("application", "key", "keys", "model_tree", "tensors", "values", "versions")
+
+    def __init__(self, key: tuple, model: nn.Module, base: Mapping[str, Tensor], adapter: AdapterLike, application: Application) -> None:
+        self.key, self.application = key, application
+        self.keys, self.values = list(base), tuple(base.values())
+        self.tensors = (*adapter.params.values(), *adapter.buffers.values())
+        self.versions = [t._version for t in self.tensors]
+        self.model_tree = _module_tree(model)
+
+    def valid(self, model: nn.Module, base: Mapping[str, Tensor], adapter: AdapterLike) -> bool:
+        return (
+            _same_objects(self.values, tuple(base.values()))
+            and list(base) == self.keys
+            and _same_objects(self.tensors, (*adapter.params.values(), *adapter.buffers.values()))
+            and [t._version for t in self.tensors] == self.versions
+            and _module_tree(model) == self.model_tree
+        )
+
+
+# The last reusable application of each model (one: a new adapter or base dict replaces it).
+_REUSABLE: weakref.WeakKeyDictionary[nn.Module, _Reusable] = weakref.WeakKeyDictionary()
+
+
+def _reuse_key(model: nn.Module, base: Any, adapter: AdapterLike, merged: bool, strict: bool, safe: bool, route: str) -> tuple | None:
+    """The key under which this call may reuse a validated application, or ``None`` when it may
+    not: only eager inference (no grad, no transform, no trace) of the lazy path with a reused
+    base dict (merged weights and ``safe`` checks read values, which in-place writes change)."""
+    if base is None or merged or safe or torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return None
+    if torch._C._functorch.peek_interpreter_stack() is not None:
+        return None
+    return (id(base), id(adapter), strict, route, model.training)
+
+
 def adapted_call(
     model: nn.Module,
     adapter: AdapterLike,
@@ -539,6 +597,12 @@ def adapted_call(
     ``safe=True``: see :func:`merge_overlay` and :func:`overlay` (eager code only: it reads values).
     """
     check_model(model, "adapted_call")
+    reuse_key = _reuse_key(model, base, adapter, merged, strict, safe, route)
+    if reuse_key is not None:
+        reusable = _REUSABLE.get(model)
+        if reusable is not None and reusable.key == reuse_key and reusable.valid(model, base, adapter):  # type: ignore[arg-type]
+            return reusable.application(*args, **kwargs)
+    given = base
     if base is None:
         base = base_params(model)
     else:
@@ -563,6 +627,8 @@ def adapted_call(
     application = _application(
         model, base, adapter, merged=merged, route=route, strict=strict, safe=safe, whole_base=True, modules=modules, fsdp=fsdp
     )
+    if reuse_key is not None:
+        _REUSABLE[model] = _Reusable(reuse_key, model, given, adapter, application)  # type: ignore[arg-type]
     return application(*args, **kwargs)
 
 

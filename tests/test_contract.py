@@ -99,6 +99,28 @@ def test_merged_lazy_and_oracle_agree_after_perturbation(row, kind):
 
 
 @pytest.mark.parametrize(("row", "kind"), CASES)
+def test_inference_calls_reusing_one_base_follow_the_adapter(row, kind):
+    # adapted_call reuses its validated application between no_grad calls with one base dict
+    # and adapter: every call, the first and the reusing ones, on both routes, equals the
+    # oracle, also after an in-place write to every trainable tensor (an optimiser step).
+    model, adapter = build(row, kind)
+    adapter = perturbed(adapter, row.perturb_scale)
+    base, ids = lf.base_params(model), tokens()
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for route in ("overlay", "module"):
+            oracle = logits(model, oracle_params(base, adapter, row), ids)
+            for _ in range(2):
+                got = lf.adapted_call(model, adapter, ids, base=base, route=route).logits
+                torch.testing.assert_close(got, oracle, atol=row.tol, rtol=0, msg=route)
+            for tensor in adapter.params.values():
+                tensor.add_(row.perturb_scale * torch.randn(tensor.shape, generator=g, dtype=tensor.dtype))
+            moved = logits(model, oracle_params(base, adapter, row), ids)
+            assert (moved - oracle).abs().max() > 1e-4
+            torch.testing.assert_close(lf.adapted_call(model, adapter, ids, base=base, route=route).logits, moved, atol=row.tol, rtol=0)
+
+
+@pytest.mark.parametrize(("row", "kind"), CASES)
 def test_module_call_route_equals_the_overlay_bit_for_bit(row, kind):
     # Same kernels on the same tensors in the same order: logits and gradients identical.
     model, adapter = build(row, kind)
