@@ -66,9 +66,9 @@ class Application:
         self.trainable = trainable
         if self.forwards:
             modules = dict(model.named_modules()) if modules is None else modules
-            self._modules = {name: modules[name] for name in self.forwards}
+            self.modules = {name: modules[name] for name in self.forwards}
         else:
-            self._modules = {}
+            self.modules = {}
 
     @contextlib.contextmanager
     def applied(self) -> Iterator[None]:
@@ -91,7 +91,7 @@ class Application:
     def _forwards_installed(self) -> Iterator[None]:
         saved: dict[str, Any] = {}
         try:
-            for name, module in self._modules.items():
+            for name, module in self.modules.items():
                 own = module.__dict__.get("forward")
                 saved[name] = own
                 inner = own if own is not None else type(module).forward.__get__(module)
@@ -101,7 +101,7 @@ class Application:
                 yield
             finally:
                 for name, own in saved.items():
-                    module = self._modules[name]
+                    module = self.modules[name]
                     if own is None:
                         module.__dict__.pop("forward", None)
                     else:

@@ -505,10 +505,11 @@ def _application(
 
 
 def _module_tree(model: nn.Module) -> list[Any]:
-    """Every module of ``model`` with its class and its numbers of parameters and buffers: the
-    structure an adapted call was validated against (a walk, but no names built)."""
-    out: list[Any] = []
-    stack = [model]
+    """Every submodule of ``model`` with its class and its numbers of parameters and buffers:
+    the structure an adapted call was validated against (a walk, but no names built). The model
+    itself is left out: what keeps this list must not keep the model alive."""
+    out: list[Any] = [type(model), len(model._parameters), len(model._buffers)]
+    stack = [child for child in model._modules.values() if child is not None]
     while stack:
         module = stack.pop()
         out += (module, type(module), len(module._parameters), len(module._buffers))
@@ -524,12 +525,14 @@ class _Reusable:
     """A validated lazy application, kept for the next inference call with the same base dict,
     adapter and options: valid while the dict holds the same names and tensor objects, the
     adapter the same tensors at the same versions (no in-place write since), and the model the
-    same modules with as many parameters and buffers each."""
+    same modules with as many parameters and buffers each. It holds no reference to the model
+    (the weak key of :data:`_REUSABLE`): deleting the model frees it."""
 
-    __slots__ = ("application", "key", "keys", "model_tree", "tensors", "values", "versions")
+    __slots__ = ("key", "keys", "model_tree", "parts", "tensors", "values", "versions")
 
     def __init__(self, key: tuple, model: nn.Module, base: Mapping[str, Tensor], adapter: AdapterLike, application: Application) -> None:
-        self.key, self.application = key, application
+        self.key = key
+        self.parts = (application.params, application.forwards, application.trainable, application.modules)
         self.keys, self.values = list(base), tuple(base.values())
         self.tensors = (*adapter.params.values(), *adapter.buffers.values())
         self.versions = [t._version for t in self.tensors]
@@ -543,6 +546,10 @@ class _Reusable:
             and [t._version for t in self.tensors] == self.versions
             and _module_tree(model) == self.model_tree
         )
+
+    def application(self, model: nn.Module) -> Application:
+        params, forwards, trainable, modules = self.parts
+        return Application(model, params, forwards, trainable, modules)
 
 
 # The last reusable application of each model (one: a new adapter or base dict replaces it).
@@ -601,7 +608,7 @@ def adapted_call(
     if reuse_key is not None:
         reusable = _REUSABLE.get(model)
         if reusable is not None and reusable.key == reuse_key and reusable.valid(model, base, adapter):  # type: ignore[arg-type]
-            return reusable.application(*args, **kwargs)
+            return reusable.application(model)(*args, **kwargs)
     given = base
     if base is None:
         base = base_params(model)

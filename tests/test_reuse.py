@@ -124,15 +124,18 @@ def test_a_structural_change_of_the_model_is_caught_as_an_uncached_call_would(bu
             lf.adapted_call(model, adapter, ids, base=base)
 
 
-def test_each_model_keeps_one_reusable_application():
+def test_each_model_keeps_one_reusable_application_and_deleting_the_model_frees_it():
+    import gc
+    import weakref
+
     model, adapter, base, ids = _setup()
     other = adapter.with_params({k: v * 0.5 for k, v in adapter.params.items()})
     with torch.no_grad():
         lf.adapted_call(model, adapter, ids, base=base)
         lf.adapted_call(model, other, ids, base=base)
     assert core._REUSABLE[model].key[1] == id(other)
-    del model
-    import gc
-
+    alive = weakref.ref(model)
+    weight = weakref.ref(model.model.layers[0].self_attn.q_proj.weight)
+    del model, base
     gc.collect()
-    assert all(m is not None for m in core._REUSABLE.keys())
+    assert alive() is None and weight() is None
