@@ -18,20 +18,9 @@ import torch
 from torch import Tensor, nn
 
 from lora_func._application import Application, refuse_checkpointing_in_transform
-from lora_func._lazy import (
-    AdaptedBias,
-    AdaptedCalls,
-    AdaptedWeight,
-    ChainStep,
-    LayerCall,
-    LayerStep,
-    SumStep,
-    VariantStep,
-    _BiasEntry,
-    _ModeEntry,
-    merged_weight,
-)
+from lora_func._lazy import AdaptedBias, AdaptedCalls, AdaptedWeight, _BiasEntry, _ModeEntry
 from lora_func._routing import module_forward
+from lora_func._steps import ChainStep, LayerCall, LayerStep, SumStep, VariantStep, merged_weight
 from lora_func._sharded import full_tensor, is_fsdp_model, is_sharded, sharded_keys, swapped_on
 from lora_func.quantized import QuantizedKind, frozen_call, frozen_forwards, kind_of_tensor, logical_shape
 from lora_func._types import LayerInfo

@@ -37,7 +37,7 @@ import torch
 from torch import Tensor, nn
 
 from lora_func._application import Application, refuse_checkpointing_in_transform
-from lora_func._lazy import LayerCall, VariantStep
+from lora_func._steps import LayerCall, VariantStep
 from lora_func._routing import module_forward
 from lora_func._sharded import is_fsdp_model, swapped_on
 from lora_func._types import RANK_MASK, LayerInfo, lora_activation_form, lora_scale, lowrank_input
