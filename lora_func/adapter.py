@@ -298,14 +298,7 @@ class Adapter(AdapterNode, tag="adapter"):
             )
         self._fill(params, buffers, spec, layers, members)
 
-    def _fill(
-        self,
-        params: Mapping[str, Tensor],
-        buffers: Mapping[str, Tensor],
-        spec: AdapterSpec,
-        layers: Sequence[AdapterLayer],
-        members: Sequence[tuple[AdapterSpec, tuple[AdapterLayer, ...]]] | None,
-    ) -> None:
+    def _fill(self, params: Mapping[str, Any], buffers: Mapping[str, Any], spec: AdapterSpec, layers: Sequence[AdapterLayer], members: Any = None) -> None:
         object.__setattr__(self, "params", dict(params))
         object.__setattr__(self, "buffers", dict(buffers))
         object.__setattr__(self, "spec", spec)
@@ -315,18 +308,12 @@ class Adapter(AdapterNode, tag="adapter"):
         object.__setattr__(self, "members", None if members is None else tuple(members))
 
     @classmethod
-    def _unchecked(
-        cls,
-        params: Mapping[str, Any],
-        buffers: Mapping[str, Any],
-        spec: AdapterSpec,
-        layers: Sequence[AdapterLayer],
-        members: Sequence[tuple[AdapterSpec, tuple[AdapterLayer, ...]]] | None = None,
-    ) -> Adapter:
-        """An adapter without the constructor's checks: for rebuilds from an adapter's own
-        parts, and for pytree unflatten, whose leaves may be anything (``None``, ``object()``)."""
+    def _unchecked(cls, *fields: Any) -> Adapter:
+        """An adapter of ``(params, buffers, spec, layers[, members])`` without the
+        constructor's checks: for rebuilds from an adapter's own parts, and for pytree
+        unflatten, whose leaves may be anything (``None``, ``object()``)."""
         adapter = object.__new__(cls)
-        adapter._fill(params, buffers, spec, layers, members)
+        adapter._fill(*fields)
         return adapter
 
     @property
