@@ -714,7 +714,7 @@ def _stack_adapters(adapters: list[Adapter]) -> Adapter:
         {k: torch.stack(v) for k, v in buffers.items()},
         first.spec,
         layers,
-        members=[(a.spec, a.layers) for a in adapters],
+        [(a.spec, a.layers) for a in adapters],
     )
 
 
