@@ -789,18 +789,25 @@ def unstack(adapter: AdapterLike) -> list[AdapterLike]:
     return [_member(adapter, k) for k in range(adapter.stack_shape[0])]  # type: ignore[attr-defined]
 
 
-def _member(adapter: AdapterLike, k: int) -> AdapterLike:
+def _member(adapter: AdapterLike, index: int | Tensor) -> AdapterLike:
+    """The stack position ``index`` of every tensor of the tree: an int gives one member (a
+    rank-padded leaf back at its own rank), a 1-D tensor a stack of those members."""
     if isinstance(adapter, Combinator):
-        return adapter.rebuild([_member(part, k) for part in adapter.parts], {n: t[k] for n, t in adapter.own_params().items()})
+        own = {name: t[index] for name, t in adapter.own_params().items()}
+        return adapter.rebuild([_member(part, index) for part in adapter.parts], own)
     if adapter.members is None:
-        return pytree.tree_map(lambda t: t[k], adapter)
-    spec, layers = adapter.members[k]
+        return pytree.tree_map(lambda t: t[index], adapter)
+    if isinstance(index, Tensor):
+        taken = pytree.tree_map(lambda t: t[index], adapter)
+        members = [adapter.members[int(i)] for i in index.reshape(-1).tolist()]
+        return Adapter._unchecked(taken.params, taken.buffers, taken.spec, taken.layers, members)
+    spec, layers = adapter.members[index]
     params, buffers = {}, {}
     for layer in layers:
         for flat, out, shapes in ((adapter.params, params, layer.param_shapes), (adapter.buffers, buffers, layer.buffer_shapes)):
             for name, shape in shapes:
                 key = f"{layer.target.module}.{name}"
-                out[key] = flat[key][k][tuple(slice(0, n) for n in shape)]
+                out[key] = flat[key][index][tuple(slice(0, n) for n in shape)]
     return Adapter._unchecked(params, buffers, spec, layers)
 
 
@@ -829,7 +836,7 @@ def take(adapter: AdapterLike, index: int | Tensor) -> AdapterLike:
             f"take(): index has values {outside} outside [0, {size}) (the stack has {size} adapters); negative "
             f"positions are refused rather than counted from the end"
         )
-    return _take(adapter, index)
+    return _member(adapter, index)
 
 
 def _outside(index: Tensor, size: int) -> list[int]:
@@ -838,13 +845,3 @@ def _outside(index: Tensor, size: int) -> list[int]:
         return []
     bad = index[(index < 0) | (index >= size)]
     return bad.unique()[:5].tolist()
-
-
-def _take(adapter: AdapterLike, index: Tensor) -> AdapterLike:
-    if isinstance(adapter, Combinator):
-        return adapter.rebuild([_take(part, index) for part in adapter.parts], {n: t[index] for n, t in adapter.own_params().items()})
-    taken = pytree.tree_map(lambda t: t[index], adapter)
-    if adapter.members is None:
-        return taken
-    members = [adapter.members[int(i)] for i in index.reshape(-1).tolist()]
-    return Adapter._unchecked(taken.params, taken.buffers, taken.spec, taken.layers, members)
