@@ -96,7 +96,7 @@ def part_prefix(prefix: str, index: int) -> str:
 
 
 def _prefixed(dicts: Sequence[Mapping[str, Tensor]]) -> dict[str, Tensor]:
-    return {part_prefix("", i) + key: value for i, d in enumerate(dicts) for key, value in d.items()}
+    return {prefix + key: value for i, d in enumerate(dicts) for prefix in (part_prefix("", i),) for key, value in d.items()}
 
 
 def _unprefixed(flat: Mapping[str, Tensor], n: int) -> list[dict[str, Tensor]]:
@@ -439,7 +439,8 @@ class Combinator(AdapterNode):
 
     @property
     def params(self) -> dict[str, Tensor]:
-        return {**self.own_params(), **_prefixed([part.params for part in self.parts])}  # type: ignore[attr-defined]
+        prefixed = _prefixed([part.params for part in self.parts])  # type: ignore[attr-defined]
+        return {**self.own_params(), **prefixed} if self.tensor_fields else prefixed
 
     @property
     def buffers(self) -> dict[str, Tensor]:
@@ -448,7 +449,7 @@ class Combinator(AdapterNode):
     def with_params(self, params: Mapping[str, Tensor]) -> Combinator:
         _check_same_keys("with_params", params, self.params)
         own = {name: params[name] for name in self.tensor_fields}
-        rest = _unprefixed({k: v for k, v in params.items() if k not in own}, len(self.parts))
+        rest = _unprefixed({k: v for k, v in params.items() if k not in own} if own else params, len(self.parts))
         return self.rebuild([part.with_params(p) for part, p in zip(self.parts, rest, strict=True)], own)  # type: ignore[attr-defined]
 
     def with_buffers(self, buffers: Mapping[str, Tensor]) -> Combinator:
