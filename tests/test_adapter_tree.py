@@ -11,6 +11,7 @@ perturbing ``B`` away from its zero init.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 
 import pytest
@@ -219,3 +220,19 @@ def test_construction_validates_and_rebuilds_do_not(setting):
     # with_params with (batched or not) tensors of other shapes is the cheap, unchecked path.
     wide = lora.with_params({k: torch.zeros(2, *v.shape) for k, v in lora.params.items()})
     assert wide.stack_shape == (2,)
+
+
+def test_a_saved_node_without_its_json_fields_is_damaged_metadata(setting, tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    _model, node, _x = setting
+    path = lf.save(node, tmp_path / "gated.safetensors")
+    with safe_open(str(path), "pt") as f:
+        metadata, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    tree = json.loads(metadata["tree"])
+    assert tree["kind"] == "test_gated" and tree["gain"] == node.gain and tree["gate_requires_grad"] is True
+    del tree["gain"]
+    save_file(tensors, str(tmp_path / "damaged.safetensors"), metadata=metadata | {"tree": json.dumps(tree)})
+    with pytest.raises(ValueError, match="damaged lora_func metadata .*gain"):
+        lf.load(tmp_path / "damaged.safetensors")

@@ -138,7 +138,8 @@ def _skeleton(data: dict) -> _Skeleton:
             )
         spec = AdapterSpec.from_json(json.dumps(data["spec"]))
         return _Skeleton(Adapter, spec=spec, layers=tuple(_layer_from_json(layer) for layer in data["layers"]), members=members)
-    fields = {key: value for key, value in data.items() if key not in ("kind", "parts")}
+    # What Combinator.from_json reads, read here so that a missing field is metadata damage.
+    fields = {key: data[key] for key in (*kind.static_fields, *(f"{name}_requires_grad" for name in kind.tensor_fields))}  # type: ignore[attr-defined]
     return _Skeleton(kind, parts=tuple(_skeleton(part) for part in data["parts"]), fields=fields)
 
 
