@@ -131,12 +131,13 @@ def _register_pytree(cls: type[AdapterNode]) -> None:
 
     if cls in pytree.SUPPORTED_NODES:
         return
-    name = cls.__name__ if cls.__module__ == __name__ else f"{cls.__module__}.{cls.__qualname__}"
+    # The package's own types keep their public names ("lora_func.Adapter").
+    name = f"lora_func.{cls.__name__}" if cls.__module__ == __name__ else f"{cls.__module__}.{cls.__qualname__}"
     pytree.register_pytree_node(
         cls,
         flatten,
         cls._tree_unflatten,
-        serialized_type_name=f"lora_func.{name}",
+        serialized_type_name=name,
         flatten_with_keys_fn=lambda node: node._tree_flatten(),
     )
     _optree.register(cls, flatten, cls._tree_unflatten)
