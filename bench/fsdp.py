@@ -89,7 +89,7 @@ def _worker(rank: int, args: argparse.Namespace, config: str, rendezvous: str, o
             optimizer.zero_grad()
             logits = lf.adapted_call(model, adapter, ids).logits
             torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).backward()
-            lf.all_reduce_mean_grads_(adapter.params)
+            lf.distributed.all_reduce_mean_grads_(adapter.params)
             optimizer.step()
 
         step()  # warm-up: lazy initialisation (FSDP2's, the optimiser's state) is not the steady state

@@ -5,7 +5,7 @@ or in one process (a world of one):     python examples/ddp_train.py
 On GPUs the same script uses NCCL and one GPU per rank (LOCAL_RANK).
 
 Every rank holds the frozen base and a full copy of the adapter. Each rank computes the
-gradient on its shard of the batch; lora_func.all_reduce_mean averages the gradients, so
+gradient on its shard of the batch; lora_func.distributed.all_reduce_mean averages the gradients, so
 every rank takes the same step and the adapters stay identical. Rank 0 saves the adapter.
 """
 
@@ -43,7 +43,7 @@ try:
 
     spec = lf.AdapterSpec("lora", targets=["q_proj", "v_proj"], r=4, alpha=8)
     # Every rank starts from rank 0's init, whatever its own generator gave.
-    adapter = lf.broadcast_adapter(lf.init_adapter(model, spec, generator=torch.Generator().manual_seed(rank)))
+    adapter = lf.distributed.broadcast_adapter(lf.init_adapter(model, spec, generator=torch.Generator().manual_seed(rank)))
 
     # A fixed global batch; rank r takes an equal shard (the loss is a mean over examples,
     # so the mean of the shard gradients is the full-batch gradient).
@@ -58,10 +58,10 @@ try:
 
     params = {k: v.detach() for k, v in adapter.params.items()}
     for step in range(20):
-        grads = lf.all_reduce_mean(grad(loss)(params, ids))  # one all_reduce for the whole adapter
+        grads = lf.distributed.all_reduce_mean(grad(loss)(params, ids))  # one all_reduce for the whole adapter
         params = {k: params[k] - 0.5 * grads[k] for k in params}
         if step in (0, 19):
-            full = lf.all_reduce_mean({"loss": loss(params, ids).detach().reshape(1)})["loss"]
+            full = lf.distributed.all_reduce_mean({"loss": loss(params, ids).detach().reshape(1)})["loss"]
             if rank == 0:
                 print(f"[world {world}, {backend}] after step {step + 1:2d}: mean loss over ranks {full.item():.4f}")
     adapter = adapter.with_params(params)

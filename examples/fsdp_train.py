@@ -7,7 +7,7 @@ On GPUs the same script uses NCCL, one GPU per rank (LOCAL_RANK) and bf16 comput
 FSDP2 (`fully_shard`) keeps 1/world of every base weight on each rank and all-gathers a block's
 weights just before its forward. lora_func applies the adapter at each target's call, after that
 all-gather, so the targets stay sharded. The adapter itself is small and replicated: every rank
-holds all of it, averages its gradients with lora_func.all_reduce_mean_grads_, and takes the same
+holds all of it, averages its gradients with lora_func.distributed.all_reduce_mean_grads_, and takes the same
 optimiser step. Rank 0 saves the adapter; the file loads on an unsharded model.
 """
 
@@ -52,7 +52,7 @@ try:
     # init_adapter on the sharded model: whole weights are gathered one target at a time where
     # a variant needs them (DoRA's norms here); every rank runs it, then takes rank 0's values.
     spec = lf.AdapterSpec("dora", targets="all-linear", r=8, alpha=16)
-    adapter = lf.broadcast_adapter(lf.init_adapter(model, spec, generator=torch.Generator().manual_seed(rank)))
+    adapter = lf.distributed.broadcast_adapter(lf.init_adapter(model, spec, generator=torch.Generator().manual_seed(rank)))
     optimizer = torch.optim.AdamW(adapter.params.values(), lr=3e-3)
 
     # A fixed global batch; rank r takes an equal shard, the loss is a mean over examples.
@@ -64,7 +64,7 @@ try:
         logits = lf.adapted_call(model, adapter, ids).logits  # the default route adapts at each target's call
         loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
         loss.backward()
-        lf.all_reduce_mean_grads_(adapter.params)  # every rank takes the same step
+        lf.distributed.all_reduce_mean_grads_(adapter.params)  # every rank takes the same step
         optimizer.step()
         global_loss = loss.detach().clone()
         dist.all_reduce(global_loss)

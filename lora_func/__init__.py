@@ -1,62 +1,63 @@
-"""lora_func: LoRA-family adapters as pure functions on torch.func."""
+"""lora_func: LoRA-family adapters as pure functions on torch.func.
 
-from lora_func.adapter import Adapter, AdapterLayer, Combined, Composed, combine, compose, stack, take, unstack
-from lora_func.batching import ensemble_call, mixed_call, per_example_grads
-from lora_func.mixed import mixed_adapted, mixed_adapted_call
-from lora_func.checks import check_finite
-from lora_func.core import adapted, adapted_call, base_params, check_params, init_adapter, merge_overlay, overlay, overlay_calls
-from lora_func.distributed import all_reduce_mean, all_reduce_mean_grads_, broadcast_adapter
-from lora_func.export import merge
-from lora_func.io import load, load_peft, save, save_peft
+The names below are grouped as docs/api.md groups them. Namespaces for the rest:
+``lora_func.variants`` (the variant contract and registry), ``lora_func.quantized`` (quantized
+weight kinds), ``lora_func.distributed`` (data-parallel helpers), ``lora_func.train`` (training
+utilities).
+"""
+
+import importlib as _importlib
+import warnings as _warnings
+
+# Describing and building an adapter.
+from lora_func.adapter import Adapter, AdapterLayer
+from lora_func.core import init_adapter
 from lora_func.spec import AdapterSpec
 from lora_func.variants import get_variant, list_variants
 
+# Applying an adapter (the model is never modified).
+from lora_func._model import base_params, check_params
+from lora_func.core import adapted, adapted_call, merge_overlay, overlay, overlay_calls
+
+# Combining adapters.
+from lora_func.adapter import Combined, Composed, combine, compose
+
+# Many adapters at once: a stack under torch.func.vmap, or one adapter per row inside the layers.
+from lora_func.adapter import stack, take, unstack
+from lora_func.batching import ensemble_call, mixed_call, per_example_grads
+from lora_func.mixed import mixed_adapted, mixed_adapted_call
+
+# Saving, loading, exporting.
+from lora_func.export import merged_state_dict
+from lora_func.io import load, load_peft, save, save_peft
+
+# Checks.
+from lora_func.checks import check_finite
+
 # Ecosystem: peft habits, optree/torchopt, nn.Module frameworks (Trainer, accelerate, DDP).
 from lora_func import _optree  # noqa: F401  (registers the adapter types with optree, if installed)
+from lora_func import distributed  # noqa: F401  (lora_func.distributed.all_reduce_mean, ...)
 from lora_func.summary import AdapterSummary, adapter_summary
 
-__all__ = [
-    "AdaptedModule",
-    "Adapter",
-    "AdapterLayer",
-    "AdapterSpec",
-    "AdapterSummary",
-    "Combined",
-    "Composed",
-    "adapted",
-    "adapted_call",
-    "adapter_summary",
-    "all_reduce_mean",
-    "all_reduce_mean_grads_",
-    "as_module",
-    "base_params",
-    "broadcast_adapter",
-    "check_finite",
-    "check_params",
-    "combine",
-    "compose",
-    "ensemble_call",
-    "get_variant",
-    "init_adapter",
-    "list_variants",
-    "load",
-    "load_peft",
-    "merge",
-    "merge_overlay",
-    "mixed_adapted",
-    "mixed_adapted_call",
-    "mixed_call",
-    "overlay",
-    "overlay_calls",
-    "per_example_grads",
-    "save",
-    "save_peft",
-    "stack",
-    "take",
-    "unstack",
-]
+BUILDING = ["Adapter", "AdapterLayer", "AdapterSpec", "get_variant", "init_adapter", "list_variants"]
+APPLYING = ["adapted", "adapted_call", "base_params", "check_params", "merge_overlay", "overlay", "overlay_calls"]
+COMBINING = ["Combined", "Composed", "combine", "compose"]
+MANY_ADAPTERS = ["ensemble_call", "mixed_adapted", "mixed_adapted_call", "mixed_call", "per_example_grads", "stack", "take", "unstack"]
+FILES = ["load", "load_peft", "merged_state_dict", "save", "save_peft"]
+CHECKS = ["check_finite"]
+ECOSYSTEM = ["AdaptedModule", "AdapterSummary", "adapter_summary", "as_module"]
+
+__all__ = [*BUILDING, *APPLYING, *COMBINING, *MANY_ADAPTERS, *FILES, *CHECKS, *ECOSYSTEM]
 
 __version__ = "0.1.0"
+
+# Old names, still answered with a DeprecationWarning: name -> (module, new name).
+_DEPRECATED = {
+    "merge": ("lora_func.export", "merged_state_dict"),
+    "all_reduce_mean": ("lora_func.distributed", "all_reduce_mean"),
+    "all_reduce_mean_grads_": ("lora_func.distributed", "all_reduce_mean_grads_"),
+    "broadcast_adapter": ("lora_func.distributed", "broadcast_adapter"),
+}
 
 
 def __getattr__(name: str):
@@ -66,4 +67,11 @@ def __getattr__(name: str):
         from lora_func import bridge
 
         return getattr(bridge, name)
+    if name in _DEPRECATED:
+        module, new = _DEPRECATED[name]
+        public = "lora_func" if module == "lora_func.export" else module
+        _warnings.warn(
+            f"lora_func.{name} is deprecated and will be removed; use {public}.{new}", DeprecationWarning, stacklevel=2
+        )
+        return getattr(_importlib.import_module(module), new)
     raise AttributeError(f"module 'lora_func' has no attribute {name!r}")

@@ -1,7 +1,7 @@
 """Collect the inputs of target layers on calibration batches (for data-driven variants: EVA).
 
 The model runs through ``torch.func.functional_call`` with a parameter dict from
-:func:`lora_func.core.base_params` in which every target weight is replaced by a recording
+:func:`lora_func.base_params` in which every target weight is replaced by a recording
 stand-in (:class:`RecordingWeight`). The stand-in computes the layer exactly as the model
 does and keeps a detached copy of the layer's input: no hooks, no module changes, the model's
 tensors and modes untouched.
@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from lora_func._application import Application
 from lora_func._routing import replace_weights, weight_use
 from lora_func._sharded import is_fsdp_model
-from lora_func.core import base_params
+from lora_func._model import base_params
 from lora_func.quantized import frozen_call, frozen_forwards, kind_of_tensor
 from lora_func.targeting import Target
 

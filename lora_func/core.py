@@ -1,4 +1,4 @@
-"""init_adapter, base_params, the two overlays and adapted_call.
+"""init_adapter, the two overlays and adapted_call (what reads the model is in :mod:`lora_func._model`).
 
 This module is the only place that calls ``torch.func.functional_call``. Overlays return the
 model's whole parameter dict (every entry detached, no copies) with the adapted entries
@@ -9,8 +9,6 @@ tensors: backward costs what the adapter costs, and the model's ``.grad`` stays 
 from __future__ import annotations
 
 import contextlib
-import difflib
-import hashlib
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -20,11 +18,12 @@ from torch import Tensor, nn
 from lora_func._application import Application, refuse_checkpointing_in_transform
 from lora_func._lazy import AdaptedBias, AdaptedCalls, AdaptedWeight, _BiasEntry, _ModeEntry
 from lora_func._routing import module_forward
+from lora_func._model import base_params, check_params, init_layer, layer_info
+from lora_func._sharded import is_fsdp_model, is_sharded, sharded_keys, swapped_on
 from lora_func._steps import LayerCall, LayerStep, VariantStep, merged_weight
-from lora_func._sharded import full_tensor, is_fsdp_model, is_sharded, sharded_keys, swapped_on
 from lora_func.quantized import QuantizedKind, frozen_call, frozen_forwards, kind_of_tensor, logical_shape
-from lora_func._types import LayerInfo
 from lora_func.adapter import Adapter, AdapterLayer, AdapterLike, AdapterNode, leaf_adapters, target_weight_keys, walk
+from lora_func.calibration import layer_input_batches
 from lora_func.checks import (
     check_adapter_placement,
     check_base,
@@ -35,60 +34,17 @@ from lora_func.checks import (
     detached_base,
 )
 from lora_func.spec import AdapterSpec
-from lora_func.targeting import Target, canonical_weight, find_targets
+from lora_func.targeting import Target, canonical_weight, close_names, find_targets
 from lora_func.variants import get_variant
 
 __all__ = [
     "adapted",
     "adapted_call",
-    "base_params",
-    "check_params",
     "init_adapter",
     "merge_overlay",
     "overlay",
     "overlay_calls",
-    "weight_fingerprint",
 ]
-
-
-def base_params(model: nn.Module) -> dict[str, Tensor]:
-    """Every parameter and buffer of ``model`` by name, detached, sharing storage (no copies).
-
-    Tied names map to one tensor object, as ``functional_call(tie_weights=True)`` requires. A
-    quantized weight (:mod:`lora_func.quantized`) is kept as the object the layer holds: its
-    layer's op needs the quantization state that a detached view would lose (it is frozen).
-    """
-    check_model(model, "base_params")
-    detached: dict[int, Tensor] = {}
-    out: dict[str, Tensor] = {}
-    for name, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
-        if id(tensor) not in detached:
-            detached[id(tensor)] = tensor if kind_of_tensor(tensor) is not None else tensor.detach()
-        out[name] = detached[id(tensor)]
-    return out
-
-
-def weight_fingerprint(weight: Tensor) -> str:
-    """A digest of a tensor's dtype, shape and bytes (sha256, first 16 hex digits); a quantized
-    tensor subclass by the bytes of its inner tensors (its own ops may not view its bytes); a
-    weight sharded by FSDP2 as the whole weight (gathered: every rank must call this)."""
-    digest = hashlib.sha256()
-    _digest_into(digest, weight)
-    return digest.hexdigest()[:16]
-
-
-def _digest_into(digest: Any, tensor: Tensor) -> None:
-    if is_sharded(tensor):
-        tensor = full_tensor(tensor)  # the whole weight's digest, the same as unsharded (a collective)
-    if type(tensor) not in (Tensor, nn.Parameter) and hasattr(tensor, "__tensor_flatten__"):
-        names, _ = tensor.__tensor_flatten__()
-        digest.update(f"{type(tensor).__name__}{tuple(tensor.shape)}".encode())
-        for name in names:
-            _digest_into(digest, getattr(tensor, name))
-        return
-    data = tensor.detach().as_subclass(Tensor).to("cpu").contiguous()
-    digest.update(f"{data.dtype}{tuple(data.shape)}".encode())
-    digest.update(data.reshape(-1).view(torch.uint8).numpy().tobytes() if data.numel() else b"")
 
 
 def _default_generator() -> torch.Generator:
@@ -153,12 +109,7 @@ def init_adapter(
             f"quantize its residual (peft's practice for PiSSA with QLoRA), or pick a variant that keeps the base"
         )
     generator = _default_generator() if generator is None else generator
-    infos = {
-        t.module: LayerInfo(
-            d_in=t.d_in, d_out=t.d_out, r=spec.r, alpha=spec.alpha, has_bias=t.bias_key is not None, options=spec.options
-        )
-        for t in targets
-    }
+    infos = {t.module: layer_info(spec, t) for t in targets}
     payloads: dict[str, Any] = dict.fromkeys(infos, calibration)
     if variant.calibrate is not None:
         if calibration is None:
@@ -166,8 +117,6 @@ def init_adapter(
                 f"variant {spec.variant!r} is data-driven: pass calibration=<iterable of batches with "
                 f"'input_ids' and optionally 'attention_mask' and 'labels'>"
             )
-        from lora_func.calibration import layer_input_batches
-
         fitted = variant.calibrate(layer_input_batches(model, targets, calibration), infos, generator=generator)
         targets = [t for t in targets if t.module in fitted]
         infos = {m: fitted[m][0] for m in infos if m in fitted}
@@ -175,52 +124,16 @@ def init_adapter(
     params: dict[str, Tensor] = {}
     buffers: dict[str, Tensor] = {}
     layers = []
-    with torch.no_grad():
-        for target in targets:
-            module = modules[target.module]
-            # Whole tensors of a sharded target, gathered one target at a time (collectives: every rank runs
-            # this loop in the same order).
-            bias = full_tensor(module.bias.detach()) if target.bias_key is not None else None
-            info = infos[target.module]
-            kind = quantized.get(target.module)
-            stored = None if kind is not None else full_tensor(module.weight.detach())
-            weight = kind.dequantize(module) if kind is not None else canonical_weight(stored, target.layout)
-            try:
-                layer_params, layer_buffers = variant.init(
-                    weight,
-                    bias,
-                    info,
-                    dtype=spec.dtype,
-                    generator=generator,
-                    calibration=payloads[target.module],
-                )
-            except (TypeError, ValueError) as err:
-                raise type(err)(f"{spec.variant} cannot adapt {target.module}: {err}") from err
-            # Contiguous, so that a save/load round trip (which writes contiguous copies)
-            # reproduces the exact same kernels and bits.
-            for name, tensor in layer_params.items():
-                params[f"{target.module}.{name}"] = tensor.detach().contiguous().requires_grad_(True)
-            for name, tensor in layer_buffers.items():
-                buffers[f"{target.module}.{name}"] = tensor.detach().contiguous()
-            layers.append(
-                AdapterLayer(
-                    target=target,
-                    info=info,
-                    param_shapes=tuple((n, tuple(t.shape)) for n, t in layer_params.items()),
-                    buffer_shapes=tuple((n, tuple(t.shape)) for n, t in layer_buffers.items()),
-                    base_fingerprint=(
-                        weight_fingerprint(module.weight if stored is None else stored) if variant.records_base else None
-                    ),
-                )
-            )
+    for target in targets:
+        # One target at a time: a sharded target's whole weight is gathered for its init only (a
+        # collective: every rank runs this loop in the same order).
+        layer, layer_params, layer_buffers = init_layer(
+            variant, spec, modules[target.module], target, infos[target.module], generator=generator, calibration=payloads[target.module]
+        )
+        params.update({f"{target.module}.{name}": tensor for name, tensor in layer_params.items()})
+        buffers.update({f"{target.module}.{name}": tensor for name, tensor in layer_buffers.items()})
+        layers.append(layer)
     return Adapter(params, buffers, spec, layers)
-
-
-def _close(names: list[str], pool: Mapping[str, Any]) -> list[str]:
-    close: set[str] = set()
-    for name in names:
-        close.update(difflib.get_close_matches(name, list(pool), n=3, cutoff=0.6))
-    return sorted(close)
 
 
 def _check(base: Mapping[str, Tensor], adapter: AdapterLike, *, quantized_ok: bool = False) -> None:
@@ -239,7 +152,7 @@ def _check(base: Mapping[str, Tensor], adapter: AdapterLike, *, quantized_ok: bo
         raise ValueError(
             f"target(s) {quantized} hold quantized weights, which a parameter dict cannot replace (the layer runs "
             f"its own op on them): use lora_func.adapted_call or lora_func.adapted (they adapt quantized targets at "
-            f"the module's call, route='module'), or lora_func.merge(..., dtype=...) for a dense export"
+            f"the module's call, route='module'), or lora_func.merged_state_dict(..., dtype=...) for a dense export"
         )
     sharded = sorted(target_weight_keys(adapter) & sharded_keys(base))
     if sharded and not quantized_ok:
@@ -270,7 +183,7 @@ def _check_leaf(base: Mapping[str, Tensor], adapter: Adapter) -> None:
     if missing:
         raise KeyError(
             f"adapter targets {missing} are not tensors of this model (built for another model?); "
-            f"close names: {_close(missing, base) or 'none'}"
+            f"close names: {close_names(missing, base) or 'none'}"
         )
     wrong = []
     plan = _layer_plan(adapter.layers)
@@ -444,35 +357,6 @@ def overlay_calls(
         if step.changes_bias and bias is not None:
             entries.append(_BiasEntry(bias, entry, strict=strict, name=t.bias_key))  # type: ignore[arg-type]
     return AdaptedCalls(entries)
-
-
-def check_params(model: nn.Module, params: Mapping[str, Tensor]) -> None:
-    """Raise ``KeyError`` unless ``params`` names exactly the model's parameters and buffers.
-
-    ``functional_call(strict=False)`` silently ignores a mistyped key; this lists the
-    offending keys sorted, with the model's close names.
-    """
-    # One walk of the modules (named_parameters and named_buffers would walk them twice): the
-    # same names, tied ones included (remove_duplicate=False), None entries skipped as they do.
-    names = {
-        f"{prefix}.{name}" if prefix else name
-        for prefix, module in model.named_modules(remove_duplicate=False)
-        for group in (module._parameters, module._buffers)
-        for name, tensor in group.items()
-        if tensor is not None
-    }
-    unexpected = sorted(set(params) - names)
-    missing = sorted(names - set(params))
-    if unexpected:
-        raise KeyError(
-            f"{unexpected} are not parameters or buffers of {type(model).__name__}; "
-            f"close names: {_close(unexpected, dict.fromkeys(names)) or 'none'}"
-        )
-    if missing:
-        raise KeyError(
-            f"parameter dict lacks {missing[:10]}{' ...' if len(missing) > 10 else ''} "
-            f"({len(missing)} missing); build it from lora_func.base_params(model)"
-        )
 
 
 ROUTES = ("auto", "overlay", "module")

@@ -9,19 +9,20 @@ from torch import Tensor, nn
 
 from lora_func.adapter import AdapterLike
 from lora_func.checks import check_base, check_float_targets
-from lora_func.core import base_params, merge_overlay
+from lora_func._model import base_params
+from lora_func.core import merge_overlay
 from lora_func.quantized import kind_of_tensor
 
-__all__ = ["merge"]
+__all__ = ["merged_state_dict"]
 
 
-def merge(
+def merged_state_dict(
     model_or_base: nn.Module | Mapping[str, Tensor], adapter: AdapterLike, *, safe: bool = False, dtype: torch.dtype | None = None
 ) -> dict[str, Tensor]:
     """The merged weights of ``adapter`` on a model, as a full state dict; the base untouched.
 
     ``model_or_base`` is the model (the result is keyed as ``model.state_dict()``, so
-    ``copy.load_state_dict(merge(model, adapter))`` then ``copy.save_pretrained(dir)`` exports
+    ``copy.load_state_dict(merged_state_dict(model, adapter))`` then ``copy.save_pretrained(dir)`` exports
     a plain model that needs neither lora_func nor peft) or a dict from
     :func:`lora_func.base_params` (keyed as that dict). Every value is a plain, contiguous
     tensor without autograd history, in the base dtype. Adapted weights (and biases, where
@@ -43,21 +44,21 @@ def merge(
         keys = list(model_or_base.state_dict(keep_vars=True))
         dense = _dequantized(model_or_base, base, dtype)
     elif isinstance(model_or_base, Mapping):
-        check_base(model_or_base, "merge")
+        check_base(model_or_base, "merged_state_dict")
         base = dict(model_or_base)
         keys = list(base)
         quantized = sorted(k for k, v in base.items() if kind_of_tensor(v) is not None)
         if quantized:
             raise TypeError(
-                f"merge: {quantized[:4]} are quantized weights, which only their layers can dequantize: pass the model "
-                f"itself, merge(model, adapter, dtype=torch.bfloat16)"
+                f"merged_state_dict: {quantized[:4]} are quantized weights, which only their layers can dequantize: pass the model "
+                f"itself, merged_state_dict(model, adapter, dtype=torch.bfloat16)"
             )
         dense = base
     else:
         raise TypeError(
-            f"merge() expects a model (nn.Module) or the dict of lora_func.base_params(model), got {type(model_or_base).__name__}"
+            f"merged_state_dict() expects a model (nn.Module) or the dict of lora_func.base_params(model), got {type(model_or_base).__name__}"
         )
-    check_float_targets(base, adapter, "merge")
+    check_float_targets(base, adapter, "merged_state_dict")
     if dtype is not None:
         cast: dict[int, Tensor] = {}  # one object per object: tied names stay tied
         dense = {k: cast.setdefault(id(v), v.to(dtype) if v.is_floating_point() else v) for k, v in dense.items()}
@@ -87,8 +88,8 @@ def _dequantized(model: nn.Module, base: dict[str, Tensor], dtype: torch.dtype |
         return base
     if dtype is None:
         raise TypeError(
-            f"merge: {sorted(quantized)[:4]} ({len(quantized)} in all) are quantized: merging into them would round the "
-            f"delta away. Name the dense dtype of the export, e.g. merge(model, adapter, dtype=torch.bfloat16)"
+            f"merged_state_dict: {sorted(quantized)[:4]} ({len(quantized)} in all) are quantized: merging into them would round the "
+            f"delta away. Name the dense dtype of the export, e.g. merged_state_dict(model, adapter, dtype=torch.bfloat16)"
         )
     with torch.no_grad():
         dense = {key: kind.dequantize(module).to(dtype) for key, (module, kind) in quantized.items()}

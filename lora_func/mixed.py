@@ -43,7 +43,8 @@ from lora_func._sharded import is_fsdp_model, swapped_on
 from lora_func._types import RANK_MASK, LayerInfo, lora_activation_form, lora_scale, lowrank_input
 from lora_func.adapter import Adapter, AdapterLayer, AdapterLike, Combinator, _member, _stack_adapters
 from lora_func.checks import check_adapter_placement, check_base, check_layouts, check_model, detached_base
-from lora_func.core import _check, base_params, check_params
+from lora_func._model import base_params, check_params
+from lora_func.core import _check
 from lora_func.quantized import frozen_call, frozen_forwards, kind_of_tensor
 from lora_func.targeting import canonical_weight
 from lora_func.variants import get_variant, list_variants

@@ -104,12 +104,18 @@ def _matches(name: str, targets: str | tuple[str, ...]) -> bool:
     return any(name == t or name.endswith("." + t) for t in targets)
 
 
-def _close_names(wanted: Iterable[str], names: list[str]) -> list[str]:
-    pool = set(names) | {n.rsplit(".", 1)[-1] for n in names}
+def close_names(wanted: Iterable[str], pool: Iterable[str]) -> list[str]:
+    """The names of ``pool`` close to any of ``wanted`` (for "did you mean" lists in errors)."""
+    choices = sorted(set(pool))
     close: set[str] = set()
     for w in wanted:
-        close.update(difflib.get_close_matches(w, sorted(pool), n=5, cutoff=0.5))
+        close.update(difflib.get_close_matches(w, choices, n=5, cutoff=0.5))
     return sorted(close)
+
+
+def _module_name_pool(names: list[str]) -> set[str]:
+    # Full module names and their last parts: a spec may name "q_proj" or "layers.0.q_proj".
+    return set(names) | {n.rsplit(".", 1)[-1] for n in names}
 
 
 def find_targets(model: nn.Module, spec: AdapterSpec) -> list[Target]:
@@ -141,13 +147,13 @@ def find_targets(model: nn.Module, spec: AdapterSpec) -> list[Target]:
         if unmatched:
             raise ValueError(
                 f"target(s) {sorted(unmatched)} match no module of {type(model).__name__}; "
-                f"close module names: {_close_names(unmatched, module_names) or 'none'}; {_HINT}"
+                f"close module names: {close_names(unmatched, _module_name_pool(module_names)) or 'none'}; {_HINT}"
             )
     if not matched:
         raise ValueError(
             f"target pattern {spec.targets!r} matches no module of {type(model).__name__} "
             f"(the pattern must match the whole name, e.g. r'.*\\.q_proj'); "
-            f"close module names: {_close_names([spec.targets], module_names) or 'none'}; {_HINT}"  # type: ignore[list-item]
+            f"close module names: {close_names([spec.targets], _module_name_pool(module_names)) or 'none'}; {_HINT}"  # type: ignore[list-item]
         )
     kinds = [(name, module, layer_kind(module)) for name, module in matched]
     if spec.layer_types is None:

@@ -136,7 +136,7 @@ def training_scenario(kind: str, variant: str, targets: list[str], reshard: bool
         if step == 0:
             out["target_calls_per_step"] = len(calls)
             hook.remove()
-        lf.all_reduce_mean_grads_(adapter.params)
+        lf.distributed.all_reduce_mean_grads_(adapter.params)
         if step == 0:
             out["logits"] = maxdiff(logits, oracle["logits0"].chunk(world)[rank])
             grads = {k: v.grad.detach().clone() for k, v in adapter.params.items()}
@@ -165,7 +165,7 @@ def func_scenario(kind: str, variant: str, targets: list[str]) -> dict[str, Any]
     def loss(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         return loss_of(lf.adapted_call(model, start.with_params(params), x).logits, x)
 
-    grads = lf.all_reduce_mean(grad(loss)({k: v.detach() for k, v in start.params.items()}, ids.chunk(world)[rank]))
+    grads = lf.distributed.all_reduce_mean(grad(loss)({k: v.detach() for k, v in start.params.items()}, ids.chunk(world)[rank]))
     return {"grads": dict_maxdiff(grads, oracle["grads0"]), "min_grad_norm": min(float(g.norm()) for g in grads.values())}
 
 
@@ -185,7 +185,7 @@ def mixed_precision_scenario(kind: str, variant: str, targets: list[str]) -> dic
     adapter = start.detach()
     logits = lf.adapted_call(model, adapter, ids.chunk(world)[rank]).logits
     loss_of(logits, ids.chunk(world)[rank]).backward()
-    lf.all_reduce_mean_grads_(adapter.params)
+    lf.distributed.all_reduce_mean_grads_(adapter.params)
     rows = oracle["logits0"].chunk(world)[rank]
     errors = [float((v.grad - oracle["grads0"][k]).norm() / oracle["grads0"][k].norm()) for k, v in adapter.params.items()]
     # One process on a bf16 copy of the model: what bf16 compute alone does to the same quantities.
@@ -244,7 +244,7 @@ def save_scenario(out_dir: str) -> dict[str, Any]:
         optimizer.zero_grad()
         half = ids.chunk(world)[rank]
         loss_of(lf.adapted_call(model, adapter, half).logits, half).backward()
-        lf.all_reduce_mean_grads_(adapter.params)
+        lf.distributed.all_reduce_mean_grads_(adapter.params)
         optimizer.step()
     with torch.no_grad():
         logits = lf.adapted_call(model, adapter, ids).logits
@@ -369,7 +369,7 @@ def nf4_scenario() -> dict[str, Any]:
     half = ids.chunk(world)[rank]
     logits = lf.adapted_call(model, sharded, half).logits
     loss_of(logits, half).backward()
-    lf.all_reduce_mean_grads_(sharded.params)
+    lf.distributed.all_reduce_mean_grads_(sharded.params)
     weight = model.model.layers[0].self_attn.q_proj.weight
     return {
         "weight_type": f"{type(weight).__name__}/{type(getattr(weight, '_local_tensor', weight)).__name__}",

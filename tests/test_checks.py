@@ -107,7 +107,7 @@ def test_safe_merging_names_the_non_finite_adapter_tensor_and_leaves_the_model_a
         "merge_overlay": lambda **safe: lf.merge_overlay(base, bad, **safe),
         "overlay": lambda **safe: lf.overlay(base, bad, **safe),
         "overlay_calls": lambda **safe: lf.overlay_calls(base, bad, **safe),
-        "merge": lambda **safe: lf.merge(model, bad, **safe),
+        "merge": lambda **safe: lf.merged_state_dict(model, bad, **safe),
         "adapted_call merged": lambda **safe: lf.adapted_call(model, bad, tokens(), merged=True, **safe),
         "adapted_call lazy": lambda **safe: lf.adapted_call(model, bad, tokens(), **safe),
     }

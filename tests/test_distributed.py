@@ -87,12 +87,12 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     try:
         model = tiny_model("llama")
         # Each rank starts from its own init; broadcast_adapter makes them rank 0's.
-        adapter = lf.broadcast_adapter(_adapter(model, seed=rank))
+        adapter = lf.distributed.broadcast_adapter(_adapter(model, seed=rank))
         half = _batch().chunk(world)[rank]
 
         def reduce(grads):
             before = {k: v.clone() for k, v in grads.items()}
-            out = lf.all_reduce_mean(grads)
+            out = lf.distributed.all_reduce_mean(grads)
             assert all(torch.equal(grads[k], before[k]) for k in grads), "all_reduce_mean modified its input"
             assert all(out[k].data_ptr() != grads[k].data_ptr() for k in grads)
             return out
@@ -160,11 +160,11 @@ def test_helpers_raise_a_clear_error_without_a_process_group():
     model = tiny_model("llama")
     adapter = _adapter(model, seed=0)
     with pytest.raises(RuntimeError, match="torch.distributed is not initialised"):
-        lf.all_reduce_mean({k: torch.ones(2) for k in ("a", "b")})
+        lf.distributed.all_reduce_mean({k: torch.ones(2) for k in ("a", "b")})
     with pytest.raises(RuntimeError, match="not initialised"):
-        lf.all_reduce_mean_grads_(adapter.params)
+        lf.distributed.all_reduce_mean_grads_(adapter.params)
     with pytest.raises(RuntimeError, match="not initialised"):
-        lf.broadcast_adapter(adapter)
+        lf.distributed.broadcast_adapter(adapter)
 
 
 @pytest.fixture
@@ -185,21 +185,21 @@ def test_world_of_one_returns_new_equal_tensors_in_order_with_mixed_dtypes(world
         "h": torch.randn(4, generator=g).to(torch.bfloat16),
     }
     before = {k: v.clone() for k, v in grads.items()}
-    out = lf.all_reduce_mean(grads)
+    out = lf.distributed.all_reduce_mean(grads)
     assert list(out) == list(grads)
     for k, g in grads.items():
         assert out[k].shape == g.shape and out[k].dtype == g.dtype
         assert torch.equal(out[k], before[k]) and torch.equal(g, before[k])
         assert out[k].untyped_storage().data_ptr() != g.untyped_storage().data_ptr()
-    assert lf.all_reduce_mean({}) == {}
+    assert lf.distributed.all_reduce_mean({}) == {}
 
 
 def test_world_of_one_optim_and_broadcast_helpers(world_of_one):
     model = tiny_model("llama")
     adapter = _adapter(model, seed=0)
     with pytest.raises(ValueError, match="have no .grad"):
-        lf.all_reduce_mean_grads_(adapter.params)
-    got = lf.broadcast_adapter(adapter)
+        lf.distributed.all_reduce_mean_grads_(adapter.params)
+    got = lf.distributed.broadcast_adapter(adapter)
     assert got is not adapter and got.spec == adapter.spec and got.layers == adapter.layers
     for k, v in adapter.params.items():
         assert torch.equal(got.params[k], v) and got.params[k].is_leaf and got.params[k].requires_grad
@@ -207,4 +207,4 @@ def test_world_of_one_optim_and_broadcast_helpers(world_of_one):
     for k, v in adapter.buffers.items():
         assert torch.equal(got.buffers[k], v)
     with pytest.raises(TypeError, match="expects an Adapter"):
-        lf.broadcast_adapter(adapter.params)  # type: ignore[arg-type]
+        lf.distributed.broadcast_adapter(adapter.params)  # type: ignore[arg-type]

@@ -327,7 +327,7 @@ def on_adapter(call: Callable[[lf.Adapter, Ctx], Any], *, dist: dict | None = No
 
 def _no_distributed(ctx: Ctx) -> Callable[[], Any]:
     ctx.monkeypatch.setattr(torch.distributed, "is_available", lambda: False)
-    return lambda: lf.all_reduce_mean({})
+    return lambda: lf.distributed.all_reduce_mean({})
 
 
 def fake_dist(ctx: Ctx, *, world: int = 1, gather: Callable[[list, Any], None] | None = None) -> None:
@@ -550,10 +550,10 @@ CASES: dict[str, Case] = {
     "load-wrong-model": Case(save_then(lambda p, ctx: p, with_model=True), ("a.safetensors", "GPT2LMHeadModel", Q + ".weight: not in the model")),
     # distributed
     "dist-unavailable": Case(_no_distributed, ("all_reduce_mean",)),
-    "dist-not-initialised": Case(lambda ctx: lambda: lf.broadcast_adapter(ctx.adapter(ctx.model())), ("broadcast_adapter", "init_process_group")),
-    "dist-no-grad": Case(on_adapter(lambda a, ctx: lf.all_reduce_mean_grads_(a.params), dist={}), (f"{Q}.lora_A", "loss.backward()")),
-    "dist-not-adapter": Case(on_adapter(lambda a, ctx: lf.broadcast_adapter(a.params), dist={}), ("dict",)),
-    "dist-structure": Case(on_adapter(lambda a, ctx: lf.broadcast_adapter(a), dist={"world": 2, "gather": _structure}), ("rank(s) [1]", f"{Q}.lora_A")),
+    "dist-not-initialised": Case(lambda ctx: lambda: lf.distributed.broadcast_adapter(ctx.adapter(ctx.model())), ("broadcast_adapter", "init_process_group")),
+    "dist-no-grad": Case(on_adapter(lambda a, ctx: lf.distributed.all_reduce_mean_grads_(a.params), dist={}), (f"{Q}.lora_A", "loss.backward()")),
+    "dist-not-adapter": Case(on_adapter(lambda a, ctx: lf.distributed.broadcast_adapter(a.params), dist={}), ("dict",)),
+    "dist-structure": Case(on_adapter(lambda a, ctx: lf.distributed.broadcast_adapter(a), dist={"world": 2, "gather": _structure}), ("rank(s) [1]", f"{Q}.lora_A")),
 }
 
 
@@ -901,7 +901,7 @@ CASES.update(
         "per-example-batch": Case(_per_example(_logits_sum, IDS, IDS[:1]), ("[1, 2]",)),
         "per-example-loss": Case(_per_example(_logits_per_token, IDS), ("(1, 8)",)),
         # export
-        "merge-not-a-model": Case(on_two(lambda m, a, b, ctx: __import__("lora_func.export").export.merge("model.safetensors", a)), ("str",)),
+        "merge-not-a-model": Case(on_two(lambda m, a, b, ctx: __import__("lora_func.export").export.merged_state_dict("model.safetensors", a)), ("str",)),
         # own format
         "save-trainable-only-stacked": Case(on_two(lambda m, a, b, ctx: lf.save(lf.stack([a, a]), ctx.tmp / "s.safetensors", trainable_only=True)), ("(2,)", "unstack")),
         "load-damaged-metadata": Case(saved_native(lambda p, ctx: functools.partial(lf.load, _rewrite(p, metadata={"tree": "{not json"}))), ("edited.safetensors", "JSONDecodeError")),
@@ -1034,7 +1034,7 @@ def _merge_quantized(of: Callable[[nn.Module], Any]) -> Callable[[Ctx], Callable
     def arrange(ctx: Ctx) -> Callable[[], Any]:
         model = _quantized(ctx)
         adapter = ctx.adapter(model)
-        return lambda: lf.merge(of(model), adapter)
+        return lambda: lf.merged_state_dict(of(model), adapter)
 
     return arrange
 
@@ -1101,7 +1101,7 @@ def _proj_model() -> nn.Module:
 def _merge_int8(ctx: Ctx) -> Callable[[], Any]:
     adapter = ctx.adapter(ctx.track(_proj_model()), targets=["proj"])
     twin = ctx.track(_int8_twin(ctx.models[-1][0]))
-    return lambda: lf.merge(twin, adapter)
+    return lambda: lf.merged_state_dict(twin, adapter)
 
 
 def _load_peft_int8(ctx: Ctx) -> Callable[[], Any]:
@@ -1261,7 +1261,7 @@ CASES.update(
         "combine-weights-finite": Case(on_two(lambda m, a, b, ctx: lf.combine([a, b], [math.nan, 1.0])), ("nan",)),
         "arg-not-a-model": Case(on_two(lambda m, a, b, ctx: lf.ensemble_call(m.state_dict(), lf.stack([a, a]), IDS)), ("ensemble_call", "OrderedDict", "base_params")),
         "arg-base-not-mapping": Case(on_two(lambda m, a, b, ctx: lf.ensemble_call(m, lf.stack([a, a]), IDS, base=list(lf.base_params(m).items()))), ("ensemble_call", "list", "base_params")),
-        "arg-base-values": Case(on_two(lambda m, a, b, ctx: lf.merge({**lf.base_params(m), "extra": 1.0}, a)), ("merge", "'extra'")),
+        "arg-base-values": Case(on_two(lambda m, a, b, ctx: lf.merged_state_dict({**lf.base_params(m), "extra": 1.0}, a)), ("merge", "'extra'")),
         "target-not-float": Case(_merge_int8, ("merge", "proj.weight (torch.int8)", "Dequantize")),
         "per-example-not-callable": Case(on_adapter(lambda a, ctx: lf.per_example_grads(a, a, IDS)), ("Adapter", "per_example_grads(loss_fn, adapter, *batch)")),
         "file-write-failed": Case(_disk_full, ("a.safetensors", "No space left")),

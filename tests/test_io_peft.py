@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 import lora_func as lf
 from lora_func._types import lora_scale
-from lora_func.export import merge
+from lora_func.export import merged_state_dict
 from lora_func.io import load_peft, save_peft
 from tests.contract_helpers import assert_unchanged, calibration_batches, perturbed, snapshot
 from tests.models import tiny_model, tokens
@@ -355,7 +355,7 @@ def test_merge_equals_peft_merge_and_unload_and_exports(tmp_path):
     peft_model = saved_peft_model("dora", "gpt2", tmp_path)
     model = tiny_model("gpt2")
     snap = snapshot(model)
-    merged = merge(model, load_peft(tmp_path / "adapter", model))
+    merged = merged_state_dict(model, load_peft(tmp_path / "adapter", model))
     with peft_warnings():
         reference = peft_model.merge_and_unload().state_dict()
     assert list(merged) == list(model.state_dict()) == list(reference)
@@ -378,7 +378,7 @@ def test_merged_state_dict_round_trips_through_save_pretrained(tmp_path):
     adapter = lf.compose(head, ia3)
     ids = tokens()
     expected = logits(model, adapter, ids, merged=True)
-    merged = merge(model, adapter)
+    merged = merged_state_dict(model, adapter)
     assert merged["lm_head.weight"] is merged["transformer.wte.weight"]
     assert not torch.equal(merged["transformer.h.0.attn.c_attn.bias"], model.transformer.h[0].attn.c_attn.bias)
     copy = tiny_model("gpt2", seed=3)
@@ -389,9 +389,9 @@ def test_merged_state_dict_round_trips_through_save_pretrained(tmp_path):
     exported = GPT2LMHeadModel.from_pretrained(tmp_path / "merged", attn_implementation="eager").eval()
     with torch.no_grad():
         torch.testing.assert_close(exported(ids).logits, expected, atol=1e-5, rtol=0)
-    assert merge(lf.base_params(model), adapter).keys() >= merged.keys()
-    with pytest.raises(TypeError, match=r"merge\(\) expects a model"):
-        merge([1], adapter)
+    assert merged_state_dict(lf.base_params(model), adapter).keys() >= merged.keys()
+    with pytest.raises(TypeError, match=r"merged_state_dict\(\) expects a model"):
+        merged_state_dict([1], adapter)
 
 
 def test_lora_dropout_is_read_and_written_and_delora_module_dropout_warns(tmp_path):

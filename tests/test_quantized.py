@@ -254,8 +254,8 @@ def test_save_load_both_ways_and_a_dense_merge(scheme_name, tmp_path):
         for loaded in (lf.load(tmp_path / f"{variant}.safetensors", model=oracle), lf.load_peft(tmp_path / variant, oracle)):
             torch.testing.assert_close(lf.adapted_call(oracle, loaded, ids).logits, want, atol=SCHEME_ATOL.get(scheme_name, ATOL), rtol=0)
         with pytest.raises(TypeError, match=r"are quantized.*dtype=torch.bfloat16"):
-            lf.merge(model, adapter)
-        merged = lf.merge(model, adapter, dtype=torch.float32)
+            lf.merged_state_dict(model, adapter)
+        merged = lf.merged_state_dict(model, adapter, dtype=torch.float32)
         dense = float_llama_like(oracle)
         dense.load_state_dict(merged)
         torch.testing.assert_close(dense(ids).logits, lf.adapted_call(oracle, same_values(adapter, build(oracle, variant)), ids, merged=True).logits, atol=ATOL, rtol=0)

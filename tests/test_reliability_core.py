@@ -149,7 +149,7 @@ def test_a_bf16_adapter_merged_on_an_fp32_base_keeps_the_base_exact():
     w = model.proj.weight.detach()
     a, b = adapter.params["proj.lora_A"].detach().float(), adapter.params["proj.lora_B"].detach().float()
     delta = 2.0 * b @ a  # alpha / r = 2, from the bf16 tensors, in fp32
-    merged = lf.merge(model, adapter)["proj.weight"]
+    merged = lf.merged_state_dict(model, adapter)["proj.weight"]
     assert merged.dtype == torch.float32
     # Oracle: the fp32 base plus the delta; peft's merge rounds only the delta to bf16.
     torch.testing.assert_close(merged, w + delta, rtol=0, atol=2**-8 * delta.abs().max().item())

@@ -320,10 +320,10 @@ def test_merge_refuses_an_int8_base():
     int_net = _int8_net()
     snap = snapshot(int_net)
     with pytest.raises(TypeError, match="not floating-point") as err:
-        lf.merge(int_net, adapter)
+        lf.merged_state_dict(int_net, adapter)
     assert "proj.weight (torch.int8)" in str(err.value)
     with pytest.raises(TypeError, match="not floating-point"):
-        lf.merge(lf.base_params(int_net), adapter)
+        lf.merged_state_dict(lf.base_params(int_net), adapter)
     assert_unchanged(int_net, snap)
 
 
@@ -510,7 +510,7 @@ def test_a_base_that_is_not_a_dict_of_tensors_is_named():
     model, stacked = _stack_of_two()
     adapter = lora(model)
     with pytest.raises(TypeError, match="base must map names"):
-        lf.merge({**lf.base_params(model), "proj.weight": [[0.0]]}, adapter)
+        lf.merged_state_dict({**lf.base_params(model), "proj.weight": [[0.0]]}, adapter)
     with pytest.raises(TypeError, match="base must be a dict"):
         lf.ensemble_call(model, stacked, torch.randn(1, 8), base=list(lf.base_params(model).items()))
 

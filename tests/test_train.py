@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import lora_func as lf
-from lora_func.core import weight_fingerprint
+from lora_func._model import weight_fingerprint
 from lora_func.train import (
     IGNORE_INDEX,
     TrainState,

@@ -44,7 +44,7 @@ from lora_func._types import LayerInfo
 from lora_func.adapter import NODE_TYPES, Adapter, AdapterLayer, AdapterLike, AdapterNode, Combinator, leaves, part_prefix, walk
 from lora_func.checks import check_float_targets, check_model, check_path
 from lora_func.quantized import logical_shape
-from lora_func.core import base_params, weight_fingerprint
+from lora_func._model import base_params, weight_fingerprint
 from lora_func.io._files import read_safetensors, safetensors_write, write_file
 from lora_func.spec import LAYER_TYPES, AdapterSpec
 from lora_func.targeting import Target, canonical_weight, layer_kind

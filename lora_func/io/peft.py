@@ -52,7 +52,7 @@ from torch import Tensor, nn
 from lora_func._types import LayerInfo, lora_scale
 from lora_func.adapter import Adapter, AdapterLayer, AdapterLike, Combined, Composed, compose
 from lora_func.checks import check_model, check_path
-from lora_func.core import base_params, weight_fingerprint
+from lora_func._model import base_params, weight_fingerprint
 from lora_func.io._files import replace_directory, safetensors_write
 from lora_func.spec import AdapterSpec
 from lora_func.quantized import kind_of_tensor

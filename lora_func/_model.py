@@ -1,0 +1,157 @@
+"""The model side: what lora_func reads from a model, in one place.
+
+Its parameters as a detached dict (:func:`base_params`), the check of a parameter dict against
+it (:func:`check_params`), weight fingerprints, the whole float weight of one target (gathered
+when FSDP2 shards it, dequantized when it is quantized), and a variant's init on one target
+(:func:`init_layer`: :func:`lora_func.init_adapter` and both loaders run it). Nothing here
+writes to a model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lora_func._sharded import full_tensor, is_sharded
+from lora_func._types import LayerInfo, TensorDict, Variant
+from lora_func.adapter import AdapterLayer
+from lora_func.checks import check_model
+from lora_func.quantized import kind_of_tensor
+from lora_func.spec import AdapterSpec
+from lora_func.targeting import Target, canonical_weight, close_names
+
+__all__ = ["base_params", "check_params", "init_layer", "target_weight", "weight_fingerprint"]
+
+
+def base_params(model: nn.Module) -> dict[str, Tensor]:
+    """Every parameter and buffer of ``model`` by name, detached, sharing storage (no copies).
+
+    Tied names map to one tensor object, as ``functional_call(tie_weights=True)`` requires. A
+    quantized weight (:mod:`lora_func.quantized`) is kept as the object the layer holds: its
+    layer's op needs the quantization state that a detached view would lose (it is frozen).
+    """
+    check_model(model, "base_params")
+    detached: dict[int, Tensor] = {}
+    out: dict[str, Tensor] = {}
+    for name, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        if id(tensor) not in detached:
+            detached[id(tensor)] = tensor if kind_of_tensor(tensor) is not None else tensor.detach()
+        out[name] = detached[id(tensor)]
+    return out
+
+
+def check_params(model: nn.Module, params: Mapping[str, Tensor]) -> None:
+    """Raise ``KeyError`` unless ``params`` names exactly the model's parameters and buffers.
+
+    ``functional_call(strict=False)`` silently ignores a mistyped key; this lists the
+    offending keys sorted, with the model's close names.
+    """
+    # One walk of the modules (named_parameters and named_buffers would walk them twice): the
+    # same names, tied ones included (remove_duplicate=False), None entries skipped as they do.
+    names = {
+        f"{prefix}.{name}" if prefix else name
+        for prefix, module in model.named_modules(remove_duplicate=False)
+        for group in (module._parameters, module._buffers)
+        for name, tensor in group.items()
+        if tensor is not None
+    }
+    unexpected = sorted(set(params) - names)
+    missing = sorted(names - set(params))
+    if unexpected:
+        raise KeyError(
+            f"{unexpected} are not parameters or buffers of {type(model).__name__}; "
+            f"close names: {close_names(unexpected, names) or 'none'}"
+        )
+    if missing:
+        raise KeyError(
+            f"parameter dict lacks {missing[:10]}{' ...' if len(missing) > 10 else ''} "
+            f"({len(missing)} missing); build it from lora_func.base_params(model)"
+        )
+
+
+def weight_fingerprint(weight: Tensor) -> str:
+    """A digest of a tensor's dtype, shape and bytes (sha256, first 16 hex digits); a quantized
+    tensor subclass by the bytes of its inner tensors (its own ops may not view its bytes); a
+    weight sharded by FSDP2 as the whole weight (gathered: every rank must call this)."""
+    digest = hashlib.sha256()
+    _digest_into(digest, weight)
+    return digest.hexdigest()[:16]
+
+
+def _digest_into(digest: Any, tensor: Tensor) -> None:
+    if is_sharded(tensor):
+        tensor = full_tensor(tensor)  # the whole weight's digest, the same as unsharded (a collective)
+    if type(tensor) not in (Tensor, nn.Parameter) and hasattr(tensor, "__tensor_flatten__"):
+        names, _ = tensor.__tensor_flatten__()
+        digest.update(f"{type(tensor).__name__}{tuple(tensor.shape)}".encode())
+        for name in names:
+            _digest_into(digest, getattr(tensor, name))
+        return
+    data = tensor.detach().as_subclass(Tensor).to("cpu").contiguous()
+    digest.update(f"{data.dtype}{tuple(data.shape)}".encode())
+    digest.update(data.reshape(-1).view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+
+
+def target_weight(module: nn.Module, target: Target) -> tuple[Tensor, Tensor | None, Tensor]:
+    """``(W, b, stored)`` of one target as a variant's init reads them: ``W`` canonical
+    ``(d_out, d_in)`` in a float dtype, ``b`` ``(d_out,)`` or ``None``, ``stored`` the weight as
+    the layer holds it (what its fingerprint digests). Whole tensors when FSDP2 shards them (a
+    collective: every rank calls this for the same targets in the same order); ``W``
+    dequantized when the layer is quantized. Detached: call it under ``torch.no_grad()``."""
+    bias = full_tensor(module.bias.detach()) if target.bias_key is not None else None
+    kind = kind_of_tensor(module.weight)
+    if kind is not None:
+        return kind.dequantize(module), bias, module.weight
+    stored = full_tensor(module.weight.detach())
+    return canonical_weight(stored, target.layout), bias, stored
+
+
+def layer_info(spec: AdapterSpec, target: Target) -> LayerInfo:
+    """The static per-layer info of ``spec`` on one target."""
+    return LayerInfo(
+        d_in=target.d_in, d_out=target.d_out, r=spec.r, alpha=spec.alpha, has_bias=target.bias_key is not None, options=spec.options
+    )
+
+
+def adapter_layer(target: Target, info: LayerInfo, params: TensorDict, buffers: TensorDict, fingerprint: str | None) -> AdapterLayer:
+    """The static description of one target's adapter tensors (short name -> tensor)."""
+    return AdapterLayer(
+        target=target,
+        info=info,
+        param_shapes=tuple((n, tuple(t.shape)) for n, t in params.items()),
+        buffer_shapes=tuple((n, tuple(t.shape)) for n, t in buffers.items()),
+        base_fingerprint=fingerprint,
+    )
+
+
+def init_layer(
+    variant: Variant,
+    spec: AdapterSpec,
+    module: nn.Module,
+    target: Target,
+    info: LayerInfo,
+    *,
+    generator: torch.Generator,
+    calibration: Any = None,
+) -> tuple[AdapterLayer, TensorDict, TensorDict]:
+    """Run ``variant``'s init on one target of the model: ``(layer, params, buffers)``.
+
+    ``params`` and ``buffers`` are keyed by short names (``"lora_A"``), contiguous (so that a
+    save/load round trip reproduces the same kernels and bits), params leaf tensors with
+    ``requires_grad=True``. A variant's own ``TypeError``/``ValueError`` comes back naming the
+    variant and the module.
+    """
+    with torch.no_grad():
+        weight, bias, stored = target_weight(module, target)
+        try:
+            params, buffers = variant.init(weight, bias, info, dtype=spec.dtype, generator=generator, calibration=calibration)
+        except (TypeError, ValueError) as err:
+            raise type(err)(f"{spec.variant} cannot adapt {target.module}: {err}") from err
+        params = {name: tensor.detach().contiguous().requires_grad_(True) for name, tensor in params.items()}
+        buffers = {name: tensor.detach().contiguous() for name, tensor in buffers.items()}
+        fingerprint = weight_fingerprint(stored) if variant.records_base else None
+    return adapter_layer(target, info, params, buffers, fingerprint), params, buffers

@@ -1,0 +1,85 @@
+"""The public surface: ``lora_func.__all__`` grouped as docs/api.md groups it, and the old
+names that still answer with a ``DeprecationWarning``."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import lora_func as lf
+import lora_func.distributed
+import lora_func.export
+
+API = (Path(__file__).resolve().parents[1] / "docs" / "api.md").read_text()
+
+# Each group of lora_func/__init__.py and the docs/api.md section that documents it.
+SECTIONS = {
+    "BUILDING": "Describing and building an adapter",
+    "APPLYING": "Applying an adapter",
+    "COMBINING": "Combining adapters",
+    "MANY_ADAPTERS": ("Many adapters at once", "Many adapters in one batch"),
+    "FILES": "Saving, loading, exporting",
+    "CHECKS": "Checks and data-parallel training",
+    "ECOSYSTEM": "Ecosystem",
+}
+
+
+def _section(title: str) -> str:
+    match = re.search(rf"^## {re.escape(title)}.*?$(.*?)(?=^## |\Z)", API, re.MULTILINE | re.DOTALL)
+    assert match, f"docs/api.md has no section '## {title}'"
+    return match[1]
+
+
+@pytest.mark.parametrize("group", sorted(SECTIONS))
+def test_each_group_is_documented_in_its_api_section(group):
+    titles = SECTIONS[group]
+    text = "".join(_section(t) for t in ((titles,) if isinstance(titles, str) else titles))
+    missing = [name for name in getattr(lf, group) if not re.search(rf"`{re.escape(name)}[(`]", text)]
+    assert not missing, f"{group} names {missing} are not documented in docs/api.md section {titles!r}"
+
+
+def test_all_is_exactly_the_groups_without_repeats():
+    grouped = [name for group in SECTIONS for name in getattr(lf, group)]
+    assert len(grouped) == len(set(grouped))
+    assert lf.__all__ == grouped
+    for name in lf.__all__:
+        assert getattr(lf, name) is not None
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ("merge", lora_func.export.merged_state_dict),
+        ("all_reduce_mean", lora_func.distributed.all_reduce_mean),
+        ("all_reduce_mean_grads_", lora_func.distributed.all_reduce_mean_grads_),
+        ("broadcast_adapter", lora_func.distributed.broadcast_adapter),
+    ],
+)
+def test_old_names_warn_and_are_the_new_functions(old, new):
+    assert old not in lf.__all__
+    with pytest.warns(DeprecationWarning, match=rf"lora_func\.{old} is deprecated.*{new.__name__}"):
+        got = getattr(lf, old)
+    assert got is new
+
+
+def test_the_merge_alias_still_exports_the_same_state_dict():
+    from tests.models import tiny_model
+
+    model = tiny_model("llama")
+    adapter = lf.init_adapter(model, lf.AdapterSpec("lora", targets=["q_proj"], r=2), generator=torch.Generator().manual_seed(0))
+    adapter = adapter.with_params({k: torch.randn_like(v) for k, v in adapter.params.items()})
+    with pytest.warns(DeprecationWarning):
+        old = lf.merge(model, adapter)
+    new = lf.merged_state_dict(model, adapter)
+    assert old.keys() == new.keys()
+    assert all(torch.equal(old[k], new[k]) for k in new)
+    key = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(new[key], model.state_dict()[key])
+
+
+def test_unknown_names_still_raise_attribute_error():
+    with pytest.raises(AttributeError, match="no attribute 'merge_state'"):
+        lf.merge_state  # noqa: B018
