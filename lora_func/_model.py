@@ -17,14 +17,23 @@ import torch
 from torch import Tensor, nn
 
 from lora_func._sharded import full_tensor, is_sharded
-from lora_func._types import LayerInfo, TensorDict, Variant
+from lora_func.variants import LayerInfo, TensorDict, Variant
 from lora_func.adapter import AdapterLayer
 from lora_func.checks import check_model
 from lora_func.quantized import kind_of_tensor
 from lora_func.spec import AdapterSpec
 from lora_func.targeting import Target, canonical_weight, close_names
 
-__all__ = ["base_params", "check_params", "init_layer", "target_weight", "weight_fingerprint"]
+__all__ = [
+    "adapter_layer",
+    "base_params",
+    "check_params",
+    "init_layer",
+    "layer_info",
+    "target_weight",
+    "variant_init",
+    "weight_fingerprint",
+]
 
 
 def base_params(model: nn.Module) -> dict[str, Tensor]:
@@ -110,10 +119,16 @@ def target_weight(module: nn.Module, target: Target) -> tuple[Tensor, Tensor | N
     return canonical_weight(stored, target.layout), bias, stored
 
 
-def layer_info(spec: AdapterSpec, target: Target) -> LayerInfo:
-    """The static per-layer info of ``spec`` on one target."""
+def layer_info(spec: AdapterSpec, target: Target, *, r: int | None = None, alpha: float | None = None) -> LayerInfo:
+    """The static per-layer info of ``spec`` on one target; ``r`` / ``alpha`` override the
+    spec's for this layer (a peft checkpoint's ``rank_pattern`` / ``alpha_pattern``)."""
     return LayerInfo(
-        d_in=target.d_in, d_out=target.d_out, r=spec.r, alpha=spec.alpha, has_bias=target.bias_key is not None, options=spec.options
+        d_in=target.d_in,
+        d_out=target.d_out,
+        r=spec.r if r is None else r,
+        alpha=spec.alpha if alpha is None else alpha,
+        has_bias=target.bias_key is not None,
+        options=spec.options,
     )
 
 
@@ -128,6 +143,28 @@ def adapter_layer(target: Target, info: LayerInfo, params: TensorDict, buffers: 
     )
 
 
+def variant_init(
+    variant: Variant,
+    spec: AdapterSpec,
+    module: nn.Module,
+    target: Target,
+    info: LayerInfo,
+    *,
+    generator: torch.Generator,
+    calibration: Any = None,
+) -> tuple[TensorDict, TensorDict, Tensor]:
+    """``variant``'s init on one target of the model: ``(params, buffers, stored weight)``, the
+    tensors keyed by short names (``"lora_A"``) as the variant returns them. A variant's own
+    ``TypeError``/``ValueError`` comes back naming the variant and the module."""
+    with torch.no_grad():
+        weight, bias, stored = target_weight(module, target)
+        try:
+            params, buffers = variant.init(weight, bias, info, dtype=spec.dtype, generator=generator, calibration=calibration)
+        except (TypeError, ValueError) as err:
+            raise type(err)(f"{spec.variant} cannot adapt {target.module}: {err}") from err
+    return params, buffers, stored
+
+
 def init_layer(
     variant: Variant,
     spec: AdapterSpec,
@@ -138,19 +175,12 @@ def init_layer(
     generator: torch.Generator,
     calibration: Any = None,
 ) -> tuple[AdapterLayer, TensorDict, TensorDict]:
-    """Run ``variant``'s init on one target of the model: ``(layer, params, buffers)``.
-
-    ``params`` and ``buffers`` are keyed by short names (``"lora_A"``), contiguous (so that a
-    save/load round trip reproduces the same kernels and bits), params leaf tensors with
-    ``requires_grad=True``. A variant's own ``TypeError``/``ValueError`` comes back naming the
-    variant and the module.
-    """
+    """A new adapter on one target: ``(layer, params, buffers)`` from :func:`variant_init`,
+    contiguous (so that a save/load round trip reproduces the same kernels and bits), params
+    leaf tensors with ``requires_grad=True``, the layer with the base's fingerprint for a
+    variant that records its base."""
+    params, buffers, stored = variant_init(variant, spec, module, target, info, generator=generator, calibration=calibration)
     with torch.no_grad():
-        weight, bias, stored = target_weight(module, target)
-        try:
-            params, buffers = variant.init(weight, bias, info, dtype=spec.dtype, generator=generator, calibration=calibration)
-        except (TypeError, ValueError) as err:
-            raise type(err)(f"{spec.variant} cannot adapt {target.module}: {err}") from err
         params = {name: tensor.detach().contiguous().requires_grad_(True) for name, tensor in params.items()}
         buffers = {name: tensor.detach().contiguous() for name, tensor in buffers.items()}
         fingerprint = weight_fingerprint(stored) if variant.records_base else None

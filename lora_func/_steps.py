@@ -17,7 +17,8 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from lora_func._types import RANK_MASK, BaseLayer, LayerInfo, TensorDict, Variant
+from lora_func.variants import BaseLayer, LayerInfo, TensorDict, Variant
+from lora_func.variants._contract import RANK_MASK
 from lora_func.targeting import canonical_weight, stored_weight
 
 __all__ = ["ChainStep", "LayerCall", "LayerStep", "SumStep", "VariantStep", "merged_weight"]
@@ -34,7 +35,7 @@ class LayerCall:
     __slots__ = ("_call", "bias", "training", "weight")
 
     # Calling it is exactly ``x @ weight.T + bias`` on a plain weight: the base-dtype low-rank
-    # path (lora_func._types.base_plus_product) may compute the input gradient from ``weight``.
+    # path (lora_func._kernels.base_plus_product) may compute the input gradient from ``weight``.
     replays_weight = True
 
     def __init__(self, weight: Tensor, bias: Tensor | None, call: Callable[[Tensor], Tensor], training: bool = False) -> None:

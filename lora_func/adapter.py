@@ -24,7 +24,8 @@ from torch import Tensor
 
 from lora_func import _optree
 from lora_func._steps import ChainStep, LayerStep, SumStep
-from lora_func._types import RANK_ALPHA, RANK_MASK, LayerInfo, TensorDict, Variant
+from lora_func.variants import LayerInfo, TensorDict, Variant
+from lora_func.variants._contract import RANK_ALPHA, RANK_MASK
 from lora_func.spec import AdapterSpec
 from lora_func.targeting import Target
 from lora_func.variants import get_variant

@@ -247,7 +247,7 @@ def per_example_grads(
     reverse pass (``torch.autograd.grad`` of the summed losses) gives each copy the gradient
     of its own example's loss. That reverse pass runs in the ordinary autograd engine, which
     accumulates in place and keeps fused backward kernels, where ``grad`` under ``vmap``
-    decomposes some of them (about 10 % slower on the CPU benchmark, bench/functional.py).
+    decomposes some of them (docs/benchmarks.md, the functional section, has the comparison).
 
     Args:
       loss_fn: ``loss_fn(adapter, *example) -> loss`` (0-d), or ``(loss, aux)`` with

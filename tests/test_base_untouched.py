@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 import lora_func as lf
-from lora_func._types import LayerInfo
+from lora_func.variants import LayerInfo
 from lora_func.targeting import canonical_weight
 from tests.contract_helpers import calibration_batches, perturbed
 from tests.models import tiny_model, tokens

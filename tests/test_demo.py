@@ -118,7 +118,7 @@ def test_cli_demo_writes_plot_tables_adapters_and_improves(tmp_path, capsys):
     assert main(["demo", "--variants", ",".join(variants), "--steps", "30", "--out", str(out), "--no-progress"]) == 0
     printed = capsys.readouterr().out
     assert "| variant | lr | trainable params |" in printed and "% of the model" in printed
-    assert "peft format" in printed and "lora_func format (antipasto.safetensors; peft has no antipasto)" in printed
+    assert "peft format" in printed and "lora_func format (antipasto.safetensors; antipasto has no peft equivalent" in printed
     assert (out / "loss_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rows = json.loads((out / "results.json").read_text())
     assert [r["variant"] for r in rows] == variants and (out / "results.md").read_text().count("\n") == 2 + len(variants)

@@ -31,7 +31,7 @@ from torch import nn
 from torch.func import functional_call
 
 import lora_func as lf
-from lora_func._types import LayerInfo
+from lora_func.variants import LayerInfo
 from lora_func.calibration import layer_input_batches
 from lora_func.checks import check_finite
 from tests.contract_helpers import assert_unchanged, snapshot
@@ -1439,5 +1439,13 @@ CASES.update(
         "adapter-init-keys": Case(on_adapter(lambda a, ctx: lf.Adapter({k + "x": v for k, v in a.params.items()}, a.buffers, a.spec, a.layers)), (f"{Q}.lora_A", "params", "with_params")),
         "adapter-init-shape": Case(on_adapter(lambda a, ctx: lf.Adapter({k: torch.zeros(3) for k in a.params}, a.buffers, a.spec, a.layers)), ("(3,)", f"{Q}.lora_A")),
         "adapter-init-stack-shapes": Case(on_adapter(lambda a, ctx: lf.Adapter(_first_key_stacked(a), a.buffers, a.spec, a.layers)), ("(1,)", "()", "lora_func.stack")),
+    }
+)
+
+
+# The public "can peft hold this?" (lora_func.io.peft_problems): only a non-adapter argument raises.
+CASES.update(
+    {
+        "peft-problems-not-adapter": Case(on_adapter(lambda a, ctx: lf.io.peft_problems(a.params)), ("dict",)),
     }
 )

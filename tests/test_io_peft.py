@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import lora_func as lf
-from lora_func._types import lora_scale
+from lora_func._kernels import lora_scale
 from lora_func.export import merged_state_dict
 from lora_func.io import load_peft, save_peft
 from tests.contract_helpers import assert_unchanged, calibration_batches, perturbed, snapshot

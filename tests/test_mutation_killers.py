@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 import lora_func as lf
-from lora_func._types import LayerInfo
+from lora_func.variants import LayerInfo
 from lora_func.targeting import canonical_weight
 from lora_func.variants.antipasto import with_steering
 from tests.one_layer import calibration, one_layer, oracle_forms, perturbed, run
@@ -777,7 +777,7 @@ def test_base_plus_low_rank_updates_the_fresh_base_output_in_place_in_eager_auto
     """The eager path accumulates ``h bᵀ`` into the base layer's own output (no copy of it) and
     keeps values and every gradient of ``base(x) + h bᵀ``; a mutant that drops the term, adds
     it twice, uses ``b`` untransposed or writes into a tensor autograd still needs fails."""
-    from lora_func._types import base_plus_low_rank
+    from lora_func._kernels import base_plus_low_rank
 
     x, w, bias, h, b = (t.requires_grad_(True) for t in _low_rank_case())
     outputs = []
@@ -801,7 +801,7 @@ def test_base_plus_low_rank_under_vmap_with_an_unbatched_base_output():
     """Under ``vmap`` over adapters sharing one input, the base output is unbatched while ``h``
     and ``b`` are batched: an in-place update is impossible there (vmap raises), so the path
     must fall back. Oracle: a Python loop over the members."""
-    from lora_func._types import base_plus_low_rank
+    from lora_func._kernels import base_plus_low_rank
 
     x, w, bias, _, _ = _low_rank_case()
     g = torch.Generator().manual_seed(2)
@@ -822,7 +822,7 @@ def test_base_plus_low_rank_under_vmap_with_an_unbatched_base_output():
 def test_base_plus_low_rank_on_a_bf16_base_adds_the_fp32_product_once_rounded():
     """A bf16 base output with an fp32 low-rank path: the product is computed in fp32 and
     rounded once into the base dtype, as ``add_low_rank`` (and peft) do."""
-    from lora_func._types import add_low_rank, base_plus_low_rank
+    from lora_func._kernels import add_low_rank, base_plus_low_rank
 
     x, w, bias, h, b = _low_rank_case(3)
     xb, wb, bb = x.bfloat16(), w.bfloat16(), bias.bfloat16()

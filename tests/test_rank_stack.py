@@ -8,7 +8,7 @@ import torch
 from torch.func import functional_call
 
 import lora_func as lf
-from lora_func._types import RANK_ALPHA, RANK_MASK
+from lora_func.variants._contract import RANK_ALPHA, RANK_MASK
 from tests.contract_helpers import build, perturbed
 from tests.models import tokens
 from tests.variant_table import ROWS

@@ -13,7 +13,7 @@ from torch.func import grad, vmap
 
 import lora_func as lf
 from lora_func._steps import LayerCall
-from lora_func._types import LayerInfo
+from lora_func.variants import LayerInfo
 from lora_func.variants import antipasto
 from tests.contract_helpers import logits, loss_fn, perturbed
 from tests.models import DEFAULT_TARGETS, LAYER_KIND_MODEL, tiny_model, tokens

@@ -14,7 +14,7 @@ from peft import DeloraConfig, get_peft_model
 from torch.func import grad
 
 import lora_func as lf
-from lora_func._types import LayerInfo
+from lora_func.variants import LayerInfo
 from lora_func.targeting import canonical_weight
 from lora_func.variants.delora import VARIANT
 from tests.contract_helpers import loss_fn

@@ -17,7 +17,8 @@ from peft.utils.incremental_pca import IncrementalPCA
 from torch.func import functional_call, grad
 
 import lora_func as lf
-from lora_func._types import LayerInfo, lora_scale
+from lora_func._kernels import lora_scale
+from lora_func.variants import LayerInfo
 from lora_func.variants import eva
 from tests.contract_helpers import calibration_batches
 from tests.models import tiny_model, tokens

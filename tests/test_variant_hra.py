@@ -15,7 +15,7 @@ from peft import HRAConfig, get_peft_model
 from torch.func import grad
 
 import lora_func as lf
-from lora_func._types import LayerInfo
+from lora_func.variants import LayerInfo
 from lora_func.variants.hra import VARIANT
 from tests.contract_helpers import loss_fn
 from tests.models import tiny_model, tokens

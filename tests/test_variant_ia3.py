@@ -13,7 +13,7 @@ from peft import IA3Config, get_peft_model
 from torch.func import functional_call, grad
 
 import lora_func as lf
-from lora_func._types import LayerInfo
+from lora_func.variants import LayerInfo
 from lora_func.variants.ia3 import IA3, IA3_FF
 from tests.models import tiny_model, tokens
 from tests import peft_helpers

@@ -11,7 +11,7 @@ from typing import Any
 
 from torch import Tensor
 
-from lora_func._types import LayerInfo
+from lora_func.variants import LayerInfo
 
 # (params, buffers, W (d_out, d_in) float64, b (d_out,) float64 | None, info) -> (W_eff, b_eff)
 Oracle = Callable[[dict[str, Tensor], dict[str, Tensor], Tensor, "Tensor | None", LayerInfo], "tuple[Tensor, Tensor | None]"]

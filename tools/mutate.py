@@ -70,8 +70,9 @@ TARGETS: dict[str, tuple[tuple[str, ...] | None, list[list[str]]]] = {
     "lora_func/variants/hra.py": (None, _variant_stages("hra", "tests/test_variant_hra.py")),
     "lora_func/variants/antipasto.py": (None, _variant_stages("antipasto", "tests/test_variant_antipasto.py")),
     "lora_func/variants/eva.py": (None, _variant_stages("eva", "tests/test_variant_eva.py")),
-    "lora_func/_types.py": (
-        ("layer_rank", "layer_alpha", "lora_scale", "add_low_rank", "_fresh_output_in_place", "base_plus_low_rank", "lora_weight_form", "lora_activation_form", "kaiming_uniform"),
+    "lora_func/variants/_contract.py": (("layer_rank", "layer_alpha"), _ALL),
+    "lora_func/_kernels.py": (
+        ("lora_scale", "add_low_rank", "_fresh_output_in_place", "base_plus_low_rank", "lora_weight_form", "lora_activation_form", "kaiming_uniform"),
         _ALL,
     ),
     "lora_func/_lazy.py": (None, [*_ALL[:3], ["tests/test_core.py"], [COMPILE, "-k", "overlay_calls or keeps_the_path"], _ALL[3]]),

@@ -218,12 +218,15 @@ def batch_sampler(data: TaskData, batch_size: int, seed: int) -> Callable[[int],
 
 
 def _save_and_reload(model: nn.Module, adapter: Any, directory: Path) -> tuple[Any, str]:
-    """Save in peft's format where peft has the method (antipasto has none: lora_func's own
-    format); return the reloaded adapter and a note on the format used."""
+    """Save in peft's format where peft can hold the adapter (``lora_func.io.peft_problems``;
+    antipasto it cannot: lora_func's own format); return the reloaded adapter and a note on the
+    format used."""
     variant = adapter.spec.variant
-    if variant == "antipasto":
+    problems = lf.io.peft_problems(adapter, model=model)
+    if problems:
         path = lf.save(adapter, directory / f"{variant}.safetensors")
-        return lf.load(path, model=model), f"lora_func format ({path.name}; peft has no antipasto)"
+        reason = problems[0].removeprefix("save_peft: ").split(";")[0]  # the what, not the fix
+        return lf.load(path, model=model), f"lora_func format ({path.name}; {reason})"
     path = lf.save_peft(adapter, directory / variant, model=model)
     note = f"peft format ({path.name}/adapter_model.safetensors"
     if variant == "pissa":  # peft's own convention: a LoRA of rank 2r on the original weights

@@ -40,7 +40,7 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from lora_func._types import LayerInfo
+from lora_func.variants import LayerInfo
 from lora_func.adapter import NODE_TYPES, Adapter, AdapterLayer, AdapterLike, AdapterNode, Combinator, leaves, part_prefix, walk
 from lora_func.checks import check_float_targets, check_model, check_path
 from lora_func.quantized import logical_shape

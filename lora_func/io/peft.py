@@ -2,7 +2,9 @@
 
 Adapters trained with peft load onto the untouched base model (:func:`load_peft`), and
 lora_func adapters are written in peft's format (:func:`save_peft`) for peft and the tools
-that read it (vLLM, TGI, LoRAX). This is the only module that knows peft's key names:
+that read it (vLLM, TGI, LoRAX). This is the only module that knows peft's key names; each
+row below is one entry of :data:`FORMATS` (:class:`PeftFormat`), the one place that says how
+a variant is stored, written and read, and :func:`peft_problems` says whether an adapter fits:
 
 ============  ===========  =====================================================================
 lora_func     peft_type    tensors (``base_model.model.<module>.<name>``)
@@ -33,13 +35,14 @@ recomputed from the base exactly as peft does on load.
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import math
 import os
 import pickle
 import re
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,35 +52,23 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from lora_func._types import LayerInfo, lora_scale
+from lora_func._kernels import lora_scale
 from lora_func.adapter import Adapter, AdapterLayer, AdapterLike, Combined, Composed, compose
 from lora_func.checks import check_model, check_path
-from lora_func._model import base_params, weight_fingerprint
+from lora_func._model import adapter_layer, base_params, layer_info, variant_init, weight_fingerprint
 from lora_func.io._files import replace_directory, safetensors_write
 from lora_func.spec import AdapterSpec
 from lora_func.quantized import kind_of_tensor
 from lora_func.targeting import Target, canonical_weight, find_targets, tensor_names
-from lora_func.variants import get_variant
+from lora_func.variants import LayerInfo, get_variant
 
-__all__ = ["load_peft", "save_peft"]
+__all__ = ["load_peft", "peft_problems", "save_peft"]
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 LEGACY_WEIGHTS_NAME = "adapter_model.bin"
 PREFIX = "base_model.model."
 
-# peft tensor suffix -> lora_func short name, per peft_type.
-SUFFIXES: dict[str, dict[str, str]] = {
-    "LORA": {
-        "lora_A.weight": "lora_A",
-        "lora_B.weight": "lora_B",
-        "lora_magnitude_vector": "lora_magnitude_vector",
-        "lora_magnitude_vector.weight": "lora_magnitude_vector",  # older peft
-    },
-    "IA3": {"ia3_l": "ia3_l"},
-    "HRA": {"hra_u": "hra_u"},
-    "DELORA": {"delora_A": "delora_A", "delora_B": "delora_B", "delora_lambda": "delora_lambda", "delora_w_norm": "delora_w_norm"},
-}
 # LoRA inits that leave the base untouched: the checkpoint is a plain LoRA on the original base.
 PLAIN_LORA_INITS = (True, False, "gaussian", "orthogonal")
 # LoraConfig fields lora_func has no equivalent for: any truthy value is refused.
@@ -86,6 +77,283 @@ UNSUPPORTED_LORA_FIELDS = (
     "arrow_config", "monteclora_config", "kasa_config", "velora_config", "trainable_token_indices", "modules_to_save",
     "megatron_config",
 )
+# The eva options peft keeps in eva_config.
+EVA_FIELDS = ("rho", "tau", "whiten", "adjust_scaling_factors")
+
+
+# ============================================================ the format: one entry per variant
+
+
+@dataclass(frozen=True)
+class _Method:
+    """What a peft method (one ``peft_type``) writes alike for every lora_func variant stored as it.
+
+    Attributes:
+      fixed: config fields with one value for every checkpoint of the method.
+      rank_of: ``(lora_func tensor name, axis)`` that holds a layer's rank, written as ``r``
+        (and ``rank_pattern``) and checked against the config on load; ``None``: no rank.
+      rank_pattern: whether the method has per-layer ranks (peft's HRA has one rank).
+      alpha: whether the method has ``lora_alpha`` / ``alpha_pattern``.
+      feedforward_modules: whether the config lists the feed-forward layers (IA3).
+      refused: config fields that change the math in ways lora_func does not have: a
+        checkpoint with any of them set (truthy) is refused on load.
+    """
+
+    fixed: Mapping[str, Any]
+    refused: tuple[str, ...] = ("modules_to_save",)
+    rank_of: tuple[str, int] | None = None
+    rank_pattern: bool = False
+    alpha: bool = False
+    feedforward_modules: bool = False
+
+
+METHODS: dict[str, _Method] = {
+    "LORA": _Method({"bias": "none"}, UNSUPPORTED_LORA_FIELDS, rank_of=("lora_A", 0), rank_pattern=True, alpha=True),
+    "IA3": _Method({"init_ia3_weights": True}, feedforward_modules=True),
+    "HRA": _Method({"bias": "none", "apply_GS": False}, ("modules_to_save", "apply_GS"), rank_of=("hra_u", -1)),
+    "DELORA": _Method({"bias": "none", "lambda_pattern": {}, "module_dropout": 0.0}, rank_of=("delora_A", 0), rank_pattern=True),
+}
+
+
+@dataclass(frozen=True)
+class _Out:
+    """One layer as peft stores it; ``tensors()`` (peft suffix -> tensor in peft's shape) is
+    computed only when the checkpoint is written (PiSSA's conversion runs an SVD)."""
+
+    target: Target
+    tensors: Callable[[], dict[str, Tensor]]
+    r: int | None = None
+    alpha: float | None = None
+    feedforward: bool = False
+
+
+@dataclass(frozen=True)
+class PeftFormat:
+    """How one lora_func variant is stored in peft's format: one entry of :data:`FORMATS`.
+
+    Attributes:
+      peft_type: the peft method (a key of :data:`METHODS`).
+      keys: lora_func tensor name -> the peft key suffix it is stored under
+        (``base_model.model.<module>.<suffix>``).
+      shapes: ``(r, d_in, d_out) -> {tensor name: shape}``, lora_func's shapes, checked on load.
+      config: the spec's options -> the config fields they set (the same for every layer).
+      reads: ``(config, module) -> spec options`` when the checkpoint's layer ``module`` is this
+        variant, else ``None`` (peft's ``init_lora_weights`` / ``use_dora`` pick among the LORA
+        variants, ``feedforward_modules`` between ia3 and ia3_ff).
+      buffers: the keys that are buffers, not trainable.
+      old_keys: peft suffixes that older peft versions wrote -> tensor name (read only).
+      matrix: tensor name -> ``(axis, what peft stores)``: a vector that peft stores as a
+        one-row or one-column matrix, with a size-1 ``axis`` (IA3's ``(d_out, 1)`` / ``(1, d_in)``).
+      feedforward: the layers are listed in the method's ``feedforward_modules``.
+      conv1d: peft accepts the method on GPT-2 ``Conv1D``.
+      export: ``(adapter, layer, base) -> _Out`` where the variant is stored converted (PiSSA);
+        ``None``: its tensors as they are.
+      load_buffers: ``(module, target, info, spec) -> buffers`` that the checkpoint does not
+        hold, recomputed from the base on load (PiSSA's residual); ``None``: the checkpoint's.
+    """
+
+    peft_type: str
+    keys: Mapping[str, str]
+    shapes: Callable[[int, int, int], dict[str, tuple[int, ...]]]
+    config: Callable[[Mapping[str, Any]], dict[str, Any]]
+    reads: Callable[[Mapping[str, Any], str], dict[str, Any] | None]
+    buffers: frozenset[str] = frozenset()
+    old_keys: Mapping[str, str] = field(default_factory=dict)
+    matrix: Mapping[str, tuple[int, str]] = field(default_factory=dict)
+    feedforward: bool = False
+    conv1d: bool = True
+    export: Callable[[Adapter, AdapterLayer, Mapping[str, Tensor] | None], _Out] | None = None
+    load_buffers: Callable[[nn.Module, Target, LayerInfo, AdapterSpec], dict[str, Tensor]] | None = None
+
+    def out(self, adapter: Adapter, layer: AdapterLayer, base: Mapping[str, Tensor] | None) -> _Out:
+        """``layer`` of ``adapter`` as peft stores it."""
+        if self.export is not None:
+            return self.export(adapter, layer, base)
+        params, buffers = adapter.layer_tensors(layer)
+        found = params | buffers
+        method = METHODS[self.peft_type]
+
+        def tensors() -> dict[str, Tensor]:
+            out = {}
+            for name, suffix in self.keys.items():
+                tensor = found[name]
+                out[suffix] = tensor.unsqueeze(self.matrix[name][0]) if name in self.matrix else tensor
+            return out
+
+        return _Out(
+            layer.target,
+            tensors,
+            r=layer.info.r if method.rank_of is not None else None,
+            alpha=layer.info.alpha if method.alpha else None,
+            feedforward=self.feedforward,
+        )
+
+
+def _lora_shapes(r: int, d_in: int, d_out: int) -> dict[str, tuple[int, ...]]:
+    return {"lora_A": (r, d_in), "lora_B": (d_out, r)}
+
+
+def _lora_config(options: Mapping[str, Any], *, use_dora: bool = False, init: str | bool = True) -> dict[str, Any]:
+    return {
+        "lora_dropout": float(options.get("dropout", 0.0)),
+        "use_rslora": bool(options.get("use_rslora", False)),
+        "use_dora": use_dora,
+        "init_lora_weights": init,
+        "eva_config": {k: options[k] for k in EVA_FIELDS} if init == "eva" else None,
+    }
+
+
+def _lora_reads(config: Mapping[str, Any], *, use_dora: bool, inits: Sequence[Any]) -> dict[str, Any] | None:
+    """The options shared by the LORA variants, when the config's ``use_dora`` and
+    ``init_lora_weights`` are this variant's."""
+    if bool(config.get("use_dora", False)) != use_dora or config.get("init_lora_weights", True) not in inits:
+        return None
+    # dropout is peft's lora_dropout: it acts in training steps only.
+    return {"use_rslora": bool(config.get("use_rslora", False)), "dropout": float(config.get("lora_dropout") or 0.0)}
+
+
+def _plain_lora_reads(config: Mapping[str, Any], module: str) -> dict[str, Any] | None:
+    options = _lora_reads(config, use_dora=False, inits=PLAIN_LORA_INITS)
+    return None if options is None else options | {"init": "gaussian" if config.get("init_lora_weights") == "gaussian" else "kaiming"}
+
+
+def _eva_reads(config: Mapping[str, Any], module: str) -> dict[str, Any] | None:
+    options = _lora_reads(config, use_dora=False, inits=("eva",))
+    eva = config.get("eva_config") or {}
+    return None if options is None else options | {k: eva[k] for k in EVA_FIELDS if k in eva}
+
+
+def _pissa_reads(config: Mapping[str, Any], module: str) -> dict[str, Any] | None:
+    """An unconverted peft PiSSA checkpoint (``init_lora_weights="pissa"``): a lora_func pissa
+    adapter whose residual is recomputed from the base (the full SVD, as peft does on load)."""
+    options = _lora_reads(config, use_dora=False, inits=("pissa",))
+    return None if options is None else options | {"niter": 0}
+
+
+def _is_feedforward(feedforward_modules: str | Sequence[str] | None, module: str) -> bool:
+    """peft's ``IA3Model._check_target_module_feedforward`` (note: ``endswith`` without a dot)."""
+    if not feedforward_modules:
+        return False
+    if isinstance(feedforward_modules, str):
+        return re.fullmatch(feedforward_modules, module) is not None
+    return any(module.endswith(t) for t in feedforward_modules)
+
+
+def _pissa_residual(module: nn.Module, target: Target, info: LayerInfo, spec: AdapterSpec) -> dict[str, Tensor]:
+    """peft recomputes PiSSA's residual from the base when it loads an unconverted PiSSA
+    checkpoint (full SVD, deterministic); lora_func's pissa init runs the same operations."""
+    _, buffers, _ = variant_init(get_variant("pissa"), spec, module, target, info, generator=torch.Generator().manual_seed(0))
+    return buffers
+
+
+def _pissa_as_lora(adapter: Adapter, layer: AdapterLayer, base: Mapping[str, Tensor] | None) -> _Out:
+    """PiSSA as a plain LoRA of rank 2r on the untouched base (peft's conversion):
+    ``A' = [A; A0] (2r, d_in)``, ``B' = [B, −B0] (d_out, 2r)``, same scale."""
+    t = layer.target
+    if base is None:
+        raise ValueError(
+            f"save_peft of a pissa adapter needs model=<the base model>: peft's format stores PiSSA as a LoRA "
+            f"relative to the untouched base, and its initial factors are recovered from W − W_res ({t.module})"
+        )
+    weight = base[t.weight_key]
+    if weight_fingerprint(weight) != layer.base_fingerprint:
+        raise ValueError(
+            f"save_peft: the pissa adapter on {t.module} was derived from other base weights than this model's "
+            f"(fingerprint {layer.base_fingerprint}, model {weight_fingerprint(weight)}); pass the model it was built on"
+        )
+    params, buffers = adapter.layer_tensors(layer)
+    r, s = layer.info.r, lora_scale(layer.info)
+
+    def tensors() -> dict[str, Tensor]:
+        w_res = buffers["W_res"]
+        compute = torch.promote_types(w_res.dtype, torch.float32)
+        # s·B0 A0 = W − W_res; its top-r SVD gives factors with exactly that product up to round-off.
+        initial = canonical_weight(weight, t.layout).to(compute) - w_res.to(compute)
+        u, sv, vh = torch.linalg.svd(initial, full_matrices=False)
+        root = torch.sqrt(sv[:r] / s)
+        a0, b0 = root[:, None] * vh[:r], u[:, :r] * root[None, :]
+        dtype = params["lora_A"].dtype
+        lora_a = torch.cat([params["lora_A"], a0.to(dtype)], dim=0)
+        lora_b = torch.cat([params["lora_B"], -b0.to(dtype)], dim=1)
+        return {"lora_A.weight": lora_a, "lora_B.weight": lora_b}
+
+    rslora = dict(layer.info.options).get("use_rslora", False)
+    # peft's conversion: rank 2r, alpha 2·alpha (alpha·√2 with rsLoRA), so the scale is unchanged.
+    alpha = layer.info.alpha * (math.sqrt(2) if rslora else 2)
+    return _Out(t, tensors, r=2 * r, alpha=alpha)
+
+
+_LORA_KEYS = {"lora_A": "lora_A.weight", "lora_B": "lora_B.weight"}
+
+# Every lora_func variant that peft can hold; a variant missing here (antipasto) has no peft
+# equivalent. The LORA entries are tried in this order when reading (their `reads` exclude
+# one another), and a checkpoint with layers of several variants (IA3 with
+# feedforward_modules) loads as their composition in this order.
+FORMATS: dict[str, PeftFormat] = {
+    "lora": PeftFormat("LORA", _LORA_KEYS, _lora_shapes, _lora_config, _plain_lora_reads),
+    "dora": PeftFormat(
+        "LORA",
+        _LORA_KEYS | {"lora_magnitude_vector": "lora_magnitude_vector"},
+        lambda r, d_in, d_out: _lora_shapes(r, d_in, d_out) | {"lora_magnitude_vector": (d_out,)},
+        functools.partial(_lora_config, use_dora=True),
+        lambda config, module: _lora_reads(config, use_dora=True, inits=PLAIN_LORA_INITS),
+        old_keys={"lora_magnitude_vector.weight": "lora_magnitude_vector"},
+    ),
+    "pissa": PeftFormat(
+        "LORA",
+        _LORA_KEYS,
+        _lora_shapes,
+        _lora_config,
+        _pissa_reads,
+        export=_pissa_as_lora,
+        load_buffers=_pissa_residual,
+    ),
+    "eva": PeftFormat("LORA", _LORA_KEYS, _lora_shapes, functools.partial(_lora_config, init="eva"), _eva_reads),
+    "ia3": PeftFormat(
+        "IA3",
+        {"ia3_l": "ia3_l"},
+        lambda r, d_in, d_out: {"ia3_l": (d_out,)},
+        lambda options: {},
+        lambda config, module: None if _is_feedforward(config.get("feedforward_modules"), module) else {},
+        matrix={"ia3_l": (1, "a non-feed-forward IA3 layer has (d_out, 1)")},
+    ),
+    "ia3_ff": PeftFormat(
+        "IA3",
+        {"ia3_l": "ia3_l"},
+        lambda r, d_in, d_out: {"ia3_l": (d_in,)},
+        lambda options: {},
+        lambda config, module: {} if _is_feedforward(config.get("feedforward_modules"), module) else None,
+        matrix={"ia3_l": (0, "a feed-forward IA3 layer has (1, d_in)")},
+        feedforward=True,
+    ),
+    "hra": PeftFormat(
+        "HRA",
+        {"hra_u": "hra_u"},
+        lambda r, d_in, d_out: {"hra_u": (d_in, r)},
+        lambda options: {"init_weights": options["init"] == "paired"},
+        lambda config, module: {"init": "paired" if config.get("init_weights", True) else "random"},
+        conv1d=False,
+    ),
+    "delora": PeftFormat(
+        "DELORA",
+        {name: name for name in ("delora_A", "delora_B", "delora_lambda", "delora_w_norm")},
+        lambda r, d_in, d_out: {"delora_A": (r, d_in), "delora_B": (d_out, r), "delora_lambda": (1,), "delora_w_norm": (d_in,)},
+        lambda options: {"delora_lambda": float(options["lambda0"])},
+        lambda config, module: {"lambda0": float(config.get("delora_lambda", 15.0))},
+        buffers=frozenset({"delora_w_norm"}),
+        conv1d=False,
+    ),
+}
+
+
+def _suffixes(peft_type: str) -> dict[str, str]:
+    """peft key suffix -> lora_func tensor name, for every variant stored as ``peft_type``."""
+    return {
+        suffix: name
+        for fmt in FORMATS.values()
+        if fmt.peft_type == peft_type
+        for suffix, name in [*((s, n) for n, s in fmt.keys.items()), *fmt.old_keys.items()]
+    }
 
 
 # ===================================================================================== load
@@ -204,7 +472,7 @@ def _selects(selector: str | Sequence[str], module: str) -> bool:
 
 def _by_module(directory: Path, peft_type: str, tensors: Mapping[str, Tensor]) -> dict[str, dict[str, Tensor]]:
     """``{module name: {lora_func short name: tensor}}`` from peft's flat keys."""
-    suffixes = SUFFIXES[peft_type]
+    suffixes = _suffixes(peft_type)
     out: dict[str, dict[str, Tensor]] = {}
     unknown = []
     for key, tensor in tensors.items():
@@ -270,20 +538,6 @@ class _Layer:
     alpha: float | None = None
 
 
-def _expected_shapes(variant: str, r: int, d_in: int, d_out: int) -> dict[str, tuple[int, ...]]:
-    lora = {"lora_A": (r, d_in), "lora_B": (d_out, r)}
-    return {
-        "lora": lora,
-        "eva": lora,
-        "pissa": lora,
-        "dora": lora | {"lora_magnitude_vector": (d_out,)},
-        "ia3": {"ia3_l": (d_out,)},
-        "ia3_ff": {"ia3_l": (d_in,)},
-        "hra": {"hra_u": (d_in, r)},
-        "delora": {"delora_A": (r, d_in), "delora_B": (d_out, r), "delora_lambda": (1,), "delora_w_norm": (d_in,)},
-    }[variant]
-
-
 def _assemble(
     directory: Path,
     model: nn.Module,
@@ -313,7 +567,7 @@ def _assemble(
         targets = find_targets(model, spec)
     except ValueError as err:
         raise ValueError(f"load_peft({directory}): {err}") from None
-    variant = get_variant(variant_name)
+    variant, fmt = get_variant(variant_name), FORMATS[variant_name]
     params: dict[str, Tensor] = {}
     buffers: dict[str, Tensor] = {}
     out_layers = []
@@ -322,30 +576,21 @@ def _assemble(
         layer = layers[target.module]
         rank = spec.r if layer.r is None else layer.r
         layer_alpha = spec.alpha if layer.alpha is None else float(layer.alpha)
-        expected = _expected_shapes(variant_name, rank, target.d_in, target.d_out)
+        expected = fmt.shapes(rank, target.d_in, target.d_out)
         got = {k: tuple(v.shape) for k, v in (layer.params | layer.buffers).items() if k in expected}
         if got != expected:
             wrong.append(f"{target.module}: checkpoint has {got}, the model needs {expected}")
             continue
-        weight = modules[target.module].weight
-        info = LayerInfo(
-            d_in=target.d_in, d_out=target.d_out, r=rank, alpha=layer_alpha, has_bias=target.bias_key is not None, options=spec.options
-        )
-        layer_buffers = dict(layer.buffers)
-        if variant_name == "pissa":
-            layer_buffers = _pissa_residual(weight, target, info, dtype)
+        module = modules[target.module]
+        weight = module.weight
+        info = layer_info(spec, target, r=rank, alpha=layer_alpha)
+        layer_buffers = dict(layer.buffers) if fmt.load_buffers is None else fmt.load_buffers(module, target, info, spec)
         for name, tensor in layer.params.items():
             params[f"{target.module}.{name}"] = tensor.to(weight.device, dtype).contiguous().requires_grad_(True)
         for name, tensor in layer_buffers.items():
             buffers[f"{target.module}.{name}"] = tensor.to(weight.device).contiguous()
         out_layers.append(
-            AdapterLayer(
-                target=target,
-                info=info,
-                param_shapes=tuple((n, tuple(t.shape)) for n, t in layer.params.items()),
-                buffer_shapes=tuple((n, tuple(t.shape)) for n, t in layer_buffers.items()),
-                base_fingerprint=weight_fingerprint(weight) if variant.records_base else None,
-            )
+            adapter_layer(target, info, layer.params, layer_buffers, weight_fingerprint(weight) if variant.records_base else None)
         )
     if wrong:
         raise ValueError(
@@ -353,16 +598,6 @@ def _assemble(
             f"it was trained for"
         )
     return Adapter(params, buffers, spec, out_layers)
-
-
-def _pissa_residual(weight: Tensor, target: Target, info: LayerInfo, dtype: torch.dtype) -> dict[str, Tensor]:
-    """peft recomputes PiSSA's residual from the base when it loads an unconverted PiSSA
-    checkpoint (full SVD, deterministic); lora_func's pissa init runs the same operations."""
-    with torch.no_grad():
-        _, buffers = get_variant("pissa").init(
-            canonical_weight(weight.detach(), target.layout), None, info, dtype=dtype, generator=torch.Generator().manual_seed(0)
-        )
-    return buffers
 
 
 def _warn_training_only(directory: Path, config: Mapping[str, Any]) -> None:
@@ -380,10 +615,8 @@ def _warn_training_only(directory: Path, config: Mapping[str, Any]) -> None:
 
 def _refuse_unsupported(directory: Path, config: Mapping[str, Any]) -> None:
     """Raise for config features that change the math and that lora_func does not have."""
-    fields = UNSUPPORTED_LORA_FIELDS if config.get("peft_type") == "LORA" else ("modules_to_save",)
-    bad = sorted(name for name in fields if config.get(name))
+    bad = sorted(name for name in METHODS[config["peft_type"]].refused if config.get(name))
     bad += ["bias"] if config.get("bias", "none") != "none" else []
-    bad += ["apply_GS"] if config.get("peft_type") == "HRA" and config.get("apply_GS") else []
     if bad:
         raise ValueError(
             f"{directory} uses {config.get('peft_type')} features lora_func does not support: {bad}; retrain without "
@@ -410,88 +643,56 @@ def _checked_rank(directory: Path, config: Mapping[str, Any], module: str, got: 
     return got
 
 
-def _read_lora(directory: Path, config: Mapping[str, Any], tensors: Mapping[str, dict[str, Tensor]], model: nn.Module) -> Adapter:
-    init = config.get("init_lora_weights", True)
-    use_dora = bool(config.get("use_dora", False))
-    rslora = bool(config.get("use_rslora", False))
-    dropout = float(config.get("lora_dropout") or 0.0)
-    if use_dora and init in PLAIN_LORA_INITS:
-        variant, options = "dora", {"use_rslora": rslora}
-    elif init == "pissa" and not use_dora:
-        variant, options = "pissa", {"use_rslora": rslora, "niter": 0}
-    elif init == "eva" and not use_dora:
-        eva = config.get("eva_config") or {}
-        keep = ("rho", "tau", "whiten", "adjust_scaling_factors")
-        variant, options = "eva", {"use_rslora": rslora} | {k: eva[k] for k in keep if k in eva}
-    elif init in PLAIN_LORA_INITS and not use_dora:
-        variant, options = "lora", {"use_rslora": rslora, "init": "gaussian" if init == "gaussian" else "kaiming"}
-    else:
-        raise ValueError(
-            f"{directory} was initialised with init_lora_weights={init!r}{' and use_dora' if use_dora else ''}: peft changed "
-            f"its base weights for it, so the checkpoint is relative to a base lora_func does not have; save it in peft with "
-            f"save_pretrained(..., path_initial_model_for_weight_conversion=<dir of the initial adapter>) to get a "
-            f"plain LoRA on the original base"
-        )
-    options["dropout"] = dropout  # peft's lora_dropout: acts in training steps only
-    layers = {}
-    for module, found in tensors.items():
-        _check_complete(directory, module, found, ["lora_A", "lora_B"] + (["lora_magnitude_vector"] if use_dora else []))
-        r = _checked_rank(directory, config, module, int(found["lora_A"].shape[0]))
+def _format_for(directory: Path, config: Mapping[str, Any], peft_type: str, module: str) -> tuple[str, dict[str, Any]]:
+    """The lora_func variant that reads the checkpoint's layer ``module``, and its spec options."""
+    for name, fmt in FORMATS.items():
+        if fmt.peft_type == peft_type and (options := fmt.reads(config, module)) is not None:
+            return name, options
+    # Only LORA checkpoints can be refused here: every other method has an entry for any config.
+    init, use_dora = config.get("init_lora_weights", True), bool(config.get("use_dora", False))
+    raise ValueError(
+        f"{directory} was initialised with init_lora_weights={init!r}{' and use_dora' if use_dora else ''}: peft changed "
+        f"its base weights for it, so the checkpoint is relative to a base lora_func does not have; save it in peft with "
+        f"save_pretrained(..., path_initial_model_for_weight_conversion=<dir of the initial adapter>) to get a "
+        f"plain LoRA on the original base"
+    )
+
+
+def _layer_from_peft(directory: Path, config: Mapping[str, Any], module: str, fmt: PeftFormat, found: Mapping[str, Tensor]) -> _Layer:
+    """One layer's peft tensors in lora_func shapes, with its rank and alpha checked against the config."""
+    _check_complete(directory, module, found, fmt.keys)
+    tensors = dict(found)
+    for name, (axis, stored_as) in fmt.matrix.items():
+        t = tensors[name]
+        if t.dim() != 2 or t.shape[axis] != 1:
+            raise ValueError(f"{directory} is inconsistent at {module}: {name} has shape {tuple(t.shape)}, but {stored_as}")
+        tensors[name] = t.reshape(-1)
+    method = METHODS[fmt.peft_type]
+    r = alpha = None
+    if method.rank_of is not None:
+        # peft computes the scale from the config's r / rank_pattern, not from the tensors.
+        name, axis = method.rank_of
+        r = _checked_rank(directory, config, module, int(tensors[name].shape[axis]))
+    if method.alpha:
         alpha = float(_pattern_value(config.get("alpha_pattern"), module, config.get("lora_alpha", 8)))
-        layers[module] = _Layer(params=dict(found), r=r, alpha=alpha)
-    return _assemble(directory, model, variant, layers, r=int(config.get("r", 8)), alpha=float(config.get("lora_alpha", 8)), options=options)
+    params = {k: v for k, v in tensors.items() if k not in fmt.buffers}
+    return _Layer(params=params, buffers={k: v for k, v in tensors.items() if k in fmt.buffers}, r=r, alpha=alpha)
 
 
-def _is_feedforward(feedforward_modules: str | Sequence[str] | None, module: str) -> bool:
-    """peft's ``IA3Model._check_target_module_feedforward`` (note: ``endswith`` without a dot)."""
-    if not feedforward_modules:
-        return False
-    if isinstance(feedforward_modules, str):
-        return re.fullmatch(feedforward_modules, module) is not None
-    return any(module.endswith(t) for t in feedforward_modules)
-
-
-def _read_ia3(directory: Path, config: Mapping[str, Any], tensors: Mapping[str, dict[str, Tensor]], model: nn.Module) -> AdapterLike:
-    out_layers, ff_layers = {}, {}
+def _read(directory: Path, config: Mapping[str, Any], peft_type: str, tensors: Mapping[str, dict[str, Tensor]], model: nn.Module) -> AdapterLike:
+    """The adapter of a ``peft_type`` checkpoint: each layer read as the variant whose entry
+    reads it; layers of several variants (IA3 with ``feedforward_modules``) compose."""
+    groups: dict[str, tuple[dict[str, Any], dict[str, _Layer]]] = {}
     for module, found in tensors.items():
-        g = found["ia3_l"]
-        ff = _is_feedforward(config.get("feedforward_modules"), module)
-        # peft stores (d_out, 1) or, for feed-forward modules, (1, d_in).
-        if g.dim() != 2 or g.shape[0 if ff else 1] != 1:
-            raise ValueError(
-                f"{directory} is inconsistent at {module}: ia3_l has shape {tuple(g.shape)}, but a "
-                f"{'feed-forward' if ff else 'non-feed-forward'} IA3 layer has {'(1, d_in)' if ff else '(d_out, 1)'}"
-            )
-        (ff_layers if ff else out_layers)[module] = _Layer(params={"ia3_l": g.reshape(-1)})
+        name, options = _format_for(directory, config, peft_type, module)
+        groups.setdefault(name, (options, {}))[1][module] = _layer_from_peft(directory, config, module, FORMATS[name], found)
+    method = METHODS[peft_type]
+    r = int(config.get("r", 8)) if method.rank_of is not None else 8
+    alpha = float(config.get("lora_alpha", 8)) if method.alpha else None
     parts = [
-        _assemble(directory, model, variant, layers, options={})
-        for variant, layers in (("ia3", out_layers), ("ia3_ff", ff_layers))
-        if layers
+        _assemble(directory, model, name, groups[name][1], r=r, alpha=alpha, options=groups[name][0]) for name in FORMATS if name in groups
     ]
     return parts[0] if len(parts) == 1 else compose(*parts)
-
-
-def _read_hra(directory: Path, config: Mapping[str, Any], tensors: Mapping[str, dict[str, Tensor]], model: nn.Module) -> Adapter:
-    layers = {}
-    for module, found in tensors.items():
-        u = found["hra_u"]
-        layers[module] = _Layer(params={"hra_u": u}, r=_checked_rank(directory, config, module, int(u.shape[-1])))
-    options = {"init": "paired" if config.get("init_weights", True) else "random"}
-    return _assemble(directory, model, "hra", layers, r=int(config.get("r", 8)), options=options)
-
-
-def _read_delora(directory: Path, config: Mapping[str, Any], tensors: Mapping[str, dict[str, Tensor]], model: nn.Module) -> Adapter:
-    layers = {}
-    for module, found in tensors.items():
-        _check_complete(directory, module, found, ["delora_A", "delora_B", "delora_lambda", "delora_w_norm"])
-        r = _checked_rank(directory, config, module, int(found["delora_A"].shape[0]))
-        params = {k: found[k] for k in ("delora_A", "delora_B", "delora_lambda")}
-        layers[module] = _Layer(params=params, buffers={"delora_w_norm": found["delora_w_norm"]}, r=r)
-    options = {"lambda0": float(config.get("delora_lambda", 15.0))}
-    return _assemble(directory, model, "delora", layers, r=int(config.get("r", 8)), options=options)
-
-
-READERS = {"LORA": _read_lora, "IA3": _read_ia3, "HRA": _read_hra, "DELORA": _read_delora}
 
 
 def load_peft(directory: str | os.PathLike, model: nn.Module) -> AdapterLike:
@@ -512,9 +713,9 @@ def load_peft(directory: str | os.PathLike, model: nn.Module) -> AdapterLike:
     check_model(model, "load_peft")
     config = _read_config(directory)
     peft_type = config.get("peft_type")
-    if not isinstance(peft_type, str) or peft_type not in READERS:
+    if not isinstance(peft_type, str) or peft_type not in METHODS:
         raise ValueError(
-            f"{directory} is a peft {peft_type!r} checkpoint; lora_func reads peft_type {sorted(READERS)} "
+            f"{directory} is a peft {peft_type!r} checkpoint; lora_func reads peft_type {sorted(METHODS)} "
             f"(LoRA with rsLoRA/DoRA/PiSSA/EVA, IA3, HRA, DeLoRA)"
         )
     _check_config(directory, config)
@@ -529,21 +730,10 @@ def load_peft(directory: str | os.PathLike, model: nn.Module) -> AdapterLike:
             f"{directory / CONFIG_NAME}: target_modules={selector!r} matches no module of {type(model).__name__}; load "
             f"it onto the model it was trained for, or fix target_modules"
         )
-    return READERS[peft_type](directory, config, tensors, model)
+    return _read(directory, config, peft_type, tensors, model)
 
 
 # ===================================================================================== save
-
-
-@dataclass(frozen=True)
-class _Out:
-    """One layer as peft stores it."""
-
-    target: Target
-    tensors: dict[str, Tensor]  # peft suffix -> tensor in peft's shape
-    r: int | None = None
-    alpha: float | None = None
-    feedforward: bool = False
 
 
 @dataclass(frozen=True)
@@ -556,105 +746,38 @@ class _Export:
     layers: tuple[_Out, ...]
 
 
-def _lora_out(adapter: Adapter, layer: AdapterLayer, params: Mapping[str, Tensor], r: int, alpha: float) -> _Out:
-    tensors = {"lora_A.weight": params["lora_A"], "lora_B.weight": params["lora_B"]}
-    if "lora_magnitude_vector" in params:
-        tensors["lora_magnitude_vector"] = params["lora_magnitude_vector"]
-    return _Out(layer.target, tensors, r=r, alpha=alpha)
-
-
-def _pissa_as_lora(adapter: Adapter, layer: AdapterLayer, base: Mapping[str, Tensor] | None) -> _Out:
-    """PiSSA as a plain LoRA of rank 2r on the untouched base (peft's conversion):
-    ``A' = [A; A0] (2r, d_in)``, ``B' = [B, −B0] (d_out, 2r)``, same scale."""
-    t = layer.target
-    if base is None:
-        raise ValueError(
-            f"save_peft of a pissa adapter needs model=<the base model>: peft's format stores PiSSA as a LoRA "
-            f"relative to the untouched base, and its initial factors are recovered from W − W_res ({t.module})"
-        )
-    weight = base[t.weight_key]
-    if weight_fingerprint(weight) != layer.base_fingerprint:
-        raise ValueError(
-            f"save_peft: the pissa adapter on {t.module} was derived from other base weights than this model's "
-            f"(fingerprint {layer.base_fingerprint}, model {weight_fingerprint(weight)}); pass the model it was built on"
-        )
-    params, buffers = adapter.layer_tensors(layer)
-    r, s = layer.info.r, lora_scale(layer.info)
-    w_res = buffers["W_res"]
-    compute = torch.promote_types(w_res.dtype, torch.float32)
-    # s·B0 A0 = W − W_res; its top-r SVD gives factors with exactly that product up to round-off.
-    initial = canonical_weight(weight, t.layout).to(compute) - w_res.to(compute)
-    u, sv, vh = torch.linalg.svd(initial, full_matrices=False)
-    root = torch.sqrt(sv[:r] / s)
-    a0, b0 = root[:, None] * vh[:r], u[:, :r] * root[None, :]
-    dtype = params["lora_A"].dtype
-    lora_a = torch.cat([params["lora_A"], a0.to(dtype)], dim=0)
-    lora_b = torch.cat([params["lora_B"], -b0.to(dtype)], dim=1)
-    rslora = dict(layer.info.options).get("use_rslora", False)
-    # peft's conversion: rank 2r, alpha 2·alpha (alpha·√2 with rsLoRA), so the scale is unchanged.
-    alpha = layer.info.alpha * (math.sqrt(2) if rslora else 2)
-    return _Out(t, {"lora_A.weight": lora_a, "lora_B.weight": lora_b}, r=2 * r, alpha=alpha)
-
-
 def _export_leaf(adapter: Adapter, base: Mapping[str, Tensor] | None) -> _Export:
+    """``adapter`` as peft stores it, after every check that peft can hold it (no tensor is
+    computed yet: see :class:`_Out`)."""
     name = adapter.spec.variant
     if adapter.stack_shape or adapter.members is not None:
         raise ValueError(
             f"save_peft: this {name} adapter is stacked (stack_shape {adapter.stack_shape}); a peft checkpoint holds one "
             f"adapter: save each of lora_func.unstack(adapter)"
         )
+    fmt = FORMATS.get(name)
     layers = []
     for layer in adapter.layers:
-        params, buffers = adapter.layer_tensors(layer)
-        info = layer.info
         if layer.target.tied_keys:
             raise ValueError(
                 f"save_peft: {layer.target.module} is adapted under its tied names {list(layer.target.tied_keys)} too "
                 f"(tied='both'), but peft would adapt only the {layer.target.module} module's output, not the embedding "
-                f"lookup: a different model. Export the merged model with lora_func.merge, or save with lora_func.save"
+                f"lookup: a different model. Export the merged model with lora_func.merged_state_dict, or save with lora_func.save"
             )
-        if layer.target.layout == "conv1d" and name in ("hra", "delora"):
+        if fmt is None:
+            raise ValueError(
+                f"save_peft: {name} has no peft equivalent (peft has no such method); save it with lora_func.save, or "
+                f"export the merged model with lora_func.merged_state_dict"
+            )
+        if layer.target.layout == "conv1d" and not fmt.conv1d:
             raise ValueError(
                 f"save_peft: peft refuses {name} on GPT-2 Conv1D layers ({layer.target.module}), so no peft tool could "
                 f"load this checkpoint; save it with lora_func.save instead"
             )
-        if name in ("lora", "eva", "dora"):
-            layers.append(_lora_out(adapter, layer, params, info.r, info.alpha))
-        elif name == "pissa":
-            layers.append(_pissa_as_lora(adapter, layer, base))
-        elif name in ("ia3", "ia3_ff"):
-            g = params["ia3_l"]
-            shaped = g.reshape(1, -1) if name == "ia3_ff" else g.reshape(-1, 1)
-            layers.append(_Out(layer.target, {"ia3_l": shaped}, feedforward=name == "ia3_ff"))
-        elif name == "hra":
-            layers.append(_Out(layer.target, {"hra_u": params["hra_u"]}, r=info.r))
-        elif name == "delora":
-            tensors = {k: params[k] for k in ("delora_A", "delora_B", "delora_lambda")} | {"delora_w_norm": buffers["delora_w_norm"]}
-            layers.append(_Out(layer.target, tensors, r=info.r))
-        else:
-            raise ValueError(
-                f"save_peft: {name} has no peft equivalent (peft has no such method); save it with lora_func.save, or "
-                f"export the merged model with lora_func.merge"
-            )
-    options = dict(adapter.spec.options)
-    if name in ("lora", "eva", "dora", "pissa"):
-        shared: dict[str, Any] = {
-            "lora_dropout": float(options.get("dropout", 0.0)),
-            "use_rslora": bool(options.get("use_rslora", False)),
-            "use_dora": name == "dora",
-            "init_lora_weights": "eva" if name == "eva" else True,
-            "eva_config": (
-                {k: options[k] for k in ("rho", "tau", "whiten", "adjust_scaling_factors")} if name == "eva" else None
-            ),
-        }
-        peft_type = "LORA"
-    elif name in ("ia3", "ia3_ff"):
-        peft_type, shared = "IA3", {}
-    elif name == "hra":
-        peft_type, shared = "HRA", {"init_weights": options["init"] == "paired"}
-    else:
-        peft_type, shared = "DELORA", {"delora_lambda": float(options["lambda0"])}
-    return _Export(peft_type, tuple(sorted((k, json.dumps(v, sort_keys=True)) for k, v in shared.items())), tuple(layers))
+        layers.append(fmt.out(adapter, layer, base))
+    fmt = FORMATS[name]  # found: an adapter has layers
+    shared = fmt.config(dict(adapter.spec.options))
+    return _Export(fmt.peft_type, tuple(sorted((k, json.dumps(v, sort_keys=True)) for k, v in shared.items())), tuple(layers))
 
 
 def _leaves(adapter: AdapterLike) -> list[Adapter]:
@@ -669,7 +792,7 @@ def _leaves(adapter: AdapterLike) -> list[Adapter]:
             raise TypeError(
                 f"save_peft: a {type(node).__name__} adapter (built by {node.verb}()) has no peft checkpoint form "
                 f"(peft applies adapters only in order, as compose does); save it with lora_func.save, or export the "
-                f"merged model with lora_func.merge"
+                f"merged model with lora_func.merged_state_dict"
             )
     return [leaf for _, leaf in leaves(adapter)]
 
@@ -711,28 +834,94 @@ def _peft_config(
     if any(o.target.layout == "conv1d" for o in layers):
         # GPT-2 Conv1D: peft needs fan_in_fan_out (it would set it itself, with a warning).
         config["fan_in_fan_out"] = True
-    if peft_type == "IA3":
+    method = METHODS[peft_type]
+    config |= dict(method.fixed) | dict(shared)
+    if method.feedforward_modules:
         ff = [o.target.module for o in layers if o.feedforward]
         selector = _module_selector(ff, modules, dotted=False) if ff else []
         # peft requires feedforward_modules ⊆ target_modules, name by name.
         config["feedforward_modules"] = selector if set(selector) <= set(config["target_modules"]) else sorted(ff)
-        config["init_ia3_weights"] = True
-        return config
-    r = _most_common([o.r for o in layers])
-    config |= dict(shared) | {"r": r, "bias": "none"}
-    rank_pattern = {o.target.module: o.r for o in layers if o.r != r}
-    if peft_type == "HRA":
-        if rank_pattern:
+    if method.rank_of is not None:
+        config["r"] = r = _most_common([o.r for o in layers])
+        rank_pattern = {o.target.module: o.r for o in layers if o.r != r}
+        if method.rank_pattern:
+            config["rank_pattern"] = rank_pattern
+        elif rank_pattern:
             raise ValueError(
-                f"save_peft: peft's HRA has one rank for all layers, but these layers differ from r={r}: "
+                f"save_peft: peft's {peft_type} has one rank for all layers, but these layers differ from r={r}: "
                 f"{sorted(rank_pattern)[:5]}; save the parts of different ranks separately"
             )
-        return config | {"apply_GS": False}
-    if peft_type == "DELORA":
-        return config | {"rank_pattern": rank_pattern, "lambda_pattern": {}, "module_dropout": 0.0}
-    alpha = _most_common([o.alpha for o in layers])
-    alpha_pattern = {o.target.module: o.alpha for o in layers if o.alpha != alpha}
-    return config | {"lora_alpha": alpha, "rank_pattern": rank_pattern, "alpha_pattern": alpha_pattern}
+    if method.alpha:
+        config["lora_alpha"] = alpha = _most_common([o.alpha for o in layers])
+        config["alpha_pattern"] = {o.target.module: o.alpha for o in layers if o.alpha != alpha}
+    return config
+
+
+def _base_of(leaves: Sequence[Adapter], model: nn.Module | None) -> dict[str, Tensor] | None:
+    """The model's parameters (``None`` without a model), after checking that it has every target."""
+    base = base_params(model) if model is not None else None
+    if base is not None:
+        missing = sorted({layer.target.weight_key for leaf in leaves for layer in leaf.layers} - set(base))
+        if missing:
+            raise ValueError(f"save_peft: the adapter's targets {missing[:5]} are not in {type(model).__name__}; pass the model it was built on")
+    return base
+
+
+def _one_checkpoint(exports: Sequence[_Export], model: nn.Module | None, task_type: str | None) -> tuple[dict[str, Any], list[_Out]]:
+    """The config and the layers of the one checkpoint that holds every part, after checking
+    that the parts fit in one: one peft method and one set of options, each layer once."""
+    kinds = sorted({(e.peft_type, e.shared) for e in exports})
+    if len(kinds) > 1:
+        raise ValueError(
+            f"save_peft: the parts of this composed adapter need different peft configs ({[k[0] for k in kinds]}: "
+            f"{[{name: json.loads(value) for name, value in k[1]} for k in kinds]}); one peft checkpoint has one method and one set of options: save each "
+            f"part with save_peft to its own directory"
+        )
+    layers = [o for e in exports for o in e.layers]
+    counts = collections.Counter(o.target.module for o in layers)
+    twice = sorted(m for m, n in counts.items() if n > 1)
+    if twice:
+        raise ValueError(
+            f"save_peft: several parts adapt the same layers {twice[:5]}; a peft checkpoint has one adapter per "
+            f"layer: save the parts separately, or export the merged model with lora_func.merged_state_dict"
+        )
+    peft_type, shared = kinds[0][0], {k: json.loads(v) for k, v in kinds[0][1]}
+    return _peft_config(peft_type, shared, layers, model, task_type), layers
+
+
+def peft_problems(adapter: AdapterLike, *, model: nn.Module | None = None) -> list[str]:
+    """Why :func:`save_peft` would refuse to write ``adapter`` (with this ``model=``): the
+    message it would raise for each part that peft's format cannot hold, or for the parts
+    together; an empty list when it can write the checkpoint.
+
+    What peft cannot hold: antipasto (peft has no such method), a ``Combined`` adapter, a
+    stacked adapter, hra/delora on GPT-2 ``Conv1D`` (peft refuses them), a weight adapted under
+    its tied names (``tied="both"``), parts that need different peft configs or adapt the same
+    layer, hra layers of different ranks. A pissa adapter needs ``model=`` (its conversion
+    reads the base weights), which must be the model it was built on. Cheap: nothing is
+    computed beyond the base weights' fingerprints for pissa, and nothing is written.
+    """
+    if not isinstance(adapter, (Adapter, Composed, Combined)):
+        raise TypeError(f"peft_problems expects an Adapter, Composed or Combined, got {type(adapter).__name__}")
+    if model is not None:
+        check_model(model, "peft_problems")
+    try:
+        leaves = _leaves(adapter)
+        base = _base_of(leaves, model)
+    except (TypeError, ValueError) as err:  # a Combined adapter; a model without the targets
+        return [str(err)]
+    problems, exports = [], []
+    for leaf in leaves:
+        try:
+            exports.append(_export_leaf(leaf, base))
+        except ValueError as err:
+            problems.append(str(err))
+    if not problems:
+        try:
+            _one_checkpoint(exports, model, None)
+        except ValueError as err:
+            problems.append(str(err))
+    return problems
 
 
 def _write_text(path: Path, text: str) -> None:
@@ -757,7 +946,8 @@ def save_peft(
     does not keep it (pass it again when you save).
 
     Raises before writing anything for what peft cannot express: antipasto, a ``Combined``
-    adapter, a stacked adapter, hra/delora on GPT-2 ``Conv1D`` (peft refuses them).
+    adapter, a stacked adapter, hra/delora on GPT-2 ``Conv1D`` (peft refuses them);
+    :func:`peft_problems` says so without trying.
 
     The checkpoint is replaced as a whole: both files are written into a new directory next to
     ``directory``, which then takes its place in one atomic step (Linux ``renameat2``), so an
@@ -774,33 +964,12 @@ def save_peft(
         raise TypeError(f"save_peft: task_type must be a peft task name such as 'CAUSAL_LM' or None, got {task_type!r}")
     if model is not None:
         check_model(model, "save_peft")
-    base = base_params(model) if model is not None else None
-    if base is not None:
-        missing = sorted({layer.target.weight_key for leaf in leaves for layer in leaf.layers} - set(base))
-        if missing:
-            raise ValueError(f"save_peft: the adapter's targets {missing[:5]} are not in {type(model).__name__}; pass the model it was built on")
-    exports = [_export_leaf(leaf, base) for leaf in leaves]
-    kinds = sorted({(e.peft_type, e.shared) for e in exports})
-    if len(kinds) > 1:
-        raise ValueError(
-            f"save_peft: the parts of this composed adapter need different peft configs ({[k[0] for k in kinds]}: "
-            f"{[{name: json.loads(value) for name, value in k[1]} for k in kinds]}); one peft checkpoint has one method and one set of options: save each "
-            f"part with save_peft to its own directory"
-        )
-    layers = [o for e in exports for o in e.layers]
-    counts = collections.Counter(o.target.module for o in layers)
-    twice = sorted(m for m, n in counts.items() if n > 1)
-    if twice:
-        raise ValueError(
-            f"save_peft: several parts adapt the same layers {twice[:5]}; a peft checkpoint has one adapter per "
-            f"layer: save the parts separately, or export the merged model with lora_func.merge"
-        )
-    peft_type, shared = kinds[0][0], {k: json.loads(v) for k, v in kinds[0][1]}
-    config = _peft_config(peft_type, shared, layers, model, task_type)
+    base = _base_of(leaves, model)
+    config, layers = _one_checkpoint([_export_leaf(leaf, base) for leaf in leaves], model, task_type)
     tensors = {
         f"{PREFIX}{o.target.module}.{suffix}": tensor.detach().to("cpu").contiguous()
         for o in layers
-        for suffix, tensor in o.tensors.items()
+        for suffix, tensor in o.tensors().items()
     }
     directory = Path(directory)
     # The real directory (a symlink to a checkpoint directory is kept, its target replaced).

@@ -1,14 +1,54 @@
-"""The variant registry: every module in this package that defines ``VARIANT`` (or a tuple
-``VARIANTS``) is registered under that variant's name. Adding a variant is adding a file."""
+"""The variant contract and the variant registry.
+
+A variant is one module in this package that defines ``VARIANT`` (or a tuple ``VARIANTS``), a
+:class:`Variant` of pure functions; it is registered under that variant's name. Adding a
+variant is adding a file (plus one row in the contract-test table, ``tests/variant_rows/``);
+modules whose name starts with ``_`` are not variants. What a variant author writes against:
+
+- :class:`Variant`: the record a variant file defines (``init``, ``weight_form``,
+  ``activation_form``, options and flags; its docstring gives every signature and shape);
+- :class:`LayerInfo`: the static facts about one layer (``d_in``, ``d_out``, ``r``,
+  ``alpha``, ``has_bias``, options) every function receives;
+- :class:`BaseLayer`: the frozen base layer the activation form calls (``weight (d_out,
+  d_in)``, ``bias``, ``base(x)`` with the model's own op);
+- :data:`TensorDict`, :class:`InitFn`, :data:`WeightFn`, :data:`ActivationFn`: the types of
+  the tensors and functions;
+- :func:`layer_rank`, :func:`layer_alpha`: the rank and alpha a form must use (tensors inside
+  a rank-padded stack of adapters of different ranks).
+
+docs/guide/variants.md ("Writing a variant") walks through one.
+"""
 
 from __future__ import annotations
 
 import importlib
 import pkgutil
 
-from lora_func._types import Variant
+from lora_func.variants._contract import (
+    ActivationFn,
+    BaseLayer,
+    InitFn,
+    LayerInfo,
+    TensorDict,
+    Variant,
+    WeightFn,
+    layer_alpha,
+    layer_rank,
+)
 
-__all__ = ["get_variant", "list_variants"]
+__all__ = [
+    "ActivationFn",
+    "BaseLayer",
+    "InitFn",
+    "LayerInfo",
+    "TensorDict",
+    "Variant",
+    "WeightFn",
+    "get_variant",
+    "layer_alpha",
+    "layer_rank",
+    "list_variants",
+]
 
 _REGISTRY: dict[str, Variant] = {}
 
@@ -17,6 +57,8 @@ def _discover() -> dict[str, Variant]:
     if not _REGISTRY:
         found: dict[str, Variant] = {}
         for module_info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+            if module_info.name.startswith("_"):
+                continue  # the contract itself, helpers: not variants
             module = importlib.import_module(f"{__name__}.{module_info.name}")
             declared = getattr(module, "VARIANTS", ()) + ((module.VARIANT,) if hasattr(module, "VARIANT") else ())
             for variant in declared:

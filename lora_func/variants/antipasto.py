@@ -32,7 +32,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lora_func._types import BaseLayer, LayerInfo, TensorDict, Variant, base_plus_low_rank
+from lora_func._kernels import base_plus_low_rank
+from lora_func.variants import BaseLayer, LayerInfo, TensorDict, Variant
 
 __all__ = ["VARIANT", "rotation", "trunc_normal", "with_steering"]
 

@@ -23,18 +23,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lora_func._types import (
-    BaseLayer,
-    LayerInfo,
-    TensorDict,
-    Variant,
-    base_plus_low_rank,
-    base_plus_product,
-    half_product_applies,
-    kaiming_uniform,
-    layer_rank,
-    promoted,
-)
+from lora_func._kernels import base_plus_low_rank, base_plus_product, half_product_applies, kaiming_uniform, promoted
+from lora_func.variants import BaseLayer, LayerInfo, TensorDict, Variant, layer_rank
 
 NORM_CLAMP = 1e-4  # peft's clamp on the per-rank norms of A and B
 

@@ -19,7 +19,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lora_func._types import BaseLayer, LayerInfo, TensorDict, Variant, add_low_rank, check_dropout, kaiming_uniform, lora_scale, lowrank_input
+from lora_func._kernels import add_low_rank, check_dropout, kaiming_uniform, lora_scale, lowrank_input
+from lora_func.variants import BaseLayer, LayerInfo, TensorDict, Variant
 
 MAGNITUDE = "lora_magnitude_vector"
 

@@ -31,7 +31,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lora_func._types import LayerInfo, TensorDict, Variant, check_dropout, lora_activation_form, lora_weight_form
+from lora_func._kernels import check_dropout, lora_activation_form, lora_weight_form
+from lora_func.variants import LayerInfo, TensorDict, Variant
 
 SVD_METHODS = ("lowrank", "full")
 LOWRANK_NITER = 4  # peft IncrementalPCA(lowrank=True) default: lowrank_q = 2·n_components, niter = 4

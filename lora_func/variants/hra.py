@@ -35,7 +35,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lora_func._types import BaseLayer, LayerInfo, TensorDict, Variant, base_plus_low_rank, base_plus_product, half_product_applies, kaiming_uniform
+from lora_func._kernels import base_plus_low_rank, base_plus_product, half_product_applies, kaiming_uniform
+from lora_func.variants import BaseLayer, LayerInfo, TensorDict, Variant
 
 INITS = ("paired", "random")
 _MIN_NORM = 1e-30

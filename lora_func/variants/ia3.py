@@ -22,7 +22,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lora_func._types import BaseLayer, LayerInfo, TensorDict, Variant, promoted
+from lora_func._kernels import promoted
+from lora_func.variants import BaseLayer, LayerInfo, TensorDict, Variant
 
 
 def _init_out(

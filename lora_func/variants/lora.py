@@ -15,7 +15,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lora_func._types import LayerInfo, TensorDict, Variant, check_dropout, kaiming_uniform, lora_activation_form, lora_weight_form
+from lora_func._kernels import check_dropout, kaiming_uniform, lora_activation_form, lora_weight_form
+from lora_func.variants import LayerInfo, TensorDict, Variant
 
 INITS = ("kaiming", "gaussian")
 

@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lora_func._types import BaseLayer, LayerInfo, TensorDict, Variant, base_plus_low_rank, check_dropout, lora_scale, lowrank_input
+from lora_func._kernels import base_plus_low_rank, check_dropout, lora_scale, lowrank_input
+from lora_func.variants import BaseLayer, LayerInfo, TensorDict, Variant
 
 
 def svd_lowrank(weight: Tensor, q: int, niter: int, generator: torch.Generator) -> tuple[Tensor, Tensor, Tensor]:

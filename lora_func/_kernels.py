@@ -1,97 +1,38 @@
-"""The variant contract: what one variant file provides, and the static per-layer info.
+"""The low-rank kernels the built-in variants share: LoRA's weight and activation forms, the
+scale ``alpha / r``, the dropout input, the base-plus-low-rank sums and the base-dtype product
+node, kaiming init from an explicit generator.
 
-A variant is a handful of pure functions of explicit tensors. It never sees an
-``nn.Module``: the core hands it the frozen base weight in the canonical ``(d_out, d_in)``
-layout (transposed views for GPT-2 ``Conv1D``) and a :class:`BaseLayer` that replays the
-model's own op, so one implementation serves both layer kinds.
+Not part of the variant contract (:mod:`lora_func.variants` holds that): a variant may use
+them, and the mixed-batch route runs LoRA's forms through them too. Shapes: ``x (..., d_in)``,
+``A (r, d_in)``, ``B (d_out, r)``, outputs ``(..., d_out)``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from lora_func.variants._contract import BaseLayer, LayerInfo, TensorDict, layer_alpha, layer_rank
+
 __all__ = [
-    "ActivationFn",
-    "BaseLayer",
-    "InitFn",
-    "LayerInfo",
-    "TensorDict",
-    "Variant",
-    "WeightFn",
-    "RANK_ALPHA",
-    "RANK_MASK",
     "add_low_rank",
     "base_plus_low_rank",
     "base_plus_product",
+    "check_dropout",
     "half_product_applies",
     "kaiming_uniform",
-    "layer_alpha",
-    "layer_rank",
     "lora_activation_form",
     "lora_scale",
     "lora_weight_form",
+    "lowrank_input",
+    "promoted",
 ]
-
-TensorDict = dict[str, Tensor]
-
-# Buffers that stack() adds to every layer of a rank-padded stack (adapters of different
-# ranks): a 0/1 mask over the padded rank axis and each member's own alpha, so a member keeps
-# its own scale (alpha / r) under vmap, where r can only be a tensor.
-RANK_MASK = "rank_mask"
-RANK_ALPHA = "rank_alpha"
-
-
-@dataclasses.dataclass(frozen=True)
-class LayerInfo:
-    """Static (hashable, non-tensor) facts about one adapted layer.
-
-    Attributes:
-      d_in: input features of the layer.
-      d_out: output features of the layer.
-      r: the adapter rank for this layer (variants without a rank ignore it).
-      alpha: the scaling hyperparameter (``s = alpha / r`` for LoRA).
-      has_bias: whether the base layer has a bias.
-      options: the variant's resolved options, as sorted ``(name, value)`` pairs.
-    """
-
-    d_in: int
-    d_out: int
-    r: int
-    alpha: float
-    has_bias: bool
-    options: tuple[tuple[str, Any], ...] = ()
-
-    def option(self, name: str) -> Any:
-        for key, value in self.options:
-            if key == name:
-                return value
-        raise KeyError(f"LayerInfo has no option {name!r}; options are {sorted(k for k, _ in self.options)}")
-
-
-class BaseLayer(Protocol):
-    """The frozen base layer as the activation form sees it.
-
-    Attributes:
-      weight: ``(d_out, d_in)`` canonical view of the frozen weight, base dtype.
-      bias: ``(d_out,)`` or ``None``.
-      training: whether the call is a training step (the adapter's dropout acts then only);
-        a base layer without the attribute counts as not training.
-    Calling it maps ``x (..., d_in) -> (..., d_out)`` with exactly the model's own op
-    (``F.linear`` for nn.Linear, ``addmm``/``matmul`` for GPT-2 Conv1D), bias included.
-    """
-
-    weight: Tensor
-    bias: Tensor | None
-
-    def __call__(self, x: Tensor) -> Tensor: ...
 
 
 def lowrank_input(x: Tensor, base: BaseLayer, info: LayerInfo) -> Tensor:
@@ -105,80 +46,10 @@ def lowrank_input(x: Tensor, base: BaseLayer, info: LayerInfo) -> Tensor:
 
 
 def check_dropout(variant: str, options: Mapping[str, Any]) -> None:
+    """A variant's ``check_options`` for its ``dropout`` option (peft's ``lora_dropout``)."""
     p = options["dropout"]
     if not 0.0 <= p < 1.0:
         raise ValueError(f"{variant} option dropout={p!r} must be in [0, 1) (peft's lora_dropout: the probability of zeroing an input)")
-
-
-class InitFn(Protocol):
-    def __call__(
-        self,
-        weight: Tensor,
-        bias: Tensor | None,
-        info: LayerInfo,
-        *,
-        dtype: torch.dtype,
-        generator: torch.Generator,
-        calibration: Any = None,
-    ) -> tuple[TensorDict, TensorDict]: ...
-
-
-WeightFn = Callable[[TensorDict, TensorDict, Tensor, "Tensor | None", LayerInfo], "tuple[Tensor, Tensor | None]"]
-ActivationFn = Callable[[TensorDict, TensorDict, Tensor, BaseLayer, LayerInfo], Tensor]
-
-
-@dataclasses.dataclass(frozen=True)
-class Variant:
-    """One adapter variant, as pure functions.
-
-    Attributes:
-      name: registry name (``AdapterSpec(variant=name)``).
-      init: ``(weight (d_out, d_in), bias (d_out,) | None, info, *, dtype, generator,
-        calibration) -> (params, buffers)`` for one layer. ``weight`` is in the base dtype;
-        random draws use the given CPU ``generator``; outputs are in ``dtype`` on the
-        weight's device.
-      weight_form: ``(params, buffers, W (d_out, d_in), b (d_out,) | None, info) ->
-        (W_eff, b_eff)``. ``W`` and ``b`` arrive in the adapter dtype; the core casts the
-        result back to the base dtype.
-      activation_form: ``(params, buffers, x (..., d_in), base, info) -> y (..., d_out)``,
-        ``y`` in the dtype of ``base(x)``; must equal ``x @ W_eff.T + b_eff``.
-      options: accepted options and their defaults (the type of the default is enforced).
-      default_alpha: ``alpha`` when the spec leaves it ``None``.
-      uses_rank: whether ``r`` means anything (IA3 does not use it).
-      changes_bias: whether ``b_eff`` can differ from ``b``.
-      rank_axes: for each trainable/buffer tensor that has a rank axis, which axis (or axes:
-        a ``(r, r)`` rotation generator has two). :func:`lora_func.stack` zero-pads these axes
-        to stack adapters of different ranks, and the core multiplies them by the rank mask.
-        Forms that use ``r`` must read it with :func:`layer_rank` (and ``alpha`` with
-        :func:`layer_alpha`), which are tensors inside a rank-padded stack.
-      check_options: optional ``options -> None`` that raises ``ValueError`` on bad values.
-      records_base: the adapter depends on the exact base weights it was built from (PiSSA
-        and AntiPaSTO residuals): the core stores a fingerprint of each target's base
-        weight, and ``load(..., model=)`` refuses a model whose weights differ.
-      replaces_weight: the weight form discards ``W`` (PiSSA's ``W_res + s·BA``, ``W_res`` fixed
-        at init), so :func:`lora_func.compose` refuses it after another part on the same layer.
-      calibrate: data-driven variants only (EVA). ``(layer_inputs, infos, *, generator) ->
-        {module name: (LayerInfo, payload)}``. ``layer_inputs`` is an iterator that yields,
-        per calibration batch, ``{module name: rows (n, d_in)}``: the target layers' inputs
-        with padding (``attention_mask == 0``) and ``labels == -100`` token rows removed;
-        ``infos`` maps module name to the spec's ``LayerInfo``. The returned ``LayerInfo``
-        may change ``r`` and ``alpha`` per layer; a module left out gets no adapter;
-        ``payload`` reaches that layer's ``init`` as ``calibration``.
-    """
-
-    name: str
-    init: InitFn
-    weight_form: WeightFn
-    activation_form: ActivationFn
-    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    default_alpha: float = 8.0
-    uses_rank: bool = True
-    changes_bias: bool = False
-    rank_axes: Mapping[str, int | tuple[int, ...]] = dataclasses.field(default_factory=dict)
-    check_options: Callable[[Mapping[str, Any]], None] | None = None
-    records_base: bool = False
-    replaces_weight: bool = False
-    calibrate: Callable[..., dict[str, tuple[LayerInfo, Any]]] | None = None
 
 
 def kaiming_uniform(shape: tuple[int, ...], *, a: float, generator: torch.Generator) -> Tensor:
@@ -189,21 +60,6 @@ def kaiming_uniform(shape: tuple[int, ...], *, a: float, generator: torch.Genera
     out = torch.empty(shape, dtype=torch.float32)
     torch.nn.init.kaiming_uniform_(out, a=a, generator=generator)
     return out
-
-
-def layer_rank(info: LayerInfo, buffers: TensorDict | None = None) -> int | Tensor:
-    """The layer's rank: ``info.r``, or inside a rank-padded stack the member's own rank (a
-    0-d tensor in the adapter dtype (at least fp32), the sum of its rank mask)."""
-    if buffers is not None and RANK_MASK in buffers:
-        return buffers[RANK_MASK].sum(-1)
-    return info.r
-
-
-def layer_alpha(info: LayerInfo, buffers: TensorDict | None = None) -> float | Tensor:
-    """The layer's ``alpha``: ``info.alpha``, or the member's own inside a rank-padded stack."""
-    if buffers is not None and RANK_ALPHA in buffers:
-        return buffers[RANK_ALPHA]
-    return info.alpha
 
 
 def lora_scale(info: LayerInfo, buffers: TensorDict | None = None) -> float | Tensor:
@@ -393,6 +249,16 @@ def lora_activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, bas
     the outputs fewer (:func:`add_low_rank`)."""
     lora_a, lora_b = params["lora_A"], params["lora_B"]
     dropped = lowrank_input(x, base, info)
+    if dropped is x and not torch.is_grad_enabled() and x.dtype == lora_a.dtype == lora_b.dtype and _fresh_output_in_place():
+        # Inference: no gradient layouts to prepare (add_low_rank's contiguous bᵀ), and the
+        # scale rides on the product inside the one addmm, as peft scales its product.
+        scale = lora_scale(info, buffers)
+        if not isinstance(scale, Tensor):
+            rows = x.reshape(-1, x.shape[-1])
+            y = base(rows)
+            if y.dtype == x.dtype:
+                return y.addmm_(rows @ lora_a.T, lora_b.T, alpha=scale).view(*x.shape[:-1], y.shape[-1])
+            return add_low_rank(y, (rows @ lora_a.T) * scale, lora_b).view(*x.shape[:-1], y.shape[-1])
     if dropped is x and half_product_applies(base, x, lora_a):
         # The scale goes on the (d_out, r) factor: the base-dtype path folds it into its products.
         return base_plus_product(base, x, lora_a, lora_b * lora_scale(info, buffers))

@@ -1,0 +1,158 @@
+"""``lora_func.io.peft_problems``: "can peft hold this?" answered as ``save_peft`` would.
+
+The oracle is ``save_peft`` itself: over every variant on both layer kinds, with and without
+the model, and over the compositions, stacks and combinations it refuses, ``peft_problems``
+is empty exactly when ``save_peft`` writes a checkpoint, and otherwise its first entry is the
+message ``save_peft`` raises. Plus: every refusing part is listed, nothing is computed (no SVD
+for PiSSA) or written, and the peft table covers what the format needs per variant."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lora_func as lf
+from lora_func.io import peft, peft_problems, save_peft
+from tests.contract_helpers import calibration_batches, perturbed
+from tests.models import tiny_model
+
+TARGETS = {"llama": ["q_proj", "v_proj"], "gpt2": ["c_attn"]}
+
+
+def _adapter(model, kind: str, variant: str, **kwargs) -> lf.Adapter:
+    spec = lf.AdapterSpec(variant, targets=kwargs.pop("targets", TARGETS[kind]), **({"r": 2} | kwargs))
+    calibration = calibration_batches() if variant == "eva" else None
+    adapter = lf.init_adapter(model, spec, generator=torch.Generator().manual_seed(1), calibration=calibration)
+    return perturbed(adapter, 0.1)
+
+
+def _refusal(adapter, model, directory) -> str | None:
+    """What save_peft says: None when it wrote the checkpoint, else its message."""
+    try:
+        save_peft(adapter, directory, model=model)
+    except (TypeError, ValueError) as err:
+        assert not directory.exists(), "a refused save wrote something"
+        return str(err)
+    assert (directory / "adapter_config.json").is_file()
+    return None
+
+
+def _cases():
+    for kind in ("llama", "gpt2"):
+        for variant in lf.list_variants():
+            yield pytest.param(kind, variant, {}, id=f"{variant}-{kind}")
+    yield pytest.param("llama", "hra", {"r": 4, "targets": ["q_proj"]}, id="hra-llama-r4")
+
+
+@pytest.mark.parametrize(("kind", "variant", "kwargs"), list(_cases()))
+@pytest.mark.parametrize("with_model", [True, False], ids=["model", "no-model"])
+def test_problems_are_what_save_peft_raises_for_every_variant(kind, variant, kwargs, with_model, tmp_path):
+    model = tiny_model(kind)
+    adapter = _adapter(model, kind, variant, **kwargs)
+    passed = model if with_model else None
+    problems = peft_problems(adapter, model=passed)
+    refusal = _refusal(adapter, passed, tmp_path / "out")
+    assert problems == ([] if refusal is None else [refusal])
+
+
+def test_the_answers_differ_where_peft_differs(tmp_path):
+    """Not a constant answer: antipasto, hra/delora on Conv1D and pissa without a model are
+    refused, the rest of the variants on Linear are not."""
+    llama, gpt2 = tiny_model("llama"), tiny_model("gpt2")
+    refused = {
+        (kind, variant, with_model)
+        for kind, model in (("llama", llama), ("gpt2", gpt2))
+        for variant in lf.list_variants()
+        for with_model in (True, False)
+        if peft_problems(_adapter(model, kind, variant), model=model if with_model else None)
+    }
+    expected = {(k, "antipasto", m) for k in ("llama", "gpt2") for m in (True, False)}
+    expected |= {("gpt2", v, m) for v in ("hra", "delora") for m in (True, False)}
+    expected |= {(k, "pissa", False) for k in ("llama", "gpt2")}
+    assert refused == expected
+
+
+def _composites(model):
+    lora = _adapter(model, "gpt2", "lora")
+    ia3_fc = _adapter(model, "gpt2", "ia3", targets=["c_fc"])
+    ia3_ff_proj = _adapter(model, "gpt2", "ia3_ff", targets=["c_proj"])
+    antipasto = _adapter(model, "gpt2", "antipasto", targets=["c_fc"])
+    hra = _adapter(model, "gpt2", "hra")
+    tied = _adapter(model, "gpt2", "lora", targets=["lm_head"], tied="both")
+    return {
+        "ia3+ia3_ff": (lf.compose(ia3_fc, ia3_ff_proj), 0),
+        "stacked": (lf.stack([lora, lora]), 1),
+        "combined": (lf.combine([lora, lora], [0.5, 0.5]), 1),
+        "same-layers": (lf.compose(lora, lora), 1),
+        "mixed-methods": (lf.compose(lora, ia3_fc), 1),
+        "tied": (tied, 1),
+        # two parts peft cannot hold: both are listed (save_peft raises the first)
+        "antipasto+hra": (lf.compose(antipasto, hra), 2),
+    }
+
+
+@pytest.mark.parametrize("name", ["ia3+ia3_ff", "stacked", "combined", "same-layers", "mixed-methods", "tied", "antipasto+hra"])
+def test_composites_stacks_and_combinations(name, tmp_path):
+    model = tiny_model("gpt2")
+    adapter, n_problems = _composites(model)[name]
+    problems = peft_problems(adapter, model=model)
+    refusal = _refusal(adapter, model, tmp_path / "out")
+    assert len(problems) == n_problems
+    assert (refusal is None) == (not problems)
+    if problems:
+        assert problems[0] == refusal
+
+
+def test_a_model_without_the_targets_is_a_problem(tmp_path):
+    adapter = _adapter(tiny_model("llama"), "llama", "lora")
+    other = tiny_model("gpt2")
+    assert peft_problems(adapter, model=other) == [_refusal(adapter, other, tmp_path / "out")]
+    assert "are not in GPT2LMHeadModel" in peft_problems(adapter, model=other)[0]
+
+
+def test_pissa_from_another_base_is_a_problem(tmp_path):
+    adapter = _adapter(tiny_model("llama"), "llama", "pissa")
+    other = tiny_model("llama", seed=1)
+    problems = peft_problems(adapter, model=other)
+    assert problems == [_refusal(adapter, other, tmp_path / "out")]
+    assert "other base weights" in problems[0]
+
+
+def test_nothing_is_computed_or_written(tmp_path, monkeypatch):
+    """PiSSA's conversion (an SVD per layer) runs when the checkpoint is written, not when asked."""
+    model = tiny_model("llama")
+    adapter = _adapter(model, "llama", "pissa")
+
+    def no_svd(*args, **kwargs):
+        raise AssertionError("peft_problems ran an SVD")
+
+    monkeypatch.setattr(torch.linalg, "svd", no_svd)
+    assert peft_problems(adapter, model=model) == []
+    monkeypatch.undo()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_only_a_non_adapter_raises():
+    model = tiny_model("llama")
+    with pytest.raises(TypeError, match="peft_problems expects an Adapter, Composed or Combined, got dict"):
+        peft_problems({}, model=model)
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        peft_problems(_adapter(model, "llama", "lora"), model={})
+
+
+def test_the_table_gives_each_peft_variant_its_keys_and_shapes():
+    """One entry per variant that peft holds: the shapes it checks on load are the adapter's
+    own tensor shapes (an entry with a wrong key or shape would refuse its own checkpoints)."""
+    model = tiny_model("llama")
+    for variant in lf.list_variants():
+        fmt = peft.FORMATS.get(variant)
+        if fmt is None:
+            assert peft_problems(_adapter(model, "llama", variant), model=model), variant
+            continue
+        adapter = _adapter(model, "llama", variant)
+        for layer in adapter.layers:
+            params, buffers = adapter.layer_tensors(layer)
+            stored = {k: tuple(v.shape) for k, v in (params | buffers).items() if k in fmt.keys}
+            assert set(fmt.keys) <= set(params) | set(buffers), variant
+            assert stored == fmt.shapes(layer.info.r, layer.target.d_in, layer.target.d_out), variant
+            assert set(fmt.buffers) <= set(buffers), variant

@@ -1,0 +1,99 @@
+"""A new variant is one file plus one test-table row.
+
+The variant that docs/guide/variants.md ("Writing a variant") writes, saved as a module in a
+directory the registry scans, is registered by that file alone, and every check of the
+contract suite (tests/test_contract.py) passes over it with one ``Row``: identity at init,
+merged = lazy = an independent ``W_eff`` formula after a perturbation, both routes, vmap over
+stacks, per-example gradients, half-precision bases, save/load, the base untouched."""
+
+from __future__ import annotations
+
+import inspect
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import lora_func as lf
+import lora_func.variants as variants
+from tests import test_contract
+from tests.variant_table import ROWS, Row
+
+ROOT = Path(__file__).resolve().parents[1]
+NAME = "lora_gain"
+
+
+def _guide_variant_file() -> str:
+    """The first python block after the guide's "Writing a variant" heading: the whole file."""
+    section = (ROOT / "docs" / "guide" / "variants.md").read_text().split("## Writing a variant", 1)[1]
+    return re.search(r"^```python\n(.*?)^```", section, re.S | re.M)[1]
+
+
+def lora_gain_w_eff(p, buffers, W, bias, info):
+    """Written here independently of the guide: diag(1 + g) W + (alpha / r) B A, (1 + g) ⊙ b."""
+    gain = 1 + p["gain_g"]
+    return gain[:, None] * W + info.alpha / info.r * p["gain_B"] @ p["gain_A"], None if bias is None else gain * bias
+
+
+ROW = Row(variant=NAME, w_eff=lora_gain_w_eff, step0_nonzero=frozenset({"gain_B", "gain_g"}), spec_kwargs={"r": 4, "alpha": 6.0})
+
+
+@pytest.fixture
+def registered(tmp_path, monkeypatch):
+    """The guide's file in a directory on the variants package's path, a fresh registry and the
+    row in the table; all undone afterwards."""
+    (tmp_path / f"{NAME}.py").write_text(_guide_variant_file())
+    monkeypatch.setattr(variants, "__path__", [*variants.__path__, str(tmp_path)])
+    monkeypatch.setattr(variants, "_REGISTRY", {})
+    monkeypatch.setitem(ROWS, NAME, ROW)
+    yield
+    sys.modules.pop(f"{variants.__name__}.{NAME}", None)
+
+
+# Every contract check that takes a row and a layer kind (plus tmp_path / a half dtype).
+CHECKS = {
+    name: check
+    for name, check in vars(test_contract).items()
+    if name.startswith("test_") and {"row", "kind"} <= set(inspect.signature(check).parameters)
+}
+
+
+def test_the_registry_finds_the_file_and_the_table_has_its_row(registered):
+    assert NAME in lf.list_variants()
+    assert repr(variants.get_variant(NAME)) == f"Variant('{NAME}')"
+    test_contract.test_every_registered_variant_has_a_row()
+
+
+def test_the_registry_skips_private_modules_and_the_file_is_gone_afterwards():
+    assert NAME not in lf.list_variants() and not any(name.startswith("_") for name in lf.list_variants())
+
+
+def test_every_contract_check_is_run_here():
+    """A new check in test_contract.py is picked up by name; only the registry-wide one is
+    not per row (it runs in the first test above)."""
+    every = {name for name in vars(test_contract) if name.startswith("test_")}
+    assert every - set(CHECKS) == {"test_every_registered_variant_has_a_row"} and len(CHECKS) == 11
+
+
+@pytest.mark.parametrize("kind", ["linear", "conv1d"])
+@pytest.mark.parametrize("check", sorted(CHECKS))
+def test_the_contract_suite_passes_over_the_new_variant(check, kind, registered, tmp_path):
+    function = CHECKS[check]
+    extra = {"tmp_path": tmp_path} if "tmp_path" in inspect.signature(function).parameters else {}
+    dtypes = [torch.bfloat16, torch.float16] if "dtype" in inspect.signature(function).parameters else [None]
+    for dtype in dtypes:
+        function(row=ROW, kind=kind, **extra, **({} if dtype is None else {"dtype": dtype}))
+
+
+def test_a_wrong_form_fails_the_contract(registered, monkeypatch):
+    """Distinguishing power: the same suite over the variant with its gain dropped from the
+    activation form (the forms then disagree) fails."""
+    import dataclasses
+
+    variant = variants.get_variant(NAME)
+    broken = dataclasses.replace(variant, activation_form=lambda p, b, x, base, info: variant.activation_form({**p, "gain_g": 0 * p["gain_g"]}, b, x, base, info))
+    monkeypatch.setitem(variants._REGISTRY, NAME, broken)
+    with pytest.raises(AssertionError):
+        test_contract.test_merged_lazy_and_oracle_agree_after_perturbation(row=ROW, kind="linear")
