@@ -10,7 +10,7 @@ gets the dense merged weight (correct, just not lazy) or, with ``strict=True``, 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -19,11 +19,10 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from lora_func._routing import found_weights, replace_weights, weight_use
-from lora_func.variants import BaseLayer, LayerInfo, TensorDict, Variant
-from lora_func.variants._contract import RANK_MASK
-from lora_func.targeting import canonical_weight, stored_weight
+from lora_func._steps import LayerCall, LayerStep, merged_weight
+from lora_func.targeting import canonical_weight
 
-__all__ = ["AdaptedBias", "AdaptedCalls", "AdaptedWeight", "ChainStep", "LayerCall", "LayerStep", "SumStep", "VariantStep", "merged_weight"]
+__all__ = ["AdaptedBias", "AdaptedCalls", "AdaptedWeight"]
 
 _METADATA_FUNCS = {
     Tensor.dtype.__get__,  # type: ignore[attr-defined]
@@ -44,209 +43,6 @@ _METADATA_FUNCS = {
     Tensor.element_size,
     Tensor.get_device,
 }
-
-
-class LayerCall:
-    """The frozen base layer as a variant's activation form sees it (a ``BaseLayer``).
-
-    ``weight`` is the canonical ``(d_out, d_in)`` view, ``bias`` the bias the model passed;
-    calling it replays the model's own op with the base weight. ``training``: whether this is a
-    training step (the adapter's dropout acts then only).
-    """
-
-    __slots__ = ("_call", "bias", "training", "weight")
-
-    # Calling it is exactly ``x @ weight.T + bias`` on a plain weight: the base-dtype low-rank
-    # path (lora_func._types.base_plus_product) may compute the input gradient from ``weight``.
-    replays_weight = True
-
-    def __init__(self, weight: Tensor, bias: Tensor | None, call: Callable[[Tensor], Tensor], training: bool = False) -> None:
-        self.weight = weight
-        self.bias = bias
-        self._call = call
-        self.training = training
-
-    def __call__(self, x: Tensor) -> Tensor:
-        return self._call(x)
-
-
-class LayerStep(Protocol):
-    """What the overlays apply to one target layer: a variant, or several combined.
-
-    ``weight(W (d_out, d_in), b (d_out,) | None) -> (W_eff, b_eff)`` takes and returns the
-    canonical layout in the base dtype; ``activation(x (..., d_in), base) -> y (..., d_out)``
-    must equal ``x @ W_effᵀ + b_eff`` for the ``W``, ``b`` and map of ``base``.
-    """
-
-    changes_bias: bool
-
-    def weight(self, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor | None]: ...
-
-    def activation(self, x: Tensor, base: BaseLayer) -> Tensor: ...
-
-
-def _mask_rank_axes(tensors: TensorDict, mask: Tensor, axes: Mapping[str, int | tuple[int, ...]]) -> TensorDict:
-    """Multiply every rank axis by the 0/1 ``mask (r_max,)`` of a rank-padded stack member, so
-    padded entries never reach the output and get exactly zero gradient."""
-    out = dict(tensors)
-    for name, tensor in tensors.items():
-        for axis in (axes[name],) if isinstance(axes.get(name), int) else axes.get(name, ()):
-            shape = [1] * tensor.dim()
-            shape[axis] = -1
-            out[name] = out[name] * mask.to(tensor.dtype).reshape(shape)
-    return out
-
-
-class VariantStep:
-    """One variant's adapter on one layer; the forms run in the adapter ``dtype``."""
-
-    __slots__ = ("buffers", "changes_bias", "dtype", "info", "params", "variant")
-
-    def __init__(self, variant: Variant, params: TensorDict, buffers: TensorDict, info: LayerInfo, dtype: torch.dtype) -> None:
-        if RANK_MASK in buffers:
-            params = _mask_rank_axes(params, buffers[RANK_MASK], variant.rank_axes)
-            buffers = _mask_rank_axes(buffers, buffers[RANK_MASK], variant.rank_axes)
-        self.variant, self.params, self.buffers, self.info, self.dtype = variant, params, buffers, info, dtype
-        self.changes_bias = variant.changes_bias
-
-    def weight(self, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor | None]:
-        # Never below the base's precision: a bf16 adapter on an fp32 base would otherwise
-        # round the frozen weight itself to bf16 (2.8e-2 off peft's merge, which adds the
-        # delta to the fp32 weight). Above it (fp32 adapter, bf16 base) the adapter dtype.
-        dtype = torch.promote_types(self.dtype, weight.dtype)
-        params = {k: v.to(dtype) if v.is_floating_point() else v for k, v in self.params.items()}
-        buffers = {k: v.to(dtype) if v.is_floating_point() else v for k, v in self.buffers.items()}
-        w_eff, b_eff = self.variant.weight_form(
-            params, buffers, weight.to(dtype), None if bias is None else bias.to(dtype), self.info
-        )
-        return w_eff.to(weight.dtype), None if b_eff is None or bias is None else b_eff.to(bias.dtype)
-
-    def activation(self, x: Tensor, base: BaseLayer) -> Tensor:
-        return self.variant.activation_form(self.params, self.buffers, x, base, self.info)
-
-
-class _StepBase:
-    """``base`` with ``step`` applied: the base layer that the next step of a chain sees.
-    Its ``weight``/``bias`` (the merged effective ones) are only computed if a form reads
-    them (DoRA's norm), so a chain of low-rank steps stays lazy."""
-
-    __slots__ = ("_bias", "_inner", "_step", "_weight")
-
-    def __init__(self, step: LayerStep, inner: BaseLayer) -> None:
-        self._step, self._inner = step, inner
-        self._weight: Tensor | None = None
-        self._bias: Tensor | None = None
-
-    @property
-    def training(self) -> bool:
-        return getattr(self._inner, "training", False)
-
-    def _merge(self) -> None:
-        if self._weight is None:
-            self._weight, self._bias = self._step.weight(self._inner.weight, self._inner.bias)
-
-    @property
-    def weight(self) -> Tensor:
-        self._merge()
-        return self._weight  # type: ignore[return-value]
-
-    @property
-    def bias(self) -> Tensor | None:
-        if not self._step.changes_bias:
-            return self._inner.bias
-        self._merge()
-        return self._bias
-
-    def __call__(self, x: Tensor) -> Tensor:
-        return self._step.activation(x, self._inner)
-
-
-class ChainStep:
-    """Steps applied in order: each sees the previous ones' effective weight (compose)."""
-
-    __slots__ = ("changes_bias", "steps")
-
-    def __init__(self, steps: Sequence[LayerStep]) -> None:
-        self.steps = tuple(steps)
-        self.changes_bias = any(step.changes_bias for step in self.steps)
-
-    def weight(self, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor | None]:
-        for step in self.steps:
-            weight, bias = step.weight(weight, bias)
-        return weight, bias
-
-    def activation(self, x: Tensor, base: BaseLayer) -> Tensor:
-        for step in self.steps[:-1]:
-            base = _StepBase(step, base)
-        return self.steps[-1].activation(x, base)
-
-
-class _SharedBase:
-    """``base`` that computes ``base(x)`` once per input tensor (the steps of a sum all call it)."""
-
-    __slots__ = ("_base", "_last")
-
-    def __init__(self, base: BaseLayer) -> None:
-        self._base = base
-        self._last: tuple[Tensor, Tensor] | None = None
-
-    @property
-    def training(self) -> bool:
-        return getattr(self._base, "training", False)
-
-    @property
-    def weight(self) -> Tensor:
-        return self._base.weight
-
-    @property
-    def bias(self) -> Tensor | None:
-        return self._base.bias
-
-    def __call__(self, x: Tensor) -> Tensor:
-        if self._last is None or self._last[0] is not x:
-            self._last = (x, self._base(x))
-        return self._last[1]
-
-
-class SumStep:
-    """A weighted sum of the steps' deltas on one base: ``W + Σ_k w_k (W_eff_k − W)`` (combine).
-
-    ``weights (K,)`` may require grad. Deltas are summed in at least fp32, then cast to the
-    base dtype, so a bf16 base does not lose the small deltas to rounding.
-    """
-
-    __slots__ = ("changes_bias", "steps", "weights")
-
-    def __init__(self, steps: Sequence[LayerStep], weights: Tensor) -> None:
-        self.steps, self.weights = tuple(steps), weights
-        self.changes_bias = any(step.changes_bias for step in self.steps)
-
-    def _sum(self, base: Tensor, outs: Sequence[Tensor]) -> Tensor:
-        ct = torch.promote_types(base.dtype, torch.float32)
-        total = base.to(ct)
-        for k, out in enumerate(outs):
-            total = total + self.weights[k].to(ct) * (out.to(ct) - base.to(ct))
-        return total.to(base.dtype)
-
-    def weight(self, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor | None]:
-        merged = [step.weight(weight, bias) for step in self.steps]
-        w_eff = self._sum(weight, [w for w, _ in merged])
-        if bias is None or not self.changes_bias:
-            return w_eff, bias
-        return w_eff, self._sum(bias, [b for _, b in merged])  # type: ignore[misc]
-
-    def activation(self, x: Tensor, base: BaseLayer) -> Tensor:
-        shared = _SharedBase(base)
-        y = shared(x)
-        return self._sum(y, [step.activation(x, shared) for step in self.steps])
-
-
-def merged_weight(
-    step: LayerStep, weight: Tensor, bias: Tensor | None, layout: str
-) -> tuple[Tensor, Tensor | None]:
-    """``(W_eff, b_eff)`` in the stored layout and the base dtype."""
-    w_eff, b_eff = step.weight(canonical_weight(weight, layout), bias)
-    return stored_weight(w_eff, layout), b_eff
 
 
 class AdaptedWeight(Tensor):

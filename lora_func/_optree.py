@@ -1,20 +1,18 @@
-"""optree registration of the adapter types, when optree is importable.
+"""optree registration of the adapter tree's node types, when optree is importable.
 
 torchopt (the functional optimiser library for torch.func) walks its arguments with optree, not
-with torch's pytree, so without this an ``Adapter`` is one opaque leaf to it. The flatten and
-unflatten functions are the ones adapter.py registered with torch's pytree (read back from its
-registry), so the two libraries see the same leaves in the same order.
+with torch's pytree, so without this an ``Adapter`` is one opaque leaf to it. Every node type
+(:class:`lora_func.adapter.AdapterNode` subclass) registers itself here with the same flatten and
+unflatten functions it gives torch's pytree, so the two libraries see the same leaves in the
+same order.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-import torch.utils._pytree as torch_pytree
-
-from lora_func.adapter import Adapter, Combined, Composed
-
-__all__ = ["OPTREE_NAMESPACE", "registered"]
+__all__ = ["OPTREE_NAMESPACE", "register", "registered"]
 
 OPTREE_NAMESPACE = "lora_func"
 
@@ -24,30 +22,30 @@ except ImportError:  # optree is optional: nothing to register
     optree = None  # type: ignore[assignment]
 
 
-def _register(cls: type, namespace: Any) -> None:
-    node = torch_pytree.SUPPORTED_NODES[cls]
-
-    def flatten(obj: Any, _flatten: Any = node.flatten_fn) -> tuple[list, Any]:
-        children, context = _flatten(obj)
-        return list(children), context
-
-    def unflatten(context: Any, children: Any, _unflatten: Any = node.unflatten_fn) -> Any:
-        return _unflatten(list(children), context)
-
-    optree.register_pytree_node(cls, flatten, unflatten, namespace=namespace)
-
-
 def registered() -> bool:
     """Whether the adapter types are optree pytree nodes (optree is installed)."""
     return optree is not None
 
 
-if optree is not None:
-    for _cls in (Adapter, Composed, Combined):
-        # The "lora_func" namespace is optree's documented way. torchopt calls optree without a
-        # namespace (the global registry), so the types go there too: lora_func owns them, so
-        # no other library registers them differently.
-        _register(_cls, OPTREE_NAMESPACE)
-        _global = getattr(optree.registry, "__GLOBAL_NAMESPACE", None)
-        if _global is not None:
-            _register(_cls, _global)
+def register(cls: type, flatten: Callable[[Any], tuple[list, Any]], unflatten: Callable[[list, Any], Any]) -> None:
+    """Register ``cls`` with optree (nothing without optree). ``flatten(node) -> (children,
+    context)`` and ``unflatten(children, context) -> node`` are torch pytree's argument order."""
+    if optree is None:
+        return
+
+    def optree_flatten(obj: Any) -> tuple[list, Any]:
+        children, context = flatten(obj)
+        return list(children), context
+
+    def optree_unflatten(context: Any, children: Any) -> Any:
+        return unflatten(list(children), context)
+
+    # The "lora_func" namespace is optree's documented way. torchopt calls optree without a
+    # namespace (the global registry), so the types go there too: lora_func owns them, so no
+    # other library registers them differently.
+    namespaces = [OPTREE_NAMESPACE]
+    global_namespace = getattr(optree.registry, "__GLOBAL_NAMESPACE", None)
+    if global_namespace is not None:
+        namespaces.append(global_namespace)
+    for namespace in namespaces:
+        optree.register_pytree_node(cls, optree_flatten, optree_unflatten, namespace=namespace)

@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from torch import nn
 from transformers import PreTrainedConfig, PreTrainedModel
 
-from lora_func.adapter import Adapter, AdapterLike, Combined, Composed
+from lora_func.adapter import AdapterLike, AdapterNode
 from lora_func.core import adapted_call
 from lora_func.io import load, load_peft, save, save_peft
 
@@ -201,7 +201,7 @@ def as_module(model: nn.Module, adapter: AdapterLike) -> AdaptedModule:
             f"as_module(model, adapter): model must be the nn.Module the adapter was built for, got "
             f"{type(model).__name__}; pass the model first and the adapter second"
         )
-    if not isinstance(adapter, (Adapter, Composed, Combined)):
+    if not isinstance(adapter, AdapterNode):
         raise TypeError(
             f"as_module(model, adapter): adapter must be an Adapter, Composed or Combined, got "
             f"{type(adapter).__name__}; build one with lora_func.init_adapter(model, spec)"

@@ -18,24 +18,13 @@ import torch
 from torch import Tensor, nn
 
 from lora_func._application import Application, refuse_checkpointing_in_transform
-from lora_func._lazy import (
-    AdaptedBias,
-    AdaptedCalls,
-    AdaptedWeight,
-    ChainStep,
-    LayerCall,
-    LayerStep,
-    SumStep,
-    VariantStep,
-    _BiasEntry,
-    _ModeEntry,
-    merged_weight,
-)
+from lora_func._lazy import AdaptedBias, AdaptedCalls, AdaptedWeight, _BiasEntry, _ModeEntry
 from lora_func._routing import module_forward
 from lora_func._model import base_params, check_params, init_layer, layer_info
 from lora_func._sharded import is_fsdp_model, is_sharded, sharded_keys, swapped_on
+from lora_func._steps import LayerCall, LayerStep, VariantStep, merged_weight
 from lora_func.quantized import QuantizedKind, frozen_call, frozen_forwards, kind_of_tensor, logical_shape
-from lora_func.adapter import Adapter, AdapterLayer, AdapterLike, Combined, Composed, leaf_adapters
+from lora_func.adapter import Adapter, AdapterLayer, AdapterLike, AdapterNode, leaf_adapters, target_weight_keys, walk
 from lora_func.calibration import layer_input_batches
 from lora_func.checks import (
     check_adapter_placement,
@@ -150,8 +139,13 @@ def init_adapter(
 
 
 def _check(base: Mapping[str, Tensor], adapter: AdapterLike, *, quantized_ok: bool = False) -> None:
-    """Validate every adapter inside ``adapter`` against ``base`` before anything is computed;
-    a parameter-dict overlay (``quantized_ok=False``) cannot replace a quantized target."""
+    """Validate every node of ``adapter`` against ``base`` before anything is computed; a
+    parameter-dict overlay (``quantized_ok=False``) cannot replace a quantized target."""
+    if not isinstance(adapter, AdapterNode):
+        raise TypeError(
+            f"expected an Adapter, Composed or Combined, got {type(adapter).__name__}; build one with "
+            f"lora_func.init_adapter(model, spec) (or lora_func.load)"
+        )
     _check_weights(adapter)
     for leaf in leaf_adapters(adapter):
         _check_leaf(base, leaf)
@@ -162,7 +156,7 @@ def _check(base: Mapping[str, Tensor], adapter: AdapterLike, *, quantized_ok: bo
             f"its own op on them): use lora_func.adapted_call or lora_func.adapted (they adapt quantized targets at "
             f"the module's call, route='module'), or lora_func.merged_state_dict(..., dtype=...) for a dense export"
         )
-    sharded = sorted(_target_keys(adapter) & sharded_keys(base))
+    sharded = sorted(target_weight_keys(adapter) & sharded_keys(base))
     if sharded and not quantized_ok:
         raise ValueError(
             f"target(s) {sharded[:4]}{' ...' if len(sharded) > 4 else ''} are sharded by FSDP2 (DTensor), which a "
@@ -171,26 +165,22 @@ def _check(base: Mapping[str, Tensor], adapter: AdapterLike, *, quantized_ok: bo
         )
 
 
-def _target_keys(adapter: AdapterLike) -> set[str]:
-    return {layer.target.weight_key for leaf in leaf_adapters(adapter) for layer in leaf.layers}
-
-
 def _quantized_targets(base: Mapping[str, Tensor], adapter: AdapterLike) -> list[str]:
-    return sorted(key for key in _target_keys(adapter) if kind_of_tensor(base[key]) is not None)
+    return sorted(key for key in target_weight_keys(adapter) if kind_of_tensor(base[key]) is not None)
 
 
 def _check_weights(adapter: AdapterLike) -> None:
-    if isinstance(adapter, (Composed, Combined)):
-        for part in adapter.parts:
-            _check_weights(part)
-    if isinstance(adapter, Combined) and tuple(adapter.weights.shape) != (len(adapter.parts),):
-        hint = "it is stacked: call it under torch.func.vmap" if adapter.weights.dim() > 1 else "one weight per part"
-        raise ValueError(f"combined adapter weights have shape {tuple(adapter.weights.shape)}, expected ({len(adapter.parts)},); {hint}")
+    """Every combinator's own tensors (``Combined.weights``) have their unstacked shape."""
+    for _, node in walk(adapter):
+        own = node.own_params()
+        for name, shape in node.own_shapes().items():
+            got = tuple(own[name].shape)
+            if got != shape:
+                hint = "it is stacked: call it under torch.func.vmap" if len(got) > len(shape) else f"keep {name} at shape {shape}"
+                raise ValueError(f"{node.tag} adapter {name} have shape {got}, expected {shape}; {hint}")
 
 
 def _check_leaf(base: Mapping[str, Tensor], adapter: Adapter) -> None:
-    if not isinstance(adapter, Adapter):
-        raise TypeError(f"expected an Adapter, got {type(adapter).__name__}")
     missing = sorted({layer.target.weight_key for layer in adapter.layers} - set(base))
     if missing:
         raise KeyError(
@@ -252,8 +242,9 @@ def _layer_plan(layers: tuple[AdapterLayer, ...]) -> _LayerPlan:
 
 
 def _layer_steps(adapter: AdapterLike) -> dict[str, tuple[Target, LayerStep]]:
-    """What to apply to each target weight key, in the model's names."""
-    if isinstance(adapter, Adapter):
+    """What to apply to each target weight key, in the model's names: a leaf's variant steps,
+    and at each combinator the steps of its parts on a layer combined by ``layer_step``."""
+    if not adapter.parts:  # a leaf Adapter
         out: dict[str, tuple[Target, LayerStep]] = {}
         variant, dtype, flat_params, flat_buffers = adapter.variant, adapter.spec.dtype, adapter.params, adapter.buffers
         for layer, (t, _stored, param_keys, buffer_keys) in zip(adapter.layers, _layer_plan(adapter.layers), strict=True):
@@ -262,18 +253,11 @@ def _layer_steps(adapter: AdapterLike) -> dict[str, tuple[Target, LayerStep]]:
             out[t.weight_key] = (t, VariantStep(variant, params, buffers, layer.info, dtype))
         return out
     per_part = [_layer_steps(part) for part in adapter.parts]
-    keys = list(dict.fromkeys(key for steps in per_part for key in steps))
     out = {}
-    for key in keys:
+    for key in dict.fromkeys(key for steps in per_part for key in steps):
         present = [k for k, steps in enumerate(per_part) if key in steps]
         target = per_part[present[0]][key][0]
-        steps = [per_part[k][key][1] for k in present]
-        if isinstance(adapter, Composed):
-            flat = [s for step in steps for s in (step.steps if isinstance(step, ChainStep) else (step,))]
-            out[key] = (target, flat[0] if len(flat) == 1 else ChainStep(flat))
-        else:
-            weights = adapter.weights if len(present) == len(per_part) else adapter.weights[..., present]
-            out[key] = (target, SumStep(steps, weights))
+        out[key] = (target, adapter.layer_step([per_part[k][key][1] for k in present], present))
     return out
 
 

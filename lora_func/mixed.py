@@ -37,13 +37,13 @@ import torch
 from torch import Tensor, nn
 
 from lora_func._application import Application, refuse_checkpointing_in_transform
-from lora_func._lazy import LayerCall, VariantStep
+from lora_func._steps import LayerCall, VariantStep
 from lora_func._routing import module_forward
 from lora_func._sharded import is_fsdp_model, swapped_on
 from lora_func._kernels import lora_activation_form, lora_scale, lowrank_input
 from lora_func.variants import LayerInfo
 from lora_func.variants._contract import RANK_MASK
-from lora_func.adapter import Adapter, AdapterLayer, AdapterLike, Combined, Composed, _member, _stack_adapters
+from lora_func.adapter import Adapter, AdapterLayer, AdapterLike, Combinator, _member, _stack_adapters
 from lora_func.checks import check_adapter_placement, check_base, check_layouts, check_model, detached_base
 from lora_func._model import base_params, check_params
 from lora_func.core import _check
@@ -64,8 +64,8 @@ def _gathered_path(variant_name: str) -> bool:
 def _stacked(adapters: Any, where: str) -> Adapter:
     """``adapters`` (a list of adapters, or one stacked adapter) as one stack ``(K, ...)``; a
     list is stacked with its autograd history kept, so gradients reach every list member."""
-    if isinstance(adapters, (Composed, Combined)) or (
-        isinstance(adapters, (list, tuple)) and any(isinstance(a, (Composed, Combined)) for a in adapters)
+    if isinstance(adapters, Combinator) or (
+        isinstance(adapters, (list, tuple)) and any(isinstance(a, Combinator) for a in adapters)
     ):
         raise TypeError(
             f"{where}: adapters must be plain adapters of one variant (any of {list_variants()}), got a "

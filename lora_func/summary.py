@@ -7,7 +7,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from lora_func.adapter import Adapter, AdapterLike, Combined, Composed
+from lora_func.adapter import AdapterLike, AdapterNode
 
 __all__ = ["AdapterSummary", "LayerSummary", "adapter_summary"]
 
@@ -56,7 +56,9 @@ class AdapterSummary:
 
 
 def _rows(adapter: AdapterLike, part: int | None) -> list[LayerSummary]:
-    if isinstance(adapter, Adapter):
+    """A leaf's layers; a combinator's parts' rows (``part``: the top-level part index), then
+    one row per tensor the combinator holds itself (``"(combine weights)"``)."""
+    if not adapter.parts:  # a leaf Adapter
         return [
             LayerSummary(
                 module=layer.target.module,
@@ -68,8 +70,8 @@ def _rows(adapter: AdapterLike, part: int | None) -> list[LayerSummary]:
             for layer in adapter.layers
         ]
     rows = [row for i, p in enumerate(adapter.parts) for row in _rows(p, i if part is None else part)]
-    if isinstance(adapter, Combined):
-        rows.append(LayerSummary("(combine weights)", "combine", 0, int(adapter.weights.shape[-1]), part))
+    for name, shape in adapter.own_shapes().items():
+        rows.append(LayerSummary(f"({adapter.verb} {name})", adapter.verb, 0, int(torch.Size(shape).numel()), part))
     return rows
 
 
@@ -85,7 +87,7 @@ def adapter_summary(model: nn.Module, adapter: AdapterLike, *, per_layer: bool =
             f"adapter_summary(model, adapter): model must be the nn.Module the adapter was built for, got "
             f"{type(model).__name__}; pass the model first and the adapter second"
         )
-    if not isinstance(adapter, (Adapter, Composed, Combined)):
+    if not isinstance(adapter, AdapterNode):
         raise TypeError(
             f"adapter_summary(model, adapter): adapter must be an Adapter, Composed or Combined, got "
             f"{type(adapter).__name__}; build one with lora_func.init_adapter(model, spec)"

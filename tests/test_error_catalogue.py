@@ -875,8 +875,6 @@ IDS = tokens()
 CASES.update(
     {
         # composition
-        "composed-immutable": Case(on_two(lambda m, a, b, ctx: setattr(lf.compose(a, b), "parts", ())), ("Composed", "'parts'")),
-        "combined-immutable": Case(on_two(lambda m, a, b, ctx: setattr(lf.combine([a, b], [0.5, 0.5]), "weights", None)), ("Combined", "'weights'")),
         "not-an-adapter": Case(on_two(lambda m, a, b, ctx: lf.compose(a, {"lora_A": torch.zeros(1)})), ("dict", "init_adapter")),
         "compose-empty": Case(lambda ctx: lf.compose, ()),
         "compose-replacing-part-later": Case(on_two(lambda m, a, b, ctx: lf.compose(a, ctx.adapter(m, variant="pissa"))), ("part 1 (pissa)", Q + ".weight", "part 0", "first")),
@@ -1425,6 +1423,22 @@ CASES.update(
         "mixed-route-batch-rows": Case(_mixed_wrong_rows, ("2 rows", "len(index)=3", "q_proj")),
         "mixed-route-tied": Case(_mixed_tied, ("lm_head.weight", "transformer.wte.weight")),
         "mixed-route-quantized": Case(_mixed_dora_on_quantized, ("'dora'", "['eva', 'lora']", "q_proj")),
+    }
+)
+
+
+def _first_key_stacked(a: lf.Adapter) -> dict[str, torch.Tensor]:
+    first = next(iter(a.params))
+    return {k: v.detach().unsqueeze(0) if k == first else v for k, v in a.params.items()}
+
+
+# The adapter tree (issue 24): construction validates; one immutability error for every node.
+CASES.update(
+    {
+        "adapter-init-types": Case(on_adapter(lambda a, ctx: lf.Adapter(a.params, a.buffers, "lora", a.layers)), ("spec is a str", "init_adapter")),
+        "adapter-init-keys": Case(on_adapter(lambda a, ctx: lf.Adapter({k + "x": v for k, v in a.params.items()}, a.buffers, a.spec, a.layers)), (f"{Q}.lora_A", "params", "with_params")),
+        "adapter-init-shape": Case(on_adapter(lambda a, ctx: lf.Adapter({k: torch.zeros(3) for k in a.params}, a.buffers, a.spec, a.layers)), ("(3,)", f"{Q}.lora_A")),
+        "adapter-init-stack-shapes": Case(on_adapter(lambda a, ctx: lf.Adapter(_first_key_stacked(a), a.buffers, a.spec, a.layers)), ("(1,)", "()", "lora_func.stack")),
     }
 )
 

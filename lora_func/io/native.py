@@ -32,7 +32,8 @@ import json
 import math
 import os
 import struct
-from collections.abc import Iterator, Mapping
+import dataclasses
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -40,7 +41,7 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from lora_func.variants import LayerInfo
-from lora_func.adapter import Adapter, AdapterLayer, AdapterLike, Combined, Composed
+from lora_func.adapter import NODE_TYPES, Adapter, AdapterLayer, AdapterLike, AdapterNode, Combinator, leaves, part_prefix, walk
 from lora_func.checks import check_float_targets, check_model, check_path
 from lora_func.quantized import logical_shape
 from lora_func._model import base_params, weight_fingerprint
@@ -90,40 +91,56 @@ def _layer_from_json(data: dict) -> AdapterLayer:
     )
 
 
-def _tree_to_json(adapter: AdapterLike) -> dict:
-    """The static structure of ``adapter`` (no tensors)."""
-    if isinstance(adapter, Adapter):
+def _tree_to_json(node: AdapterLike) -> dict:
+    """The static structure of ``node`` (no tensors): a leaf's spec, layers and stack members;
+    a combinator's kind, parts and :meth:`~lora_func.adapter.Combinator.json_fields`."""
+    if isinstance(node, Combinator):
+        return {"kind": node.tag, "parts": [_tree_to_json(part) for part in node.parts], **node.json_fields()}
+    members = None
+    if node.members is not None:
+        members = [[json.loads(spec.to_json()), [_layer_to_json(layer) for layer in layers]] for spec, layers in node.members]
+    return {
+        "kind": node.tag,
+        "spec": json.loads(node.spec.to_json()),
+        "layers": [_layer_to_json(layer) for layer in node.layers],
+        "members": members,
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class _Skeleton:
+    """One node of a saved tree, parsed (specs and layers built), without tensors: what
+    ``load`` checks against the file's tensors and the model, then fills. ``parts`` as in
+    the adapter tree, so :func:`~lora_func.adapter.walk` walks it."""
+
+    kind: type[AdapterNode]
+    parts: tuple[_Skeleton, ...] = ()
+    fields: dict = dataclasses.field(default_factory=dict)  # a combinator's json_fields
+    spec: AdapterSpec | None = None  # a leaf's
+    layers: tuple[AdapterLayer, ...] = ()
+    members: tuple[tuple[AdapterSpec, tuple[AdapterLayer, ...]], ...] | None = None
+
+    def own_shapes(self) -> dict[str, tuple[int, ...]]:
+        """A combinator's own tensors and their shapes without stack axes (they depend only on its parts)."""
+        if self.kind is Adapter:
+            return {}
+        return self.kind.own_shapes(self) if self.kind.tensor_fields else {}  # type: ignore[arg-type]
+
+
+def _skeleton(data: dict) -> _Skeleton:
+    kind = NODE_TYPES[data["kind"]]
+    if kind is Adapter:
         members = None
-        if adapter.members is not None:
-            members = [[json.loads(spec.to_json()), [_layer_to_json(layer) for layer in layers]] for spec, layers in adapter.members]
-        return {
-            "kind": "adapter",
-            "spec": json.loads(adapter.spec.to_json()),
-            "layers": [_layer_to_json(layer) for layer in adapter.layers],
-            "members": members,
-        }
-    parts = [_tree_to_json(part) for part in adapter.parts]
-    if isinstance(adapter, Composed):
-        return {"kind": "composed", "parts": parts}
-    return {"kind": "combined", "parts": parts, "weights_requires_grad": adapter.weights.requires_grad}
-
-
-def _leaves(tree: dict, prefix: str = "") -> Iterator[tuple[str, dict]]:
-    """``(key prefix, leaf node)`` for every leaf adapter, in application order; the prefix is
-    what ``Composed.params`` / ``Combined.params`` put before the leaf's own keys."""
-    if tree["kind"] == "adapter":
-        yield prefix, tree
-    else:
-        for i, part in enumerate(tree["parts"]):
-            yield from _leaves(part, f"{prefix}{i}/")
-
-
-def _combined_prefixes(tree: dict, prefix: str = "") -> Iterator[str]:
-    if tree["kind"] == "combined":
-        yield prefix
-    if tree["kind"] != "adapter":
-        for i, part in enumerate(tree["parts"]):
-            yield from _combined_prefixes(part, f"{prefix}{i}/")
+        if data["members"] is not None:
+            members = tuple(
+                (AdapterSpec.from_json(json.dumps(spec)), tuple(_layer_from_json(layer) for layer in layers))
+                for spec, layers in data["members"]
+            )
+        spec = AdapterSpec.from_json(json.dumps(data["spec"]))
+        return _Skeleton(Adapter, spec=spec, layers=tuple(_layer_from_json(layer) for layer in data["layers"]), members=members)
+    # What Combinator.from_json reads, read here so that a missing field is metadata damage.
+    fields = {key: data[key] for key in (*kind.static_fields, *(f"{name}_requires_grad" for name in kind.tensor_fields))}  # type: ignore[attr-defined]
+    return _Skeleton(kind, parts=tuple(_skeleton(part) for part in data["parts"]), fields=fields)
 
 
 def tensors_digest(tensors: Mapping[str, Tensor]) -> str:
@@ -181,7 +198,7 @@ def save(adapter: AdapterLike, path: str | os.PathLike, *, trainable_only: bool 
     from the model and refuses a model (or a platform) on which they come out different.
     Not for stacked adapters (their rank masks are not reproducible by an init).
     """
-    if not isinstance(adapter, (Adapter, Composed, Combined)):
+    if not isinstance(adapter, AdapterNode):
         raise TypeError(
             f"save() expects an Adapter, Composed or Combined, got {type(adapter).__name__}; "
             f"build one with lora_func.init_adapter(model, spec)"
@@ -197,7 +214,7 @@ def save(adapter: AdapterLike, path: str | os.PathLike, *, trainable_only: bool 
     tensors: dict[str, Tensor] = {f"params/{k}": v for k, v in adapter.params.items()}
     buffer_digests: dict[str, dict[str, str]] = {}
     if trainable_only:
-        for prefix, leaf in _leaf_adapters(adapter):
+        for prefix, leaf in leaves(adapter):
             buffer_digests[prefix] = {
                 layer.target.module: tensors_digest(leaf.layer_tensors(layer)[1])
                 for layer in leaf.layers
@@ -235,14 +252,6 @@ def _unaliased(tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
     return out
 
 
-def _leaf_adapters(adapter: AdapterLike, prefix: str = "") -> Iterator[tuple[str, Adapter]]:
-    if isinstance(adapter, Adapter):
-        yield prefix, adapter
-    else:
-        for i, part in enumerate(adapter.parts):
-            yield from _leaf_adapters(part, f"{prefix}{i}/")
-
-
 # ----------------------------------------------------------------------------------- load
 
 
@@ -264,21 +273,18 @@ def _sane_layer(layer: AdapterLayer) -> bool:
     )
 
 
-def _parse(path: Path, metadata: Mapping[str, str]) -> tuple[dict, bool, dict[str, dict[str, str]], str]:
-    """``(tree, trainable_only, buffer_digests, digest)`` from the file's metadata."""
+def _parse(path: Path, metadata: Mapping[str, str]) -> tuple[_Skeleton, bool, dict[str, dict[str, str]], str]:
+    """``(skeleton, trainable_only, buffer_digests, digest)`` from the file's metadata: the
+    tree is parsed once, every spec and layer built (stack members too), so damage fails
+    here as metadata damage."""
     problem = None
     try:
-        tree = json.loads(metadata["tree"])
+        skeleton = _skeleton(json.loads(metadata["tree"]))
         trainable_only = json.loads(metadata["trainable_only"])
         buffer_digests = json.loads(metadata["buffer_digests"])
-        # Build every spec and layer once here (stack members too), so damage fails as metadata damage.
-        layers = []
-        for _, leaf in _leaves(tree):
-            AdapterSpec.from_json(json.dumps(leaf["spec"]))
-            layers += [_layer_from_json(layer) for layer in leaf["layers"]]
-            for spec, member_layers in leaf["members"] or ():
-                AdapterSpec.from_json(json.dumps(spec))
-                layers += [_layer_from_json(layer) for layer in member_layers]
+        layers = [
+            layer for _, leaf in leaves(skeleton) for layers in (leaf.layers, *(ls for _, ls in leaf.members or ())) for layer in layers
+        ]
         insane = [layer.target.module for layer in layers if not _sane_layer(layer)]
         if insane:
             problem = f"layer info of {insane[:3]} has sizes that are not positive integers, a non-finite alpha or an unknown layout"
@@ -292,28 +298,36 @@ def _parse(path: Path, metadata: Mapping[str, str]) -> tuple[dict, bool, dict[st
         problem = f"{type(err).__name__}: {err}"
     if problem is not None:
         raise ValueError(f"{path} has damaged lora_func metadata ({problem}); save the adapter again")
-    return tree, bool(trainable_only), buffer_digests, digest
+    return skeleton, bool(trainable_only), buffer_digests, digest
 
 
-def _expected_tensors(tree: dict, trainable_only: bool) -> set[str]:
-    expected = {f"params/{prefix}weights" for prefix in _combined_prefixes(tree)}
-    for prefix, leaf in _leaves(tree):
-        for layer in map(_layer_from_json, leaf["layers"]):
+def _expected_tensors(skeleton: _Skeleton, trainable_only: bool) -> set[str]:
+    expected = set()
+    for prefix, node in walk(skeleton):
+        expected |= {f"params/{prefix}{name}" for name in node.own_shapes()}
+        for layer in node.layers:
             expected |= {f"params/{prefix}{k}" for k in layer.param_keys()}
             if not trainable_only:
                 expected |= {f"buffers/{prefix}{k}" for k in layer.buffer_keys()}
     return expected
 
 
-def _tensor_problems(tree: dict, tensors: Mapping[str, Tensor]) -> list[str]:
+def _tensor_problems(skeleton: _Skeleton, tensors: Mapping[str, Tensor]) -> list[str]:
     """Where the file's tensors disagree with its own metadata: each leaf's tensors must all
     have one leading stack shape followed by the recorded shape, params the spec's dtype and
-    buffers a float dtype. The checksum cannot catch this: a hostile file recomputes it."""
+    buffers a float dtype; a combinator's own tensors (``weights``) float, of their shape
+    after stack axes. The checksum cannot catch this: a hostile file recomputes it."""
     problems = []
-    for prefix, leaf in _leaves(tree):
-        dtype = AdapterSpec.from_json(json.dumps(leaf["spec"])).dtype
+    for prefix, node in walk(skeleton):
+        for name, shape in node.own_shapes().items():
+            own = tensors[f"params/{prefix}{name}"]
+            got = tuple(own.shape)
+            if len(got) < len(shape) or got[len(got) - len(shape) :] != shape or not own.is_floating_point():
+                problems.append(f"params/{prefix}{name}: shape {got} dtype {own.dtype}, not float {name} of shape (..., {shape})")
+        if node.spec is None:
+            continue
         stacks = set()
-        for layer in map(_layer_from_json, leaf["layers"]):
+        for layer in node.layers:
             for kind, shapes in (("params", layer.param_shapes), ("buffers", layer.buffer_shapes)):
                 for name, shape in shapes:
                     key = f"{kind}/{prefix}{layer.target.module}.{name}"
@@ -324,16 +338,12 @@ def _tensor_problems(tree: dict, tensors: Mapping[str, Tensor]) -> list[str]:
                         problems.append(f"{key}: shape {got}, the metadata says {shape}")
                         continue
                     stacks.add(got[: len(got) - len(shape)])
-                    if kind == "params" and tensors[key].dtype != dtype:
-                        problems.append(f"{key}: dtype {tensors[key].dtype}, the spec says {dtype}")
+                    if kind == "params" and tensors[key].dtype != node.spec.dtype:
+                        problems.append(f"{key}: dtype {tensors[key].dtype}, the spec says {node.spec.dtype}")
                     elif not tensors[key].is_floating_point():
                         problems.append(f"{key}: dtype {tensors[key].dtype}, not floating-point")
         if len(stacks) > 1:
             problems.append(f"the tensors of {prefix or 'the adapter'} have different stack shapes {sorted(stacks)}")
-    for prefix in _combined_prefixes(tree):
-        weights = tensors[f"params/{prefix}weights"]
-        if weights.dim() < 1 or not weights.is_floating_point():
-            problems.append(f"params/{prefix}weights: shape {tuple(weights.shape)} dtype {weights.dtype}, not float weights")
     return problems
 
 
@@ -415,15 +425,15 @@ def load(path: str | os.PathLike, model: nn.Module | None = None) -> AdapterLike
             f"{path} has format_version {metadata.get('format_version')!r}; this lora_func reads "
             f"{list(READABLE_VERSIONS)}: load it with the (newer) lora_func that wrote it"
         )
-    tree, trainable_only, buffer_digests, digest = _parse(path, metadata)
-    expected = _expected_tensors(tree, trainable_only)
+    skeleton, trainable_only, buffer_digests, digest = _parse(path, metadata)
+    expected = _expected_tensors(skeleton, trainable_only)
     missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
     if missing or unexpected:
         raise ValueError(
             f"{path} is inconsistent: missing tensors {missing}, unexpected tensors {unexpected}; "
             f"the file was edited or assembled by hand: save the adapter again"
         )
-    wrong = _tensor_problems(tree, tensors)
+    wrong = _tensor_problems(skeleton, tensors)
     if wrong:
         raise ValueError(
             f"{path} is inconsistent: its tensors do not match its metadata: {wrong[:5]}; the file was edited or "
@@ -435,19 +445,17 @@ def load(path: str | os.PathLike, model: nn.Module | None = None) -> AdapterLike
             f"disk or in transfer, or edited by hand); save the adapter again (change hyperparameters through "
             f"the API, not in the file)"
         )
-    leaves = {prefix: leaf for prefix, leaf in _leaves(tree)}
-    layers_of = {prefix: [_layer_from_json(d) for d in leaf["layers"]] for prefix, leaf in leaves.items()}
-    with_buffers = sorted(layer.target.module for layers in layers_of.values() for layer in layers if layer.buffer_shapes)
+    leaf_nodes = list(leaves(skeleton))
+    all_layers = [layer for _, leaf in leaf_nodes for layer in leaf.layers]
+    with_buffers = sorted(layer.target.module for layer in all_layers if layer.buffer_shapes)
     if trainable_only and with_buffers and model is None:
         raise ValueError(
             f"{path} holds only the trainable tensors (saved with trainable_only=True); pass model=... (the model "
             f"it was trained on) so that load can rebuild the buffers of {with_buffers[:3]}"
         )
     devices: dict[str, torch.device] = {}
-    rebuilt: dict[str, Tensor] = {}
     if model is not None:
         base = base_params(model)
-        all_layers = [layer for layers in layers_of.values() for layer in layers]
         problems = _model_problems(model, base, all_layers)
         if problems:
             raise ValueError(
@@ -461,44 +469,37 @@ def load(path: str | os.PathLike, model: nn.Module | None = None) -> AdapterLike
                 f"(model.to_empty(device=...) and load its weights), or load without model= and move the adapter later"
             )
         check_float_targets(base, all_layers, f"load({path}, model=...)")
-        devices = {layer.target.module: base[layer.target.weight_key].device for layers in layers_of.values() for layer in layers}
+        devices = {layer.target.module: base[layer.target.weight_key].device for layer in all_layers}
         if trainable_only:
-            for prefix, layers in layers_of.items():
-                spec = AdapterSpec.from_json(json.dumps(leaves[prefix]["spec"]))
-                for layer in layers:
+            rebuilt: dict[str, Tensor] = {}
+            for prefix, leaf in leaf_nodes:
+                for layer in leaf.layers:
                     if layer.buffer_shapes:
                         expected_digest = buffer_digests.get(prefix, {}).get(layer.target.module)
-                        for name, value in _rebuild_buffers(path, model, spec, layer, expected_digest).items():
+                        for name, value in _rebuild_buffers(path, model, leaf.spec, layer, expected_digest).items():
                             rebuilt[f"buffers/{prefix}{layer.target.module}.{name}"] = value
-    tensors |= rebuilt
-    return _build(tree, "", tensors, devices)
+            tensors |= rebuilt
+    return _fill(skeleton, "", tensors, devices)
 
 
-def _build(tree: dict, prefix: str, tensors: Mapping[str, Tensor], devices: Mapping[str, torch.device]) -> AdapterLike:
-    if tree["kind"] == "composed":
-        return Composed([_build(part, f"{prefix}{i}/", tensors, devices) for i, part in enumerate(tree["parts"])])
-    if tree["kind"] == "combined":
-        parts = [_build(part, f"{prefix}{i}/", tensors, devices) for i, part in enumerate(tree["parts"])]
-        weights = tensors[f"params/{prefix}weights"].to(_device_of(parts[0]))
-        return Combined(parts, weights.requires_grad_(bool(tree["weights_requires_grad"])))
-    spec = AdapterSpec.from_json(json.dumps(tree["spec"]))
-    layers = [_layer_from_json(d) for d in tree["layers"]]
-    members = None
-    if tree["members"] is not None:
-        members = [
-            (AdapterSpec.from_json(json.dumps(s)), tuple(_layer_from_json(d) for d in ls)) for s, ls in tree["members"]
-        ]
+def _fill(skeleton: _Skeleton, prefix: str, tensors: Mapping[str, Tensor], devices: Mapping[str, torch.device]) -> AdapterLike:
+    """The adapter ``skeleton`` describes, with its tensors (checked) moved to ``devices``."""
+    if skeleton.spec is None:
+        parts = [_fill(part, part_prefix(prefix, i), tensors, devices) for i, part in enumerate(skeleton.parts)]
+        device = _device_of(parts[0])
+        own = {name: tensors[f"params/{prefix}{name}"].to(device) for name in skeleton.own_shapes()}
+        return skeleton.kind.from_json(skeleton.fields, parts, own)  # type: ignore[attr-defined]
     params, buffers = {}, {}
-    for layer in layers:
+    for layer in skeleton.layers:
         device = devices.get(layer.target.module, torch.device("cpu"))
         for key in layer.param_keys():
             params[key] = tensors[f"params/{prefix}{key}"].to(device).requires_grad_(True)
         for key in layer.buffer_keys():
             buffers[key] = tensors[f"buffers/{prefix}{key}"].to(device)
-    return Adapter(params, buffers, spec, layers, members)
+    return Adapter(params, buffers, skeleton.spec, skeleton.layers, skeleton.members)
 
 
 def _device_of(adapter: AdapterLike) -> torch.device:
-    for tensor in (*adapter.params.values(), *adapter.buffers.values()):
+    for tensor in (*adapter.params.values(), *adapter.buffers.values()):  # type: ignore[attr-defined]
         return tensor.device
     return torch.device("cpu")

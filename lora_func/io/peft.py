@@ -781,16 +781,20 @@ def _export_leaf(adapter: Adapter, base: Mapping[str, Tensor] | None) -> _Export
 
 
 def _leaves(adapter: AdapterLike) -> list[Adapter]:
-    if isinstance(adapter, Adapter):
-        return [adapter]
-    if isinstance(adapter, Combined):
-        raise TypeError(
-            "save_peft: a Combined adapter (a weighted sum of deltas) has no peft checkpoint form; save it with "
-            "lora_func.save, or export the merged model with lora_func.merged_state_dict"
-        )
-    if isinstance(adapter, Composed):
-        return [leaf for part in adapter.parts for leaf in _leaves(part)]
-    raise TypeError(f"save_peft expects an Adapter or Composed, got {type(adapter).__name__}")
+    """The leaf adapters of ``adapter`` in order. peft applies its adapters in order, as
+    :class:`Composed` does, and has no form for any other combinator."""
+    from lora_func.adapter import AdapterNode, leaves, walk
+
+    if not isinstance(adapter, AdapterNode):
+        raise TypeError(f"save_peft expects an Adapter or Composed, got {type(adapter).__name__}")
+    for _, node in walk(adapter):
+        if node.parts and not isinstance(node, Composed):
+            raise TypeError(
+                f"save_peft: a {type(node).__name__} adapter (built by {node.verb}()) has no peft checkpoint form "
+                f"(peft applies adapters only in order, as compose does); save it with lora_func.save, or export the "
+                f"merged model with lora_func.merged_state_dict"
+            )
+    return [leaf for _, leaf in leaves(adapter)]
 
 
 def _most_common(values: Sequence[Any]) -> Any:
