@@ -17,7 +17,9 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
+from lora_func.adapter import leaf_adapters
 from lora_func.quantized import kind_of_tensor
+from lora_func.targeting import layer_kind
 
 __all__ = [
     "MAX_LISTED",
@@ -134,7 +136,6 @@ def check_float_targets(base: Mapping[str, Tensor], adapter: object, where: str)
     ``AdapterLayer``) in ``base`` is not a float tensor of no registered quantized kind
     (:mod:`lora_func.quantized`; e.g. a plain int8 copy): merging into it would round the delta
     away, and the lazy path would mix integer and float math."""
-    from lora_func.adapter import leaf_adapters
 
     layers = adapter if isinstance(adapter, list) else [layer for leaf in leaf_adapters(adapter) for layer in leaf.layers]  # type: ignore[arg-type]
     bad = sorted(
@@ -161,7 +162,6 @@ def check_adapter_placement(base: Mapping[str, Tensor], adapter: object, where: 
     path computes garbage or fails deep inside; an integer param (a cast gone wrong) would be
     truncated or promoted by the low-rank path. Shapes and devices only, no values read, so
     it runs under ``torch.func`` transforms too."""
-    from lora_func.adapter import leaf_adapters
 
     misplaced, not_float = [], []
     for leaf in leaf_adapters(adapter):  # type: ignore[arg-type]
@@ -194,8 +194,6 @@ def check_layouts(model: torch.nn.Module, adapter: object, where: str, modules: 
     the adapter was built on (an ``nn.Linear`` adapter on a same-named, same-shaped GPT-2
     ``Conv1D``): the stored weight would be read transposed and the outputs silently wrong.
     ``modules``: ``dict(model.named_modules())`` when the caller has it already."""
-    from lora_func.adapter import leaf_adapters
-    from lora_func.targeting import layer_kind
 
     modules = dict(model.named_modules()) if modules is None else modules
     wrong = []

@@ -44,10 +44,10 @@ from lora_func.variants import LayerInfo
 from lora_func.adapter import NODE_TYPES, Adapter, AdapterLayer, AdapterLike, AdapterNode, Combinator, leaves, part_prefix, walk
 from lora_func.checks import check_float_targets, check_model, check_path
 from lora_func.quantized import logical_shape
-from lora_func._model import base_params, weight_fingerprint
+from lora_func._model import base_params, variant_init, weight_fingerprint
 from lora_func.io._files import read_safetensors, safetensors_write, write_file
 from lora_func.spec import LAYER_TYPES, AdapterSpec
-from lora_func.targeting import Target, canonical_weight, layer_kind
+from lora_func.targeting import Target, layer_kind
 from lora_func.variants import get_variant
 
 __all__ = ["load", "save"]
@@ -375,19 +375,12 @@ def _rebuild_buffers(
     path: Path, model: nn.Module, spec: AdapterSpec, layer: AdapterLayer, expected_digest: str | None
 ) -> dict[str, Tensor]:
     """Re-run the variant's init on ``model`` for one layer; its buffers, checked against the digest."""
-    module = dict(model.named_modules())[layer.target.module]
-    bias = module.bias.detach() if layer.target.bias_key is not None else None
     # Buffers never depend on the random draws of the variants that have them at niter=0 /
     # full SVD; a variant whose buffers do (PiSSA's randomized SVD) fails the digest check below.
-    with torch.no_grad():
-        _, buffers = get_variant(spec.variant).init(
-            canonical_weight(module.weight.detach(), layer.target.layout),
-            bias,
-            layer.info,
-            dtype=spec.dtype,
-            generator=torch.Generator().manual_seed(0),
-            calibration=None,
-        )
+    _, buffers, _ = variant_init(
+        get_variant(spec.variant), spec, model.get_submodule(layer.target.module), layer.target, layer.info,
+        generator=torch.Generator().manual_seed(0),
+    )
     buffers = {name: buffers[name].detach().contiguous() for name, _ in layer.buffer_shapes if name in buffers}
     if sorted(buffers) != sorted(name for name, _ in layer.buffer_shapes) or tensors_digest(buffers) != expected_digest:
         raise ValueError(

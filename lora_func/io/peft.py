@@ -53,7 +53,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from lora_func._kernels import lora_scale
-from lora_func.adapter import Adapter, AdapterLayer, AdapterLike, Combined, Composed, compose
+from lora_func.adapter import Adapter, AdapterLayer, AdapterLike, AdapterNode, Composed, compose, leaves, walk
 from lora_func.checks import check_model, check_path
 from lora_func._model import adapter_layer, base_params, layer_info, variant_init, weight_fingerprint
 from lora_func.io._files import replace_directory, safetensors_write
@@ -783,7 +783,6 @@ def _export_leaf(adapter: Adapter, base: Mapping[str, Tensor] | None) -> _Export
 def _leaves(adapter: AdapterLike) -> list[Adapter]:
     """The leaf adapters of ``adapter`` in order. peft applies its adapters in order, as
     :class:`Composed` does, and has no form for any other combinator."""
-    from lora_func.adapter import AdapterNode, leaves, walk
 
     if not isinstance(adapter, AdapterNode):
         raise TypeError(f"save_peft expects an Adapter or Composed, got {type(adapter).__name__}")
@@ -901,8 +900,8 @@ def peft_problems(adapter: AdapterLike, *, model: nn.Module | None = None) -> li
     reads the base weights), which must be the model it was built on. Cheap: nothing is
     computed beyond the base weights' fingerprints for pissa, and nothing is written.
     """
-    if not isinstance(adapter, (Adapter, Composed, Combined)):
-        raise TypeError(f"peft_problems expects an Adapter, Composed or Combined, got {type(adapter).__name__}")
+    if not isinstance(adapter, AdapterNode):
+        raise TypeError(f"peft_problems expects an adapter (Adapter, Composed, Combined, ...), got {type(adapter).__name__}")
     if model is not None:
         check_model(model, "peft_problems")
     try:
