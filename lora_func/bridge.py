@@ -23,7 +23,7 @@ from transformers import PreTrainedConfig, PreTrainedModel
 
 from lora_func.adapter import AdapterLike, AdapterNode
 from lora_func.core import adapted_call
-from lora_func.io import load, load_peft, save, save_peft
+from lora_func.io import load, load_peft, peft_problems, save, save_peft
 
 __all__ = ["NATIVE_FILE", "AdaptedModule", "as_module"]
 
@@ -134,13 +134,13 @@ class AdaptedModule(PreTrainedModel):
             return directory
         adapter = self.adapter
         detached = adapter.with_params({k: v.detach() for k, v in adapter.params.items()})
-        try:
-            save_peft(detached, directory, model=self.base)
-        except (TypeError, ValueError):
-            # save_peft refuses, before writing anything, what peft cannot express (antipasto,
-            # combine, hra/delora on Conv1D, tied targets): the native format has everything.
+        if peft_problems(detached, model=self.base):
+            # What peft cannot express (antipasto, combine, hra/delora on Conv1D, tied targets):
+            # the native format has everything.
             directory.mkdir(parents=True, exist_ok=True)
             save(detached, directory / NATIVE_FILE)
+        else:
+            save_peft(detached, directory, model=self.base)
         tensors = {f"adapter_params.{name}": p.detach().contiguous() for name, p in self.adapter_params.items()}
         save_file(tensors, str(directory / _RESUME_FILE), metadata={"format": "pt"})
         index = {

@@ -75,9 +75,10 @@ TARGETS: dict[str, tuple[tuple[str, ...] | None, list[list[str]]]] = {
         ("lora_scale", "add_low_rank", "_fresh_output_in_place", "base_plus_low_rank", "lora_weight_form", "lora_activation_form", "kaiming_uniform"),
         _ALL,
     ),
+    "lora_func/_steps.py": (None, [*_ALL[:3], ["tests/test_core.py", "tests/test_compose.py"], [COMPILE, "-k", "overlay_calls or keeps_the_path"], _ALL[3]]),
     "lora_func/_lazy.py": (None, [*_ALL[:3], ["tests/test_core.py"], [COMPILE, "-k", "overlay_calls or keeps_the_path"], _ALL[3]]),
     "lora_func/core.py": (
-        ("_layer_steps", "_check_adapter_finite", "merge_overlay", "overlay", "overlay_calls", "adapted_call", "adapted", "base_params"),
+        ("_layer_steps", "_check_adapter_finite", "merge_overlay", "overlay", "overlay_calls", "adapted_call", "adapted"),
         [*_ALL[:3], ["tests/test_core.py", "tests/test_adapted_context.py", "tests/test_checks.py"], [COMPILE, "-k", "overlay_calls or keeps_the_path"], _ALL[3]],
     ),
 }
