@@ -74,4 +74,4 @@ def __getattr__(name: str):
             f"lora_func.{name} is deprecated and will be removed; use {public}.{new}", DeprecationWarning, stacklevel=2
         )
         return getattr(_importlib.import_module(module), new)
-    raise AttributeError(f"module 'lora_func' has no attribute {name!r}")
+    raise AttributeError(f"module 'lora_func' has no attribute {name!r}")  # error: unknown-attribute

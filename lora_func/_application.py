@@ -138,7 +138,7 @@ def refuse_checkpointing_in_transform(model: nn.Module | None = None) -> None:
         and not any(getattr(m, "gradient_checkpointing", False) is True and m.training for m in model.modules())
     ):
         return
-    raise RuntimeError(
+    raise RuntimeError(  # error: checkpoint-in-transform
         "activation checkpointing inside a torch.func transform (grad, vmap, ...) with an adapter applied: "
         "torch's checkpoint relies on saved-tensor hooks or an autograd.Function that torch.func does not "
         "support, so the recompute could not be done. Train with loss.backward() and a torch optimiser "
@@ -156,7 +156,7 @@ def _rebound(function: Callable[..., Any], reentrant: bool, args: tuple) -> Call
     refuse_checkpointing_in_transform()
     if reentrant and any(t.requires_grad for app in apps for t in app.trainable):
         if not any(isinstance(a, Tensor) and a.requires_grad for a in args):
-            raise RuntimeError(
+            raise RuntimeError(  # error: checkpoint-reentrant-no-grad
                 "reentrant activation checkpointing (use_reentrant=True) of a block whose inputs do not require "
                 "grad: the adapter inside the block would get no gradient. Call model.enable_input_require_grads() "
                 "(as peft does), or use use_reentrant=False"

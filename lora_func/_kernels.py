@@ -49,7 +49,7 @@ def check_dropout(variant: str, options: Mapping[str, Any]) -> None:
     """A variant's ``check_options`` for its ``dropout`` option (peft's ``lora_dropout``)."""
     p = options["dropout"]
     if not 0.0 <= p < 1.0:
-        raise ValueError(f"{variant} option dropout={p!r} must be in [0, 1) (peft's lora_dropout: the probability of zeroing an input)")
+        raise ValueError(f"{variant} option dropout={p!r} must be in [0, 1) (peft's lora_dropout: the probability of zeroing an input)")  # error: spec-dropout
 
 
 def kaiming_uniform(shape: tuple[int, ...], *, a: float, generator: torch.Generator) -> Tensor:

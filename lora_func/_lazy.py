@@ -117,7 +117,7 @@ class AdaptedWeight(Tensor):
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         # Reaching dispatch means an op bypassed __torch_function__ (a C++ path); computing
         # here would be below autograd and silently drop the adapter's gradients.
-        raise RuntimeError(
+        raise RuntimeError(  # error: lazy-below-autograd
             f"lazy overlay: {func} reached an adapted weight below autograd; use merge_overlay for this model"
         )
 
@@ -183,7 +183,7 @@ def _route(func: Any, args: tuple, kwargs: dict, find: Callable[[Any], _Adapted 
         return w._adapted(use.x, use.bias, lambda x_: use.replay(x_, w._weight))
     found = found_weights(args, kwargs, find)
     if any(a._strict for a in found):
-        raise RuntimeError(
+        raise RuntimeError(  # error: lazy-strict
             f"lazy overlay (strict): {getattr(func, '__name__', func)} on adapted weight(s) {sorted({a._name for a in found})} "
             f"has no low-rank path; use merge_overlay (merged weights) or overlay(..., strict=False) to fall back "
             f"to the dense merged weight"

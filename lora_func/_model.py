@@ -71,12 +71,12 @@ def check_params(model: nn.Module, params: Mapping[str, Tensor]) -> None:
     unexpected = sorted(set(params) - names)
     missing = sorted(names - set(params))
     if unexpected:
-        raise KeyError(
+        raise KeyError(  # error: params-unexpected
             f"{unexpected} are not parameters or buffers of {type(model).__name__}; "
             f"close names: {close_names(unexpected, names) or 'none'}"
         )
     if missing:
-        raise KeyError(
+        raise KeyError(  # error: params-missing
             f"parameter dict lacks {missing[:10]}{' ...' if len(missing) > 10 else ''} "
             f"({len(missing)} missing); build it from lora_func.base_params(model)"
         )
@@ -161,7 +161,7 @@ def variant_init(
         try:
             params, buffers = variant.init(weight, bias, info, dtype=spec.dtype, generator=generator, calibration=calibration)
         except (TypeError, ValueError) as err:
-            raise type(err)(f"{spec.variant} cannot adapt {target.module}: {err}") from err
+            raise type(err)(f"{spec.variant} cannot adapt {target.module}: {err}") from err  # error: init-layer-failed
     return params, buffers, stored
 
 

@@ -86,7 +86,7 @@ def check_sharded_frozen(modules: Mapping[str, nn.Module], where: str) -> None:
         if p is not None and p.requires_grad
     )
     if trainable:
-        raise ValueError(
+        raise ValueError(  # error: fsdp-base-trainable
             f"{where}: the model is sharded by FSDP2 and its parameters {trainable[:4]}"
             f"{f' (and {len(trainable) - 4} more)' if len(trainable) > 4 else ''} require grad, so backward would "
             f"compute and reduce-scatter base gradients while only the adapter trains; freeze the base with "

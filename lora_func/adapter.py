@@ -170,7 +170,7 @@ class AdapterNode:
             _register_pytree(cls)
 
     def __setattr__(self, name: str, value: object) -> None:
-        raise AttributeError(
+        raise AttributeError(  # error: adapter-immutable
             f"{type(self).__name__} is immutable; use with_params(...) instead of setting {name!r} "
             f"(adapter.with_params(params) returns a new one)"
         )
@@ -200,7 +200,7 @@ AdapterLike = AdapterNode
 def leaf_adapters(adapter: AdapterLike) -> list[Adapter]:
     """Every :class:`Adapter` inside ``adapter``, in application order."""
     if not isinstance(adapter, AdapterNode):
-        raise TypeError(
+        raise TypeError(  # error: not-an-adapter
             f"expected an Adapter, Composed or Combined, got {type(adapter).__name__}; build one with "
             f"lora_func.init_adapter(model, spec)"
         )
@@ -215,7 +215,7 @@ def target_weight_keys(adapter: AdapterLike) -> set[str]:
 def _check_same_keys(where: str, got: Mapping[str, Tensor], expected: Mapping[str, Tensor]) -> None:
     missing, unexpected = sorted(set(expected) - set(got)), sorted(set(got) - set(expected))
     if missing or unexpected:
-        raise KeyError(f"Adapter.{where}: missing keys {missing}, unexpected keys {unexpected}")
+        raise KeyError(f"Adapter.{where}: missing keys {missing}, unexpected keys {unexpected}")  # error: adapter-keys
 
 
 class Adapter(AdapterNode, tag="adapter"):
@@ -265,7 +265,7 @@ class Adapter(AdapterNode, tag="adapter"):
             else:
                 wrong += [f"{arg}[{key!r}] is a {type(value).__name__}, not a tensor" for key, value in flat.items() if not isinstance(value, Tensor)][:3]
         if wrong:
-            raise TypeError(
+            raise TypeError(  # error: adapter-init-types
                 f"Adapter(params, buffers, spec, layers): {'; '.join(wrong)}; build adapters with "
                 f"lora_func.init_adapter(model, spec), and new values with adapter.with_params(params)"
             )
@@ -275,7 +275,7 @@ class Adapter(AdapterNode, tag="adapter"):
         ):
             missing, unexpected = sorted(set(keys) - set(flat)), sorted(set(flat) - set(keys))
             if missing or unexpected:
-                raise KeyError(
+                raise KeyError(  # error: adapter-init-keys
                     f"Adapter(params, buffers, spec, layers): {arg} is missing keys {missing[:5]} and has unexpected "
                     f"keys {unexpected[:5]}; its keys are f'{{module}}.{{name}}' of each layer's {arg[:-1]}_shapes "
                     f"(adapter.with_params(params) keeps an adapter's keys)"
@@ -287,13 +287,13 @@ class Adapter(AdapterNode, tag="adapter"):
                     key = f"{layer.target.module}.{name}"
                     got = tuple(flat[key].shape)
                     if got[len(got) - len(shape) :] != tuple(shape) or len(got) < len(shape):
-                        raise ValueError(
+                        raise ValueError(  # error: adapter-init-shape
                             f"Adapter(params, buffers, spec, layers): {arg}[{key!r}] has shape {got}, but its layer "
                             f"says {tuple(shape)} (after any leading stack axes); pass tensors of the layer's shapes"
                         )
                     stacks.setdefault(got[: len(got) - len(shape)], key)
         if len(stacks) > 1:
-            raise ValueError(
+            raise ValueError(  # error: adapter-init-stack-shapes
                 f"Adapter(params, buffers, spec, layers): the tensors have different leading stack shapes "
                 f"{dict(sorted(stacks.items()))} (shape: first key with it); every tensor needs the same stack axes "
                 f"(build stacks with lora_func.stack)"
@@ -330,7 +330,7 @@ class Adapter(AdapterNode, tag="adapter"):
             got = params[wrong[0]]
             shown = f"a {got.dtype} tensor" if isinstance(got, Tensor) else type(got).__name__
             # An integer tensor would be silently truncated or promoted by the low-rank path.
-            raise TypeError(
+            raise TypeError(  # error: adapter-params-dtype
                 f"Adapter.with_params: {wrong[:5]} must be floating-point tensors, got {shown}; pass tensors of "
                 f"the adapter dtype ({self.spec.dtype})"
             )
@@ -519,7 +519,7 @@ class Composed(Combinator, tag="composed"):
     def __init__(self, parts: Sequence[AdapterLike]) -> None:
         parts = tuple(parts)
         if not parts:
-            raise ValueError("compose() needs at least one adapter")
+            raise ValueError("compose() needs at least one adapter")  # error: compose-empty
         adapted: dict[str, int] = {}
         for i, part in enumerate(parts):
             for leaf in leaf_adapters(part):
@@ -527,7 +527,7 @@ class Composed(Combinator, tag="composed"):
                     continue
                 earlier = sorted(k for k in (layer.target.weight_key for layer in leaf.layers) if k in adapted)
                 if earlier:
-                    raise ValueError(
+                    raise ValueError(  # error: compose-replacing-part-later
                         f"compose(): part {i} ({leaf.spec.variant}) replaces the base weight of {earlier[:5]}, which "
                         f"part {adapted[earlier[0]]} already adapts: its residual was computed from the untouched "
                         f"base, so the earlier part would be dropped there. Put part {i} first on these layers."
@@ -536,7 +536,7 @@ class Composed(Combinator, tag="composed"):
                 adapted.setdefault(key, i)
         shapes = {part.stack_shape for part in parts}  # type: ignore[attr-defined]
         if len(shapes) > 1:
-            raise ValueError(f"compose(): parts have different stack shapes {sorted(shapes)}; stack each part alike")
+            raise ValueError(f"compose(): parts have different stack shapes {sorted(shapes)}; stack each part alike")  # error: compose-stack-shapes
         object.__setattr__(self, "parts", parts)
 
     def layer_step(self, steps: Sequence[LayerStep], present: Sequence[int]) -> LayerStep:
@@ -560,7 +560,7 @@ class Combined(Combinator, tag="combined"):
     def __init__(self, parts: Sequence[AdapterLike], weights: Tensor | Sequence[float]) -> None:
         parts = tuple(parts)
         if not parts:
-            raise ValueError("combine() needs at least one adapter")
+            raise ValueError("combine() needs at least one adapter")  # error: combine-empty
         for part in parts:
             leaf_adapters(part)
         given = weights
@@ -571,22 +571,22 @@ class Combined(Combinator, tag="combined"):
                 weights = torch.tensor([])  # not numbers: reported below with the expected form
         if not weights.is_floating_point() or weights.dim() != 1 or weights.shape[0] != len(parts):
             shown = f"shape {tuple(weights.shape)} dtype {weights.dtype}" if weights.numel() or isinstance(given, Tensor) else repr(given)[:80]
-            raise ValueError(
+            raise ValueError(  # error: combine-weights
                 f"combine(): weights must be a 1-D float tensor with one entry per adapter ({len(parts)}), got {shown}"
             )
         shapes = {part.stack_shape for part in parts}  # type: ignore[attr-defined]
         if len(shapes) > 1:
-            raise ValueError(f"combine(): parts have different stack shapes {sorted(shapes)}; stack each part alike")
+            raise ValueError(f"combine(): parts have different stack shapes {sorted(shapes)}; stack each part alike")  # error: combine-stack-shapes
         (stack_shape,) = shapes
         if stack_shape:
             # Combined.stack_shape is read from the weights: 1-D weights over stacked parts would
             # make an object whose parts are stacked and whose weights are not.
-            raise ValueError(
+            raise ValueError(  # error: combine-stacked-parts
                 f"combine(): the parts are stacked (stack_shape {stack_shape}) but weights has shape {tuple(weights.shape)}; "
                 f"combine the unstacked adapters, then stack the combinations (lora_func.stack([combine(...), ...]))"
             )
         if not torch._C._functorch.is_functorch_wrapped_tensor(weights) and not bool(torch.isfinite(weights.detach()).all()):
-            raise ValueError(
+            raise ValueError(  # error: combine-weights-finite
                 f"combine(): weights {weights.detach().tolist()} hold a NaN or inf, which would make every adapted "
                 f"output NaN; pass finite weights"
             )
@@ -652,7 +652,7 @@ def _stack_adapters(adapters: list[Adapter]) -> Adapter:
     first = adapters[0]
     for i, other in enumerate(adapters[1:], start=1):
         if _spec_key(other.spec) != _spec_key(first.spec):
-            raise ValueError(
+            raise ValueError(  # error: stack-mismatch
                 f"stack(): adapter {i} has spec {other.spec} but adapter 0 has {first.spec}; only adapters of one "
                 f"variant, targets, dtype and options stack (ranks and alpha may differ)"
             )
@@ -660,14 +660,14 @@ def _stack_adapters(adapters: list[Adapter]) -> Adapter:
         ref = [(layer.target, _info_key(layer.info), [n for n, _ in layer.param_shapes], [n for n, _ in layer.buffer_shapes]) for layer in first.layers]
         if mine != ref:
             diff = [a.target.module for a, b in zip(first.layers, other.layers, strict=False) if (a.target, _info_key(a.info)) != (b.target, _info_key(b.info))]
-            raise ValueError(
+            raise ValueError(  # error: stack-other-layers
                 f"stack(): adapter {i} adapts other layers than adapter 0 ({diff[:5] or 'a different number of layers'}); "
                 f"build the adapters from one model and one AdapterSpec (ranks may differ)"
             )
         if other.stack_shape != first.stack_shape or other.members is not None:
-            raise ValueError(f"stack(): adapter {i} is itself stacked (stack_shape {other.stack_shape}); unstack it first")
+            raise ValueError(f"stack(): adapter {i} is itself stacked (stack_shape {other.stack_shape}); unstack it first")  # error: stack-nested
     if first.members is not None:
-        raise ValueError("stack(): adapter 0 is itself a rank-padded stack; unstack it first")
+        raise ValueError("stack(): adapter 0 is itself a rank-padded stack; unstack it first")  # error: stack-nested-padded
     if all(other.layers == first.layers for other in adapters[1:]):
         return pytree.tree_map(lambda *ts: torch.stack(ts), *adapters)
     # Rank-padded: zero-pad every tensor to the largest shape (only rank axes differ) and give
@@ -690,7 +690,7 @@ def _stack_adapters(adapters: list[Adapter]) -> Adapter:
                 for axis, (have, want) in enumerate(zip(dict(lay.param_shapes + lay.buffer_shapes)[name], shape, strict=True))
             )]
             if bad:
-                raise ValueError(
+                raise ValueError(  # error: stack-not-rank-axis
                     f"stack(): {variant.name} tensor {name!r} of {bad[0]} differs in shape on an axis that is not a "
                     f"rank axis; these adapters cannot be padded to one stack"
                 )
@@ -738,24 +738,24 @@ def stack(adapters: Sequence[AdapterLike]) -> AdapterLike:
     structure stack part by part.
     """
     if isinstance(adapters, (AdapterNode, Mapping, str)) or not isinstance(adapters, Iterable):
-        raise TypeError(
+        raise TypeError(  # error: stack-not-a-list
             f"stack() expects a list of adapters, got {type(adapters).__name__}; e.g. lora_func.stack([adapter_0, adapter_1])"
         )
     adapters = list(adapters)
     if not adapters:
-        raise ValueError("stack() needs at least one adapter")
+        raise ValueError("stack() needs at least one adapter")  # error: stack-empty
     for adapter in adapters:
         leaf_adapters(adapter)
     kinds = {(type(a), a.static()) for a in adapters}
     if len(kinds) > 1:
         shown = sorted(f"{kind.__name__}{static if static else ''}" for kind, static in kinds)
-        raise TypeError(f"stack(): mixed kinds {shown}; stack adapters of one kind")
+        raise TypeError(f"stack(): mixed kinds {shown}; stack adapters of one kind")  # error: stack-mixed-kinds
     first = adapters[0]
     if not isinstance(first, Combinator):
         return _as_leaves(_stack_adapters(adapters), adapters)  # type: ignore[arg-type]
     n = {len(a.parts) for a in adapters}
     if len(n) > 1:
-        raise ValueError(f"stack(): {type(first).__name__} adapters with different numbers of parts {sorted(n)}")
+        raise ValueError(f"stack(): {type(first).__name__} adapters with different numbers of parts {sorted(n)}")  # error: stack-parts
     parts = [stack([a.parts[i] for a in adapters]) for i in range(len(first.parts))]
     own = {}
     for name in first.tensor_fields:
@@ -788,7 +788,7 @@ def unstack(adapter: AdapterLike) -> list[AdapterLike]:
     gives each member back at its own rank, without the padding and mask buffers)."""
     leaf_adapters(adapter)
     if not adapter.stack_shape:  # type: ignore[attr-defined]
-        raise ValueError("unstack(): this adapter is not stacked (it has no leading stack axis)")
+        raise ValueError("unstack(): this adapter is not stacked (it has no leading stack axis)")  # error: unstack-not-stacked
     return [_member(adapter, k) for k in range(adapter.stack_shape[0])]  # type: ignore[attr-defined]
 
 
@@ -820,22 +820,22 @@ def take(adapter: AdapterLike, index: int | Tensor) -> AdapterLike:
     example of a batch, for a mixed-adapter batch under ``vmap``)."""
     leaf_adapters(adapter)
     if not adapter.stack_shape:  # type: ignore[attr-defined]
-        raise ValueError("take(): this adapter is not stacked; build one with lora_func.stack([...])")
+        raise ValueError("take(): this adapter is not stacked; build one with lora_func.stack([...])")  # error: take-not-stacked
     size = adapter.stack_shape[0]  # type: ignore[attr-defined]
     if isinstance(index, int) and not isinstance(index, bool):
         if not 0 <= index < size:
-            raise IndexError(f"take(): index {index} is outside [0, {size}) (the stack has {size} adapters); pass 0 <= index < {size}")
+            raise IndexError(f"take(): index {index} is outside [0, {size}) (the stack has {size} adapters); pass 0 <= index < {size}")  # error: take-index-range
         return _member(adapter, index)
     # A bool would index as a new axis, a bool tensor as a mask, a float tensor not at all.
     if not isinstance(index, Tensor) or index.dtype not in (torch.int64, torch.int32) or index.dim() != 1:
         shown = f"a {index.dtype} tensor of shape {tuple(index.shape)}" if isinstance(index, Tensor) else repr(index)
-        raise TypeError(
+        raise TypeError(  # error: take-index-type
             f"take(): index must be an int or a 1-D int64/int32 tensor of stack positions, got {shown}; "
             f"e.g. take(stack, 0) or take(stack, torch.tensor([0, 1, 0]))"
         )
     outside = _outside(index, size)
     if outside:
-        raise IndexError(
+        raise IndexError(  # error: take-index-values
             f"take(): index has values {outside} outside [0, {size}) (the stack has {size} adapters); negative "
             f"positions are refused rather than counted from the end"
         )

@@ -53,7 +53,7 @@ def _check_attention(model: nn.Module, where: str) -> None:
     config = getattr(model, "config", None)
     implementation = getattr(config, "_attn_implementation", None)
     if implementation not in _VMAP_ATTENTION:
-        raise ValueError(
+        raise ValueError(  # error: batch-eager-attention
             f"{where} runs {type(model).__name__} under torch.func.vmap, but its attention implementation is "
             f"{implementation!r}, which has no vmap batching rule (slow per-example loop, and an error with an "
             f"attention mask); use eager attention: model.set_attn_implementation('eager') or "
@@ -71,7 +71,7 @@ def _check_arguments(where: str, model: Any, adapters: Any, base: Any) -> None:
 def _stack_size(adapters: AdapterLike, where: str) -> int:
     shape = adapters.stack_shape
     if len(shape) != 1:
-        raise ValueError(
+        raise ValueError(  # error: batch-not-stacked
             f"{where} needs adapters stacked along one leading axis (stack_shape (K,)), got stack_shape {shape}; "
             f"build them with lora_func.stack([adapter_0, adapter_1, ...])"
         )
@@ -82,7 +82,7 @@ def _outputs_as_tensors(out: Any, where: str) -> Any:
     """``out`` unchanged, after checking that ``vmap`` can batch it (tensors only)."""
     for path, leaf in pytree.tree_flatten_with_path(out)[0]:
         if leaf is not None and not isinstance(leaf, Tensor):
-            raise TypeError(
+            raise TypeError(  # error: batch-non-tensor-output
                 f"{where}: the model returned a {type(leaf).__name__} at output{pytree.keystr(path)}, which vmap cannot "
                 f"batch (only tensors); for transformers models pass use_cache=False so that no KV cache is returned"
             )
@@ -100,7 +100,7 @@ def _vmapped(fn: Callable[..., Any], where: str, **vmap_kwargs: Any) -> Callable
         except RuntimeError as err:
             if "data-dependent control flow" not in str(err):
                 raise
-            raise RuntimeError(
+            raise RuntimeError(  # error: batch-vmap-failed
                 f"{where}: {err}\nThis usually means SDPA or flash attention with an attention mask: under vmap, "
                 f"transformers models need eager attention (model.set_attn_implementation('eager') or "
                 f"from_pretrained(..., attn_implementation='eager'))"
@@ -171,12 +171,12 @@ def mixed_call(
     size = _stack_size(adapters, where)
     if not isinstance(index, Tensor) or index.dim() != 1 or index.dtype not in _INDEX_DTYPES:
         shown = f"a {index.dtype} tensor of shape {tuple(index.shape)}" if isinstance(index, Tensor) else type(index).__name__
-        raise TypeError(f"mixed_call: index must be a 1-D int64 or int32 tensor (one adapter index per example), got {shown}")
+        raise TypeError(f"mixed_call: index must be a 1-D int64 or int32 tensor (one adapter index per example), got {shown}")  # error: mixed-index-type
     outside = sorted({int(i) for i in index.tolist() if not 0 <= i < size})
     if outside:
         # Checked here, not left to tensor indexing: a negative index would silently pick a
         # member counted from the end.
-        raise IndexError(
+        raise IndexError(  # error: mixed-index-range
             f"mixed_call: index has values outside [0, {size}) (the stack has {size} adapters): index {', '.join(map(str, outside[:5]))}; "
             f"negative positions are refused, not counted from the end"
         )
@@ -184,7 +184,7 @@ def mixed_call(
     batch_size = index.shape[0]
     examples, rebuild = _split_examples(args, kwargs, batch_size)
     if not examples:
-        raise ValueError(
+        raise ValueError(  # error: mixed-batch-size
             f"mixed_call: no tensor argument has the batch size len(index)={batch_size} on dim 0; index needs one "
             f"entry per example of the batch"
         )
@@ -266,7 +266,7 @@ def per_example_grads(
     """
     where = "per_example_grads"
     if not callable(loss_fn):
-        raise TypeError(
+        raise TypeError(  # error: per-example-not-callable
             f"per_example_grads: loss_fn must be a function loss_fn(adapter, *example) -> 0-d loss, got "
             f"{type(loss_fn).__name__}; the adapter is the second argument: per_example_grads(loss_fn, adapter, *batch)"
         )
@@ -274,7 +274,7 @@ def per_example_grads(
     sizes = sorted({t.shape[0] for t in pytree.tree_leaves(batch) if isinstance(t, Tensor) and t.dim() >= 1})
     scalars = [t for t in pytree.tree_leaves(batch) if isinstance(t, Tensor) and t.dim() == 0]
     if len(sizes) != 1 or scalars:
-        raise ValueError(
+        raise ValueError(  # error: per-example-batch
             f"per_example_grads: every tensor in batch must have the batch on dim 0, all of one size B; got dim-0 "
             f"sizes {sizes}{' and 0-d tensors' if scalars else ''}; pass shared tensors through loss_fn's closure"
         )
@@ -295,7 +295,7 @@ def per_example_grads(
         out = _vmapped(loss, where, randomness=randomness, chunk_size=chunk_size)(copies, *examples)
         losses, aux = out if has_aux else (out, None)
         if not isinstance(losses, Tensor) or tuple(losses.shape) != (batch_size,):
-            raise ValueError(
+            raise ValueError(  # error: per-example-loss
                 f"per_example_grads: loss_fn must return one scalar loss per example (a 0-d tensor{', aux' if has_aux else ''}), "
                 f"got {type(losses).__name__} of per-example shape {tuple(losses.shape[1:]) if isinstance(losses, Tensor) else '?'}"
             )

@@ -102,7 +102,7 @@ class AdaptedModule(PreTrainedModel):
         if not self.base.training:
             # The bridge never changes the base's mode, and HF checkpoints only in training mode:
             # enabling it on an eval-mode base would silently checkpoint nothing.
-            raise ValueError(
+            raise ValueError(  # error: bridge-checkpointing-eval-base
                 f"activation checkpointing through the bridge: the base {type(self.base).__name__} is in eval mode, and "
                 f"HF checkpoints only in training mode (the bridge never changes the base's mode); call model.train() on "
                 f"the base model first"
@@ -159,7 +159,7 @@ class AdaptedModule(PreTrainedModel):
             return cls(model, load_peft(directory, model))
         if (directory / NATIVE_FILE).is_file():
             return cls(model, load(directory / NATIVE_FILE, model=model))
-        raise FileNotFoundError(
+        raise FileNotFoundError(  # error: bridge-no-adapter-files
             f"AdaptedModule.from_pretrained: {directory} holds neither {_PEFT_CONFIG} (peft format) nor "
             f"{NATIVE_FILE}; pass the directory that save_pretrained or Trainer.save_model wrote"
         )
@@ -197,17 +197,17 @@ def as_module(model: nn.Module, adapter: AdapterLike) -> AdaptedModule:
     variant), which is what ``Trainer.save_model`` and Trainer checkpoints then contain.
     """
     if not isinstance(model, nn.Module):
-        raise TypeError(
+        raise TypeError(  # error: bridge-model-type
             f"as_module(model, adapter): model must be the nn.Module the adapter was built for, got "
             f"{type(model).__name__}; pass the model first and the adapter second"
         )
     if not isinstance(adapter, AdapterNode):
-        raise TypeError(
+        raise TypeError(  # error: bridge-adapter-type
             f"as_module(model, adapter): adapter must be an Adapter, Composed or Combined, got "
             f"{type(adapter).__name__}; build one with lora_func.init_adapter(model, spec)"
         )
     if adapter.stack_shape:
-        raise ValueError(
+        raise ValueError(  # error: bridge-stacked
             f"as_module(model, adapter): adapter is stacked (stack_shape {adapter.stack_shape}); a module runs one "
             f"adapter: pick one with lora_func.take(adapter, i), or train the stack with torch.func.vmap"
         )

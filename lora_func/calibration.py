@@ -114,22 +114,22 @@ def _forward_keys(model: nn.Module) -> tuple[set[str], bool]:
 def _check_batch(batch: Any, index: int, vocab: int | None = None) -> tuple[Tensor, Tensor]:
     """Validate one calibration batch; return ``(input_ids, keep)`` with ``keep`` a ``(B, T)`` bool mask."""
     if not isinstance(batch, Mapping):
-        raise TypeError(
+        raise TypeError(  # error: calib-batch-type
             f"calibration batch {index} is a {type(batch).__name__}; expected a dict with 'input_ids' "
             f"(batch, seq) and optionally 'attention_mask' and 'labels'"
         )
     if "input_ids" not in batch:
-        raise ValueError(
+        raise ValueError(  # error: calib-no-input-ids
             f"calibration batch {index} has no 'input_ids' (keys: {sorted(batch)}); each batch needs "
             f"'input_ids' (batch, seq) and optionally 'attention_mask' and 'labels'"
         )
     ids = batch["input_ids"]
     if not isinstance(ids, Tensor) or ids.ndim != 2 or ids.is_floating_point():
         got = f"shape {tuple(ids.shape)}, dtype {ids.dtype}" if isinstance(ids, Tensor) else type(ids).__name__
-        raise ValueError(f"calibration batch {index}: 'input_ids' must be an integer tensor (batch, seq), got {got}")
+        raise ValueError(f"calibration batch {index}: 'input_ids' must be an integer tensor (batch, seq), got {got}")  # error: calib-input-ids-type
     if vocab is not None and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
         # Else the embedding lookup fails deep inside with "index out of range in self".
-        raise ValueError(
+        raise ValueError(  # error: calib-ids-range
             f"calibration batch {index}: 'input_ids' has ids outside [0, {vocab}) (min {int(ids.min())}, max "
             f"{int(ids.max())}); tokenize with the model's own tokenizer (its vocabulary has {vocab} entries)"
         )
@@ -140,7 +140,7 @@ def _check_batch(batch: Any, index: int, vocab: int | None = None) -> tuple[Tens
             continue
         if not isinstance(value, Tensor) or tuple(value.shape) != tuple(ids.shape):
             got = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
-            raise ValueError(
+            raise ValueError(  # error: calib-mask-shape
                 f"calibration batch {index}: '{key}' has shape {got}, but 'input_ids' has shape {tuple(ids.shape)}"
             )
         keep = keep & (value.to(ids.device) != 0 if drop is None else value.to(ids.device) != drop)
@@ -192,10 +192,10 @@ def layer_input_batches(
     """
     targets = list(targets)
     if not targets:
-        raise ValueError("layer_input_batches needs at least one target layer")
+        raise ValueError("layer_input_batches needs at least one target layer")  # error: calib-no-targets
     training = sorted(n or "<root>" for n, m in model.named_modules() if m.training)
     if training:
-        raise ValueError(
+        raise ValueError(  # error: calib-training-mode
             f"calibration runs the model as it is, and modules {training[:5]}{' ...' if len(training) > 5 else ''} "
             f"are in training mode (dropout would make the statistics random); call model.eval() first"
         )
@@ -234,14 +234,14 @@ def layer_input_batches(
         out = {}
         for module, standin in standins.items():
             if not standin.records:
-                raise ValueError(
+                raise ValueError(  # error: calib-target-unused
                     f"calibration batch {index}: target {module} saw no input during the forward pass "
                     f"(is it used by the model through F.linear / addmm / matmul?)"
                 )
             rows = []
             for x in standin.records:
                 if x.shape[0] != n_tokens:
-                    raise ValueError(
+                    raise ValueError(  # error: calib-rows-mismatch
                         f"calibration batch {index}: target {module} got an input of {x.shape[0]} rows, which does "
                         f"not line up with the batch's {tuple(ids.shape)} = {n_tokens} tokens; cannot apply the mask"
                     )
@@ -250,4 +250,4 @@ def layer_input_batches(
         del params, standins
         yield out
     if empty:
-        raise ValueError("calibration data is empty: pass at least one batch with 'input_ids'")
+        raise ValueError("calibration data is empty: pass at least one batch with 'input_ids'")  # error: calib-empty

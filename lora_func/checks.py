@@ -51,7 +51,7 @@ def non_finite_keys(tensors: Mapping[str, Tensor]) -> list[str]:
         except RuntimeError as err:
             if "vmap" not in str(err):
                 raise
-            raise RuntimeError(
+            raise RuntimeError(  # error: non-finite-vmap
                 f"check_finite: {key!r} is batched by torch.func.vmap, and reading its values is a "
                 f"data-dependent branch vmap cannot run; check the outputs after vmap returns instead"
             ) from None
@@ -81,7 +81,7 @@ def check_finite(tensors: Mapping[str, Tensor], what: str) -> None:
         n_nan, n_inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
         details.append(f"{key} ({n_nan} NaN, {n_inf} inf of {t.numel()})")
     more = f" and {len(bad) - MAX_LISTED} more" if len(bad) > MAX_LISTED else ""
-    raise FloatingPointError(
+    raise FloatingPointError(  # error: non-finite
         f"{what}: non-finite values in {bad[:MAX_LISTED]}{more}: {'; '.join(details)}. Lower the learning rate, clip "
         f"gradients, use bf16/fp32 instead of fp16 (or a GradScaler), or check the inputs that produced them"
     )
@@ -94,7 +94,7 @@ def check_model(model: object, where: str, argument: str = "model") -> None:
     """Raise ``TypeError`` unless ``model`` is an ``nn.Module`` (a state dict, a path or a
     peft config passed as the model would otherwise fail deep inside with an AttributeError)."""
     if not isinstance(model, torch.nn.Module):
-        raise TypeError(
+        raise TypeError(  # error: arg-not-a-model
             f"{where}: {argument} must be a torch.nn.Module (the base model), got {type(model).__name__}; pass the "
             f"model itself (for a dict of its tensors use base=lora_func.base_params(model))"
         )
@@ -105,13 +105,13 @@ def check_base(base: object, where: str) -> None:
     :func:`lora_func.base_params`); lists of pairs, modules or ``named_parameters()``
     generators are refused with the fix."""
     if not isinstance(base, Mapping):
-        raise TypeError(
+        raise TypeError(  # error: arg-base-not-mapping
             f"{where}: base must be a dict of name -> tensor, got {type(base).__name__}; build it with "
             f"lora_func.base_params(model)"
         )
     wrong = sorted(str(k) for k, v in base.items() if not isinstance(k, str) or not isinstance(v, Tensor))
     if wrong:
-        raise TypeError(
+        raise TypeError(  # error: arg-base-values
             f"{where}: base must map names (str) to tensors, but {wrong[:5]} do not; build it with "
             f"lora_func.base_params(model)"
         )
@@ -148,7 +148,7 @@ def check_float_targets(base: Mapping[str, Tensor], adapter: object, where: str)
         }
     )
     if bad:
-        raise TypeError(
+        raise TypeError(  # error: target-not-float
             f"{where}: target weights {bad[:5]} are not floating-point (quantized or integer); the adapter's delta "
             f"would be rounded away. Dequantize those layers to float32/bfloat16/float16 first (a model loaded with "
             f"a quantization config: load it without one), or leave them out of the targets"
@@ -177,13 +177,13 @@ def check_adapter_placement(base: Mapping[str, Tensor], adapter: object, where: 
                 elif name in params and not (tensor.is_floating_point() or tensor.is_complex()):
                     not_float.append(f"{key} ({tensor.dtype})")
     if misplaced:
-        raise ValueError(
+        raise ValueError(  # error: adapter-placement-device
             f"{where}: adapter tensors {sorted(misplaced)[:5]} are not on their target weight's device; move them "
             f"(adapter.with_params({{k: v.to(device) ...}}).with_buffers(...)), or load the adapter with "
             f"lora_func.load(path, model=model), which places every tensor on its layer's device"
         )
     if not_float:
-        raise TypeError(
+        raise TypeError(  # error: adapter-placement-dtype
             f"{where}: adapter params {sorted(not_float)[:5]} are not floating-point; the low-rank path would "
             f"truncate or promote them. Rebuild the adapter (init_adapter / load) or pass float tensors to with_params"
         )
@@ -203,7 +203,7 @@ def check_layouts(model: torch.nn.Module, adapter: object, where: str, modules: 
             if module is not None and layer_kind(module) != layer.target.layout:
                 wrong.append(f"{layer.target.module}: adapter built for a {layer.target.layout} layer, the model's is {layer_kind(module) or type(module).__name__}")
     if wrong:
-        raise ValueError(
+        raise ValueError(  # error: adapter-layout
             f"{where}: {sorted(wrong)[:5]}; the stored weight layouts differ (Linear (out, in) vs Conv1D (in, out)), so "
             f"the outputs would be silently wrong. Build the adapter on this model (init_adapter or load_peft)"
         )
@@ -215,7 +215,7 @@ def check_path(path: object, where: str, argument: str = "path") -> None:
     import os
 
     if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(
+        raise TypeError(  # error: arg-path-type
             f"{where}: {argument} must be a str or os.PathLike (a file or directory path), got {type(path).__name__}; "
             f"pass a string or a pathlib.Path"
         )

@@ -73,13 +73,13 @@ def init_adapter(
     """
     check_model(model, "init_adapter")
     if not isinstance(spec, AdapterSpec):
-        raise TypeError(f"init_adapter expects an AdapterSpec, got {type(spec).__name__}")
+        raise TypeError(f"init_adapter expects an AdapterSpec, got {type(spec).__name__}")  # error: init-not-spec
     variant = get_variant(spec.variant)
     if variant.calibrate is not None and calibration is not None and (
         isinstance(calibration, (str, bytes, Mapping, Tensor)) or not isinstance(calibration, Iterable)
     ):
         # Before the generator draws its seed: a refused call leaves the global RNG alone.
-        raise TypeError(
+        raise TypeError(  # error: init-calibration-type
             f"init_adapter: calibration must be an iterable of batches (dicts with 'input_ids'), got "
             f"{type(calibration).__name__}; e.g. calibration=[{{'input_ids': ids}}] or a DataLoader"
         )
@@ -87,7 +87,7 @@ def init_adapter(
     if variant.uses_rank:
         too_big = [f"{t.module} (d_in={t.d_in}, d_out={t.d_out})" for t in targets if spec.r > min(t.d_in, t.d_out)]
         if too_big:
-            raise ValueError(
+            raise ValueError(  # error: init-rank-too-big
                 f"r={spec.r} exceeds min(d_in, d_out) of target(s) {sorted(too_big)}; lower r or leave them out"
             )
     modules = dict(model.named_modules())
@@ -99,12 +99,12 @@ def init_adapter(
         if t.module not in quantized and not modules[t.module].weight.is_floating_point()
     )
     if non_float:
-        raise TypeError(
+        raise TypeError(  # error: init-non-float
             f"{spec.variant} needs a floating-point base weight, but {', '.join(non_float)}; dequantize the "
             f"layer to float32/bfloat16/float16 first, or leave it out of the targets"
         )
     if quantized and variant.replaces_weight:
-        raise ValueError(
+        raise ValueError(  # error: quantized-replaces-weight
             f"{spec.variant} replaces the base weight by a dense residual fixed at init, and targets "
             f"{sorted(quantized)[:4]}{' ...' if len(quantized) > 4 else ''} are quantized (the quantized weight would go "
             f"unused and the residual would take full precision memory): build the adapter on the float model and "
@@ -115,7 +115,7 @@ def init_adapter(
     payloads: dict[str, Any] = dict.fromkeys(infos, calibration)
     if variant.calibrate is not None:
         if calibration is None:
-            raise ValueError(
+            raise ValueError(  # error: init-needs-calibration
                 f"variant {spec.variant!r} is data-driven: pass calibration=<iterable of batches with "
                 f"'input_ids' and optionally 'attention_mask' and 'labels'>"
             )
@@ -142,7 +142,7 @@ def _check(base: Mapping[str, Tensor], adapter: AdapterLike, *, quantized_ok: bo
     """Validate every node of ``adapter`` against ``base`` before anything is computed; a
     parameter-dict overlay (``quantized_ok=False``) cannot replace a quantized target."""
     if not isinstance(adapter, AdapterNode):
-        raise TypeError(
+        raise TypeError(  # error: overlay-not-adapter
             f"expected an Adapter, Composed or Combined, got {type(adapter).__name__}; build one with "
             f"lora_func.init_adapter(model, spec) (or lora_func.load)"
         )
@@ -151,14 +151,14 @@ def _check(base: Mapping[str, Tensor], adapter: AdapterLike, *, quantized_ok: bo
         _check_leaf(base, leaf)
     quantized = _quantized_targets(base, adapter)
     if quantized and not quantized_ok:
-        raise ValueError(
+        raise ValueError(  # error: quantized-overlay
             f"target(s) {quantized} hold quantized weights, which a parameter dict cannot replace (the layer runs "
             f"its own op on them): use lora_func.adapted_call or lora_func.adapted (they adapt quantized targets at "
             f"the module's call, route='module'), or lora_func.merged_state_dict(..., dtype=...) for a dense export"
         )
     sharded = sorted(target_weight_keys(adapter) & sharded_keys(base))
     if sharded and not quantized_ok:
-        raise ValueError(
+        raise ValueError(  # error: fsdp-parameter-dict
             f"target(s) {sharded[:4]}{' ...' if len(sharded) > 4 else ''} are sharded by FSDP2 (DTensor), which a "
             f"parameter dict cannot replace (FSDP2 installs its gathered weight at the module's call): use "
             f"lora_func.adapted_call or lora_func.adapted, which adapt them at the module's call (route='module')"
@@ -177,13 +177,13 @@ def _check_weights(adapter: AdapterLike) -> None:
             got = tuple(own[name].shape)
             if got != shape:
                 hint = "it is stacked: call it under torch.func.vmap" if len(got) > len(shape) else f"keep {name} at shape {shape}"
-                raise ValueError(f"{node.tag} adapter {name} have shape {got}, expected {shape}; {hint}")
+                raise ValueError(f"{node.tag} adapter {name} have shape {got}, expected {shape}; {hint}")  # error: combine-weights-shape
 
 
 def _check_leaf(base: Mapping[str, Tensor], adapter: Adapter) -> None:
     missing = sorted({layer.target.weight_key for layer in adapter.layers} - set(base))
     if missing:
-        raise KeyError(
+        raise KeyError(  # error: overlay-missing-targets
             f"adapter targets {missing} are not tensors of this model (built for another model?); "
             f"close names: {close_names(missing, base) or 'none'}"
         )
@@ -193,7 +193,7 @@ def _check_leaf(base: Mapping[str, Tensor], adapter: Adapter) -> None:
         if logical_shape(base[t.weight_key]) != stored:
             wrong.append(f"{t.weight_key}: adapter built for {stored}, model has {logical_shape(base[t.weight_key])}")
     if wrong:
-        raise ValueError(f"adapter does not fit this model's target shapes: {sorted(wrong)}")
+        raise ValueError(f"adapter does not fit this model's target shapes: {sorted(wrong)}")  # error: overlay-target-shape
     for t, _stored, param_keys, buffer_keys in plan:
         for flat, keys in ((adapter.params, param_keys), (adapter.buffers, buffer_keys)):
             for _name, key, shape in keys:
@@ -204,7 +204,7 @@ def _check_leaf(base: Mapping[str, Tensor], adapter: Adapter) -> None:
                         if got[len(got) - len(shape) :] == shape
                         else "was it built with another spec?"
                     )
-                    raise ValueError(f"adapter tensor {key} has shape {got}, expected {shape}; {hint}")
+                    raise ValueError(f"adapter tensor {key} has shape {got}, expected {shape}; {hint}")  # error: overlay-tensor-shape
 
 
 _LayerPlan = tuple[tuple[Target, tuple[int, int], tuple[tuple[str, str, tuple[int, ...]], ...], tuple[tuple[str, str, tuple[int, ...]], ...]], ...]
@@ -393,7 +393,7 @@ def _module_call(target: Target, step: LayerStep, merged: bool) -> Any:
         x_op, finish = layout.prepare(x, target.d_out)
         bias = module.bias
         if is_sharded(module.weight):
-            raise RuntimeError(
+            raise RuntimeError(  # error: fsdp-weight-still-sharded
                 f"{target.module} was called while its weight is still sharded (a DTensor): FSDP2 gathers a "
                 f"module's weights in the forward of the fully_shard-ed module that owns them; call the model (or that "
                 f"module), not {target.module} on its own, or fully_shard a module that contains it"
@@ -420,7 +420,7 @@ def _module_forwards(adapter: AdapterLike, *, merged: bool) -> dict[str, Any]:
     steps = _layer_steps(adapter)
     tied = sorted(f"{key} (also {', '.join(t.tied_keys)})" for key, (t, _) in steps.items() if t.tied_keys)
     if tied:
-        raise ValueError(
+        raise ValueError(  # error: route-module-tied
             f"route='module' adapts a target at its module's call, but target weight(s) {tied} are also used "
             f"elsewhere under another name, which would see the base weight; use route='overlay' for tied targets"
         )
@@ -430,12 +430,12 @@ def _module_forwards(adapter: AdapterLike, *, merged: bool) -> dict[str, Any]:
 def _resolve_route(route: str, base: Mapping[str, Tensor], adapter: AdapterLike, fsdp: bool = False) -> str:
     """``fsdp``: the model has a ``fully_shard``-ed module (see :mod:`lora_func._sharded`)."""
     if route not in ROUTES:
-        raise ValueError(
+        raise ValueError(  # error: route-unknown
             f"route={route!r} is not one of {list(ROUTES)}; route='auto' picks the overlay for plain layers and the "
             f"module-call route for quantized ones and for models sharded by FSDP2"
         )
     if fsdp and route == "overlay":
-        raise ValueError(
+        raise ValueError(  # error: fsdp-overlay-route
             "route='overlay' on a model sharded by FSDP2 (fully_shard): FSDP2 installs its gathered weights at each "
             "module's call over anything a parameter dict put there, so the adapter would be silently ignored; use "
             "route='auto' or route='module' (the adapter is applied at each target's call, after FSDP2's all-gather)"

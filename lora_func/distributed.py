@@ -36,9 +36,9 @@ __all__ = ["all_reduce_mean", "all_reduce_mean_grads_", "broadcast_adapter"]
 
 def _require_initialized(where: str) -> None:
     if not dist.is_available():
-        raise RuntimeError(f"{where}: this torch build has no torch.distributed support")
+        raise RuntimeError(f"{where}: this torch build has no torch.distributed support")  # error: dist-unavailable
     if not dist.is_initialized():
-        raise RuntimeError(
+        raise RuntimeError(  # error: dist-not-initialised
             f"{where}: torch.distributed is not initialised; call "
             f"torch.distributed.init_process_group('gloo' on CPU or 'nccl' on GPU) first "
             f"(torchrun sets the environment it reads)"
@@ -116,7 +116,7 @@ def all_reduce_mean_grads_(params: Mapping[str, Tensor] | Iterable[Tensor], grou
     named = dict(params) if isinstance(params, Mapping) else {str(i): p for i, p in enumerate(params)}
     missing = sorted(k for k, p in named.items() if p.grad is None)
     if missing:
-        raise ValueError(
+        raise ValueError(  # error: dist-no-grad
             f"all_reduce_mean_grads_: {missing[:5]}{' ...' if len(missing) > 5 else ''} have no .grad; "
             f"call loss.backward() first (every parameter must get a gradient on every rank)"
         )
@@ -154,7 +154,7 @@ def broadcast_adapter(adapter: Adapter, src: int = 0, group: Any = None) -> Adap
     """
     _require_initialized("broadcast_adapter")
     if not isinstance(adapter, Adapter):
-        raise TypeError(f"broadcast_adapter expects an Adapter, got {type(adapter).__name__}")
+        raise TypeError(f"broadcast_adapter expects an Adapter, got {type(adapter).__name__}")  # error: dist-not-adapter
     signatures: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(signatures, _signature(adapter), group=group)
     reference = signatures[0]
@@ -165,7 +165,7 @@ def broadcast_adapter(adapter: Adapter, src: int = 0, group: Any = None) -> Adap
             ((a, b) for a, b in zip(reference, other, strict=False) if a != b),
             (f"{len(reference)} tensors", f"{len(other)} tensors"),
         )
-        raise ValueError(
+        raise ValueError(  # error: dist-structure
             f"broadcast_adapter: the adapter of rank(s) {differing} differs in structure from rank 0's "
             f"(first difference: {first[0]} vs {first[1]}); build every rank's adapter from the same "
             f"AdapterSpec and model"

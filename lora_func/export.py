@@ -49,13 +49,13 @@ def merged_state_dict(
         keys = list(base)
         quantized = sorted(k for k, v in base.items() if kind_of_tensor(v) is not None)
         if quantized:
-            raise TypeError(
+            raise TypeError(  # error: merge-quantized-base-dict
                 f"merged_state_dict: {quantized[:4]} are quantized weights, which only their layers can dequantize: pass the model "
                 f"itself, merged_state_dict(model, adapter, dtype=torch.bfloat16)"
             )
         dense = base
     else:
-        raise TypeError(
+        raise TypeError(  # error: merge-not-a-model
             f"merged_state_dict() expects a model (nn.Module) or the dict of lora_func.base_params(model), got {type(model_or_base).__name__}"
         )
     check_float_targets(base, adapter, "merged_state_dict")
@@ -87,7 +87,7 @@ def _dequantized(model: nn.Module, base: dict[str, Tensor], dtype: torch.dtype |
     if not quantized:
         return base
     if dtype is None:
-        raise TypeError(
+        raise TypeError(  # error: merge-quantized-dtype
             f"merged_state_dict: {sorted(quantized)[:4]} ({len(quantized)} in all) are quantized: merging into them would round the "
             f"delta away. Name the dense dtype of the export, e.g. merged_state_dict(model, adapter, dtype=torch.bfloat16)"
         )

@@ -67,7 +67,7 @@ def _stacked(adapters: Any, where: str) -> Adapter:
     if isinstance(adapters, Combinator) or (
         isinstance(adapters, (list, tuple)) and any(isinstance(a, Combinator) for a in adapters)
     ):
-        raise TypeError(
+        raise TypeError(  # error: mixed-route-composite
             f"{where}: adapters must be plain adapters of one variant (any of {list_variants()}), got a "
             f"{type(adapters).__name__ if not isinstance(adapters, (list, tuple)) else 'list with Composed/Combined'}; "
             f"compose/combine are not supported per row: merge each tenant into one adapter, or serve them with "
@@ -76,17 +76,17 @@ def _stacked(adapters: Any, where: str) -> Adapter:
     if isinstance(adapters, (list, tuple)):
         if not adapters or not all(isinstance(a, Adapter) for a in adapters):
             shown = "an empty list" if not adapters else f"a list holding {sorted({type(a).__name__ for a in adapters})}"
-            raise TypeError(f"{where}: adapters must be a non-empty list of lora_func.Adapter (one per tenant), got {shown}")
+            raise TypeError(f"{where}: adapters must be a non-empty list of lora_func.Adapter (one per tenant), got {shown}")  # error: mixed-route-list
         # Not lora_func.stack: it returns new leaves (for optimisers), which would cut the
         # gradient off the listed adapters.
         return _stack_adapters(list(adapters))
     if not isinstance(adapters, Adapter):
-        raise TypeError(
+        raise TypeError(  # error: mixed-route-adapters-type
             f"{where}: adapters must be a list of lora_func.Adapter or one stacked adapter (lora_func.stack([...])), "
             f"got {type(adapters).__name__}"
         )
     if len(adapters.stack_shape) != 1:
-        raise ValueError(
+        raise ValueError(  # error: mixed-route-not-stacked
             f"{where}: a single adapter must be stacked along one leading axis (stack_shape (K,)), got stack_shape "
             f"{adapters.stack_shape}; pass a list of adapters or lora_func.stack([adapter_0, adapter_1, ...])"
         )
@@ -96,14 +96,14 @@ def _stacked(adapters: Any, where: str) -> Adapter:
 def _checked_index(index: Any, size: int, where: str) -> Tensor:
     if not isinstance(index, Tensor) or index.dim() != 1 or index.dtype not in _INDEX_DTYPES or index.numel() == 0:
         shown = f"a {index.dtype} tensor of shape {tuple(index.shape)}" if isinstance(index, Tensor) else type(index).__name__
-        raise TypeError(
+        raise TypeError(  # error: mixed-route-index-type
             f"{where}: index must be a non-empty 1-D int64 or int32 tensor (one adapter position per batch row), got {shown}; "
             f"e.g. torch.tensor([2, 0, 1, 0])"
         )
     outside = sorted({int(i) for i in index.tolist() if not 0 <= i < size})
     if outside:
         # A negative index would silently pick a member counted from the end.
-        raise IndexError(
+        raise IndexError(  # error: mixed-route-index-range
             f"{where}: index has values outside [0, {size}) ({size} adapters): {', '.join(map(str, outside[:5]))}; "
             f"negative positions are refused, not counted from the end"
         )
@@ -124,7 +124,7 @@ class _Rows:
         if found is None:
             size = self.index.shape[0]
             if rows % size:
-                raise ValueError(
+                raise ValueError(  # error: mixed-route-batch-rows
                     f"mixed adapters: target {module} got an input with {rows} rows on dim 0, which is not a multiple of "
                     f"len(index)={size}; the batch must be dim 0 of every target's input, one index entry per sequence "
                     f"(generate's num_beams / num_return_sequences expand rows by repeat_interleave, which is handled)"
@@ -236,7 +236,7 @@ def _mixed_application(
         check_adapter_placement(base, member, where)
     tied = sorted(f"{layer.target.weight_key} (also {', '.join(layer.target.tied_keys)})" for layer in stacked.layers if layer.target.tied_keys)
     if tied:
-        raise ValueError(
+        raise ValueError(  # error: mixed-route-tied
             f"{where} adapts each target at its module's call, but target weight(s) {tied} are also used elsewhere under "
             f"another name, which would see the base weight; leave the tied weight (the embedding / output head) out of "
             f"the targets"
@@ -244,7 +244,7 @@ def _mixed_application(
     quantized = sorted(layer.target.module for layer in stacked.layers if kind_of_tensor(base[layer.target.weight_key]) is not None)
     if quantized and not _gathered_path(stacked.spec.variant):
         gathered = sorted(name for name in list_variants() if _gathered_path(name))
-        raise ValueError(
+        raise ValueError(  # error: mixed-route-quantized
             f"{where}: targets {quantized[:4]} are quantized, and mixed adapters on quantized layers are supported for "
             f"the LoRA-form variants {gathered} only (variant {stacked.spec.variant!r} runs its activation form under "
             f"vmap, which the quantized op does not support); dequantize the base, or use lora_func.adapted per tenant"

@@ -71,33 +71,33 @@ class AdapterSpec:
         var = get_variant(variant)
         targets = _normalise_targets(targets)
         if isinstance(r, bool) or not isinstance(r, int) or r < 1:
-            raise ValueError(f"AdapterSpec r must be an integer >= 1, got r={r!r}")
+            raise ValueError(f"AdapterSpec r must be an integer >= 1, got r={r!r}")  # error: spec-rank
         if alpha is None:
             alpha = var.default_alpha
         if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
-            raise TypeError(f"AdapterSpec alpha must be a number, got {alpha!r}")
+            raise TypeError(f"AdapterSpec alpha must be a number, got {alpha!r}")  # error: spec-alpha
         if not math.isfinite(alpha):
             # A NaN or inf scale turns every output NaN (or, through SDPA, finite but wrong).
-            raise ValueError(f"AdapterSpec alpha must be a finite number, got alpha={alpha!r}; pass e.g. alpha=2*r, or None for the default")
+            raise ValueError(f"AdapterSpec alpha must be a finite number, got alpha={alpha!r}; pass e.g. alpha=2*r, or None for the default")  # error: spec-alpha-finite
         if isinstance(dtype, str):
             dtype = _FLOAT_DTYPES.get(dtype.removeprefix("torch."), dtype)  # type: ignore[arg-type]
         if dtype not in _FLOAT_DTYPES.values():
-            raise TypeError(f"AdapterSpec dtype must be a floating dtype ({', '.join(_FLOAT_DTYPES)}), got {dtype!r}")
+            raise TypeError(f"AdapterSpec dtype must be a floating dtype ({', '.join(_FLOAT_DTYPES)}), got {dtype!r}")  # error: spec-dtype
         if layer_types is not None:
             if isinstance(layer_types, str) or not isinstance(layer_types, Sequence):
-                raise TypeError(
+                raise TypeError(  # error: spec-layer-types-type
                     f"AdapterSpec layer_types must be a tuple of kinds from {list(LAYER_TYPES)} or None, got "
                     f"{layer_types!r}; e.g. layer_types=('linear',)"
                 )
             layer_types = tuple(layer_types)
             bad = [kind for kind in layer_types if kind not in LAYER_TYPES]
             if bad or not layer_types:
-                raise ValueError(f"AdapterSpec layer_types {bad or list(layer_types)} invalid; choose from {list(LAYER_TYPES)}")
+                raise ValueError(f"AdapterSpec layer_types {bad or list(layer_types)} invalid; choose from {list(LAYER_TYPES)}")  # error: spec-layer-types
         if tied not in TIED_POLICIES:
-            raise ValueError(f"AdapterSpec tied={tied!r} is not one of {list(TIED_POLICIES)}")
+            raise ValueError(f"AdapterSpec tied={tied!r} is not one of {list(TIED_POLICIES)}")  # error: spec-tied
         unknown = sorted(set(options) - set(var.options))
         if unknown:
-            raise TypeError(
+            raise TypeError(  # error: spec-unknown-option
                 f"unknown option(s) {unknown} for variant {variant!r}; "
                 f"it accepts {sorted(var.options) or 'no options'}"
             )
@@ -105,7 +105,7 @@ class AdapterSpec:
         for name, default in var.options.items():
             value = resolved[name]
             if default is not None and not _same_kind(value, default):
-                raise TypeError(
+                raise TypeError(  # error: spec-option-type
                     f"option {name}={value!r} for variant {variant!r} must be a {type(default).__name__}"
                 )
         if var.check_options is not None:
@@ -114,7 +114,7 @@ class AdapterSpec:
         # they leave unchecked (eva's rho=nan passes `rho < 1`).
         for name, value in resolved.items():
             if isinstance(value, float) and not math.isfinite(value) and (math.isnan(value) or (variant, name) not in _INFINITE_OPTIONS):
-                raise ValueError(
+                raise ValueError(  # error: spec-option-finite
                     f"option {name}={value!r} for variant {variant!r} must be a finite number (the outputs would be "
                     f"NaN or silently wrong); leave it out for the default {var.options[name]!r}"
                 )
@@ -175,11 +175,11 @@ def _normalise_targets(targets: str | Sequence[str] | Mapping[str, Any]) -> str 
         try:
             re.compile(targets)
         except re.error as err:
-            raise ValueError(f"AdapterSpec targets {targets!r} is not a valid regular expression: {err}") from None
+            raise ValueError(f"AdapterSpec targets {targets!r} is not a valid regular expression: {err}") from None  # error: spec-targets-regex
         return targets
     if isinstance(targets, Mapping) or not isinstance(targets, Sequence):
-        raise TypeError(f"AdapterSpec targets must be a regex string or a list of module names, got {type(targets).__name__}")
+        raise TypeError(f"AdapterSpec targets must be a regex string or a list of module names, got {type(targets).__name__}")  # error: spec-targets-type
     names = tuple(targets)
     if not names or not all(isinstance(n, str) and n for n in names):
-        raise ValueError(f"AdapterSpec targets must be a non-empty list of non-empty strings, got {list(names)!r}")
+        raise ValueError(f"AdapterSpec targets must be a non-empty list of non-empty strings, got {list(names)!r}")  # error: spec-targets-empty
     return names

@@ -83,12 +83,12 @@ def adapter_summary(model: nn.Module, adapter: AdapterLike, *, per_layer: bool =
     line per adapted layer (module, variant, rank, count). Reads nothing but shapes.
     """
     if not isinstance(model, nn.Module):
-        raise TypeError(
+        raise TypeError(  # error: summary-model-type
             f"adapter_summary(model, adapter): model must be the nn.Module the adapter was built for, got "
             f"{type(model).__name__}; pass the model first and the adapter second"
         )
     if not isinstance(adapter, AdapterNode):
-        raise TypeError(
+        raise TypeError(  # error: summary-adapter-type
             f"adapter_summary(model, adapter): adapter must be an Adapter, Composed or Combined, got "
             f"{type(adapter).__name__}; build one with lora_func.init_adapter(model, spec)"
         )

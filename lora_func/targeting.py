@@ -136,7 +136,7 @@ def find_targets(model: nn.Module, spec: AdapterSpec) -> list[Target]:
         head = output_head(model)
         matched = [(n, m) for n, m in modules if n != head and layer_kind(m) is not None]
         if not matched:
-            raise ValueError(
+            raise ValueError(  # error: target-all-linear-none
                 f"targets={ALL_LINEAR!r} found no nn.Linear or transformers Conv1D in {type(model).__name__} "
                 f"(besides the output head {head!r}); name the layers to adapt in `targets` instead"
             )
@@ -145,12 +145,12 @@ def find_targets(model: nn.Module, spec: AdapterSpec) -> list[Target]:
     if not isinstance(spec.targets, str):
         unmatched = [t for t in spec.targets if not any(n == t or n.endswith("." + t) for n in module_names)]
         if unmatched:
-            raise ValueError(
+            raise ValueError(  # error: target-list-unmatched
                 f"target(s) {sorted(unmatched)} match no module of {type(model).__name__}; "
                 f"close module names: {close_names(unmatched, _module_name_pool(module_names)) or 'none'}; {_HINT}"
             )
     if not matched:
-        raise ValueError(
+        raise ValueError(  # error: target-pattern-unmatched
             f"target pattern {spec.targets!r} matches no module of {type(model).__name__} "
             f"(the pattern must match the whole name, e.g. r'.*\\.q_proj'); "
             f"close module names: {close_names([spec.targets], _module_name_pool(module_names)) or 'none'}; {_HINT}"  # type: ignore[list-item]
@@ -159,14 +159,14 @@ def find_targets(model: nn.Module, spec: AdapterSpec) -> list[Target]:
     if spec.layer_types is None:
         unsupported = sorted(f"{name} ({type(module).__name__})" for name, module, kind in kinds if kind is None)
         if unsupported:
-            raise ValueError(
+            raise ValueError(  # error: target-unsupported-kind
                 f"target(s) {unsupported} are neither nn.Linear nor transformers Conv1D; "
                 f"narrow `targets`, or pass layer_types=('linear', 'conv1d') to keep only those kinds"
             )
     else:
         kinds = [k for k in kinds if k[2] in spec.layer_types]
         if not kinds:
-            raise ValueError(
+            raise ValueError(  # error: target-layer-types-none
                 f"target pattern {spec.targets!r} matches modules, but none of layer_types {list(spec.layer_types)}"
             )
     names_of = tensor_names(model)
@@ -177,7 +177,7 @@ def find_targets(model: nn.Module, spec: AdapterSpec) -> list[Target]:
         d_in, d_out = (shape[1], shape[0]) if kind == "linear" else (shape[0], shape[1])
         others = tuple(sorted(n for n in names_of.get(id(weight), []) if n != f"{name}.weight"))
         if others and spec.tied == "error":
-            raise ValueError(
+            raise ValueError(  # error: target-tied
                 f"target {name}.weight is tied to {list(others)}; adapting it would change those too. "
                 f"Pass tied='both' to adapt the shared tensor under every name, or leave {name} out of targets"
             )

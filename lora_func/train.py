@@ -147,7 +147,7 @@ def train_step(
         isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)) or not max_grad_norm > 0
     ):
         # NaN makes clip_grad_norm_ turn every gradient NaN; <= 0 zeroes them: both silently.
-        raise ValueError(
+        raise ValueError(  # error: train-max-grad-norm
             f"train_step: max_grad_norm={max_grad_norm!r} must be a number > 0 (math.inf measures without clipping) "
             f"or None; 1.0 is the usual choice"
         )
@@ -206,12 +206,12 @@ def fit(
     check_model(model, "fit")
     _check_state(state, "fit")
     if not callable(batch_at):
-        raise TypeError(
+        raise TypeError(  # error: fit-batch-at
             f"fit: batch_at must be a function batch_at(step) -> batch (a pure function of the step, for an exact "
             f"resume), got {type(batch_at).__name__}; e.g. fit(model, state, lambda step: batches[step % len(batches)], steps)"
         )
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-        raise ValueError(f"fit: steps={steps!r} must be an integer >= 0 (the total number of steps, not additional ones)")
+        raise ValueError(f"fit: steps={steps!r} must be an integer >= 0 (the total number of steps, not additional ones)")  # error: fit-steps
     base = lf.base_params(model)
     history: list[StepStats] = []
     skipped_in_a_row = 0
@@ -258,7 +258,7 @@ def save_checkpoint(directory: str | os.PathLike, state: TrainState) -> Path:
     directory = Path(directory)
     target = Path(os.path.realpath(directory))
     if target.exists() and not target.is_dir():
-        raise NotADirectoryError(
+        raise NotADirectoryError(  # error: train-checkpoint-not-a-directory
             f"save_checkpoint: {directory} exists and is not a directory; pass a directory path (a training "
             f"checkpoint is a directory holding {_ADAPTER_FILE}, {_OPTIMIZER_FILE} and {_STATE_FILE})"
         )
@@ -314,18 +314,18 @@ def load_checkpoint(directory: str | os.PathLike, model: nn.Module) -> TrainStat
     check_model(model, "load_checkpoint")
     missing = [name for name in (_ADAPTER_FILE, _OPTIMIZER_FILE, _STATE_FILE) if not (directory / name).is_file()]
     if missing:
-        raise FileNotFoundError(f"{directory} is not a lora_func training checkpoint: {missing} missing; write one with save_checkpoint")
+        raise FileNotFoundError(f"{directory} is not a lora_func training checkpoint: {missing} missing; write one with save_checkpoint")  # error: train-not-a-checkpoint
     text, meta = _read_state(directory / _STATE_FILE)
     tensors, file_meta = _read_optimizer_file(directory / _OPTIMIZER_FILE)
     _check_digests(directory, text, tensors, file_meta)
     adapter = lf.load(directory / _ADAPTER_FILE, model=model)
     optimizer_class = getattr(torch.optim, meta["optimizer"], None)
     if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)) or optimizer_class is torch.optim.Optimizer:
-        raise ValueError(f"checkpoint optimizer {meta['optimizer']!r} is not in torch.optim; rebuild it yourself from {directory}")
+        raise ValueError(f"checkpoint optimizer {meta['optimizer']!r} is not in torch.optim; rebuild it yourself from {directory}")  # error: train-unknown-optimizer
     order = [name for group in meta["param_groups"] for name in group["params"]]
     unknown = sorted(set(order) - set(adapter.params))
     if unknown:
-        raise ValueError(f"{directory}: optimizer state names {unknown} that the adapter does not have")
+        raise ValueError(f"{directory}: optimizer state names {unknown} that the adapter does not have")  # error: train-optimizer-names
     index = {name: i for i, name in enumerate(order)}
     per_param = _checked_moments(directory, tensors, adapter.params, index)
     groups = [{**group, "params": [adapter.params[n] for n in group["params"]]} for group in meta["param_groups"]]
@@ -409,7 +409,7 @@ def _read_state(path: Path) -> tuple[str, dict]:
     except (OSError, ValueError, RecursionError) as err:
         text, problems = "", [f"{type(err).__name__}: {err}"]
     if problems:
-        raise ValueError(
+        raise ValueError(  # error: train-bad-state
             f"{path} is not a valid lora_func trainer state (truncated, damaged or edited): {problems[:5]}; resume "
             f"from another checkpoint, or save one again with save_checkpoint"
         )
@@ -420,7 +420,7 @@ def _read_optimizer_file(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]
     try:
         return read_safetensors(path)
     except ValueError as err:
-        raise ValueError(f"{err}; resume from another checkpoint, or save one again with save_checkpoint") from None
+        raise ValueError(f"{err}; resume from another checkpoint, or save one again with save_checkpoint") from None  # error: train-unreadable-optimizer
 
 
 def _check_digests(directory: Path, text: str, tensors: Mapping[str, Tensor], file_meta: Mapping[str, str]) -> None:
@@ -438,7 +438,7 @@ def _check_digests(directory: Path, text: str, tensors: Mapping[str, Tensor], fi
         (_STATE_FILE, saved.get("trainer_state_sha256") == hashlib.sha256(text.encode()).hexdigest()),
     ) if not ok]
     if bad:
-        raise ValueError(
+        raise ValueError(  # error: train-corrupted
             f"{directory} is corrupted: {bad} do not match the checksums saved with the checkpoint (damaged on disk or "
             f"in transfer, edited by hand, or copied in from another checkpoint); resume from another checkpoint"
         )
@@ -471,7 +471,7 @@ def _checked_moments(
     problems += [f"{key}: NaN or inf" for key in non_finite_keys(flat)]
     problems += [f"{key}: negative" for key, value in flat.items() if key.endswith("/step") and bool((value < 0).any())]
     if problems:
-        raise ValueError(
+        raise ValueError(  # error: train-bad-moments
             f"{directory}/{_OPTIMIZER_FILE} holds optimizer moments that do not fit the adapter: {problems[:5]}"
             f"{f' and {len(problems) - 5} more' if len(problems) > 5 else ''}; resume from another checkpoint"
         )
@@ -480,7 +480,7 @@ def _checked_moments(
 
 def _check_state(state: Any, where: str) -> None:
     if not isinstance(state, TrainState):
-        raise TypeError(
+        raise TypeError(  # error: train-not-a-state
             f"{where}: state must be a lora_func.train.TrainState, got {type(state).__name__}; build one with "
             f"TrainState(adapter, make_optimizer(adapter, lr)) or load_checkpoint(directory, model)"
         )
@@ -503,7 +503,7 @@ def _check_optimizer_state(optimizer: torch.optim.Optimizer, params: Mapping[str
                         f"the tensor is {tuple(p.shape)} on {p.device}"
                     )
     if problems:
-        raise ValueError(
+        raise ValueError(  # error: train-step-optimizer-state
             f"train_step: the optimizer state does not fit the adapter: {problems[:5]}; nothing was updated. Build the "
             f"optimizer with make_optimizer(adapter, ...) or load it with load_checkpoint"
         )
@@ -516,6 +516,6 @@ def _param_names(state: TrainState) -> list[str]:
     for group in state.optimizer.param_groups:
         for p in group["params"]:
             if id(p) not in by_id:
-                raise ValueError("the optimizer holds a tensor that is not in state.adapter.params; build it with make_optimizer(adapter, ...)")
+                raise ValueError("the optimizer holds a tensor that is not in state.adapter.params; build it with make_optimizer(adapter, ...)")  # error: train-foreign-param
             names.append(by_id[id(p)])
     return names

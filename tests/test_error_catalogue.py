@@ -5,9 +5,10 @@ the names the message must mention, and that nothing was touched: every model th
 is unchanged (same tensor objects, same bytes, no ``.grad``), every adapter it built keeps its
 values, and the files under ``tmp_path`` are exactly as before the failing call.
 
-Coverage both ways: every ``raise`` in ``lora_func/`` (found with ``ast``) matches exactly one
-entry (same file, enclosing function, exception type, and the fragment in the message text),
-every entry matches exactly one ``raise``, and every entry has a case.
+Coverage both ways: every ``raise`` in ``lora_func/`` (found with ``ast``) carries the id of
+exactly one entry (a ``# error: <id>`` comment on its ``raise`` line) whose exception type and
+message fragment it matches, every entry matches exactly one ``raise``, and every entry has a
+case. The id is the key: code can move between functions and files without catalogue edits.
 """
 
 from __future__ import annotations
@@ -50,8 +51,6 @@ ANY_TYPE = "*"  # a raise site that re-raises with the wrapped error's type: typ
 class Entry:
     id: str
     exc: str
-    file: str
-    function: str
     fragment: str
 
     def pattern(self) -> re.Pattern[str]:
@@ -60,7 +59,8 @@ class Entry:
 
 
 _HEAD = re.compile(r"^### `([a-z0-9-]+)`\s*$")
-_RAISES = re.compile(r"^- \*\*raises:\*\* `(\w+)` in `([\w/.]+)` `([\w.]+)`\s*$")
+_RAISES = re.compile(r"^- \*\*raises:\*\* `(\w+)`\s*$")
+_TAG = re.compile(r"#\s*error:\s*([a-z0-9-]+)\s*$")
 _MESSAGE = re.compile(r"^- \*\*message:\*\* `([^`]+)`\s*$")
 
 
@@ -70,7 +70,7 @@ def parse_catalogue(text: str) -> dict[str, Entry]:
 
     def flush() -> None:
         if current:
-            missing = {"id", "exc", "file", "function", "fragment"} - set(current)
+            missing = {"id", "exc", "fragment"} - set(current)
             assert not missing, f"docs/errors.md entry {current.get('id')} lacks {sorted(missing)}"
             assert current["id"] not in entries, f"docs/errors.md: duplicate id {current['id']}"
             entries[current["id"]] = Entry(**current)
@@ -81,7 +81,7 @@ def parse_catalogue(text: str) -> dict[str, Entry]:
             flush()
             current["id"] = m[1]
         elif current and (m := _RAISES.match(line)):
-            current.update(exc=m[1], file=m[2], function=m[3])
+            current.update(exc=m[1])
         elif current and (m := _MESSAGE.match(line)):
             current["fragment"] = m[1]
     flush()
@@ -98,6 +98,7 @@ class Site:
     exc: str
     template: str  # the message with every formatted value as "{…}"
     line: int
+    id: str | None  # the catalogue id its `# error: <id>` comment names
 
 
 def _template(node: ast.expr | None) -> str:
@@ -123,6 +124,7 @@ def raise_sites(package: Path = PACKAGE) -> list[Site]:
 def _file_sites(path: Path, rel: str) -> list[Site]:
     sites: list[Site] = []
     scope: list[str] = []
+    lines = path.read_text().splitlines()
 
     class Visitor(ast.NodeVisitor):
         def _scoped(self, node: ast.AST) -> None:
@@ -140,7 +142,8 @@ def _file_sites(path: Path, rel: str) -> list[Site]:
             func = call.func if call else exc
             name = ANY_TYPE if isinstance(func, ast.Call) else ast.unparse(func).rsplit(".", 1)[-1]
             message = _template(call.args[0]) if call and call.args else ""
-            sites.append(Site(rel, ".".join(scope) or "<module>", name, message, node.lineno))
+            tag = _TAG.search(lines[node.lineno - 1])
+            sites.append(Site(rel, ".".join(scope) or "<module>", name, message, node.lineno, tag[1] if tag else None))
 
     Visitor().visit(ast.parse(path.read_text(), str(path)))
     return sites
@@ -148,8 +151,7 @@ def _file_sites(path: Path, rel: str) -> list[Site]:
 
 def _matches(entry: Entry, site: Site) -> bool:
     return (
-        entry.file == site.file
-        and entry.function == site.function
+        entry.id == site.id
         and (site.exc == ANY_TYPE or entry.exc == site.exc)
         and entry.pattern().search(site.template) is not None
     )
@@ -167,10 +169,15 @@ def test_every_raise_in_the_package_has_exactly_one_catalogue_entry():
     assert len(sites) >= 70, "the ast scan found too few raise sites"
     problems = []
     for site in sites:
-        hits = [e.id for e in ENTRIES.values() if _matches(e, site)]
-        if len(hits) != 1:
-            problems.append(f"{site.file}:{site.line} {site.function} raise {site.exc}({site.template[:70]!r}): entries {hits}")
-    assert not problems, "add (or disambiguate) docs/errors.md entries for:\n" + "\n".join(problems)
+        where = f"{site.file}:{site.line} {site.function} raise {site.exc}({site.template[:70]!r})"
+        if site.id is None:
+            problems.append(f"{where}: no `# error: <id>` comment on the raise line")
+        elif site.id not in ENTRIES:
+            problems.append(f"{where}: docs/errors.md has no entry {site.id!r}")
+        elif not _matches(ENTRIES[site.id], site):
+            entry = ENTRIES[site.id]
+            problems.append(f"{where}: entry {site.id!r} says {entry.exc} with {entry.fragment!r}")
+    assert not problems, "add (or fix) docs/errors.md entries or raise tags for:\n" + "\n".join(problems)
 
 
 def test_every_catalogue_entry_matches_exactly_one_raise():
@@ -188,16 +195,23 @@ def test_the_scan_sees_what_it_must(tmp_path):
     source = (
         "def outer(err):\n"
         "    def inner():\n"
-        "        raise ValueError(f'bad {x} value' + ' here')\n"
+        "        raise ValueError(f'bad {x} value' + ' here')  # error: bad-value\n"
         "    try:\n        pass\n    except ValueError:\n        raise\n"
-        "    raise type(err)(f'wrapped: {err}') from err\n"
+        "    raise type(err)(f'wrapped: {err}') from err  # error: wrapped\n"
+        "    raise KeyError('untagged')\n"
     )
     (tmp_path / "m.py").write_text(source)
     sites = raise_sites(tmp_path)
-    assert [(s.function, s.exc, s.template) for s in sites] == [
-        ("outer.inner", "ValueError", "bad {…} value here"),
-        ("outer", ANY_TYPE, "wrapped: {…}"),
+    assert [(s.function, s.exc, s.template, s.id) for s in sites] == [
+        ("outer.inner", "ValueError", "bad {…} value here", "bad-value"),
+        ("outer", ANY_TYPE, "wrapped: {…}", "wrapped"),
+        ("outer", "KeyError", "untagged", None),
     ]
+    entry = Entry("bad-value", "ValueError", "bad … value")
+    assert _matches(entry, sites[0])
+    assert not _matches(entry, sites[1])  # another id
+    assert not _matches(dataclasses.replace(entry, exc="KeyError"), sites[0])  # another type
+    assert not _matches(dataclasses.replace(entry, fragment="good"), sites[0])  # another message
 
 
 # ------------------------------------------------------------------------------------ cases

@@ -67,7 +67,7 @@ def quantization_config(quantize: str, dtype: torch.dtype):
     try:
         import bitsandbytes  # noqa: F401
     except ImportError as err:
-        raise ImportError(
+        raise ImportError(  # error: demo-quantize-needs-bitsandbytes
             f"quantize={quantize!r} needs bitsandbytes (pip install bitsandbytes); lora_func does not depend on it"
         ) from err
     from transformers import BitsAndBytesConfig
@@ -78,7 +78,7 @@ def quantization_config(quantize: str, dtype: torch.dtype):
         )
     if quantize == "int8":
         return BitsAndBytesConfig(load_in_8bit=True)
-    raise ValueError(f"quantize={quantize!r} is not one of {list(QUANTIZE)}")
+    raise ValueError(f"quantize={quantize!r} is not one of {list(QUANTIZE)}")  # error: demo-quantize-unknown
 
 
 def load_model(
@@ -95,7 +95,7 @@ def load_model(
     path = ASSETS if model_dir is None else Path(model_dir)
     if not (path / "config.json").is_file():
         hint = "run scripts/pretrain_tiny_lm.py to rebuild the shipped model" if model_dir is None else "pass a directory saved by save_pretrained()"
-        raise FileNotFoundError(f"no config.json in {path}: not a Hugging Face model directory; {hint}")
+        raise FileNotFoundError(f"no config.json in {path}: not a Hugging Face model directory; {hint}")  # error: demo-no-config
     tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -116,7 +116,7 @@ def default_targets(model: nn.Module) -> list[str]:
     for family in _ATTENTION_TARGETS:
         if set(family) <= names:
             return list(family)
-    raise ValueError(
+    raise ValueError(  # error: demo-targets
         f"cannot guess the attention projections of {type(model).__name__}; pass targets explicitly "
         f"(e.g. --targets q_proj,v_proj)"
     )

@@ -417,5 +417,5 @@ def run_demo(config: DemoConfig, *, emit: Callable[[str], None] = print) -> list
             emit(f"wrote {out / 'loss_curves.png'}, {out / 'results.md'}, {out / 'results.json'} and the adapters in {out / 'adapters'}")
     bad = [r["variant"] for r in rows if not math.isfinite(r["final_loss"])]
     if bad:
-        raise FloatingPointError(f"training diverged (non-finite loss) for {bad}; lower the learning rate (--lr) or train in float32 (--dtype float32)")
+        raise FloatingPointError(f"training diverged (non-finite loss) for {bad}; lower the learning rate (--lr) or train in float32 (--dtype float32)")  # error: demo-diverged
     return rows

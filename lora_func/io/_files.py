@@ -202,7 +202,7 @@ def safetensors_write(path: Path, write: Callable[[], Any]) -> None:
     try:
         write()
     except SafetensorError as err:
-        raise OSError(f"could not write {path}: {err}; free disk space or check the directory, then save again") from err
+        raise OSError(f"could not write {path}: {err}; free disk space or check the directory, then save again") from err  # error: file-write-failed
 
 
 def read_safetensors(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
@@ -213,5 +213,5 @@ def read_safetensors(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
             metadata = f.metadata() or {}
         tensors = load_file(str(path))
     except (SafetensorError, OSError, ValueError) as err:
-        raise ValueError(f"{path} is not a readable safetensors file (truncated or corrupted?): {err}") from None
+        raise ValueError(f"{path} is not a readable safetensors file (truncated or corrupted?): {err}") from None  # error: load-unreadable
     return tensors, metadata

@@ -199,14 +199,14 @@ def save(adapter: AdapterLike, path: str | os.PathLike, *, trainable_only: bool 
     Not for stacked adapters (their rank masks are not reproducible by an init).
     """
     if not isinstance(adapter, AdapterNode):
-        raise TypeError(
+        raise TypeError(  # error: save-not-adapter
             f"save() expects an Adapter, Composed or Combined, got {type(adapter).__name__}; "
             f"build one with lora_func.init_adapter(model, spec)"
         )
     check_path(path, "save")
     tree = _tree_to_json(adapter)
     if trainable_only and adapter.stack_shape:
-        raise ValueError(
+        raise ValueError(  # error: save-trainable-only-stacked
             f"save(trainable_only=True) cannot rebuild the buffers of a stacked adapter (stack_shape "
             f"{adapter.stack_shape}); save it with trainable_only=False, or unstack() and save each member"
         )
@@ -297,7 +297,7 @@ def _parse(path: Path, metadata: Mapping[str, str]) -> tuple[_Skeleton, bool, di
         # RecursionError: a hostile, deeply nested tree (json.loads and the tree walk recurse).
         problem = f"{type(err).__name__}: {err}"
     if problem is not None:
-        raise ValueError(f"{path} has damaged lora_func metadata ({problem}); save the adapter again")
+        raise ValueError(f"{path} has damaged lora_func metadata ({problem}); save the adapter again")  # error: load-damaged-metadata
     return skeleton, bool(trainable_only), buffer_digests, digest
 
 
@@ -383,7 +383,7 @@ def _rebuild_buffers(
     )
     buffers = {name: buffers[name].detach().contiguous() for name, _ in layer.buffer_shapes if name in buffers}
     if sorted(buffers) != sorted(name for name, _ in layer.buffer_shapes) or tensors_digest(buffers) != expected_digest:
-        raise ValueError(
+        raise ValueError(  # error: load-buffers-differ
             f"{path} holds only trainable tensors, and the buffers of layer {layer.target.module} "
             f"({spec.variant}) that its init gives on this {type(model).__name__} differ from the saved ones "
             f"(different base weights, another device or BLAS, or buffers changed after init such as a "
@@ -408,13 +408,13 @@ def load(path: str | os.PathLike, model: nn.Module | None = None) -> AdapterLike
     if model is not None:
         check_model(model, "load")
     if not path.is_file():
-        raise FileNotFoundError(f"no adapter file at {path}; pass the path of a file written by lora_func.save")
+        raise FileNotFoundError(f"no adapter file at {path}; pass the path of a file written by lora_func.save")  # error: load-missing
     tensors, metadata = read_safetensors(path)
     if metadata.get("format") != FORMAT:
         hint = " (a peft checkpoint? use lora_func.load_peft on its directory)" if "adapter_model" in path.name else ""
-        raise ValueError(f"{path} is not a lora_func adapter file: its metadata has no format={FORMAT!r}{hint}")
+        raise ValueError(f"{path} is not a lora_func adapter file: its metadata has no format={FORMAT!r}{hint}")  # error: load-foreign
     if metadata.get("format_version") not in READABLE_VERSIONS:
-        raise ValueError(
+        raise ValueError(  # error: load-version
             f"{path} has format_version {metadata.get('format_version')!r}; this lora_func reads "
             f"{list(READABLE_VERSIONS)}: load it with the (newer) lora_func that wrote it"
         )
@@ -422,18 +422,18 @@ def load(path: str | os.PathLike, model: nn.Module | None = None) -> AdapterLike
     expected = _expected_tensors(skeleton, trainable_only)
     missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
     if missing or unexpected:
-        raise ValueError(
+        raise ValueError(  # error: load-inconsistent
             f"{path} is inconsistent: missing tensors {missing}, unexpected tensors {unexpected}; "
             f"the file was edited or assembled by hand: save the adapter again"
         )
     wrong = _tensor_problems(skeleton, tensors)
     if wrong:
-        raise ValueError(
+        raise ValueError(  # error: load-tensor-mismatch
             f"{path} is inconsistent: its tensors do not match its metadata: {wrong[:5]}; the file was edited or "
             f"assembled by hand: save the adapter again"
         )
     if _file_digest(metadata, tensors) != digest:
-        raise ValueError(
+        raise ValueError(  # error: load-corrupted
             f"{path} is corrupted: its tensors or metadata do not match the checksum saved with them (damaged on "
             f"disk or in transfer, or edited by hand); save the adapter again (change hyperparameters through "
             f"the API, not in the file)"
@@ -442,7 +442,7 @@ def load(path: str | os.PathLike, model: nn.Module | None = None) -> AdapterLike
     all_layers = [layer for _, leaf in leaf_nodes for layer in leaf.layers]
     with_buffers = sorted(layer.target.module for layer in all_layers if layer.buffer_shapes)
     if trainable_only and with_buffers and model is None:
-        raise ValueError(
+        raise ValueError(  # error: load-trainable-only-needs-model
             f"{path} holds only the trainable tensors (saved with trainable_only=True); pass model=... (the model "
             f"it was trained on) so that load can rebuild the buffers of {with_buffers[:3]}"
         )
@@ -451,12 +451,12 @@ def load(path: str | os.PathLike, model: nn.Module | None = None) -> AdapterLike
         base = base_params(model)
         problems = _model_problems(model, base, all_layers)
         if problems:
-            raise ValueError(
+            raise ValueError(  # error: load-wrong-model
                 f"{path} does not fit {type(model).__name__}: {problems}; load it onto the model the adapter was built on"
             )
         meta = sorted(layer.target.weight_key for layer in all_layers if base[layer.target.weight_key].is_meta)
         if meta:
-            raise ValueError(
+            raise ValueError(  # error: load-meta-model
                 f"load({path}, model=...): the target weights {meta[:5]} of {type(model).__name__} are on the meta "
                 f"device (no values): the adapter's tensors would lose theirs. Materialise the model first "
                 f"(model.to_empty(device=...) and load its weights), or load without model= and move the adapter later"

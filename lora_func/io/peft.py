@@ -251,13 +251,13 @@ def _pissa_as_lora(adapter: Adapter, layer: AdapterLayer, base: Mapping[str, Ten
     ``A' = [A; A0] (2r, d_in)``, ``B' = [B, −B0] (d_out, 2r)``, same scale."""
     t = layer.target
     if base is None:
-        raise ValueError(
+        raise ValueError(  # error: save-peft-pissa-needs-model
             f"save_peft of a pissa adapter needs model=<the base model>: peft's format stores PiSSA as a LoRA "
             f"relative to the untouched base, and its initial factors are recovered from W − W_res ({t.module})"
         )
     weight = base[t.weight_key]
     if weight_fingerprint(weight) != layer.base_fingerprint:
-        raise ValueError(
+        raise ValueError(  # error: save-peft-pissa-other-base
             f"save_peft: the pissa adapter on {t.module} was derived from other base weights than this model's "
             f"(fingerprint {layer.base_fingerprint}, model {weight_fingerprint(weight)}); pass the model it was built on"
         )
@@ -362,7 +362,7 @@ def _suffixes(peft_type: str) -> dict[str, str]:
 def _read_config(directory: Path) -> dict[str, Any]:
     path = directory / CONFIG_NAME
     if not path.is_file():
-        raise FileNotFoundError(
+        raise FileNotFoundError(  # error: peft-no-config
             f"no peft checkpoint at {directory}: {CONFIG_NAME} is missing; pass the directory that peft's "
             f"save_pretrained (or lora_func.save_peft) wrote"
         )
@@ -372,7 +372,7 @@ def _read_config(directory: Path) -> dict[str, Any]:
         config = err
     if not isinstance(config, dict):
         problem = config if isinstance(config, Exception) else f"a JSON {type(config).__name__}"
-        raise ValueError(f"{path} is not a peft config (a JSON object): {problem}; re-save the checkpoint")
+        raise ValueError(f"{path} is not a peft config (a JSON object): {problem}; re-save the checkpoint")  # error: peft-bad-config
     return config
 
 
@@ -399,9 +399,9 @@ def _read_tensors(directory: Path) -> dict[str, Tensor]:
             # An integer "adapter" would be cast to an integer spec dtype, or truncate the layer.
             problem = f"tensors {sorted(k for k, v in loaded.items() if not v.is_floating_point())[:3]} are not floating-point"
     if problem is not None:
-        raise ValueError(f"the weights in {directory} are not readable (truncated or corrupted?): {problem}; re-save the checkpoint")
+        raise ValueError(f"the weights in {directory} are not readable (truncated or corrupted?): {problem}; re-save the checkpoint")  # error: peft-unreadable-weights
     if loaded is None:
-        raise FileNotFoundError(f"no peft checkpoint at {directory}: neither {WEIGHTS_NAME} nor {LEGACY_WEIGHTS_NAME} is there")
+        raise FileNotFoundError(f"no peft checkpoint at {directory}: neither {WEIGHTS_NAME} nor {LEGACY_WEIGHTS_NAME} is there")  # error: peft-no-weights
     return dict(loaded)
 
 
@@ -457,7 +457,7 @@ def _config_problems(config: Mapping[str, Any]) -> list[str]:
 def _check_config(directory: Path, config: Mapping[str, Any]) -> None:
     problems = _config_problems(config)
     if problems:
-        raise ValueError(
+        raise ValueError(  # error: peft-config-values
             f"{directory / CONFIG_NAME} has invalid values: {problems[:5]} (ranks are integers >= 1, alphas finite "
             f"numbers, patterns valid regular expressions, flags true/false); re-save the checkpoint or fix the config"
         )
@@ -483,7 +483,7 @@ def _by_module(directory: Path, peft_type: str, tensors: Mapping[str, Tensor]) -
             continue
         out.setdefault(rest[: -len(match) - 1], {})[suffixes[match]] = tensor
     if unknown or not out:
-        raise ValueError(
+        raise ValueError(  # error: peft-unmapped-tensors
             f"{directory} has tensors lora_func cannot map for peft_type {peft_type}: {sorted(unknown)[:5]} "
             f"({len(unknown)} of {len(tensors)}); lora_func reads {sorted(set(suffixes))} under '{PREFIX}' (bias, "
             f"modules_to_save and embedding layers are not supported)"
@@ -501,14 +501,14 @@ def _pattern_value(patterns: Mapping[str, Any] | None, module: str, default: Any
 
 def _check_model(model: nn.Module, directory: Path, modules: Iterable[str]) -> None:
     if hasattr(model, "peft_config"):
-        raise TypeError(
+        raise TypeError(  # error: peft-wrapped-model
             f"load_peft({directory}) needs the untouched base model, got a peft-wrapped {type(model).__name__}; "
             f"pass model.get_base_model() of a fresh model (lora_func never modifies it)"
         )
     names = {name for name, _ in model.named_modules()}
     missing = sorted(set(modules) - names)
     if missing:
-        raise ValueError(
+        raise ValueError(  # error: peft-missing-modules
             f"{directory} adapts modules that {type(model).__name__} does not have: {missing[:5]} ({len(missing)} in "
             f"all); load it onto the model it was trained for"
         )
@@ -520,7 +520,7 @@ def _check_model(model: nn.Module, directory: Path, modules: Iterable[str]) -> N
         if isinstance(w, Tensor) and not w.is_floating_point() and kind_of_tensor(w) is None
     )
     if not_float:
-        raise TypeError(
+        raise TypeError(  # error: peft-non-float-base
             f"load_peft({directory}): the target weights {not_float[:5]} of {type(model).__name__} are not floating-point "
             f"(quantized or integer): the adapter's delta would be rounded away; dequantize those layers first (load the "
             f"model without a quantization config)"
@@ -558,7 +558,7 @@ def _assemble(
     names_of = tensor_names(model)
     tied = sorted(m for m in layers if len(names_of.get(id(getattr(modules[m], "weight", None)), ())) > 1)
     if tied:
-        raise ValueError(
+        raise ValueError(  # error: peft-tied-module
             f"{directory} adapts {tied}, whose weight is tied to another name (e.g. GPT-2's lm_head and the token "
             f"embedding): peft adapts only that module's output, lora_func adapts the shared tensor under every name "
             f"(tied='both'), which also changes the embedding; merge the adapter in peft (merge_and_unload) instead"
@@ -566,7 +566,7 @@ def _assemble(
     try:
         targets = find_targets(model, spec)
     except ValueError as err:
-        raise ValueError(f"load_peft({directory}): {err}") from None
+        raise ValueError(f"load_peft({directory}): {err}") from None  # error: peft-layer-refused
     variant, fmt = get_variant(variant_name), FORMATS[variant_name]
     params: dict[str, Tensor] = {}
     buffers: dict[str, Tensor] = {}
@@ -593,7 +593,7 @@ def _assemble(
             adapter_layer(target, info, layer.params, layer_buffers, weight_fingerprint(weight) if variant.records_base else None)
         )
     if wrong:
-        raise ValueError(
+        raise ValueError(  # error: peft-shapes
             f"{directory} does not fit {type(model).__name__} (tensor shapes): {wrong[:3]}; load it onto the model "
             f"it was trained for"
         )
@@ -618,7 +618,7 @@ def _refuse_unsupported(directory: Path, config: Mapping[str, Any]) -> None:
     bad = sorted(name for name in METHODS[config["peft_type"]].refused if config.get(name))
     bad += ["bias"] if config.get("bias", "none") != "none" else []
     if bad:
-        raise ValueError(
+        raise ValueError(  # error: peft-unsupported-features
             f"{directory} uses {config.get('peft_type')} features lora_func does not support: {bad}; retrain without "
             f"them, or merge the adapter in peft (merge_and_unload) and use the merged model"
         )
@@ -626,7 +626,7 @@ def _refuse_unsupported(directory: Path, config: Mapping[str, Any]) -> None:
 
 def _check_complete(directory: Path, module: str, found: Mapping[str, Tensor], needed: Iterable[str]) -> None:
     if sorted(found) != sorted(needed):
-        raise ValueError(
+        raise ValueError(  # error: peft-incomplete
             f"{directory} is incomplete at {module}: it has {sorted(found)}, the layer needs {sorted(needed)}; re-save the checkpoint"
         )
 
@@ -636,7 +636,7 @@ def _checked_rank(directory: Path, config: Mapping[str, Any], module: str, got: 
     computes the scale from the config's ``r`` / ``rank_pattern``, not from the tensors."""
     expected = _pattern_value(config.get("rank_pattern"), module, config.get("r", 8))
     if expected != got:
-        raise ValueError(
+        raise ValueError(  # error: peft-rank-mismatch
             f"{directory} is inconsistent at {module}: its tensors have rank {got}, but the config (r / rank_pattern) "
             f"says {expected}; re-save the checkpoint"
         )
@@ -650,7 +650,7 @@ def _format_for(directory: Path, config: Mapping[str, Any], peft_type: str, modu
             return name, options
     # Only LORA checkpoints can be refused here: every other method has an entry for any config.
     init, use_dora = config.get("init_lora_weights", True), bool(config.get("use_dora", False))
-    raise ValueError(
+    raise ValueError(  # error: peft-converted-init
         f"{directory} was initialised with init_lora_weights={init!r}{' and use_dora' if use_dora else ''}: peft changed "
         f"its base weights for it, so the checkpoint is relative to a base lora_func does not have; save it in peft with "
         f"save_pretrained(..., path_initial_model_for_weight_conversion=<dir of the initial adapter>) to get a "
@@ -665,7 +665,7 @@ def _layer_from_peft(directory: Path, config: Mapping[str, Any], module: str, fm
     for name, (axis, stored_as) in fmt.matrix.items():
         t = tensors[name]
         if t.dim() != 2 or t.shape[axis] != 1:
-            raise ValueError(f"{directory} is inconsistent at {module}: {name} has shape {tuple(t.shape)}, but {stored_as}")
+            raise ValueError(f"{directory} is inconsistent at {module}: {name} has shape {tuple(t.shape)}, but {stored_as}")  # error: peft-ia3-shape
         tensors[name] = t.reshape(-1)
     method = METHODS[fmt.peft_type]
     r = alpha = None
@@ -714,7 +714,7 @@ def load_peft(directory: str | os.PathLike, model: nn.Module) -> AdapterLike:
     config = _read_config(directory)
     peft_type = config.get("peft_type")
     if not isinstance(peft_type, str) or peft_type not in METHODS:
-        raise ValueError(
+        raise ValueError(  # error: peft-unknown-type
             f"{directory} is a peft {peft_type!r} checkpoint; lora_func reads peft_type {sorted(METHODS)} "
             f"(LoRA with rsLoRA/DoRA/PiSSA/EVA, IA3, HRA, DeLoRA)"
         )
@@ -726,7 +726,7 @@ def load_peft(directory: str | os.PathLike, model: nn.Module) -> AdapterLike:
     selector = config.get("target_modules")
     if selector and not any(_selects(selector, name) for name, _ in model.named_modules()):
         # peft refuses such a config ("Target modules ... not found in the base model").
-        raise ValueError(
+        raise ValueError(  # error: peft-target-modules-unmatched
             f"{directory / CONFIG_NAME}: target_modules={selector!r} matches no module of {type(model).__name__}; load "
             f"it onto the model it was trained for, or fix target_modules"
         )
@@ -751,7 +751,7 @@ def _export_leaf(adapter: Adapter, base: Mapping[str, Tensor] | None) -> _Export
     computed yet: see :class:`_Out`)."""
     name = adapter.spec.variant
     if adapter.stack_shape or adapter.members is not None:
-        raise ValueError(
+        raise ValueError(  # error: save-peft-stacked
             f"save_peft: this {name} adapter is stacked (stack_shape {adapter.stack_shape}); a peft checkpoint holds one "
             f"adapter: save each of lora_func.unstack(adapter)"
         )
@@ -759,18 +759,18 @@ def _export_leaf(adapter: Adapter, base: Mapping[str, Tensor] | None) -> _Export
     layers = []
     for layer in adapter.layers:
         if layer.target.tied_keys:
-            raise ValueError(
+            raise ValueError(  # error: save-peft-tied
                 f"save_peft: {layer.target.module} is adapted under its tied names {list(layer.target.tied_keys)} too "
                 f"(tied='both'), but peft would adapt only the {layer.target.module} module's output, not the embedding "
                 f"lookup: a different model. Export the merged model with lora_func.merged_state_dict, or save with lora_func.save"
             )
         if fmt is None:
-            raise ValueError(
+            raise ValueError(  # error: save-peft-no-equivalent
                 f"save_peft: {name} has no peft equivalent (peft has no such method); save it with lora_func.save, or "
                 f"export the merged model with lora_func.merged_state_dict"
             )
         if layer.target.layout == "conv1d" and not fmt.conv1d:
-            raise ValueError(
+            raise ValueError(  # error: save-peft-conv1d
                 f"save_peft: peft refuses {name} on GPT-2 Conv1D layers ({layer.target.module}), so no peft tool could "
                 f"load this checkpoint; save it with lora_func.save instead"
             )
@@ -785,10 +785,10 @@ def _leaves(adapter: AdapterLike) -> list[Adapter]:
     :class:`Composed` does, and has no form for any other combinator."""
 
     if not isinstance(adapter, AdapterNode):
-        raise TypeError(f"save_peft expects an Adapter or Composed, got {type(adapter).__name__}")
+        raise TypeError(f"save_peft expects an Adapter or Composed, got {type(adapter).__name__}")  # error: save-peft-not-adapter
     for _, node in walk(adapter):
         if node.parts and not isinstance(node, Composed):
-            raise TypeError(
+            raise TypeError(  # error: save-peft-combined
                 f"save_peft: a {type(node).__name__} adapter (built by {node.verb}()) has no peft checkpoint form "
                 f"(peft applies adapters only in order, as compose does); save it with lora_func.save, or export the "
                 f"merged model with lora_func.merged_state_dict"
@@ -846,7 +846,7 @@ def _peft_config(
         if method.rank_pattern:
             config["rank_pattern"] = rank_pattern
         elif rank_pattern:
-            raise ValueError(
+            raise ValueError(  # error: save-peft-hra-ranks
                 f"save_peft: peft's {peft_type} has one rank for all layers, but these layers differ from r={r}: "
                 f"{sorted(rank_pattern)[:5]}; save the parts of different ranks separately"
             )
@@ -862,7 +862,7 @@ def _base_of(leaves: Sequence[Adapter], model: nn.Module | None) -> dict[str, Te
     if base is not None:
         missing = sorted({layer.target.weight_key for leaf in leaves for layer in leaf.layers} - set(base))
         if missing:
-            raise ValueError(f"save_peft: the adapter's targets {missing[:5]} are not in {type(model).__name__}; pass the model it was built on")
+            raise ValueError(f"save_peft: the adapter's targets {missing[:5]} are not in {type(model).__name__}; pass the model it was built on")  # error: save-peft-wrong-model
     return base
 
 
@@ -871,7 +871,7 @@ def _one_checkpoint(exports: Sequence[_Export], model: nn.Module | None, task_ty
     that the parts fit in one: one peft method and one set of options, each layer once."""
     kinds = sorted({(e.peft_type, e.shared) for e in exports})
     if len(kinds) > 1:
-        raise ValueError(
+        raise ValueError(  # error: save-peft-mixed-methods
             f"save_peft: the parts of this composed adapter need different peft configs ({[k[0] for k in kinds]}: "
             f"{[{name: json.loads(value) for name, value in k[1]} for k in kinds]}); one peft checkpoint has one method and one set of options: save each "
             f"part with save_peft to its own directory"
@@ -880,7 +880,7 @@ def _one_checkpoint(exports: Sequence[_Export], model: nn.Module | None, task_ty
     counts = collections.Counter(o.target.module for o in layers)
     twice = sorted(m for m, n in counts.items() if n > 1)
     if twice:
-        raise ValueError(
+        raise ValueError(  # error: save-peft-same-layers
             f"save_peft: several parts adapt the same layers {twice[:5]}; a peft checkpoint has one adapter per "
             f"layer: save the parts separately, or export the merged model with lora_func.merged_state_dict"
         )
@@ -901,7 +901,7 @@ def peft_problems(adapter: AdapterLike, *, model: nn.Module | None = None) -> li
     computed beyond the base weights' fingerprints for pissa, and nothing is written.
     """
     if not isinstance(adapter, AdapterNode):
-        raise TypeError(f"peft_problems expects an adapter (Adapter, Composed, Combined, ...), got {type(adapter).__name__}")
+        raise TypeError(f"peft_problems expects an adapter (Adapter, Composed, Combined, ...), got {type(adapter).__name__}")  # error: peft-problems-not-adapter
     if model is not None:
         check_model(model, "peft_problems")
     try:
@@ -960,7 +960,7 @@ def save_peft(
     leaves = _leaves(adapter)
     check_path(directory, "save_peft", "directory")
     if task_type is not None and not isinstance(task_type, str):
-        raise TypeError(f"save_peft: task_type must be a peft task name such as 'CAUSAL_LM' or None, got {task_type!r}")
+        raise TypeError(f"save_peft: task_type must be a peft task name such as 'CAUSAL_LM' or None, got {task_type!r}")  # error: save-peft-task-type
     if model is not None:
         check_model(model, "save_peft")
     base = _base_of(leaves, model)
@@ -974,7 +974,7 @@ def save_peft(
     # The real directory (a symlink to a checkpoint directory is kept, its target replaced).
     target = Path(os.path.realpath(directory))
     if target.exists() and not target.is_dir():
-        raise NotADirectoryError(
+        raise NotADirectoryError(  # error: save-peft-not-a-directory
             f"save_peft: {directory} exists and is not a directory; pass a directory path (a peft checkpoint is "
             f"a directory holding {CONFIG_NAME} and {WEIGHTS_NAME})"
         )

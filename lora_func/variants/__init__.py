@@ -63,7 +63,7 @@ def _discover() -> dict[str, Variant]:
             declared = getattr(module, "VARIANTS", ()) + ((module.VARIANT,) if hasattr(module, "VARIANT") else ())
             for variant in declared:
                 if variant.name in found:
-                    raise RuntimeError(f"variant {variant.name!r} is defined twice (second time in {module.__name__})")
+                    raise RuntimeError(f"variant {variant.name!r} is defined twice (second time in {module.__name__})")  # error: variant-duplicate
                 found[variant.name] = variant
         _REGISTRY.update(found)
     return _REGISTRY
@@ -78,5 +78,5 @@ def get_variant(name: str) -> Variant:
     """The :class:`Variant` registered as ``name``; a ``ValueError`` lists the known names."""
     registry = _discover()
     if name not in registry:
-        raise ValueError(f"unknown adapter variant {name!r}; known variants: {', '.join(sorted(registry))}")
+        raise ValueError(f"unknown adapter variant {name!r}; known variants: {', '.join(sorted(registry))}")  # error: variant-unknown
     return registry[name]

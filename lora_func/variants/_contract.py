@@ -73,7 +73,7 @@ class LayerInfo:
         for key, value in self.options:
             if key == name:
                 return value
-        raise KeyError(f"LayerInfo has no option {name!r}; options are {sorted(k for k, _ in self.options)}")
+        raise KeyError(f"LayerInfo has no option {name!r}; options are {sorted(k for k, _ in self.options)}")  # error: layerinfo-option
 
 
 class BaseLayer(Protocol):

@@ -118,7 +118,7 @@ def init(
     column positive) so the adapter does not depend on the SVD backend's sign convention.
     """
     if info.alpha != VARIANT.default_alpha:
-        raise ValueError(
+        raise ValueError(  # error: antipasto-alpha
             f"antipasto does not use AdapterSpec.alpha (LoRA's scale numerator; got alpha={info.alpha}); "
             f"leave it unset. The steering coefficient is the option steer=... (default 1.0), or at run "
             f"time adapter.with_buffers(with_steering(adapter.buffers, alpha))"
@@ -129,7 +129,7 @@ def init(
     tol = s_full[0] * max(weight.shape) * torch.finfo(ct).eps
     rank = int((s_full > tol).sum())
     if r > rank:
-        raise ValueError(
+        raise ValueError(  # error: antipasto-rank
             f"antipasto r={r} exceeds the numerical rank {rank} of this weight {tuple(weight.shape)} "
             f"(singular values at or below {float(tol):.3g} count as zero); lower r to at most {rank}"
         )
@@ -195,11 +195,11 @@ def with_steering(adapter_buffers: Mapping[str, Tensor], alpha: Tensor | float) 
 def check_options(options: Mapping[str, Any]) -> None:
     angle = options["max_rotation_angle"]
     if not angle > 0:
-        raise ValueError(
+        raise ValueError(  # error: antipasto-angle
             f"antipasto option max_rotation_angle={angle!r} must be > 0 (radians; >= pi, e.g. math.inf, disables the clamp)"
         )
     if not math.isfinite(options["steer"]):
-        raise ValueError(f"antipasto option steer={options['steer']!r} must be finite")
+        raise ValueError(f"antipasto option steer={options['steer']!r} must be finite")  # error: antipasto-steer
 
 
 VARIANT = Variant(

@@ -95,7 +95,7 @@ def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: Ba
 def check_options(options: Mapping[str, Any]) -> None:
     lam = options["lambda0"]
     if not math.isfinite(lam):
-        raise ValueError(f"delora option lambda0={lam!r} must be a finite number")
+        raise ValueError(f"delora option lambda0={lam!r} must be a finite number")  # error: delora-lambda0
 
 
 VARIANT = Variant(

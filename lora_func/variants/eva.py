@@ -52,7 +52,7 @@ def init(
 ) -> tuple[TensorDict, TensorDict]:
     if not isinstance(calibration, Tensor) or tuple(calibration.shape) != (info.r, info.d_in):
         got = tuple(calibration.shape) if isinstance(calibration, Tensor) else type(calibration).__name__
-        raise ValueError(
+        raise ValueError(  # error: eva-init-directions
             f"eva init expects the principal directions ({info.r}, {info.d_in}) from eva's calibrate, got {got}; "
             f"build EVA adapters with init_adapter(model, spec, calibration=batches)"
         )
@@ -193,7 +193,7 @@ def calibrate(
     """
     names = list(infos)
     if not names:
-        raise ValueError("eva calibrate needs at least one target layer")
+        raise ValueError("eva calibrate needs at least one target layer")  # error: eva-no-targets
     opts = dict(infos[names[0]].options)
     rho, tau, whiten, method, max_batches = (
         opts["rho"], opts["tau"], opts["whiten"], opts["svd"], opts["max_batches"]
@@ -203,7 +203,7 @@ def calibrate(
     batches = iter(layer_inputs)
     batch = _get(next(batches, None), names, 0)
     if batch is None:
-        raise ValueError("eva calibrate: the calibration data yielded no batch")
+        raise ValueError("eva calibrate: the calibration data yielded no batch")  # error: eva-no-batch
     owner = _group(batch)
     members: dict[str, list[str]] = {}
     for m in names:
@@ -234,7 +234,7 @@ def calibrate(
                 continue
             rows = batch[o]
             if rows.shape[0] < k[o]:
-                raise ValueError(
+                raise ValueError(  # error: eva-few-rows
                     f"eva: calibration batch {steps} has {rows.shape[0]} usable token rows (attention_mask == 1, "
                     f"labels != -100) for layer(s) {group}, fewer than the {k[o]} principal components needed "
                     f"(round(r·rho) = round({infos[o].r}·{rho})); use larger batches or lower r or rho"
@@ -268,7 +268,7 @@ def _get(batch: Mapping[str, Tensor] | None, names: list[str], index: int) -> Ma
     if batch is not None:
         missing = [m for m in names if m not in batch]
         if missing:
-            raise ValueError(f"eva calibrate: batch {index} has no inputs for layer(s) {missing}")
+            raise ValueError(f"eva calibrate: batch {index} has no inputs for layer(s) {missing}")  # error: eva-missing-layer
     return batch
 
 
@@ -285,7 +285,7 @@ def _not_converged(
         for o, group in members.items()
         if not done[o]
     }
-    raise ValueError(
+    raise ValueError(  # error: eva-not-converged
         f"eva did not converge {when}: layers still below tau={tau}: {pending}; pass more calibration "
         f"batches, raise max_batches, or lower tau"
     )
@@ -294,13 +294,13 @@ def _not_converged(
 def check_options(options: Mapping[str, Any]) -> None:
     check_dropout("eva", options)
     if options["rho"] < 1.0:
-        raise ValueError(f"eva option rho={options['rho']!r} must be >= 1.0 (a layer's rank is at most round(r·rho))")
+        raise ValueError(f"eva option rho={options['rho']!r} must be >= 1.0 (a layer's rank is at most round(r·rho))")  # error: eva-rho
     if not 0.0 <= options["tau"] <= 1.0:
-        raise ValueError(f"eva option tau={options['tau']!r} must be in [0, 1] (a cosine similarity threshold)")
+        raise ValueError(f"eva option tau={options['tau']!r} must be in [0, 1] (a cosine similarity threshold)")  # error: eva-tau
     if options["svd"] not in SVD_METHODS:
-        raise ValueError(f"eva option svd={options['svd']!r} is not one of {list(SVD_METHODS)}")
+        raise ValueError(f"eva option svd={options['svd']!r} is not one of {list(SVD_METHODS)}")  # error: eva-svd
     if isinstance(options["max_batches"], bool) or not isinstance(options["max_batches"], int) or options["max_batches"] < 1:
-        raise ValueError(f"eva option max_batches={options['max_batches']!r} must be an integer >= 1")
+        raise ValueError(f"eva option max_batches={options['max_batches']!r} must be an integer >= 1")  # error: eva-max-batches
 
 
 VARIANT = Variant(

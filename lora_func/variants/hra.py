@@ -57,7 +57,7 @@ def init(
     else:
         if r % 2:
             even = f"r={r + 1}" + (f" or r={r - 1}" if r > 1 else "")
-            raise ValueError(
+            raise ValueError(  # error: hra-odd-rank
                 f"hra: r={r} is odd, but the default init='paired' needs an even r (pairs of identical "
                 f"reflections make the adapter exactly the identity at init). Use {even}, or pass "
                 f"init='random' to start from random reflections (not the identity at init; peft's "
@@ -123,7 +123,7 @@ def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: Ba
 
 def check_options(options: Mapping[str, Any]) -> None:
     if options["init"] not in INITS:
-        raise ValueError(f"hra option init={options['init']!r} is not one of {list(INITS)}")
+        raise ValueError(f"hra option init={options['init']!r} is not one of {list(INITS)}")  # error: hra-init
 
 
 VARIANT = Variant(

@@ -43,7 +43,7 @@ def init(
 def check_options(options: Mapping[str, Any]) -> None:
     check_dropout("lora", options)
     if options["init"] not in INITS:
-        raise ValueError(f"lora option init={options['init']!r} is not one of {list(INITS)}")
+        raise ValueError(f"lora option init={options['init']!r} is not one of {list(INITS)}")  # error: lora-init
 
 
 VARIANT = Variant(

@@ -108,7 +108,7 @@ def check_options(options: Mapping[str, Any]) -> None:
     check_dropout("pissa", options)
     niter = options["niter"]
     if isinstance(niter, bool) or not isinstance(niter, int) or niter < 0:
-        raise ValueError(
+        raise ValueError(  # error: pissa-niter
             f"pissa option niter={niter!r} must be an int >= 0 (0: full SVD; K > 0: randomized SVD with K "
             f"subspace iterations, peft's 'pissa_niter_K')"
         )
