@@ -91,9 +91,9 @@ def add_low_rank(y: Tensor, h: Tensor, b: Tensor) -> Tensor:
     the rank-``r`` product itself on a CPU). ``bᵀ`` is made contiguous (an ``(r, d_out)``
     copy, tiny) because autograd computes each matmul gradient in its operand's layout: then
     both backward products (``∂b = hᵀ g`` and ``∂h = g b``) have their long axis last, which
-    BLAS ran 2-5x faster than the ``(d_out, r)`` / ``(n, r)``-shaped outputs of ``h @ b.T`` on
-    the benchmark CPU (bench/overhead.py). Otherwise (a half-precision base with fp32 adapters) the product is cast to
-    ``y``'s dtype before the sum, as peft does.
+    BLAS runs faster than the ``(d_out, r)`` / ``(n, r)``-shaped outputs of ``h @ b.T``
+    (docs/benchmarks.md, "Kernel choices"). Otherwise (a half-precision base with fp32
+    adapters) the product is cast to ``y``'s dtype before the sum, as peft does.
     """
     bt = b.transpose(-1, -2).contiguous()
     if y.dtype != h.dtype:
@@ -116,8 +116,7 @@ def base_plus_low_rank(base: Callable[[Tensor], Tensor], x: Tensor, h: Tensor, b
     In plain eager autograd the product is accumulated in place into the base layer's output
     (``addmm_``), which is a new tensor that no backward formula needs (a linear layer's
     backward reads its input and weight, not its output): an out-of-place ``addmm`` would first
-    copy the whole ``(n, d_out)`` output, about 1% of a LoRA training step on the benchmark
-    CPU. Under a ``torch.func`` transform or a trace, and when ``h`` and ``b`` differ in dtype
+    copy the whole ``(n, d_out)`` output (docs/benchmarks.md, "Kernel choices"). Under a ``torch.func`` transform or a trace, and when ``h`` and ``b`` differ in dtype
     (under autocast ``h`` comes out in bf16/fp16 while ``b`` stays fp32, and an in-place
     ``addmm_`` is not autocast), it is :func:`add_low_rank`."""
     if h.dtype != b.dtype or not _fresh_output_in_place():

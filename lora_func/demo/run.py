@@ -94,10 +94,9 @@ class DemoConfig:
         model on the CPU, and torch's default (``None``: leave it) for any other model.
 
         The shipped model's matmuls (hidden size 128, a batch of 16 short questions) are too
-        small to split: a second thread saves about a fifth of a step on an idle machine, but
-        when another process also wants the cores, torch's threads wait for each other and a
-        step takes 10-20x longer (measured on 2 shared cores: 300-680 ms per step with two
-        threads, 32-65 ms with one).
+        small to split: a second thread saves little on an idle machine, but when another
+        process also wants the cores, torch's threads wait for each other and a step takes many
+        times longer (docs/benchmarks.md, "Kernel choices", has the measurements).
         """
         if self.threads is not None:
             return self.threads
