@@ -3,7 +3,7 @@
 Its parameters as a detached dict (:func:`base_params`), the check of a parameter dict against
 it (:func:`check_params`), weight fingerprints, the whole float weight of one target (gathered
 when FSDP2 shards it, dequantized when it is quantized), and a variant's init on one target
-(:func:`init_layer`: :func:`lora_func.init_adapter` and both loaders run it). Nothing here
+(:func:`variant_init`: :func:`lora_func.init_adapter` and both loaders run it). Nothing here
 writes to a model.
 """
 
@@ -28,7 +28,7 @@ __all__ = [
     "adapter_layer",
     "base_params",
     "check_params",
-    "init_layer",
+    "fresh_layer",
     "layer_info",
     "target_weight",
     "variant_init",
@@ -165,21 +165,13 @@ def variant_init(
     return params, buffers, stored
 
 
-def init_layer(
-    variant: Variant,
-    spec: AdapterSpec,
-    module: nn.Module,
-    target: Target,
-    info: LayerInfo,
-    *,
-    generator: torch.Generator,
-    calibration: Any = None,
+def fresh_layer(
+    variant: Variant, target: Target, info: LayerInfo, params: TensorDict, buffers: TensorDict, stored: Tensor
 ) -> tuple[AdapterLayer, TensorDict, TensorDict]:
-    """A new adapter on one target: ``(layer, params, buffers)`` from :func:`variant_init`,
-    contiguous (so that a save/load round trip reproduces the same kernels and bits), params
-    leaf tensors with ``requires_grad=True``, the layer with the base's fingerprint for a
-    variant that records its base."""
-    params, buffers, stored = variant_init(variant, spec, module, target, info, generator=generator, calibration=calibration)
+    """A new adapter on one target from :func:`variant_init`'s ``(params, buffers, stored)``:
+    ``(layer, params, buffers)``, the tensors contiguous (so that a save/load round trip
+    reproduces the same kernels and bits), params leaf tensors with ``requires_grad=True``, the
+    layer with the base's fingerprint for a variant that records its base."""
     with torch.no_grad():
         params = {name: tensor.detach().contiguous().requires_grad_(True) for name, tensor in params.items()}
         buffers = {name: tensor.detach().contiguous() for name, tensor in buffers.items()}

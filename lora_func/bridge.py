@@ -21,7 +21,8 @@ from safetensors.torch import save_file
 from torch import nn
 from transformers import PreTrainedConfig, PreTrainedModel
 
-from lora_func.adapter import AdapterLike, AdapterNode
+from lora_func.adapter import AdapterLike
+from lora_func.checks import check_model_and_adapter
 from lora_func.core import adapted_call
 from lora_func.io import load, load_peft, peft_problems, save, save_peft
 
@@ -196,16 +197,7 @@ def as_module(model: nn.Module, adapter: AdapterLike) -> AdaptedModule:
     ``from_pretrained`` write and read the adapter (peft's format where peft has the
     variant), which is what ``Trainer.save_model`` and Trainer checkpoints then contain.
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(  # error: bridge-model-type
-            f"as_module(model, adapter): model must be the nn.Module the adapter was built for, got "
-            f"{type(model).__name__}; pass the model first and the adapter second"
-        )
-    if not isinstance(adapter, AdapterNode):
-        raise TypeError(  # error: bridge-adapter-type
-            f"as_module(model, adapter): adapter must be an Adapter, Composed or Combined, got "
-            f"{type(adapter).__name__}; build one with lora_func.init_adapter(model, spec)"
-        )
+    check_model_and_adapter(model, adapter, "as_module")
     if adapter.stack_shape:
         raise ValueError(  # error: bridge-stacked
             f"as_module(model, adapter): adapter is stacked (stack_shape {adapter.stack_shape}); a module runs one "

@@ -15,9 +15,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from lora_func.adapter import leaf_adapters
+from lora_func.adapter import AdapterNode, leaf_adapters
 from lora_func.quantized import kind_of_tensor
 from lora_func.targeting import layer_kind
 
@@ -97,6 +97,21 @@ def check_model(model: object, where: str, argument: str = "model") -> None:
         raise TypeError(  # error: arg-not-a-model
             f"{where}: {argument} must be a torch.nn.Module (the base model), got {type(model).__name__}; pass the "
             f"model itself (for a dict of its tensors use base=lora_func.base_params(model))"
+        )
+
+
+def check_model_and_adapter(model: object, adapter: object, where: str) -> None:
+    """Raise ``TypeError`` unless ``where(model, adapter)`` got a module and an adapter node, in
+    that order (the usual mistakes: the two swapped, ``adapter.params`` for the adapter)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(  # error: call-model-type
+            f"{where}(model, adapter): model must be the nn.Module the adapter was built for, got "
+            f"{type(model).__name__}; pass the model first and the adapter second"
+        )
+    if not isinstance(adapter, AdapterNode):
+        raise TypeError(  # error: call-adapter-type
+            f"{where}(model, adapter): adapter must be an adapter (Adapter, Composed, Combined, ...), got "
+            f"{type(adapter).__name__}; build one with lora_func.init_adapter(model, spec)"
         )
 
 

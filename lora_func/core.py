@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from lora_func._application import Application, refuse_checkpointing_in_transform
 from lora_func._lazy import AdaptedBias, AdaptedCalls, AdaptedWeight, _BiasEntry, _ModeEntry
 from lora_func._routing import module_forward
-from lora_func._model import base_params, check_params, init_layer, layer_info
+from lora_func._model import base_params, check_params, fresh_layer, layer_info, variant_init
 from lora_func._sharded import is_fsdp_model, is_sharded, sharded_keys, swapped_on
 from lora_func._steps import LayerCall, LayerStep, VariantStep, merged_weight
 from lora_func.quantized import QuantizedKind, frozen_call, frozen_forwards, kind_of_tensor, logical_shape
@@ -129,9 +129,9 @@ def init_adapter(
     for target in targets:
         # One target at a time: a sharded target's whole weight is gathered for its init only (a
         # collective: every rank runs this loop in the same order).
-        layer, layer_params, layer_buffers = init_layer(
-            variant, spec, modules[target.module], target, infos[target.module], generator=generator, calibration=payloads[target.module]
-        )
+        info = infos[target.module]
+        init = variant_init(variant, spec, modules[target.module], target, info, generator=generator, calibration=payloads[target.module])
+        layer, layer_params, layer_buffers = fresh_layer(variant, target, info, *init)
         params.update({f"{target.module}.{name}": tensor for name, tensor in layer_params.items()})
         buffers.update({f"{target.module}.{name}": tensor for name, tensor in layer_buffers.items()})
         layers.append(layer)
@@ -265,6 +265,16 @@ def _check_adapter_finite(adapter: AdapterLike, where: str) -> None:
     check_finite({**adapter.params, **adapter.buffers}, f"{where}(safe=True): adapter tensors")
 
 
+def _check_overlay_arguments(base: Any, adapter: AdapterLike, where: str, safe: bool) -> None:
+    """Everything a parameter-dict overlay checks before it computes anything."""
+    check_base(base, where)
+    _check(base, adapter)
+    check_adapter_placement(base, adapter, where)
+    check_float_targets(base, adapter, where)
+    if safe:
+        _check_adapter_finite(adapter, where)
+
+
 def merge_overlay(base: Mapping[str, Tensor], adapter: AdapterLike, *, safe: bool = False) -> dict[str, Tensor]:
     """``base`` with the merged weight (and bias, where the variant changes it) of every target.
 
@@ -277,12 +287,7 @@ def merge_overlay(base: Mapping[str, Tensor], adapter: AdapterLike, *, safe: boo
     step, a bad checkpoint, a merge that overflows a half-precision base) instead of handing
     the model garbage. It reads values, so not inside ``torch.func.vmap``.
     """
-    check_base(base, "merge_overlay")
-    _check(base, adapter)
-    check_adapter_placement(base, adapter, "merge_overlay")
-    check_float_targets(base, adapter, "merge_overlay")
-    if safe:
-        _check_adapter_finite(adapter, "merge_overlay")
+    _check_overlay_arguments(base, adapter, "merge_overlay", safe)
     out = dict(base)
     merged: dict[str, Tensor] = {}
     for key, (t, step) in _layer_steps(adapter).items():
@@ -311,12 +316,7 @@ def overlay(
     ``training=True``: a training step, where the adapter's ``dropout`` option acts
     (``adapted_call`` passes ``model.training``).
     """
-    check_base(base, "overlay")
-    _check(base, adapter)
-    check_adapter_placement(base, adapter, "overlay")
-    check_float_targets(base, adapter, "overlay")
-    if safe:
-        _check_adapter_finite(adapter, "overlay")
+    _check_overlay_arguments(base, adapter, "overlay", safe)
     out = dict(base)
     for key, (t, step) in _layer_steps(adapter).items():
         bias = base[t.bias_key] if t.bias_key is not None else None

@@ -7,7 +7,8 @@ import dataclasses
 import torch
 from torch import nn
 
-from lora_func.adapter import AdapterLike, AdapterNode
+from lora_func.adapter import AdapterLike
+from lora_func.checks import check_model_and_adapter
 
 __all__ = ["AdapterSummary", "LayerSummary", "adapter_summary"]
 
@@ -82,16 +83,7 @@ def adapter_summary(model: nn.Module, adapter: AdapterLike, *, per_layer: bool =
     ``trainable params: … || all params: … || trainable%: …``; ``per_layer=True`` adds one
     line per adapted layer (module, variant, rank, count). Reads nothing but shapes.
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(  # error: summary-model-type
-            f"adapter_summary(model, adapter): model must be the nn.Module the adapter was built for, got "
-            f"{type(model).__name__}; pass the model first and the adapter second"
-        )
-    if not isinstance(adapter, AdapterNode):
-        raise TypeError(  # error: summary-adapter-type
-            f"adapter_summary(model, adapter): adapter must be an Adapter, Composed or Combined, got "
-            f"{type(adapter).__name__}; build one with lora_func.init_adapter(model, spec)"
-        )
+    check_model_and_adapter(model, adapter, "adapter_summary")
     trainable = adapter.num_parameters()
     base = sum(p.numel() for p in model.parameters())  # tied tensors are yielded once
     rows = tuple(_rows(adapter, None)) if per_layer else None

@@ -106,7 +106,7 @@ def test_bridge_refuses_bad_arguments_with_the_fix():
     adapter = _adapter(model)
     with pytest.raises(TypeError, match="model must be the nn.Module"):
         lf.as_module(adapter, model)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="adapter must be an Adapter"):
+    with pytest.raises(TypeError, match=r"as_module\(model, adapter\): adapter must be an adapter"):
         lf.as_module(model, adapter.params)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"stacked .*lora_func.take"):
         lf.as_module(model, lf.stack([adapter, adapter]))

@@ -99,7 +99,7 @@ def test_summary_names_the_argument_that_is_wrong():
     adapter = lf.init_adapter(model, lf.AdapterSpec("lora", targets=["q_proj"], r=2))
     with pytest.raises(TypeError, match="model must be the nn.Module"):
         lf.adapter_summary(adapter, model)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="adapter must be an Adapter"):
+    with pytest.raises(TypeError, match=r"adapter_summary\(model, adapter\): adapter must be an adapter"):
         lf.adapter_summary(model, adapter.params)  # type: ignore[arg-type]
 
 
