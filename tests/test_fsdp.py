@@ -157,10 +157,16 @@ def test_the_fsdp_example_trains_under_torchrun_with_two_processes(tmp_path):
 
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "error::FutureWarning"}
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(root / "examples" / "fsdp_train.py")],
-        capture_output=True, text=True, timeout=JOIN_TIMEOUT_S, cwd=tmp_path, env=env, check=False,
-    )
+    for attempt in range(2):
+        result = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(root / "examples" / "fsdp_train.py")],
+            capture_output=True, text=True, timeout=JOIN_TIMEOUT_S, cwd=tmp_path, env=env, check=False,
+        )
+        # gloo's connect on a loaded 2-core machine rarely aborts a rank before any collective
+        # ("terminate called without an active exception", SIGABRT; bench/fsdp.py retries it
+        # too): one more start, any other failure fails at once.
+        if result.returncode == 0 or attempt or "terminate called without an active exception" not in result.stderr:
+            break
     assert result.returncode == 0, result.stderr[-3000:]
     losses = [float(line.rsplit(" ", 1)[1]) for line in result.stdout.splitlines() if line.startswith("step ")]
     assert len(losses) == 5 and losses[-1] < losses[0] - 0.05, result.stdout
