@@ -162,7 +162,7 @@ def test_the_fsdp_example_trains_under_torchrun_with_two_processes(tmp_path):
             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(root / "examples" / "fsdp_train.py")],
             capture_output=True, text=True, timeout=JOIN_TIMEOUT_S, cwd=tmp_path, env=env, check=False,
         )
-        # gloo's connect on a loaded 2-core machine rarely aborts a rank before any collective
+        # gloo on a loaded 2-core machine rarely aborts a rank in its first collectives
         # ("terminate called without an active exception", SIGABRT; bench/fsdp.py retries it
         # too): one more start, any other failure fails at once.
         if result.returncode == 0 or attempt or "terminate called without an active exception" not in result.stderr:
