@@ -98,7 +98,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
             return out
 
         func = _train_func(model, adapter, half, reduce)
-        optim = _train_optim(model, adapter, half, lf.all_reduce_mean_grads_)
+        optim = _train_optim(model, adapter, half, lf.distributed.all_reduce_mean_grads_)
         lf.save(func, os.path.join(out_dir, f"func_rank{rank}.safetensors"))
         lf.save(optim, os.path.join(out_dir, f"optim_rank{rank}.safetensors"))
         if rank == 0:  # the in-memory adapters' outputs, to compare with the reloaded files
