@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
+import optree  # a test dependency (constraints.txt): the optree registration is checked, never skipped
 import pytest
 import torch
 import torch.utils._pytree as pytree
@@ -169,7 +170,6 @@ def test_pytree_flatten_unflatten_and_tree_map(setting):
     markers = pytree.tree_map(lambda _t: object(), node)
     assert type(markers) is Gated and not isinstance(markers.gate, Tensor)
     assert pytree.tree_map(lambda _t: None, node.parts[0]).params[next(iter(node.parts[0].params))] is None
-    optree = pytest.importorskip("optree")
     o_leaves, o_spec = optree.tree_flatten(node, namespace="lora_func")
     assert len(o_leaves) == len(leaves_) and all(a is b for a, b in zip(o_leaves, leaves_, strict=True))
     assert type(optree.tree_unflatten(o_spec, o_leaves)) is Gated
