@@ -142,6 +142,23 @@ def build_model(args: argparse.Namespace, *, layers: int | None = None, hidden: 
     return model
 
 
+def gqa_llama(hidden: int, layers: int, vocab: int, *, attention: str, seed: int = 0, **config: Any) -> nn.Module:
+    """A Llama with random weights from ``seed`` and grouped-query attention (heads of 32, key/value
+    heads of 64), MLP 8/3 x hidden, eval mode, ``attention`` its attention implementation;
+    ``config``: further ``LlamaConfig`` fields."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 8 // 3, num_hidden_layers=layers,
+            num_attention_heads=max(hidden // 32, 1), num_key_value_heads=max(hidden // 64, 1), **config,
+        )
+    ).eval()
+    model.set_attn_implementation(attention)
+    return model
+
+
 def build_setup(
     args: argparse.Namespace, *, layers: int | None = None, hidden: int | None = None, model: nn.Module | None = None
 ) -> Setup:
@@ -287,8 +304,32 @@ def _sync(device: torch.device) -> None:
 CLOCK = {"now": time.perf_counter}
 
 
+CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
+
+
 def set_clock(kind: str) -> None:
-    CLOCK["now"] = {"wall": time.perf_counter, "cpu": time.process_time}[kind]
+    CLOCK["now"] = CLOCKS[kind]
+
+
+def print_paired_table(title: str, times: dict[str, list[float]], references: dict[str, str]) -> None:
+    """A markdown table of :func:`timed_rounds`' results: each method's median and, where
+    ``references`` names one, its median paired ratio to that method."""
+    print(f"\n{title}")
+    print(f"| {'method':<58} | {'median ms':>9} | {'ratio':>6} | vs |")
+    print(f"|{'-' * 60}|{'-' * 11}|{'-' * 8}|----|")
+    for name, seconds in times.items():
+        ref = references.get(name)
+        shown = f"{paired_ratio(times, name, ref):6.2f} | {ref}" if ref else f"{'':>6} | "
+        print(f"| {name:<58} | {1e3 * statistics.median(seconds):9.1f} | {shown} |")
+
+
+def add_interleaved_args(parser: argparse.ArgumentParser, *, rounds: int) -> None:
+    """The options of the scripts timed with :func:`timed_rounds`: ``--rounds``, ``--clock``
+    (``CLOCKS``: this process's CPU time by default), ``--threads``, ``--quick``."""
+    parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="cpu", help="process CPU time (default) or wall time")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, 1 round (a smoke test)")
 
 
 def timed(fn: Callable[[], Any], device: torch.device) -> float:
@@ -504,3 +545,13 @@ def peft_named_adapters(model: nn.Module, adapters: Sequence[Any], r: int, alpha
                     module.lora_B[f"a{i}"].weight.copy_(adapter.params[f"{key}.lora_B"])
     peft.set_adapter("a0")
     return peft.eval()
+
+
+def left_padded_batch(size: int, length: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids ``(size, length)`` and a left-padded attention mask with per-sequence lengths
+    (up to a quarter of ``length`` padded), fixed seed."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, vocab, (size, length), generator=g)
+    pad = torch.randint(0, length // 4, (size,), generator=g)
+    mask = (torch.arange(length)[None] >= pad[:, None]).long()
+    return ids, mask

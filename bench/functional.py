@@ -25,17 +25,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.func import functional_call, grad, vmap
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -48,24 +46,8 @@ TARGETS = ["q_proj", "v_proj"]
 
 
 def build(hidden: int, layers: int, vocab: int, seed: int = 0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 8 // 3, num_hidden_layers=layers,
-        num_attention_heads=max(hidden // 32, 1), num_key_value_heads=max(hidden // 64, 1),
-        max_position_embeddings=256, use_cache=False,
-    )
-    model = LlamaForCausalLM(config).eval()
-    model.set_attn_implementation("eager")  # vmap needs eager attention (lora_func.batching)
-    return model
-
-
-def batch(size: int, length: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids and a left-padded attention mask (per-example lengths), as a real batch."""
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, vocab, (size, length), generator=g)
-    pad = torch.randint(0, length // 4, (size,), generator=g)
-    mask = (torch.arange(length)[None] >= pad[:, None]).long()
-    return ids, mask
+    # vmap needs eager attention (lora_func.batching).
+    return c.gqa_llama(hidden, layers, vocab, attention="eager", seed=seed, max_position_embeddings=256, use_cache=False)
 
 
 def token_loss(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -81,17 +63,7 @@ def perturbed(adapter: lf.Adapter, seed: int) -> lf.Adapter:
     return adapter.with_params({k: (0.02 * torch.randn(v.shape, generator=g)).requires_grad_() for k, v in adapter.params.items()})
 
 
-CLOCK = {"cpu": time.process_time, "wall": time.perf_counter}
-clock = CLOCK["cpu"]
-
-
-def print_table(title: str, times: dict[str, list[float]], references: dict[str, str]) -> None:
-    print(f"\n{title}")
-    print(f"  {'method':<52} {'median ms':>10} {'ratio':>7}  vs")
-    for name, seconds in times.items():
-        ref = references.get(name)
-        shown = f"{c.paired_ratio(times, name, ref):7.2f}  {ref}" if ref else f"{'1.00':>7}"
-        print(f"  {name:<52} {1e3 * statistics.median(seconds):10.1f} {shown}")
+clock = c.CLOCKS["cpu"]
 
 
 def peak_allocated(fn: Callable[[], object]) -> int:
@@ -178,7 +150,7 @@ def per_example_section(model, adapter, ids, mask, r, alpha, rounds):
             methods[f"opacus {opacus.__version__} GradSampleModule (peft model)"] = opacus_step
             references[f"opacus {opacus.__version__} GradSampleModule (peft model)"] = "peft batched backward"
     times = c.timed_rounds(methods, rounds, clock)
-    print_table(f"Per-example gradients, batch {tuple(ids.shape)} (target: per_example_grads <= 1.10x batched backward)", times, references)
+    c.print_paired_table(f"Per-example gradients, batch {tuple(ids.shape)} (target: per_example_grads <= 1.10x batched backward)", times, references)
     return c.paired_ratio(times, "lora_func per_example_grads", reference)
 
 
@@ -237,7 +209,7 @@ def mixed_section(model, adapters, ids, mask, r, alpha, rounds):
         methods[f"peft {n} adapters adapter_names, forward"] = peft_mixed
         references[f"peft {n} adapters adapter_names, forward"] = "peft one adapter, forward"
     times = c.timed_rounds(methods, rounds, clock)
-    print_table(f"Mixed-adapter batch, {n} distinct adapters, batch {tuple(ids.shape)} (target <= 1.10x one adapter)", times, references)
+    c.print_paired_table(f"Mixed-adapter batch, {n} distinct adapters, batch {tuple(ids.shape)} (target <= 1.10x one adapter)", times, references)
     return c.paired_ratio(times, f"lora_func {n} adapters mixed_call, forward", "lora_func one adapter, forward")
 
 
@@ -260,13 +232,10 @@ def ensemble_section(model, adapters, ids, mask) -> None:
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--clock", choices=sorted(CLOCK), default="cpu", help="process CPU time (default) or wall time")
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
-    parser.add_argument("--quick", action="store_true", help="tiny sizes, 1 round (a smoke test)")
+    c.add_interleaved_args(parser, rounds=15)
     args = parser.parse_args(argv)
     global clock
-    clock = CLOCK[args.clock]
+    clock = c.CLOCKS[args.clock]
     torch.set_num_threads(args.threads)
     if args.quick:
         hidden, layers, vocab, size, length, rounds, k = 32, 1, 61, 4, 8, 1, 2
@@ -279,7 +248,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
           f"vocab {vocab}; LoRA r={r} on {TARGETS}; {rounds} interleaved rounds")
     spec = lf.AdapterSpec("lora", targets=TARGETS, r=r, alpha=alpha)
     adapters = [perturbed(lf.init_adapter(model, spec, generator=torch.Generator().manual_seed(i)), i) for i in range(size)]
-    ids, mask = batch(size, length, vocab)
+    ids, mask = c.left_padded_batch(size, length, vocab)
     results = {
         "per_example_over_batched": per_example_section(model, adapters[0], ids, mask, r, alpha, rounds),
         "mixed_over_single": mixed_section(model, adapters, ids, mask, r, alpha, rounds),

@@ -28,15 +28,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -45,27 +43,18 @@ import _common as c
 import lora_func as lf
 
 TARGETS = ["q_proj", "v_proj"]
-CLOCK = {"cpu": time.process_time, "wall": time.perf_counter}
 
 
 def build(hidden: int, layers: int, vocab: int, seed: int = 0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 8 // 3, num_hidden_layers=layers,
-        num_attention_heads=max(hidden // 32, 1), num_key_value_heads=max(hidden // 64, 1),
-        max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    # The route leaves attention alone: the model's default (SDPA).
+    return c.gqa_llama(
+        hidden, layers, vocab, attention="sdpa", seed=seed, max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0
     )
-    model = LlamaForCausalLM(config).eval()
-    model.set_attn_implementation("sdpa")  # the route leaves attention alone: the model's default
-    return model
 
 
 def batch(size: int, length: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids and a left-padded attention mask (per-sequence lengths), as a serving batch."""
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, vocab, (size, length), generator=g)
-    pad = torch.randint(0, length // 4, (size,), generator=g)
-    mask = (torch.arange(length)[None] >= pad[:, None]).long()
+    """A serving batch: left padding, pad positions holding token 0."""
+    ids, mask = c.left_padded_batch(size, length, vocab)
     return ids.masked_fill(mask == 0, 0), mask
 
 
@@ -81,27 +70,14 @@ def tenant(model: LlamaForCausalLM, spec: lf.AdapterSpec, seed: int) -> lf.Adapt
     return adapter.with_params({k: (0.02 * torch.randn(v.shape, generator=g)).requires_grad_() for k, v in adapter.params.items()})
 
 
-def print_table(title: str, times: dict[str, list[float]], references: dict[str, str]) -> None:
-    print(f"\n{title}")
-    print(f"| {'method':<58} | {'median ms':>9} | {'ratio':>6} | vs |")
-    print(f"|{'-' * 60}|{'-' * 11}|{'-' * 8}|----|")
-    for name, seconds in times.items():
-        ref = references.get(name)
-        shown = f"{c.paired_ratio(times, name, ref):6.2f} | {ref}" if ref else f"{'':>6} | "
-        print(f"| {name:<58} | {1e3 * statistics.median(seconds):9.1f} | {shown} |")
-
-
 def main(argv: list[str] | None = None) -> dict[str, float]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=9)
-    parser.add_argument("--clock", choices=sorted(CLOCK), default="cpu", help="process CPU time (default) or wall time")
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    c.add_interleaved_args(parser, rounds=9)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--variant", default="lora", help="a registered variant without calibration data (not eva); peft rows for lora only")
     parser.add_argument("--no-peft", action="store_true")
-    parser.add_argument("--quick", action="store_true", help="tiny sizes, 1 round (a smoke test)")
     args = parser.parse_args(argv)
-    clock = CLOCK[args.clock]
+    clock = c.CLOCKS[args.clock]
     torch.set_num_threads(args.threads)
     if args.quick:
         hidden, layers, vocab, size, length, rounds, r, new_tokens = 32, 1, 61, 4, 8, 1, 2, 3
@@ -200,7 +176,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         print(f"max |lora_func mixed - peft adapter_names| logits: {(ours - theirs).abs().max():.1e}")
 
     times = c.timed_rounds(methods, rounds, clock)
-    print_table(
+    c.print_paired_table(
         f"{size} sequences, {size} distinct adapters vs one adapter (target: mixed <= 1.10x one adapter for forward and "
         f"generation, and ahead of peft)",
         times,

@@ -50,6 +50,22 @@ def perturbed(adapter: lf.Adapter, scale: float, seed: int = 3) -> lf.Adapter:
     )
 
 
+def perturbed_adapters(model, kind: str, variant: str, ranks) -> list[lf.Adapter]:
+    """One perturbed adapter of ``variant`` per rank in ``ranks`` on the default targets of
+    tiny-model ``kind``, each from its own seeds (distinct adapters: a swapped row shows)."""
+    out = []
+    for i, r in enumerate(ranks):
+        spec = lf.AdapterSpec(variant, targets=DEFAULT_TARGETS[kind], r=r)
+        adapter = lf.init_adapter(model, spec, generator=torch.Generator().manual_seed(10 + i))
+        out.append(perturbed(adapter, 0.3, seed=20 + i))
+    return out
+
+
+def probe(shape, seed: int = 9) -> Tensor:
+    """Random weights for a scalar loss ``sum(out * probe)``: no symmetry hides a swapped row."""
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
 def oracle_params(base: dict[str, Tensor], adapter: lf.Adapter, row: Row) -> dict[str, Tensor]:
     """``base`` with every target replaced by the row's explicit W_eff formula (float64 math)."""
     out = dict(base)

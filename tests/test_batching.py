@@ -11,8 +11,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import lora_func as lf
 from lora_func.batching import ensemble_call, mixed_call, per_example_grads
-from tests.contract_helpers import assert_unchanged, perturbed, snapshot
-from tests.models import DEFAULT_TARGETS, tiny_model, tokens
+from tests.contract_helpers import assert_unchanged, perturbed_adapters, snapshot, probe as _probe
+from tests.models import tiny_model, tokens
 
 
 def _close(got: torch.Tensor, expected: torch.Tensor, msg: str = "") -> None:
@@ -24,12 +24,7 @@ def _close(got: torch.Tensor, expected: torch.Tensor, msg: str = "") -> None:
 
 
 def _adapters(model, kind: str, variant: str = "lora", ranks=(2, 2, 2, 2)):
-    out = []
-    for i, r in enumerate(ranks):
-        spec = lf.AdapterSpec(variant, targets=DEFAULT_TARGETS[kind], r=r)
-        adapter = lf.init_adapter(model, spec, generator=torch.Generator().manual_seed(10 + i))
-        out.append(perturbed(adapter, 0.3, seed=20 + i))
-    return out
+    return perturbed_adapters(model, kind, variant, ranks)
 
 
 def _batch(size: int = 4, length: int = 8):
@@ -38,11 +33,6 @@ def _batch(size: int = 4, length: int = 8):
     mask[1, :3] = 0  # left padding on some rows: each example needs its own mask row
     mask[-1, :1] = 0
     return ids, mask
-
-
-def _probe(shape, seed: int = 9) -> torch.Tensor:
-    """Random weights for a scalar loss sum(out * probe): no symmetry hides a swapped example."""
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
 
 
 def _leaves(adapter) -> dict[str, torch.Tensor]:

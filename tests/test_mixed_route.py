@@ -14,7 +14,7 @@ import torch
 
 import lora_func as lf
 from lora_func.variants import list_variants
-from tests.contract_helpers import assert_unchanged, build, perturbed, snapshot
+from tests.contract_helpers import assert_unchanged, build, perturbed, perturbed_adapters, snapshot, probe as _probe
 from tests.models import DEFAULT_TARGETS, tiny_model, tokens
 from tests.variant_table import ROWS
 
@@ -35,13 +35,7 @@ def _sdpa(model):
 
 
 def _tenants(model, kind: str, variant: str = "lora", count: int = K, ranks=None) -> list[lf.Adapter]:
-    out = []
-    for i in range(count):
-        r = 2 if ranks is None else ranks[i]
-        spec = lf.AdapterSpec(variant, targets=DEFAULT_TARGETS[kind], r=r)
-        adapter = lf.init_adapter(model, spec, generator=torch.Generator().manual_seed(10 + i))
-        out.append(perturbed(adapter, 0.3, seed=20 + i))
-    return out
+    return perturbed_adapters(model, kind, variant, [2] * count if ranks is None else ranks[:count])
 
 
 def _batch(size: int = 5, length: int = 8):
@@ -50,10 +44,6 @@ def _batch(size: int = 5, length: int = 8):
     mask[1, :3] = 0  # left padding
     mask[-1, -2:] = 0  # right padding (training batches)
     return ids, mask
-
-
-def _probe(shape, seed: int = 9) -> torch.Tensor:
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
 
 
 def _loop_logits(model, adapters, index, ids, mask) -> list[torch.Tensor]:
