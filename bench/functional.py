@@ -40,13 +40,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as c
 
 import lora_func as lf
-from lora_func.batching import ensemble_call, mixed_call, per_example_grads
+from lora_func.many import ensemble_call, mixed_call, per_example_grads
 
 TARGETS = ["q_proj", "v_proj"]
 
 
 def build(hidden: int, layers: int, vocab: int, seed: int = 0) -> LlamaForCausalLM:
-    # vmap needs eager attention (lora_func.batching).
+    # vmap needs eager attention (lora_func.many).
     return c.gqa_llama(hidden, layers, vocab, attention="eager", seed=seed, max_position_embeddings=256, use_cache=False)
 
 

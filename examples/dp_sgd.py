@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import lora_func as lf
-from lora_func.batching import per_example_grads
+from lora_func.many import per_example_grads
 
 torch.manual_seed(0)
 config = LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2,

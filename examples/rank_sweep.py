@@ -14,7 +14,7 @@ from torch.func import grad
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import lora_func as lf
-from lora_func.batching import ensemble_call
+from lora_func.many import ensemble_call
 
 torch.manual_seed(0)
 config = LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2,

@@ -11,21 +11,23 @@ import warnings as _warnings
 
 # Describing and building an adapter.
 from lora_func.adapter import Adapter, AdapterLayer
-from lora_func.core import init_adapter
+from lora_func.build import init_adapter
 from lora_func.spec import AdapterSpec
 from lora_func.variants import get_variant, list_variants
 
 # Applying an adapter (the model is never modified).
 from lora_func._model import base_params, check_params
-from lora_func.core import adapted, adapted_call, merge_overlay, overlay, overlay_calls
+from lora_func.call import adapted, adapted_call, make_plan
+from lora_func.plan import Plan
+from lora_func.overlay import merge_overlay, overlay, overlay_calls
 
 # Combining adapters.
 from lora_func.adapter import Combined, Composed, combine, compose
 
 # Many adapters at once: a stack under torch.func.vmap, or one adapter per row inside the layers.
 from lora_func.adapter import stack, take, unstack
-from lora_func.batching import ensemble_call, mixed_call, per_example_grads
-from lora_func.mixed import mixed_adapted, mixed_adapted_call
+from lora_func.many import ensemble_call, mixed_call, per_example_grads
+from lora_func.many import mixed_adapted, mixed_adapted_call
 
 # Saving, loading, exporting.
 from lora_func.export import merged_state_dict
@@ -40,7 +42,7 @@ from lora_func import distributed  # noqa: F401  (lora_func.distributed.all_redu
 from lora_func.summary import AdapterSummary, adapter_summary
 
 BUILDING = ["Adapter", "AdapterLayer", "AdapterSpec", "get_variant", "init_adapter", "list_variants"]
-APPLYING = ["adapted", "adapted_call", "base_params", "check_params", "merge_overlay", "overlay", "overlay_calls"]
+APPLYING = ["Plan", "adapted", "adapted_call", "base_params", "check_params", "make_plan", "merge_overlay", "overlay", "overlay_calls"]
 COMBINING = ["Combined", "Composed", "combine", "compose"]
 MANY_ADAPTERS = ["ensemble_call", "mixed_adapted", "mixed_adapted_call", "mixed_call", "per_example_grads", "stack", "take", "unstack"]
 FILES = ["load", "load_peft", "merged_state_dict", "save", "save_peft"]

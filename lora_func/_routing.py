@@ -7,8 +7,9 @@ lora_func meets a target layer in four places, and all four ask this module:
   call is the layer's own op on an adapted weight;
 - the calibration recorder (:class:`lora_func.calibration.RecordingWeight`) asks the same
   question to find a layer's input;
-- the module-call route (:mod:`lora_func._application`) sees the module's call itself and asks
-  :func:`module_forward` for the layer's input, its base map and its merged map.
+- the module-call route (:mod:`lora_func.call`, and the per-row route of :mod:`lora_func.many`)
+  sees the module's call itself and asks :func:`module_forward` for the layer's input, its base
+  map and its merged map.
 
 A layer's own op, per layout: ``F.linear(x, W, b)`` for ``nn.Linear`` (``W`` stored
 ``(d_out, d_in)``), and ``torch.addmm(b, x, W)`` with ``beta == alpha == 1`` or
@@ -23,7 +24,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
-from torch import Tensor, nn
+from torch import Tensor
 
 __all__ = ["LayoutForward", "WeightUse", "module_forward", "replace_weights", "weight_use"]
 
@@ -142,9 +143,3 @@ def module_forward(layout: str) -> LayoutForward:
     """The module-call route's forward of a plain layer with stored ``layout``."""
     return _LAYOUTS[layout]
 
-
-def plain_layer(module: nn.Module, layout: str) -> bool:
-    """Whether ``module`` is the plain layer of ``layout`` whose weight a parameter dict can replace
-    (a floating-point tensor, not a tensor subclass the layer's own op must see)."""
-    weight = getattr(module, "weight", None)
-    return isinstance(weight, Tensor) and type(weight) in (Tensor, nn.Parameter) and weight.is_floating_point()

@@ -23,7 +23,7 @@ from transformers import PreTrainedConfig, PreTrainedModel
 
 from lora_func.adapter import AdapterLike
 from lora_func.checks import check_model_and_adapter
-from lora_func.core import adapted_call
+from lora_func.call import adapted_call
 from lora_func.io import load, load_peft, peft_problems, save, save_peft
 
 __all__ = ["NATIVE_FILE", "AdaptedModule", "as_module"]

@@ -19,18 +19,14 @@ from torch import Tensor, nn
 
 from lora_func.adapter import AdapterNode, leaf_adapters
 from lora_func.quantized import kind_of_tensor
-from lora_func.targeting import layer_kind
 
 __all__ = [
     "MAX_LISTED",
-    "check_adapter_placement",
     "check_base",
     "check_finite",
     "check_float_targets",
-    "check_layouts",
     "check_model",
     "check_path",
-    "detached_base",
     "non_finite_keys",
 ]
 
@@ -87,7 +83,7 @@ def check_finite(tensors: Mapping[str, Tensor], what: str) -> None:
     )
 
 
-# --- argument checks at the public boundary (shared by core, io, batching and train) -------
+# --- argument checks at the public boundary (shared by the calls, io and train) -------
 
 
 def check_model(model: object, where: str, argument: str = "model") -> None:
@@ -132,20 +128,6 @@ def check_base(base: object, where: str) -> None:
         )
 
 
-def detached_base(base: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """``base`` with every tensor that requires grad detached (no copy), one object per
-    object (tied names stay tied). A dict built from ``model.named_parameters()`` holds the
-    model's own ``requires_grad=True`` tensors: ``backward()`` would fill their ``.grad``
-    (full fine-tuning cost, and a changed model)."""
-    seen: dict[int, Tensor] = {}
-    out = {}
-    for key, tensor in base.items():
-        if id(tensor) not in seen:
-            seen[id(tensor)] = tensor.detach() if tensor.requires_grad else tensor
-        out[key] = seen[id(tensor)]
-    return out
-
-
 def check_float_targets(base: Mapping[str, Tensor], adapter: object, where: str) -> None:
     """Raise ``TypeError`` when a target weight of ``adapter`` (an adapter, or a list of its
     ``AdapterLayer``) in ``base`` is not a float tensor of no registered quantized kind
@@ -167,60 +149,6 @@ def check_float_targets(base: Mapping[str, Tensor], adapter: object, where: str)
             f"{where}: target weights {bad[:5]} are not floating-point (quantized or integer); the adapter's delta "
             f"would be rounded away. Dequantize those layers to float32/bfloat16/float16 first (a model loaded with "
             f"a quantization config: load it without one), or leave them out of the targets"
-        )
-
-
-def check_adapter_placement(base: Mapping[str, Tensor], adapter: object, where: str) -> None:
-    """Raise unless every tensor of ``adapter`` is a float tensor on its target weight's device.
-
-    On another device than the model (e.g. ``meta``, or CPU tensors for a CUDA model) the lazy
-    path computes garbage or fails deep inside; an integer param (a cast gone wrong) would be
-    truncated or promoted by the low-rank path. Shapes and devices only, no values read, so
-    it runs under ``torch.func`` transforms too."""
-
-    misplaced, not_float = [], []
-    for leaf in leaf_adapters(adapter):  # type: ignore[arg-type]
-        for layer in leaf.layers:
-            weight = base.get(layer.target.weight_key)
-            if weight is None:
-                continue  # reported by the caller's own missing-target check
-            params, buffers = leaf.layer_tensors(layer)
-            for name, tensor in {**params, **buffers}.items():
-                key = f"{layer.target.module}.{name}"
-                if tensor.device != weight.device:
-                    misplaced.append(f"{key} on {tensor.device} (the model's {layer.target.weight_key} is on {weight.device})")
-                elif name in params and not (tensor.is_floating_point() or tensor.is_complex()):
-                    not_float.append(f"{key} ({tensor.dtype})")
-    if misplaced:
-        raise ValueError(  # error: adapter-placement-device
-            f"{where}: adapter tensors {sorted(misplaced)[:5]} are not on their target weight's device; move them "
-            f"(adapter.with_params({{k: v.to(device) ...}}).with_buffers(...)), or load the adapter with "
-            f"lora_func.load(path, model=model), which places every tensor on its layer's device"
-        )
-    if not_float:
-        raise TypeError(  # error: adapter-placement-dtype
-            f"{where}: adapter params {sorted(not_float)[:5]} are not floating-point; the low-rank path would "
-            f"truncate or promote them. Rebuild the adapter (init_adapter / load) or pass float tensors to with_params"
-        )
-
-
-def check_layouts(model: torch.nn.Module, adapter: object, where: str, modules: Mapping[str, torch.nn.Module] | None = None) -> None:
-    """Raise ``ValueError`` when a target module of ``model`` is of another kind than the layer
-    the adapter was built on (an ``nn.Linear`` adapter on a same-named, same-shaped GPT-2
-    ``Conv1D``): the stored weight would be read transposed and the outputs silently wrong.
-    ``modules``: ``dict(model.named_modules())`` when the caller has it already."""
-
-    modules = dict(model.named_modules()) if modules is None else modules
-    wrong = []
-    for leaf in leaf_adapters(adapter):  # type: ignore[arg-type]
-        for layer in leaf.layers:
-            module = modules.get(layer.target.module)
-            if module is not None and layer_kind(module) != layer.target.layout:
-                wrong.append(f"{layer.target.module}: adapter built for a {layer.target.layout} layer, the model's is {layer_kind(module) or type(module).__name__}")
-    if wrong:
-        raise ValueError(  # error: adapter-layout
-            f"{where}: {sorted(wrong)[:5]}; the stored weight layouts differ (Linear (out, in) vs Conv1D (in, out)), so "
-            f"the outputs would be silently wrong. Build the adapter on this model (init_adapter or load_peft)"
         )
 
 

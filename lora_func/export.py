@@ -10,7 +10,7 @@ from torch import Tensor, nn
 from lora_func.adapter import AdapterLike
 from lora_func.checks import check_base, check_float_targets
 from lora_func._model import base_params
-from lora_func.core import merge_overlay
+from lora_func.overlay import merge_overlay
 from lora_func.quantized import kind_of_tensor
 
 __all__ = ["merged_state_dict"]

@@ -43,7 +43,8 @@ from tqdm import tqdm
 
 import lora_func as lf
 from lora_func.adapter import leaf_adapters
-from lora_func.checks import check_base, check_finite, check_model, check_path, detached_base, non_finite_keys
+from lora_func.checks import check_base, check_finite, check_model, check_path, non_finite_keys
+from lora_func.plan import detached_base
 from lora_func.io._files import read_safetensors, replace_directory, safetensors_write
 from lora_func.io.native import tensors_digest
 

@@ -331,6 +331,16 @@ ROWS: dict[str, list[Call]] = {
         Call("lazy block left by an exception", lambda w: raise_inside_adapted(w, merged=False), KeyboardInterrupt),
         Call("generate", lambda w: _generate(w.model("gpt2"), w.adapter("ia3", "gpt2"))),
     ],
+    "make_plan": [
+        Call("held across with_params, both routes", lambda w: [
+            lf.adapted_call(w.model("llama"), w.adapter().with_params(w.adapter().params), tokens(), plan=lf.make_plan(w.model("llama"), w.adapter(), route=r))
+            for r in ("overlay", "module")
+        ]),
+        Call("another model's names in base=", lambda w: lf.make_plan(w.model("llama"), w.adapter(), base={"x": torch.zeros(1)}), KeyError),
+    ],
+    "Plan": [Call("overlay and merge_overlay", lambda w: [
+        make(lf.base_params(w.model("llama")), w.adapter(), plan=lf.make_plan(w.model("llama"), w.adapter())) for make in (lf.overlay, lf.merge_overlay)
+    ])],
     "adapted_call": [
         Call("both paths, every variant", lambda w: [lf.adapted_call(w.model(k), w.adapter(v, k), tokens(), merged=m) for v in ("lora", "pissa", "hra") for k in ("llama", "gpt2") for m in (True, False)]),
         Call("typo in base=", lambda w: lf.adapted_call(w.model("llama"), w.adapter(), tokens(), base={"x": torch.zeros(1)}), KeyError),
@@ -396,9 +406,9 @@ PENDING: dict[str, str] = {
     "all_reduce_mean": "lora_func.distributed",
     "all_reduce_mean_grads_": "lora_func.distributed",
     "broadcast_adapter": "lora_func.distributed",
-    "mixed_call": "lora_func.batching",
-    "ensemble_call": "lora_func.batching",
-    "per_example_grads": "lora_func.batching",
+    "mixed_call": "lora_func.many",
+    "ensemble_call": "lora_func.many",
+    "per_example_grads": "lora_func.many",
     "check_finite": "lora_func.checks",
     "with_steering": "lora_func.variants.antipasto",
     "TrainState": "lora_func.train",

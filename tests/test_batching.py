@@ -1,4 +1,4 @@
-"""lora_func.batching: mixed-adapter batches, ensembles and per-example gradients, each against
+"""lora_func.many (mixed_call, ensemble_call, per_example_grads): mixed-adapter batches, ensembles and per-example gradients, each against
 a Python loop (outputs and gradients, per tensor, after perturbing every adapter so they differ),
 with per-example attention masks (left padding)."""
 
@@ -10,7 +10,7 @@ from torch.func import grad
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import lora_func as lf
-from lora_func.batching import ensemble_call, mixed_call, per_example_grads
+from lora_func.many import ensemble_call, mixed_call, per_example_grads
 from tests.contract_helpers import assert_unchanged, perturbed_adapters, snapshot, probe as _probe
 from tests.models import tiny_model, tokens
 

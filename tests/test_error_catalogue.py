@@ -639,8 +639,8 @@ def _bad_weights(ctx: Ctx) -> Callable[[], Any]:
 
 
 def batching(name: str, *args: Any, sdpa: bool = False, stacked: bool = True, **kwargs: Any) -> Callable[[Ctx], Callable[[], Any]]:
-    """``lora_func.batching.<name>(model, adapters, *args, **kwargs)`` on a tiny Llama."""
-    from lora_func import batching as batching_module
+    """``lora_func.many.<name>(model, adapters, *args, **kwargs)`` on a tiny Llama."""
+    from lora_func import many as batching_module
 
     def arrange(ctx: Ctx) -> Callable[[], Any]:
         model = tiny_model("llama")
@@ -668,7 +668,7 @@ class BranchingModel(nn.Module):
 
 
 def _vmap_failed(ctx: Ctx) -> Callable[[], Any]:
-    from lora_func.batching import ensemble_call
+    from lora_func.many import ensemble_call
 
     model = ctx.track(BranchingModel().eval())
     a = ctx.adapter(model, targets=["proj"])
@@ -676,7 +676,7 @@ def _vmap_failed(ctx: Ctx) -> Callable[[], Any]:
 
 
 def _per_example(loss_fn: Callable[..., Any], *batch: Any) -> Callable[[Ctx], Callable[[], Any]]:
-    from lora_func.batching import per_example_grads
+    from lora_func.many import per_example_grads
 
     def arrange(ctx: Ctx) -> Callable[[], Any]:
         model = ctx.model()
@@ -909,9 +909,7 @@ CASES.update(
         "batch-not-stacked": Case(batching("ensemble_call", IDS, stacked=False), ("ensemble_call", "stack_shape ()", "lora_func.stack")),
         "batch-non-tensor-output": Case(batching("ensemble_call", IDS, use_cache=True), ("ensemble_call", "DynamicCache", "use_cache=False")),
         "batch-vmap-failed": Case(_vmap_failed, ("ensemble_call", "data-dependent")),
-        "mixed-index-type": Case(batching("mixed_call", [0, 1], IDS), ("list",)),
         "mixed-batch-size": Case(batching("mixed_call", torch.tensor([0, 1, 0]), IDS), ("len(index)=3",)),
-        "mixed-index-range": Case(batching("mixed_call", torch.tensor([0, 5]), IDS), ("[0, 2)", "index 5")),
         "per-example-batch": Case(_per_example(_logits_sum, IDS, IDS[:1]), ("[1, 2]",)),
         "per-example-loss": Case(_per_example(_logits_per_token, IDS), ("(1, 8)",)),
         # export
@@ -999,6 +997,11 @@ def _reentrant_no_grad(ctx: Ctx) -> Callable[[], Any]:
     return lambda: lf.adapted_call(model, adapter, tokens(), use_cache=False)
 
 
+def _plan_of_another_structure(m: nn.Module, a: lf.Adapter, b: lf.Adapter, ctx: Ctx) -> Any:
+    plan = lf.make_plan(m, lf.compose(a, b))
+    return lf.adapted_call(m, a, IDS, plan=plan)
+
+
 def _tied_gpt2(ctx: Ctx) -> Callable[[], Any]:
     model = ctx.model("gpt2")
     adapter = ctx.adapter(model, targets=("lm_head",), tied="both")
@@ -1009,6 +1012,7 @@ CASES.update(
     {
         "route-unknown": Case(on_adapter(lambda a, ctx: lf.adapted_call(ctx.models[-1][0], a, tokens(), route="modules")), ("'modules'",)),
         "route-module-tied": Case(_tied_gpt2, ("lm_head.weight", "transformer.wte.weight")),
+        "plan-mismatch": Case(on_two(_plan_of_another_structure), ("adapted_call", "make_plan")),
         "checkpoint-in-transform": Case(_checkpointed_in_grad, ("torch.func", "gradient_checkpointing_disable")),
         "checkpoint-reentrant-no-grad": Case(_reentrant_no_grad, ("use_reentrant=True", "enable_input_require_grads")),
     }
@@ -1204,29 +1208,23 @@ def _fit_with(**kwargs: Any) -> Callable[[Ctx], Callable[[], Any]]:
 
 
 def _meta_adapter(m: nn.Module, a: lf.Adapter, b: lf.Adapter, ctx: Ctx) -> Any:
-    from lora_func.checks import check_adapter_placement
-
     moved = a.with_params({k: v.detach().to("meta") for k, v in a.params.items()})
-    return check_adapter_placement(lf.base_params(m), moved, "adapted_call")
+    return lf.adapted_call(m, moved, IDS)
 
 
 def _integer_adapter(m: nn.Module, a: lf.Adapter, b: lf.Adapter, ctx: Ctx) -> Any:
-    from lora_func.checks import check_adapter_placement
-
     ints = lf.Adapter({k: v.detach().long() for k, v in a.params.items()}, a.buffers, a.spec, a.layers)
-    return check_adapter_placement(lf.base_params(m), ints, "overlay")
+    return lf.overlay(lf.base_params(m), ints)
 
 
 def _linear_adapter_on_conv1d(ctx: Ctx) -> Callable[[], Any]:
     from transformers.pytorch_utils import Conv1D
 
-    from lora_func.checks import check_layouts
-
     adapter = ctx.adapter(ctx.track(_proj_model()), targets=["proj"])
     conv = nn.Sequential()
     conv.add_module("proj", Conv1D(4, 4))
     conv = ctx.track(conv)
-    return lambda: check_layouts(conv, adapter, "adapted_call")
+    return lambda: lf.adapted_call(conv, adapter, torch.ones(1, 4))
 # --- ecosystem (lora_func/summary.py, bridge.py, _optree.py; "all-linear" in targeting.py)
 
 
@@ -1412,12 +1410,6 @@ def _mixed_wrong_rows(ctx: Ctx) -> Callable[[], Any]:
     return call
 
 
-def _mixed_tied(ctx: Ctx) -> Callable[[], Any]:
-    model = ctx.model("gpt2")
-    adapter = ctx.adapter(model, targets=("lm_head",), tied="both")
-    return lambda: lf.mixed_adapted_call(model, [adapter, adapter], torch.tensor([0, 1]), IDS)
-
-
 def _mixed_dora_on_quantized(ctx: Ctx) -> Callable[[], Any]:
     model = _quantized(ctx)
     adapter = lf.init_adapter(model, lf.AdapterSpec("dora", targets=["q_proj"], r=2), generator=torch.Generator().manual_seed(0))
@@ -1430,10 +1422,9 @@ CASES.update(
         "mixed-route-list": Case(on_two(lambda m, a, b, ctx: lf.mixed_adapted_call(m, [a, a.params], torch.tensor([0, 1]), IDS)), ("['Adapter', 'dict']",)),
         "mixed-route-adapters-type": Case(on_two(lambda m, a, b, ctx: lf.mixed_adapted_call(m, a.params, torch.tensor([0, 1]), IDS)), ("dict", "lora_func.stack")),
         "mixed-route-not-stacked": Case(on_two(lambda m, a, b, ctx: lf.mixed_adapted_call(m, a, torch.tensor([0, 0]), IDS)), ("stack_shape ()", "[adapter_0, adapter_1")),
-        "mixed-route-index-type": Case(on_two(lambda m, a, b, ctx: lf.mixed_adapted_call(m, [a, a], [0, 1], IDS)), ("list", "torch.tensor([2, 0, 1, 0])")),
+        "mixed-route-index-type": Case(on_two(lambda m, a, b, ctx: lf.mixed_adapted_call(m, [a, a], torch.tensor([0.0, 1.0]), IDS)), ("torch.float32", "torch.tensor([2, 0, 1, 0])")),
         "mixed-route-index-range": Case(on_two(lambda m, a, b, ctx: lf.mixed_adapted_call(m, [a, a], torch.tensor([0, -1]), IDS)), ("[0, 2)", "-1")),
         "mixed-route-batch-rows": Case(_mixed_wrong_rows, ("2 rows", "len(index)=3", "q_proj")),
-        "mixed-route-tied": Case(_mixed_tied, ("lm_head.weight", "transformer.wte.weight")),
         "mixed-route-quantized": Case(_mixed_dora_on_quantized, ("'dora'", "['eva', 'lora']", "q_proj")),
     }
 )

@@ -1,4 +1,4 @@
-"""lora_func.mixed: per-row adapters inside the target layers, against per-sequence oracles.
+"""lora_func.many (mixed_adapted, mixed_adapted_call): per-row adapters inside the target layers, against per-sequence oracles.
 
 Oracles: a Python loop of ``lf.adapted_call`` per example (logits, per-adapter gradients) and
 ``with lf.adapted(model, its_adapter): model.generate(...)`` per sequence (generation). Every

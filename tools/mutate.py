@@ -77,9 +77,17 @@ TARGETS: dict[str, tuple[tuple[str, ...] | None, list[list[str]]]] = {
     ),
     "lora_func/_steps.py": (None, [*_ALL[:3], ["tests/test_core.py", "tests/test_compose.py"], [COMPILE, "-k", "overlay_calls or keeps_the_path"], _ALL[3]]),
     "lora_func/_lazy.py": (None, [*_ALL[:3], ["tests/test_core.py"], [COMPILE, "-k", "overlay_calls or keeps_the_path"], _ALL[3]]),
-    "lora_func/core.py": (
-        ("_layer_steps", "_check_adapter_finite", "merge_overlay", "overlay", "overlay_calls", "adapted_call", "adapted"),
+    "lora_func/plan.py": (
+        ("_steps", "_program"),
+        [*_ALL[:3], ["tests/test_core.py", "tests/test_compose.py", "tests/test_plan.py"], _ALL[3]],
+    ),
+    "lora_func/overlay.py": (
+        ("check_adapter_finite", "merge_overlay", "merged_overlay", "overlay", "lazy_overlay", "overlay_calls"),
         [*_ALL[:3], ["tests/test_core.py", "tests/test_adapted_context.py", "tests/test_checks.py"], [COMPILE, "-k", "overlay_calls or keeps_the_path"], _ALL[3]],
+    ),
+    "lora_func/call.py": (
+        ("application", "adapted_call", "adapted"),
+        [*_ALL[:3], ["tests/test_core.py", "tests/test_adapted_context.py", "tests/test_plan.py"], [COMPILE, "-k", "overlay_calls or keeps_the_path"], _ALL[3]],
     ),
 }
 

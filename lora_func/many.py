@@ -1,0 +1,546 @@
+"""Many adapters per batch: a different adapter per row, an ensemble, per-example gradients.
+
+Two routes, one feature:
+
+- **In the target layers** (:func:`mixed_adapted_call`, :func:`mixed_adapted`, and by default
+  :func:`ensemble_call`): each target module's ``forward`` is replaced, for the duration of a call
+  or a ``with`` block (the module-call route, through the same
+  :class:`lora_func._application.Application`, so activation checkpointing recomputes with the
+  adapters too), by one that computes the frozen layer once for the whole batch and the adapter
+  path per row with that row's own adapter tensors. Attention, masks, the KV cache,
+  ``model.generate`` and everything else stay the model's own: any attention implementation
+  (SDPA, flash, eager), ``use_cache=True``, quantized bases. An ensemble repeats the batch's rows
+  once per member. Two per-row paths: LoRA-form variants (``lora``, ``eva``) take two batched
+  products with each row's gathered ``A`` and ``B`` (``bmm``, as S-LoRA/punica's gathered
+  kernels); every other variant runs its own activation form under ``torch.vmap`` over the rows,
+  the base weight unbatched.
+- **``torch.func.vmap`` over the whole model** (:func:`mixed_call`, :func:`per_example_grads`,
+  ``ensemble_call(..., route="vmap")``): pure functions of the adapter tensors, so they compose
+  with ``torch.func.grad`` and with each other, and each example runs as a batch of one (a
+  per-example loss). Attention must be ``"eager"`` (SDPA and flash attention have no ``vmap``
+  batching rule, and with a mask they branch on its values; checked up front), and dropout in
+  train mode needs ``randomness="different"`` or ``"same"``.
+
+The batch is dim 0 of every target layer's input (true of transformers' decoder layers). Inputs
+with ``n = m * len(index)`` rows (``generate`` with ``num_beams=m`` or
+``num_return_sequences=m``) use ``index.repeat_interleave(m)``. See docs/functional.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Literal
+
+import torch
+import torch.utils._pytree as pytree
+from torch import Tensor, nn
+
+from lora_func._application import Application, refuse_checkpointing_in_transform
+from lora_func._kernels import lora_activation_form, lora_scale, lowrank_input
+from lora_func._model import base_params
+from lora_func._routing import module_forward
+from lora_func._sharded import swapped_on
+from lora_func._steps import LayerCall, VariantStep
+from lora_func.adapter import Adapter, AdapterLayer, AdapterLike, Combinator, _member, _stack_adapters, leaf_adapters, take
+from lora_func.call import _call_plan, adapted_call
+from lora_func.checks import check_base, check_model
+from lora_func.plan import checked_index, detached_base
+from lora_func.quantized import frozen_call, frozen_forwards, kind_of_tensor
+from lora_func.targeting import canonical_weight
+from lora_func.variants import LayerInfo, get_variant, list_variants
+from lora_func.variants._contract import RANK_MASK
+
+__all__ = ["ensemble_call", "mixed_adapted", "mixed_adapted_call", "mixed_call", "per_example_grads"]
+
+Randomness = Literal["error", "different", "same"]
+_VMAP_ATTENTION = ("eager", None)
+
+
+# ----------------------------------------------------------------------------- in the target layers
+
+
+def _gathered_path(variant_name: str) -> bool:
+    """Whether a variant takes the gathered-``bmm`` path (its activation form is LoRA's)."""
+    return get_variant(variant_name).activation_form is lora_activation_form
+
+
+def _stacked(adapters: Any, where: str) -> Adapter:
+    """``adapters`` (a list of adapters, or one stacked adapter) as one stack ``(K, ...)``; a
+    list is stacked with its autograd history kept, so gradients reach every list member."""
+    if isinstance(adapters, Combinator) or (
+        isinstance(adapters, (list, tuple)) and any(isinstance(a, Combinator) for a in adapters)
+    ):
+        raise TypeError(  # error: mixed-route-composite
+            f"{where}: adapters must be plain adapters of one variant (any of {list_variants()}), got a "
+            f"{type(adapters).__name__ if not isinstance(adapters, (list, tuple)) else 'list with Composed/Combined'}; "
+            f"compose/combine are not supported per row: merge each tenant into one adapter, or serve them with "
+            f"lora_func.adapted one at a time"
+        )
+    if isinstance(adapters, (list, tuple)):
+        if not adapters or not all(isinstance(a, Adapter) for a in adapters):
+            shown = "an empty list" if not adapters else f"a list holding {sorted({type(a).__name__ for a in adapters})}"
+            raise TypeError(f"{where}: adapters must be a non-empty list of lora_func.Adapter (one per tenant), got {shown}")  # error: mixed-route-list
+        # Not lora_func.stack: it returns new leaves (for optimisers), which would cut the
+        # gradient off the listed adapters.
+        return _stack_adapters(list(adapters))
+    if not isinstance(adapters, Adapter):
+        raise TypeError(  # error: mixed-route-adapters-type
+            f"{where}: adapters must be a list of lora_func.Adapter or one stacked adapter (lora_func.stack([...])), "
+            f"got {type(adapters).__name__}"
+        )
+    if len(adapters.stack_shape) != 1:
+        raise ValueError(  # error: mixed-route-not-stacked
+            f"{where}: a single adapter must be stacked along one leading axis (stack_shape (K,)), got stack_shape "
+            f"{adapters.stack_shape}; pass a list of adapters or lora_func.stack([adapter_0, adapter_1, ...])"
+        )
+    return adapters
+
+
+class _Rows:
+    """Which adapter each row of a target layer's input uses: ``index`` for ``len(index)`` rows,
+    ``index.repeat_interleave(m)`` for ``m * len(index)`` rows (beams, return sequences)."""
+
+    def __init__(self, index: Tensor) -> None:
+        self.index = index
+        self._by_rows: dict[tuple[int, torch.device], Tensor] = {}
+
+    def __call__(self, rows: int, device: torch.device, module: str) -> Tensor:
+        key = (rows, device)
+        found = self._by_rows.get(key)
+        if found is None:
+            size = self.index.shape[0]
+            if rows % size:
+                raise ValueError(  # error: mixed-route-batch-rows
+                    f"mixed adapters: target {module} got an input with {rows} rows on dim 0, which is not a multiple of "
+                    f"len(index)={size}; the batch must be dim 0 of every target's input, one index entry per sequence "
+                    f"(generate's num_beams / num_return_sequences expand rows by repeat_interleave, which is handled)"
+                )
+            found = self.index.to(device).repeat_interleave(rows // size)
+            self._by_rows[key] = found
+        return found
+
+
+def _gather(tensors: Mapping[str, Tensor], rows: Tensor) -> dict[str, Tensor]:
+    return {name: tensor.index_select(0, rows) for name, tensor in tensors.items()}
+
+
+def _lora_factors(params: Mapping[str, Tensor], buffers: Mapping[str, Tensor], info: LayerInfo) -> tuple[Tensor, Tensor]:
+    """Each row's ``s_b A_bᵀ (n, d_in, r)`` and ``B_bᵀ (n, r, d_out)`` from its gathered tensors
+    (``A (n, r, d_in)``, ``B (n, d_out, r)``); a rank-padded stack's padding masked out."""
+    lora_a, lora_b = params["lora_A"], params["lora_B"]
+    if RANK_MASK in buffers:  # rank-padded stack: padded rank entries never reach the output
+        mask = buffers[RANK_MASK].to(lora_a.dtype)
+        lora_a, lora_b = lora_a * mask[:, :, None], lora_b * mask[:, None, :]
+    scale = lora_scale(info, buffers)
+    if isinstance(scale, Tensor):
+        scale = scale.to(lora_a.dtype).reshape(-1, 1, 1)
+    # Contiguous (n, r, d_out): autograd then computes both backward products with their long
+    # axis last, as add_low_rank's single-adapter path does.
+    return (lora_a * scale).transpose(1, 2), lora_b.transpose(1, 2).contiguous()
+
+
+def _gathered_lora(a_t: Tensor, b_t: Tensor, info: LayerInfo, x: Tensor, y: Tensor, training: bool) -> Tensor:
+    """``y + (x_b s_b A_bᵀ) B_bᵀ`` per row ``b``: ``x (n, ..., d_in)``, ``y (n, ..., d_out)`` the
+    frozen layer's output, ``a_t (n, d_in, r)`` and ``b_t (n, r, d_out)`` from :func:`_lora_factors`."""
+    n = x.shape[0]
+    dropped = lowrank_input(x, types.SimpleNamespace(training=training), info)
+    h = torch.bmm(dropped.reshape(n, -1, x.shape[-1]).to(a_t.dtype), a_t)
+    flat_y = y.reshape(n, -1, y.shape[-1])
+    if flat_y.dtype == h.dtype and not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack() is None:
+        # The frozen layer's output is fresh and no backward formula reads it: accumulate in place
+        # (as the single-adapter path does), no copy of the (n, L, d_out) activations.
+        return flat_y.baddbmm_(h, b_t).view(y.shape)
+    return (flat_y + torch.bmm(h, b_t).to(flat_y.dtype)).view(y.shape)
+
+
+def _target_forward(adapter: Adapter, layer: AdapterLayer, rows: _Rows) -> Any:
+    """The replacement ``forward`` of one target module (an Application forward)."""
+    target, info, variant, dtype = layer.target, layer.info, adapter.variant, adapter.spec.dtype
+    params, buffers = adapter.layer_tensors(layer)
+    gathered = _gathered_path(variant.name)
+    layout = module_forward(target.layout)
+    sources = (*params.values(), *buffers.values())
+    # Inference only (no autograd, no transform): each row count's gathered factors, computed once
+    # per block (every decoding step reuses them), keyed on the adapter tensors' version counters
+    # so an in-place update of an adapter inside the block is seen.
+    factors: dict[tuple[int, torch.device], tuple[tuple[int, ...], tuple[Tensor, Tensor]]] = {}
+
+    def lora_factors(n: int, device: torch.device) -> tuple[Tensor, Tensor]:
+        cacheable = not torch.is_grad_enabled() and torch._C._functorch.peek_interpreter_stack() is None
+        versions = tuple(t._version for t in sources) if cacheable else ()
+        if cacheable:
+            found = factors.get((n, device))
+            if found is not None and found[0] == versions:
+                return found[1]
+        index = rows(n, device, target.module)
+        out = _lora_factors(_gather(params, index), _gather(buffers, index), info)
+        if cacheable:
+            factors[(n, device)] = (versions, out)
+        return out
+
+    def forward(module: nn.Module, inner: Any, x: Tensor) -> Tensor:
+        kind = kind_of_tensor(module.weight)
+        base_call = inner if kind is None else frozen_call(module, kind)
+        if gathered:
+            a_t, b_t = lora_factors(x.shape[0], x.device)
+            return _gathered_lora(a_t, b_t, info, x, base_call(x), module.training)
+        index = rows(x.shape[0], x.device, target.module)
+        weight = canonical_weight(module.weight, target.layout)
+        bias, training = module.bias, module.training
+
+        def one_row(p: dict[str, Tensor], b: dict[str, Tensor], x_row: Tensor) -> Tensor:
+            x_op, finish = layout.prepare(x_row, target.d_out)
+            step = VariantStep(variant, p, b, info, dtype)
+            return finish(step.activation(x_op, LayerCall(weight, bias, base_call, training)))
+
+        # "different": the adapter's dropout (training only) draws an independent mask per row,
+        # as one batched call would.
+        return torch.vmap(one_row, randomness="different")(_gather(params, index), _gather(buffers, index), x)
+
+    return forward
+
+
+def _mixed_application(
+    model: nn.Module, adapters: Any, index: Any, base: Mapping[str, Tensor] | None, where: str
+) -> Application:
+    """Every check at the boundary, then the Application that installs the per-row forwards."""
+    check_model(model, where)
+    stacked = _stacked(adapters, where)
+    size = stacked.stack_shape[0]
+    index = checked_index(index, size, where)
+    given = base is not None
+    if base is None:
+        base = base_params(model)
+    else:
+        check_base(base, where)
+    members = list(adapters) if isinstance(adapters, (list, tuple)) else [_member(stacked, 0)]
+    # One plan per member structure (members of one stack or list usually share it: built once).
+    plan = None
+    for member in members:
+        plan = _call_plan(model, base, given, member, "module", where, None)
+    assert plan is not None
+    modules = plan.modules(model)
+    if given:
+        base = detached_base(base)
+    quantized = sorted(layer.target.module for layer in stacked.layers if kind_of_tensor(base[layer.target.weight_key]) is not None)
+    if quantized and not _gathered_path(stacked.spec.variant):
+        gathered = sorted(name for name in list_variants() if _gathered_path(name))
+        raise ValueError(  # error: mixed-route-quantized
+            f"{where}: targets {quantized[:4]} are quantized, and mixed adapters on quantized layers are supported for "
+            f"the LoRA-form variants {gathered} only (variant {stacked.spec.variant!r} runs its activation form under "
+            f"vmap, which the quantized op does not support); dequantize the base, or use lora_func.adapted per tenant"
+        )
+    refuse_checkpointing_in_transform(model)
+    index = index.to(base[stacked.layers[0].target.weight_key].device) if stacked.layers else index
+    rows = _Rows(index)
+    forwards = {layer.target.module: _target_forward(stacked, layer, rows) for layer in stacked.layers}
+    forwards = {**frozen_forwards(model, exclude=forwards, modules=modules), **forwards}
+    trainable = tuple(t for a in members for t in a.params.values()) if isinstance(adapters, (list, tuple)) else tuple(stacked.params.values())
+    params = swapped_on(base, modules, plan.fsdp, where)
+    return Application(model, params, forwards, trainable=trainable, modules=modules)
+
+
+def mixed_adapted_call(
+    model: nn.Module,
+    adapters: Sequence[Adapter] | AdapterLike,
+    index: Tensor,
+    *args: Any,
+    base: Mapping[str, Tensor] | None = None,
+    **kwargs: Any,
+) -> Any:
+    """``model(*args, **kwargs)`` where batch row ``b`` uses adapter ``index[b]``; the model untouched.
+
+    Args:
+      adapters: ``K`` adapters of one variant, targets and options (ranks and alphas may differ):
+        a list, or one stacked adapter (:func:`lora_func.stack`, ``stack_shape (K,)``).
+      index: ``(B,)`` int64 (or int32) tensor, values in ``[0, K)``, one per row of the batch;
+        repeats are fine, unused members get zero gradient.
+      args, kwargs: the model's inputs, batched as usual (``input_ids (B, T)``,
+        ``attention_mask (B, T)`` with left or right padding, ``labels``).
+
+    Returns the model's output as is (``logits (B, T, V)``; a loss from ``labels`` is the model's
+    own batch loss). Works with any attention implementation and ``use_cache=True``, since only
+    the target layers change. Differentiable: with a list of adapters whose params require grad,
+    ``loss.backward()`` fills each one's ``.grad`` with the gradient of the loss through its own
+    rows; under ``torch.func.grad`` over a stack's params (``adapters=stack.with_params(p)``)
+    likewise. Activation checkpointing recomputes with the same adapters. ``base``: as in
+    :func:`lora_func.adapted_call`. See :func:`mixed_adapted` for generation.
+    """
+    return _mixed_application(model, adapters, index, base, "mixed_adapted_call")(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def mixed_adapted(
+    model: nn.Module, adapters: Sequence[Adapter] | AdapterLike, index: Tensor
+) -> Iterator[nn.Module]:
+    """Within the ``with`` block, batch row ``b`` of every call of ``model`` uses adapter
+    ``index[b]``; on exit (also on error) the model is as it was. For ``model.generate``::
+
+        with torch.no_grad(), lora_func.mixed_adapted(model, [tenant_a, tenant_b], torch.tensor([1, 0, 1])):
+            tokens = model.generate(input_ids, attention_mask=mask, max_new_tokens=20)
+
+    ``adapters`` and ``index``: as in :func:`mixed_adapted_call`. Each call's batch must have
+    ``len(index)`` rows, or a multiple ``m * len(index)`` laid out as ``repeat_interleave(m)``
+    (``num_beams``, ``num_return_sequences``). The base weights are never written (the block
+    reparametrizes the model with detached views and swaps the target modules' ``forward``).
+    A list of adapters is stacked once, on entering the block (its values then are used); a
+    stack passed as such is read in place (an in-place update inside the block is seen).
+    Not thread-safe: while the block runs, every caller of ``model`` goes through the mixed
+    route with this ``index``; serve concurrent requests by batching them into one block.
+    """
+    application = _mixed_application(model, adapters, index, None, "mixed_adapted")
+    with application.applied():
+        yield model
+
+
+# ----------------------------------------------------------------------------- vmap over the model
+
+
+def _check_attention(model: nn.Module, where: str) -> None:
+    """Raise unless ``model`` (a transformers model, or any module) attends eagerly."""
+    config = getattr(model, "config", None)
+    implementation = getattr(config, "_attn_implementation", None)
+    if implementation not in _VMAP_ATTENTION:
+        raise ValueError(  # error: batch-eager-attention
+            f"{where} runs {type(model).__name__} under torch.func.vmap, but its attention implementation is "
+            f"{implementation!r}, which has no vmap batching rule (slow per-example loop, and an error with an "
+            f"attention mask); use eager attention: model.set_attn_implementation('eager') or "
+            f"from_pretrained(..., attn_implementation='eager')"
+        )
+
+
+def _check_arguments(where: str, model: Any, adapters: Any, base: Any) -> None:
+    check_model(model, where)
+    leaf_adapters(adapters)
+    if base is not None:
+        check_base(base, where)
+
+
+def _stack_size(adapters: AdapterLike, where: str) -> int:
+    shape = adapters.stack_shape
+    if len(shape) != 1:
+        raise ValueError(  # error: batch-not-stacked
+            f"{where} needs adapters stacked along one leading axis (stack_shape (K,)), got stack_shape {shape}; "
+            f"build them with lora_func.stack([adapter_0, adapter_1, ...])"
+        )
+    return shape[0]
+
+
+def _outputs_as_tensors(out: Any, where: str) -> Any:
+    """``out`` unchanged, after checking that ``vmap`` can batch it (tensors only)."""
+    for path, leaf in pytree.tree_flatten_with_path(out)[0]:
+        if leaf is not None and not isinstance(leaf, Tensor):
+            raise TypeError(  # error: batch-non-tensor-output
+                f"{where}: the model returned a {type(leaf).__name__} at output{pytree.keystr(path)}, which vmap cannot "
+                f"batch (only tensors); for transformers models pass use_cache=False so that no KV cache is returned"
+            )
+    return out
+
+
+def _vmapped(fn: Callable[..., Any], where: str, **vmap_kwargs: Any) -> Callable[..., Any]:
+    """``torch.func.vmap(fn, **vmap_kwargs)`` whose data-dependent-control-flow error says what
+    usually causes it in a transformers model and how to fix it."""
+    batched = torch.func.vmap(fn, **vmap_kwargs)
+
+    def call(*args: Any) -> Any:
+        try:
+            return batched(*args)
+        except RuntimeError as err:
+            if "data-dependent control flow" not in str(err):
+                raise
+            raise RuntimeError(  # error: batch-vmap-failed
+                f"{where}: {err}\nThis usually means SDPA or flash attention with an attention mask: under vmap, "
+                f"transformers models need eager attention (model.set_attn_implementation('eager') or "
+                f"from_pretrained(..., attn_implementation='eager'))"
+            ) from err
+
+    return call
+
+
+def _split_examples(args: tuple, kwargs: Mapping[str, Any], batch_size: int) -> tuple[list[Tensor], Callable[[tuple], tuple]]:
+    """The tensors of ``(args, kwargs)`` with ``batch_size`` on dim 0 (split per example), and a
+    function that rebuilds ``(args, kwargs)`` for one example from their slices, each given a
+    batch dim of 1 again, every other leaf passed through whole."""
+    leaves, spec = pytree.tree_flatten((args, dict(kwargs)))
+    split = [isinstance(leaf, Tensor) and leaf.dim() >= 1 and leaf.shape[0] == batch_size for leaf in leaves]
+
+    def rebuild(examples: tuple) -> tuple:
+        slices = iter(examples)
+        return pytree.tree_unflatten([next(slices).unsqueeze(0) if s else leaf for leaf, s in zip(leaves, split, strict=True)], spec)
+
+    return [leaf for leaf, s in zip(leaves, split, strict=True) if s], rebuild
+
+
+def _drop_example_dim(out: Any) -> Any:
+    # Each example ran as a batch of 1; vmap puts the batch back on dim 0.
+    return pytree.tree_map_only(Tensor, lambda t: t.squeeze(0) if t.dim() >= 1 and t.shape[0] == 1 else t, out)
+
+
+def mixed_call(
+    model: nn.Module,
+    adapters: AdapterLike,
+    index: Tensor,
+    *args: Any,
+    merged: bool = False,
+    base: Mapping[str, Tensor] | None = None,
+    strict: bool = False,
+    randomness: str = "error",
+    **kwargs: Any,
+) -> Any:
+    """``model(*args, **kwargs)`` where example ``i`` uses adapter ``index[i]`` of ``adapters``.
+
+    Args:
+      adapters: a stack of ``K`` adapters (:func:`lora_func.stack`, ``stack_shape (K,)``).
+      index: ``(B,)`` int64 (or int32) tensor, values in ``[0, K)``; repeats are fine.
+      args, kwargs: the model's inputs. The batch dim is dim 0: every tensor whose dim 0 has
+        size ``B`` (``input_ids (B, T)``, ``attention_mask (B, T)``, ``labels (B, T)``) is
+        split, and each example runs as a batch of one (``(1, T)``) with its own adapter and
+        its own attention-mask row, exactly as in a per-example loop; every other argument
+        (non-tensors, ``position_ids (1, T)``) is passed whole to every example.
+
+    Returns the model's output batched on dim 0 again, e.g. ``logits (B, T, V)``; a 0-d output
+    (the loss a model computes from ``labels``) comes back per example, ``(B,)``. Outputs must be
+    tensors: pass ``use_cache=False`` to transformers models.
+
+    Pure: ``torch.func.grad(lambda p: loss(mixed_call(model, adapters.with_params(p), index,
+    ids)))(adapters.params)`` gives each stack member the gradient of the examples that used it
+    (zero for members no example used). Needs eager attention (checked); a model with dropout
+    in train mode needs ``randomness="different"``. ``merged=True`` builds every example's
+    merged weights (``B`` dense copies per target): keep the default lazy path.
+
+    :func:`lora_func.mixed_adapted_call` computes the same rows without ``vmap`` of the model
+    (any attention, KV cache, ``generate`` through :func:`lora_func.mixed_adapted`); this
+    function remains for the per-example loss and composed/combined stacks.
+    """
+    where = "mixed_call"
+    _check_arguments(where, model, adapters, base)
+    # A base from named_parameters() would give the model .grad in a training step.
+    base = None if base is None else detached_base(base)
+    size = _stack_size(adapters, where)
+    index = checked_index(index, size, where)
+    _check_attention(model, where)
+    batch_size = index.shape[0]
+    examples, rebuild = _split_examples(args, kwargs, batch_size)
+    if not examples:
+        raise ValueError(  # error: mixed-batch-size
+            f"mixed_call: no tensor argument has the batch size len(index)={batch_size} on dim 0; index needs one "
+            f"entry per example of the batch"
+        )
+    per_example = take(adapters, index)
+
+    def one(adapter: AdapterLike, *example: Tensor) -> Any:
+        example_args, example_kwargs = rebuild(example)
+        out = adapted_call(model, adapter, *example_args, merged=merged, base=base, strict=strict, **example_kwargs)
+        return _drop_example_dim(_outputs_as_tensors(out, where))
+
+    return _vmapped(one, where, randomness=randomness)(per_example, *examples)
+
+
+def ensemble_call(
+    model: nn.Module,
+    adapters: AdapterLike,
+    *args: Any,
+    merged: bool = False,
+    base: Mapping[str, Tensor] | None = None,
+    strict: bool = False,
+    randomness: str = "error",
+    chunk_size: int | None = None,
+    **kwargs: Any,
+) -> Any:
+    """``model(*args, **kwargs)`` through each of the ``K`` stacked ``adapters``, in one call.
+
+    The inputs are shared (not split); every output gets a leading ``K`` axis, e.g. ``logits
+    (K, B, T, V)``. The lazy path (default) shares the frozen weights across members and holds
+    no merged weight, so memory grows with ``K`` only through activations; ``chunk_size`` runs
+    the members that many at a time (``torch.func.vmap``'s option) to bound it. Composes with
+    ``grad`` (train an ensemble in one step). Needs eager attention (checked); pass
+    ``use_cache=False`` to transformers models.
+    """
+    where = "ensemble_call"
+    _check_arguments(where, model, adapters, base)
+    base = None if base is None else detached_base(base)
+    _stack_size(adapters, where)
+    _check_attention(model, where)
+
+    def one(adapter: AdapterLike) -> Any:
+        out = adapted_call(model, adapter, *args, merged=merged, base=base, strict=strict, **kwargs)
+        return _outputs_as_tensors(out, where)
+
+    return _vmapped(one, where, randomness=randomness, chunk_size=chunk_size)(adapters)
+
+
+def per_example_grads(
+    loss_fn: Callable[..., Any],
+    adapter: AdapterLike,
+    *batch: Any,
+    has_aux: bool = False,
+    randomness: str = "error",
+    chunk_size: int | None = None,
+) -> Any:
+    """The gradient of ``loss_fn(adapter, *example)`` for every example of ``batch``.
+
+    Equal to ``torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, ...))`` (tested), at the
+    cost of one batched backward: each example gets its own copy of ``adapter.params`` (an
+    ``expand``, no copy), the forward runs under ``vmap`` over (copy, example) pairs, and one
+    reverse pass (``torch.autograd.grad`` of the summed losses) gives each copy the gradient
+    of its own example's loss. That reverse pass runs in the ordinary autograd engine, which
+    accumulates in place and keeps fused backward kernels, where ``grad`` under ``vmap``
+    decomposes some of them (docs/benchmarks.md, the functional section, has the comparison).
+
+    Args:
+      loss_fn: ``loss_fn(adapter, *example) -> loss`` (0-d), or ``(loss, aux)`` with
+        ``has_aux=True``. It sees each example as a batch of one: tensors keep a dim 0 of
+        size 1 (``input_ids (1, T)``), so a function written for a batch works unchanged.
+      adapter: one adapter (not stacked); the gradients are w.r.t. ``adapter.params``.
+      batch: the examples; every tensor in it is split along dim 0 (all with the same size
+        ``B``), every other value is passed whole.
+      chunk_size: run that many examples at a time in the forward (see ``torch.func.vmap``);
+        the backward still holds every example's activations, as a batched backward does.
+
+    Returns a dict like ``adapter.params`` whose tensors have a leading ``(B,)`` axis (and the
+    per-example aux, batched, with ``has_aux=True``), detached. Transformers models need eager
+    attention (SDPA with an attention mask fails under ``vmap``; the error says so), and
+    dropout in train mode needs ``randomness="different"``.
+    """
+    where = "per_example_grads"
+    if not callable(loss_fn):
+        raise TypeError(  # error: per-example-not-callable
+            f"per_example_grads: loss_fn must be a function loss_fn(adapter, *example) -> 0-d loss, got "
+            f"{type(loss_fn).__name__}; the adapter is the second argument: per_example_grads(loss_fn, adapter, *batch)"
+        )
+    leaf_adapters(adapter)
+    sizes = sorted({t.shape[0] for t in pytree.tree_leaves(batch) if isinstance(t, Tensor) and t.dim() >= 1})
+    scalars = [t for t in pytree.tree_leaves(batch) if isinstance(t, Tensor) and t.dim() == 0]
+    if len(sizes) != 1 or scalars:
+        raise ValueError(  # error: per-example-batch
+            f"per_example_grads: every tensor in batch must have the batch on dim 0, all of one size B; got dim-0 "
+            f"sizes {sizes}{' and 0-d tensors' if scalars else ''}; pass shared tensors through loss_fn's closure"
+        )
+    batch_size = sizes[0]
+    examples, rebuild = _split_examples(batch, {}, batch_size)
+    # One leaf per parameter with a leading (B,) axis: example b reads slice b only, so the
+    # gradient of the summed losses w.r.t. slice b is example b's gradient.
+    copies = {
+        key: value.detach().unsqueeze(0).expand(batch_size, *value.shape).requires_grad_(True)
+        for key, value in adapter.params.items()
+    }
+
+    def loss(params: dict[str, Tensor], *example: Tensor) -> Any:
+        example_batch, _ = rebuild(example)
+        return loss_fn(adapter.with_params(params), *example_batch)
+
+    with torch.enable_grad():
+        out = _vmapped(loss, where, randomness=randomness, chunk_size=chunk_size)(copies, *examples)
+        losses, aux = out if has_aux else (out, None)
+        if not isinstance(losses, Tensor) or tuple(losses.shape) != (batch_size,):
+            raise ValueError(  # error: per-example-loss
+                f"per_example_grads: loss_fn must return one scalar loss per example (a 0-d tensor{', aux' if has_aux else ''}), "
+                f"got {type(losses).__name__} of per-example shape {tuple(losses.shape[1:]) if isinstance(losses, Tensor) else '?'}"
+            )
+        grads = torch.autograd.grad(losses.sum(), list(copies.values()), allow_unused=True)
+    out_grads = {key: torch.zeros_like(copies[key]) if g is None else g for key, g in zip(copies, grads, strict=True)}
+    if not has_aux:
+        return out_grads
+    return out_grads, pytree.tree_map_only(Tensor, Tensor.detach, aux)

@@ -1,0 +1,148 @@
+"""The parameter-dict overlays: ``merge_overlay``, ``overlay`` and ``overlay_calls``.
+
+Each returns (or, for ``overlay_calls``, intercepts) the model's whole parameter dict: every
+entry of ``base`` (detached tensors, no copies) with the adapted entries replaced, so
+``functional_call`` never touches the model's own ``requires_grad=True`` tensors: backward
+costs what the adapter costs, and the model's ``.grad`` stays ``None``. Each is a thin runner
+over a :class:`lora_func.plan.Plan`: pass ``plan=`` to reuse one across a loop (it holds for
+every ``with_params`` of the adapter it was built for).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from torch import Tensor
+
+from lora_func._lazy import AdaptedBias, AdaptedCalls, AdaptedWeight, _BiasEntry, _ModeEntry
+from lora_func._steps import merged_weight
+from lora_func.adapter import AdapterLike
+from lora_func.checks import check_base, check_finite
+from lora_func.plan import Plan, build_plan, check_plan_fits
+
+__all__ = ["merge_overlay", "overlay", "overlay_calls"]
+
+
+def checked_plan(base: Mapping[str, Tensor], adapter: AdapterLike, where: str, safe: bool, plan: Plan | None) -> Plan:
+    """Everything a parameter-dict overlay checks before it computes anything: the base dict, the
+    adapter's structure (a new plan, or ``plan``'s tensors check), and with ``safe`` the values."""
+    check_base(base, where)
+    if plan is None:
+        plan = build_plan(base, adapter, route="overlay", where=where)
+    else:
+        check_plan_fits(plan, adapter, base, where)
+        plan.check_tensors(adapter, where)
+    if safe:
+        check_adapter_finite(adapter, where)
+    return plan
+
+
+def check_adapter_finite(adapter: AdapterLike, where: str) -> None:
+    check_finite({**adapter.params, **adapter.buffers}, f"{where}(safe=True): adapter tensors")  # type: ignore[attr-defined]
+
+
+def merge_overlay(base: Mapping[str, Tensor], adapter: AdapterLike, *, safe: bool = False, plan: Plan | None = None) -> dict[str, Tensor]:
+    """``base`` with the merged weight (and bias, where the variant changes it) of every target.
+
+    ``W_eff`` is computed in the adapter dtype from the base weight and cast to the base
+    dtype. Tied names of a target (``tied="both"``) get the same merged tensor. ``adapter``
+    may be composed (:func:`compose`) or combined (:func:`combine`).
+
+    ``safe=True`` raises ``FloatingPointError`` naming the tensors, before anything is
+    returned, when an adapter tensor or a merged weight or bias holds a NaN or inf (a diverged
+    step, a bad checkpoint, a merge that overflows a half-precision base) instead of handing
+    the model garbage. It reads values, so not inside ``torch.func.vmap``. ``plan``: a plan of
+    this adapter's structure on this base (:func:`lora_func.make_plan`), skipping its checks.
+    """
+    plan = checked_plan(base, adapter, "merge_overlay", safe, plan)
+    out = merged_overlay(plan, base, adapter)
+    if safe:
+        check_finite({k: v for k, v in out.items() if v is not base[k]}, "merge_overlay(safe=True): merged weights")
+    return out
+
+
+def merged_overlay(plan: Plan, base: Mapping[str, Tensor], adapter: AdapterLike) -> dict[str, Tensor]:
+    """:func:`merge_overlay` without its checks (``plan`` checked ``adapter`` on ``base``)."""
+    out = dict(base)
+    for key, step in plan.steps(adapter).items():
+        t = plan.targets[key].target
+        bias = base[t.bias_key] if t.bias_key is not None else None
+        w_eff, b_eff = merged_weight(step, base[key], bias, t.layout)
+        for name in (key, *t.tied_keys):
+            out[name] = w_eff
+        if step.changes_bias and t.bias_key is not None and b_eff is not None:
+            out[t.bias_key] = b_eff
+    return out
+
+
+def overlay(
+    base: Mapping[str, Tensor],
+    adapter: AdapterLike,
+    *,
+    strict: bool = False,
+    safe: bool = False,
+    training: bool = False,
+    plan: Plan | None = None,
+) -> dict[str, Tensor]:
+    """``base`` with lazy stand-ins for the target weights (no merged weights built).
+
+    Each stand-in computes ``base(x)`` plus the variant's activation form inside
+    ``F.linear`` (nn.Linear) or ``addmm``/``matmul`` (GPT-2 Conv1D). Any other op on a
+    stand-in (an embedding lookup through a tied weight, ...) gets the dense merged weight,
+    or raises when ``strict=True``. ``safe=True`` raises ``FloatingPointError`` naming the
+    adapter tensors that hold a NaN or inf (no merged weight exists to check here).
+    ``training=True``: a training step, where the adapter's ``dropout`` option acts
+    (``adapted_call`` passes ``model.training``). ``plan``: as in :func:`merge_overlay`.
+    """
+    plan = checked_plan(base, adapter, "overlay", safe, plan)
+    return lazy_overlay(plan, base, adapter, strict=strict, training=training)
+
+
+def lazy_overlay(plan: Plan, base: Mapping[str, Tensor], adapter: AdapterLike, *, strict: bool, training: bool) -> dict[str, Tensor]:
+    """:func:`overlay` without its checks (``plan`` checked ``adapter`` on ``base``)."""
+    out = dict(base)
+    targets = plan.targets
+    for key, step in plan.steps(adapter).items():
+        t = targets[key].target
+        bias = base[t.bias_key] if t.bias_key is not None else None
+        standin = AdaptedWeight(base[key], bias, step, layout=t.layout, strict=strict, name=key, training=training)
+        for name in (key, *t.tied_keys):
+            out[name] = standin
+        if step.changes_bias and bias is not None and t.bias_key is not None:
+            out[t.bias_key] = AdaptedBias(bias, standin, strict=strict, name=t.bias_key)
+    return out
+
+
+def overlay_calls(
+    base: Mapping[str, Tensor],
+    adapter: AdapterLike,
+    *,
+    strict: bool = False,
+    safe: bool = False,
+    training: bool = False,
+    plan: Plan | None = None,
+) -> AdaptedCalls:
+    """The lazy overlay as a torch-function mode over the model's own base tensors, for code
+    that ``torch.compile`` traces (dynamo cannot create :func:`overlay`'s stand-ins)::
+
+        with lora_func.overlay_calls(base, adapter):
+            out = functional_call(model, base, args)
+
+    While the ``with`` block runs, the layer's own op on a target weight of ``base`` (found by
+    identity: pass the same ``base`` dict, or tensors from it, to ``functional_call``) takes
+    the variant's low-rank path, any other op on a target weight gets the dense merged weight
+    (or raises with ``strict=True``), exactly as with :func:`overlay`. :func:`adapted_call`
+    uses it by itself while compiling. In eager code prefer :func:`overlay`: the mode looks at
+    the arguments of every torch call in the block, a Python cost per op that only a trace
+    pays once. ``safe=True`` checks the adapter tensors as :func:`overlay` does.
+    """
+    plan = checked_plan(base, adapter, "overlay_calls", safe, plan)
+    entries: list[_ModeEntry | _BiasEntry] = []
+    for key, step in plan.steps(adapter).items():
+        t = plan.targets[key].target
+        bias = base[t.bias_key] if t.bias_key is not None else None
+        entry = _ModeEntry(base[key], bias, step, layout=t.layout, strict=strict, name=key, training=training)
+        entries.append(entry)
+        if step.changes_bias and bias is not None and t.bias_key is not None:
+            entries.append(_BiasEntry(bias, entry, strict=strict, name=t.bias_key))
+    return AdaptedCalls(entries)
