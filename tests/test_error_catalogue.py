@@ -832,7 +832,7 @@ def _reseal_checkpoint(directory: Path, tensors: dict[str, torch.Tensor] | None 
     """Rewrite a training checkpoint with its checksums recomputed, as a hostile edit would."""
     from safetensors.torch import load_file, save_file
 
-    from lora_func import train
+    from lora_func.train import checkpoint as train
 
     path = directory / "optimizer.safetensors"
     tensors = load_file(str(path)) if tensors is None else tensors

@@ -173,7 +173,7 @@ def _reseal(directory: Path, tensors: dict[str, torch.Tensor] | None = None, sta
     """Rewrite the checkpoint's files with checksums recomputed, as a hostile edit would."""
     from safetensors.torch import load_file, save_file
 
-    from lora_func import train
+    from lora_func.train import checkpoint as train
 
     opt = directory / "optimizer.safetensors"
     tensors = load_file(str(opt)) if tensors is None else tensors
@@ -773,7 +773,7 @@ def test_training_arguments_are_checked_before_any_work():
 def test_a_checkpoint_save_on_a_full_disk_raises_oserror_and_leaves_nothing(tmp_path, monkeypatch):
     from safetensors import SafetensorError
 
-    from lora_func import train
+    from lora_func.train import checkpoint as train
 
     model = tiny_model("llama")
     adapter = lf.init_adapter(model, lf.AdapterSpec("lora", targets=["q_proj"], r=2), generator=torch.Generator().manual_seed(0))

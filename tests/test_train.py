@@ -217,7 +217,7 @@ def test_resume_from_a_checkpoint_continues_bit_identically(tmp_path, half):
 # (lora_func.save), each of the three files, the new directory, then its parent.
 CHECKPOINT_STEPS = {
     "adapter": ("lora_func.io.native", "save_file", 1),
-    "optimizer": ("lora_func.train", "save_file", 1),
+    "optimizer": ("lora_func.train.checkpoint", "save_file", 1),
     "first-flush": ("lora_func.io._files", "fsync", 1),
     "files-flushed": ("lora_func.io._files", "fsync", 6),
     "exchange": ("lora_func.io._files", "_exchange", 1),
