@@ -37,8 +37,8 @@ from lora_func.io import load, load_peft, save, save_peft
 from lora_func.checks import check_finite
 
 # Ecosystem: peft habits, optree/torchopt, nn.Module frameworks (Trainer, accelerate, DDP).
-from lora_func import _optree  # noqa: F401  (registers the adapter types with optree, if installed)
-from lora_func import distributed  # noqa: F401  (lora_func.distributed.all_reduce_mean, ...)
+from lora_func import _optree
+from lora_func import distributed
 from lora_func.summary import AdapterSummary, adapter_summary
 
 BUILDING = ["Adapter", "AdapterLayer", "AdapterSpec", "get_variant", "init_adapter", "list_variants"]

@@ -81,9 +81,11 @@ class Application:
         _install_checkpoint_hook()
         _state.active = (*active, self)
         try:
-            with torch.nn.utils.stateless._reparametrize_module(self.model, self.params, tie_weights=True, strict=False):
-                with self._forwards_installed():
-                    yield
+            with (
+                torch.nn.utils.stateless._reparametrize_module(self.model, self.params, tie_weights=True, strict=False),
+                self._forwards_installed(),
+            ):
+                yield
         finally:
             _state.active = active
 
@@ -154,13 +156,16 @@ def _rebound(function: Callable[..., Any], reentrant: bool, args: tuple) -> Call
     if not apps or not torch.is_grad_enabled():
         return function
     refuse_checkpointing_in_transform()
-    if reentrant and any(t.requires_grad for app in apps for t in app.trainable):
-        if not any(isinstance(a, Tensor) and a.requires_grad for a in args):
-            raise RuntimeError(  # error: checkpoint-reentrant-no-grad
-                "reentrant activation checkpointing (use_reentrant=True) of a block whose inputs do not require "
-                "grad: the adapter inside the block would get no gradient. Call model.enable_input_require_grads() "
-                "(as peft does), or use use_reentrant=False"
-            )
+    if (
+        reentrant
+        and any(t.requires_grad for app in apps for t in app.trainable)
+        and not any(isinstance(a, Tensor) and a.requires_grad for a in args)
+    ):
+        raise RuntimeError(  # error: checkpoint-reentrant-no-grad
+            "reentrant activation checkpointing (use_reentrant=True) of a block whose inputs do not require "
+            "grad: the adapter inside the block would get no gradient. Call model.enable_input_require_grads() "
+            "(as peft does), or use use_reentrant=False"
+        )
 
     def with_adapter(*a: Any, **k: Any) -> Any:
         with contextlib.ExitStack() as stack:
@@ -190,13 +195,14 @@ def _install_checkpoint_hook() -> None:
         def checkpoint_without_reentrant(function: Callable[..., Any], preserve: bool, context_fn: Any, *rest: Any, **kwargs: Any):
             return without_reentrant(_rebound(function, False, ()), preserve, context_fn, *rest, **kwargs)
 
-        class AdaptedCheckpointFunction(reentrant):  # type: ignore[misc, valid-type]
+        class AdaptedCheckpointFunction(reentrant):  # type: ignore[misc, valid-type]  # a class looked up at run time
             # apply, not forward: under torch.func, Function.apply refuses before forward runs,
             # and the refusal must be ours (it says what to do).
             @classmethod
             def apply(cls, run_function: Callable[..., Any], preserve_rng_state: bool, *args: Any) -> Any:
                 return reentrant.apply(_rebound(run_function, True, args), preserve_rng_state, *args)
 
-        _checkpoint._checkpoint_without_reentrant_generator = checkpoint_without_reentrant
-        _checkpoint.CheckpointFunction = AdaptedCheckpointFunction
+        # setattr: replacing a module's function and class (what the module docstring explains).
+        setattr(_checkpoint, "_checkpoint_without_reentrant_generator", checkpoint_without_reentrant)  # noqa: B010
+        setattr(_checkpoint, "CheckpointFunction", AdaptedCheckpointFunction)  # noqa: B010
         _hook_installed = True

@@ -218,8 +218,8 @@ def half_product_applies(base: BaseLayer, x: Tensor, a: Tensor) -> bool:
     weight = base.weight
     return (
         type(weight) in (Tensor, torch.nn.Parameter)
-        and weight.dtype in _HALF_PRODUCT_DTYPES  # type: ignore[union-attr]
-        and x.dtype == weight.dtype  # type: ignore[union-attr]
+        and weight.dtype in _HALF_PRODUCT_DTYPES
+        and x.dtype == weight.dtype
         and promoted(a.dtype, x.dtype) == a.dtype != x.dtype
         and not torch.compiler.is_compiling()
         and not torch.is_autocast_enabled(x.device.type)

@@ -10,8 +10,9 @@ gets the dense merged weight (correct, just not lazy) or, with ``strict=True``, 
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -24,16 +25,12 @@ from lora_func.targeting import canonical_weight
 
 __all__ = ["AdaptedBias", "AdaptedCalls", "AdaptedWeight"]
 
+# The getters of the tensor properties (torch's stubs type the properties as their values).
 _METADATA_FUNCS = {
-    Tensor.dtype.__get__,  # type: ignore[attr-defined]
-    Tensor.shape.__get__,  # type: ignore[attr-defined]
-    Tensor.device.__get__,  # type: ignore[attr-defined]
-    Tensor.ndim.__get__,  # type: ignore[attr-defined]
-    Tensor.layout.__get__,  # type: ignore[attr-defined]
-    Tensor.requires_grad.__get__,  # type: ignore[attr-defined]
-    Tensor.is_leaf.__get__,  # type: ignore[attr-defined]
-    Tensor.grad.__get__,  # type: ignore[attr-defined]
-    Tensor.is_cuda.__get__,  # type: ignore[attr-defined]
+    *(
+        inspect.getattr_static(Tensor, name).__get__
+        for name in ("dtype", "shape", "device", "ndim", "layout", "requires_grad", "is_leaf", "grad", "is_cuda")
+    ),
     Tensor.size,
     Tensor.dim,
     Tensor.numel,
@@ -68,7 +65,7 @@ class AdaptedWeight(Tensor):
         name: str,
         training: bool = False,
     ) -> AdaptedWeight:
-        out = Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
+        out = Tensor._make_wrapper_subclass(
             cls,
             weight.shape,
             strides=weight.stride(),
@@ -83,7 +80,7 @@ class AdaptedWeight(Tensor):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         pass
 
-    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]  # torch's stub: no keyword
         return (
             f"AdaptedWeight({self._name}, step={type(self._step).__name__}, shape={tuple(self._weight.shape)}, "
             f"dtype={self._weight.dtype})"
@@ -114,7 +111,7 @@ class AdaptedWeight(Tensor):
         return _route(func, args, kwargs, _standin_of)
 
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:  # type: ignore[override]  # torch's stub is a plain function
         # Reaching dispatch means an op bypassed __torch_function__ (a C++ path); computing
         # here would be below autograd and silently drop the adapter's gradients.
         raise RuntimeError(  # error: lazy-below-autograd
@@ -132,15 +129,15 @@ class AdaptedBias(AdaptedWeight):
     _pair: Any
 
     @staticmethod
-    def __new__(cls, bias: Tensor, pair: AdaptedWeight, *, strict: bool, name: str) -> AdaptedBias:  # type: ignore[override]
-        out = Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
+    def __new__(cls, bias: Tensor, pair: AdaptedWeight, *, strict: bool, name: str) -> AdaptedBias:
+        out = Tensor._make_wrapper_subclass(
             cls, bias.shape, strides=bias.stride(), dtype=bias.dtype, device=bias.device, requires_grad=False
         )
         out._weight, out._bias, out._step, out._pair = bias, None, pair._step, pair
         out._layout, out._strict, out._name = "bias", strict, name
         return out
 
-    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]  # torch's stub: no keyword
         return f"AdaptedBias({self._name}, shape={tuple(self._weight.shape)}, dtype={self._weight.dtype})"
 
     def merged(self) -> Tensor:
@@ -150,7 +147,7 @@ class AdaptedBias(AdaptedWeight):
 
 def merged_bias(pair: Any) -> Tensor:
     """``b_eff`` of the target whose weight is ``pair`` (a stand-in or a mode entry)."""
-    return merged_weight(pair._step, pair._weight, pair._bias, pair._layout)[1]  # type: ignore[return-value]
+    return cast(Tensor, merged_weight(pair._step, pair._weight, pair._bias, pair._layout)[1])  # the pair has a bias
 
 
 _STANDINS = (AdaptedWeight, AdaptedBias)
@@ -173,7 +170,7 @@ class _Adapted(Protocol):
     def _adapted(self, x: Tensor, bias: Tensor | None, call: Callable[[Tensor], Tensor]) -> Tensor: ...
 
 
-def _route(func: Any, args: tuple, kwargs: dict, find: Callable[[Any], _Adapted | None]) -> Any:
+def _route(func: Any, args: tuple, kwargs: dict, find: Callable[[Any], Any]) -> Any:
     """``func(*args, **kwargs)`` where ``find`` tells which values are adapted weights: the
     layer's own op on one (:func:`lora_func._routing.weight_use`) takes the low-rank path; any
     other op gets the dense merged weight, or raises when the weight is strict."""

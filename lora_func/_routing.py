@@ -33,6 +33,7 @@ class Entry(Protocol):
     """What the table needs of an adapted weight: the layout of the layer it belongs to."""
 
     _layout: str
+    _weight: Tensor
 
 
 class WeightUse(NamedTuple):
@@ -125,7 +126,7 @@ def _linear_prepare(x: Tensor, d_out: int) -> tuple[Tensor, Callable[[Tensor], T
 
 def _conv1d_prepare(x: Tensor, d_out: int) -> tuple[Tensor, Callable[[Tensor], Tensor]]:
     # Exactly transformers' Conv1D.forward, so both routes run the same kernels on the same shapes.
-    size_out = x.size()[:-1] + (d_out,)
+    size_out = (*x.size()[:-1], d_out)
     return x.view(-1, x.size(-1)), lambda y: y.view(size_out)
 
 

@@ -12,7 +12,7 @@ mixed route). An adapter tree node says how its parts' steps combine
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 from torch import Tensor
@@ -68,7 +68,8 @@ def _mask_rank_axes(tensors: TensorDict, mask: Tensor, axes: Mapping[str, int | 
     padded entries never reach the output and get exactly zero gradient."""
     out = dict(tensors)
     for name, tensor in tensors.items():
-        for axis in (axes[name],) if isinstance(axes.get(name), int) else axes.get(name, ()):
+        spec = axes.get(name, ())
+        for axis in (spec,) if isinstance(spec, int) else spec:
             shape = [1] * tensor.dim()
             shape[axis] = -1
             out[name] = out[name] * mask.to(tensor.dtype).reshape(shape)
@@ -126,7 +127,7 @@ class _StepBase:
     @property
     def weight(self) -> Tensor:
         self._merge()
-        return self._weight  # type: ignore[return-value]
+        return cast(Tensor, self._weight)  # set by _merge
 
     @property
     def bias(self) -> Tensor | None:
@@ -155,7 +156,7 @@ class ChainStep:
 
     def activation(self, x: Tensor, base: BaseLayer) -> Tensor:
         for step in self.steps[:-1]:
-            base = _StepBase(step, base)
+            base = cast(BaseLayer, _StepBase(step, base))  # a read-only BaseLayer: the protocol declares settable fields
         return self.steps[-1].activation(x, base)
 
 
@@ -211,10 +212,10 @@ class SumStep:
         w_eff = self._sum(weight, [w for w, _ in merged])
         if bias is None or not self.changes_bias:
             return w_eff, bias
-        return w_eff, self._sum(bias, [b for _, b in merged])  # type: ignore[misc]
+        return w_eff, self._sum(bias, [cast(Tensor, b) for _, b in merged])  # each step keeps a bias it was given
 
     def activation(self, x: Tensor, base: BaseLayer) -> Tensor:
-        shared = _SharedBase(base)
+        shared = cast(BaseLayer, _SharedBase(base))  # as in ChainStep.activation
         y = shared(x)
         return self._sum(y, [step.activation(x, shared) for step in self.steps])
 

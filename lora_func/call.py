@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import operator
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -26,9 +26,10 @@ from lora_func._steps import LayerCall, LayerStep, merged_weight
 from lora_func.adapter import AdapterLike
 from lora_func.checks import check_base, check_finite, check_model
 from lora_func.overlay import check_adapter_finite, lazy_overlay, merged_overlay
-from lora_func.plan import Plan, Route, build_plan, cached_plan, check_plan_fits, detached_base, structure_key
+from lora_func.plan import Plan, Route, adapter_tensors, build_plan, cached_plan, check_plan_fits, detached_base, structure_key
 from lora_func.quantized import QuantizedKind, frozen_call, frozen_forwards, kind_of_tensor
 from lora_func.targeting import Target, canonical_weight
+from lora_func.variants import BaseLayer
 
 __all__ = ["adapted", "adapted_call", "make_plan"]
 
@@ -42,7 +43,7 @@ class _QuantizedLayer:
 
     __slots__ = ("_call", "_kind", "_module", "_weight", "bias", "training")
 
-    def __init__(self, module: nn.Module, kind: QuantizedKind) -> None:
+    def __init__(self, module: Any, kind: QuantizedKind) -> None:
         self._module, self._kind, self.bias, self.training = module, kind, module.bias, module.training
         self._call = frozen_call(module, kind)
         self._weight: Tensor | None = None
@@ -61,7 +62,7 @@ def _module_call(target: Target, step: LayerStep, merged: bool) -> Any:
     """The module-call route's forward of one target: the variant on the tensor the module holds."""
     layout = module_forward(target.layout)
 
-    def forward(module: nn.Module, inner: Any, x: Tensor) -> Tensor:
+    def forward(module: Any, inner: Any, x: Tensor) -> Tensor:
         x_op, finish = layout.prepare(x, target.d_out)
         bias = module.bias
         if is_sharded(module.weight):
@@ -78,7 +79,7 @@ def _module_call(target: Target, step: LayerStep, merged: bool) -> Any:
             y = layout.merged(x_op.to(w_eff.dtype), w_eff, None if b is None else b.to(w_eff.dtype))
             return finish(y.to(x.dtype))
         if kind is not None:
-            return finish(step.activation(x_op, _QuantizedLayer(module, kind)))
+            return finish(step.activation(x_op, cast(BaseLayer, _QuantizedLayer(module, kind))))  # read-only: see _steps
         weight = module.weight
         if merged:
             w_eff, b_eff = merged_weight(step, weight, bias, target.layout)
@@ -98,6 +99,7 @@ def application(
     refuse_checkpointing_in_transform(model)
     modules = plan.modules(model)
     forwards: dict[str, Any] = {}
+    params: Mapping[str, Tensor]
     if plan.route == "overlay":
         params = merged_overlay(plan, base, adapter) if merged else lazy_overlay(plan, base, adapter, strict=strict, training=model.training)
     else:
@@ -107,7 +109,7 @@ def application(
         params = {name: tensor for name, tensor in params.items() if tensor is not base[name]}
     params = swapped_on(params, modules, plan.fsdp, "adapted_call")
     forwards = {**frozen_forwards(model, exclude=forwards, modules=modules), **forwards}
-    return Application(model, params, forwards, trainable=tuple(adapter.params.values()), modules=modules)  # type: ignore[attr-defined]
+    return Application(model, params, forwards, trainable=tuple(adapter_tensors(adapter)[0].values()), modules=modules)
 
 
 # ----------------------------------------------------------------------------- the plan of a call
@@ -175,11 +177,11 @@ class _Memo:
         self.key, self.parts = key, (application.params, application.forwards, application.trainable, application.modules)
 
         self.keys, self.values = list(base), tuple(base.values())
-        self.tensors = (*adapter.params.values(), *adapter.buffers.values())  # type: ignore[attr-defined]
+        self.tensors = _tensors(adapter)
         self.versions = [t._version for t in self.tensors]
 
     def valid(self, key: tuple, base: Mapping[str, Tensor], adapter: AdapterLike) -> bool:
-        tensors = (*adapter.params.values(), *adapter.buffers.values())  # type: ignore[attr-defined]
+        tensors = _tensors(adapter)
         return (
             key == self.key
             and _same_objects(self.values, tuple(base.values()))
@@ -187,6 +189,11 @@ class _Memo:
             and _same_objects(self.tensors, tensors)
             and [t._version for t in tensors] == self.versions
         )
+
+
+def _tensors(adapter: AdapterLike) -> tuple[Tensor, ...]:
+    params, buffers = adapter_tensors(adapter)
+    return (*params.values(), *buffers.values())
 
 
 def _same_objects(a: tuple, b: tuple) -> bool:
@@ -214,10 +221,14 @@ def _memoised(model: nn.Module, key: tuple, base: Mapping[str, Tensor], adapter:
         candidates = [p for _, p in reversed(entry.plans)] if entry is not None else []
     for candidate in candidates:
         memo = candidate.last
-        if memo is not None and memo.valid(key, base, adapter) and structure_key(adapter) == candidate.structure:
-            if candidate.model_unchanged(model):
-                params, forwards, trainable, modules = memo.parts
-                return Application(model, params, forwards, trainable, modules)
+        if (
+            memo is not None
+            and memo.valid(key, base, adapter)
+            and structure_key(adapter) == candidate.structure
+            and candidate.model_unchanged(model)
+        ):
+            params, forwards, trainable, modules = memo.parts
+            return Application(model, params, forwards, trainable, modules)
     return None
 
 
@@ -268,8 +279,8 @@ def adapted_call(
     where = "adapted_call"
     check_model(model, where)
     memo_key = _memo_key(model, base, merged, strict, safe, route)
-    if memo_key is not None:
-        reused = _memoised(model, memo_key, base, adapter, plan)  # type: ignore[arg-type]
+    if memo_key is not None and base is not None:
+        reused = _memoised(model, memo_key, base, adapter, plan)
         if reused is not None:
             return reused(*args, **kwargs)
     given = base
@@ -299,8 +310,8 @@ def adapted_call(
     applied = application(model, plan, base, adapter, merged=merged, strict=strict, whole_base=True)
     if safe and merged and plan.route == "overlay":
         check_finite({k: v for k, v in applied.params.items() if v is not base[k]}, "merge_overlay(safe=True): merged weights")
-    if memo_key is not None:
-        plan.last = _Memo(memo_key, given, adapter, applied)  # type: ignore[arg-type]
+    if memo_key is not None and given is not None:
+        plan.last = _Memo(memo_key, given, adapter, applied)
     return applied(*args, **kwargs)
 
 

@@ -13,6 +13,7 @@ training step on the loss and the gradients, or through ``merge_overlay(..., saf
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -134,7 +135,7 @@ def check_float_targets(base: Mapping[str, Tensor], adapter: object, where: str)
     (:mod:`lora_func.quantized`; e.g. a plain int8 copy): merging into it would round the delta
     away, and the lazy path would mix integer and float math."""
 
-    layers = adapter if isinstance(adapter, list) else [layer for leaf in leaf_adapters(adapter) for layer in leaf.layers]  # type: ignore[arg-type]
+    layers = adapter if isinstance(adapter, list) else [layer for leaf in leaf_adapters(cast(Any, adapter)) for layer in leaf.layers]
     bad = sorted(
         {
             f"{layer.target.weight_key} ({base[layer.target.weight_key].dtype})"

@@ -46,7 +46,7 @@ from lora_func._steps import LayerCall, VariantStep
 from lora_func.adapter import Adapter, AdapterLayer, AdapterLike, Combinator, _member, _stack_adapters, leaf_adapters, take
 from lora_func.call import _call_plan, adapted_call
 from lora_func.checks import check_base, check_model
-from lora_func.plan import checked_index, detached_base
+from lora_func.plan import adapter_tensors, checked_index, detached_base
 from lora_func.quantized import frozen_call, frozen_forwards, kind_of_tensor
 from lora_func.targeting import canonical_weight
 from lora_func.variants import LayerInfo, get_variant, list_variants
@@ -133,7 +133,7 @@ def _lora_factors(params: Mapping[str, Tensor], buffers: Mapping[str, Tensor], i
     if RANK_MASK in buffers:  # rank-padded stack: padded rank entries never reach the output
         mask = buffers[RANK_MASK].to(lora_a.dtype)
         lora_a, lora_b = lora_a * mask[:, :, None], lora_b * mask[:, None, :]
-    scale = lora_scale(info, buffers)
+    scale = lora_scale(info, dict(buffers))
     if isinstance(scale, Tensor):
         scale = scale.to(lora_a.dtype).reshape(-1, 1, 1)
     # Contiguous (n, r, d_out): autograd then computes both backward products with their long
@@ -180,7 +180,7 @@ def _target_forward(adapter: Adapter, layer: AdapterLayer, rows: _Rows) -> Any:
             factors[(n, device)] = (versions, out)
         return out
 
-    def forward(module: nn.Module, inner: Any, x: Tensor) -> Tensor:
+    def forward(module: Any, inner: Any, x: Tensor) -> Tensor:
         kind = kind_of_tensor(module.weight)
         base_call = inner if kind is None else frozen_call(module, kind)
         if gathered:
@@ -237,7 +237,7 @@ def _mixed_application(
     rows = _Rows(index)
     forwards = {layer.target.module: _target_forward(stacked, layer, rows) for layer in stacked.layers}
     forwards = {**frozen_forwards(model, exclude=forwards, modules=modules), **forwards}
-    trainable = tuple(t for a in members for t in a.params.values()) if isinstance(adapters, (list, tuple)) else tuple(stacked.params.values())
+    trainable = tuple(t for a in members for t in adapter_tensors(a)[0].values()) if isinstance(adapters, (list, tuple)) else tuple(stacked.params.values())
     params = swapped_on(base, modules, plan.fsdp, where)
     return Application(model, params, forwards, trainable=trainable, modules=modules)
 
@@ -318,7 +318,7 @@ def _check_arguments(where: str, model: Any, adapters: Any, base: Any) -> None:
         check_base(base, where)
 
 
-def _stack_size(adapters: AdapterLike, where: str) -> int:
+def _stack_size(adapters: Any, where: str) -> int:
     shape = adapters.stack_shape
     if len(shape) != 1:
         raise ValueError(  # error: batch-not-stacked
@@ -473,7 +473,7 @@ def ensemble_call(
 
 def per_example_grads(
     loss_fn: Callable[..., Any],
-    adapter: AdapterLike,
+    adapter: Any,
     *batch: Any,
     has_aux: bool = False,
     randomness: str = "error",

@@ -18,7 +18,7 @@ from lora_func._lazy import AdaptedBias, AdaptedCalls, AdaptedWeight, _BiasEntry
 from lora_func._steps import merged_weight
 from lora_func.adapter import AdapterLike
 from lora_func.checks import check_base, check_finite
-from lora_func.plan import Plan, build_plan, check_plan_fits
+from lora_func.plan import Plan, adapter_tensors, build_plan, check_plan_fits
 
 __all__ = ["merge_overlay", "overlay", "overlay_calls"]
 
@@ -38,7 +38,8 @@ def checked_plan(base: Mapping[str, Tensor], adapter: AdapterLike, where: str, s
 
 
 def check_adapter_finite(adapter: AdapterLike, where: str) -> None:
-    check_finite({**adapter.params, **adapter.buffers}, f"{where}(safe=True): adapter tensors")  # type: ignore[attr-defined]
+    params, buffers = adapter_tensors(adapter)
+    check_finite({**params, **buffers}, f"{where}(safe=True): adapter tensors")
 
 
 def merge_overlay(base: Mapping[str, Tensor], adapter: AdapterLike, *, safe: bool = False, plan: Plan | None = None) -> dict[str, Tensor]:

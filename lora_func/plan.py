@@ -41,6 +41,7 @@ __all__ = [
     "Plan",
     "Route",
     "TargetPlan",
+    "adapter_tensors",
     "cached_plan",
     "check_plan_fits",
     "checked_index",
@@ -55,6 +56,12 @@ ROUTES: tuple[str, ...] = get_args(Route)
 # Where a plan applies an adapter: "auto" is resolved when the plan is built.
 ResolvedRoute = Literal["overlay", "module"]
 _INDEX_DTYPES = (torch.int64, torch.int32)  # what tensor indexing accepts as indices (uint8 would be a mask)
+
+
+def adapter_tensors(adapter: AdapterLike) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """``(params, buffers)`` of any adapter-tree node, flat (as ``node.params``, ``node.buffers``)."""
+    node: Any = adapter  # every node has them; AdapterNode does not declare them (yet)
+    return node.params, node.buffers
 
 
 # ----------------------------------------------------------------------------- the base dict
@@ -225,7 +232,7 @@ class Plan:
         """Raise unless every tensor of ``adapter`` has its unstacked shape, sits on its target
         weight's device and (for params) is floating-point: what ``with_params`` may change.
         Shapes and devices only, so it runs under ``torch.func`` transforms too."""
-        params, buffers = adapter.params, adapter.buffers  # type: ignore[attr-defined]
+        params, buffers = adapter_tensors(adapter)
         for check in self._checks:
             tensor = (params if check.param else buffers)[check.key]
             if tensor.shape != check.shape or (check.device is not None and tensor.device != check.device) or (
@@ -307,9 +314,10 @@ def check_plan_fits(plan: Any, adapter: AdapterLike, base: Mapping[str, Tensor],
 def structure_key(adapter: AdapterLike) -> tuple:
     """What a plan depends on in an adapter: the node types, each leaf's spec and layers, each
     combinator's static configuration; no tensors (``with_params`` keeps it)."""
-    if not adapter.parts:
-        return (Adapter, adapter.spec, adapter.layers, adapter.members)  # type: ignore[attr-defined]
-    return (type(adapter), adapter.static(), tuple(structure_key(part) for part in adapter.parts))
+    node: Any = adapter
+    if not node.parts:
+        return (Adapter, node.spec, node.layers, node.members)
+    return (type(node), node.static(), tuple(structure_key(part) for part in node.parts))
 
 
 def module_tree(model: nn.Module) -> list[Any]:
@@ -326,7 +334,7 @@ def module_tree(model: nn.Module) -> list[Any]:
 
 
 def _same_tree(a: list[Any], b: list[Any]) -> bool:
-    return len(a) == len(b) and all(map(operator.is_, a, b)) or a == b
+    return (len(a) == len(b) and all(map(operator.is_, a, b))) or a == b
 
 
 # ----------------------------------------------------------------------------- the build
@@ -373,7 +381,7 @@ def _resolve_route(route: Any, fsdp: bool, quantized: bool) -> ResolvedRoute:
         return "module"
     if route == "auto":
         return "module" if quantized else "overlay"
-    return route  # type: ignore[no-any-return]
+    return "module" if route == "module" else "overlay"
 
 
 def build_plan(
@@ -439,7 +447,7 @@ def build_plan(
             checks += [_TensorCheck(f"{prefix}{module}.{name}", tuple(shape), device, True) for name, shape in layer.param_shapes]
             checks += [_TensorCheck(f"{prefix}{module}.{name}", tuple(shape), device, False) for name, shape in layer.buffer_shapes]
     plan_checks = tuple(checks)
-    params, buffers = adapter.params, adapter.buffers  # type: ignore[attr-defined]
+    params, buffers = adapter_tensors(adapter)
     for check in plan_checks:  # the adapter in hand (later ones: Plan.check_tensors)
         tensor = (params if check.param else buffers)[check.key]
         if tensor.shape != check.shape or (check.device is not None and tensor.device != check.device):

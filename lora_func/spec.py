@@ -80,7 +80,7 @@ class AdapterSpec:
             # A NaN or inf scale turns every output NaN (or, through SDPA, finite but wrong).
             raise ValueError(f"AdapterSpec alpha must be a finite number, got alpha={alpha!r}; pass e.g. alpha=2*r, or None for the default")  # error: spec-alpha-finite
         if isinstance(dtype, str):
-            dtype = _FLOAT_DTYPES.get(dtype.removeprefix("torch."), dtype)  # type: ignore[arg-type]
+            dtype = _FLOAT_DTYPES.get(dtype.removeprefix("torch."), dtype)
         if dtype not in _FLOAT_DTYPES.values():
             raise TypeError(f"AdapterSpec dtype must be a floating dtype ({', '.join(_FLOAT_DTYPES)}), got {dtype!r}")  # error: spec-dtype
         if layer_types is not None:

@@ -14,7 +14,7 @@ import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -110,8 +110,8 @@ def load_checkpoint(directory: str | os.PathLike, model: nn.Module) -> TrainStat
     text, meta = _read_state(directory / _STATE_FILE)
     tensors, file_meta = _read_optimizer_file(directory / _OPTIMIZER_FILE)
     _check_digests(directory, text, tensors, file_meta)
-    adapter = lf.load(directory / _ADAPTER_FILE, model=model)
-    optimizer_class = getattr(torch.optim, meta["optimizer"], None)
+    adapter: Any = lf.load(directory / _ADAPTER_FILE, model=model)
+    optimizer_class: Any = getattr(torch.optim, meta["optimizer"], None)
     if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)) or optimizer_class is torch.optim.Optimizer:
         raise ValueError(f"checkpoint optimizer {meta['optimizer']!r} is not in torch.optim; rebuild it yourself from {directory}")  # error: train-unknown-optimizer
     order = [name for group in meta["param_groups"] for name in group["params"]]
@@ -121,7 +121,7 @@ def load_checkpoint(directory: str | os.PathLike, model: nn.Module) -> TrainStat
     index = {name: i for i, name in enumerate(order)}
     per_param = _checked_moments(directory, tensors, adapter.params, index)
     groups = [{**group, "params": [adapter.params[n] for n in group["params"]]} for group in meta["param_groups"]]
-    optimizer = optimizer_class(groups)
+    optimizer = cast(Any, optimizer_class)(groups)  # a torch.optim class that takes (params, **defaults)
     state_dict = {"state": per_param, "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in meta["param_groups"]]}
     optimizer.load_state_dict(state_dict)
     scaler = None
@@ -251,7 +251,7 @@ def _checked_moments(
             continue
         param = params[name]
         scalar = field_name == "step"
-        if scalar and value.numel() != 1 or not scalar and tuple(value.shape) != tuple(param.shape):
+        if (scalar and value.numel() != 1) or (not scalar and tuple(value.shape) != tuple(param.shape)):
             problems.append(f"{key}: shape {tuple(value.shape)}, the adapter tensor has {tuple(param.shape)}")
         elif not value.is_floating_point():
             problems.append(f"{key}: dtype {value.dtype}, not floating-point")

@@ -51,7 +51,7 @@ def adapter_loss(model: nn.Module, adapter: Any, batch: Batch, *, base: Mapping[
 
         grads = torch.func.grad(lambda p: adapter_loss(model, adapter.with_params(p), batch, base=base))(adapter.params)
     """
-    kwargs = {"attention_mask": batch["attention_mask"]} if "attention_mask" in batch else {}
+    kwargs: dict[str, Any] = {"attention_mask": batch["attention_mask"]} if "attention_mask" in batch else {}
     # A base built from model.named_parameters() holds the model's requires_grad tensors:
     # backward would fill (and train_step's clipping would read) the model's .grad.
     base = None if base is None else detached_base(base)
