@@ -106,3 +106,23 @@ def test_summary_names_the_argument_that_is_wrong():
 def test_python_dash_m_lora_func_is_the_cli():
     result = subprocess.run([sys.executable, "-m", "lora_func", "demo", "--variants", "nope"], capture_output=True, text=True, check=False, timeout=60)
     assert result.returncode == 2 and "unknown variant(s) ['nope']" in result.stderr
+
+
+@pytest.mark.parametrize("scheme", ["bnb-nf4", "bnb-nf4-double", "bnb-int8", "torchao-nf4"])
+def test_summary_counts_quantized_weights_by_their_logical_size_as_peft_does(scheme):
+    """A 4-bit weight's storage holds two values per byte: counted by its numel() the base
+    looked 4x smaller and the trainable share larger than in peft's print_trainable_parameters."""
+    from peft import LoraConfig, get_peft_model
+
+    from tests.peft_io_helpers import peft_warnings
+    from tests.quantized_models import float_llama, quantized_llama
+
+    model = quantized_llama(scheme)
+    adapter = lf.init_adapter(model, lf.AdapterSpec("lora", targets=["q_proj", "v_proj"], r=2), generator=torch.Generator().manual_seed(0))
+    summary = lf.adapter_summary(model, adapter)
+    # The same architecture in float: its parameter count is the quantized model's logical size.
+    assert summary.total - summary.trainable == sum(p.numel() for p in float_llama().parameters())
+    if scheme.startswith("bnb"):  # peft's count (its formula knows bitsandbytes' Params4bit)
+        with peft_warnings():
+            wrapped = get_peft_model(quantized_llama(scheme), LoraConfig(r=2, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+        assert (summary.trainable, summary.total) == wrapped.get_nb_trainable_parameters()
