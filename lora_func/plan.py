@@ -98,13 +98,15 @@ def checked_index(index: Any, size: int, where: str) -> Tensor:
     """``index`` as an int64 tensor after checking it picks one of ``size`` stack members per
     batch row: a non-empty 1-D int64/int32 tensor (or a list of ints), values in ``[0, size)``
     (a negative value would silently pick a member counted from the end)."""
-    if isinstance(index, (list, tuple)) and index and all(isinstance(i, int) and not isinstance(i, bool) for i in index):
-        index = torch.tensor(index, dtype=torch.int64)
+    if isinstance(index, Sequence) and not isinstance(index, (str, bytes)) and index and all(
+        isinstance(i, int) and not isinstance(i, bool) for i in index
+    ):
+        index = torch.tensor(list(index), dtype=torch.int64)  # a list, tuple or range of positions
     if not isinstance(index, Tensor) or index.dim() != 1 or index.dtype not in _INDEX_DTYPES or index.numel() == 0:
         shown = f"a {index.dtype} tensor of shape {tuple(index.shape)}" if isinstance(index, Tensor) else type(index).__name__
         raise TypeError(  # error: mixed-route-index-type
             f"{where}: index must be a 1-D int64 or int32 tensor, not empty (one adapter position per batch row), got "
-            f"{shown}; e.g. torch.tensor([2, 0, 1, 0])"
+            f"{shown}; e.g. torch.tensor([2, 0, 1, 0]) or a list of ints [2, 0, 1, 0]"
         )
     outside = sorted({int(i) for i in index.tolist() if not 0 <= i < size})
     if outside:
@@ -172,7 +174,8 @@ class _TensorCheck:
     shape: tuple[int, ...]
     device: torch.device | None
     param: bool
-    own: tuple[str, str] | None = None  # (node tag, tensor name) of a combinator's own tensor
+    own: tuple[str, str] | None = None
+    dtype: torch.dtype | None = None  # a leaf's trainable tensors: the adapter dtype (spec.dtype)  # (node tag, tensor name) of a combinator's own tensor
 
 
 class Plan:
@@ -236,7 +239,7 @@ class Plan:
         for check in self._checks:
             tensor = (params if check.param else buffers)[check.key]
             if tensor.shape != check.shape or (check.device is not None and tensor.device != check.device) or (
-                check.param and not (tensor.is_floating_point() or tensor.is_complex())
+                check.dtype is not None and tensor.dtype != check.dtype
             ):
                 _raise_tensor_problem(self._checks, params, buffers, where)
 
@@ -277,8 +280,10 @@ def _raise_tensor_problem(checks: Sequence[_TensorCheck], params: Mapping[str, T
         tensor = (params if check.param else buffers)[check.key]
         if check.device is not None and tensor.device != check.device:
             misplaced.append(f"{check.key} on {tensor.device} (its target weight is on {check.device})")
-        elif check.param and not (tensor.is_floating_point() or tensor.is_complex()):
-            not_float.append(f"{check.key} ({tensor.dtype})")
+        elif check.dtype is not None and tensor.dtype != check.dtype:
+            # An adapter dict edited in place: computing in another dtype than the adapter
+            # reports (and saves) is refused on every path, merged or lazy.
+            not_float.append(f"{check.key} ({tensor.dtype}, the adapter dtype is {check.dtype})")
     if misplaced:
         raise ValueError(  # error: adapter-placement-device
             f"{where}: adapter tensors {sorted(misplaced)[:5]} are not on their target weight's device; move them "
@@ -287,8 +292,9 @@ def _raise_tensor_problem(checks: Sequence[_TensorCheck], params: Mapping[str, T
         )
     if not_float:
         raise TypeError(  # error: adapter-placement-dtype
-            f"{where}: adapter params {sorted(not_float)[:5]} are not floating-point; the low-rank path would "
-            f"truncate or promote them. Rebuild the adapter (init_adapter / load) or pass float tensors to with_params"
+            f"{where}: adapter params {sorted(not_float)[:5]} are not in the adapter dtype (adapter.spec.dtype); the "
+            f"low-rank path would truncate, promote or refuse them. Derive new values with adapter.with_params(params) "
+            f"(tensors of the adapter dtype), or rebuild the adapter (init_adapter / load)"
         )
 
 
@@ -444,7 +450,7 @@ def build_plan(
         for layer in leaf.layers:
             device = base[layer.target.weight_key].device
             module = layer.target.module
-            checks += [_TensorCheck(f"{prefix}{module}.{name}", tuple(shape), device, True) for name, shape in layer.param_shapes]
+            checks += [_TensorCheck(f"{prefix}{module}.{name}", tuple(shape), device, True, dtype=leaf.spec.dtype) for name, shape in layer.param_shapes]
             checks += [_TensorCheck(f"{prefix}{module}.{name}", tuple(shape), device, False) for name, shape in layer.buffer_shapes]
     plan_checks = tuple(checks)
     params, buffers = adapter_tensors(adapter)
@@ -452,7 +458,7 @@ def build_plan(
         tensor = (params if check.param else buffers)[check.key]
         if tensor.shape != check.shape or (check.device is not None and tensor.device != check.device):
             _raise_tensor_problem(plan_checks, params, buffers, where)
-        if check.param and not (tensor.is_floating_point() or tensor.is_complex()):
+        if check.dtype is not None and tensor.dtype != check.dtype:
             _raise_tensor_problem(plan_checks, params, buffers, where)
     sharded = sorted(key for key in targets_in_order if is_sharded(base[key]))
     if resolved == "overlay":
