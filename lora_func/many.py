@@ -378,6 +378,38 @@ def _drop_example_dim(out: Any) -> Any:
     return pytree.tree_map_only(Tensor, lambda t: t.squeeze(0) if t.dim() >= 1 and t.shape[0] == 1 else t, out)
 
 
+ManyRoute = Literal["layers", "vmap"]
+MANY_ROUTES: tuple[str, ...] = ("layers", "vmap")
+
+
+def _in_layers(model: nn.Module, adapters: Any, route: Any, merged: bool, randomness: str, kwargs: Mapping[str, Any], where: str) -> bool:
+    """Whether a call of :func:`mixed_call` / :func:`ensemble_call` runs inside the target layers
+    (the default) or under ``vmap`` over the whole model: the latter when asked (``route="vmap"``),
+    and for what only it gives: merged weights per member, composed/combined stacks, a loss the
+    model computes from ``labels`` (one per member or example), and ``randomness`` other than
+    ``"different"`` in train mode (the in-layer route draws every row's dropout independently)."""
+    if route not in MANY_ROUTES:
+        raise ValueError(  # error: many-route-unknown
+            f"{where}: route={route!r} is not one of {list(MANY_ROUTES)}; route='layers' (default) applies each member "
+            f"inside the target layers (any attention, KV cache, quantized bases), route='vmap' runs the whole model "
+            f"under torch.func.vmap (eager attention)"
+        )
+    return (
+        route == "layers"
+        and not merged
+        and not isinstance(adapters, Combinator)
+        and "labels" not in kwargs
+        and (not model.training or randomness == "different")
+    )
+
+
+def _reshaped_rows(out: Any, members: int, rows: int) -> Any:
+    """Every output tensor with ``members * rows`` rows on dim 0 as ``(members, rows, ...)``."""
+    return pytree.tree_map_only(
+        Tensor, lambda t: t.reshape(members, rows, *t.shape[1:]) if t.dim() >= 1 and t.shape[0] == members * rows else t, out
+    )
+
+
 def mixed_call(
     model: nn.Module,
     adapters: AdapterLike,
@@ -386,7 +418,8 @@ def mixed_call(
     merged: bool = False,
     base: Mapping[str, Tensor] | None = None,
     strict: bool = False,
-    randomness: str = "error",
+    randomness: Randomness = "error",
+    route: ManyRoute = "layers",
     **kwargs: Any,
 ) -> Any:
     """``model(*args, **kwargs)`` where example ``i`` uses adapter ``index[i]`` of ``adapters``.
@@ -394,33 +427,30 @@ def mixed_call(
     Args:
       adapters: a stack of ``K`` adapters (:func:`lora_func.stack`, ``stack_shape (K,)``).
       index: ``(B,)`` int64 (or int32) tensor, values in ``[0, K)``; repeats are fine.
-      args, kwargs: the model's inputs. The batch dim is dim 0: every tensor whose dim 0 has
-        size ``B`` (``input_ids (B, T)``, ``attention_mask (B, T)``, ``labels (B, T)``) is
-        split, and each example runs as a batch of one (``(1, T)``) with its own adapter and
-        its own attention-mask row, exactly as in a per-example loop; every other argument
-        (non-tensors, ``position_ids (1, T)``) is passed whole to every example.
+      args, kwargs: the model's inputs, the batch on dim 0 (``input_ids (B, T)``,
+        ``attention_mask (B, T)``, ``labels (B, T)``); other arguments (non-tensors,
+        ``position_ids (1, T)``) are shared by every example.
+      route: ``"layers"`` (default) applies each example's adapter inside the target layers, as
+        :func:`mixed_adapted_call` does (any attention implementation, quantized bases, the model
+        called once on the batch); ``"vmap"`` runs the model under ``torch.func.vmap``, each
+        example as a batch of one with its own attention-mask row, exactly as in a per-example
+        loop (needs eager attention, checked). The vmap route is taken by itself for
+        ``merged=True``, composed/combined stacks, ``labels`` (the model's loss comes back per
+        example, ``(B,)``) and, in train mode, ``randomness`` other than ``"different"``.
 
-    Returns the model's output batched on dim 0 again, e.g. ``logits (B, T, V)``; a 0-d output
-    (the loss a model computes from ``labels``) comes back per example, ``(B,)``. Outputs must be
-    tensors: pass ``use_cache=False`` to transformers models.
+    Returns the model's output batched on dim 0, e.g. ``logits (B, T, V)``. On the vmap route
+    outputs must be tensors: pass ``use_cache=False`` to transformers models.
 
     Pure: ``torch.func.grad(lambda p: loss(mixed_call(model, adapters.with_params(p), index,
     ids)))(adapters.params)`` gives each stack member the gradient of the examples that used it
-    (zero for members no example used). Needs eager attention (checked); a model with dropout
-    in train mode needs ``randomness="different"``. ``merged=True`` builds every example's
-    merged weights (``B`` dense copies per target): keep the default lazy path.
-
-    :func:`lora_func.mixed_adapted_call` computes the same rows without ``vmap`` of the model
-    (any attention, KV cache, ``generate`` through :func:`lora_func.mixed_adapted`); this
-    function remains for the per-example loss and composed/combined stacks.
+    (zero for members no example used). A model with dropout in train mode needs
+    ``randomness="different"`` (an independent mask per example, both routes). ``merged=True``
+    builds every example's merged weights (``B`` dense copies per target): keep the default.
     """
     where = "mixed_call"
     _check_arguments(where, model, adapters, base)
-    # A base from named_parameters() would give the model .grad in a training step.
-    base = None if base is None else detached_base(base)
     size = _stack_size(adapters, where)
     index = checked_index(index, size, where)
-    _check_attention(model, where)
     batch_size = index.shape[0]
     examples, rebuild = _split_examples(args, kwargs, batch_size)
     if not examples:
@@ -428,6 +458,11 @@ def mixed_call(
             f"mixed_call: no tensor argument has the batch size len(index)={batch_size} on dim 0; index needs one "
             f"entry per example of the batch"
         )
+    if _in_layers(model, adapters, route, merged, randomness, kwargs, where):
+        return mixed_adapted_call(model, adapters, index, *args, base=base, **kwargs)
+    # A base from named_parameters() would give the model .grad in a training step.
+    base = None if base is None else detached_base(base)
+    _check_attention(model, where)
     per_example = take(adapters, index)
 
     def one(adapter: AdapterLike, *example: Tensor) -> Any:
@@ -445,23 +480,49 @@ def ensemble_call(
     merged: bool = False,
     base: Mapping[str, Tensor] | None = None,
     strict: bool = False,
-    randomness: str = "error",
+    randomness: Randomness = "error",
     chunk_size: int | None = None,
+    route: ManyRoute = "layers",
     **kwargs: Any,
 ) -> Any:
     """``model(*args, **kwargs)`` through each of the ``K`` stacked ``adapters``, in one call.
 
     The inputs are shared (not split); every output gets a leading ``K`` axis, e.g. ``logits
-    (K, B, T, V)``. The lazy path (default) shares the frozen weights across members and holds
-    no merged weight, so memory grows with ``K`` only through activations; ``chunk_size`` runs
-    the members that many at a time (``torch.func.vmap``'s option) to bound it. Composes with
-    ``grad`` (train an ensemble in one step). Needs eager attention (checked); pass
-    ``use_cache=False`` to transformers models.
+    (K, B, T, V)``. Composes with ``grad`` and ``loss.backward()``: train ``K`` adapters at once
+    on one frozen base. ``route="layers"`` (default): the batch's rows are repeated once per
+    member (``K * B`` rows) and each member is applied inside the target layers
+    (:func:`mixed_adapted_call`), so any attention implementation (SDPA, flash), the KV cache
+    (returned as the model returns it, for ``K * B`` rows) and quantized bases work.
+    ``route="vmap"`` runs the model under ``torch.func.vmap`` over the members (eager attention,
+    checked; pass ``use_cache=False``); it is taken by itself for ``merged=True``,
+    composed/combined stacks, ``labels`` (a loss per member, ``(K,)``) and, in train mode,
+    ``randomness`` other than ``"different"``. ``chunk_size`` runs the members that many at a
+    time, bounding the activations' memory. The lazy path shares the frozen weights across
+    members and holds no merged weight.
     """
     where = "ensemble_call"
     _check_arguments(where, model, adapters, base)
+    size = _stack_size(adapters, where)
+    if _in_layers(model, adapters, route, merged, randomness, kwargs, where):
+        leaves, spec = pytree.tree_flatten((args, dict(kwargs)))
+        rows = next((leaf.shape[0] for leaf in leaves if isinstance(leaf, Tensor) and leaf.dim() >= 1), None)
+        if rows is not None:
+            step = size if chunk_size is None else max(1, int(chunk_size))
+            outs = []
+            for start in range(0, size, step):
+                members = min(step, size - start)
+                index = torch.arange(start, start + members).repeat_interleave(rows)
+                repeated = [
+                    leaf.repeat(members, *([1] * (leaf.dim() - 1))) if isinstance(leaf, Tensor) and leaf.dim() >= 1 and leaf.shape[0] == rows else leaf
+                    for leaf in leaves
+                ]
+                call_args, call_kwargs = pytree.tree_unflatten(repeated, spec)
+                out = mixed_adapted_call(model, adapters, index, *call_args, base=base, **call_kwargs)
+                outs.append(_reshaped_rows(out, members, rows))
+            if len(outs) == 1:
+                return outs[0]
+            return pytree.tree_map(lambda *parts: torch.cat(parts) if isinstance(parts[0], Tensor) else parts[0], *outs)
     base = None if base is None else detached_base(base)
-    _stack_size(adapters, where)
     _check_attention(model, where)
 
     def one(adapter: AdapterLike) -> Any:

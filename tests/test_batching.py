@@ -219,14 +219,15 @@ def test_errors_name_the_problem_and_the_fix(llama):
         mixed_call(llama, stacked, index[:3], ids)
     with pytest.raises(IndexError, match=r"outside \[0, 2\)"):
         mixed_call(llama, stacked, torch.tensor([0, 1, 2, 0]), ids)
+    # The vmap route's refusals (the default in-layer route returns the cache and runs SDPA).
     with pytest.raises(TypeError, match=r"DynamicCache at output\['past_key_values'\].*use_cache=False"):
-        mixed_call(llama, stacked, index, ids)
+        mixed_call(llama, stacked, index, ids, route="vmap")
     with pytest.raises(TypeError, match=r"DynamicCache.*use_cache=False"):
-        ensemble_call(llama, stacked, ids)
+        ensemble_call(llama, stacked, ids, route="vmap")
     with pytest.raises(ValueError, match=r"all of one size B; got dim-0 sizes \[3, 4\]"):
         per_example_grads(lambda a, x, m: x.sum(), adapters[0], ids, mask[:3])
     llama.config._attn_implementation = "sdpa"
-    for call in (lambda: mixed_call(llama, stacked, index, ids), lambda: ensemble_call(llama, stacked, ids)):
+    for call in (lambda: mixed_call(llama, stacked, index, ids, route="vmap"), lambda: ensemble_call(llama, stacked, ids, route="vmap")):
         with pytest.raises(ValueError, match=r"attention implementation is 'sdpa'.*set_attn_implementation\('eager'\)"):
             call()
 
@@ -275,3 +276,60 @@ def test_mixed_call_and_the_in_layer_route_agree_on_logits_and_member_gradients(
         _close(in_layers[key], vmapped[key], key)
         assert vmapped[key].abs().max() > 0
     _close(lf.mixed_adapted_call(model, stacked, index, ids, attention_mask=mask).logits, mixed_call(model, stacked, index, ids, attention_mask=mask, use_cache=False).logits)
+
+
+# ------------------------------------------------------------- the in-layer route (the default)
+
+
+@pytest.mark.parametrize("variant", ["lora", "dora"])
+def test_ensemble_call_runs_sdpa_and_trains_every_member_with_backward(variant):
+    """The default route applies each member inside the target layers, so SDPA attention (which
+    has no vmap rule) works; outputs, loss.backward() gradients per member and chunking equal a
+    loop over the members (DoRA: the per-row vmap path, LoRA: the gathered products)."""
+    model = tiny_model("llama")
+    model.config._attn_implementation = "sdpa"
+    adapters = _adapters(model, "llama", variant=variant, ranks=(2, 3, 2))
+    leaves = [a.detach() for a in adapters]
+    stacked = lf.stack(leaves)
+    ids, mask = _batch(2, 6)
+    got = ensemble_call(model, stacked, ids, attention_mask=mask)
+    probe = _probe(got.logits.shape)
+    (got.logits * probe).sum().backward()
+    chunked = ensemble_call(model, stacked, ids, attention_mask=mask, chunk_size=2).logits
+    for k, adapter in enumerate(leaves):
+        member = lf.take(stacked, k).detach()
+        expected = lf.adapted_call(model, member, ids, attention_mask=mask).logits
+        _close(got.logits[k], expected, f"member {k}")
+        _close(chunked[k], expected, f"member {k}, chunked")
+        (expected * probe[k]).sum().backward()
+        for key, tensor in member.params.items():
+            padded = stacked.params[key].grad[k]
+            own = padded[tuple(slice(0, n) for n in tensor.shape)]
+            _close(own, tensor.grad, f"member {k} {key}")
+    assert got.past_key_values is not None  # the KV cache comes back (for K * B rows)
+
+
+def test_ensemble_and_mixed_call_keep_the_vmap_route_where_only_it_answers():
+    model = tiny_model("gpt2")
+    adapters = _adapters(model, "gpt2", ranks=(2, 2))
+    stacked = lf.stack(adapters)
+    ids, _ = _batch(2, 6)
+    # A loss from labels: one per member (vmap), not one mean over K * B rows.
+    out = ensemble_call(model, stacked, ids, labels=ids, use_cache=False)
+    assert out.loss.shape == (2,)
+    for k, adapter in enumerate(adapters):
+        _close(out.loss[k], lf.adapted_call(model, adapter, ids, labels=ids).loss)
+    # Train mode with dropout: randomness="error" still refuses (as vmap does), "different" runs in the layers.
+    model.train()
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.5
+    with pytest.raises(RuntimeError, match="randomness"):
+        ensemble_call(model, stacked, ids, use_cache=False)
+    assert ensemble_call(model, stacked, ids, randomness="different").logits.shape == (2, 2, 6, 61)
+    model.eval()
+    with pytest.raises(ValueError, match=r"route='rows' is not one of \['layers', 'vmap'\]"):
+        mixed_call(model, stacked, torch.tensor([0, 1]), ids, route="rows")
+    # mixed_call on the default route equals the per-example vmap route.
+    index = torch.tensor([1, 0])
+    _close(mixed_call(model, stacked, index, ids).logits, mixed_call(model, stacked, index, ids, route="vmap", use_cache=False).logits)

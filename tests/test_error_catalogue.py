@@ -672,7 +672,7 @@ def _vmap_failed(ctx: Ctx) -> Callable[[], Any]:
 
     model = ctx.track(BranchingModel().eval())
     a = ctx.adapter(model, targets=["proj"])
-    return lambda: ensemble_call(model, lf.stack([a, a]), torch.ones(2, 4))
+    return lambda: ensemble_call(model, lf.stack([a, a]), torch.ones(2, 4), route="vmap")
 
 
 def _per_example(loss_fn: Callable[..., Any], *batch: Any) -> Callable[[Ctx], Callable[[], Any]]:
@@ -905,11 +905,12 @@ CASES.update(
         "stack-mixed-kinds": Case(on_two(lambda m, a, b, ctx: lf.stack([a, lf.compose(a, b)])), ("Adapter", "Composed")),
         "stack-parts": Case(on_two(lambda m, a, b, ctx: lf.stack([lf.compose(a), lf.compose(a, b)])), ("Composed", "[1, 2]")),
         # batching under vmap
-        "batch-eager-attention": Case(batching("ensemble_call", IDS, sdpa=True), ("ensemble_call", "LlamaForCausalLM", "'sdpa'", "eager")),
+        "batch-eager-attention": Case(batching("ensemble_call", IDS, sdpa=True, route="vmap"), ("ensemble_call", "LlamaForCausalLM", "'sdpa'", "eager")),
         "batch-not-stacked": Case(batching("ensemble_call", IDS, stacked=False), ("ensemble_call", "stack_shape ()", "lora_func.stack")),
-        "batch-non-tensor-output": Case(batching("ensemble_call", IDS, use_cache=True), ("ensemble_call", "DynamicCache", "use_cache=False")),
+        "batch-non-tensor-output": Case(batching("ensemble_call", IDS, use_cache=True, route="vmap"), ("ensemble_call", "DynamicCache", "use_cache=False")),
         "batch-vmap-failed": Case(_vmap_failed, ("ensemble_call", "data-dependent")),
         "mixed-batch-size": Case(batching("mixed_call", torch.tensor([0, 1, 0]), IDS), ("len(index)=3",)),
+        "many-route-unknown": Case(batching("ensemble_call", IDS, route="rows"), ("ensemble_call", "'rows'", "route='vmap'")),
         "per-example-batch": Case(_per_example(_logits_sum, IDS, IDS[:1]), ("[1, 2]",)),
         "per-example-loss": Case(_per_example(_logits_per_token, IDS), ("(1, 8)",)),
         # export
