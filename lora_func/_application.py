@@ -12,8 +12,10 @@ the call that applied the adapter returned. So while an application is active, e
 the same application again around the recompute (the wrapper lives in the checkpoint's own
 saved state, as long as backward may need it). This covers HF gradient checkpointing
 (reentrant and not) and ``torch.utils.checkpoint`` around user blocks, however imported: the
-hook sits in the two functions every ``checkpoint`` call goes through. With no application
-active in the calling thread the hook passes the function through untouched.
+hook sits in the two names every ``checkpoint`` call looks up in ``torch.utils.checkpoint``
+(``_checkpoint_without_reentrant_generator`` and ``CheckpointFunction``). It is put there when
+an application starts and torch's own are put back when the last active one (in any thread)
+ends; in a thread with no active application it passes the function through untouched.
 """
 
 from __future__ import annotations
@@ -78,10 +80,10 @@ class Application:
         if any(app is self for app in active):
             yield
             return
-        _install_checkpoint_hook()
         _state.active = (*active, self)
         try:
             with (
+                _checkpoint_hook(),
                 torch.nn.utils.stateless._reparametrize_module(self.model, self.params, tie_weights=True, strict=False),
                 self._forwards_installed(),
             ):
@@ -177,32 +179,53 @@ def _rebound(function: Callable[..., Any], reentrant: bool, args: tuple) -> Call
 
 
 _hook_lock = threading.Lock()
-_hook_installed = False
+_hook_users = 0  # applications active in any thread; the hook is in place while there is one
+_hooks: tuple[Any, Any, Any, Any] | None = None  # (original generator, original class, ours, ours)
 
 
-def _install_checkpoint_hook() -> None:
-    """Route both of ``torch.utils.checkpoint``'s implementations through :func:`_rebound`,
-    once per process; inert in threads with no active application."""
-    global _hook_installed
-    if _hook_installed:
+def _make_hooks() -> tuple[Any, Any, Any, Any]:
+    without_reentrant = _checkpoint._checkpoint_without_reentrant_generator
+    reentrant = _checkpoint.CheckpointFunction
+
+    def checkpoint_without_reentrant(function: Callable[..., Any], preserve: bool, context_fn: Any, *rest: Any, **kwargs: Any):
+        return without_reentrant(_rebound(function, False, ()), preserve, context_fn, *rest, **kwargs)
+
+    class AdaptedCheckpointFunction(reentrant):  # type: ignore[misc, valid-type]  # a class looked up at run time
+        # apply, not forward: under torch.func, Function.apply refuses before forward runs,
+        # and the refusal must be ours (it says what to do).
+        @classmethod
+        def apply(cls, run_function: Callable[..., Any], preserve_rng_state: bool, *args: Any) -> Any:
+            return reentrant.apply(_rebound(run_function, True, args), preserve_rng_state, *args)
+
+    return without_reentrant, reentrant, checkpoint_without_reentrant, AdaptedCheckpointFunction
+
+
+@contextlib.contextmanager
+def _checkpoint_hook() -> Iterator[None]:
+    """Route both of ``torch.utils.checkpoint``'s implementations through :func:`_rebound` while
+    an application is active in any thread (inert in threads with none), and put torch's own back
+    when the last one ends: outside adapted calls ``torch.utils.checkpoint`` is untouched. Not
+    under ``torch.compile`` tracing: dynamo traces checkpointed regions itself."""
+    global _hook_users, _hooks
+    if torch.compiler.is_compiling():
+        yield
         return
     with _hook_lock:
-        if _hook_installed:
-            return
-        without_reentrant = _checkpoint._checkpoint_without_reentrant_generator
-        reentrant = _checkpoint.CheckpointFunction
-
-        def checkpoint_without_reentrant(function: Callable[..., Any], preserve: bool, context_fn: Any, *rest: Any, **kwargs: Any):
-            return without_reentrant(_rebound(function, False, ()), preserve, context_fn, *rest, **kwargs)
-
-        class AdaptedCheckpointFunction(reentrant):  # type: ignore[misc, valid-type]  # a class looked up at run time
-            # apply, not forward: under torch.func, Function.apply refuses before forward runs,
-            # and the refusal must be ours (it says what to do).
-            @classmethod
-            def apply(cls, run_function: Callable[..., Any], preserve_rng_state: bool, *args: Any) -> Any:
-                return reentrant.apply(_rebound(run_function, True, args), preserve_rng_state, *args)
-
-        # setattr: replacing a module's function and class (what the module docstring explains).
-        setattr(_checkpoint, "_checkpoint_without_reentrant_generator", checkpoint_without_reentrant)  # noqa: B010
-        setattr(_checkpoint, "CheckpointFunction", AdaptedCheckpointFunction)  # noqa: B010
-        _hook_installed = True
+        if _hook_users == 0:
+            if _hooks is None or _checkpoint.CheckpointFunction is not _hooks[1]:
+                _hooks = _make_hooks()  # (again, if somebody replaced torch's since)
+            # setattr: replacing a module's function and class (what the module docstring explains).
+            setattr(_checkpoint, "_checkpoint_without_reentrant_generator", _hooks[2])  # noqa: B010
+            setattr(_checkpoint, "CheckpointFunction", _hooks[3])  # noqa: B010
+        _hook_users += 1
+    try:
+        yield
+    finally:
+        with _hook_lock:
+            _hook_users -= 1
+            if _hook_users == 0 and _hooks is not None:
+                # Put back what was there, unless somebody replaced ours meanwhile.
+                if _checkpoint._checkpoint_without_reentrant_generator is _hooks[2]:
+                    setattr(_checkpoint, "_checkpoint_without_reentrant_generator", _hooks[0])  # noqa: B010
+                if _checkpoint.CheckpointFunction is _hooks[3]:
+                    setattr(_checkpoint, "CheckpointFunction", _hooks[1])  # noqa: B010
