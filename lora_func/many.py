@@ -105,6 +105,11 @@ class _Rows:
     def __init__(self, index: Tensor) -> None:
         self.index = index
         self._by_rows: dict[tuple[int, torch.device], Tensor] = {}
+        # Consecutive members (an ensemble: index = arange(start, start + m), each over a block of
+        # rows): (start, m), so the LoRA path multiplies each block by its member's factors as
+        # they are stacked, with no per-row gather (a copy per row, pure overhead there).
+        values = index.tolist()
+        self.span = (values[0], len(values)) if values == list(range(values[0], values[0] + len(values))) else None
 
     def __call__(self, rows: int, device: torch.device, module: str) -> Tensor:
         key = (rows, device)
@@ -142,9 +147,10 @@ def _lora_factors(params: Mapping[str, Tensor], buffers: Mapping[str, Tensor], i
 
 
 def _gathered_lora(a_t: Tensor, b_t: Tensor, info: LayerInfo, x: Tensor, y: Tensor, training: bool) -> Tensor:
-    """``y + (x_b s_b A_bᵀ) B_bᵀ`` per row ``b``: ``x (n, ..., d_in)``, ``y (n, ..., d_out)`` the
-    frozen layer's output, ``a_t (n, d_in, r)`` and ``b_t (n, r, d_out)`` from :func:`_lora_factors`."""
-    n = x.shape[0]
+    """``y + (x_b s_b A_bᵀ) B_bᵀ`` per block ``b`` of rows: ``x (rows, ..., d_in)``, ``y (rows, ...,
+    d_out)`` the frozen layer's output, ``a_t (n, d_in, r)`` and ``b_t (n, r, d_out)`` from
+    :func:`_lora_factors`, ``n`` dividing ``rows`` (one factor per row, or per block of rows)."""
+    n = a_t.shape[0]
     dropped = lowrank_input(x, types.SimpleNamespace(training=training), info)
     h = torch.bmm(dropped.reshape(n, -1, x.shape[-1]).to(a_t.dtype), a_t)
     flat_y = y.reshape(n, -1, y.shape[-1])
@@ -174,8 +180,14 @@ def _target_forward(adapter: Adapter, layer: AdapterLayer, rows: _Rows) -> Any:
             found = factors.get((n, device))
             if found is not None and found[0] == versions:
                 return found[1]
-        index = rows(n, device, target.module)
-        out = _lora_factors(_gather(params, index), _gather(buffers, index), info)
+        index = rows(n, device, target.module)  # (checks the row count)
+        if rows.span is not None:
+            start, members = rows.span
+            out = _lora_factors(
+                {k: v.narrow(0, start, members) for k, v in params.items()}, {k: v.narrow(0, start, members) for k, v in buffers.items()}, info
+            )
+        else:
+            out = _lora_factors(_gather(params, index), _gather(buffers, index), info)
         if cacheable:
             factors[(n, device)] = (versions, out)
         return out
@@ -511,7 +523,7 @@ def ensemble_call(
             outs = []
             for start in range(0, size, step):
                 members = min(step, size - start)
-                index = torch.arange(start, start + members).repeat_interleave(rows)
+                index = torch.arange(start, start + members)  # each over a block of `rows` rows
                 repeated = [
                     leaf.repeat(members, *([1] * (leaf.dim() - 1))) if isinstance(leaf, Tensor) and leaf.dim() >= 1 and leaf.shape[0] == rows else leaf
                     for leaf in leaves
