@@ -42,7 +42,9 @@ def _loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[..., :-1, :].flatten(0, -2), ids[..., 1:].flatten())
 
 
-def measure(hidden: int, batch: int, tokens: int, *, rounds: int, clock, device: torch.device) -> tuple[float, float, float]:
+def measure(
+    hidden: int, batch: int, tokens: int, *, rounds: int, clock, device: torch.device, chunk_size: int | None = None
+) -> tuple[float, float, float]:
     """(ensemble step, separate steps, their median paired ratio); seconds are medians."""
     import statistics
 
@@ -58,7 +60,7 @@ def measure(hidden: int, batch: int, tokens: int, *, rounds: int, clock, device:
     ids = torch.randint(3, 2048, (batch, tokens), generator=torch.Generator().manual_seed(7)).to(device)
 
     def ensemble() -> None:
-        logits = lf.ensemble_call(model, stacked, ids, base=base, use_cache=False).logits  # (K, B, T, V)
+        logits = lf.ensemble_call(model, stacked, ids, base=base, use_cache=False, chunk_size=chunk_size).logits  # (K, B, T, V)
         sum(_loss(logits[k], ids) for k in range(K)).backward()
         for t in stacked.params.values():
             t.grad = None
@@ -78,6 +80,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     c.add_interleaved_args(parser, rounds=7)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--sizes", default="small,larger", help=f"comma-separated, of {sorted(SIZES)} or hidden:batch:tokens")
+    parser.add_argument("--chunk-size", type=int, default=None, help="ensemble_call's chunk_size (members per model call)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -91,7 +94,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         hidden, batch, tokens = SIZES[name] if name in SIZES else tuple(int(x) for x in name.split(":"))
         if args.quick:
             hidden, batch, tokens = 32, 2, 8
-        ens, sep, ratio = measure(hidden, batch, tokens, rounds=rounds, clock=clock, device=device)
+        ens, sep, ratio = measure(hidden, batch, tokens, rounds=rounds, clock=clock, device=device, chunk_size=args.chunk_size)
         target = TARGET_RATIO.get(name)
         shown = f"<= {target} ({'holds' if ratio <= target else 'fails'})" if target is not None else "-"
         print(f"| {name} (hidden {hidden}, {batch}x{tokens}) | {1e3 * ens:.1f} | {1e3 * sep:.1f} | {ratio:.2f} | {shown} |")
