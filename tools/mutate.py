@@ -35,7 +35,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
-KILLERS = "tests/test_mutation_killers.py"
+KILLERS = "tests/test_variant_math_one_layer.py"
 PROPERTIES = "tests/test_properties.py"
 CONTRACT = "tests/test_contract.py"
 RANK_STACK = "tests/test_rank_stack.py"

@@ -1,10 +1,9 @@
-"""Issue 22 items that need core.py / _lazy.py / calibration.py (see rel_core.md): tests
-against the public API, ready to paste into tests/test_reliability_core.py (or any test file).
-
-Each test fails on branch `rel` as it is (core not yet calling the checks) and passes with
-/work/notes/rel_core.patch applied, except test_ia3_lazy_fallback_scales_the_bias (item 10b),
-which needs the bias stand-in described in rel_core.md and is not in the patch.
-"""
+"""What an adapted call and calibration refuse at the public boundary, through the public API:
+adapter tensors on another device or of an integer dtype, an adapter built for another layer
+layout, an integer base, arguments of the wrong type, bad calibration data; and that a base from
+``named_parameters()`` leaves the model without ``.grad``, a bf16 merge keeps an fp32 base exact,
+and the lazy fallback of IA3 scales the bias. (Issue 22's reliability items; each test failed
+before its fix.)"""
 
 from __future__ import annotations
 

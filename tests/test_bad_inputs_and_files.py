@@ -1,4 +1,4 @@
-"""Issue 22 (reliability, round two), the classes that live outside core: wrong models on load,
+"""Bad inputs and files outside the call path (issue 22, reliability round two): wrong models on load,
 non-finite hyperparameters, training checkpoints, integer bases, hostile files, catalogue
 promises, raw errors at the boundary, file-system details; and issue 21 item 3 (leaf params
 from ``stack``, ``detach`` into new storage). Every test here failed before its fix.
