@@ -157,11 +157,13 @@ def _walker_entries(fn) -> int:
 
     walkers = {tree.walk.__code__, tree.leaf_adapters.__code__, tree.leaves.__code__}
     frames: set[int] = set()
+    held = []  # the frames seen, kept alive so that no id is reused by a later frame
     count = [0]
 
     def profile(frame, event, arg):
         if event == "call" and frame.f_code in walkers and id(frame) not in frames:
             frames.add(id(frame))
+            held.append(frame)
             caller = frame.f_back
             if caller is None or caller.f_code not in walkers:
                 count[0] += 1
