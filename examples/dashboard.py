@@ -46,7 +46,7 @@ def _(mo):
     from pathlib import Path
 
     REPO = Path(mo.notebook_dir() or Path.cwd()).resolve().parent  # examples/..
-    MD_LINK = re.compile(r"\]\((?!https?:|#)([^)\s#]+\.md)(#[^)\s]*)?\)")
+    MD_LINK = re.compile(r"\[([^\]]+)\]\((?!https?:|#)([^)\s#]+\.md)(#[^)\s]*)?\)")
 
     def doc_link(path, text=None):
         """HTML for a link to the guide page ``path`` (relative to the repository, e.g.
@@ -60,14 +60,14 @@ def _(mo):
             pages = ", ".join(doc_link(p.relative_to(REPO).as_posix()) for p in sorted((REPO / "docs").rglob("*.md")))
             return mo.callout(mo.md(f"No guide page `{path}` in this checkout. The pages: {pages}"), kind="danger")
 
-        def relink(match):
-            target = (file.parent / match[1]).resolve()
+        def relink(match):  # a new tab again: a tab's session serves one page
+            target = (file.parent / match[2]).resolve()
             if not (target.is_file() and target.is_relative_to(REPO)):
                 return match[0]
-            return f"](?guide={target.relative_to(REPO).as_posix()})"
+            return doc_link(target.relative_to(REPO).as_posix(), match[1])
 
         text = MD_LINK.sub(relink, file.read_text())
-        return mo.vstack([mo.md(f"`{path}` · [back to the dashboard](?)"), mo.md(text)])
+        return mo.vstack([mo.md(f"`{path}`, opened from the lora_func dashboard: close this tab to go back."), mo.md(text)])
 
     requested_page = mo.query_params().get("guide")
     mo.stop(requested_page is not None, guide_page(requested_page or ""))
@@ -273,7 +273,11 @@ def _(FuncFormatter, LogLocator, MaxNLocator, NullFormatter, base64, io, mo, plt
             ax.plot(steps, moving_mean(values), color=f"C{i % 10}", linewidth=2, label=(labels or {}).get(name, name))
         ax.set(xlabel="step", ylabel="training loss (log scale)", yscale="log",
                title=f"{title}   (bold: mean of the last {SMOOTHING} steps; faint: each step)")
-        ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        # Ticks at 1-9 × 10^k within one decade, 1, 2, 5 × 10^k up to three, powers of ten beyond:
+        # at least two labelled ticks, never a crowd.
+        low, high = ax.get_ylim()
+        subs = (1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0) if high < 10 * low else (1.0, 2.0, 5.0) if high < 1000 * low else (1.0,)
+        ax.yaxis.set_major_locator(LogLocator(base=10, subs=subs))
         ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
         ax.yaxis.set_minor_formatter(NullFormatter())
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))

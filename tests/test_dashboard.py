@@ -51,6 +51,11 @@ def _noisy_losses(n, start, seed):
     return [start * 0.97**i * rng.uniform(0.6, 1.4) for i in range(n)]
 
 
+def _visible_tick_labels(axis):
+    low, high = sorted(axis.get_view_interval())
+    return [t.label1.get_text() for t in axis.get_major_ticks() if low <= t.get_loc() <= high and t.label1.get_text()]
+
+
 def test_loss_plot_is_smoothed_with_plain_log_ticks_whole_steps_and_the_legend_beside_the_curves(script_run):
     """Five steps, as the live plot's first frame (where matplotlib's default ticks are 1.5,
     2.5, ...), and losses within one decade (where its log labels read 4 × 10⁰); three noisy
@@ -62,8 +67,9 @@ def test_loss_plot_is_smoothed_with_plain_log_ticks_whole_steps_and_the_legend_b
         (ax,) = fig.axes
         steps = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
         assert steps and all(float(t).is_integer() for t in steps), steps
-        labels = [t.get_text() for t in ax.get_yticklabels() if t.get_text()]
+        labels = _visible_tick_labels(ax.yaxis)
         assert len(labels) >= 2 and all(re.fullmatch(r"\d+(\.\d+)?", text) for text in labels), labels
+        assert len(labels) <= 10, labels
         legend, axes = ax.get_legend().get_window_extent(), ax.get_window_extent()
         assert legend.x0 >= axes.x1, (legend, axes)  # beside the plot, over no curve
         assert [t.get_text() for t in ax.get_legend().get_texts()] == list(curves)
@@ -75,6 +81,14 @@ def test_loss_plot_is_smoothed_with_plain_log_ticks_whole_steps_and_the_legend_b
     finally:
         import matplotlib.pyplot as plt
 
+        plt.close(fig)
+    # A run that spans three decades of loss: plain numbers still, and not a crowd of them.
+    fig = script_run["loss_figure"]({"lora": [5.0 * 0.9**i for i in range(60)]}, "t")
+    try:
+        fig.canvas.draw()
+        labels = _visible_tick_labels(fig.axes[0].yaxis)
+        assert 3 <= len(labels) <= 10 and all(re.fullmatch(r"\d+(\.\d+)?", text) for text in labels), labels
+    finally:
         plt.close(fig)
 
 
@@ -173,7 +187,10 @@ def test_dashboard_in_a_headless_browser_trains_explains_its_results_and_keeps_t
                 page.locator("a[href='?guide=docs/guide/variants.md']").first.click()
             guide = opened.value
             expect(guide.get_by_role("heading", name="The variants: ideas, trade-offs, when to pick each")).to_be_visible()
-            expect(guide.locator("a[href='?guide=docs/guide/hyperparameters.md']").first).to_be_attached()  # its own links too
+            with page.context.expect_page() as opened:  # its own links to other pages too
+                guide.locator("a[href='?guide=docs/guide/hyperparameters.md']").first.click()
+            expect(opened.value.get_by_role("heading", name="Choosing r, alpha and the learning rate")).to_be_visible()
+            opened.value.close()
             guide.close()
 
             page.get_by_role("button", name="Train").click()
