@@ -62,16 +62,17 @@ def _(mo):
 
         def relink(match):  # a new tab again: a tab's session serves one page
             target = (file.parent / match[2]).resolve()
-            if not (target.is_file() and target.is_relative_to(REPO)):
-                return match[0]
+            if not (target.is_file() and target.is_relative_to(REPO / "docs")):
+                return match[0]  # left as it was: this app shows pages under docs/ only
             return doc_link(target.relative_to(REPO).as_posix(), match[1])
 
         text = MD_LINK.sub(relink, file.read_text())
         return mo.vstack([mo.md(f"`{path}`, opened from the lora_func dashboard: close this tab to go back."), mo.md(text)])
 
     requested_page = mo.query_params().get("guide")
-    mo.stop(requested_page is not None, guide_page(requested_page or ""))
-    return Path, REPO, doc_link
+    if requested_page is not None:
+        mo.stop(True, guide_page(requested_page))
+    return Path, doc_link
 
 
 @app.cell
