@@ -102,28 +102,33 @@ def screenshot(out: Path, variants: str, steps: int, *, timeout_s: float = 600) 
 
     if not CHROMIUM.is_file():
         raise SystemExit(f"{CHROMIUM} is missing: apt-get install -y chromium")
-    with tempfile.TemporaryDirectory() as tmp, serve_dashboard(["--variants", variants, "--steps", str(steps)], Path(tmp)) as url:
-        with sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-            try:
-                page = browser.new_page(viewport=VIEWPORT)
-                expect.set_options(timeout=timeout_s * 1000)
-                page.goto(url)
-                expect(page.get_by_text("Press Train to fine-tune", exact=False)).to_be_visible()
-                page.get_by_role("button", name="Train").click()
-                expect(page.get_by_text("Training complete", exact=False)).to_be_visible()
-                expect(page.locator("img[alt='training loss']")).to_be_visible()
-                page.wait_for_timeout(1500)  # tables and images settle
-                # marimo scrolls an inner element, not the document: grow the viewport to
-                # the tallest scrolling element so that the whole page is in one screenshot.
-                height = 0
-                while (tallest := page.evaluate(TALLEST)) != height:  # until the layout settles
-                    height = tallest
-                    page.set_viewport_size({"width": VIEWPORT["width"], "height": height})
-                    page.wait_for_timeout(1000)
-                png = small_png(page.screenshot(full_page=True))
-            finally:
-                browser.close()
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        serve_dashboard(["--variants", variants, "--steps", str(steps)], Path(tmp)) as url,
+        sync_playwright() as p,
+    ):
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport=VIEWPORT)
+            expect.set_options(timeout=timeout_s * 1000)
+            page.goto(url)
+            expect(page.get_by_text("Press Train to fine-tune", exact=False)).to_be_visible()
+            page.get_by_role("button", name="Train").click()
+            expect(page.get_by_text("Training complete", exact=False)).to_be_visible()
+            expect(page.locator("img[alt='training loss']")).to_be_visible()
+            page.wait_for_timeout(1500)  # tables and images settle
+            # marimo scrolls an inner element, not the document: grow the viewport to
+            # the tallest scrolling element so that the whole page is in one screenshot.
+            height = 0
+            for _ in range(10):  # until the layout settles (it does in two or three rounds)
+                if (tallest := page.evaluate(TALLEST)) == height:
+                    break
+                height = tallest
+                page.set_viewport_size({"width": VIEWPORT["width"], "height": height})
+                page.wait_for_timeout(1000)
+            png = small_png(page.screenshot(full_page=True))
+        finally:
+            browser.close()
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_bytes(png)
     return out
@@ -136,6 +141,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "guide" / "dashboard.png")
     args = parser.parse_args(argv)
     if args.variants == "all":
+        sys.path.insert(0, str(ROOT))  # this checkout's variants, as the served app (PYTHONPATH) sees them
         import lora_func as lf
 
         args.variants = ",".join(lf.list_variants())

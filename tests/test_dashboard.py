@@ -180,7 +180,7 @@ def test_dashboard_in_a_headless_browser_trains_explains_its_results_and_keeps_t
             # click shows that page, rendered, in a new tab.
             links = page.locator("a[href^='?guide=']")
             hrefs = {links.nth(i).get_attribute("href") for i in range(links.count())}
-            assert {f"?guide=docs/guide/variants.md", "?guide=docs/variants/ia3.md"} <= hrefs, hrefs
+            assert {"?guide=docs/guide/variants.md", "?guide=docs/variants/ia3.md"} <= hrefs, hrefs
             for href in hrefs:
                 assert (ROOT / href.removeprefix("?guide=")).is_file(), href
             with page.context.expect_page() as opened:
@@ -276,7 +276,7 @@ def test_dashboard_declares_pep_723_dependencies_for_marimo_sandbox():
     """`marimo run --sandbox` reads the PEP 723 block; its lora-func source must be this checkout."""
     import tomllib
 
-    block = re.search(r"^# /// script\n((?:^#(?: .*)?\n)+)^# ///$", DASHBOARD.read_text(), re.M)
+    block = re.search(r"^# /// script\n((?:^#(?: .*)?\n)+)^# ///$", DASHBOARD.read_text(), re.MULTILINE)
     assert block, "no PEP 723 `# /// script` block"
     meta = tomllib.loads("".join(line[2:] + "\n" for line in block[1].splitlines()))
     names = {re.split(r"[<>=!~ \[]", d, maxsplit=1)[0] for d in meta["dependencies"]}
