@@ -24,7 +24,10 @@ _spec.loader.exec_module(screenshot)
 
 @pytest.fixture(scope="module")
 def script_run(tmp_path_factory):
-    """The dashboard run as a script (15 steps of lora): its definitions."""
+    """The dashboard run as a script (15 steps of lora): its definitions, and what it printed
+    as ``defs["printed"]``."""
+    import contextlib
+    import io
     import runpy
 
     monkeypatch = pytest.MonkeyPatch()
@@ -32,16 +35,18 @@ def script_run(tmp_path_factory):
         monkeypatch.chdir(tmp_path_factory.mktemp("script"))
         monkeypatch.setattr(sys, "argv", [str(DASHBOARD)])
         app = runpy.run_path(str(DASHBOARD), run_name="dashboard")["app"]
-        _, defs = app.run()
+        with contextlib.redirect_stdout(io.StringIO()) as printed:
+            _, defs = app.run()
     finally:
         monkeypatch.undo()
-    return defs
+    return {**defs, "printed": printed.getvalue()}
 
 
-def test_dashboard_runs_headless_as_a_script(script_run, capfd):
+def test_dashboard_runs_headless_as_a_script(script_run):
     (row,) = script_run["results"]
     assert row["variant"] == "lora" and len(row["losses"]) == 15 and all(math.isfinite(x) for x in row["losses"])
     assert row["losses"][-1] < row["losses"][0] and row["reload_identical"]
+    assert f"lora: held-out accuracy {row['acc_before']:.0%} -> {row['acc_after']:.0%}" in script_run["printed"]
 
 
 def _noisy_losses(n, start, seed):
