@@ -18,7 +18,7 @@ from lora_func._lazy import AdaptedBias, AdaptedCalls, AdaptedWeight, _BiasEntry
 from lora_func._steps import merged_weight
 from lora_func.adapter import AdapterLike
 from lora_func.checks import check_base, check_finite
-from lora_func.plan import Plan, adapter_tensors, build_plan, check_plan_fits
+from lora_func.plan import Plan, adapter_tensors, check_plan_fits, overlay_plan
 
 __all__ = ["merge_overlay", "overlay", "overlay_calls"]
 
@@ -28,7 +28,9 @@ def checked_plan(base: Mapping[str, Tensor], adapter: AdapterLike, where: str, s
     adapter's structure (a new plan, or ``plan``'s tensors check), and with ``safe`` the values."""
     check_base(base, where)
     if plan is None:
-        plan = build_plan(base, adapter, route="overlay", where=where)
+        plan, fresh = overlay_plan(base, adapter, where)
+        if not fresh:
+            plan.check_tensors(adapter, where)
     else:
         check_plan_fits(plan, adapter, base, where)
         plan.check_tensors(adapter, where)

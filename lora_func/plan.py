@@ -48,6 +48,7 @@ __all__ = [
     "detached_base",
     "build_plan",
     "normalised_base",
+    "overlay_plan",
     "refuse_tied",
 ]
 
@@ -212,10 +213,10 @@ class Plan:
         self.route, self.targets, self._program, self._checks = route, targets, program, checks
         self.base_keys, self.structure, self.fsdp, self._modules, self._tree = base_keys, structure, fsdp, modules, tree
         self.last = None  # the runner's memo of its last application (lora_func.call)
-        self._weights: tuple[tuple[str, type, torch.Size], ...] = ()
+        self._weights: tuple[tuple[str, type, torch.Size, torch.dtype, torch.device], ...] = ()
 
     def _record_weights(self, base: Mapping[str, Tensor]) -> Plan:
-        self._weights = tuple((key, type(base[key]), base[key].shape) for key in self.targets)
+        self._weights = tuple((key, type(w), w.shape, w.dtype, w.device) for key in self.targets for w in (base[key],))
         return self
 
     def __repr__(self) -> str:
@@ -246,10 +247,14 @@ class Plan:
     def matches(self, structure: tuple, base: Mapping[str, Tensor]) -> bool:
         """Whether this plan applies to an adapter of ``structure`` (:func:`structure_key`) on
         ``base``: the same base names, and every target weight of the tensor type (plain,
-        quantized kind, sharded) and shape it was built for."""
+        quantized kind, sharded), shape, dtype and device it was built for."""
         if structure != self.structure or base.keys() != self.base_keys:
             return False
-        return all(type(base[key]) is kind and base[key].shape == shape for key, kind, shape in self._weights)
+        for key, kind, shape, dtype, device in self._weights:
+            w = base[key]
+            if type(w) is not kind or w.shape != shape or w.dtype != dtype or w.device != device:
+                return False
+        return True
 
     def model_unchanged(self, model: nn.Module) -> bool:
         """Whether ``model`` has the modules (objects, classes, numbers of tensors) it was built on."""
@@ -564,3 +569,24 @@ def cached_plan(
         entry.plans.pop(0)
     entry.plans.append((route, plan))
     return plan
+
+
+# The latest parameter-dict plans (overlay, merge_overlay, overlay_calls: no model), found by
+# structure and base as cached_plan finds a model's; they hold no tensors. Documented in the README.
+_OVERLAY_PLANS: list[Plan] = []
+_OVERLAY_PLANS_MAX = 8
+
+
+def overlay_plan(base: Mapping[str, Tensor], adapter: AdapterLike, where: str) -> tuple[Plan, bool]:
+    """The parameter-dict plan of ``adapter`` on ``base`` and whether it was built now (else it
+    was found: the caller checks the adapter's tensors with :meth:`Plan.check_tensors`)."""
+    if torch.compiler.is_compiling() or not isinstance(adapter, AdapterNode):
+        return build_plan(base, adapter, route="overlay", where=where), True
+    structure = structure_key(adapter)
+    for plan in reversed(_OVERLAY_PLANS):
+        if plan.matches(structure, base):
+            return plan, False
+    plan = build_plan(base, adapter, route="overlay", where=where)
+    _OVERLAY_PLANS.append(plan)
+    del _OVERLAY_PLANS[:-_OVERLAY_PLANS_MAX]
+    return plan, True

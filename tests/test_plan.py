@@ -251,3 +251,30 @@ def test_a_cached_plan_follows_a_base_whose_target_changed_kind_or_shape(builds)
     ints[key] = base[key].to(torch.int32)
     with pytest.raises(TypeError, match="not floating-point"):
         lf.adapted_call(model, adapter, ids, base=ints, route="overlay")
+
+
+def test_overlay_finds_its_plan_by_structure_and_follows_the_base(monkeypatch):
+    model, adapter, base, ids = _setup()
+    builds = [0]
+    real = plan_module.build_plan
+
+    def counting(*args, **kwargs):
+        builds[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(plan_module, "build_plan", counting)
+    monkeypatch.setattr(plan_module, "_OVERLAY_PLANS", [])
+    for scale in (1.0, 0.5, 2.0):  # a training loop's with_params: one plan
+        moved = adapter.with_params({k: v * scale for k, v in adapter.params.items()})
+        got = functional_call(model, lf.overlay(base, moved), (ids,)).logits
+        torch.testing.assert_close(got, _oracle(model, base, moved, ids), rtol=1e-4, atol=1e-4 * got.abs().max().item())
+    assert builds[0] == 1
+    # The found plan still checks the tensors in hand, and a base of another dtype builds anew.
+    with pytest.raises(ValueError, match="stacked"):
+        lf.overlay(base, lf.stack([adapter, adapter]).with_params(lf.stack([adapter, adapter]).params))
+    halved = {k: v.to(torch.float64) if k.endswith("q_proj.weight") else v for k, v in base.items()}
+    lf.merge_overlay(halved, adapter)
+    assert builds[0] == 2  # the float64 base (an equal-rank stack has the same structure: found, and refused)
+    ints = {k: v.to(torch.int32) if k.endswith("q_proj.weight") else v for k, v in base.items()}
+    with pytest.raises(TypeError, match="not floating-point"):
+        lf.overlay(ints, adapter)
