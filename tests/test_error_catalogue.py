@@ -1110,6 +1110,9 @@ CASES.update(
         "privacy-sum-mismatch": Case(_privacy(lambda m, a, ctx: _clipped(m, a, IDS) + _clipped(m, a, IDS, 2.0)), ("max_grad_norm 1.0 and 2.0",)),
         "privacy-grads-keys": Case(_privacy(lambda m, a, ctx: lf.privacy.set_grads_(a, {})), ("missing", Q)),
         "privacy-grads-not-leaf": Case(_privacy(_not_leaf_grads), (Q, "make_optimizer")),
+        "privacy-step-dp": Case(_privacy(lambda m, a, ctx: lf.privacy.private_step_(torch.optim.SGD(a.params.values(), lr=0.1), a, _logits_sum, [IDS], {"max_grad_norm": 1.0})), ("dict", "DPSGD(")),
+        "privacy-optimizer-params": Case(_privacy(lambda m, a, ctx: lf.privacy.private_step_(torch.optim.SGD(a.detach().params.values(), lr=0.1), a, _logits_sum, [IDS], lf.privacy.DPSGD(max_grad_norm=1.0, noise_multiplier=1.0))), (Q, "make_optimizer")),
+        "privacy-micro-batches": Case(_privacy(lambda m, a, ctx: lf.privacy.private_step_(torch.optim.SGD(a.params.values(), lr=0.1), a, _logits_sum, IDS, lf.privacy.DPSGD(max_grad_norm=1.0, noise_multiplier=1.0))), ("Tensor", "[(ids, mask)]")),
     }
 )
 

@@ -259,3 +259,70 @@ def test_noised_mean_refuses_anything_but_a_clipped_sum():
     with pytest.raises(TypeError, match="ClippedSum"):
         noised_mean({"a": torch.zeros(2)}, noise_multiplier=1.0)
     assert isinstance(ClippedSum({"a": torch.zeros(1)}, 1, 1.0) + ClippedSum({"a": torch.ones(1)}, 2, 1.0), ClippedSum)
+
+
+# ------------------------------------------------------------------------- the stateful step
+
+
+def test_private_step_over_micro_batches_equals_sgd_on_private_grads_of_the_logical_batch():
+    from lora_func.privacy import DPSGD, private_step_
+
+    _, adapter, ids, loss_fn, c, _, norms = _case("lora-llama")
+    whole = private_grads(loss_fn, adapter, ids, max_grad_norm=c, noise_multiplier=0.8, generator=torch.Generator().manual_seed(4))
+    live = adapter.detach()
+    optimizer = torch.optim.SGD(live.params.values(), lr=0.5)
+    dp = DPSGD(max_grad_norm=c, noise_multiplier=0.8, generator=torch.Generator().manual_seed(4))
+    stats = private_step_(optimizer, live, loss_fn, [ids[:2], (ids[2:5],), (ids[5:],)], dp)
+    moved = {k: live.params[k].detach() - v.detach() for k, v in adapter.params.items()}
+    _assert_rel(moved, {k: -0.5 * g for k, g in whole.items()}, 1e-5)
+    assert all(p.grad is None for p in live.params.values())  # cleared after the step
+    losses = torch.stack([loss_fn(adapter, ids[b : b + 1]) for b in range(B)]).detach()
+    assert stats.count == B and stats.clipped == int((norms > c).sum())
+    assert math.isclose(stats.loss, float(losses.mean()), rel_tol=1e-5)
+
+
+def test_private_step_under_bf16_autocast_is_private_grads_under_autocast():
+    from lora_func.privacy import DPSGD, private_step_
+
+    model, adapter, ids, loss_fn, c, _, _ = _case("lora-llama")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = private_grads(loss_fn, adapter, ids, max_grad_norm=c, noise_multiplier=0.5, expected_batch_size=6.0,
+                             generator=torch.Generator().manual_seed(0))
+    fp32 = private_grads(loss_fn, adapter, ids, max_grad_norm=c, noise_multiplier=0.5, expected_batch_size=6.0,
+                         generator=torch.Generator().manual_seed(0))
+    live = adapter.detach()
+    optimizer = torch.optim.SGD(live.params.values(), lr=1.0)
+    dp = DPSGD(max_grad_norm=c, noise_multiplier=0.5, expected_batch_size=6.0, generator=torch.Generator().manual_seed(0))
+    stats = private_step_(optimizer, live, loss_fn, [ids], dp, autocast_dtype=torch.bfloat16)
+    moved = {k: v.detach() - live.params[k].detach() for k, v in adapter.params.items()}
+    _assert_rel(moved, want, 1e-5)
+    assert (_flat(moved) - _flat(fp32)).norm() > 1e-3 * _flat(fp32).norm()  # the forward did run in bf16
+    assert stats.count == B and math.isfinite(stats.loss)
+    assert all(v.dtype == torch.float32 for v in live.params.values())
+    assert all(p.grad is None for p in model.parameters())
+    # An empty Poisson draw is a noise-only step: the adapter still moves, the loss is nan.
+    adamw = torch.optim.AdamW(live.params.values(), lr=1e-2)
+    before = {k: v.detach().clone() for k, v in live.params.items()}
+    stats = private_step_(adamw, live, loss_fn, [ids[:0]], dp)
+    assert stats.count == 0 and math.isnan(stats.loss)
+    assert all(not torch.equal(v.detach(), before[k]) for k, v in live.params.items())
+
+
+def test_private_step_refuses_a_foreign_optimizer_and_a_nan_before_moving():
+    from lora_func.privacy import DPSGD, private_step_
+
+    _, adapter, ids, loss_fn, c, _, _ = _case("lora-llama")
+    dp = DPSGD(max_grad_norm=c, noise_multiplier=0.5)
+    live = adapter.detach()
+    with pytest.raises(ValueError, match="must own every adapter tensor"):
+        private_step_(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1), live, loss_fn, [ids], dp)
+    key = next(iter(live.params))
+    with torch.no_grad():
+        live.params[key][0, 0] = math.nan
+    optimizer = torch.optim.SGD(live.params.values(), lr=0.1)
+    snapshot = {k: v.detach().clone() for k, v in live.params.items()}
+    with pytest.raises(FloatingPointError, match="private gradients"):
+        private_step_(optimizer, live, loss_fn, [ids], dp)
+    torch.testing.assert_close(dict(live.params), snapshot, rtol=0, atol=0, equal_nan=True)  # nothing moved
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        DPSGD(max_grad_norm=-1.0, noise_multiplier=1.0)

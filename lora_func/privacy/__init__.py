@@ -29,17 +29,21 @@ from lora_func.privacy.grads import (
     set_grads_,
 )
 from lora_func.privacy.sampling import PoissonBatchSampler
+from lora_func.privacy.step import DPSGD, PrivateStepStats, private_step_
 
 __all__ = [
     "DEFAULT_ORDERS",
+    "DPSGD",
     "Accountant",
     "ClippedSum",
     "PoissonBatchSampler",
+    "PrivateStepStats",
     "clipped_sum",
     "epsilon",
     "noise_for_epsilon",
     "noised_mean",
     "private_grads",
+    "private_step_",
     "rdp",
     "set_grads_",
 ]

@@ -58,14 +58,16 @@ class ClippedSum:
 
     ``grads``: a dict like ``adapter.params`` (same keys, shapes, dtypes). ``count``: the
     number of examples summed. ``clipped``: how many of them had a norm above
-    ``max_grad_norm`` (a statistic of the private data: log it only if you account for it, or
-    treat the run as non-private tuning). ``a + b`` sums two (same keys and ``max_grad_norm``).
+    ``max_grad_norm``; ``loss_sum``: the sum of their losses (statistics of the private data:
+    log them only if you account for them, or treat the run as non-private tuning). ``a + b``
+    sums two (same keys and ``max_grad_norm``).
     """
 
     grads: dict[str, Tensor]
     count: int
     max_grad_norm: float
     clipped: int = 0
+    loss_sum: float = 0.0
 
     def __add__(self, other: ClippedSum) -> ClippedSum:
         if not isinstance(other, ClippedSum) or other.max_grad_norm != self.max_grad_norm or other.grads.keys() != self.grads.keys():
@@ -76,7 +78,8 @@ class ClippedSum:
                 f"got {what}"
             )
         grads = {k: v + other.grads[k] for k, v in self.grads.items()}
-        return ClippedSum(grads, self.count + other.count, self.max_grad_norm, self.clipped + other.clipped)
+        return ClippedSum(grads, self.count + other.count, self.max_grad_norm, self.clipped + other.clipped,
+                          self.loss_sum + other.loss_sum)
 
 
 def clipped_sum(
@@ -104,7 +107,11 @@ def clipped_sum(
     if size == 0:
         zeros = {k: torch.zeros_like(v, memory_format=torch.contiguous_format).detach() for k, v in params.items()}
         return ClippedSum(zeros, 0, norm, 0)
-    grads = per_example_grads(loss_fn, adapter, *batch, randomness=randomness, chunk_size=chunk_size)
+    def with_loss(adapter: AdapterLike, *example: Any) -> tuple[Tensor, Tensor]:
+        loss = loss_fn(adapter, *example)
+        return loss, loss.detach() if isinstance(loss, Tensor) else loss
+
+    grads, losses = per_example_grads(with_loss, adapter, *batch, has_aux=True, randomness=randomness, chunk_size=chunk_size)
     lead = 1 + len(adapter.stack_shape)  # (B, *stack_shape): one norm per example (and member)
     squares = [g.flatten(lead).float().pow(2).sum(-1) for g in grads.values()]
     norms = torch.stack(squares).sum(0).sqrt()
@@ -113,7 +120,7 @@ def clipped_sum(
     for key, g in grads.items():
         scale = factor.reshape(*factor.shape, *([1] * (g.dim() - lead))).to(g.dtype)
         sums[key] = (g * scale).sum(0)
-    return ClippedSum(sums, norms.shape[0], norm, int((norms > norm).sum()))
+    return ClippedSum(sums, norms.shape[0], norm, int((norms > norm).sum()), float(losses.float().sum()))
 
 
 def noised_mean(
