@@ -29,8 +29,19 @@ import torch
 import lora_func as lf
 from lora_func.demo.corpus import task_split
 from lora_func.demo.model import default_targets, load_model
-from lora_func.demo.run import DEFAULT_LR, batch_sampler, encode_examples, held_out_accuracy
-from lora_func.privacy import DPSGD, PoissonBatchSampler, epsilon, noise_for_epsilon, private_step_
+from lora_func.demo.run import (
+    DEFAULT_LR,
+    batch_sampler,
+    encode_examples,
+    held_out_accuracy,
+)
+from lora_func.privacy import (
+    DPSGD,
+    PoissonBatchSampler,
+    epsilon,
+    noise_for_epsilon,
+    private_step_,
+)
 from lora_func.train import TrainState, adapter_loss, fit, make_optimizer
 
 

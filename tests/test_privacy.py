@@ -326,3 +326,32 @@ def test_private_step_refuses_a_foreign_optimizer_and_a_nan_before_moving():
     torch.testing.assert_close(dict(live.params), snapshot, rtol=0, atol=0, equal_nan=True)  # nothing moved
     with pytest.raises(ValueError, match="max_grad_norm"):
         DPSGD(max_grad_norm=-1.0, noise_multiplier=1.0)
+
+
+# --------------------------------------------------------------------------- every variant
+
+
+def _first_row_per_variant():
+    from tests.variant_table import ROWS
+
+    rows = {}
+    for row in ROWS.values():
+        rows.setdefault(row.variant, row)
+    return rows
+
+
+@pytest.mark.parametrize("variant", sorted(_first_row_per_variant()))
+def test_every_variant_without_noise_equals_the_loop(variant):
+    from tests.contract_helpers import build, perturbed
+
+    assert set(_first_row_per_variant()) == set(lf.list_variants())  # a new variant gets a row here
+    row = _first_row_per_variant()[variant]
+    kind = "conv1d" if variant in ("hra", "delora") else "linear"  # the two peft refuses on Conv1D: ours are checked
+    model, adapter = build(row, kind)
+    adapter = perturbed(adapter, max(row.perturb_scale, 0.1))
+    loss_fn = functools.partial(_lm_loss, model)
+    ids = tokens(3, 8, seed=2)
+    _, norms = _loop(loss_fn, adapter, ids, 1.0)
+    c = _between(norms)
+    want, _ = _loop(loss_fn, adapter, ids, c)
+    _assert_rel(private_grads(loss_fn, adapter, ids, max_grad_norm=c, noise_multiplier=0.0), want, 1e-5)

