@@ -77,6 +77,16 @@ def _assert_rel(got, want, rtol):
         assert err < rtol, f"{k}: relative error {err:.2e}"
 
 
+def _assert_equals_the_clipped_loop(loss_fn, adapter, ids, *, lead=()):
+    """private_grads without noise against the loop, at a bound that clips some examples."""
+    _, norms = _loop(loss_fn, adapter, ids, 1.0, lead=lead)
+    c = _between(norms)
+    want, _ = _loop(loss_fn, adapter, ids, c, lead=lead)
+    got = private_grads(loss_fn, adapter, ids, max_grad_norm=c, noise_multiplier=0.0)
+    _assert_rel(got, want, 1e-5)
+    return got, c
+
+
 def _quantized_llama():
     from tests.quantized_models import quantized_llama
 
@@ -123,12 +133,7 @@ def test_without_noise_equals_a_loop_of_clipped_per_example_grads(name):
 def test_compositions_clip_over_all_parts():
     model = tiny_model("llama")
     both = lf.compose(_adapter(model, "lora", ["q_proj", "v_proj"]), _adapter(model, "ia3", ["v_proj", "k_proj"], seed=1))
-    loss_fn = functools.partial(_lm_loss, model)
-    ids = tokens(4, 8, seed=2)
-    _, norms = _loop(loss_fn, both, ids, 1.0)
-    c = _between(norms)
-    want, _ = _loop(loss_fn, both, ids, c)
-    _assert_rel(private_grads(loss_fn, both, ids, max_grad_norm=c, noise_multiplier=0.0), want, 1e-5)
+    _assert_equals_the_clipped_loop(functools.partial(_lm_loss, model), both, tokens(4, 8, seed=2))
 
 
 def test_a_stack_is_one_private_mechanism_per_member():
@@ -141,11 +146,7 @@ def test_a_stack_is_one_private_mechanism_per_member():
         return sum(causal_lm_loss(logits[k], ids) for k in range(logits.shape[0]))
 
     ids = tokens(4, 8, seed=2)
-    _, norms = _loop(ensemble_loss, stacked, ids, 1.0, lead=(2,))
-    c = _between(norms)
-    want, _ = _loop(ensemble_loss, stacked, ids, c, lead=(2,))
-    got = private_grads(ensemble_loss, stacked, ids, max_grad_norm=c, noise_multiplier=0.0)
-    _assert_rel(got, want, 1e-5)
+    got, c = _assert_equals_the_clipped_loop(ensemble_loss, stacked, ids, lead=(2,))
     # Independent noise per member: the two members' draws differ.
     noisy = private_grads(ensemble_loss, stacked, ids, max_grad_norm=c, noise_multiplier=1.0, generator=torch.Generator().manual_seed(0))
     key = next(iter(noisy))
@@ -349,9 +350,4 @@ def test_every_variant_without_noise_equals_the_loop(variant):
     kind = "conv1d" if variant in ("hra", "delora") else "linear"  # the two peft refuses on Conv1D: ours are checked
     model, adapter = build(row, kind)
     adapter = perturbed(adapter, max(row.perturb_scale, 0.1))
-    loss_fn = functools.partial(_lm_loss, model)
-    ids = tokens(3, 8, seed=2)
-    _, norms = _loop(loss_fn, adapter, ids, 1.0)
-    c = _between(norms)
-    want, _ = _loop(loss_fn, adapter, ids, c)
-    _assert_rel(private_grads(loss_fn, adapter, ids, max_grad_norm=c, noise_multiplier=0.0), want, 1e-5)
+    _assert_equals_the_clipped_loop(functools.partial(_lm_loss, model), adapter, tokens(3, 8, seed=2))
