@@ -6,7 +6,8 @@
   once per logical batch); :func:`set_grads_` for a ``torch.optim`` optimiser.
 - :mod:`lora_func.privacy.accounting`: :func:`epsilon`, :func:`noise_for_epsilon` and
   :class:`Accountant` (the RDP accountant of the sampled Gaussian mechanism, equal to
-  Opacus's; no dependency).
+  Opacus's; no dependency); :func:`prv_epsilon` and :func:`prv_epsilon_of_history`, the tighter
+  PRV accountant (:mod:`lora_func.privacy.prv`, equal to Opacus's ``PRVAccountant``).
 - :mod:`lora_func.privacy.sampling`: :class:`PoissonBatchSampler`, the batches the
   accounting assumes.
 
@@ -28,6 +29,7 @@ from lora_func.privacy.grads import (
     private_grads,
     set_grads_,
 )
+from lora_func.privacy.prv import prv_epsilon, prv_epsilon_of_history
 from lora_func.privacy.sampling import PoissonBatchSampler
 from lora_func.privacy.step import DPSGD, PrivateStepStats, private_step_
 
@@ -44,6 +46,8 @@ __all__ = [
     "noised_mean",
     "private_grads",
     "private_step_",
+    "prv_epsilon",
+    "prv_epsilon_of_history",
     "rdp",
     "set_grads_",
 ]
