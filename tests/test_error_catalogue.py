@@ -1114,6 +1114,7 @@ CASES.update(
         "privacy-optimizer-params": Case(_privacy(lambda m, a, ctx: lf.privacy.private_step_(torch.optim.SGD(a.detach().params.values(), lr=0.1), a, _logits_sum, [IDS], lf.privacy.DPSGD(max_grad_norm=1.0, noise_multiplier=1.0))), (Q, "make_optimizer")),
         "privacy-prv-epsilon": Case(lambda ctx: lambda: lf.privacy.prv_epsilon(noise_multiplier=1.0, sample_rate=0.1, steps=10, delta=0.999), ("delta=0.999",)),
         "privacy-prv-delta": Case(lambda ctx: lambda: lf.privacy.prv_epsilon(noise_multiplier=1.0, sample_rate=0.1, steps=10, delta=1e-14), ("delta=1e-14", "lora_func.privacy.epsilon")),
+        "privacy-autocast-dtype": Case(_privacy(lambda m, a, ctx: lf.privacy.private_step_(torch.optim.SGD(a.params.values(), lr=0.1), a, _logits_sum, [IDS], lf.privacy.DPSGD(max_grad_norm=1.0, noise_multiplier=1.0), autocast_dtype=torch.float16)), ("torch.float16", "bfloat16")),
         "privacy-micro-batches": Case(_privacy(lambda m, a, ctx: lf.privacy.private_step_(torch.optim.SGD(a.params.values(), lr=0.1), a, _logits_sum, IDS, lf.privacy.DPSGD(max_grad_norm=1.0, noise_multiplier=1.0))), ("Tensor", "[(ids, mask)]")),
     }
 )

@@ -115,6 +115,12 @@ def private_step_(
     """
     if not isinstance(dp, DPSGD):
         raise TypeError(f"private_step_: dp must be a lora_func.privacy.DPSGD, got {type(dp).__name__}; DPSGD(max_grad_norm=1.0, noise_multiplier=1.0)")  # error: privacy-step-dp
+    if autocast_dtype not in (None, torch.bfloat16):
+        raise ValueError(  # error: privacy-autocast-dtype
+            f"private_step_: autocast_dtype={autocast_dtype!r} is not supported; use torch.bfloat16 or None (fp32). "
+            f"fp16 gradients need a loss scaler, and one scale for the batch cannot keep every example's gradient "
+            f"representable before it is clipped"
+        )
     _check_optimizer_owns(optimizer, adapter)
     batches = _micro_batches(micro_batches)
     device_type = next(iter(adapter.params.values())).device.type
