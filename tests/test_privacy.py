@@ -351,3 +351,26 @@ def test_every_variant_without_noise_equals_the_loop(variant):
     model, adapter = build(row, kind)
     adapter = perturbed(adapter, max(row.perturb_scale, 0.1))
     _assert_equals_the_clipped_loop(functools.partial(_lm_loss, model), adapter, tokens(3, 8, seed=2))
+
+
+def test_a_train_state_and_a_dict_batch_work_as_lora_func_train_would_call_it():
+    """What lora_func.train's private mode does: adapter_loss on a batch dict, TrainState's optimiser."""
+    from lora_func.privacy import DPSGD, private_step_
+    from lora_func.train import TrainState, adapter_loss, make_optimizer
+
+    model, adapter, ids, _, c, _, _ = _case("lora-llama")
+    live = adapter.detach()
+    state = TrainState(live, make_optimizer(live, 1e-2))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+    def loss_fn(a, b):
+        return adapter_loss(model, a, b)
+
+    dp = DPSGD(max_grad_norm=c, noise_multiplier=0.0)
+    want = private_grads(loss_fn, state.adapter, batch, max_grad_norm=c, noise_multiplier=0.0)
+    oracle, _ = _loop(lambda a, i: adapter_loss(model, a, {k: v[int(i)][None] for k, v in batch.items()}), state.adapter, torch.arange(B)[:, None], c)
+    _assert_rel(want, oracle, 1e-5)  # each row of the dict is one example, its own mask
+    stats = private_step_(state.optimizer, state.adapter, loss_fn, [batch], dp)
+    assert stats.count == B and all(p.grad is None for p in model.parameters())
