@@ -10,6 +10,9 @@
   PRV accountant (:mod:`lora_func.privacy.prv`, equal to Opacus's ``PRVAccountant``).
 - :mod:`lora_func.privacy.sampling`: :class:`PoissonBatchSampler`, the batches the
   accounting assumes.
+- :mod:`lora_func.privacy.step`: :class:`DPSGD` (a run's mechanism, validated once) and
+  :func:`private_step_`, one ``torch.optim`` step on a logical batch given as micro-batches,
+  under bf16 autocast when asked: the hook for ``lora_func.train``.
 
 What is private, what is not, and how to choose ``max_grad_norm``, ``noise_multiplier`` and
 the batch size: docs/guide/privacy.md.
