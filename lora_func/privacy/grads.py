@@ -70,9 +70,15 @@ class ClippedSum:
     loss_sum: float = 0.0
 
     def __add__(self, other: ClippedSum) -> ClippedSum:
-        if not isinstance(other, ClippedSum) or other.max_grad_norm != self.max_grad_norm or other.grads.keys() != self.grads.keys():
-            what = (f"max_grad_norm {self.max_grad_norm} and {other.max_grad_norm}" if isinstance(other, ClippedSum)
-                    and other.grads.keys() == self.grads.keys() else "different keys" if isinstance(other, ClippedSum) else type(other).__name__)
+        if not isinstance(other, ClippedSum):
+            what = f"a {type(other).__name__}"
+        elif other.grads.keys() != self.grads.keys():
+            what = f"the sums of two adapters (keys {sorted(self.grads.keys() ^ other.grads.keys())[:3]} differ)"
+        elif other.max_grad_norm != self.max_grad_norm:
+            what = f"max_grad_norm {self.max_grad_norm} and {other.max_grad_norm}"
+        else:
+            what = ""
+        if what:
             raise ValueError(  # error: privacy-sum-mismatch
                 f"ClippedSum: can only add the clipped sums of one adapter under one max_grad_norm (one logical batch), "
                 f"got {what}"
@@ -107,6 +113,7 @@ def clipped_sum(
     if size == 0:
         zeros = {k: torch.zeros_like(v, memory_format=torch.contiguous_format).detach() for k, v in params.items()}
         return ClippedSum(zeros, 0, norm, 0)
+
     def with_loss(adapter: AdapterLike, *example: Any) -> tuple[Tensor, Tensor]:
         loss = loss_fn(adapter, *example)
         return loss, loss.detach() if isinstance(loss, Tensor) else loss
