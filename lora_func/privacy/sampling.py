@@ -24,11 +24,12 @@ class PoissonBatchSampler(Sampler[list[int]]):
     batch independently with probability ``sample_rate`` (sorted indices; a batch may be empty).
 
     Deterministic given ``generator`` (a ``torch.Generator``; ``None`` draws from the global
-    RNG): iterating twice continues the generator, it does not replay. Use it as a
-    ``DataLoader``'s ``batch_sampler`` or index tensors directly
-    (``ids[torch.tensor(batch, dtype=torch.long)]`` gives ``(0, T)`` for an empty batch, which
-    :func:`lora_func.privacy.private_grads` accepts: the step is then noise only, as the
-    accounting assumes). ``expected_batch_size`` is ``sample_rate * num_examples``: divide the
+    RNG): iterating twice continues the generator, it does not replay. Index tensors with each
+    batch (``ids[torch.tensor(batch, dtype=torch.long)]`` gives ``(0, T)`` for an empty batch,
+    which :func:`lora_func.privacy.private_grads` accepts: the step is then noise only, as the
+    accounting assumes), or use it as a ``DataLoader``'s ``batch_sampler`` with a ``collate_fn``
+    that turns an empty list into empty tensors: ``default_collate([])`` raises, and skipping
+    the empty step would not be the mechanism the accountant analyses. ``expected_batch_size`` is ``sample_rate * num_examples``: divide the
     noisy gradient sum by it (``private_grads(..., expected_batch_size=)``), not by the sampled
     size, whose value depends on the data.
     """
