@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import statistics
 import warnings
 
 import pytest
@@ -191,3 +192,24 @@ def test_prv_of_a_changing_schedule_equals_opacus():
     assert math.isclose(prv_epsilon_of_history(accountant.history, DELTA), _opacus_prv(accountant.history), rel_tol=1e-6)
     assert prv_epsilon_of_history([], DELTA) == 0.0
     assert prv_epsilon_of_history([(0.0, 0.1, 3)], DELTA) == math.inf
+
+
+def test_poisson_batch_indices_is_a_pure_function_of_the_step_at_the_sample_rate():
+    from lora_func.privacy import poisson_batch_indices
+
+    n, q = 100, 0.1
+    batches = [poisson_batch_indices(n, q, seed=3, step=s) for s in range(300)]
+    assert all(torch.equal(b, poisson_batch_indices(n, q, seed=3, step=s)) for s, b in enumerate(batches[:20]))  # a resume sees the same
+    assert not torch.equal(batches[0], poisson_batch_indices(n, q, seed=4, step=0))
+    assert all(b.dtype == torch.int64 and torch.equal(b, b.unique()) for b in batches)  # sorted, no repeats
+    counts = torch.zeros(n)
+    for b in batches:
+        counts[b] += 1
+    assert abs(float(counts.mean()) / 300 - q) < 0.006
+    sizes = torch.tensor([len(b) for b in batches], dtype=torch.float64)
+    assert abs(float(sizes.var()) / (n * q * (1 - q)) - 1) < 0.2  # binomial, not a fixed size
+    # Consecutive steps are independent draws: the overlap of two batches is about q of each.
+    overlap = statistics.mean(len(set(a.tolist()) & set(b.tolist())) / max(1, len(a)) for a, b in itertools.pairwise(batches))
+    assert abs(overlap - q) < 0.03
+    with pytest.raises(ValueError, match="num_examples must be an integer >= 1"):
+        poisson_batch_indices(0, q, seed=0, step=0)

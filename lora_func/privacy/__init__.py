@@ -33,7 +33,7 @@ from lora_func.privacy.grads import (
     set_grads_,
 )
 from lora_func.privacy.prv import prv_epsilon, prv_epsilon_of_history
-from lora_func.privacy.sampling import PoissonBatchSampler
+from lora_func.privacy.sampling import PoissonBatchSampler, poisson_batch_indices
 from lora_func.privacy.step import DPSGD, PrivateStepStats, private_step_
 
 __all__ = [
@@ -47,6 +47,7 @@ __all__ = [
     "epsilon",
     "noise_for_epsilon",
     "noised_mean",
+    "poisson_batch_indices",
     "private_grads",
     "private_step_",
     "prv_epsilon",

@@ -62,3 +62,9 @@ def check_expected_batch_size(expected_batch_size: object) -> float | None:
         return None
     return check_real(expected_batch_size, "expected_batch_size", 0.0, math.inf, low_open=True, high_open=True,
                       hint="with Poisson sampling it is sample_rate * dataset size (PoissonBatchSampler.expected_batch_size)")
+
+
+def check_num_examples(num_examples: object, where: str) -> int:
+    if not isinstance(num_examples, int) or isinstance(num_examples, bool) or num_examples < 1:
+        raise ValueError(f"{where}: num_examples must be an integer >= 1, got {num_examples!r}; pass the dataset size, len(dataset)")  # error: privacy-sampler-size
+    return num_examples

@@ -14,9 +14,14 @@ from collections.abc import Iterator
 import torch
 from torch.utils.data import Sampler
 
-from lora_func.privacy._checks import check_generator, check_rate, check_steps
+from lora_func.privacy._checks import (
+    check_generator,
+    check_num_examples,
+    check_rate,
+    check_steps,
+)
 
-__all__ = ["PoissonBatchSampler"]
+__all__ = ["PoissonBatchSampler", "poisson_batch_indices"]
 
 
 class PoissonBatchSampler(Sampler[list[int]]):
@@ -35,8 +40,7 @@ class PoissonBatchSampler(Sampler[list[int]]):
     """
 
     def __init__(self, num_examples: int, sample_rate: float, steps: int, *, generator: torch.Generator | None = None) -> None:
-        if not isinstance(num_examples, int) or isinstance(num_examples, bool) or num_examples < 1:
-            raise ValueError(f"PoissonBatchSampler: num_examples must be an integer >= 1, got {num_examples!r}; pass the dataset size, len(dataset)")  # error: privacy-sampler-size
+        check_num_examples(num_examples, "PoissonBatchSampler")
         check_generator(generator, "PoissonBatchSampler")
         self.num_examples = num_examples
         self.sample_rate = check_rate(sample_rate)
@@ -58,3 +62,15 @@ class PoissonBatchSampler(Sampler[list[int]]):
 
     def __repr__(self) -> str:
         return f"PoissonBatchSampler(num_examples={self.num_examples}, sample_rate={self.sample_rate}, steps={self.steps})"
+
+
+def poisson_batch_indices(num_examples: int, sample_rate: float, *, seed: int, step: int) -> torch.Tensor:
+    """Step ``step``'s Poisson batch as a sorted ``int64`` index tensor (possibly empty): each of
+    ``num_examples`` examples in with probability ``sample_rate``, drawn from a generator seeded
+    by ``(seed, step)`` alone. A pure function of the step, so a ``batch_at(step)`` built on it
+    (``lora_func.train.fit``) sees the same batches after a resume; the draws of different
+    steps are independent, as the accounting assumes."""
+    check_num_examples(num_examples, "poisson_batch_indices")
+    rate = check_rate(sample_rate)
+    generator = torch.Generator().manual_seed(int(seed) * 1_000_003 + check_steps(step))
+    return (torch.rand(num_examples, generator=generator) < rate).nonzero().flatten()
