@@ -42,6 +42,15 @@ def _cdf(t: Tensor, q: float, sigma: float) -> Tensor:
     return torch.where(valid, value, torch.zeros_like(t))
 
 
+def _gauss_legendre(n: int) -> tuple[Tensor, Tensor]:
+    """Gauss-Legendre nodes and weights on [-1, 1] (Golub-Welsch: the eigenvalues of the
+    Jacobi matrix of the Legendre polynomials, the weights from the first components)."""
+    k = torch.arange(1, n, dtype=_F64)
+    off = k / torch.sqrt(4 * k**2 - 1)
+    values, vectors = torch.linalg.eigh(torch.diag(off, 1) + torch.diag(off, -1))
+    return values, 2 * vectors[0] ** 2
+
+
 class _Truncated:
     def __init__(self, q: float, sigma: float, t_min: float, t_max: float) -> None:
         self.q, self.sigma, self.t_min, self.t_max = q, sigma, t_min, t_max
@@ -55,14 +64,14 @@ class _Truncated:
     def mean(self) -> float:
         """``t_max - ∫ cdf`` over the domain (integration by parts), by composite Gauss-Legendre
         on panels that refine towards 0, where the CDF turns fastest."""
-        import numpy as np  # the quadrature nodes (numpy comes with torch and transformers)
-
         lower, upper = int(math.log10(abs(self.t_min))), int(math.log10(self.t_max))
-        points = np.concatenate([[self.t_min], -np.logspace(lower, -5, 10), [0.0], np.logspace(-5, upper, 10), [self.t_max]])
-        nodes, weights = (torch.from_numpy(a) for a in np.polynomial.legendre.leggauss(48))
+        ramp = torch.logspace(-5, upper, 10, dtype=_F64)
+        points = torch.cat([torch.tensor([self.t_min], dtype=_F64), -torch.logspace(lower, -5, 10, dtype=_F64),
+                            torch.zeros(1, dtype=_F64), ramp, torch.tensor([self.t_max], dtype=_F64)]).tolist()
+        nodes, weights = _gauss_legendre(48)
         total = 0.0
         for left, right in itertools.pairwise(points):
-            edges = torch.linspace(float(left), float(right), 33, dtype=_F64)
+            edges = torch.linspace(left, right, 33, dtype=_F64)
             a, b = edges[:-1, None], edges[1:, None]
             t = (b - a) / 2 * nodes + (a + b) / 2
             total += float((((b - a) / 2) * (weights * self.cdf(t))).sum())
