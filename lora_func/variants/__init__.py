@@ -14,7 +14,9 @@ modules whose name starts with ``_`` are not variants. What a variant author wri
 - :data:`TensorDict`, :class:`InitFn`, :data:`WeightFn`, :data:`ActivationFn`: the types of
   the tensors and functions;
 - :func:`layer_rank`, :func:`layer_alpha`: the rank and alpha a form must use (tensors inside
-  a rank-padded stack of adapters of different ranks).
+  a rank-padded stack of adapters of different ranks);
+- :class:`PeftFormat`, :class:`PeftMethod`, :class:`PeftLayer`: how the variant is stored in
+  HF peft's checkpoint format (``Variant(peft=...)``), for a variant that peft also has.
 
 docs/guide/variants.md ("Writing a variant") walks through one.
 """
@@ -29,9 +31,13 @@ from lora_func.variants._contract import (
     BaseLayer,
     InitFn,
     LayerInfo,
+    PeftFormat,
+    PeftLayer,
+    PeftMethod,
     TensorDict,
     Variant,
     WeightFn,
+    is_finite_number,
     layer_alpha,
     layer_rank,
 )
@@ -41,10 +47,14 @@ __all__ = [
     "BaseLayer",
     "InitFn",
     "LayerInfo",
+    "PeftFormat",
+    "PeftLayer",
+    "PeftMethod",
     "TensorDict",
     "Variant",
     "WeightFn",
     "get_variant",
+    "is_finite_number",
     "layer_alpha",
     "layer_rank",
     "list_variants",

@@ -6,6 +6,13 @@ layout (transposed views for GPT-2 ``Conv1D``), a :class:`LayerInfo` of static f
 in the activation form, a :class:`BaseLayer` that replays the model's own op, so one
 implementation serves both layer kinds and both application routes.
 
+A variant that HF peft also has says how it is stored in peft's checkpoint format with
+``Variant(peft=PeftFormat(...))``: its peft method (:class:`PeftMethod`), the key suffix of
+each tensor, the shapes checked on load, the config fields it writes and reads, and any
+conversion. ``lora_func.io.peft`` is a generic reader/writer driven by these entries; peft
+shapes adapter tensors in feature terms on GPT-2 ``Conv1D`` too, so an entry holds for both
+layer kinds.
+
 The public names are re-exported by :mod:`lora_func.variants`; the low-rank kernels that the
 built-in variants share (LoRA's forms, the dropout input, the base-dtype product) live in
 ``lora_func._kernels``.
@@ -14,6 +21,7 @@ built-in variants share (LoRA's forms, the dropout input, the base-dtype product
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
@@ -21,15 +29,19 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "RANK_ALPHA",
+    "RANK_MASK",
     "ActivationFn",
     "BaseLayer",
     "InitFn",
     "LayerInfo",
-    "RANK_ALPHA",
-    "RANK_MASK",
+    "PeftFormat",
+    "PeftLayer",
+    "PeftMethod",
     "TensorDict",
     "Variant",
     "WeightFn",
+    "is_finite_number",
     "layer_alpha",
     "layer_rank",
 ]
@@ -116,6 +128,112 @@ ActivationFn = Callable[[TensorDict, TensorDict, Tensor, BaseLayer, LayerInfo], 
 """``(params, buffers, x (..., d_in), base, info) -> y (..., d_out)``."""
 
 
+def is_finite_number(value: Any) -> bool:
+    """A JSON number that is finite (json reads ``NaN`` and ``1e999``), not a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+# ------------------------------------------------------------- HF peft's checkpoint format
+
+
+@dataclasses.dataclass(frozen=True)
+class PeftMethod:
+    """One peft method (one ``peft_type``): what every checkpoint of it writes alike, whichever
+    lora_func variant it holds. Variants stored as the same method share one ``PeftMethod``.
+
+    Attributes:
+      peft_type: peft's name of the method (``"LORA"``, ``"IA3"``, ...).
+      fixed: config fields with one value for every checkpoint of the method.
+      refused: config fields that change the math in ways lora_func does not have: a
+        checkpoint with any of them set (truthy) is refused on load.
+      rank_of: ``(tensor name, axis)`` that holds a layer's rank, written as ``r`` (and
+        ``rank_pattern``) and checked against the config on load; ``None``: no rank.
+      rank_pattern: whether the method has per-layer ranks (``rank_pattern``).
+      alpha: whether the method has ``lora_alpha`` / ``alpha_pattern``.
+      feedforward_modules: whether the config lists feed-forward layers (``feedforward_modules``).
+      checks: config field -> whether a value is valid (type, finite, range), for the fields
+        the method's entries read; a checkpoint with an invalid value is refused on load.
+      training_only: config field -> what lora_func does not apply when it is set (a number
+        > 0): loaded with a warning, as it acts in training only.
+      unread: ``config -> why`` no variant of the method reads a layer of this config (e.g. an
+        init that changed peft's base weights); the loader raises with it.
+    """
+
+    peft_type: str
+    fixed: Mapping[str, Any]
+    refused: tuple[str, ...] = ("modules_to_save",)
+    rank_of: tuple[str, int] | None = None
+    rank_pattern: bool = False
+    alpha: bool = False
+    feedforward_modules: bool = False
+    checks: Mapping[str, Callable[[Any], bool]] = dataclasses.field(default_factory=dict)
+    training_only: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    unread: Callable[[Mapping[str, Any]], str] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class PeftLayer:
+    """One layer as peft stores it, when a variant stores it converted (:attr:`PeftFormat.export`).
+
+    Attributes:
+      tensors: ``() -> {tensor name: tensor}`` in lora_func shapes, named as in
+        :attr:`PeftFormat.keys`; called only when the checkpoint is written (a conversion
+        may run an SVD, which ``peft_problems`` must not).
+      r: the rank written for the layer (``None`` where the method has none).
+      alpha: the alpha written for the layer (``None`` where the method has none).
+    """
+
+    tensors: Callable[[], TensorDict]
+    r: int | None = None
+    alpha: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class PeftFormat:
+    """How one variant is stored in peft's format: ``Variant(peft=...)``.
+
+    Attributes:
+      method: the peft method it is stored as.
+      keys: tensor name -> the peft key suffix it is stored under
+        (``base_model.model.<module>.<suffix>``).
+      shapes: ``(r, d_in, d_out) -> {tensor name: shape}``, lora_func's shapes, checked on load.
+      config: the spec's options -> the config fields they set (the same for every layer).
+      reads: ``(config, module) -> spec options`` when the checkpoint's layer ``module`` is this
+        variant, else ``None``. The entries of one method must exclude one another.
+      buffers: the tensors that are buffers, not trainable.
+      old_keys: peft suffixes that older peft versions wrote -> tensor name (read only).
+      matrix: tensor name -> ``(axis, what peft stores)``: a vector that peft stores as a
+        one-row or one-column matrix, with a size-1 ``axis``.
+      feedforward: the layers are listed in the method's ``feedforward_modules``.
+      conv1d: peft accepts the method on GPT-2 ``Conv1D``.
+      checks: config field -> validity, as :attr:`PeftMethod.checks`, for fields only this
+        variant reads.
+      export: ``(params, buffers, weight (d_out, d_in) | None, info) -> PeftLayer`` where the
+        variant is stored converted; ``weight`` is the model's base weight in the canonical
+        layout (``None`` without ``model=``). ``None``: its tensors as they are.
+      export_needs_base: why the conversion needs ``model=`` (a phrase for the error), or
+        ``None`` if it does not. With :attr:`Variant.records_base`, the base must also be the
+        one the adapter was built on (checked by fingerprint).
+      recompute_buffers: the checkpoint holds no buffers: on load they are the variant's
+        ``init`` on the base (PiSSA's residual, as peft recomputes it).
+    """
+
+    method: PeftMethod
+    keys: Mapping[str, str]
+    shapes: Callable[[int, int, int], dict[str, tuple[int, ...]]]
+    config: Callable[[Mapping[str, Any]], dict[str, Any]]
+    reads: Callable[[Mapping[str, Any], str], dict[str, Any] | None]
+    buffers: frozenset[str] = frozenset()
+    old_keys: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    matrix: Mapping[str, tuple[int, str]] = dataclasses.field(default_factory=dict)
+    feedforward: bool = False
+    conv1d: bool = True
+    checks: Mapping[str, Callable[[Any], bool]] = dataclasses.field(default_factory=dict)
+    export: Callable[[TensorDict, TensorDict, Tensor | None, LayerInfo], PeftLayer] | None = None
+    export_needs_base: str | None = None
+    recompute_buffers: bool = False
+
+
 @dataclasses.dataclass(frozen=True, repr=False)
 class Variant:
     """One adapter variant, as pure functions: what a variant file defines as ``VARIANT``.
@@ -158,6 +276,9 @@ class Variant:
         ``infos`` maps module name to the spec's ``LayerInfo``. The returned ``LayerInfo``
         may change ``r`` and ``alpha`` per layer; a module left out gets no adapter;
         ``payload`` reaches that layer's ``init`` as ``calibration``.
+      peft: how the variant is stored in HF peft's checkpoint format (a
+        :class:`~lora_func.variants.PeftFormat`); ``None``: peft has no equivalent, and
+        ``save_peft`` refuses it.
     """
 
     name: str
@@ -173,6 +294,7 @@ class Variant:
     records_base: bool = False
     replaces_weight: bool = False
     calibrate: Callable[..., dict[str, tuple[LayerInfo, Any]]] | None = None
+    peft: PeftFormat | None = None
 
     def __repr__(self) -> str:
         # The functions' reprs would fill a screen; the name identifies the variant.
