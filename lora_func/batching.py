@@ -38,7 +38,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
-from lora_func.adapter import AdapterLike, leaf_adapters, take
+from lora_func.adapter import AdapterLike, leaf_adapters
+from lora_func.stacking import take
 from lora_func.checks import check_base, check_model, detached_base
 from lora_func.core import adapted_call
 

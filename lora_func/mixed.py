@@ -43,7 +43,8 @@ from lora_func._sharded import is_fsdp_model, swapped_on
 from lora_func._kernels import lora_activation_form, lora_scale, lowrank_input
 from lora_func.variants import LayerInfo
 from lora_func.variants._contract import RANK_MASK
-from lora_func.adapter import Adapter, AdapterLayer, AdapterLike, Combinator, _member, _stack_adapters
+from lora_func.adapter import Adapter, AdapterLayer, AdapterLike, Combinator
+from lora_func.stacking import _member, _stack_adapters
 from lora_func.checks import check_adapter_placement, check_base, check_layouts, check_model, detached_base
 from lora_func._model import base_params, check_params
 from lora_func.core import _check

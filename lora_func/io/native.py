@@ -122,9 +122,7 @@ class _Skeleton:
 
     def own_shapes(self) -> dict[str, tuple[int, ...]]:
         """A combinator's own tensors and their shapes without stack axes (they depend only on its parts)."""
-        if self.kind is Adapter:
-            return {}
-        return self.kind.own_shapes(self) if self.kind.tensor_fields else {}  # type: ignore[arg-type]
+        return self.kind.own_shapes_of(self)
 
 
 def _skeleton(data: dict) -> _Skeleton:
@@ -139,7 +137,7 @@ def _skeleton(data: dict) -> _Skeleton:
         spec = AdapterSpec.from_json(json.dumps(data["spec"]))
         return _Skeleton(Adapter, spec=spec, layers=tuple(_layer_from_json(layer) for layer in data["layers"]), members=members)
     # What Combinator.from_json reads, read here so that a missing field is metadata damage.
-    fields = {key: data[key] for key in (*kind.static_fields, *(f"{name}_requires_grad" for name in kind.tensor_fields))}  # type: ignore[attr-defined]
+    fields = {key: data[key] for key in kind.json_field_names()}  # type: ignore[attr-defined]
     return _Skeleton(kind, parts=tuple(_skeleton(part) for part in data["parts"]), fields=fields)
 
 
