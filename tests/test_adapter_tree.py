@@ -240,7 +240,7 @@ def test_fields_are_declared_once_and_become_slots_children_and_saved_fields():
     assert Gated.tensor_fields() == ("gate",) and Gated.static_fields() == ("gain",)
     assert Gated.json_field_names() == ("gain", "gate_requires_grad")
     assert node.own_shapes() == {"gate": (2,)} and node.static() == (2.0,)
-    keyed, context = pytree.tree_flatten_with_path(node)
+    keyed, _ = pytree.tree_flatten_with_path(node)
     assert [pytree.keystr(path) for path, _ in keyed][:1] == [".gate"]
     with pytest.raises(AttributeError, match="immutable"):
         node.gain = 3.0

@@ -18,7 +18,7 @@ import torch
 
 import lora_func as lf
 import lora_func.variants as variants
-from tests import test_contract
+from tests import test_contract, test_rank_stack
 from tests.variant_table import ROWS, Row
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -97,3 +97,13 @@ def test_a_wrong_form_fails_the_contract(registered, monkeypatch):
     monkeypatch.setitem(variants._REGISTRY, NAME, broken)
     with pytest.raises(AssertionError):
         test_contract.test_merged_lazy_and_oracle_agree_after_perturbation(row=ROW, kind="linear")
+
+
+@pytest.mark.parametrize("kind", ["linear", "conv1d"])
+def test_the_guide_variant_reads_info_r_naively_and_is_exact_in_a_rank_padded_stack(kind, registered):
+    """The guide's variant computes its scale as ``info.alpha / info.r`` (one adapter's math, no
+    rank-mask helper). In a stack of members of ranks 1, 2, 4 with alphas 2, 3, 4 (zero-padded
+    to rank 4), every member's outputs and gradients equal the member alone: the contract
+    presents each member with its own rank and alpha."""
+    assert "info.alpha / info.r" in _guide_variant_file() and "layer_rank" not in _guide_variant_file()
+    test_rank_stack.test_rank_padded_stack_equals_each_alone(NAME, kind)

@@ -13,8 +13,10 @@ modules whose name starts with ``_`` are not variants. What a variant author wri
   d_in)``, ``bias``, ``base(x)`` with the model's own op);
 - :data:`TensorDict`, :class:`InitFn`, :data:`WeightFn`, :data:`ActivationFn`: the types of
   the tensors and functions;
-- :func:`layer_rank`, :func:`layer_alpha`: the rank and alpha a form must use (tensors inside
-  a rank-padded stack of adapters of different ranks);
+- :func:`padded_member`: what the forms see of one member of a rank-padded stack (adapters of
+  different ranks): its rank axes masked, ``info.r`` / ``info.alpha`` its own, so a variant
+  writes its math for one adapter; :func:`layer_rank`, :func:`layer_alpha` read a member's
+  rank and alpha from a stack's raw buffers;
 - :class:`PeftFormat`, :class:`PeftMethod`, :class:`PeftLayer`: how the variant is stored in
   HF peft's checkpoint format (``Variant(peft=...)``), for a variant that peft also has.
 
@@ -40,6 +42,7 @@ from lora_func.variants._contract import (
     is_finite_number,
     layer_alpha,
     layer_rank,
+    padded_member,
 )
 
 __all__ = [
@@ -58,6 +61,7 @@ __all__ = [
     "layer_alpha",
     "layer_rank",
     "list_variants",
+    "padded_member",
 ]
 
 _REGISTRY: dict[str, Variant] = {}

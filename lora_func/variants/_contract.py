@@ -44,6 +44,7 @@ __all__ = [
     "is_finite_number",
     "layer_alpha",
     "layer_rank",
+    "padded_member",
 ]
 
 TensorDict = dict[str, Tensor]
@@ -64,11 +65,11 @@ class LayerInfo:
     Attributes:
       d_in: input features of the layer.
       d_out: output features of the layer.
-      r: the adapter rank for this layer (variants without a rank ignore it). Inside a
-        rank-padded stack it is the padded rank: forms read the member's own with
-        :func:`layer_rank`.
-      alpha: the scaling hyperparameter (``s = alpha / r`` for LoRA); read it with
-        :func:`layer_alpha`.
+      r: the adapter rank for this layer (variants without a rank ignore it). A form called
+        on a member of a rank-padded stack gets the member's own (a 0-d tensor, see
+        :func:`padded_member`): ``info.alpha / info.r`` is right there too.
+      alpha: the scaling hyperparameter (``s = alpha / r`` for LoRA); a member's own in a
+        rank-padded stack, as ``r``.
       has_bias: whether the base layer has a bias.
       options: the variant's resolved options, as sorted ``(name, value)`` pairs.
     """
@@ -260,9 +261,8 @@ class Variant:
       changes_bias: whether ``b_eff`` can differ from ``b``.
       rank_axes: for each trainable/buffer tensor that has a rank axis, which axis (or axes:
         a ``(r, r)`` rotation generator has two). :func:`lora_func.stack` zero-pads these axes
-        to stack adapters of different ranks, and the core multiplies them by the rank mask.
-        Forms that use ``r`` must read it with :func:`layer_rank` (and ``alpha`` with
-        :func:`layer_alpha`), which are tensors inside a rank-padded stack.
+        to stack adapters of different ranks, and the forms then see each member through
+        :func:`padded_member`: these axes masked, ``info.r`` / ``info.alpha`` the member's own.
       check_options: optional ``options -> None`` that raises ``ValueError`` on bad values.
       records_base: the adapter depends on the exact base weights it was built from (PiSSA
         and AntiPaSTO residuals): the core stores a fingerprint of each target's base
@@ -302,15 +302,56 @@ class Variant:
 
 
 def layer_rank(info: LayerInfo, buffers: TensorDict | None = None) -> int | Tensor:
-    """The layer's rank: ``info.r``, or inside a rank-padded stack the member's own rank (a
-    0-d tensor in the adapter dtype (at least fp32), the sum of its rank mask)."""
+    """The layer's rank: ``info.r``, or, given the raw buffers of a rank-padded stack (which
+    hold :data:`RANK_MASK`), the member's own rank (a 0-d tensor, the sum of its rank mask).
+
+    A variant's forms never need it: they see a padded member through :func:`padded_member`,
+    whose ``info.r`` already is the member's own. It serves code that handles a stack's raw
+    buffers (the shared LoRA kernels, the mixed route)."""
     if buffers is not None and RANK_MASK in buffers:
         return buffers[RANK_MASK].sum(-1)
     return info.r
 
 
 def layer_alpha(info: LayerInfo, buffers: TensorDict | None = None) -> float | Tensor:
-    """The layer's ``alpha``: ``info.alpha``, or the member's own inside a rank-padded stack."""
+    """The layer's ``alpha``: ``info.alpha``, or the member's own given a rank-padded stack's
+    raw buffers (see :func:`layer_rank`)."""
     if buffers is not None and RANK_ALPHA in buffers:
         return buffers[RANK_ALPHA]
     return info.alpha
+
+
+def _mask_rank_axes(tensors: TensorDict, mask: Tensor, axes: Mapping[str, int | tuple[int, ...]]) -> TensorDict:
+    """Multiply every rank axis by the 0/1 ``mask (r_max,)`` of a rank-padded stack member, so
+    padded entries never reach the output and get exactly zero gradient."""
+    out = dict(tensors)
+    for name, tensor in tensors.items():
+        for axis in (axes[name],) if isinstance(axes.get(name), int) else axes.get(name, ()):
+            shape = [1] * tensor.dim()
+            shape[axis] = -1
+            out[name] = out[name] * mask.to(tensor.dtype).reshape(shape)
+    return out
+
+
+def padded_member(
+    params: TensorDict, buffers: TensorDict, info: LayerInfo, rank_axes: Mapping[str, int | tuple[int, ...]]
+) -> tuple[TensorDict, TensorDict, LayerInfo]:
+    """What a variant's forms see of one member of a rank-padded stack (adapters of different
+    ranks, zero-padded to the largest by :func:`lora_func.stack`), so that a variant writes its
+    math for one adapter and cannot get a stack wrong:
+
+    - ``params`` / ``buffers`` with every rank axis (``Variant.rank_axes``) multiplied by the
+      member's 0/1 rank mask: the padded entries are exact zeros there and get exactly zero
+      gradient; the stack's own :data:`RANK_MASK` / :data:`RANK_ALPHA` buffers left out;
+    - ``info`` whose ``r`` and ``alpha`` are the member's own, as 0-d tensors in the adapter
+      dtype (at least fp32; under ``vmap`` one per member), so ``info.alpha / info.r`` is the
+      member's scale. Tensor shapes keep the padded rank (a form reads sizes from its tensors).
+
+    Outside a rank-padded stack (no :data:`RANK_MASK` in ``buffers``) the arguments unchanged.
+    """
+    if RANK_MASK not in buffers:
+        return params, buffers, info
+    mask, alpha = buffers[RANK_MASK], buffers[RANK_ALPHA]
+    own = {k: v for k, v in buffers.items() if k not in (RANK_MASK, RANK_ALPHA)}
+    member = dataclasses.replace(info, r=mask.sum(-1), alpha=alpha)
+    return _mask_rank_axes(params, mask, rank_axes), _mask_rank_axes(own, mask, rank_axes), member
