@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 from torch import Tensor
@@ -101,8 +101,11 @@ class BaseLayer(Protocol):
     (``F.linear`` for nn.Linear, ``addmm``/``matmul`` for GPT-2 Conv1D), bias included.
     """
 
-    weight: Tensor
-    bias: Tensor | None
+    @property
+    def weight(self) -> Tensor: ...
+
+    @property
+    def bias(self) -> Tensor | None: ...
 
     def __call__(self, x: Tensor) -> Tensor: ...
 
@@ -326,7 +329,8 @@ def _mask_rank_axes(tensors: TensorDict, mask: Tensor, axes: Mapping[str, int | 
     padded entries never reach the output and get exactly zero gradient."""
     out = dict(tensors)
     for name, tensor in tensors.items():
-        for axis in (axes[name],) if isinstance(axes.get(name), int) else axes.get(name, ()):
+        declared = axes.get(name, ())
+        for axis in (declared,) if isinstance(declared, int) else declared:
             shape = [1] * tensor.dim()
             shape[axis] = -1
             out[name] = out[name] * mask.to(tensor.dtype).reshape(shape)
@@ -353,5 +357,6 @@ def padded_member(
         return params, buffers, info
     mask, alpha = buffers[RANK_MASK], buffers[RANK_ALPHA]
     own = {k: v for k, v in buffers.items() if k not in (RANK_MASK, RANK_ALPHA)}
-    member = dataclasses.replace(info, r=mask.sum(-1), alpha=alpha)
+    # r and alpha are per-member tensors here (declared int / float for one adapter).
+    member = dataclasses.replace(info, r=cast(Any, mask.sum(-1)), alpha=cast(Any, alpha))
     return _mask_rank_axes(params, mask, rank_axes), _mask_rank_axes(own, mask, rank_axes), member

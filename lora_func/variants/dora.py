@@ -39,7 +39,7 @@ from lora_func.variants.lora import (
 MAGNITUDE = "lora_magnitude_vector"
 
 
-def _row_norm(weight: Tensor, lora_a: Tensor, lora_b: Tensor, scale: float) -> Tensor:
+def _row_norm(weight: Tensor, lora_a: Tensor, lora_b: Tensor, scale: float | Tensor) -> Tensor:
     """``‖W + s·(B A).detach()‖`` over ``d_in`` for each output, detached, in fp32 at least."""
     dtype = torch.promote_types(lora_a.dtype, torch.float32)
     delta = (lora_b.detach().to(dtype) @ lora_a.detach().to(dtype)) * scale

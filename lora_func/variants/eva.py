@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import Tensor
@@ -292,7 +292,7 @@ def _not_converged(
     ranks: Mapping[str, int],
     similarity: Mapping[str, Tensor],
     tau: float,
-) -> None:
+) -> NoReturn:
     pending = {
         ", ".join(group): f"min cos {float(similarity[o][: ranks[o]].min()):.4f} over {ranks[o]} component(s)"
         for o, group in members.items()
