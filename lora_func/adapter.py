@@ -47,6 +47,7 @@ from lora_func.variants import LayerInfo, TensorDict, Variant, get_variant
 
 __all__ = [
     "NODE_TYPES",
+    "SHARED",
     "Adapter",
     "AdapterLayer",
     "AdapterLike",
@@ -54,6 +55,7 @@ __all__ = [
     "Combinator",
     "Combined",
     "Composed",
+    "SharedTensors",
     "combine",
     "compose",
     "leaf_adapters",
@@ -91,6 +93,27 @@ class AdapterLayer:
 
     def buffer_keys(self) -> list[str]:
         return [f"{self.target.module}.{name}" for name, _ in self.buffer_shapes]
+
+
+# The module name under which an adapter's shared tensors are keyed ("<shared>.basis_A"): no
+# module of a model has it, so the keys cannot collide with a layer's.
+SHARED = "<shared>"
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedTensors:
+    """Static description of the tensors an adapter holds once and every layer reads
+    (``Variant.shared_init``: a basis, a bank), keyed ``"<shared>.<name>"`` in ``params`` /
+    ``buffers``."""
+
+    param_shapes: tuple[tuple[str, tuple[int, ...]], ...]
+    buffer_shapes: tuple[tuple[str, tuple[int, ...]], ...]
+
+    def param_keys(self) -> list[str]:
+        return [f"{SHARED}.{name}" for name, _ in self.param_shapes]
+
+    def buffer_keys(self) -> list[str]:
+        return [f"{SHARED}.{name}" for name, _ in self.buffer_shapes]
 
 
 def _split(flat: Mapping[str, Tensor], module: str, names: Iterable[tuple[str, tuple[int, ...]]]) -> TensorDict:
@@ -149,6 +172,8 @@ class Adapter(AdapterNode, tag="adapter"):
     # Only for a rank-padded stack: each member's own (spec, layers), so unstack() gives the
     # originals back (shapes, ranks and alphas).
     members: tuple[tuple[AdapterSpec, tuple[AdapterLayer, ...]], ...] | None = static_field()
+    # The tensors every layer reads (Variant.shared_init), or None.
+    shared: SharedTensors | None = static_field()
 
     def __init__(
         self,
@@ -157,6 +182,7 @@ class Adapter(AdapterNode, tag="adapter"):
         spec: AdapterSpec,
         layers: Sequence[AdapterLayer],
         members: Sequence[tuple[AdapterSpec, tuple[AdapterLayer, ...]]] | None = None,
+        shared: SharedTensors | None = None,
     ) -> None:
         layers = tuple(layers) if isinstance(layers, Iterable) else layers  # type: ignore[assignment]
         wrong = [f"spec is a {type(spec).__name__}, not an AdapterSpec"] if not isinstance(spec, AdapterSpec) else []
@@ -173,9 +199,14 @@ class Adapter(AdapterNode, tag="adapter"):
                 f"Adapter(params, buffers, spec, layers): {'; '.join(wrong)}; build adapters with "
                 f"lora_func.init_adapter(model, spec), and new values with adapter.with_params(params)"
             )
+        if shared is not None and not isinstance(shared, SharedTensors):
+            raise TypeError(f"Adapter(...): shared must be a SharedTensors or None, got {type(shared).__name__}")  # error: adapter-init-shared
+        # (module, param shapes, buffer shapes) of each layer, and of the shared tensors.
+        groups = [(layer.target.module, layer.param_shapes, layer.buffer_shapes) for layer in layers]
+        groups += [(SHARED, shared.param_shapes, shared.buffer_shapes)] if shared is not None else []
         for arg, flat, keys in (
-            ("params", params, [key for layer in layers for key in layer.param_keys()]),
-            ("buffers", buffers, [key for layer in layers for key in layer.buffer_keys()]),
+            ("params", params, [f"{module}.{name}" for module, shapes, _ in groups for name, _ in shapes]),
+            ("buffers", buffers, [f"{module}.{name}" for module, _, shapes in groups for name, _ in shapes]),
         ):
             missing, unexpected = sorted(set(keys) - set(flat)), sorted(set(flat) - set(keys))
             if missing or unexpected:
@@ -185,10 +216,10 @@ class Adapter(AdapterNode, tag="adapter"):
                     f"(adapter.with_params(params) keeps an adapter's keys)"
                 )
         stacks: dict[tuple[int, ...], str] = {}
-        for layer in layers:
-            for arg, flat, shapes in (("params", params, layer.param_shapes), ("buffers", buffers, layer.buffer_shapes)):
+        for module, param_shapes, buffer_shapes in groups:
+            for arg, flat, shapes in (("params", params, param_shapes), ("buffers", buffers, buffer_shapes)):
                 for name, shape in shapes:
-                    key = f"{layer.target.module}.{name}"
+                    key = f"{module}.{name}"
                     got = tuple(flat[key].shape)
                     if got[len(got) - len(shape) :] != tuple(shape) or len(got) < len(shape):
                         raise ValueError(  # error: adapter-init-shape
@@ -202,17 +233,23 @@ class Adapter(AdapterNode, tag="adapter"):
                 f"{dict(sorted(stacks.items()))} (shape: first key with it); every tensor needs the same stack axes "
                 f"(build stacks with lora_func.stack)"
             )
-        built = self._unchecked(params, buffers, spec, layers, members)
+        built = self._unchecked(params, buffers, spec, layers, members, shared)
         for name in self.fields:
             object.__setattr__(self, name, getattr(built, name))
 
     @classmethod
     def _unchecked(
-        cls, params: Mapping[str, Any], buffers: Mapping[str, Any], spec: AdapterSpec, layers: Sequence[AdapterLayer], members: Any = None
+        cls,
+        params: Mapping[str, Any],
+        buffers: Mapping[str, Any],
+        spec: AdapterSpec,
+        layers: Sequence[AdapterLayer],
+        members: Any = None,
+        shared: SharedTensors | None = None,
     ) -> Adapter:
         """An adapter without the constructor's checks: for rebuilds from an adapter's own parts."""
         members = None if members is None else tuple(members)
-        return cls._build(params=dict(params), buffers=dict(buffers), spec=spec, layers=tuple(layers), members=members)
+        return cls._build(params=dict(params), buffers=dict(buffers), spec=spec, layers=tuple(layers), members=members, shared=shared)
 
     @property
     def variant(self) -> Variant:
@@ -230,11 +267,11 @@ class Adapter(AdapterNode, tag="adapter"):
                 f"Adapter.with_params: {wrong[:5]} must be floating-point tensors, got {shown}; pass tensors of "
                 f"the adapter dtype ({self.spec.dtype})"
             )
-        return Adapter._unchecked(params, self.buffers, self.spec, self.layers, self.members)
+        return Adapter._unchecked(params, self.buffers, self.spec, self.layers, self.members, self.shared)
 
     def with_buffers(self, buffers: Mapping[str, Tensor]) -> Adapter:
         _check_same_keys("with_buffers", buffers, self.buffers)
-        return Adapter._unchecked(self.params, buffers, self.spec, self.layers, self.members)
+        return Adapter._unchecked(self.params, buffers, self.spec, self.layers, self.members, self.shared)
 
     def detach(self) -> Adapter:
         """The same values as new leaf tensors in new storage: params with ``requires_grad=True``
@@ -246,16 +283,31 @@ class Adapter(AdapterNode, tag="adapter"):
             self.spec,
             self.layers,
             self.members,
+            self.shared,
         )
 
     def layer_tensors(self, layer: AdapterLayer) -> tuple[TensorDict, TensorDict]:
-        """``(params, buffers)`` of one layer, keyed by short names (``"lora_A"``)."""
+        """``(params, buffers)`` of one layer as its forms see them, keyed by short names
+        (``"lora_A"``): the layer's own tensors and the adapter's shared ones."""
         module = layer.target.module
-        return _split(self.params, module, layer.param_shapes), _split(self.buffers, module, layer.buffer_shapes)
+        own_params, own_buffers = _split(self.params, module, layer.param_shapes), _split(self.buffers, module, layer.buffer_shapes)
+        if self.shared is None:
+            return own_params, own_buffers
+        shared_params, shared_buffers = self.shared_tensors()
+        return shared_params | own_params, shared_buffers | own_buffers
+
+    def shared_tensors(self) -> tuple[TensorDict, TensorDict]:
+        """``(params, buffers)`` the adapter holds once for every layer (``Variant.shared_init``),
+        keyed by short names; empty for a variant without shared tensors."""
+        if self.shared is None:
+            return {}, {}
+        return _split(self.params, SHARED, self.shared.param_shapes), _split(self.buffers, SHARED, self.shared.buffer_shapes)
 
     def num_parameters(self) -> int:
-        """Trainable scalars (one stack member's, for a stacked adapter)."""
-        return sum(int(torch.Size(shape).numel()) for layer in self.layers for _, shape in layer.param_shapes)
+        """Trainable scalars (one stack member's, for a stacked adapter): the layers' and the shared ones."""
+        shared = self.shared.param_shapes if self.shared is not None else ()
+        shapes = [shape for layer in self.layers for _, shape in layer.param_shapes] + [shape for _, shape in shared]
+        return sum(int(torch.Size(shape).numel()) for shape in shapes)
 
     @property
     def stack_shape(self) -> tuple[int, ...]:

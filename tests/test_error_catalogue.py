@@ -328,6 +328,35 @@ def on_model(call: Callable[[nn.Module, Ctx], Any], make: Callable[[], nn.Module
     return arrange
 
 
+def _with_tied(make: Callable[[Ctx, nn.Module], Callable[[], Any]], *, refuse: bool = False) -> Callable[[Ctx], Callable[[], Any]]:
+    """``make(ctx, model)`` with the test-only Tied-LoRA variant (a tensor shared across layers)
+    registered; ``refuse``: its shared_init raises, as for layers of different ranks."""
+
+    def arrange(ctx: Ctx) -> Callable[[], Any]:
+        from lora_func import variants
+        from tests.shared_variants import FROZEN, NAME, TIED
+
+        ctx.monkeypatch.setitem(variants._discover(), FROZEN.name, FROZEN)
+
+        def refusing(infos: Any, **kwargs: Any) -> Any:
+            raise ValueError("tied_lora needs one rank for every layer, got [2, 3]")
+
+        ctx.monkeypatch.setitem(variants._discover(), NAME, dataclasses.replace(TIED, shared_init=refusing) if refuse else TIED)
+        return make(ctx, ctx.model())
+
+    return arrange
+
+
+def _frozen_saved_changed(ctx: Ctx, model: nn.Module) -> Callable[[], Any]:
+    """A trainable_only file of Tied-LoRA with a frozen shared A changed after init: the A that
+    shared_init rebuilds on load differs from the saved digest."""
+    adapter = ctx.adapter(model, "tied_frozen")
+    key = "<shared>.tied_A"
+    changed = adapter.with_buffers({**adapter.buffers, key: adapter.buffers[key] + 1})
+    lf.save(changed, ctx.tmp / "t.safetensors", trainable_only=True)
+    return functools.partial(lf.load, ctx.tmp / "t.safetensors", model=model)
+
+
 def on_adapter(call: Callable[[lf.Adapter, Ctx], Any], *, dist: dict | None = None) -> Callable[[Ctx], Callable[[], Any]]:
     """``call(adapter, ctx)`` with a LoRA adapter on a tracked tiny Llama; ``dist``: fake_dist kwargs."""
 
@@ -902,6 +931,10 @@ CASES.update(
         "stack-nested": Case(on_two(lambda m, a, b, ctx: lf.stack([a, lf.stack([a, a])])), ("adapter 1", "(2,)", "unstack")),
         "stack-nested-padded": Case(_padded, ("unstack",)),
         "stack-not-rank-axis": Case(_incomplete_rank_axes, ("lora", "'lora_B'", Q)),
+        "load-shared-buffers-differ": Case(_with_tied(_frozen_saved_changed), ("t.safetensors", "tied_frozen")),
+        "stack-shared-ranks": Case(_with_tied(lambda ctx, m: functools.partial(lf.stack, [ctx.adapter(m, "tied_lora", r=2), ctx.adapter(m, "tied_lora", r=3)])), ("tied_lora", "'tied_A'", "one rank")),
+        "init-shared-failed": Case(_with_tied(lambda ctx, m: functools.partial(ctx.adapter, m, "tied_lora"), refuse=True), ("tied_lora", "needs one rank")),
+        "adapter-init-shared": Case(on_adapter(lambda a, ctx: lf.Adapter(a.params, a.buffers, a.spec, a.layers, shared="x")), ("SharedTensors", "str")),
         "stack-mixed-kinds": Case(on_two(lambda m, a, b, ctx: lf.stack([a, lf.compose(a, b)])), ("Adapter", "Composed")),
         "stack-parts": Case(on_two(lambda m, a, b, ctx: lf.stack([lf.compose(a), lf.compose(a, b)])), ("Composed", "[1, 2]")),
         # batching under vmap
