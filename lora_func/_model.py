@@ -158,11 +158,46 @@ def variant_init(
     ``TypeError``/``ValueError`` comes back naming the variant and the module."""
     with torch.no_grad():
         weight, bias, stored = target_weight(module, target)
+        if weight.is_meta and (variant.records_base or variant.calibrate is not None):
+            # On the meta device every adapter is shapes only (LoRA's, DoRA's); one derived from
+            # the weight's exact values (a residual, a fingerprint) or from data cannot be.
+            _check_weight_values(spec, target, weight)
         try:
             params, buffers = variant.init(weight, bias, info, dtype=spec.dtype, generator=generator, calibration=calibration)
         except (TypeError, ValueError) as err:
+            _check_weight_values(spec, target, weight)  # a broken base explains it better than the variant
             raise type(err)(f"{spec.variant} cannot adapt {target.module}: {err}") from err  # error: init-layer-failed
+        except (RuntimeError, NotImplementedError):  # torch's own (an SVD that fails, a meta tensor's data)
+            _check_weight_values(spec, target, weight)
+            raise
+        if not weight.is_meta:
+            bad = sorted(name for name, t in {**params, **buffers}.items() if not bool(torch.isfinite(t).all()))
+            if bad:
+                _check_weight_values(spec, target, weight)
+                raise ValueError(  # error: init-non-finite
+                    f"{spec.variant} cannot adapt {target.module}: its init produced non-finite {bad} (NaN or inf) from a "
+                    f"finite weight, in dtype {spec.dtype}; build the adapter in a wider dtype (AdapterSpec(dtype=torch.float32)) "
+                    f"or leave this module out of targets"
+                )
     return params, buffers, stored
+
+
+def _check_weight_values(spec: AdapterSpec, target: Target, weight: Tensor) -> None:
+    """Raise the error that names the base as the cause, when it is one: a weight on the meta
+    device (no values to read) or holding NaN/inf (an SVD fails, norms come out NaN)."""
+    if weight.is_meta:
+        raise ValueError(  # error: init-meta-weight
+            f"{spec.variant} cannot adapt {target.module}: its init reads the weight's values, and the model is on the "
+            f"meta device (shapes only, no data); materialise the model first (from_pretrained, or to_empty() and "
+            f"load_state_dict), then call init_adapter"
+        )
+    finite = torch.isfinite(weight)
+    if not bool(finite.all()):
+        raise ValueError(  # error: init-non-finite-weight
+            f"{spec.variant} cannot adapt {target.module}: its weight holds {int((~finite).sum())} non-finite values "
+            f"(NaN or inf), and {spec.variant}'s init reads the weight; fix or reload the model's weights, or leave "
+            f"{target.module} out of targets"
+        )
 
 
 def fresh_layer(

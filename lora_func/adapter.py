@@ -123,12 +123,13 @@ def _split(flat: Mapping[str, Tensor], module: str, names: Iterable[tuple[str, t
 AdapterLike = AdapterNode
 
 
-def leaf_adapters(adapter: AdapterLike) -> list[Adapter]:
-    """Every :class:`Adapter` inside ``adapter``, in application order."""
+def leaf_adapters(adapter: AdapterLike, where: str = "") -> list[Adapter]:
+    """Every :class:`Adapter` inside ``adapter``, in application order; ``where`` names the
+    public call and argument in the error for anything else (``"unstack(adapter)"``)."""
     if not isinstance(adapter, AdapterNode):
         raise TypeError(  # error: not-an-adapter
-            f"expected an Adapter, Composed or Combined, got {type(adapter).__name__}; build one with "
-            f"lora_func.init_adapter(model, spec)"
+            f"{where + ': ' if where else ''}expected an Adapter, Composed or Combined, got {type(adapter).__name__}; "
+            f"build one with lora_func.init_adapter(model, spec)"
         )
     return [leaf for _, leaf in leaves(adapter)]
 
@@ -136,6 +137,30 @@ def leaf_adapters(adapter: AdapterLike) -> list[Adapter]:
 def target_weight_keys(adapter: AdapterLike) -> set[str]:
     """The model weight keys that some leaf of ``adapter`` adapts."""
     return {layer.target.weight_key for leaf in leaf_adapters(adapter) for layer in leaf.layers}
+
+
+def _check_params_dtype(where: str, params: Mapping[str, Any], dtype: torch.dtype) -> None:
+    """Trainable tensors are in the adapter dtype (``spec.dtype``), always: the dtype the adapter
+    reports, the one its file records and the one both paths compute in. A tensor in another
+    dtype would run (the merged path promotes it, the low-rank path fails deep in a GEMM on
+    mixed operands) and then save a file whose metadata contradicts it."""
+    wrong = sorted(k for k, v in params.items() if not isinstance(v, Tensor) or not (v.is_floating_point() or v.is_complex()))
+    if wrong:
+        got = params[wrong[0]]
+        shown = f"a {got.dtype} tensor" if isinstance(got, Tensor) else type(got).__name__
+        # An integer tensor would be silently truncated or promoted by the low-rank path.
+        raise TypeError(  # error: adapter-params-dtype
+            f"{where}: {wrong[:5]} must be floating-point tensors, got {shown}; pass tensors of "
+            f"the adapter dtype ({dtype})"
+        )
+    other = sorted(k for k, v in params.items() if v.dtype != dtype)
+    if other:
+        got_dtypes = sorted({str(params[k].dtype) for k in other})
+        raise TypeError(  # error: adapter-params-spec-dtype
+            f"{where}: {other[:5]}{' ...' if len(other) > 5 else ''} are {', '.join(got_dtypes)} tensors, but the "
+            f"adapter dtype is {dtype} (adapter.spec.dtype), which every trainable tensor must have; cast them "
+            f"(v.to({dtype})), or build the adapter in the other dtype with AdapterSpec(..., dtype=...)"
+        )
 
 
 def _check_same_keys(where: str, got: Mapping[str, Tensor], expected: Mapping[str, Tensor]) -> None:
@@ -215,6 +240,7 @@ class Adapter(AdapterNode, tag="adapter"):
                     f"keys {unexpected[:5]}; its keys are f'{{module}}.{{name}}' of each layer's {arg[:-1]}_shapes "
                     f"(adapter.with_params(params) keeps an adapter's keys)"
                 )
+        _check_params_dtype("Adapter(params, buffers, spec, layers)", params, spec.dtype)
         stacks: dict[tuple[int, ...], str] = {}
         for module, param_shapes, buffer_shapes in groups:
             for arg, flat, shapes in (("params", params, param_shapes), ("buffers", buffers, buffer_shapes)):
@@ -258,15 +284,9 @@ class Adapter(AdapterNode, tag="adapter"):
     def with_params(self, params: Mapping[str, Tensor]) -> Adapter:
         """A new adapter with these trainable tensors (same keys as ``self.params``)."""
         _check_same_keys("with_params", params, self.params)
-        wrong = sorted(k for k, v in params.items() if not isinstance(v, Tensor) or not (v.is_floating_point() or v.is_complex()))
-        if wrong:
-            got = params[wrong[0]]
-            shown = f"a {got.dtype} tensor" if isinstance(got, Tensor) else type(got).__name__
-            # An integer tensor would be silently truncated or promoted by the low-rank path.
-            raise TypeError(  # error: adapter-params-dtype
-                f"Adapter.with_params: {wrong[:5]} must be floating-point tensors, got {shown}; pass tensors of "
-                f"the adapter dtype ({self.spec.dtype})"
-            )
+        dtype = self.spec.dtype
+        if any(not isinstance(v, Tensor) or v.dtype != dtype for v in params.values()):
+            _check_params_dtype("Adapter.with_params", params, dtype)
         return Adapter._unchecked(params, self.buffers, self.spec, self.layers, self.members, self.shared)
 
     def with_buffers(self, buffers: Mapping[str, Tensor]) -> Adapter:
@@ -477,11 +497,16 @@ class Combined(Combinator, tag="combined"):
     weights: Tensor = own_tensor(shape=lambda node: (len(node.parts),))
 
     def __init__(self, parts: Sequence[AdapterLike], weights: Tensor | Sequence[float]) -> None:
+        if isinstance(parts, (AdapterNode, Mapping, str)) or not isinstance(parts, Iterable):
+            raise TypeError(  # error: combine-not-a-list
+                f"combine(adapters, weights): adapters must be a list of adapters, got {type(parts).__name__}; "
+                f"pass a list, one weight per adapter: combine([adapter], [w]) or combine([a, b], [w_a, w_b])"
+            )
         parts = tuple(parts)
         if not parts:
             raise ValueError("combine() needs at least one adapter")  # error: combine-empty
-        for part in parts:
-            leaf_adapters(part)
+        for i, part in enumerate(parts):
+            leaf_adapters(part, f"combine(adapters, weights): adapters[{i}]")
         given = weights
         if not isinstance(weights, Tensor):
             try:

@@ -192,7 +192,7 @@ def _as_leaves(stacked: Adapter, sources: Sequence[Adapter]) -> Adapter:
 def unstack(adapter: AdapterLike) -> list[AdapterLike]:
     """The inverse of :func:`stack`: the adapters along the leading axis (a rank-padded stack
     gives each member back at its own rank, without the padding and mask buffers)."""
-    leaf_adapters(adapter)
+    leaf_adapters(adapter, "unstack(adapter)")
     if not adapter.stack_shape:
         raise ValueError("unstack(): this adapter is not stacked (it has no leading stack axis)")  # error: unstack-not-stacked
     return [_member(adapter, k) for k in range(adapter.stack_shape[0])]
@@ -226,7 +226,7 @@ def take(adapter: AdapterLike, index: int | Tensor) -> AdapterLike:
     """The stack members at ``index``: an int gives one adapter (as :func:`unstack`), a 1-D
     integer tensor gives a stacked adapter of ``len(index)`` members (e.g. one adapter per
     example of a batch, for a mixed-adapter batch under ``vmap``)."""
-    leaf_adapters(adapter)
+    leaf_adapters(adapter, "take(adapter, index)")
     if not adapter.stack_shape:
         raise ValueError("take(): this adapter is not stacked; build one with lora_func.stack([...])")  # error: take-not-stacked
     size = adapter.stack_shape[0]

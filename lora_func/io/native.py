@@ -254,6 +254,15 @@ def save(adapter: AdapterLike, path: str | os.PathLike, *, trainable_only: bool 
     else:
         tensors |= {f"buffers/{k}": v for k, v in adapter.buffers.items()}
     tensors = _unaliased({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()})
+    # What load checks, checked before writing: a file save wrote always loads. An adapter's
+    # dict edited in place (a half-precision tensor put into adapter.params) is refused here.
+    wrong = _tensor_problems(_skeleton(json.loads(json.dumps(tree))), tensors)
+    if wrong:
+        raise ValueError(  # error: save-tensor-mismatch
+            f"save(): the adapter's tensors do not match what it reports: {wrong[:5]}; the file would not load. "
+            f"Build new values with adapter.with_params(params) (tensors of the adapter dtype, adapter.spec.dtype, "
+            f"and its shapes) instead of editing adapter.params in place"
+        )
     metadata = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
