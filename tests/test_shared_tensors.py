@@ -172,3 +172,28 @@ def test_a_trainable_only_file_rebuilds_a_frozen_shared_tensor_from_its_init(reg
     lf.save(drawn_elsewhere, tmp_path / "d.safetensors", trainable_only=True)
     with pytest.raises(ValueError, match="the shared buffers"):
         lf.load(tmp_path / "d.safetensors", model=model)
+
+
+def test_mixed_rows_and_activation_checkpointing_read_the_shared_tensor(row):
+    """One adapter per row (both mixed routes) equals each row alone; under non-reentrant
+    activation checkpointing (module route) the shared tensor's gradient equals the one without."""
+    model, a = _adapter()
+    _, b = _adapter(seed=1)
+    ids, index = tokens(3, 8, seed=2), torch.tensor([1, 0, 1])
+    for call in (lf.mixed_call, lf.mixed_adapted_call):
+        out = call(model, lf.stack([a, b]), index, ids, use_cache=False).logits
+        for i in range(3):
+            alone = lf.adapted_call(model, (a, b)[int(index[i])], ids[i : i + 1]).logits[0]
+            torch.testing.assert_close(out[i], alone, rtol=1e-5, atol=1e-5 * float(alone.detach().abs().max()))
+    grads = []
+    for checkpointing in (True, False):
+        if checkpointing:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.activation_checkpointing_disable()
+        model.train()
+        trained = a.detach()
+        lf.adapted_call(model, trained, ids, route="module", use_cache=False).logits.square().mean().backward()
+        grads.append(trained.params[f"{SHARED}.tied_A"].grad)
+    assert grads[1].abs().max() > 0
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-6 * float(grads[1].abs().max()))
