@@ -17,7 +17,7 @@ from torch.func import functional_call
 
 import lora_func as lf
 from lora_func.adapter import SHARED
-from tests import test_contract
+from tests import test_contract, test_rank_stack
 from tests.models import tiny_model, tokens
 from tests.shared_variants import NAME, registered_tied, tied_w_eff  # noqa: F401  (a fixture)
 from tests.variant_table import ROWS, Row
@@ -137,11 +137,23 @@ def test_compose_and_combine_keep_each_parts_shared_tensor(row):
     assert not torch.allclose(functional_call(model, lf.merge_overlay(base, combined), (ids,)).logits, alone)
 
 
-def test_stacking_members_of_different_ranks_is_refused(row):
-    model = tiny_model("llama")
-    adapters = [lf.init_adapter(model, lf.AdapterSpec(NAME, targets=["q_proj"], r=r)) for r in (2, 4)]
-    with pytest.raises(ValueError, match="rank padding is not supported for shared tensors"):
-        lf.stack(adapters)
+@pytest.mark.parametrize("kind", ["linear", "conv1d"])
+def test_a_rank_padded_stack_pads_the_shared_tensor_and_equals_each_member(row, kind, tmp_path):
+    """Members of ranks 1, 2, 4 (alphas 2, 3, 4): the shared A is padded along its rank axis
+    like the layers' tensors; outputs, gradients (the padding's exactly zero) and unstack equal
+    each member alone, and the stack saves and loads."""
+    test_rank_stack.test_rank_padded_stack_equals_each_alone(NAME, kind)
+    _, members = test_rank_stack._members(NAME, kind)
+    stacked = lf.stack(members)
+    assert stacked.params[f"{SHARED}.tied_A"].shape[:2] == (3, 4) and stacked.member_shared == tuple(m.shared for m in members)
+    lf.save(stacked, tmp_path / "s.safetensors")
+    back = lf.load(tmp_path / "s.safetensors")
+    assert back.member_shared == stacked.member_shared
+    for again, member in zip(lf.unstack(back), members, strict=True):
+        assert again.shared == member.shared
+        assert all(torch.equal(again.params[k], member.params[k]) for k in member.params)
+    taken = lf.take(stacked, torch.tensor([2, 0]))
+    assert taken.member_shared == (members[2].shared, members[0].shared)
 
 
 @pytest.mark.parametrize("kind", ["linear", "conv1d"])
