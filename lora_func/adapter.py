@@ -266,23 +266,15 @@ class Adapter(AdapterNode, tag="adapter"):
             object.__setattr__(self, name, getattr(built, name))
 
     @classmethod
-    def _unchecked(
-        cls,
-        params: Mapping[str, Any],
-        buffers: Mapping[str, Any],
-        spec: AdapterSpec,
-        layers: Sequence[AdapterLayer],
-        members: Any = None,
-        shared: SharedTensors | None = None,
-        member_shared: Sequence[SharedTensors | None] | None = None,
-    ) -> Adapter:
-        """An adapter without the constructor's checks: for rebuilds from an adapter's own parts."""
-        members = None if members is None else tuple(members)
-        member_shared = None if member_shared is None else tuple(member_shared)
-        return cls._build(
-            params=dict(params), buffers=dict(buffers), spec=spec, layers=tuple(layers), members=members, shared=shared,
-            member_shared=member_shared,
-        )
+    def _unchecked(cls, *fields: Any) -> Adapter:
+        """An adapter of ``(params, buffers, spec, layers[, members[, shared[, member_shared]]])``
+        (the declared fields, in order) without the constructor's checks: for rebuilds from an
+        adapter's own parts."""
+        values = dict(zip(cls.fields, fields))
+        values |= {"params": dict(values["params"]), "buffers": dict(values["buffers"]), "layers": tuple(values["layers"])}
+        for name in ("members", "member_shared"):
+            values[name] = None if values.get(name) is None else tuple(values[name])
+        return cls._build(**values)
 
     @property
     def variant(self) -> Variant:
