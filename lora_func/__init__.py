@@ -25,7 +25,7 @@ from lora_func.overlay import merge_overlay, overlay, overlay_calls
 from lora_func.adapter import Combined, Composed, combine, compose
 
 # Many adapters at once: a stack under torch.func.vmap, or one adapter per row inside the layers.
-from lora_func.adapter import stack, take, unstack
+from lora_func.stacking import stack, take, unstack
 from lora_func.many import ensemble_call, mixed_call, per_example_grads
 from lora_func.many import mixed_adapted, mixed_adapted_call
 

@@ -11,18 +11,18 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
 
 from lora_func._sharded import full_tensor, is_sharded
-from lora_func.variants import LayerInfo, TensorDict, Variant
-from lora_func.adapter import AdapterLayer
+from lora_func.adapter import AdapterLayer, SharedTensors
 from lora_func.checks import check_model
 from lora_func.quantized import kind_of_tensor
 from lora_func.spec import AdapterSpec
 from lora_func.targeting import Target, canonical_weight, close_names
+from lora_func.variants import LayerInfo, TensorDict, Variant
 
 __all__ = [
     "adapter_layer",
@@ -111,11 +111,12 @@ def target_weight(module: nn.Module, target: Target) -> tuple[Tensor, Tensor | N
     the layer holds it (what its fingerprint digests). Whole tensors when FSDP2 shards them (a
     collective: every rank calls this for the same targets in the same order); ``W``
     dequantized when the layer is quantized. Detached: call it under ``torch.no_grad()``."""
-    bias = full_tensor(module.bias.detach()) if target.bias_key is not None else None
-    kind = kind_of_tensor(module.weight)
+    weight = cast(Tensor, module.weight)  # nn.Module's attributes are typed Tensor | Module
+    bias = full_tensor(cast(Tensor, module.bias).detach()) if target.bias_key is not None else None
+    kind = kind_of_tensor(weight)
     if kind is not None:
-        return kind.dequantize(module), bias, module.weight
-    stored = full_tensor(module.weight.detach())
+        return kind.dequantize(module), bias, weight
+    stored = full_tensor(weight.detach())
     return canonical_weight(stored, target.layout), bias, stored
 
 
@@ -212,3 +213,26 @@ def fresh_layer(
         buffers = {name: tensor.detach().contiguous() for name, tensor in buffers.items()}
         fingerprint = weight_fingerprint(stored) if variant.records_base else None
     return adapter_layer(target, info, params, buffers, fingerprint), params, buffers
+
+
+def shared_init(
+    variant: Variant, spec: AdapterSpec, infos: Mapping[str, LayerInfo], *, device: torch.device, generator: torch.Generator
+) -> tuple[TensorDict, TensorDict, SharedTensors | None]:
+    """The tensors an adapter of ``variant`` shares across its layers (``Variant.shared_init``),
+    keyed as in the adapter (``"<shared>.<name>"``), params leaf tensors requiring grad, and
+    their static description; ``({}, {}, None)`` for a variant without shared tensors."""
+    if variant.shared_init is None:
+        return {}, {}, None
+    with torch.no_grad():
+        try:
+            params, buffers = variant.shared_init(infos, dtype=spec.dtype, device=device, generator=generator)
+        except (TypeError, ValueError) as err:
+            raise type(err)(f"{spec.variant} cannot build its shared tensors: {err}") from err  # error: init-shared-failed
+        params = {n: t.detach().contiguous().requires_grad_(True) for n, t in params.items()}
+        buffers = {n: t.detach().contiguous() for n, t in buffers.items()}
+    shared = SharedTensors(
+        param_shapes=tuple((n, tuple(t.shape)) for n, t in params.items()),
+        buffer_shapes=tuple((n, tuple(t.shape)) for n, t in buffers.items()),
+    )
+    return dict(zip(shared.param_keys(), params.values(), strict=True)), dict(zip(shared.buffer_keys(), buffers.values(), strict=True)), shared
+

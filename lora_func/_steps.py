@@ -11,15 +11,15 @@ mixed route). An adapter tree node says how its parts' steps combine
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol, cast
 
 import torch
 from torch import Tensor
 
-from lora_func.variants import BaseLayer, LayerInfo, TensorDict, Variant
-from lora_func.variants._contract import RANK_MASK
 from lora_func.targeting import canonical_weight, stored_weight
+from lora_func.variants import BaseLayer, LayerInfo, TensorDict, Variant
+from lora_func.variants._contract import padded_member
 
 __all__ = ["ChainStep", "LayerCall", "LayerStep", "SumStep", "VariantStep", "merged_weight"]
 
@@ -63,28 +63,14 @@ class LayerStep(Protocol):
     def activation(self, x: Tensor, base: BaseLayer) -> Tensor: ...
 
 
-def _mask_rank_axes(tensors: TensorDict, mask: Tensor, axes: Mapping[str, int | tuple[int, ...]]) -> TensorDict:
-    """Multiply every rank axis by the 0/1 ``mask (r_max,)`` of a rank-padded stack member, so
-    padded entries never reach the output and get exactly zero gradient."""
-    out = dict(tensors)
-    for name, tensor in tensors.items():
-        spec = axes.get(name, ())
-        for axis in (spec,) if isinstance(spec, int) else spec:
-            shape = [1] * tensor.dim()
-            shape[axis] = -1
-            out[name] = out[name] * mask.to(tensor.dtype).reshape(shape)
-    return out
-
-
 class VariantStep:
     """One variant's adapter on one layer; the forms run in the adapter ``dtype``."""
 
     __slots__ = ("buffers", "changes_bias", "dtype", "info", "params", "variant")
 
     def __init__(self, variant: Variant, params: TensorDict, buffers: TensorDict, info: LayerInfo, dtype: torch.dtype) -> None:
-        if RANK_MASK in buffers:
-            params = _mask_rank_axes(params, buffers[RANK_MASK], variant.rank_axes)
-            buffers = _mask_rank_axes(buffers, buffers[RANK_MASK], variant.rank_axes)
+        # A member of a rank-padded stack is presented as one adapter (the contract's view).
+        params, buffers, info = padded_member(params, buffers, info, variant.rank_axes)
         self.variant, self.params, self.buffers, self.info, self.dtype = variant, params, buffers, info, dtype
         self.changes_bias = variant.changes_bias
 
@@ -156,7 +142,7 @@ class ChainStep:
 
     def activation(self, x: Tensor, base: BaseLayer) -> Tensor:
         for step in self.steps[:-1]:
-            base = cast(BaseLayer, _StepBase(step, base))  # a read-only BaseLayer: the protocol declares settable fields
+            base = _StepBase(step, base)
         return self.steps[-1].activation(x, base)
 
 
@@ -215,7 +201,7 @@ class SumStep:
         return w_eff, self._sum(bias, [cast(Tensor, b) for _, b in merged])  # each step keeps a bias it was given
 
     def activation(self, x: Tensor, base: BaseLayer) -> Tensor:
-        shared = cast(BaseLayer, _SharedBase(base))  # as in ChainStep.activation
+        shared = _SharedBase(base)
         y = shared(x)
         return self._sum(y, [step.activation(x, shared) for step in self.steps])
 

@@ -6,32 +6,48 @@ an optree one, see :mod:`lora_func._optree`) whose leaves are its tensors. :func
 a tree in application order with each node's key prefix (``"1/0/"``: part 0 of part 1), the
 prefix its tensors carry in the root's ``params`` / ``buffers``.
 
+Each node type declares its fields once, as class attributes (equinox-style:
+``weights: Tensor = own_tensor(shape=...)``); :mod:`lora_func._tree` turns the declarations into
+slots, pytree children and context, rebuilds and saved fields, and :class:`AdapterNode` there
+declares the interface every node implements.
+
 A new combinator is one subclass of :class:`Combinator` (see there for what it defines); the
-tree walks, ``with_params``, pytrees, ``stack`` / ``take``, the overlays and ``save`` / ``load``
-handle it from that.
+tree walks, ``with_params``, pytrees, ``stack`` / ``take`` (:mod:`lora_func.stacking`), the
+overlays and ``save`` / ``load`` handle it from that.
 """
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import math
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
-import torch.utils._pytree as pytree
 from torch import Tensor
 
-from lora_func import _optree
 from lora_func._steps import ChainStep, LayerStep, SumStep
-from lora_func.variants import LayerInfo, TensorDict, Variant
-from lora_func.variants._contract import RANK_ALPHA, RANK_MASK
+from lora_func._tree import (
+    NODE_TYPES,
+    AdapterNode,
+    leaves,
+    own_tensor,
+    part_prefix,
+    parts_field,
+    prefixed,
+    static_field,
+    tensor_dict,
+    unprefixed,
+    walk,
+)
 from lora_func.spec import AdapterSpec
 from lora_func.targeting import Target
-from lora_func.variants import get_variant
+from lora_func.variants import LayerInfo, TensorDict, Variant, get_variant
 
 __all__ = [
     "NODE_TYPES",
+    "SHARED",
     "Adapter",
     "AdapterLayer",
     "AdapterLike",
@@ -39,15 +55,16 @@ __all__ = [
     "Combinator",
     "Combined",
     "Composed",
+    "SharedTensors",
     "combine",
     "compose",
     "leaf_adapters",
     "leaves",
+    "own_tensor",
     "part_prefix",
-    "stack",
-    "take",
+    "static_field",
     "target_weight_keys",
-    "unstack",
+    "tensor_dict",
     "walk",
 ]
 
@@ -78,120 +95,29 @@ class AdapterLayer:
         return [f"{self.target.module}.{name}" for name, _ in self.buffer_shapes]
 
 
+# The module name under which an adapter's shared tensors are keyed ("<shared>.basis_A"): no
+# module of a model has it, so the keys cannot collide with a layer's.
+SHARED = "<shared>"
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedTensors:
+    """Static description of the tensors an adapter holds once and every layer reads
+    (``Variant.shared_init``: a basis, a bank), keyed ``"<shared>.<name>"`` in ``params`` /
+    ``buffers``."""
+
+    param_shapes: tuple[tuple[str, tuple[int, ...]], ...]
+    buffer_shapes: tuple[tuple[str, tuple[int, ...]], ...]
+
+    def param_keys(self) -> list[str]:
+        return [f"{SHARED}.{name}" for name, _ in self.param_shapes]
+
+    def buffer_keys(self) -> list[str]:
+        return [f"{SHARED}.{name}" for name, _ in self.buffer_shapes]
+
+
 def _split(flat: Mapping[str, Tensor], module: str, names: Iterable[tuple[str, tuple[int, ...]]]) -> TensorDict:
     return {name: flat[f"{module}.{name}"] for name, _ in names}
-
-
-# ----------------------------------------------------------------------------- the tree
-
-# Node tag (the "kind" of a node in a saved file) -> node type; filled by AdapterNode subclasses.
-NODE_TYPES: dict[str, type[AdapterNode]] = {}
-
-# Between a part's index and its keys in a combinator's flat params/buffers: "1/<key>".
-PART_SEPARATOR = "/"
-
-
-def part_prefix(prefix: str, index: int) -> str:
-    """The key prefix of part ``index`` of the node whose prefix is ``prefix``."""
-    return f"{prefix}{index}{PART_SEPARATOR}"
-
-
-def _prefixed(dicts: Sequence[Mapping[str, Tensor]]) -> dict[str, Tensor]:
-    return {prefix + key: value for i, d in enumerate(dicts) for prefix in (part_prefix("", i),) for key, value in d.items()}
-
-
-def _unprefixed(flat: Mapping[str, Tensor], n: int) -> list[dict[str, Tensor]]:
-    out: list[dict[str, Tensor]] = [{} for _ in range(n)]
-    for key, value in flat.items():
-        index, _, rest = key.partition(PART_SEPARATOR)
-        out[int(index)][rest] = value
-    return out
-
-
-def walk(node: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
-    """``(key prefix, node)`` for ``node`` and every node below it, pre-order (a node before
-    its parts, parts in application order). Needs only ``node.parts``, so it also walks
-    io/native's skeletons."""
-    yield prefix, node
-    for i, part in enumerate(node.parts):
-        yield from walk(part, part_prefix(prefix, i))
-
-
-def leaves(node: Any) -> Iterator[tuple[str, Any]]:
-    """``(key prefix, leaf)`` for every leaf (``Adapter``: no parts) of ``node``, in order."""
-    return ((prefix, n) for prefix, n in walk(node) if not n.parts)
-
-
-def _register_pytree(cls: type[AdapterNode]) -> None:
-    """One registration path for every node type: torch pytree and optree, from the node's
-    ``_tree_flatten`` (children with their keys, and a context) and ``_tree_unflatten``."""
-
-    def flatten(node: AdapterNode) -> tuple[list, Any]:
-        keyed, context = node._tree_flatten()
-        return [child for _, child in keyed], context
-
-    if cls in pytree.SUPPORTED_NODES:
-        return
-    # The package's own types keep their public names ("lora_func.Adapter").
-    name = f"lora_func.{cls.__name__}" if cls.__module__ == __name__ else f"{cls.__module__}.{cls.__qualname__}"
-    pytree.register_pytree_node(
-        cls,
-        flatten,
-        cls._tree_unflatten,
-        serialized_type_name=name,
-        flatten_with_keys_fn=lambda node: node._tree_flatten(),
-    )
-    _optree.register(cls, flatten, cls._tree_unflatten)
-
-
-class AdapterNode:
-    """A frozen node of the adapter tree: an :class:`Adapter` (a leaf) or a :class:`Combinator`.
-
-    ``parts``: the children, in application order (``()`` for a leaf). A subclass declared
-    with ``tag="..."`` (``class Foo(Combinator, tag="foo")``) is registered: its tag names it
-    in saved files (:data:`NODE_TYPES`), and it becomes a torch pytree and optree node.
-    Construction validates its arguments; the internal rebuilds (``with_params``, pytree
-    unflatten under ``tree_map`` / ``vmap``, whose leaves may be any objects) do not.
-    """
-
-    __slots__ = ()
-    tag: ClassVar[str]
-    # The name of the public function that builds this kind of node, for messages and summaries.
-    verb: ClassVar[str]
-    parts: tuple[AdapterNode, ...]
-
-    def __init_subclass__(cls, *, tag: str | None = None, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        if tag is not None:
-            cls.tag = tag
-            if "verb" not in cls.__dict__:
-                cls.verb = tag
-            NODE_TYPES[tag] = cls
-            _register_pytree(cls)
-
-    def __setattr__(self, name: str, value: object) -> None:
-        raise AttributeError(  # error: adapter-immutable
-            f"{type(self).__name__} is immutable; use with_params(...) instead of setting {name!r} "
-            f"(adapter.with_params(params) returns a new one)"
-        )
-
-    def own_params(self) -> dict[str, Tensor]:
-        """Trainable tensors the node holds itself, not through its parts (``Combined``: its
-        ``weights``), keyed as in ``params``; ``{}`` for an ``Adapter`` (its tensors are its
-        layers')."""
-        return {}
-
-    def own_shapes(self) -> dict[str, tuple[int, ...]]:
-        """The shape of each :meth:`own_params` tensor without stack axes."""
-        return {}
-
-    def static(self) -> tuple:
-        """The node's hashable non-tensor configuration (pytree context), ``()`` for none."""
-        return ()
-
-    # A registered subclass defines ``_tree_flatten(self) -> ([(pytree key, child), ...],
-    # context)`` and the classmethod ``_tree_unflatten(children, context) -> node`` (no
-    # validation: the children may be any objects).
 
 
 AdapterLike = AdapterNode
@@ -263,13 +189,18 @@ class Adapter(AdapterNode, tag="adapter"):
     with :func:`lora_func.init_adapter` and derive them with :meth:`with_params`.
     """
 
-    __slots__ = ("buffers", "layers", "members", "params", "spec")
-    parts: ClassVar[tuple[AdapterNode, ...]] = ()
-    params: dict[str, Tensor]
-    buffers: dict[str, Tensor]
-    spec: AdapterSpec
-    layers: tuple[AdapterLayer, ...]
-    members: tuple[tuple[AdapterSpec, tuple[AdapterLayer, ...]], ...] | None
+    parts: ClassVar[tuple[AdapterNode, ...]] = ()  # a leaf
+    params: dict[str, Tensor] = tensor_dict()
+    buffers: dict[str, Tensor] = tensor_dict()
+    spec: AdapterSpec = static_field()
+    layers: tuple[AdapterLayer, ...] = static_field()
+    # Only for a rank-padded stack: each member's own (spec, layers), so unstack() gives the
+    # originals back (shapes, ranks and alphas).
+    members: tuple[tuple[AdapterSpec, tuple[AdapterLayer, ...]], ...] | None = static_field()
+    # The tensors every layer reads (Variant.shared_init), or None.
+    shared: SharedTensors | None = static_field()
+    # Only for a rank-padded stack with shared tensors: each member's own shared shapes.
+    member_shared: tuple[SharedTensors | None, ...] | None = static_field()
 
     def __init__(
         self,
@@ -278,6 +209,7 @@ class Adapter(AdapterNode, tag="adapter"):
         spec: AdapterSpec,
         layers: Sequence[AdapterLayer],
         members: Sequence[tuple[AdapterSpec, tuple[AdapterLayer, ...]]] | None = None,
+        shared: SharedTensors | None = None,
     ) -> None:
         layers = tuple(layers) if isinstance(layers, Iterable) else layers  # type: ignore[assignment]
         wrong = [f"spec is a {type(spec).__name__}, not an AdapterSpec"] if not isinstance(spec, AdapterSpec) else []
@@ -294,9 +226,14 @@ class Adapter(AdapterNode, tag="adapter"):
                 f"Adapter(params, buffers, spec, layers): {'; '.join(wrong)}; build adapters with "
                 f"lora_func.init_adapter(model, spec), and new values with adapter.with_params(params)"
             )
+        if shared is not None and not isinstance(shared, SharedTensors):
+            raise TypeError(f"Adapter(...): shared must be a SharedTensors or None, got {type(shared).__name__}")  # error: adapter-init-shared
+        # (module, param shapes, buffer shapes) of each layer, and of the shared tensors.
+        groups = [(layer.target.module, layer.param_shapes, layer.buffer_shapes) for layer in layers]
+        groups += [(SHARED, shared.param_shapes, shared.buffer_shapes)] if shared is not None else []
         for arg, flat, keys in (
-            ("params", params, [key for layer in layers for key in layer.param_keys()]),
-            ("buffers", buffers, [key for layer in layers for key in layer.buffer_keys()]),
+            ("params", params, [f"{module}.{name}" for module, shapes, _ in groups for name, _ in shapes]),
+            ("buffers", buffers, [f"{module}.{name}" for module, _, shapes in groups for name, _ in shapes]),
         ):
             missing, unexpected = sorted(set(keys) - set(flat)), sorted(set(flat) - set(keys))
             if missing or unexpected:
@@ -307,10 +244,10 @@ class Adapter(AdapterNode, tag="adapter"):
                 )
         _check_params_dtype("Adapter(params, buffers, spec, layers)", params, spec.dtype)
         stacks: dict[tuple[int, ...], str] = {}
-        for layer in layers:
-            for arg, flat, shapes in (("params", params, layer.param_shapes), ("buffers", buffers, layer.buffer_shapes)):
+        for module, param_shapes, buffer_shapes in groups:
+            for arg, flat, shapes in (("params", params, param_shapes), ("buffers", buffers, buffer_shapes)):
                 for name, shape in shapes:
-                    key = f"{layer.target.module}.{name}"
+                    key = f"{module}.{name}"
                     got = tuple(flat[key].shape)
                     if got[len(got) - len(shape) :] != tuple(shape) or len(got) < len(shape):
                         raise ValueError(  # error: adapter-init-shape
@@ -324,25 +261,20 @@ class Adapter(AdapterNode, tag="adapter"):
                 f"{dict(sorted(stacks.items()))} (shape: first key with it); every tensor needs the same stack axes "
                 f"(build stacks with lora_func.stack)"
             )
-        self._fill(params, buffers, spec, layers, members)
-
-    def _fill(self, params: Mapping[str, Any], buffers: Mapping[str, Any], spec: AdapterSpec, layers: Sequence[AdapterLayer], members: Any = None) -> None:
-        object.__setattr__(self, "params", dict(params))
-        object.__setattr__(self, "buffers", dict(buffers))
-        object.__setattr__(self, "spec", spec)
-        object.__setattr__(self, "layers", tuple(layers))
-        # Only for a rank-padded stack: each member's own (spec, layers), so unstack() gives the
-        # originals back (shapes, ranks and alphas).
-        object.__setattr__(self, "members", None if members is None else tuple(members))
+        built = self._unchecked(params, buffers, spec, layers, members, shared)
+        for name in self.fields:
+            object.__setattr__(self, name, getattr(built, name))
 
     @classmethod
     def _unchecked(cls, *fields: Any) -> Adapter:
-        """An adapter of ``(params, buffers, spec, layers[, members])`` without the
-        constructor's checks: for rebuilds from an adapter's own parts, and for pytree
-        unflatten, whose leaves may be anything (``None``, ``object()``)."""
-        adapter = object.__new__(cls)
-        adapter._fill(*fields)
-        return adapter
+        """An adapter of ``(params, buffers, spec, layers[, members[, shared[, member_shared]]])``
+        (the declared fields, in order) without the constructor's checks: for rebuilds from an
+        adapter's own parts."""
+        values = dict(zip(cls.fields, fields))
+        values |= {"params": dict(values["params"]), "buffers": dict(values["buffers"]), "layers": tuple(values["layers"])}
+        for name in ("members", "member_shared"):
+            values[name] = None if values.get(name) is None else tuple(values[name])
+        return cls._build(**values)
 
     @property
     def variant(self) -> Variant:
@@ -354,11 +286,11 @@ class Adapter(AdapterNode, tag="adapter"):
         dtype = self.spec.dtype
         if any(not isinstance(v, Tensor) or v.dtype != dtype for v in params.values()):
             _check_params_dtype("Adapter.with_params", params, dtype)
-        return Adapter._unchecked(params, self.buffers, self.spec, self.layers, self.members)
+        return Adapter._unchecked(params, self.buffers, self.spec, self.layers, self.members, self.shared, self.member_shared)
 
     def with_buffers(self, buffers: Mapping[str, Tensor]) -> Adapter:
         _check_same_keys("with_buffers", buffers, self.buffers)
-        return Adapter._unchecked(self.params, buffers, self.spec, self.layers, self.members)
+        return Adapter._unchecked(self.params, buffers, self.spec, self.layers, self.members, self.shared, self.member_shared)
 
     def detach(self) -> Adapter:
         """The same values as new leaf tensors in new storage: params with ``requires_grad=True``
@@ -370,16 +302,32 @@ class Adapter(AdapterNode, tag="adapter"):
             self.spec,
             self.layers,
             self.members,
+            self.shared,
+            self.member_shared,
         )
 
     def layer_tensors(self, layer: AdapterLayer) -> tuple[TensorDict, TensorDict]:
-        """``(params, buffers)`` of one layer, keyed by short names (``"lora_A"``)."""
+        """``(params, buffers)`` of one layer as its forms see them, keyed by short names
+        (``"lora_A"``): the layer's own tensors and the adapter's shared ones."""
         module = layer.target.module
-        return _split(self.params, module, layer.param_shapes), _split(self.buffers, module, layer.buffer_shapes)
+        own_params, own_buffers = _split(self.params, module, layer.param_shapes), _split(self.buffers, module, layer.buffer_shapes)
+        if self.shared is None:
+            return own_params, own_buffers
+        shared_params, shared_buffers = self.shared_tensors()
+        return shared_params | own_params, shared_buffers | own_buffers
+
+    def shared_tensors(self) -> tuple[TensorDict, TensorDict]:
+        """``(params, buffers)`` the adapter holds once for every layer (``Variant.shared_init``),
+        keyed by short names; empty for a variant without shared tensors."""
+        if self.shared is None:
+            return {}, {}
+        return _split(self.params, SHARED, self.shared.param_shapes), _split(self.buffers, SHARED, self.shared.buffer_shapes)
 
     def num_parameters(self) -> int:
-        """Trainable scalars (one stack member's, for a stacked adapter)."""
-        return sum(int(torch.Size(shape).numel()) for layer in self.layers for _, shape in layer.param_shapes)
+        """Trainable scalars (one stack member's, for a stacked adapter): the layers' and the shared ones."""
+        shared = self.shared.param_shapes if self.shared is not None else ()
+        shapes = [shape for layer in self.layers for _, shape in layer.param_shapes] + [shape for _, shape in shared]
+        return sum(int(torch.Size(shape).numel()) for shape in shapes)
 
     @property
     def stack_shape(self) -> tuple[int, ...]:
@@ -387,7 +335,7 @@ class Adapter(AdapterNode, tag="adapter"):
         for layer in self.layers:
             for name, shape in layer.param_shapes + layer.buffer_shapes:
                 key = f"{layer.target.module}.{name}"
-                tensor = self.params.get(key, self.buffers.get(key))
+                tensor = self.params[key] if key in self.params else self.buffers[key]
                 return tuple(tensor.shape[: tensor.dim() - len(shape)])
         return ()
 
@@ -400,128 +348,102 @@ class Adapter(AdapterNode, tag="adapter"):
             f"params={self.num_parameters()}{stacked})"
         )
 
-    def _tree_flatten(self) -> tuple[list[tuple[Any, Any]], Any]:
-        children = [(pytree.GetAttrKey("params"), self.params), (pytree.GetAttrKey("buffers"), self.buffers)]
-        return children, (self.spec, self.layers, self.members)
-
-    @classmethod
-    def _tree_unflatten(cls, children: Iterable, context: Any) -> Adapter:
-        params, buffers = children
-        return cls._unchecked(params, buffers, *context)
-
 
 class Combinator(AdapterNode):
     """A node that combines its ``parts`` (other nodes) on each layer they adapt.
 
     A new combinator is one subclass, declared with ``tag="..."`` (its name in saved files),
-    that defines:
+    that declares its fields and defines:
 
-    - ``__slots__ = ("parts", *tensor_fields, *static_fields)``;
-    - ``__init__``: validates its arguments (this is the public constructor), then sets each
-      attribute with ``object.__setattr__``;
+    - fields, each in one place: ``name: Tensor = own_tensor(shape=lambda node: ...)`` for a
+      trainable tensor it holds itself (unprefixed in ``params``, saved as
+      ``params/<prefix><name>``, stacked along the stack axis), ``name: T = static_field()``
+      for JSON-able, hashable configuration (``parts`` is declared here);
+    - ``__init__``: validates its arguments (this is the public constructor), then calls
+      ``self._init(parts, **fields)``;
     - ``layer_step(steps, present) -> LayerStep``: how the steps of its parts that adapt one
       layer (``steps[j]`` is part ``present[j]``'s) combine there (see :mod:`lora_func._steps`);
-    - optionally ``tensor_fields`` (names of trainable tensors the node holds itself; they
-      appear unprefixed in ``params``, are saved as ``params/<prefix><name>``, stack along the
-      stack axis) with ``own_shapes()`` (their shapes without stack axes), ``static_fields``
-      (JSON-able, hashable configuration), ``verb`` (the public function that builds it, for
-      messages), and ``__repr__``.
+    - optionally ``verb`` (the public function that builds it, for messages) and ``__repr__``.
 
     Everything else (``params``, ``buffers``, ``with_params``, ``detach``, ``stack_shape``,
     pytree flatten/unflatten, ``stack`` / ``take`` / ``unstack``, ``save`` / ``load``) is here.
     """
 
-    __slots__ = ()
-    tensor_fields: ClassVar[tuple[str, ...]] = ()
-    static_fields: ClassVar[tuple[str, ...]] = ()
+    parts: tuple[AdapterNode, ...] = parts_field()
 
-    # A subclass defines layer_step(self, steps: Sequence[LayerStep], present: Sequence[int]) -> LayerStep.
+    def _init(self, parts: Sequence[AdapterNode], **values: Any) -> None:
+        """Set the fields (for a validating ``__init__``, after its checks)."""
+        built = self._build(parts=tuple(parts), **values)
+        for name in self.fields:
+            object.__setattr__(self, name, getattr(built, name))
 
-    @classmethod
-    def _make(cls, parts: Sequence[AdapterNode], own: Mapping[str, Any], static: Sequence[Any]) -> Combinator:
-        """A node without the constructor's checks (rebuilds, pytree unflatten, load)."""
-        node = object.__new__(cls)
-        object.__setattr__(node, "parts", tuple(parts))
-        for name in cls.tensor_fields:
-            object.__setattr__(node, name, own[name])
-        for name, value in zip(cls.static_fields, static, strict=True):
-            object.__setattr__(node, name, value)
-        return node
+    @abc.abstractmethod
+    def layer_step(self, steps: Sequence[LayerStep], present: Sequence[int]) -> LayerStep:
+        """How the steps of the parts that adapt one layer combine there."""
 
     def rebuild(self, parts: Sequence[AdapterNode], own: Mapping[str, Any] | None = None) -> Combinator:
         """The same kind of node (same static configuration) over ``parts``, with ``own``
         tensors (default: this node's), unchecked."""
-        return self._make(parts, self.own_params() if own is None else own, self.static())
-
-    def own_params(self) -> dict[str, Tensor]:
-        return {name: getattr(self, name) for name in self.tensor_fields}
-
-    def static(self) -> tuple:
-        return tuple(getattr(self, name) for name in self.static_fields)
+        own = self.own_params() if own is None else own
+        return self._build(parts=tuple(parts), **own, **dict(zip(self.static_fields(), self.static(), strict=True)))
 
     @property
     def params(self) -> dict[str, Tensor]:
-        prefixed = _prefixed([part.params for part in self.parts])  # type: ignore[attr-defined]
-        return {**self.own_params(), **prefixed} if self.tensor_fields else prefixed
+        flat = prefixed([part.params for part in self.parts])
+        return {**self.own_params(), **flat} if self.tensor_fields() else flat
 
     @property
     def buffers(self) -> dict[str, Tensor]:
-        return _prefixed([part.buffers for part in self.parts])  # type: ignore[attr-defined]
+        return prefixed([part.buffers for part in self.parts])
 
     def with_params(self, params: Mapping[str, Tensor]) -> Combinator:
         _check_same_keys("with_params", params, self.params)
-        own = {name: params[name] for name in self.tensor_fields}
-        rest = _unprefixed({k: v for k, v in params.items() if k not in own} if own else params, len(self.parts))
-        return self.rebuild([part.with_params(p) for part, p in zip(self.parts, rest, strict=True)], own)  # type: ignore[attr-defined]
+        own = {name: params[name] for name in self.tensor_fields()}
+        rest = unprefixed({k: v for k, v in params.items() if k not in own} if own else params, len(self.parts))
+        return self.rebuild([part.with_params(p) for part, p in zip(self.parts, rest, strict=True)], own)
 
     def with_buffers(self, buffers: Mapping[str, Tensor]) -> Combinator:
         _check_same_keys("with_buffers", buffers, self.buffers)
-        rest = _unprefixed(buffers, len(self.parts))
-        return self.rebuild([part.with_buffers(b) for part, b in zip(self.parts, rest, strict=True)])  # type: ignore[attr-defined]
+        rest = unprefixed(buffers, len(self.parts))
+        return self.rebuild([part.with_buffers(b) for part, b in zip(self.parts, rest, strict=True)])
 
     def detach(self) -> Combinator:
         own = {name: t.detach().clone().requires_grad_(t.requires_grad) for name, t in self.own_params().items()}
-        return self.rebuild([part.detach() for part in self.parts], own)  # type: ignore[attr-defined]
+        return self.rebuild([part.detach() for part in self.parts], own)
 
     def num_parameters(self) -> int:
         own = sum(math.prod(shape) for shape in self.own_shapes().values())
-        return own + sum(part.num_parameters() for part in self.parts)  # type: ignore[attr-defined]
+        return own + sum(part.num_parameters() for part in self.parts)
 
     @property
     def stack_shape(self) -> tuple[int, ...]:
         own = self.own_params()
         for name, shape in self.own_shapes().items():
             return tuple(own[name].shape[: own[name].dim() - len(shape)])
-        return self.parts[0].stack_shape  # type: ignore[attr-defined]
+        return self.parts[0].stack_shape
 
     def json_fields(self) -> dict[str, Any]:
         """What a saved file records of this node besides its kind and parts: its static
         fields and whether each own tensor requires grad."""
         return {
-            **{name: getattr(self, name) for name in self.static_fields},
+            **dict(zip(self.static_fields(), self.static(), strict=True)),
             **{f"{name}_requires_grad": t.requires_grad for name, t in self.own_params().items()},
         }
+
+    @classmethod
+    def json_field_names(cls) -> tuple[str, ...]:
+        """The keys :meth:`json_fields` writes (a saved file without one is damaged)."""
+        return (*cls.static_fields(), *(f"{name}_requires_grad" for name in cls.tensor_fields()))
 
     @classmethod
     def from_json(cls, fields: Mapping[str, Any], parts: Sequence[AdapterNode], own: Mapping[str, Tensor]) -> Combinator:
         """The node a saved file describes (:meth:`json_fields`), given its parts and tensors."""
         own = {name: t.requires_grad_(bool(fields[f"{name}_requires_grad"])) for name, t in own.items()}
-        return cls._make(parts, own, tuple(fields[name] for name in cls.static_fields))
+        return cls._build(parts=tuple(parts), **own, **{name: fields[name] for name in cls.static_fields()})
 
     def __repr__(self) -> str:
-        static = "".join(f", {name}={getattr(self, name)!r}" for name in self.static_fields)
+        static = "".join(f", {name}={getattr(self, name)!r}" for name in self.static_fields())
         return f"{type(self).__name__}({', '.join(map(repr, self.parts))}{static})"
-
-    def _tree_flatten(self) -> tuple[list[tuple[Any, Any]], Any]:
-        own = [(pytree.GetAttrKey(name), getattr(self, name)) for name in self.tensor_fields]
-        return own + [(pytree.SequenceKey(i), part) for i, part in enumerate(self.parts)], (len(self.parts), self.static())
-
-    @classmethod
-    def _tree_unflatten(cls, children: Iterable, context: Any) -> Combinator:
-        n_parts, static = context
-        children = list(children)
-        n_own = len(children) - n_parts
-        return cls._make(children[n_own:], dict(zip(cls.tensor_fields, children[:n_own], strict=True)), static)
 
 
 class Composed(Combinator, tag="composed"):
@@ -533,7 +455,6 @@ class Composed(Combinator, tag="composed"):
     adapter: ``grad(lambda p: loss(composed.with_params(p)))(composed.params)``.
     """
 
-    __slots__ = ("parts",)
     verb = "compose"
 
     def __init__(self, parts: Sequence[AdapterLike]) -> None:
@@ -554,10 +475,10 @@ class Composed(Combinator, tag="composed"):
                     )
             for key in target_weight_keys(part):
                 adapted.setdefault(key, i)
-        shapes = {part.stack_shape for part in parts}  # type: ignore[attr-defined]
+        shapes = {part.stack_shape for part in parts}
         if len(shapes) > 1:
             raise ValueError(f"compose(): parts have different stack shapes {sorted(shapes)}; stack each part alike")  # error: compose-stack-shapes
-        object.__setattr__(self, "parts", parts)
+        self._init(parts)
 
     def layer_step(self, steps: Sequence[LayerStep], present: Sequence[int]) -> LayerStep:
         """The parts' steps in order, as one flat chain (a composed part's chain is spliced in)."""
@@ -572,10 +493,8 @@ class Combined(Combinator, tag="combined"):
     mixing, as in LoraHub) or vmapped over; the parts' tensors are keyed ``f"{i}/{key}"``.
     """
 
-    __slots__ = ("parts", "weights")
-    tensor_fields = ("weights",)
     verb = "combine"
-    weights: Tensor
+    weights: Tensor = own_tensor(shape=lambda node: (len(node.parts),))
 
     def __init__(self, parts: Sequence[AdapterLike], weights: Tensor | Sequence[float]) -> None:
         if isinstance(parts, (AdapterNode, Mapping, str)) or not isinstance(parts, Iterable):
@@ -599,7 +518,7 @@ class Combined(Combinator, tag="combined"):
             raise ValueError(  # error: combine-weights
                 f"combine(): weights must be a 1-D float tensor with one entry per adapter ({len(parts)}), got {shown}"
             )
-        shapes = {part.stack_shape for part in parts}  # type: ignore[attr-defined]
+        shapes = {part.stack_shape for part in parts}
         if len(shapes) > 1:
             raise ValueError(f"combine(): parts have different stack shapes {sorted(shapes)}; stack each part alike")  # error: combine-stack-shapes
         (stack_shape,) = shapes
@@ -615,11 +534,7 @@ class Combined(Combinator, tag="combined"):
                 f"combine(): weights {weights.detach().tolist()} hold a NaN or inf, which would make every adapted "
                 f"output NaN; pass finite weights"
             )
-        object.__setattr__(self, "parts", parts)
-        object.__setattr__(self, "weights", weights)
-
-    def own_shapes(self) -> dict[str, tuple[int, ...]]:
-        return {"weights": (len(self.parts),)}
+        self._init(parts, weights=weights)
 
     def layer_step(self, steps: Sequence[LayerStep], present: Sequence[int]) -> LayerStep:
         """``W + Σ_k w_k (W_eff_k − W)`` over the parts present on the layer (their weights only)."""
@@ -658,218 +573,3 @@ def combine(adapters: Sequence[AdapterLike], weights: Tensor | Sequence[float]) 
     return Combined(adapters, weights)
 
 
-def _info_key(info: LayerInfo) -> tuple:
-    return (info.d_in, info.d_out, info.has_bias, info.options)
-
-
-def _spec_key(spec: AdapterSpec) -> tuple:
-    return (spec.variant, spec.targets, spec.dtype, spec.layer_types, spec.tied, spec.options)
-
-
-def _pad_to(tensor: Tensor, shape: tuple[int, ...]) -> Tensor:
-    pads: list[int] = []
-    for have, want in reversed(list(zip(tensor.shape, shape, strict=True))):
-        pads += [0, want - have]
-    return torch.nn.functional.pad(tensor, pads) if any(pads) else tensor
-
-
-def _stack_adapters(adapters: list[Adapter]) -> Adapter:
-    first = adapters[0]
-    for i, other in enumerate(adapters[1:], start=1):
-        if _spec_key(other.spec) != _spec_key(first.spec):
-            raise ValueError(  # error: stack-mismatch
-                f"stack(): adapter {i} has spec {other.spec} but adapter 0 has {first.spec}; only adapters of one "
-                f"variant, targets, dtype and options stack (ranks and alpha may differ)"
-            )
-        mine = [(layer.target, _info_key(layer.info), [n for n, _ in layer.param_shapes], [n for n, _ in layer.buffer_shapes]) for layer in other.layers]
-        ref = [(layer.target, _info_key(layer.info), [n for n, _ in layer.param_shapes], [n for n, _ in layer.buffer_shapes]) for layer in first.layers]
-        if mine != ref:
-            diff = [a.target.module for a, b in zip(first.layers, other.layers, strict=False) if (a.target, _info_key(a.info)) != (b.target, _info_key(b.info))]
-            raise ValueError(  # error: stack-other-layers
-                f"stack(): adapter {i} adapts other layers than adapter 0 ({diff[:5] or 'a different number of layers'}); "
-                f"build the adapters from one model and one AdapterSpec (ranks may differ)"
-            )
-        if other.stack_shape != first.stack_shape or other.members is not None:
-            raise ValueError(f"stack(): adapter {i} is itself stacked (stack_shape {other.stack_shape}); unstack it first")  # error: stack-nested
-    if first.members is not None:
-        raise ValueError("stack(): adapter 0 is itself a rank-padded stack; unstack it first")  # error: stack-nested-padded
-    if all(other.layers == first.layers for other in adapters[1:]):
-        return pytree.tree_map(lambda *ts: torch.stack(ts), *adapters)
-    # Rank-padded: zero-pad every tensor to the largest shape (only rank axes differ) and give
-    # each layer a rank mask and the member's alpha, so each keeps its own scale.
-    variant = first.variant
-    # The mask and alpha make each member's scale alpha/r: in the adapter dtype, but at least
-    # fp32 (a bf16 alpha such as 0.1 would be rounded, a bf16 rank above 256 inexact).
-    scale_dtype = torch.promote_types(first.spec.dtype, torch.float32)
-    params: dict[str, list[Tensor]] = {k: [] for k in first.params}
-    buffers: dict[str, list[Tensor]] = {k: [] for k in first.buffers}
-    layers = []
-    for j, layer in enumerate(first.layers):
-        column = [a.layers[j] for a in adapters]
-        r_max = max(lay.info.r for lay in column)
-        p_shapes = tuple((n, tuple(max(s) for s in zip(*(dict(lay.param_shapes)[n] for lay in column), strict=True))) for n, _ in layer.param_shapes)
-        b_shapes = tuple((n, tuple(max(s) for s in zip(*(dict(lay.buffer_shapes)[n] for lay in column), strict=True))) for n, _ in layer.buffer_shapes)
-        for name, shape in p_shapes + b_shapes:
-            bad = [lay.target.module for lay in column if any(
-                have != want and not _is_rank_axis(variant, name, axis)
-                for axis, (have, want) in enumerate(zip(dict(lay.param_shapes + lay.buffer_shapes)[name], shape, strict=True))
-            )]
-            if bad:
-                raise ValueError(  # error: stack-not-rank-axis
-                    f"stack(): {variant.name} tensor {name!r} of {bad[0]} differs in shape on an axis that is not a "
-                    f"rank axis; these adapters cannot be padded to one stack"
-                )
-        module = layer.target.module
-        for a, lay in zip(adapters, column, strict=True):
-            for name, shape in p_shapes:
-                params[f"{module}.{name}"].append(_pad_to(a.params[f"{module}.{name}"], shape))
-            for name, shape in b_shapes:
-                buffers[f"{module}.{name}"].append(_pad_to(a.buffers[f"{module}.{name}"], shape))
-            device = a.params[f"{module}.{p_shapes[0][0]}"].device if p_shapes else None
-            mask = (torch.arange(r_max, device=device) < lay.info.r).to(scale_dtype)
-            buffers.setdefault(f"{module}.{RANK_MASK}", []).append(mask)
-            buffers.setdefault(f"{module}.{RANK_ALPHA}", []).append(torch.tensor(float(lay.info.alpha), dtype=scale_dtype, device=device))
-        layers.append(
-            dataclasses.replace(
-                layer,
-                info=dataclasses.replace(layer.info, r=r_max),
-                param_shapes=p_shapes,
-                buffer_shapes=b_shapes + ((RANK_MASK, (r_max,)), (RANK_ALPHA, ())),
-            )
-        )
-    return Adapter._unchecked(
-        {k: torch.stack(v) for k, v in params.items()},
-        {k: torch.stack(v) for k, v in buffers.items()},
-        first.spec,
-        layers,
-        [(a.spec, a.layers) for a in adapters],
-    )
-
-
-def _is_rank_axis(variant: Variant, name: str, axis: int) -> bool:
-    axes = variant.rank_axes.get(name, ())
-    return axis == axes if isinstance(axes, int) else axis in axes
-
-
-def stack(adapters: Sequence[AdapterLike]) -> AdapterLike:
-    """One adapter whose tensors have a new leading axis of size ``len(adapters)``.
-
-    ``torch.func.vmap(f)(stack([a, b]))`` runs ``f(a)`` and ``f(b)`` at once. The adapters
-    must share variant, targets and options; their ranks (and alphas) may differ: then every
-    tensor is zero-padded along the variant's rank axes to the largest rank, and each layer
-    gets two buffers, ``rank_mask (K, r_max)`` and ``rank_alpha (K,)``, so each member keeps
-    its own scale and its padded entries never reach the output (their gradient is exactly
-    zero). :func:`unstack` gives the originals back. Composed/Combined adapters of the same
-    structure stack part by part.
-    """
-    if isinstance(adapters, (AdapterNode, Mapping, str)) or not isinstance(adapters, Iterable):
-        raise TypeError(  # error: stack-not-a-list
-            f"stack() expects a list of adapters, got {type(adapters).__name__}; e.g. lora_func.stack([adapter_0, adapter_1])"
-        )
-    adapters = list(adapters)
-    if not adapters:
-        raise ValueError("stack() needs at least one adapter")  # error: stack-empty
-    for adapter in adapters:
-        leaf_adapters(adapter)
-    kinds = {(type(a), a.static()) for a in adapters}
-    if len(kinds) > 1:
-        shown = sorted(f"{kind.__name__}{static if static else ''}" for kind, static in kinds)
-        raise TypeError(f"stack(): mixed kinds {shown}; stack adapters of one kind")  # error: stack-mixed-kinds
-    first = adapters[0]
-    if not isinstance(first, Combinator):
-        return _as_leaves(_stack_adapters(adapters), adapters)  # type: ignore[arg-type]
-    n = {len(a.parts) for a in adapters}
-    if len(n) > 1:
-        raise ValueError(f"stack(): {type(first).__name__} adapters with different numbers of parts {sorted(n)}")  # error: stack-parts
-    parts = [stack([a.parts[i] for a in adapters]) for i in range(len(first.parts))]
-    own = {}
-    for name in first.tensor_fields:
-        values = [a.own_params()[name] for a in adapters]
-        stacked = torch.stack(values)
-        if all(_plain_leaf(v) for v in values):
-            stacked = stacked.detach().requires_grad_(any(v.requires_grad for v in values))
-        own[name] = stacked
-    return first.rebuild(parts, own)
-
-
-def _plain_leaf(tensor: Tensor) -> bool:
-    """A tensor without autograd history, outside any torch.func transform."""
-    return tensor.is_leaf and not torch._C._functorch.is_functorch_wrapped_tensor(tensor)
-
-
-def _as_leaves(stacked: Adapter, sources: Sequence[Adapter]) -> Adapter:
-    """``stacked`` with its params as new leaves (``requires_grad=True``) when every source
-    param is a plain leaf: ``torch.stack`` gives non-leaf tensors, which ``torch.optim``
-    refuses. Stacking inside ``torch.func.grad`` or through an autograd graph keeps the
-    history, so gradients still reach the members there."""
-    if not all(_plain_leaf(t) for a in sources for t in a.params.values()):
-        return stacked
-    params = {k: v.detach().requires_grad_(True) for k, v in stacked.params.items()}
-    return Adapter._unchecked(params, stacked.buffers, stacked.spec, stacked.layers, stacked.members)
-
-
-def unstack(adapter: AdapterLike) -> list[AdapterLike]:
-    """The inverse of :func:`stack`: the adapters along the leading axis (a rank-padded stack
-    gives each member back at its own rank, without the padding and mask buffers)."""
-    leaf_adapters(adapter, "unstack(adapter)")
-    if not adapter.stack_shape:  # type: ignore[attr-defined]
-        raise ValueError("unstack(): this adapter is not stacked (it has no leading stack axis)")  # error: unstack-not-stacked
-    return [_member(adapter, k) for k in range(adapter.stack_shape[0])]  # type: ignore[attr-defined]
-
-
-def _member(adapter: AdapterLike, index: int | Tensor) -> AdapterLike:
-    """The stack position ``index`` of every tensor of the tree: an int gives one member (a
-    rank-padded leaf back at its own rank), a 1-D tensor a stack of those members."""
-    if isinstance(adapter, Combinator):
-        own = {name: t[index] for name, t in adapter.own_params().items()}
-        return adapter.rebuild([_member(part, index) for part in adapter.parts], own)
-    if adapter.members is None:
-        return pytree.tree_map(lambda t: t[index], adapter)
-    if isinstance(index, Tensor):
-        taken = pytree.tree_map(lambda t: t[index], adapter)
-        members = [adapter.members[int(i)] for i in index.reshape(-1).tolist()]
-        return Adapter._unchecked(taken.params, taken.buffers, taken.spec, taken.layers, members)
-    spec, layers = adapter.members[index]
-    params, buffers = {}, {}
-    for layer in layers:
-        for flat, out, shapes in ((adapter.params, params, layer.param_shapes), (adapter.buffers, buffers, layer.buffer_shapes)):
-            for name, shape in shapes:
-                key = f"{layer.target.module}.{name}"
-                out[key] = flat[key][index][tuple(slice(0, n) for n in shape)]
-    return Adapter._unchecked(params, buffers, spec, layers)
-
-
-def take(adapter: AdapterLike, index: int | Tensor) -> AdapterLike:
-    """The stack members at ``index``: an int gives one adapter (as :func:`unstack`), a 1-D
-    integer tensor gives a stacked adapter of ``len(index)`` members (e.g. one adapter per
-    example of a batch, for a mixed-adapter batch under ``vmap``)."""
-    leaf_adapters(adapter, "take(adapter, index)")
-    if not adapter.stack_shape:  # type: ignore[attr-defined]
-        raise ValueError("take(): this adapter is not stacked; build one with lora_func.stack([...])")  # error: take-not-stacked
-    size = adapter.stack_shape[0]  # type: ignore[attr-defined]
-    if isinstance(index, int) and not isinstance(index, bool):
-        if not 0 <= index < size:
-            raise IndexError(f"take(): index {index} is outside [0, {size}) (the stack has {size} adapters); pass 0 <= index < {size}")  # error: take-index-range
-        return _member(adapter, index)
-    # A bool would index as a new axis, a bool tensor as a mask, a float tensor not at all.
-    if not isinstance(index, Tensor) or index.dtype not in (torch.int64, torch.int32) or index.dim() != 1:
-        shown = f"a {index.dtype} tensor of shape {tuple(index.shape)}" if isinstance(index, Tensor) else repr(index)
-        raise TypeError(  # error: take-index-type
-            f"take(): index must be an int or a 1-D int64/int32 tensor of stack positions, got {shown}; "
-            f"e.g. take(stack, 0) or take(stack, torch.tensor([0, 1, 0]))"
-        )
-    outside = _outside(index, size)
-    if outside:
-        raise IndexError(  # error: take-index-values
-            f"take(): index has values {outside} outside [0, {size}) (the stack has {size} adapters); negative "
-            f"positions are refused rather than counted from the end"
-        )
-    return _member(adapter, index)
-
-
-def _outside(index: Tensor, size: int) -> list[int]:
-    """The values of ``index`` outside ``[0, size)`` (at most 5); none can be read under vmap."""
-    if torch._C._functorch.is_functorch_wrapped_tensor(index):
-        return []
-    bad = index[(index < 0) | (index >= size)]
-    return bad.unique()[:5].tolist()

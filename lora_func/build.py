@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lora_func._model import fresh_layer, layer_info, variant_init
+from lora_func._model import fresh_layer, layer_info, shared_init, variant_init
 from lora_func.adapter import Adapter
 from lora_func.calibration import layer_input_batches
 from lora_func.checks import check_model
@@ -94,8 +94,9 @@ def init_adapter(
         targets = [t for t in targets if t.module in fitted]
         infos = {m: fitted[m][0] for m in infos if m in fitted}
         payloads = {m: fitted[m][1] for m in infos}
-    params: dict[str, Tensor] = {}
-    buffers: dict[str, Tensor] = {}
+    # Tensors every layer reads (Variant.shared_init), drawn before the layers' own.
+    device = modules[targets[0].module].weight.device if targets else torch.device("cpu")
+    params, buffers, shared = shared_init(variant, spec, infos, device=device, generator=generator)
     layers = []
     for target in targets:
         # One target at a time: a sharded target's whole weight is gathered for its init only (a
@@ -106,4 +107,4 @@ def init_adapter(
         params.update({f"{target.module}.{name}": tensor for name, tensor in layer_params.items()})
         buffers.update({f"{target.module}.{name}": tensor for name, tensor in layer_buffers.items()})
         layers.append(layer)
-    return Adapter(params, buffers, spec, layers)
+    return Adapter(params, buffers, spec, layers, shared=shared)

@@ -43,7 +43,8 @@ from lora_func._model import base_params
 from lora_func._routing import module_forward
 from lora_func._sharded import swapped_on
 from lora_func._steps import LayerCall, VariantStep
-from lora_func.adapter import Adapter, AdapterLayer, AdapterLike, Combinator, _member, _stack_adapters, leaf_adapters, take
+from lora_func.adapter import Adapter, AdapterLayer, AdapterLike, Combinator, leaf_adapters
+from lora_func.stacking import _member, _stack_adapters, take
 from lora_func.call import _call_plan, adapted_call
 from lora_func.checks import check_base, check_model
 from lora_func.plan import adapter_tensors, checked_index, detached_base

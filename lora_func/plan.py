@@ -138,11 +138,13 @@ class TargetPlan(NamedTuple):
 
 class _Leaf(NamedTuple):
     """How to build one leaf adapter's steps: per layer ``(weight key, info, ((short name, flat
-    key), ...) of params, the same of buffers)``."""
+    key), ...) of params, the same of buffers)``; ``shared``: the leaf holds tensors every layer
+    reads (``Variant.shared_init``)."""
 
     variant: Variant
     dtype: torch.dtype
     layers: tuple[tuple[str, LayerInfo, tuple[tuple[str, str], ...], tuple[tuple[str, str], ...]], ...]
+    shared: bool = False
 
 
 class _Node(NamedTuple):
@@ -156,9 +158,15 @@ class _Node(NamedTuple):
 def _steps(program: _Leaf | _Node, node: Any) -> dict[str, LayerStep]:
     if isinstance(program, _Leaf):
         params, buffers = node.params, node.buffers
+        # Tensors every layer reads (one leaf each, so their gradient sums over the layers).
+        shared_params, shared_buffers = node.shared_tensors() if program.shared else ({}, {})
         return {
             key: VariantStep(
-                program.variant, {n: params[k] for n, k in param_keys}, {n: buffers[k] for n, k in buffer_keys}, info, program.dtype
+                program.variant,
+                shared_params | {n: params[k] for n, k in param_keys},
+                shared_buffers | {n: buffers[k] for n, k in buffer_keys},
+                info,
+                program.dtype,
             )
             for key, info, param_keys, buffer_keys in program.layers
         }
@@ -327,7 +335,7 @@ def structure_key(adapter: AdapterLike) -> tuple:
     combinator's static configuration; no tensors (``with_params`` keeps it)."""
     node: Any = adapter
     if not node.parts:
-        return (Adapter, node.spec, node.layers, node.members)
+        return (Adapter, node.spec, node.layers, node.members, node.shared, node.member_shared)
     return (type(node), node.static(), tuple(structure_key(part) for part in node.parts))
 
 
@@ -512,6 +520,7 @@ def _program(node: Any, prefix: str) -> _Leaf | _Node:
                 )
                 for layer in node.layers
             ),
+            node.shared is not None,
         )
     parts = tuple(_program(part, prefix) for part in node.parts)
     keys: dict[str, list[int]] = {}

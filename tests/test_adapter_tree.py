@@ -23,7 +23,7 @@ from torch.func import functional_call
 
 import lora_func as lf
 from lora_func._steps import LayerStep, SumStep
-from lora_func.adapter import NODE_TYPES, Combinator, leaves, walk
+from lora_func.adapter import NODE_TYPES, Combinator, leaves, own_tensor, static_field, walk
 
 R, ALPHA = 2, 4.0  # LoRA scale alpha / r = 2
 
@@ -31,19 +31,11 @@ R, ALPHA = 2, 4.0  # LoRA scale alpha / r = 2
 class Gated(Combinator, tag="test_gated"):
     """``W + gain · Σ_k gate_k (W_eff_k − W)``: a toy combinator, defined here only."""
 
-    __slots__ = ("gain", "gate", "parts")
-    tensor_fields = ("gate",)
-    static_fields = ("gain",)
-    gate: Tensor
-    gain: float
+    gate: Tensor = own_tensor(shape=lambda node: (len(node.parts),))  # each field declared once
+    gain: float = static_field()
 
     def __init__(self, parts: Sequence[lf.Adapter], gate: Tensor, gain: float) -> None:
-        object.__setattr__(self, "parts", tuple(parts))
-        object.__setattr__(self, "gate", gate)
-        object.__setattr__(self, "gain", float(gain))
-
-    def own_shapes(self) -> dict[str, tuple[int, ...]]:
-        return {"gate": (len(self.parts),)}
+        self._init(parts, gate=gate, gain=float(gain))
 
     def layer_step(self, steps: Sequence[LayerStep], present: Sequence[int]) -> LayerStep:
         return SumStep(steps, self.gain * self.gate[..., list(present)])
@@ -236,3 +228,29 @@ def test_a_saved_node_without_its_json_fields_is_damaged_metadata(setting, tmp_p
     save_file(tensors, str(tmp_path / "damaged.safetensors"), metadata=metadata | {"tree": json.dumps(tree)})
     with pytest.raises(ValueError, match="damaged lora_func metadata .*gain"):
         lf.load(tmp_path / "damaged.safetensors")
+
+
+def test_fields_are_declared_once_and_become_slots_children_and_saved_fields():
+    """Each field of a node type is one class attribute: the metaclass makes it a slot (no
+    instance dict), a pytree child or context entry, and a saved-file field, in declaration order."""
+    model = Net()
+    node = Gated([_lora(model, ["fc1"], 1), _lora(model, ["fc2"], 2)], torch.tensor([0.5, -1.5]), 2.0)
+    assert list(Gated.fields) == ["parts", "gate", "gain"]
+    assert not hasattr(node, "__dict__") and {"gate", "gain"} <= set(Gated.__slots__)
+    assert Gated.tensor_fields() == ("gate",) and Gated.static_fields() == ("gain",)
+    assert Gated.json_field_names() == ("gain", "gate_requires_grad")
+    assert node.own_shapes() == {"gate": (2,)} and node.static() == (2.0,)
+    keyed, _ = pytree.tree_flatten_with_path(node)
+    assert [pytree.keystr(path) for path, _ in keyed][:1] == [".gate"]
+    with pytest.raises(AttributeError, match="immutable"):
+        node.gain = 3.0
+
+
+def test_a_combinator_without_layer_step_cannot_be_built():
+    """The interface is declared on the base: a subclass that leaves out layer_step is abstract."""
+
+    class Incomplete(Combinator):
+        pass
+
+    with pytest.raises(TypeError, match="layer_step"):
+        Incomplete._build(parts=())

@@ -328,6 +328,35 @@ def on_model(call: Callable[[nn.Module, Ctx], Any], make: Callable[[], nn.Module
     return arrange
 
 
+def _with_tied(make: Callable[[Ctx, nn.Module], Callable[[], Any]], *, refuse: bool = False) -> Callable[[Ctx], Callable[[], Any]]:
+    """``make(ctx, model)`` with the test-only Tied-LoRA variant (a tensor shared across layers)
+    registered; ``refuse``: its shared_init raises, as for layers of different ranks."""
+
+    def arrange(ctx: Ctx) -> Callable[[], Any]:
+        from lora_func import variants
+        from tests.shared_variants import FROZEN, NAME, TIED
+
+        ctx.monkeypatch.setitem(variants._discover(), FROZEN.name, FROZEN)
+
+        def refusing(infos: Any, **kwargs: Any) -> Any:
+            raise ValueError("tied_lora needs one rank for every layer, got [2, 3]")
+
+        ctx.monkeypatch.setitem(variants._discover(), NAME, dataclasses.replace(TIED, shared_init=refusing) if refuse else TIED)
+        return make(ctx, ctx.model())
+
+    return arrange
+
+
+def _frozen_saved_changed(ctx: Ctx, model: nn.Module) -> Callable[[], Any]:
+    """A trainable_only file of Tied-LoRA with a frozen shared A changed after init: the A that
+    shared_init rebuilds on load differs from the saved digest."""
+    adapter = ctx.adapter(model, "tied_frozen")
+    key = "<shared>.tied_A"
+    changed = adapter.with_buffers({**adapter.buffers, key: adapter.buffers[key] + 1})
+    lf.save(changed, ctx.tmp / "t.safetensors", trainable_only=True)
+    return functools.partial(lf.load, ctx.tmp / "t.safetensors", model=model)
+
+
 def on_adapter(call: Callable[[lf.Adapter, Ctx], Any], *, dist: dict | None = None) -> Callable[[Ctx], Callable[[], Any]]:
     """``call(adapter, ctx)`` with a LoRA adapter on a tracked tiny Llama; ``dist``: fake_dist kwargs."""
 
@@ -902,6 +931,9 @@ CASES.update(
         "stack-nested": Case(on_two(lambda m, a, b, ctx: lf.stack([a, lf.stack([a, a])])), ("adapter 1", "(2,)", "unstack")),
         "stack-nested-padded": Case(_padded, ("unstack",)),
         "stack-not-rank-axis": Case(_incomplete_rank_axes, ("lora", "'lora_B'", Q)),
+        "load-shared-buffers-differ": Case(_with_tied(_frozen_saved_changed), ("t.safetensors", "tied_frozen")),
+        "init-shared-failed": Case(_with_tied(lambda ctx, m: functools.partial(ctx.adapter, m, "tied_lora"), refuse=True), ("tied_lora", "needs one rank")),
+        "adapter-init-shared": Case(on_adapter(lambda a, ctx: lf.Adapter(a.params, a.buffers, a.spec, a.layers, shared="x")), ("SharedTensors", "str")),
         "stack-mixed-kinds": Case(on_two(lambda m, a, b, ctx: lf.stack([a, lf.compose(a, b)])), ("Adapter", "Composed")),
         "stack-parts": Case(on_two(lambda m, a, b, ctx: lf.stack([lf.compose(a), lf.compose(a, b)])), ("Composed", "[1, 2]")),
         # batching under vmap
@@ -935,18 +967,18 @@ CASES.update(
         "peft-unsupported-features": Case(saved_peft(lambda d, ctx, m: _peft_on(d, ctx, m, config={"bias": "all"})), ("LORA", "['bias']")),
         "peft-incomplete": Case(saved_peft(lambda d, ctx, m: _peft_on(d, ctx, m, tensors=lambda t: {k: v for k, v in t.items() if not (Q in k and "lora_B" in k)})), (Q, "['lora_A']", "['lora_A', 'lora_B']")),
         "peft-rank-mismatch": Case(saved_peft(lambda d, ctx, m: _peft_on(d, ctx, m, config={"r": 3, "rank_pattern": {}})), ("rank 2", "says 3")),
-        "peft-converted-init": Case(saved_peft(lambda d, ctx, m: _peft_on(d, ctx, m, config={"init_lora_weights": "olora"})), ("'olora'", "path_initial_model_for_weight_conversion")),
-        "peft-ia3-shape": Case(saved_peft(lambda d, ctx, m: _peft_on(d, ctx, m, config={"feedforward_modules": ["q_proj"]}), variant="ia3", targets=("q_proj",)), (Q, "(32, 1)", "(1, d_in)")),
+        "peft-layer-unread": Case(saved_peft(lambda d, ctx, m: _peft_on(d, ctx, m, config={"init_lora_weights": "olora"})), ("'olora'", "path_initial_model_for_weight_conversion")),
+        "peft-vector-shape": Case(saved_peft(lambda d, ctx, m: _peft_on(d, ctx, m, config={"feedforward_modules": ["q_proj"]}), variant="ia3", targets=("q_proj",)), (Q, "(32, 1)", "(1, d_in)")),
         "peft-unknown-type": Case(saved_peft(lambda d, ctx, m: _peft_on(d, ctx, m, config={"peft_type": "PROMPT_TUNING"})), ("'PROMPT_TUNING'", "LORA")),
-        "save-peft-pissa-needs-model": Case(save_peft_of(lambda ctx: (ctx.adapter(ctx.model(), variant="pissa"), None)), ("model=",)),
-        "save-peft-pissa-other-base": Case(save_peft_of(lambda ctx: (ctx.adapter(ctx.model(), variant="pissa"), ctx.model(seed=1))), (Q,)),
+        "save-peft-needs-model": Case(save_peft_of(lambda ctx: (ctx.adapter(ctx.model(), variant="pissa"), None)), ("model=",)),
+        "save-peft-other-base": Case(save_peft_of(lambda ctx: (ctx.adapter(ctx.model(), variant="pissa"), ctx.model(seed=1))), (Q,)),
         "save-peft-stacked": Case(save_peft_of(lambda ctx: (lf.stack([ctx.adapter(ctx.model())] * 2), None)), ("(2,)", "unstack")),
         "save-peft-tied": Case(save_peft_of(lambda ctx: (ctx.adapter(ctx.model("gpt2"), targets=["lm_head"], tied="both"), None)), ("lm_head", "transformer.wte.weight", "lora_func.merged_state_dict")),
         "save-peft-conv1d": Case(save_peft_of(lambda ctx: (ctx.adapter(ctx.model("gpt2"), variant="hra", targets=["c_attn"]), None)), ("hra", "transformer.h.0.attn.c_attn")),
         "save-peft-no-equivalent": Case(save_peft_of(lambda ctx: (ctx.adapter(ctx.model(), variant="antipasto"), None)), ("antipasto", "lora_func.save")),
         "save-peft-combined": Case(save_peft_of(lambda ctx: (lf.combine([ctx.adapter(ctx.model())], [1.0]), None)), ("lora_func.merged_state_dict",)),
         "save-peft-not-adapter": Case(save_peft_of(lambda ctx: ({}, None)), ("dict",)),
-        "save-peft-hra-ranks": Case(save_peft_of(lambda ctx: (_composed(ctx, {"variant": "hra", "r": 2}, {"variant": "hra", "r": 4, "targets": ["v_proj"]}), None)), ("r=",)),
+        "save-peft-one-rank": Case(save_peft_of(lambda ctx: (_composed(ctx, {"variant": "hra", "r": 2}, {"variant": "hra", "r": 4, "targets": ["v_proj"]}), None)), ("r=",)),
         "save-peft-wrong-model": Case(save_peft_of(lambda ctx: (ctx.adapter(ctx.model()), ctx.model("gpt2"))), (Q + ".weight", "GPT2LMHeadModel")),
         "save-peft-mixed-methods": Case(save_peft_of(lambda ctx: (_composed(ctx, {}, {"variant": "ia3", "targets": ["v_proj"]}), None)), ("LORA", "IA3")),
         "save-peft-same-layers": Case(save_peft_of(lambda ctx: (_composed(ctx, {}, {"r": 3}), None)), (Q,)),

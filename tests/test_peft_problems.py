@@ -8,6 +8,9 @@ for PiSSA) or written, and the peft table covers what the format needs per varia
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -145,7 +148,7 @@ def test_the_table_gives_each_peft_variant_its_keys_and_shapes():
     own tensor shapes (an entry with a wrong key or shape would refuse its own checkpoints)."""
     model = tiny_model("llama")
     for variant in lf.list_variants():
-        fmt = peft.FORMATS.get(variant)
+        fmt = lf.get_variant(variant).peft
         if fmt is None:
             assert peft_problems(_adapter(model, "llama", variant), model=model), variant
             continue
@@ -156,3 +159,20 @@ def test_the_table_gives_each_peft_variant_its_keys_and_shapes():
             assert set(fmt.keys) <= set(params) | set(buffers), variant
             assert stored == fmt.shapes(layer.info.r, layer.target.d_in, layer.target.d_out), variant
             assert set(fmt.buffers) <= set(buffers), variant
+
+
+def test_io_peft_names_no_variant():
+    """The peft reader/writer is generic: each variant's mapping is its own file's entry
+    (``Variant(peft=...)``), so io/peft.py names none of them (code, messages or docs)."""
+    text = (Path(peft.__file__)).read_text()
+    named = sorted({v for v in lf.list_variants() if re.search(rf"\b{re.escape(v)}\b", text, re.IGNORECASE)})
+    assert named == [], f"lora_func/io/peft.py names the variants {named}"
+
+
+def test_the_variants_of_one_peft_method_share_its_entry():
+    """Variants stored as one peft_type share one PeftMethod (one set of config rules)."""
+    formats = {v: lf.get_variant(v).peft for v in lf.list_variants() if lf.get_variant(v).peft is not None}
+    by_type: dict = {}
+    for fmt in formats.values():
+        by_type.setdefault(fmt.method.peft_type, set()).add(id(fmt.method))
+    assert all(len(ids) == 1 for ids in by_type.values()), by_type

@@ -2,42 +2,19 @@
 
 Adapters trained with peft load onto the untouched base model (:func:`load_peft`), and
 lora_func adapters are written in peft's format (:func:`save_peft`) for peft and the tools
-that read it (vLLM, TGI, LoRAX). This is the only module that knows peft's key names; each
-row below is one entry of :data:`FORMATS` (:class:`PeftFormat`), the one place that says how
-a variant is stored, written and read, and :func:`peft_problems` says whether an adapter fits:
+that read it (vLLM, TGI, LoRAX); :func:`peft_problems` says whether an adapter fits.
 
-============  ===========  =====================================================================
-lora_func     peft_type    tensors (``base_model.model.<module>.<name>``)
-============  ===========  =====================================================================
-lora, eva     LORA         ``lora_A.weight (r, d_in)``, ``lora_B.weight (d_out, r)``
-dora          LORA         the same plus ``lora_magnitude_vector (d_out,)``, ``use_dora=true``
-pissa         LORA         converted to a plain LoRA of rank ``2r`` on the untouched base
-ia3, ia3_ff   IA3          ``ia3_l (d_out, 1)``, or ``(1, d_in)`` for ``feedforward_modules``
-hra           HRA          ``hra_u (d_in, r)``
-delora        DELORA       ``delora_A``, ``delora_B``, ``delora_lambda (1,)``, ``delora_w_norm (d_in,)``
-============  ===========  =====================================================================
-
-peft shapes adapter tensors in feature terms on GPT-2 ``Conv1D`` too (``fan_in_fan_out`` only
-changes how peft merges), so the tensors are the same on both layer kinds.
-
-PiSSA: peft overwrites the base weight with the residual ``W_res = W − s·B0 A0``, so a PiSSA
-checkpoint as peft saves it by default is relative to a base nobody else has. ``save_peft``
-therefore writes what peft's ``save_pretrained(path_initial_model_for_weight_conversion=...)``
-writes: the plain LoRA ``ΔW = s·(B A − B0 A0) = s·[B, −B0][A; A0]`` of rank ``2r`` (same
-scale) relative to the untouched base. lora_func does not keep ``A0, B0``: it recovers them
-from ``s·B0 A0 = W − W_res`` by an SVD (rank ``r`` exactly, up to fp32 round-off), which
-needs the base weights (``model=``) and works for any PiSSA adapter, including a randomized-SVD
-one or one loaded from a file. A peft PiSSA checkpoint saved without the conversion
-(``init_lora_weights="pissa"``) loads as a lora_func ``pissa`` adapter whose residual is
-recomputed from the base exactly as peft does on load.
+This module is a generic reader/writer: how each variant is stored (its peft method, key
+names, shapes, config fields, how a checkpoint's layer reads as it, any conversion) is the
+variant's own ``Variant(peft=PeftFormat(...))`` entry, in its file (see
+:mod:`lora_func.variants`); docs/io.md has the table. A variant without an entry has no peft
+equivalent.
 """
 
 from __future__ import annotations
 
 import collections
-import functools
 import json
-import math
 import os
 import pickle
 import re
@@ -52,15 +29,35 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from lora_func._kernels import lora_scale
-from lora_func.adapter import Adapter, AdapterLayer, AdapterLike, AdapterNode, Composed, compose, leaves, walk
+from lora_func._model import (
+    adapter_layer,
+    base_params,
+    layer_info,
+    variant_init,
+    weight_fingerprint,
+)
+from lora_func.adapter import (
+    Adapter,
+    AdapterLayer,
+    AdapterLike,
+    AdapterNode,
+    Composed,
+    compose,
+    leaves,
+    walk,
+)
 from lora_func.checks import check_model, check_path
-from lora_func._model import adapter_layer, base_params, layer_info, variant_init, weight_fingerprint
 from lora_func.io._files import replace_directory, safetensors_write
-from lora_func.spec import AdapterSpec
 from lora_func.quantized import kind_of_tensor
+from lora_func.spec import AdapterSpec
 from lora_func.targeting import Target, canonical_weight, find_targets, tensor_names
-from lora_func.variants import LayerInfo, get_variant
+from lora_func.variants import (
+    PeftFormat,
+    PeftMethod,
+    get_variant,
+    is_finite_number,
+    list_variants,
+)
 
 __all__ = ["load_peft", "peft_problems", "save_peft"]
 
@@ -69,56 +66,28 @@ WEIGHTS_NAME = "adapter_model.safetensors"
 LEGACY_WEIGHTS_NAME = "adapter_model.bin"
 PREFIX = "base_model.model."
 
-# LoRA inits that leave the base untouched: the checkpoint is a plain LoRA on the original base.
-PLAIN_LORA_INITS = (True, False, "gaussian", "orthogonal")
-# LoraConfig fields lora_func has no equivalent for: any truthy value is refused.
-UNSUPPORTED_LORA_FIELDS = (
-    "lora_bias", "layer_replication", "target_parameters", "alora_invocation_tokens", "use_qalora", "use_bdlora",
-    "arrow_config", "monteclora_config", "kasa_config", "velora_config", "trainable_token_indices", "modules_to_save",
-    "megatron_config",
-)
-# The eva options peft keeps in eva_config.
-EVA_FIELDS = ("rho", "tau", "whiten", "adjust_scaling_factors")
+# ============================================================ the variants' entries
 
 
-# ============================================================ the format: one entry per variant
+def _formats() -> dict[str, PeftFormat]:
+    """Every registered variant that peft can hold -> its entry, by name. The entries of one
+    method are tried in this order when reading (their ``reads`` exclude one another), and a
+    checkpoint with layers of several variants loads as their composition in this order."""
+    return {name: fmt for name in list_variants() if (fmt := get_variant(name).peft) is not None}
 
 
-@dataclass(frozen=True)
-class _Method:
-    """What a peft method (one ``peft_type``) writes alike for every lora_func variant stored as it.
-
-    Attributes:
-      fixed: config fields with one value for every checkpoint of the method.
-      rank_of: ``(lora_func tensor name, axis)`` that holds a layer's rank, written as ``r``
-        (and ``rank_pattern``) and checked against the config on load; ``None``: no rank.
-      rank_pattern: whether the method has per-layer ranks (peft's HRA has one rank).
-      alpha: whether the method has ``lora_alpha`` / ``alpha_pattern``.
-      feedforward_modules: whether the config lists the feed-forward layers (IA3).
-      refused: config fields that change the math in ways lora_func does not have: a
-        checkpoint with any of them set (truthy) is refused on load.
-    """
-
-    fixed: Mapping[str, Any]
-    refused: tuple[str, ...] = ("modules_to_save",)
-    rank_of: tuple[str, int] | None = None
-    rank_pattern: bool = False
-    alpha: bool = False
-    feedforward_modules: bool = False
-
-
-METHODS: dict[str, _Method] = {
-    "LORA": _Method({"bias": "none"}, UNSUPPORTED_LORA_FIELDS, rank_of=("lora_A", 0), rank_pattern=True, alpha=True),
-    "IA3": _Method({"init_ia3_weights": True}, feedforward_modules=True),
-    "HRA": _Method({"bias": "none", "apply_GS": False}, ("modules_to_save", "apply_GS"), rank_of=("hra_u", -1)),
-    "DELORA": _Method({"bias": "none", "lambda_pattern": {}, "module_dropout": 0.0}, rank_of=("delora_A", 0), rank_pattern=True),
-}
+def _methods() -> dict[str, PeftMethod]:
+    """peft_type -> its method, from the entries (variants of one method share it)."""
+    methods: dict[str, PeftMethod] = {}
+    for fmt in _formats().values():
+        methods.setdefault(fmt.method.peft_type, fmt.method)
+    return methods
 
 
 @dataclass(frozen=True)
 class _Out:
     """One layer as peft stores it; ``tensors()`` (peft suffix -> tensor in peft's shape) is
-    computed only when the checkpoint is written (PiSSA's conversion runs an SVD)."""
+    computed only when the checkpoint is written (a conversion may run an SVD)."""
 
     target: Target
     tensors: Callable[[], dict[str, Tensor]]
@@ -127,231 +96,51 @@ class _Out:
     feedforward: bool = False
 
 
-@dataclass(frozen=True)
-class PeftFormat:
-    """How one lora_func variant is stored in peft's format: one entry of :data:`FORMATS`.
+def _stored(fmt: PeftFormat, found: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """A layer's tensors (lora_func names) as peft stores them (peft suffixes and shapes)."""
+    out = {}
+    for name, suffix in fmt.keys.items():
+        tensor = found[name]
+        out[suffix] = tensor.unsqueeze(fmt.matrix[name][0]) if name in fmt.matrix else tensor
+    return out
 
-    Attributes:
-      peft_type: the peft method (a key of :data:`METHODS`).
-      keys: lora_func tensor name -> the peft key suffix it is stored under
-        (``base_model.model.<module>.<suffix>``).
-      shapes: ``(r, d_in, d_out) -> {tensor name: shape}``, lora_func's shapes, checked on load.
-      config: the spec's options -> the config fields they set (the same for every layer).
-      reads: ``(config, module) -> spec options`` when the checkpoint's layer ``module`` is this
-        variant, else ``None`` (peft's ``init_lora_weights`` / ``use_dora`` pick among the LORA
-        variants, ``feedforward_modules`` between ia3 and ia3_ff).
-      buffers: the keys that are buffers, not trainable.
-      old_keys: peft suffixes that older peft versions wrote -> tensor name (read only).
-      matrix: tensor name -> ``(axis, what peft stores)``: a vector that peft stores as a
-        one-row or one-column matrix, with a size-1 ``axis`` (IA3's ``(d_out, 1)`` / ``(1, d_in)``).
-      feedforward: the layers are listed in the method's ``feedforward_modules``.
-      conv1d: peft accepts the method on GPT-2 ``Conv1D``.
-      export: ``(adapter, layer, base) -> _Out`` where the variant is stored converted (PiSSA);
-        ``None``: its tensors as they are.
-      load_buffers: ``(module, target, info, spec) -> buffers`` that the checkpoint does not
-        hold, recomputed from the base on load (PiSSA's residual); ``None``: the checkpoint's.
-    """
 
-    peft_type: str
-    keys: Mapping[str, str]
-    shapes: Callable[[int, int, int], dict[str, tuple[int, ...]]]
-    config: Callable[[Mapping[str, Any]], dict[str, Any]]
-    reads: Callable[[Mapping[str, Any], str], dict[str, Any] | None]
-    buffers: frozenset[str] = frozenset()
-    old_keys: Mapping[str, str] = field(default_factory=dict)
-    matrix: Mapping[str, tuple[int, str]] = field(default_factory=dict)
-    feedforward: bool = False
-    conv1d: bool = True
-    export: Callable[[Adapter, AdapterLayer, Mapping[str, Tensor] | None], _Out] | None = None
-    load_buffers: Callable[[nn.Module, Target, LayerInfo, AdapterSpec], dict[str, Tensor]] | None = None
-
-    def out(self, adapter: Adapter, layer: AdapterLayer, base: Mapping[str, Tensor] | None) -> _Out:
-        """``layer`` of ``adapter`` as peft stores it."""
-        if self.export is not None:
-            return self.export(adapter, layer, base)
-        params, buffers = adapter.layer_tensors(layer)
-        found = params | buffers
-        method = METHODS[self.peft_type]
-
-        def tensors() -> dict[str, Tensor]:
-            out = {}
-            for name, suffix in self.keys.items():
-                tensor = found[name]
-                out[suffix] = tensor.unsqueeze(self.matrix[name][0]) if name in self.matrix else tensor
-            return out
-
+def _out(fmt: PeftFormat, adapter: Adapter, layer: AdapterLayer, base: Mapping[str, Tensor] | None) -> _Out:
+    """``layer`` of ``adapter`` as peft stores it, after checking that a conversion has the base it needs."""
+    params, buffers = adapter.layer_tensors(layer)
+    t, name = layer.target, adapter.spec.variant
+    if fmt.export is None:
+        method = fmt.method
         return _Out(
-            layer.target,
-            tensors,
+            t,
+            lambda: _stored(fmt, params | buffers),
             r=layer.info.r if method.rank_of is not None else None,
             alpha=layer.info.alpha if method.alpha else None,
-            feedforward=self.feedforward,
+            feedforward=fmt.feedforward,
         )
-
-
-def _lora_shapes(r: int, d_in: int, d_out: int) -> dict[str, tuple[int, ...]]:
-    return {"lora_A": (r, d_in), "lora_B": (d_out, r)}
-
-
-def _lora_config(options: Mapping[str, Any], *, use_dora: bool = False, init: str | bool = True) -> dict[str, Any]:
-    return {
-        "lora_dropout": float(options.get("dropout", 0.0)),
-        "use_rslora": bool(options.get("use_rslora", False)),
-        "use_dora": use_dora,
-        "init_lora_weights": init,
-        "eva_config": {k: options[k] for k in EVA_FIELDS} if init == "eva" else None,
-    }
-
-
-def _lora_reads(config: Mapping[str, Any], *, use_dora: bool, inits: Sequence[Any]) -> dict[str, Any] | None:
-    """The options shared by the LORA variants, when the config's ``use_dora`` and
-    ``init_lora_weights`` are this variant's."""
-    if bool(config.get("use_dora", False)) != use_dora or config.get("init_lora_weights", True) not in inits:
-        return None
-    # dropout is peft's lora_dropout: it acts in training steps only.
-    return {"use_rslora": bool(config.get("use_rslora", False)), "dropout": float(config.get("lora_dropout") or 0.0)}
-
-
-def _plain_lora_reads(config: Mapping[str, Any], module: str) -> dict[str, Any] | None:
-    options = _lora_reads(config, use_dora=False, inits=PLAIN_LORA_INITS)
-    return None if options is None else options | {"init": "gaussian" if config.get("init_lora_weights") == "gaussian" else "kaiming"}
-
-
-def _eva_reads(config: Mapping[str, Any], module: str) -> dict[str, Any] | None:
-    options = _lora_reads(config, use_dora=False, inits=("eva",))
-    eva = config.get("eva_config") or {}
-    return None if options is None else options | {k: eva[k] for k in EVA_FIELDS if k in eva}
-
-
-def _pissa_reads(config: Mapping[str, Any], module: str) -> dict[str, Any] | None:
-    """An unconverted peft PiSSA checkpoint (``init_lora_weights="pissa"``): a lora_func pissa
-    adapter whose residual is recomputed from the base (the full SVD, as peft does on load)."""
-    options = _lora_reads(config, use_dora=False, inits=("pissa",))
-    return None if options is None else options | {"niter": 0}
-
-
-def _is_feedforward(feedforward_modules: str | Sequence[str] | None, module: str) -> bool:
-    """peft's ``IA3Model._check_target_module_feedforward`` (note: ``endswith`` without a dot)."""
-    if not feedforward_modules:
-        return False
-    if isinstance(feedforward_modules, str):
-        return re.fullmatch(feedforward_modules, module) is not None
-    return any(module.endswith(t) for t in feedforward_modules)
-
-
-def _pissa_residual(module: nn.Module, target: Target, info: LayerInfo, spec: AdapterSpec) -> dict[str, Tensor]:
-    """peft recomputes PiSSA's residual from the base when it loads an unconverted PiSSA
-    checkpoint (full SVD, deterministic); lora_func's pissa init runs the same operations."""
-    _, buffers, _ = variant_init(get_variant("pissa"), spec, module, target, info, generator=torch.Generator().manual_seed(0))
-    return buffers
-
-
-def _pissa_as_lora(adapter: Adapter, layer: AdapterLayer, base: Mapping[str, Tensor] | None) -> _Out:
-    """PiSSA as a plain LoRA of rank 2r on the untouched base (peft's conversion):
-    ``A' = [A; A0] (2r, d_in)``, ``B' = [B, −B0] (d_out, 2r)``, same scale."""
-    t = layer.target
-    if base is None:
-        raise ValueError(  # error: save-peft-pissa-needs-model
-            f"save_peft of a pissa adapter needs model=<the base model>: peft's format stores PiSSA as a LoRA "
-            f"relative to the untouched base, and its initial factors are recovered from W − W_res ({t.module})"
-        )
-    weight = base[t.weight_key]
-    if weight_fingerprint(weight) != layer.base_fingerprint:
-        raise ValueError(  # error: save-peft-pissa-other-base
-            f"save_peft: the pissa adapter on {t.module} was derived from other base weights than this model's "
-            f"(fingerprint {layer.base_fingerprint}, model {weight_fingerprint(weight)}); pass the model it was built on"
-        )
-    params, buffers = adapter.layer_tensors(layer)
-    r, s = layer.info.r, lora_scale(layer.info)
-
-    def tensors() -> dict[str, Tensor]:
-        w_res = buffers["W_res"]
-        compute = torch.promote_types(w_res.dtype, torch.float32)
-        # s·B0 A0 = W − W_res; its top-r SVD gives factors with exactly that product up to round-off.
-        initial = canonical_weight(weight, t.layout).to(compute) - w_res.to(compute)
-        u, sv, vh = torch.linalg.svd(initial, full_matrices=False)
-        root = torch.sqrt(sv[:r] / s)
-        a0, b0 = root[:, None] * vh[:r], u[:, :r] * root[None, :]
-        dtype = params["lora_A"].dtype
-        lora_a = torch.cat([params["lora_A"], a0.to(dtype)], dim=0)
-        lora_b = torch.cat([params["lora_B"], -b0.to(dtype)], dim=1)
-        return {"lora_A.weight": lora_a, "lora_B.weight": lora_b}
-
-    rslora = dict(layer.info.options).get("use_rslora", False)
-    # peft's conversion: rank 2r, alpha 2·alpha (alpha·√2 with rsLoRA), so the scale is unchanged.
-    alpha = layer.info.alpha * (math.sqrt(2) if rslora else 2)
-    return _Out(t, tensors, r=2 * r, alpha=alpha)
-
-
-_LORA_KEYS = {"lora_A": "lora_A.weight", "lora_B": "lora_B.weight"}
-
-# Every lora_func variant that peft can hold; a variant missing here (antipasto) has no peft
-# equivalent. The LORA entries are tried in this order when reading (their `reads` exclude
-# one another), and a checkpoint with layers of several variants (IA3 with
-# feedforward_modules) loads as their composition in this order.
-FORMATS: dict[str, PeftFormat] = {
-    "lora": PeftFormat("LORA", _LORA_KEYS, _lora_shapes, _lora_config, _plain_lora_reads),
-    "dora": PeftFormat(
-        "LORA",
-        _LORA_KEYS | {"lora_magnitude_vector": "lora_magnitude_vector"},
-        lambda r, d_in, d_out: _lora_shapes(r, d_in, d_out) | {"lora_magnitude_vector": (d_out,)},
-        functools.partial(_lora_config, use_dora=True),
-        lambda config, module: _lora_reads(config, use_dora=True, inits=PLAIN_LORA_INITS),
-        old_keys={"lora_magnitude_vector.weight": "lora_magnitude_vector"},
-    ),
-    "pissa": PeftFormat(
-        "LORA",
-        _LORA_KEYS,
-        _lora_shapes,
-        _lora_config,
-        _pissa_reads,
-        export=_pissa_as_lora,
-        load_buffers=_pissa_residual,
-    ),
-    "eva": PeftFormat("LORA", _LORA_KEYS, _lora_shapes, functools.partial(_lora_config, init="eva"), _eva_reads),
-    "ia3": PeftFormat(
-        "IA3",
-        {"ia3_l": "ia3_l"},
-        lambda r, d_in, d_out: {"ia3_l": (d_out,)},
-        lambda options: {},
-        lambda config, module: None if _is_feedforward(config.get("feedforward_modules"), module) else {},
-        matrix={"ia3_l": (1, "a non-feed-forward IA3 layer has (d_out, 1)")},
-    ),
-    "ia3_ff": PeftFormat(
-        "IA3",
-        {"ia3_l": "ia3_l"},
-        lambda r, d_in, d_out: {"ia3_l": (d_in,)},
-        lambda options: {},
-        lambda config, module: {} if _is_feedforward(config.get("feedforward_modules"), module) else None,
-        matrix={"ia3_l": (0, "a feed-forward IA3 layer has (1, d_in)")},
-        feedforward=True,
-    ),
-    "hra": PeftFormat(
-        "HRA",
-        {"hra_u": "hra_u"},
-        lambda r, d_in, d_out: {"hra_u": (d_in, r)},
-        lambda options: {"init_weights": options["init"] == "paired"},
-        lambda config, module: {"init": "paired" if config.get("init_weights", True) else "random"},
-        conv1d=False,
-    ),
-    "delora": PeftFormat(
-        "DELORA",
-        {name: name for name in ("delora_A", "delora_B", "delora_lambda", "delora_w_norm")},
-        lambda r, d_in, d_out: {"delora_A": (r, d_in), "delora_B": (d_out, r), "delora_lambda": (1,), "delora_w_norm": (d_in,)},
-        lambda options: {"delora_lambda": float(options["lambda0"])},
-        lambda config, module: {"lambda0": float(config.get("delora_lambda", 15.0))},
-        buffers=frozenset({"delora_w_norm"}),
-        conv1d=False,
-    ),
-}
+    weight = None
+    if fmt.export_needs_base is not None:
+        if base is None:
+            raise ValueError(  # error: save-peft-needs-model
+                f"save_peft of a {name} adapter needs model=<the base model>: {fmt.export_needs_base} ({t.module})"
+            )
+        weight = base[t.weight_key]
+        if layer.base_fingerprint is not None and weight_fingerprint(weight) != layer.base_fingerprint:
+            raise ValueError(  # error: save-peft-other-base
+                f"save_peft: the {name} adapter on {t.module} was derived from other base weights than this model's "
+                f"(fingerprint {layer.base_fingerprint}, model {weight_fingerprint(weight)}); pass the model it was built on"
+            )
+        weight = canonical_weight(weight, t.layout)
+    converted = fmt.export(params, buffers, weight, layer.info)
+    return _Out(t, lambda: _stored(fmt, converted.tensors()), r=converted.r, alpha=converted.alpha, feedforward=fmt.feedforward)
 
 
 def _suffixes(peft_type: str) -> dict[str, str]:
     """peft key suffix -> lora_func tensor name, for every variant stored as ``peft_type``."""
     return {
         suffix: name
-        for fmt in FORMATS.values()
-        if fmt.peft_type == peft_type
+        for fmt in _formats().values()
+        if fmt.method.peft_type == peft_type
         for suffix, name in [*((s, n) for n, s in fmt.keys.items()), *fmt.old_keys.items()]
     }
 
@@ -417,8 +206,7 @@ def _config_problems(config: Mapping[str, Any]) -> list[str]:
     """Values of the config fields lora_func reads that have the wrong type or are not finite
     (json reads ``NaN`` and ``1e999``): each would fail deep inside, or make every output NaN."""
 
-    def number(value: Any) -> bool:
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    number = is_finite_number
 
     def rank(value: Any) -> bool:
         return isinstance(value, int) and not isinstance(value, bool) and value >= 1
@@ -428,19 +216,16 @@ def _config_problems(config: Mapping[str, Any]) -> list[str]:
             isinstance(value, list) and all(isinstance(v, str) for v in value)
         )
 
-    checks = {
+    checks: dict[str, Callable[[Any], bool]] = {
         "r": rank,
         "lora_alpha": number,
-        "delora_lambda": number,
-        "lora_dropout": lambda v: v is None or (number(v) and 0 <= v < 1),
-        "use_rslora": lambda v: isinstance(v, bool),
-        "use_dora": lambda v: isinstance(v, bool),
-        "init_weights": lambda v: isinstance(v, bool),
-        "init_lora_weights": lambda v: isinstance(v, (bool, str)),
         "target_modules": selector,
         "feedforward_modules": selector,
-        "eva_config": lambda v: v is None or (isinstance(v, dict) and all(number(v[k]) for k in ("rho", "tau") if k in v)),
     }
+    # The fields the variants' entries read (every entry's checks, whatever the peft_type, as a
+    # field means one thing in peft).
+    for fmt in _formats().values():
+        checks |= {**fmt.method.checks, **fmt.checks}
     problems = [f"{name}={config[name]!r}" for name, ok in checks.items() if name in config and not ok(config[name])]
     for name, ok in (("rank_pattern", rank), ("alpha_pattern", number)):
         patterns = config.get(name)
@@ -567,7 +352,9 @@ def _assemble(
         targets = find_targets(model, spec)
     except ValueError as err:
         raise ValueError(f"load_peft({directory}): {err}") from None  # error: peft-layer-refused
-    variant, fmt = get_variant(variant_name), FORMATS[variant_name]
+    variant = get_variant(variant_name)
+    fmt = variant.peft
+    assert fmt is not None  # read by its entry
     params: dict[str, Tensor] = {}
     buffers: dict[str, Tensor] = {}
     out_layers = []
@@ -584,7 +371,10 @@ def _assemble(
         module = modules[target.module]
         weight = module.weight
         info = layer_info(spec, target, r=rank, alpha=layer_alpha)
-        layer_buffers = dict(layer.buffers) if fmt.load_buffers is None else fmt.load_buffers(module, target, info, spec)
+        layer_buffers = dict(layer.buffers)
+        if fmt.recompute_buffers:
+            # As peft does on load (e.g. a residual from the base): the variant's own init on the base.
+            layer_buffers = variant_init(variant, spec, module, target, info, generator=torch.Generator().manual_seed(0))[1]
         for name, tensor in layer.params.items():
             params[f"{target.module}.{name}"] = tensor.to(weight.device, dtype).contiguous().requires_grad_(True)
         for name, tensor in layer_buffers.items():
@@ -603,11 +393,12 @@ def _assemble(
 def _warn_training_only(directory: Path, config: Mapping[str, Any]) -> None:
     """Say so when a field that only acts in training is dropped (the loaded adapter computes
     what peft computes at inference, but training it would differ)."""
-    dropped = {k: config[k] for k in ("module_dropout",) if isinstance(config.get(k), (int, float)) and config[k] > 0}
+    method = _methods()[config["peft_type"]]
+    dropped = {k: config[k] for k in method.training_only if isinstance(config.get(k), (int, float)) and config[k] > 0}
     if dropped:
         warnings.warn(
-            f"{directory / CONFIG_NAME}: {dropped} not applied: lora_func's DeLoRA has no module dropout. The loaded "
-            f"adapter gives peft's outputs at inference; further training runs without it",
+            f"{directory / CONFIG_NAME}: {dropped} not applied: {'; '.join(method.training_only[k] for k in dropped)}. The "
+            f"loaded adapter gives peft's outputs at inference; further training runs without it",
             UserWarning,
             stacklevel=3,
         )
@@ -615,7 +406,7 @@ def _warn_training_only(directory: Path, config: Mapping[str, Any]) -> None:
 
 def _refuse_unsupported(directory: Path, config: Mapping[str, Any]) -> None:
     """Raise for config features that change the math and that lora_func does not have."""
-    bad = sorted(name for name in METHODS[config["peft_type"]].refused if config.get(name))
+    bad = sorted(name for name in _methods()[config["peft_type"]].refused if config.get(name))
     bad += ["bias"] if config.get("bias", "none") != "none" else []
     if bad:
         raise ValueError(  # error: peft-unsupported-features
@@ -645,17 +436,12 @@ def _checked_rank(directory: Path, config: Mapping[str, Any], module: str, got: 
 
 def _format_for(directory: Path, config: Mapping[str, Any], peft_type: str, module: str) -> tuple[str, dict[str, Any]]:
     """The lora_func variant that reads the checkpoint's layer ``module``, and its spec options."""
-    for name, fmt in FORMATS.items():
-        if fmt.peft_type == peft_type and (options := fmt.reads(config, module)) is not None:
+    for name, fmt in _formats().items():
+        if fmt.method.peft_type == peft_type and (options := fmt.reads(config, module)) is not None:
             return name, options
-    # Only LORA checkpoints can be refused here: every other method has an entry for any config.
-    init, use_dora = config.get("init_lora_weights", True), bool(config.get("use_dora", False))
-    raise ValueError(  # error: peft-converted-init
-        f"{directory} was initialised with init_lora_weights={init!r}{' and use_dora' if use_dora else ''}: peft changed "
-        f"its base weights for it, so the checkpoint is relative to a base lora_func does not have; save it in peft with "
-        f"save_pretrained(..., path_initial_model_for_weight_conversion=<dir of the initial adapter>) to get a "
-        f"plain LoRA on the original base"
-    )
+    unread = _methods()[peft_type].unread
+    why = unread(config) if unread is not None else f"no {peft_type} entry reads its config"
+    raise ValueError(f"{directory} cannot be read as a lora_func variant at {module}: {why}")  # error: peft-layer-unread
 
 
 def _layer_from_peft(directory: Path, config: Mapping[str, Any], module: str, fmt: PeftFormat, found: Mapping[str, Tensor]) -> _Layer:
@@ -665,9 +451,9 @@ def _layer_from_peft(directory: Path, config: Mapping[str, Any], module: str, fm
     for name, (axis, stored_as) in fmt.matrix.items():
         t = tensors[name]
         if t.dim() != 2 or t.shape[axis] != 1:
-            raise ValueError(f"{directory} is inconsistent at {module}: {name} has shape {tuple(t.shape)}, but {stored_as}")  # error: peft-ia3-shape
+            raise ValueError(f"{directory} is inconsistent at {module}: {name} has shape {tuple(t.shape)}, but {stored_as}")  # error: peft-vector-shape
         tensors[name] = t.reshape(-1)
-    method = METHODS[fmt.peft_type]
+    method = fmt.method
     r = alpha = None
     if method.rank_of is not None:
         # peft computes the scale from the config's r / rank_pattern, not from the tensors.
@@ -681,16 +467,17 @@ def _layer_from_peft(directory: Path, config: Mapping[str, Any], module: str, fm
 
 def _read(directory: Path, config: Mapping[str, Any], peft_type: str, tensors: Mapping[str, dict[str, Tensor]], model: nn.Module) -> AdapterLike:
     """The adapter of a ``peft_type`` checkpoint: each layer read as the variant whose entry
-    reads it; layers of several variants (IA3 with ``feedforward_modules``) compose."""
+    reads it; layers of several variants (a method with ``feedforward_modules``) compose."""
     groups: dict[str, tuple[dict[str, Any], dict[str, _Layer]]] = {}
+    formats = _formats()
     for module, found in tensors.items():
         name, options = _format_for(directory, config, peft_type, module)
-        groups.setdefault(name, (options, {}))[1][module] = _layer_from_peft(directory, config, module, FORMATS[name], found)
-    method = METHODS[peft_type]
+        groups.setdefault(name, (options, {}))[1][module] = _layer_from_peft(directory, config, module, formats[name], found)
+    method = _methods()[peft_type]
     r = int(config.get("r", 8)) if method.rank_of is not None else 8
     alpha = float(config.get("lora_alpha", 8)) if method.alpha else None
     parts = [
-        _assemble(directory, model, name, groups[name][1], r=r, alpha=alpha, options=groups[name][0]) for name in FORMATS if name in groups
+        _assemble(directory, model, name, groups[name][1], r=r, alpha=alpha, options=groups[name][0]) for name in formats if name in groups
     ]
     return parts[0] if len(parts) == 1 else compose(*parts)
 
@@ -699,12 +486,12 @@ def load_peft(directory: str | os.PathLike, model: nn.Module) -> AdapterLike:
     """Read a peft checkpoint directory (``adapter_config.json`` + ``adapter_model.safetensors``,
     or the older ``adapter_model.bin``) as a lora_func adapter on ``model``, the untouched base.
 
-    ``peft_type`` LORA gives ``lora`` (or ``dora`` with ``use_dora``, ``eva`` for
-    ``init_lora_weights="eva"``, ``pissa`` for an unconverted PiSSA checkpoint, whose residual
-    is recomputed from ``model``), with per-layer ranks and alphas from ``rank_pattern`` /
-    ``alpha_pattern`` and ``use_rslora``; IA3 gives ``ia3`` (or ``ia3_ff`` for
-    ``feedforward_modules``; a checkpoint with both is ``compose(ia3, ia3_ff)``); HRA gives
-    ``hra``; DELORA gives ``delora``. The adapted layers are exactly the modules that have
+    Each layer is read as the variant whose peft entry reads it (``Variant.peft.reads``: e.g. a
+    LoraConfig's ``use_dora`` / ``init_lora_weights`` pick among the variants stored as it),
+    with its rank and alpha from ``r`` / ``rank_pattern`` and ``lora_alpha`` / ``alpha_pattern``
+    as peft computes them; layers of several variants in one checkpoint (``feedforward_modules``)
+    load as their composition. Buffers the checkpoint does not hold are recomputed from
+    ``model`` as peft does. The adapted layers are exactly the modules that have
     tensors in the file. Everything is checked (modules, shapes, config consistency) before
     anything is returned; the model is only read.
     """
@@ -713,10 +500,13 @@ def load_peft(directory: str | os.PathLike, model: nn.Module) -> AdapterLike:
     check_model(model, "load_peft")
     config = _read_config(directory)
     peft_type = config.get("peft_type")
-    if not isinstance(peft_type, str) or peft_type not in METHODS:
+    methods = _methods()
+    if not isinstance(peft_type, str) or peft_type not in methods:
+        read_as = "; ".join(
+            f"{t} as {', '.join(n for n, f in _formats().items() if f.method.peft_type == t)}" for t in sorted(methods)
+        )
         raise ValueError(  # error: peft-unknown-type
-            f"{directory} is a peft {peft_type!r} checkpoint; lora_func reads peft_type {sorted(METHODS)} "
-            f"(LoRA with rsLoRA/DoRA/PiSSA/EVA, IA3, HRA, DeLoRA)"
+            f"{directory} is a peft {peft_type!r} checkpoint; lora_func reads peft_type {sorted(methods)} ({read_as})"
         )
     _check_config(directory, config)
     _refuse_unsupported(directory, config)
@@ -755,7 +545,7 @@ def _export_leaf(adapter: Adapter, base: Mapping[str, Tensor] | None) -> _Export
             f"save_peft: this {name} adapter is stacked (stack_shape {adapter.stack_shape}); a peft checkpoint holds one "
             f"adapter: save each of lora_func.unstack(adapter)"
         )
-    fmt = FORMATS.get(name)
+    fmt = get_variant(name).peft
     layers = []
     for layer in adapter.layers:
         if layer.target.tied_keys:
@@ -774,10 +564,10 @@ def _export_leaf(adapter: Adapter, base: Mapping[str, Tensor] | None) -> _Export
                 f"save_peft: peft refuses {name} on GPT-2 Conv1D layers ({layer.target.module}), so no peft tool could "
                 f"load this checkpoint; save it with lora_func.save instead"
             )
-        layers.append(fmt.out(adapter, layer, base))
-    fmt = FORMATS[name]  # found: an adapter has layers
+        layers.append(_out(fmt, adapter, layer, base))
+    assert fmt is not None  # an adapter has layers
     shared = fmt.config(dict(adapter.spec.options))
-    return _Export(fmt.peft_type, tuple(sorted((k, json.dumps(v, sort_keys=True)) for k, v in shared.items())), tuple(layers))
+    return _Export(fmt.method.peft_type, tuple(sorted((k, json.dumps(v, sort_keys=True)) for k, v in shared.items())), tuple(layers))
 
 
 def _leaves(adapter: AdapterLike) -> list[Adapter]:
@@ -805,7 +595,7 @@ def _module_selector(selected: Sequence[str], candidates: Sequence[str] | None, 
 
     The short names (``["q_proj", "v_proj"]``), as people write them, when they select
     exactly ``selected`` among ``candidates`` (peft's list matching: equal, or ending in
-    ``"." + name``; ``dotted=False`` is IA3's ``feedforward_modules`` matching, a plain
+    ``"." + name``; ``dotted=False`` is peft's ``feedforward_modules`` matching, a plain
     ``endswith``); otherwise the full module names.
     """
     short = sorted({m.rsplit(".", 1)[-1] for m in selected})
@@ -833,7 +623,7 @@ def _peft_config(
     if any(o.target.layout == "conv1d" for o in layers):
         # GPT-2 Conv1D: peft needs fan_in_fan_out (it would set it itself, with a warning).
         config["fan_in_fan_out"] = True
-    method = METHODS[peft_type]
+    method = _methods()[peft_type]
     config |= dict(method.fixed) | dict(shared)
     if method.feedforward_modules:
         ff = [o.target.module for o in layers if o.feedforward]
@@ -846,7 +636,7 @@ def _peft_config(
         if method.rank_pattern:
             config["rank_pattern"] = rank_pattern
         elif rank_pattern:
-            raise ValueError(  # error: save-peft-hra-ranks
+            raise ValueError(  # error: save-peft-one-rank
                 f"save_peft: peft's {peft_type} has one rank for all layers, but these layers differ from r={r}: "
                 f"{sorted(rank_pattern)[:5]}; save the parts of different ranks separately"
             )
@@ -893,12 +683,13 @@ def peft_problems(adapter: AdapterLike, *, model: nn.Module | None = None) -> li
     message it would raise for each part that peft's format cannot hold, or for the parts
     together; an empty list when it can write the checkpoint.
 
-    What peft cannot hold: antipasto (peft has no such method), a ``Combined`` adapter, a
-    stacked adapter, hra/delora on GPT-2 ``Conv1D`` (peft refuses them), a weight adapted under
-    its tied names (``tied="both"``), parts that need different peft configs or adapt the same
-    layer, hra layers of different ranks. A pissa adapter needs ``model=`` (its conversion
-    reads the base weights), which must be the model it was built on. Cheap: nothing is
-    computed beyond the base weights' fingerprints for pissa, and nothing is written.
+    What peft cannot hold: a variant without a peft entry (peft has no such method), a
+    ``Combined`` adapter, a stacked adapter, a variant on GPT-2 ``Conv1D`` where peft refuses
+    it, a weight adapted under its tied names (``tied="both"``), parts that need different peft
+    configs or adapt the same layer, layers of different ranks where the method has one rank.
+    A variant stored converted from its base (``export_needs_base``) needs ``model=``,
+    which must be the model it was built on. Cheap: nothing is computed beyond the base
+    weights' fingerprints, and nothing is written.
     """
     if not isinstance(adapter, AdapterNode):
         raise TypeError(f"peft_problems expects an adapter (Adapter, Composed, Combined, ...), got {type(adapter).__name__}")  # error: peft-problems-not-adapter
@@ -934,19 +725,18 @@ def save_peft(
     ``directory/adapter_model.safetensors``, loadable with ``PeftModel.from_pretrained(base,
     directory)``. Returns the directory.
 
-    lora/eva (per-layer ranks and alphas as ``rank_pattern`` / ``alpha_pattern``), dora, pissa
-    (converted to a plain LoRA of rank ``2r`` on the untouched base; needs ``model=``), ia3 /
-    ia3_ff (``feedforward_modules``), hra and delora. A ``Composed`` of adapters that map to one
-    peft method on different layers (e.g. ``compose(ia3, ia3_ff)``) is one checkpoint.
+    Every variant with a peft entry (its file's ``Variant(peft=...)``; docs/io.md has the
+    table), per-layer ranks and alphas as ``rank_pattern`` / ``alpha_pattern``, a conversion
+    where the entry has one (one that reads the base weights needs ``model=``). A ``Composed`` of adapters that map to one peft method on
+    different layers is one checkpoint.
     ``model`` (the base) is optional otherwise; with it the config uses short module names
     (``["q_proj", "v_proj"]``) when they select exactly the adapted layers, and records the
     model's ``name_or_path``. ``task_type`` (e.g. ``"CAUSAL_LM"``) is written as peft's
     ``task_type``: it picks peft's wrapper class, not the adapter's math, so ``load_peft``
     does not keep it (pass it again when you save).
 
-    Raises before writing anything for what peft cannot express: antipasto, a ``Combined``
-    adapter, a stacked adapter, hra/delora on GPT-2 ``Conv1D`` (peft refuses them);
-    :func:`peft_problems` says so without trying.
+    Raises before writing anything for what peft cannot express (see :func:`peft_problems`,
+    which says so without trying).
 
     The checkpoint is replaced as a whole: both files are written into a new directory next to
     ``directory``, which then takes its place in one atomic step (Linux ``renameat2``), so an

@@ -13,8 +13,12 @@ modules whose name starts with ``_`` are not variants. What a variant author wri
   d_in)``, ``bias``, ``base(x)`` with the model's own op);
 - :data:`TensorDict`, :class:`InitFn`, :data:`WeightFn`, :data:`ActivationFn`: the types of
   the tensors and functions;
-- :func:`layer_rank`, :func:`layer_alpha`: the rank and alpha a form must use (tensors inside
-  a rank-padded stack of adapters of different ranks).
+- :func:`padded_member`: what the forms see of one member of a rank-padded stack (adapters of
+  different ranks): its rank axes masked, ``info.r`` / ``info.alpha`` its own, so a variant
+  writes its math for one adapter; :func:`layer_rank`, :func:`layer_alpha` read a member's
+  rank and alpha from a stack's raw buffers;
+- :class:`PeftFormat`, :class:`PeftMethod`, :class:`PeftLayer`: how the variant is stored in
+  HF peft's checkpoint format (``Variant(peft=...)``), for a variant that peft also has.
 
 docs/guide/variants.md ("Writing a variant") walks through one.
 """
@@ -29,11 +33,16 @@ from lora_func.variants._contract import (
     BaseLayer,
     InitFn,
     LayerInfo,
+    PeftFormat,
+    PeftLayer,
+    PeftMethod,
     TensorDict,
     Variant,
     WeightFn,
+    is_finite_number,
     layer_alpha,
     layer_rank,
+    padded_member,
 )
 
 __all__ = [
@@ -41,13 +50,18 @@ __all__ = [
     "BaseLayer",
     "InitFn",
     "LayerInfo",
+    "PeftFormat",
+    "PeftLayer",
+    "PeftMethod",
     "TensorDict",
     "Variant",
     "WeightFn",
     "get_variant",
+    "is_finite_number",
     "layer_alpha",
     "layer_rank",
     "list_variants",
+    "padded_member",
 ]
 
 _REGISTRY: dict[str, Variant] = {}

@@ -6,6 +6,13 @@ layout (transposed views for GPT-2 ``Conv1D``), a :class:`LayerInfo` of static f
 in the activation form, a :class:`BaseLayer` that replays the model's own op, so one
 implementation serves both layer kinds and both application routes.
 
+A variant that HF peft also has says how it is stored in peft's checkpoint format with
+``Variant(peft=PeftFormat(...))``: its peft method (:class:`PeftMethod`), the key suffix of
+each tensor, the shapes checked on load, the config fields it writes and reads, and any
+conversion. ``lora_func.io.peft`` is a generic reader/writer driven by these entries; peft
+shapes adapter tensors in feature terms on GPT-2 ``Conv1D`` too, so an entry holds for both
+layer kinds.
+
 The public names are re-exported by :mod:`lora_func.variants`; the low-rank kernels that the
 built-in variants share (LoRA's forms, the dropout input, the base-dtype product) live in
 ``lora_func._kernels``.
@@ -14,24 +21,30 @@ built-in variants share (LoRA's forms, the dropout input, the base-dtype product
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 from torch import Tensor
 
 __all__ = [
+    "RANK_ALPHA",
+    "RANK_MASK",
     "ActivationFn",
     "BaseLayer",
     "InitFn",
     "LayerInfo",
-    "RANK_ALPHA",
-    "RANK_MASK",
+    "PeftFormat",
+    "PeftLayer",
+    "PeftMethod",
     "TensorDict",
     "Variant",
     "WeightFn",
+    "is_finite_number",
     "layer_alpha",
     "layer_rank",
+    "padded_member",
 ]
 
 TensorDict = dict[str, Tensor]
@@ -52,11 +65,11 @@ class LayerInfo:
     Attributes:
       d_in: input features of the layer.
       d_out: output features of the layer.
-      r: the adapter rank for this layer (variants without a rank ignore it). Inside a
-        rank-padded stack it is the padded rank: forms read the member's own with
-        :func:`layer_rank`.
-      alpha: the scaling hyperparameter (``s = alpha / r`` for LoRA); read it with
-        :func:`layer_alpha`.
+      r: the adapter rank for this layer (variants without a rank ignore it). A form called
+        on a member of a rank-padded stack gets the member's own (a 0-d tensor, see
+        :func:`padded_member`): ``info.alpha / info.r`` is right there too.
+      alpha: the scaling hyperparameter (``s = alpha / r`` for LoRA); a member's own in a
+        rank-padded stack, as ``r``.
       has_bias: whether the base layer has a bias.
       options: the variant's resolved options, as sorted ``(name, value)`` pairs.
     """
@@ -88,8 +101,11 @@ class BaseLayer(Protocol):
     (``F.linear`` for nn.Linear, ``addmm``/``matmul`` for GPT-2 Conv1D), bias included.
     """
 
-    weight: Tensor
-    bias: Tensor | None
+    @property
+    def weight(self) -> Tensor: ...
+
+    @property
+    def bias(self) -> Tensor | None: ...
 
     def __call__(self, x: Tensor) -> Tensor: ...
 
@@ -114,6 +130,112 @@ WeightFn = Callable[[TensorDict, TensorDict, Tensor, "Tensor | None", LayerInfo]
 """``(params, buffers, W (d_out, d_in), b (d_out,) | None, info) -> (W_eff, b_eff)``."""
 ActivationFn = Callable[[TensorDict, TensorDict, Tensor, BaseLayer, LayerInfo], Tensor]
 """``(params, buffers, x (..., d_in), base, info) -> y (..., d_out)``."""
+
+
+def is_finite_number(value: Any) -> bool:
+    """A JSON number that is finite (json reads ``NaN`` and ``1e999``), not a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+# ------------------------------------------------------------- HF peft's checkpoint format
+
+
+@dataclasses.dataclass(frozen=True)
+class PeftMethod:
+    """One peft method (one ``peft_type``): what every checkpoint of it writes alike, whichever
+    lora_func variant it holds. Variants stored as the same method share one ``PeftMethod``.
+
+    Attributes:
+      peft_type: peft's name of the method (``"LORA"``, ``"IA3"``, ...).
+      fixed: config fields with one value for every checkpoint of the method.
+      refused: config fields that change the math in ways lora_func does not have: a
+        checkpoint with any of them set (truthy) is refused on load.
+      rank_of: ``(tensor name, axis)`` that holds a layer's rank, written as ``r`` (and
+        ``rank_pattern``) and checked against the config on load; ``None``: no rank.
+      rank_pattern: whether the method has per-layer ranks (``rank_pattern``).
+      alpha: whether the method has ``lora_alpha`` / ``alpha_pattern``.
+      feedforward_modules: whether the config lists feed-forward layers (``feedforward_modules``).
+      checks: config field -> whether a value is valid (type, finite, range), for the fields
+        the method's entries read; a checkpoint with an invalid value is refused on load.
+      training_only: config field -> what lora_func does not apply when it is set (a number
+        > 0): loaded with a warning, as it acts in training only.
+      unread: ``config -> why`` no variant of the method reads a layer of this config (e.g. an
+        init that changed peft's base weights); the loader raises with it.
+    """
+
+    peft_type: str
+    fixed: Mapping[str, Any]
+    refused: tuple[str, ...] = ("modules_to_save",)
+    rank_of: tuple[str, int] | None = None
+    rank_pattern: bool = False
+    alpha: bool = False
+    feedforward_modules: bool = False
+    checks: Mapping[str, Callable[[Any], bool]] = dataclasses.field(default_factory=dict)
+    training_only: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    unread: Callable[[Mapping[str, Any]], str] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class PeftLayer:
+    """One layer as peft stores it, when a variant stores it converted (:attr:`PeftFormat.export`).
+
+    Attributes:
+      tensors: ``() -> {tensor name: tensor}`` in lora_func shapes, named as in
+        :attr:`PeftFormat.keys`; called only when the checkpoint is written (a conversion
+        may run an SVD, which ``peft_problems`` must not).
+      r: the rank written for the layer (``None`` where the method has none).
+      alpha: the alpha written for the layer (``None`` where the method has none).
+    """
+
+    tensors: Callable[[], TensorDict]
+    r: int | None = None
+    alpha: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class PeftFormat:
+    """How one variant is stored in peft's format: ``Variant(peft=...)``.
+
+    Attributes:
+      method: the peft method it is stored as.
+      keys: tensor name -> the peft key suffix it is stored under
+        (``base_model.model.<module>.<suffix>``).
+      shapes: ``(r, d_in, d_out) -> {tensor name: shape}``, lora_func's shapes, checked on load.
+      config: the spec's options -> the config fields they set (the same for every layer).
+      reads: ``(config, module) -> spec options`` when the checkpoint's layer ``module`` is this
+        variant, else ``None``. The entries of one method must exclude one another.
+      buffers: the tensors that are buffers, not trainable.
+      old_keys: peft suffixes that older peft versions wrote -> tensor name (read only).
+      matrix: tensor name -> ``(axis, what peft stores)``: a vector that peft stores as a
+        one-row or one-column matrix, with a size-1 ``axis``.
+      feedforward: the layers are listed in the method's ``feedforward_modules``.
+      conv1d: peft accepts the method on GPT-2 ``Conv1D``.
+      checks: config field -> validity, as :attr:`PeftMethod.checks`, for fields only this
+        variant reads.
+      export: ``(params, buffers, weight (d_out, d_in) | None, info) -> PeftLayer`` where the
+        variant is stored converted; ``weight`` is the model's base weight in the canonical
+        layout (``None`` without ``model=``). ``None``: its tensors as they are.
+      export_needs_base: why the conversion needs ``model=`` (a phrase for the error), or
+        ``None`` if it does not. With :attr:`Variant.records_base`, the base must also be the
+        one the adapter was built on (checked by fingerprint).
+      recompute_buffers: the checkpoint holds no buffers: on load they are the variant's
+        ``init`` on the base (PiSSA's residual, as peft recomputes it).
+    """
+
+    method: PeftMethod
+    keys: Mapping[str, str]
+    shapes: Callable[[int, int, int], dict[str, tuple[int, ...]]]
+    config: Callable[[Mapping[str, Any]], dict[str, Any]]
+    reads: Callable[[Mapping[str, Any], str], dict[str, Any] | None]
+    buffers: frozenset[str] = frozenset()
+    old_keys: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    matrix: Mapping[str, tuple[int, str]] = dataclasses.field(default_factory=dict)
+    feedforward: bool = False
+    conv1d: bool = True
+    checks: Mapping[str, Callable[[Any], bool]] = dataclasses.field(default_factory=dict)
+    export: Callable[[TensorDict, TensorDict, Tensor | None, LayerInfo], PeftLayer] | None = None
+    export_needs_base: str | None = None
+    recompute_buffers: bool = False
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -142,9 +264,8 @@ class Variant:
       changes_bias: whether ``b_eff`` can differ from ``b``.
       rank_axes: for each trainable/buffer tensor that has a rank axis, which axis (or axes:
         a ``(r, r)`` rotation generator has two). :func:`lora_func.stack` zero-pads these axes
-        to stack adapters of different ranks, and the core multiplies them by the rank mask.
-        Forms that use ``r`` must read it with :func:`layer_rank` (and ``alpha`` with
-        :func:`layer_alpha`), which are tensors inside a rank-padded stack.
+        to stack adapters of different ranks, and the forms then see each member through
+        :func:`padded_member`: these axes masked, ``info.r`` / ``info.alpha`` the member's own.
       check_options: optional ``options -> None`` that raises ``ValueError`` on bad values.
       records_base: the adapter depends on the exact base weights it was built from (PiSSA
         and AntiPaSTO residuals): the core stores a fingerprint of each target's base
@@ -158,6 +279,19 @@ class Variant:
         ``infos`` maps module name to the spec's ``LayerInfo``. The returned ``LayerInfo``
         may change ``r`` and ``alpha`` per layer; a module left out gets no adapter;
         ``payload`` reaches that layer's ``init`` as ``calibration``.
+      shared_init: tensors the adapter holds once and every layer reads (a random basis, a
+        bank, a seed-derived projection: VeRA, VB-LoRA, Tied-LoRA). ``(infos, *, dtype,
+        device, generator) -> (params, buffers)``, called once before the layers' ``init``
+        with ``infos`` (module name -> ``LayerInfo``) of every target; random draws from the
+        given CPU ``generator``, outputs in ``dtype`` on ``device``. Each is one leaf of the
+        adapter (keyed ``"<shared>.<name>"``), saved and stacked once; the forms of every layer
+        see them in their ``params`` / ``buffers`` under their names (which must differ from
+        the layers'), and a shared param's gradient is the sum over the layers that read it.
+        Name the rank axes of shared tensors in ``rank_axes`` too: a stack of adapters of
+        different ranks pads and masks them as the layers' tensors.
+      peft: how the variant is stored in HF peft's checkpoint format (a
+        :class:`~lora_func.variants.PeftFormat`); ``None``: peft has no equivalent, and
+        ``save_peft`` refuses it.
     """
 
     name: str
@@ -173,6 +307,8 @@ class Variant:
     records_base: bool = False
     replaces_weight: bool = False
     calibrate: Callable[..., dict[str, tuple[LayerInfo, Any]]] | None = None
+    shared_init: Callable[..., tuple[TensorDict, TensorDict]] | None = None
+    peft: PeftFormat | None = None
 
     def __repr__(self) -> str:
         # The functions' reprs would fill a screen; the name identifies the variant.
@@ -180,15 +316,58 @@ class Variant:
 
 
 def layer_rank(info: LayerInfo, buffers: TensorDict | None = None) -> int | Tensor:
-    """The layer's rank: ``info.r``, or inside a rank-padded stack the member's own rank (a
-    0-d tensor in the adapter dtype (at least fp32), the sum of its rank mask)."""
+    """The layer's rank: ``info.r``, or, given the raw buffers of a rank-padded stack (which
+    hold :data:`RANK_MASK`), the member's own rank (a 0-d tensor, the sum of its rank mask).
+
+    A variant's forms never need it: they see a padded member through :func:`padded_member`,
+    whose ``info.r`` already is the member's own. It serves code that handles a stack's raw
+    buffers (the shared LoRA kernels, the mixed route)."""
     if buffers is not None and RANK_MASK in buffers:
         return buffers[RANK_MASK].sum(-1)
     return info.r
 
 
 def layer_alpha(info: LayerInfo, buffers: TensorDict | None = None) -> float | Tensor:
-    """The layer's ``alpha``: ``info.alpha``, or the member's own inside a rank-padded stack."""
+    """The layer's ``alpha``: ``info.alpha``, or the member's own given a rank-padded stack's
+    raw buffers (see :func:`layer_rank`)."""
     if buffers is not None and RANK_ALPHA in buffers:
         return buffers[RANK_ALPHA]
     return info.alpha
+
+
+def _mask_rank_axes(tensors: TensorDict, mask: Tensor, axes: Mapping[str, int | tuple[int, ...]]) -> TensorDict:
+    """Multiply every rank axis by the 0/1 ``mask (r_max,)`` of a rank-padded stack member, so
+    padded entries never reach the output and get exactly zero gradient."""
+    out = dict(tensors)
+    for name, tensor in tensors.items():
+        declared = axes.get(name, ())
+        for axis in (declared,) if isinstance(declared, int) else declared:
+            shape = [1] * tensor.dim()
+            shape[axis] = -1
+            out[name] = out[name] * mask.to(tensor.dtype).reshape(shape)
+    return out
+
+
+def padded_member(
+    params: TensorDict, buffers: TensorDict, info: LayerInfo, rank_axes: Mapping[str, int | tuple[int, ...]]
+) -> tuple[TensorDict, TensorDict, LayerInfo]:
+    """What a variant's forms see of one member of a rank-padded stack (adapters of different
+    ranks, zero-padded to the largest by :func:`lora_func.stack`), so that a variant writes its
+    math for one adapter and cannot get a stack wrong:
+
+    - ``params`` / ``buffers`` with every rank axis (``Variant.rank_axes``) multiplied by the
+      member's 0/1 rank mask: the padded entries are exact zeros there and get exactly zero
+      gradient; the stack's own :data:`RANK_MASK` / :data:`RANK_ALPHA` buffers left out;
+    - ``info`` whose ``r`` and ``alpha`` are the member's own, as 0-d tensors in the adapter
+      dtype (at least fp32; under ``vmap`` one per member), so ``info.alpha / info.r`` is the
+      member's scale. Tensor shapes keep the padded rank (a form reads sizes from its tensors).
+
+    Outside a rank-padded stack (no :data:`RANK_MASK` in ``buffers``) the arguments unchanged.
+    """
+    if RANK_MASK not in buffers:
+        return params, buffers, info
+    mask, alpha = buffers[RANK_MASK], buffers[RANK_ALPHA]
+    own = {k: v for k, v in buffers.items() if k not in (RANK_MASK, RANK_ALPHA)}
+    # r and alpha are per-member tensors here (declared int / float for one adapter).
+    member = dataclasses.replace(info, r=cast(Any, mask.sum(-1)), alpha=cast(Any, alpha))
+    return _mask_rank_axes(params, mask, rank_axes), _mask_rank_axes(own, mask, rank_axes), member

@@ -23,8 +23,23 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lora_func._kernels import base_plus_low_rank, base_plus_product, half_product_applies, kaiming_uniform, promoted
-from lora_func.variants import BaseLayer, LayerInfo, TensorDict, Variant, layer_rank
+from lora_func._kernels import (
+    base_plus_low_rank,
+    base_plus_product,
+    half_product_applies,
+    kaiming_uniform,
+    promoted,
+)
+from lora_func.variants import (
+    BaseLayer,
+    LayerInfo,
+    PeftFormat,
+    PeftMethod,
+    TensorDict,
+    Variant,
+    is_finite_number,
+    layer_rank,
+)
 
 NORM_CLAMP = 1e-4  # peft's clamp on the per-rank norms of A and B
 
@@ -107,4 +122,22 @@ VARIANT = Variant(
     default_alpha=8.0,
     rank_axes={"delora_A": 0, "delora_B": 1},
     check_options=check_options,
+    # peft: DeloraConfig; the column norms travel as peft's delora_w_norm buffer; peft refuses
+    # DeLoRA on GPT-2 Conv1D.
+    peft=PeftFormat(
+        PeftMethod(
+            "DELORA",
+            {"bias": "none", "lambda_pattern": {}, "module_dropout": 0.0},
+            rank_of=("delora_A", 0),
+            rank_pattern=True,
+            checks={"delora_lambda": is_finite_number},
+            training_only={"module_dropout": "lora_func's DeLoRA has no module dropout"},
+        ),
+        {name: name for name in ("delora_A", "delora_B", "delora_lambda", "delora_w_norm")},
+        lambda r, d_in, d_out: {"delora_A": (r, d_in), "delora_B": (d_out, r), "delora_lambda": (1,), "delora_w_norm": (d_in,)},
+        lambda options: {"delora_lambda": float(options["lambda0"])},
+        lambda config, module: {"lambda0": float(config.get("delora_lambda", 15.0))},
+        buffers=frozenset({"delora_w_norm"}),
+        conv1d=False,
+    ),
 )

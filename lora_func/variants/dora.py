@@ -19,13 +19,27 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lora_func._kernels import add_low_rank, check_dropout, kaiming_uniform, lora_scale, lowrank_input
-from lora_func.variants import BaseLayer, LayerInfo, TensorDict, Variant
+from lora_func._kernels import (
+    add_low_rank,
+    check_dropout,
+    kaiming_uniform,
+    lora_scale,
+    lowrank_input,
+)
+from lora_func.variants import BaseLayer, LayerInfo, PeftFormat, TensorDict, Variant
+from lora_func.variants.lora import (
+    PEFT_KEYS,
+    PEFT_METHOD,
+    PEFT_PLAIN_INITS,
+    peft_config,
+    peft_reads,
+    peft_shapes,
+)
 
 MAGNITUDE = "lora_magnitude_vector"
 
 
-def _row_norm(weight: Tensor, lora_a: Tensor, lora_b: Tensor, scale: float) -> Tensor:
+def _row_norm(weight: Tensor, lora_a: Tensor, lora_b: Tensor, scale: float | Tensor) -> Tensor:
     """``‖W + s·(B A).detach()‖`` over ``d_in`` for each output, detached, in fp32 at least."""
     dtype = torch.promote_types(lora_a.dtype, torch.float32)
     delta = (lora_b.detach().to(dtype) @ lora_a.detach().to(dtype)) * scale
@@ -93,4 +107,13 @@ VARIANT = Variant(
     check_options=lambda options: check_dropout("dora", options),
     default_alpha=8.0,
     rank_axes={"lora_A": 0, "lora_B": 1},
+    # peft: LoraConfig(use_dora=True), plus lora_magnitude_vector (d_out,).
+    peft=PeftFormat(
+        PEFT_METHOD,
+        PEFT_KEYS | {"lora_magnitude_vector": "lora_magnitude_vector"},
+        lambda r, d_in, d_out: peft_shapes(r, d_in, d_out) | {"lora_magnitude_vector": (d_out,)},
+        lambda options: peft_config(options, use_dora=True),
+        lambda config, module: peft_reads(config, use_dora=True, inits=PEFT_PLAIN_INITS),
+        old_keys={"lora_magnitude_vector.weight": "lora_magnitude_vector"},
+    ),
 )

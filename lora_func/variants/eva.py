@@ -26,13 +26,26 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import Tensor
 
 from lora_func._kernels import check_dropout, lora_activation_form, lora_weight_form
-from lora_func.variants import LayerInfo, TensorDict, Variant
+from lora_func.variants import (
+    LayerInfo,
+    PeftFormat,
+    TensorDict,
+    Variant,
+    is_finite_number,
+)
+from lora_func.variants.lora import (
+    PEFT_KEYS,
+    PEFT_METHOD,
+    peft_config,
+    peft_reads,
+    peft_shapes,
+)
 
 SVD_METHODS = ("lowrank", "full")
 LOWRANK_NITER = 4  # peft IncrementalPCA(lowrank=True) default: lowrank_q = 2·n_components, niter = 4
@@ -279,7 +292,7 @@ def _not_converged(
     ranks: Mapping[str, int],
     similarity: Mapping[str, Tensor],
     tau: float,
-) -> None:
+) -> NoReturn:
     pending = {
         ", ".join(group): f"min cos {float(similarity[o][: ranks[o]].min()):.4f} over {ranks[o]} component(s)"
         for o, group in members.items()
@@ -303,6 +316,28 @@ def check_options(options: Mapping[str, Any]) -> None:
         raise ValueError(f"eva option max_batches={options['max_batches']!r} must be an integer >= 1")  # error: eva-max-batches
 
 
+# The eva options peft keeps in LoraConfig.eva_config.
+PEFT_EVA_FIELDS = ("rho", "tau", "whiten", "adjust_scaling_factors")
+
+
+def _peft_reads(config: Mapping[str, Any], module: str) -> dict[str, Any] | None:
+    options = peft_reads(config, use_dora=False, inits=("eva",))
+    eva = config.get("eva_config") or {}
+    return None if options is None else options | {k: eva[k] for k in PEFT_EVA_FIELDS if k in eva}
+
+
+PEFT = PeftFormat(
+    PEFT_METHOD,
+    PEFT_KEYS,
+    peft_shapes,
+    lambda options: peft_config(options, init="eva", eva_config={k: options[k] for k in PEFT_EVA_FIELDS}),
+    _peft_reads,
+    checks={
+        "eva_config": lambda v: v is None or (isinstance(v, dict) and all(is_finite_number(v[k]) for k in ("rho", "tau") if k in v)),
+    },
+)
+
+
 VARIANT = Variant(
     name="eva",
     init=init,
@@ -322,4 +357,5 @@ VARIANT = Variant(
     rank_axes={"lora_A": 0, "lora_B": 1},
     check_options=check_options,
     calibrate=calibrate,
+    peft=PEFT,
 )

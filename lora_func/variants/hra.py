@@ -35,8 +35,20 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lora_func._kernels import base_plus_low_rank, base_plus_product, half_product_applies, kaiming_uniform
-from lora_func.variants import BaseLayer, LayerInfo, TensorDict, Variant
+from lora_func._kernels import (
+    base_plus_low_rank,
+    base_plus_product,
+    half_product_applies,
+    kaiming_uniform,
+)
+from lora_func.variants import (
+    BaseLayer,
+    LayerInfo,
+    PeftFormat,
+    PeftMethod,
+    TensorDict,
+    Variant,
+)
 
 INITS = ("paired", "random")
 _MIN_NORM = 1e-30
@@ -135,4 +147,19 @@ VARIANT = Variant(
     default_alpha=8.0,
     rank_axes={"hra_u": 1},
     check_options=check_options,
+    # peft: HRAConfig(apply_GS=False), one rank for all layers; peft refuses HRA on GPT-2 Conv1D.
+    peft=PeftFormat(
+        PeftMethod(
+            "HRA",
+            {"bias": "none", "apply_GS": False},
+            ("modules_to_save", "apply_GS"),
+            rank_of=("hra_u", -1),
+            checks={"init_weights": lambda v: isinstance(v, bool)},
+        ),
+        {"hra_u": "hra_u"},
+        lambda r, d_in, d_out: {"hra_u": (d_in, r)},
+        lambda options: {"init_weights": options["init"] == "paired"},
+        lambda config, module: {"init": "paired" if config.get("init_weights", True) else "random"},
+        conv1d=False,
+    ),
 )

@@ -17,13 +17,22 @@ Neither activation form builds ``W_eff``. peft stores ``ia3_l`` as ``(d_out, 1)`
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from lora_func._kernels import promoted
-from lora_func.variants import BaseLayer, LayerInfo, TensorDict, Variant
+from lora_func.variants import (
+    BaseLayer,
+    LayerInfo,
+    PeftFormat,
+    PeftMethod,
+    TensorDict,
+    Variant,
+)
 
 
 def _init_out(
@@ -84,6 +93,27 @@ def _promotes_to(t: Tensor, g: Tensor) -> bool:
     return promoted(t.dtype, g.dtype) == g.dtype
 
 
+# peft: IA3Config; ia3 layers store ia3_l as (d_out, 1), ia3_ff layers (the config's
+# feedforward_modules) as (1, d_in). A checkpoint with both loads as compose(ia3, ia3_ff).
+PEFT_METHOD = PeftMethod("IA3", {"init_ia3_weights": True}, feedforward_modules=True)
+
+
+def _is_feedforward(feedforward_modules: str | Sequence[str] | None, module: str) -> bool:
+    """peft's ``IA3Model._check_target_module_feedforward`` (note: ``endswith`` without a dot)."""
+    if not feedforward_modules:
+        return False
+    if isinstance(feedforward_modules, str):
+        return re.fullmatch(feedforward_modules, module) is not None
+    return any(module.endswith(t) for t in feedforward_modules)
+
+
+def _reads(feedforward: bool):
+    def reads(config: Mapping[str, Any], module: str) -> dict[str, Any] | None:
+        return {} if _is_feedforward(config.get("feedforward_modules"), module) == feedforward else None
+
+    return reads
+
+
 IA3 = Variant(
     name="ia3",
     init=_init_out,
@@ -92,6 +122,14 @@ IA3 = Variant(
     default_alpha=1.0,
     uses_rank=False,
     changes_bias=True,
+    peft=PeftFormat(
+        PEFT_METHOD,
+        {"ia3_l": "ia3_l"},
+        lambda r, d_in, d_out: {"ia3_l": (d_out,)},
+        lambda options: {},
+        _reads(False),
+        matrix={"ia3_l": (1, "a non-feed-forward IA3 layer has (d_out, 1)")},
+    ),
 )
 
 IA3_FF = Variant(
@@ -102,6 +140,15 @@ IA3_FF = Variant(
     default_alpha=1.0,
     uses_rank=False,
     changes_bias=False,
+    peft=PeftFormat(
+        PEFT_METHOD,
+        {"ia3_l": "ia3_l"},
+        lambda r, d_in, d_out: {"ia3_l": (d_in,)},
+        lambda options: {},
+        _reads(True),
+        matrix={"ia3_l": (0, "a feed-forward IA3 layer has (1, d_in)")},
+        feedforward=True,
+    ),
 )
 
 VARIANTS = (IA3, IA3_FF)

@@ -9,16 +9,103 @@ Trainable ``lora_A (r, d_in)`` and ``lora_B (d_out, r)``;
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from lora_func._kernels import check_dropout, kaiming_uniform, lora_activation_form, lora_weight_form
-from lora_func.variants import LayerInfo, TensorDict, Variant
+from lora_func._kernels import (
+    check_dropout,
+    kaiming_uniform,
+    lora_activation_form,
+    lora_weight_form,
+)
+from lora_func.variants import (
+    LayerInfo,
+    PeftFormat,
+    PeftMethod,
+    TensorDict,
+    Variant,
+    is_finite_number,
+)
 
 INITS = ("kaiming", "gaussian")
+
+# ------------------------------------------------------------------ peft's format (LoraConfig)
+
+# LoRA inits that leave the base untouched: the checkpoint is a plain LoRA on the original base.
+PEFT_PLAIN_INITS = (True, False, "gaussian", "orthogonal")
+# LoraConfig fields lora_func has no equivalent for: any truthy value is refused.
+PEFT_UNSUPPORTED_FIELDS = (
+    "lora_bias", "layer_replication", "target_parameters", "alora_invocation_tokens", "use_qalora", "use_bdlora",
+    "arrow_config", "monteclora_config", "kasa_config", "velora_config", "trainable_token_indices", "modules_to_save",
+    "megatron_config",
+)
+PEFT_KEYS = {"lora_A": "lora_A.weight", "lora_B": "lora_B.weight"}
+
+
+def _converted_init(config: Mapping[str, Any]) -> str:
+    init, use_dora = config.get("init_lora_weights", True), bool(config.get("use_dora", False))
+    return (
+        f"it was initialised with init_lora_weights={init!r}{' and use_dora' if use_dora else ''}: peft changed "
+        f"its base weights for it, so the checkpoint is relative to a base lora_func does not have; save it in peft with "
+        f"save_pretrained(..., path_initial_model_for_weight_conversion=<dir of the initial adapter>) to get a "
+        f"plain LoRA on the original base"
+    )
+
+
+# Every variant that peft stores as a LoraConfig (lora, dora, pissa, eva) shares this method.
+PEFT_METHOD = PeftMethod(
+    "LORA",
+    {"bias": "none"},
+    PEFT_UNSUPPORTED_FIELDS,
+    rank_of=("lora_A", 0),
+    rank_pattern=True,
+    alpha=True,
+    checks={
+        "lora_dropout": lambda v: v is None or (is_finite_number(v) and 0 <= v < 1),
+        "use_rslora": lambda v: isinstance(v, bool),
+        "use_dora": lambda v: isinstance(v, bool),
+        "init_lora_weights": lambda v: isinstance(v, (bool, str)),
+    },
+    unread=_converted_init,
+)
+
+
+def peft_shapes(r: int, d_in: int, d_out: int) -> dict[str, tuple[int, ...]]:
+    """``lora_A (r, d_in)``, ``lora_B (d_out, r)``."""
+    return {"lora_A": (r, d_in), "lora_B": (d_out, r)}
+
+
+def peft_config(
+    options: Mapping[str, Any], *, use_dora: bool = False, init: str | bool = True, eva_config: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The LoraConfig fields a variant stored as LoRA writes (the same for every layer)."""
+    return {
+        "lora_dropout": float(options.get("dropout", 0.0)),
+        "use_rslora": bool(options.get("use_rslora", False)),
+        "use_dora": use_dora,
+        "init_lora_weights": init,
+        "eva_config": eva_config,
+    }
+
+
+def peft_reads(config: Mapping[str, Any], *, use_dora: bool, inits: Sequence[Any]) -> dict[str, Any] | None:
+    """The options shared by the variants stored as LoRA, when the config's ``use_dora`` and
+    ``init_lora_weights`` are this variant's."""
+    if bool(config.get("use_dora", False)) != use_dora or config.get("init_lora_weights", True) not in inits:
+        return None
+    # dropout is peft's lora_dropout: it acts in training steps only.
+    return {"use_rslora": bool(config.get("use_rslora", False)), "dropout": float(config.get("lora_dropout") or 0.0)}
+
+
+def _reads(config: Mapping[str, Any], module: str) -> dict[str, Any] | None:
+    options = peft_reads(config, use_dora=False, inits=PEFT_PLAIN_INITS)
+    return None if options is None else options | {"init": "gaussian" if config.get("init_lora_weights") == "gaussian" else "kaiming"}
+
+
+PEFT = PeftFormat(PEFT_METHOD, PEFT_KEYS, peft_shapes, peft_config, _reads)
 
 
 def init(
@@ -55,4 +142,5 @@ VARIANT = Variant(
     default_alpha=8.0,
     rank_axes={"lora_A": 0, "lora_B": 1},
     check_options=check_options,
+    peft=PEFT,
 )

@@ -16,10 +16,22 @@ device and shape, never its values (see docs/variants/pissa.md).
 is the randomized SVD of ``torch.svd_lowrank(W, q=r, niter=K)`` (peft ``"pissa_niter_K"``),
 re-implemented here step for step so that its Gaussian test matrix comes from the given CPU
 ``generator`` instead of torch's global RNG.
+
+PiSSA in peft's format: peft overwrites the base weight with the residual ``W_res = W − s·B0 A0``,
+so a PiSSA checkpoint as peft saves it by default is relative to a base nobody else has.
+``save_peft`` therefore writes what peft's ``save_pretrained(path_initial_model_for_weight_conversion=...)``
+writes: the plain LoRA ``ΔW = s·(B A − B0 A0) = s·[B, −B0][A; A0]`` of rank ``2r`` (same scale)
+relative to the untouched base. lora_func does not keep ``A0, B0``: it recovers them from
+``s·B0 A0 = W − W_res`` by an SVD (rank ``r`` exactly, up to fp32 round-off), which needs the
+base weights (``model=``) and works for any PiSSA adapter, including a randomized-SVD one or one
+loaded from a file. A peft PiSSA checkpoint saved without the conversion
+(``init_lora_weights="pissa"``) loads as a pissa adapter whose residual is recomputed from the
+base exactly as peft does on load.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -27,8 +39,27 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lora_func._kernels import base_plus_low_rank, check_dropout, lora_scale, lowrank_input
-from lora_func.variants import BaseLayer, LayerInfo, TensorDict, Variant
+from lora_func._kernels import (
+    base_plus_low_rank,
+    check_dropout,
+    lora_scale,
+    lowrank_input,
+)
+from lora_func.variants import (
+    BaseLayer,
+    LayerInfo,
+    PeftFormat,
+    PeftLayer,
+    TensorDict,
+    Variant,
+)
+from lora_func.variants.lora import (
+    PEFT_KEYS,
+    PEFT_METHOD,
+    peft_config,
+    peft_reads,
+    peft_shapes,
+)
 
 
 def svd_lowrank(weight: Tensor, q: int, niter: int, generator: torch.Generator) -> tuple[Tensor, Tensor, Tensor]:
@@ -114,6 +145,38 @@ def check_options(options: Mapping[str, Any]) -> None:
         )
 
 
+def as_peft_lora(params: TensorDict, buffers: TensorDict, weight: Tensor | None, info: LayerInfo) -> PeftLayer:
+    """PiSSA as a plain LoRA of rank 2r on the untouched base (peft's conversion):
+    ``A' = [A; A0] (2r, d_in)``, ``B' = [B, −B0] (d_out, 2r)``, same scale; ``weight (d_out, d_in)``
+    is the untouched base weight."""
+    assert weight is not None  # export_needs_base: the writer passes the base weight
+    r, s = info.r, lora_scale(info)
+
+    def tensors() -> TensorDict:
+        w_res = buffers["W_res"]
+        compute = torch.promote_types(w_res.dtype, torch.float32)
+        # s·B0 A0 = W − W_res; its top-r SVD gives factors with exactly that product up to round-off.
+        initial = weight.to(compute) - w_res.to(compute)
+        u, sv, vh = torch.linalg.svd(initial, full_matrices=False)
+        root = torch.sqrt(sv[:r] / s)
+        a0, b0 = root[:, None] * vh[:r], u[:, :r] * root[None, :]
+        dtype = params["lora_A"].dtype
+        lora_a = torch.cat([params["lora_A"], a0.to(dtype)], dim=0)
+        lora_b = torch.cat([params["lora_B"], -b0.to(dtype)], dim=1)
+        return {"lora_A": lora_a, "lora_B": lora_b}
+
+    rslora = dict(info.options).get("use_rslora", False)
+    # peft's conversion: rank 2r, alpha 2·alpha (alpha·√2 with rsLoRA), so the scale is unchanged.
+    return PeftLayer(tensors, r=2 * r, alpha=info.alpha * (math.sqrt(2) if rslora else 2))
+
+
+def _peft_reads(config: Mapping[str, Any], module: str) -> dict[str, Any] | None:
+    """An unconverted peft PiSSA checkpoint (``init_lora_weights="pissa"``): a pissa adapter whose
+    residual is recomputed from the base (the full SVD, as peft does on load)."""
+    options = peft_reads(config, use_dora=False, inits=("pissa",))
+    return None if options is None else options | {"niter": 0}
+
+
 VARIANT = Variant(
     name="pissa",
     init=init,
@@ -125,4 +188,17 @@ VARIANT = Variant(
     check_options=check_options,
     records_base=True,
     replaces_weight=True,
+    peft=PeftFormat(
+        PEFT_METHOD,
+        PEFT_KEYS,
+        peft_shapes,
+        peft_config,
+        _peft_reads,
+        export=as_peft_lora,
+        export_needs_base=(
+            "peft's format stores PiSSA as a LoRA relative to the untouched base, and its initial factors are "
+            "recovered from W − W_res"
+        ),
+        recompute_buffers=True,
+    ),
 )
