@@ -41,8 +41,8 @@ from lora_func import privacy  # (lora_func.privacy.clipped_sum, Accountant, ...
 from lora_func.privacy import PoissonBatchSampler, epsilon, noise_for_epsilon, private_grads
 
 # Ecosystem: peft habits, optree/torchopt, nn.Module frameworks (Trainer, accelerate, DDP).
-from lora_func import _optree
-from lora_func import distributed
+from lora_func import _optree  # (registers the adapter types with optree, if installed)
+from lora_func import distributed  # (lora_func.distributed.all_reduce_mean, ...)
 from lora_func.summary import AdapterSummary, adapter_summary
 
 BUILDING = ["Adapter", "AdapterLayer", "AdapterSpec", "get_variant", "init_adapter", "list_variants"]

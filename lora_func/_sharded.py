@@ -20,7 +20,7 @@ gathering again in backward. So:
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -57,7 +57,7 @@ def is_sharded(t: Any) -> bool:
 def full_tensor(t: Tensor) -> Tensor:
     """``t`` whole: a ``DTensor`` all-gathered (a collective: every rank must call it, in the same
     order), anything else as it is."""
-    return t.full_tensor() if is_sharded(t) else t
+    return cast(Any, t).full_tensor() if is_sharded(t) else t  # a DTensor
 
 
 def is_fsdp_model(modules: Mapping[str, nn.Module]) -> bool:

@@ -211,7 +211,7 @@ class Adapter(AdapterNode, tag="adapter"):
         members: Sequence[tuple[AdapterSpec, tuple[AdapterLayer, ...]]] | None = None,
         shared: SharedTensors | None = None,
     ) -> None:
-        layers = tuple(layers) if isinstance(layers, Iterable) else layers  # type: ignore[assignment]
+        layers = tuple(layers) if isinstance(layers, Iterable) else layers
         wrong = [f"spec is a {type(spec).__name__}, not an AdapterSpec"] if not isinstance(spec, AdapterSpec) else []
         if not isinstance(layers, tuple) or not all(isinstance(layer, AdapterLayer) for layer in layers):
             held = sorted({type(layer).__name__ for layer in layers}) if isinstance(layers, tuple) else type(layers).__name__

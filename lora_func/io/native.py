@@ -574,6 +574,6 @@ def _fill(skeleton: _Skeleton, prefix: str, tensors: Mapping[str, Tensor], devic
 
 
 def _device_of(adapter: AdapterLike) -> torch.device:
-    for tensor in (*adapter.params.values(), *adapter.buffers.values()):  # type: ignore[attr-defined]
+    for tensor in (*adapter.params.values(), *adapter.buffers.values()):
         return tensor.device
     return torch.device("cpu")
