@@ -218,7 +218,7 @@ def _memoised(model: nn.Module, key: tuple, base: Mapping[str, Tensor], adapter:
         candidates = [plan]
     else:
         entry = _PLANS.get(model)
-        candidates = [p for _, p in reversed(entry.plans)] if entry is not None else []
+        candidates = [p for _, p in reversed(entry)] if entry is not None else []
     for candidate in candidates:
         memo = candidate.last
         if (

@@ -50,13 +50,17 @@ from lora_func.checks import check_base, check_model
 from lora_func.plan import adapter_tensors, checked_index, detached_base
 from lora_func.quantized import frozen_call, frozen_forwards, kind_of_tensor
 from lora_func.targeting import canonical_weight
+from lora_func._vmapped import check_attention as _check_attention
+from lora_func._vmapped import drop_example_dim as _drop_example_dim
+from lora_func._vmapped import outputs_as_tensors as _outputs_as_tensors
+from lora_func._vmapped import split_examples as _split_examples
+from lora_func._vmapped import vmapped as _vmapped
 from lora_func.variants import LayerInfo, get_variant, list_variants
 from lora_func.variants._contract import RANK_MASK
 
 __all__ = ["ensemble_call", "mixed_adapted", "mixed_adapted_call", "mixed_call", "per_example_grads"]
 
 Randomness = Literal["error", "different", "same"]
-_VMAP_ATTENTION = ("eager", None)
 
 
 # ----------------------------------------------------------------------------- in the target layers
@@ -311,19 +315,6 @@ def mixed_adapted(
 # ----------------------------------------------------------------------------- vmap over the model
 
 
-def _check_attention(model: nn.Module, where: str) -> None:
-    """Raise unless ``model`` (a transformers model, or any module) attends eagerly."""
-    config = getattr(model, "config", None)
-    implementation = getattr(config, "_attn_implementation", None)
-    if implementation not in _VMAP_ATTENTION:
-        raise ValueError(  # error: batch-eager-attention
-            f"{where} runs {type(model).__name__} under torch.func.vmap, but its attention implementation is "
-            f"{implementation!r}, which has no vmap batching rule (slow per-example loop, and an error with an "
-            f"attention mask); use eager attention: model.set_attn_implementation('eager') or "
-            f"from_pretrained(..., attn_implementation='eager')"
-        )
-
-
 def _check_arguments(where: str, model: Any, adapters: Any, base: Any) -> None:
     check_model(model, where)
     leaf_adapters(adapters)
@@ -339,56 +330,6 @@ def _stack_size(adapters: Any, where: str) -> int:
             f"build them with lora_func.stack([adapter_0, adapter_1, ...])"
         )
     return shape[0]
-
-
-def _outputs_as_tensors(out: Any, where: str) -> Any:
-    """``out`` unchanged, after checking that ``vmap`` can batch it (tensors only)."""
-    for path, leaf in pytree.tree_flatten_with_path(out)[0]:
-        if leaf is not None and not isinstance(leaf, Tensor):
-            raise TypeError(  # error: batch-non-tensor-output
-                f"{where}: the model returned a {type(leaf).__name__} at output{pytree.keystr(path)}, which vmap cannot "
-                f"batch (only tensors); for transformers models pass use_cache=False so that no KV cache is returned"
-            )
-    return out
-
-
-def _vmapped(fn: Callable[..., Any], where: str, **vmap_kwargs: Any) -> Callable[..., Any]:
-    """``torch.func.vmap(fn, **vmap_kwargs)`` whose data-dependent-control-flow error says what
-    usually causes it in a transformers model and how to fix it."""
-    batched = torch.func.vmap(fn, **vmap_kwargs)
-
-    def call(*args: Any) -> Any:
-        try:
-            return batched(*args)
-        except RuntimeError as err:
-            if "data-dependent control flow" not in str(err):
-                raise
-            raise RuntimeError(  # error: batch-vmap-failed
-                f"{where}: {err}\nThis usually means SDPA or flash attention with an attention mask: under vmap, "
-                f"transformers models need eager attention (model.set_attn_implementation('eager') or "
-                f"from_pretrained(..., attn_implementation='eager'))"
-            ) from err
-
-    return call
-
-
-def _split_examples(args: tuple, kwargs: Mapping[str, Any], batch_size: int) -> tuple[list[Tensor], Callable[[tuple], tuple]]:
-    """The tensors of ``(args, kwargs)`` with ``batch_size`` on dim 0 (split per example), and a
-    function that rebuilds ``(args, kwargs)`` for one example from their slices, each given a
-    batch dim of 1 again, every other leaf passed through whole."""
-    leaves, spec = pytree.tree_flatten((args, dict(kwargs)))
-    split = [isinstance(leaf, Tensor) and leaf.dim() >= 1 and leaf.shape[0] == batch_size for leaf in leaves]
-
-    def rebuild(examples: tuple) -> tuple:
-        slices = iter(examples)
-        return pytree.tree_unflatten([next(slices).unsqueeze(0) if s else leaf for leaf, s in zip(leaves, split, strict=True)], spec)
-
-    return [leaf for leaf, s in zip(leaves, split, strict=True) if s], rebuild
-
-
-def _drop_example_dim(out: Any) -> Any:
-    # Each example ran as a batch of 1; vmap puts the batch back on dim 0.
-    return pytree.tree_map_only(Tensor, lambda t: t.squeeze(0) if t.dim() >= 1 and t.shape[0] == 1 else t, out)
 
 
 ManyRoute = Literal["layers", "vmap"]

@@ -539,18 +539,9 @@ def _program_keys(program: _Leaf | _Node) -> list[str]:
 # ----------------------------------------------------------------------------- the cache
 
 
-class _ModelPlans:
-    """The plans built for one model, with the route each was asked for; the latest last."""
-
-    __slots__ = ("plans",)
-
-    def __init__(self) -> None:
-        self.plans: list[tuple[str, Plan]] = []
-
-
-# model -> its plans; held weakly by the model (deleting the model frees them). Documented in
-# the README ("What lora_func keeps between calls").
-_PLANS: weakref.WeakKeyDictionary[nn.Module, _ModelPlans] = weakref.WeakKeyDictionary()
+# model -> the plans built for it, with the route each was asked for, the latest last; held
+# weakly by the model (deleting the model frees them). Documented in the README.
+_PLANS: weakref.WeakKeyDictionary[nn.Module, list[tuple[str, Plan]]] = weakref.WeakKeyDictionary()
 _PLANS_PER_MODEL = 8
 
 
@@ -568,15 +559,14 @@ def cached_plan(
     if entry is not None:
         # A few plans per model, compared by equality, whose element-wise identity check makes
         # a training loop's adapters (one layers tuple shared by every with_params) cheap to match.
-        for route_, plan in reversed(entry.plans):
+        for route_, plan in reversed(entry):
             if route_ == route and plan.matches(structure, base) and plan.model_unchanged(model):
                 return plan
     plan = build()
     if entry is None:
-        entry = _PLANS[model] = _ModelPlans()
-    if len(entry.plans) >= _PLANS_PER_MODEL:
-        entry.plans.pop(0)
-    entry.plans.append((route, plan))
+        entry = _PLANS[model] = []
+    entry.append((route, plan))
+    del entry[:-_PLANS_PER_MODEL]
     return plan
 
 
