@@ -9,6 +9,7 @@ same order.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from typing import Any
 
@@ -16,10 +17,11 @@ __all__ = ["OPTREE_NAMESPACE", "register", "registered"]
 
 OPTREE_NAMESPACE = "lora_func"
 
+optree: Any
 try:
-    import optree
+    optree = importlib.import_module("optree")
 except ImportError:  # optree is optional: nothing to register
-    optree = None  # type: ignore[assignment]
+    optree = None
 
 
 def registered() -> bool:

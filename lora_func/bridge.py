@@ -166,7 +166,7 @@ class AdaptedModule(PreTrainedModel):
         return directory
 
     @classmethod
-    def from_pretrained(cls, save_directory: str | os.PathLike, *, model: nn.Module, **ignored: Any) -> AdaptedModule:  # type: ignore[override]
+    def from_pretrained(cls, save_directory: str | os.PathLike, *, model: nn.Module, **ignored: Any) -> AdaptedModule:  # type: ignore[override]  # model= is required: the base is not in the checkpoint
         """The bridge over ``model`` with the adapter that :meth:`save_pretrained` (or peft)
         wrote to ``save_directory``."""
         directory = Path(save_directory)
@@ -194,7 +194,7 @@ def _bridge_class(model: nn.Module) -> type[AdaptedModule]:
         signature = None
     if signature is not None:
         self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)
-        forward.__signature__ = signature.replace(parameters=[self_param, *signature.parameters.values()])  # type: ignore[attr-defined]
+        vars(forward)["__signature__"] = signature.replace(parameters=[self_param, *signature.parameters.values()])  # what inspect reads
     name = f"Adapted{type(model).__name__}"
     return type(name, (AdaptedModule,), {"forward": forward, "__module__": __name__, "__qualname__": name})
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.utils._pytree as pytree
@@ -50,7 +50,7 @@ class RecordingWeight(Tensor):
 
     @staticmethod
     def __new__(cls, weight: Tensor, *, name: str, layout: str) -> RecordingWeight:
-        out = Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
+        out = cast(Any, Tensor)._make_wrapper_subclass(  # private in torch, absent from its stubs
             cls, weight.shape, strides=weight.stride(), dtype=weight.dtype, device=weight.device, requires_grad=False
         )
         out._weight, out._name, out._layout, out.records = weight, name, layout, []
@@ -59,7 +59,7 @@ class RecordingWeight(Tensor):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         pass
 
-    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]  # torch's stub: no keyword
         return f"RecordingWeight({self._name}, shape={tuple(self._weight.shape)}, dtype={self._weight.dtype})"
 
     def _record(self, x: Tensor) -> None:

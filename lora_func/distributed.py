@@ -120,10 +120,11 @@ def all_reduce_mean_grads_(params: Mapping[str, Tensor] | Iterable[Tensor], grou
             f"all_reduce_mean_grads_: {missing[:5]}{' ...' if len(missing) > 5 else ''} have no .grad; "
             f"call loss.backward() first (every parameter must get a gradient on every rank)"
         )
-    averaged = all_reduce_mean({k: p.grad for k, p in named.items()}, group=group)  # type: ignore[misc]
+    grads = {k: p.grad for k, p in named.items() if p.grad is not None}  # all of them: checked above
+    averaged = all_reduce_mean(grads, group=group)
     with torch.no_grad():
-        for key, p in named.items():
-            p.grad.copy_(averaged[key])  # type: ignore[union-attr]
+        for key, grad in grads.items():
+            grad.copy_(averaged[key])
 
 
 def _signature(adapter: Adapter) -> list[tuple[str, str, tuple[int, ...], str]]:

@@ -164,7 +164,7 @@ def find_targets(model: nn.Module, spec: AdapterSpec) -> list[Target]:
         raise ValueError(  # error: target-pattern-unmatched
             f"target pattern {spec.targets!r} matches no module of {type(model).__name__} "
             f"(the pattern must match the whole name, e.g. r'.*\\.q_proj'); "
-            f"{_did_you_mean([spec.targets], modules)}; {_HINT}"  # type: ignore[list-item]
+            f"{_did_you_mean([str(spec.targets)], modules)}; {_HINT}"
         )
     kinds = [(name, module, layer_kind(module)) for name, module in matched]
     if spec.layer_types is None:

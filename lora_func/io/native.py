@@ -35,6 +35,7 @@ import os
 import struct
 from collections.abc import Mapping
 from pathlib import Path
+from typing import cast
 
 import torch
 from safetensors.torch import save_file
@@ -179,7 +180,7 @@ def _skeleton(data: dict) -> _Skeleton:
         layers = tuple(_layer_from_json(layer) for layer in data["layers"])
         return _Skeleton(Adapter, spec=spec, layers=layers, members=members, shared=shared, member_shared=member_shared)
     # What Combinator.from_json reads, read here so that a missing field is metadata damage.
-    fields = {key: data[key] for key in kind.json_field_names()}  # type: ignore[attr-defined]
+    fields = {key: data[key] for key in cast("type[Combinator]", kind).json_field_names()}
     return _Skeleton(kind, parts=tuple(_skeleton(part) for part in data["parts"]), fields=fields)
 
 
@@ -557,7 +558,7 @@ def _fill(skeleton: _Skeleton, prefix: str, tensors: Mapping[str, Tensor], devic
         parts = [_fill(part, part_prefix(prefix, i), tensors, devices) for i, part in enumerate(skeleton.parts)]
         device = _device_of(parts[0])
         own = {name: tensors[f"params/{prefix}{name}"].to(device) for name in skeleton.own_shapes()}
-        return skeleton.kind.from_json(skeleton.fields, parts, own)  # type: ignore[attr-defined]
+        return cast("type[Combinator]", skeleton.kind).from_json(skeleton.fields, parts, own)
     params, buffers = {}, {}
     first = skeleton.layers[0].target.module if skeleton.layers else SHARED
     for module, param_shapes, buffer_shapes in skeleton.groups():
