@@ -158,6 +158,15 @@ def _base_for(
             if t.bias_key is not None:
                 out[t.bias_key] = torch.zeros(t.d_out, dtype=dtype, device=device)
         return out
+    out = {}
+    for t in targets.values():
+        for key in (t.weight_key, t.bias_key):
+            if key is not None:
+                out[key] = base[key].detach().to(dtype)
+    return out
+
+
+def _check_base(base: object, targets: Mapping[str, Target], where: str) -> None:
     if not isinstance(base, Mapping):
         raise TypeError(  # error: merge-base-type
             f"{where}: base must be the dict of lora_func.base_params(model), got {type(base).__name__}"
@@ -168,12 +177,6 @@ def _base_for(
             f"{where}: base has no {missing[:5]}, which the adapters adapt; pass base=lora_func.base_params(model) of "
             f"the model the adapters were built for"
         )
-    out = {}
-    for t in targets.values():
-        for key in (t.weight_key, t.bias_key):
-            if key is not None:
-                out[key] = base[key].detach().to(dtype)
-    return out
 
 
 def _check_bias(adapters: Sequence[AdapterLike], targets: Mapping[str, Target], where: str) -> None:
@@ -195,6 +198,8 @@ def _deltas(
     them adapts (zero where one leaves a layer alone), canonical layout, at least fp32."""
     targets = _targets(adapters)
     _check_bias(adapters, targets, where)
+    if base is not None:
+        _check_base(base, targets, where)
     dtype = _work_dtype(adapters, base, targets)
     on = _base_for(adapters, base, targets, dtype, where)
     per_adapter = []
@@ -265,7 +270,7 @@ def _check_merge_arguments(
             raise ValueError(f"merge_adapters(method={method!r}) needs density=, the fraction of each delta kept, in (0, 1]")  # error: merge-density-missing
         if isinstance(density, Tensor):
             if density.dim() != 0 or not density.is_floating_point():
-                raise ValueError(f"merge_adapters: density must be a float or a 0-d float tensor, got shape {tuple(density.shape)} {density.dtype}")  # error: merge-density-range
+                raise ValueError(f"merge_adapters: density must be a float or a 0-d float tensor, got shape {tuple(density.shape)} {density.dtype}")  # error: merge-density-tensor
         elif isinstance(density, bool) or not isinstance(density, (int, float)) or not 0 < density <= 1:
             raise ValueError(f"merge_adapters: density={density!r} must be a number in (0, 1] (the fraction kept)")  # error: merge-density-range
     elif density is not None:
