@@ -17,12 +17,12 @@ import torch
 from torch import Tensor, nn
 
 from lora_func._sharded import full_tensor, is_sharded
-from lora_func.variants import LayerInfo, TensorDict, Variant
-from lora_func.adapter import AdapterLayer
+from lora_func.adapter import AdapterLayer, SharedTensors
 from lora_func.checks import check_model
 from lora_func.quantized import kind_of_tensor
 from lora_func.spec import AdapterSpec
 from lora_func.targeting import Target, canonical_weight, close_names
+from lora_func.variants import LayerInfo, TensorDict, Variant
 
 __all__ = [
     "adapter_layer",
@@ -158,11 +158,46 @@ def variant_init(
     ``TypeError``/``ValueError`` comes back naming the variant and the module."""
     with torch.no_grad():
         weight, bias, stored = target_weight(module, target)
+        if weight.is_meta and (variant.records_base or variant.calibrate is not None):
+            # On the meta device every adapter is shapes only (LoRA's, DoRA's); one derived from
+            # the weight's exact values (a residual, a fingerprint) or from data cannot be.
+            _check_weight_values(spec, target, weight)
         try:
             params, buffers = variant.init(weight, bias, info, dtype=spec.dtype, generator=generator, calibration=calibration)
         except (TypeError, ValueError) as err:
+            _check_weight_values(spec, target, weight)  # a broken base explains it better than the variant
             raise type(err)(f"{spec.variant} cannot adapt {target.module}: {err}") from err  # error: init-layer-failed
+        except (RuntimeError, NotImplementedError):  # torch's own (an SVD that fails, a meta tensor's data)
+            _check_weight_values(spec, target, weight)
+            raise
+        if not weight.is_meta:
+            bad = sorted(name for name, t in {**params, **buffers}.items() if not bool(torch.isfinite(t).all()))
+            if bad:
+                _check_weight_values(spec, target, weight)
+                raise ValueError(  # error: init-non-finite
+                    f"{spec.variant} cannot adapt {target.module}: its init produced non-finite {bad} (NaN or inf) from a "
+                    f"finite weight, in dtype {spec.dtype}; build the adapter in a wider dtype (AdapterSpec(dtype=torch.float32)) "
+                    f"or leave this module out of targets"
+                )
     return params, buffers, stored
+
+
+def _check_weight_values(spec: AdapterSpec, target: Target, weight: Tensor) -> None:
+    """Raise the error that names the base as the cause, when it is one: a weight on the meta
+    device (no values to read) or holding NaN/inf (an SVD fails, norms come out NaN)."""
+    if weight.is_meta:
+        raise ValueError(  # error: init-meta-weight
+            f"{spec.variant} cannot adapt {target.module}: its init reads the weight's values, and the model is on the "
+            f"meta device (shapes only, no data); materialise the model first (from_pretrained, or to_empty() and "
+            f"load_state_dict), then call init_adapter"
+        )
+    finite = torch.isfinite(weight)
+    if not bool(finite.all()):
+        raise ValueError(  # error: init-non-finite-weight
+            f"{spec.variant} cannot adapt {target.module}: its weight holds {int((~finite).sum())} non-finite values "
+            f"(NaN or inf), and {spec.variant}'s init reads the weight; fix or reload the model's weights, or leave "
+            f"{target.module} out of targets"
+        )
 
 
 def fresh_layer(
@@ -177,3 +212,26 @@ def fresh_layer(
         buffers = {name: tensor.detach().contiguous() for name, tensor in buffers.items()}
         fingerprint = weight_fingerprint(stored) if variant.records_base else None
     return adapter_layer(target, info, params, buffers, fingerprint), params, buffers
+
+
+def shared_init(
+    variant: Variant, spec: AdapterSpec, infos: Mapping[str, LayerInfo], *, device: torch.device, generator: torch.Generator
+) -> tuple[TensorDict, TensorDict, SharedTensors | None]:
+    """The tensors an adapter of ``variant`` shares across its layers (``Variant.shared_init``),
+    keyed as in the adapter (``"<shared>.<name>"``), params leaf tensors requiring grad, and
+    their static description; ``({}, {}, None)`` for a variant without shared tensors."""
+    if variant.shared_init is None:
+        return {}, {}, None
+    with torch.no_grad():
+        try:
+            params, buffers = variant.shared_init(infos, dtype=spec.dtype, device=device, generator=generator)
+        except (TypeError, ValueError) as err:
+            raise type(err)(f"{spec.variant} cannot build its shared tensors: {err}") from err  # error: init-shared-failed
+        params = {n: t.detach().contiguous().requires_grad_(True) for n, t in params.items()}
+        buffers = {n: t.detach().contiguous() for n, t in buffers.items()}
+    shared = SharedTensors(
+        param_shapes=tuple((n, tuple(t.shape)) for n, t in params.items()),
+        buffer_shapes=tuple((n, tuple(t.shape)) for n, t in buffers.items()),
+    )
+    return dict(zip(shared.param_keys(), params.values(), strict=True)), dict(zip(shared.buffer_keys(), buffers.values(), strict=True)), shared
+

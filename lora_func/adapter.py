@@ -47,6 +47,7 @@ from lora_func.variants import LayerInfo, TensorDict, Variant, get_variant
 
 __all__ = [
     "NODE_TYPES",
+    "SHARED",
     "Adapter",
     "AdapterLayer",
     "AdapterLike",
@@ -54,6 +55,7 @@ __all__ = [
     "Combinator",
     "Combined",
     "Composed",
+    "SharedTensors",
     "combine",
     "compose",
     "leaf_adapters",
@@ -93,6 +95,27 @@ class AdapterLayer:
         return [f"{self.target.module}.{name}" for name, _ in self.buffer_shapes]
 
 
+# The module name under which an adapter's shared tensors are keyed ("<shared>.basis_A"): no
+# module of a model has it, so the keys cannot collide with a layer's.
+SHARED = "<shared>"
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedTensors:
+    """Static description of the tensors an adapter holds once and every layer reads
+    (``Variant.shared_init``: a basis, a bank), keyed ``"<shared>.<name>"`` in ``params`` /
+    ``buffers``."""
+
+    param_shapes: tuple[tuple[str, tuple[int, ...]], ...]
+    buffer_shapes: tuple[tuple[str, tuple[int, ...]], ...]
+
+    def param_keys(self) -> list[str]:
+        return [f"{SHARED}.{name}" for name, _ in self.param_shapes]
+
+    def buffer_keys(self) -> list[str]:
+        return [f"{SHARED}.{name}" for name, _ in self.buffer_shapes]
+
+
 def _split(flat: Mapping[str, Tensor], module: str, names: Iterable[tuple[str, tuple[int, ...]]]) -> TensorDict:
     return {name: flat[f"{module}.{name}"] for name, _ in names}
 
@@ -100,12 +123,13 @@ def _split(flat: Mapping[str, Tensor], module: str, names: Iterable[tuple[str, t
 AdapterLike = AdapterNode
 
 
-def leaf_adapters(adapter: AdapterLike) -> list[Adapter]:
-    """Every :class:`Adapter` inside ``adapter``, in application order."""
+def leaf_adapters(adapter: AdapterLike, where: str = "") -> list[Adapter]:
+    """Every :class:`Adapter` inside ``adapter``, in application order; ``where`` names the
+    public call and argument in the error for anything else (``"unstack(adapter)"``)."""
     if not isinstance(adapter, AdapterNode):
         raise TypeError(  # error: not-an-adapter
-            f"expected an Adapter, Composed or Combined, got {type(adapter).__name__}; build one with "
-            f"lora_func.init_adapter(model, spec)"
+            f"{where + ': ' if where else ''}expected an Adapter, Composed or Combined, got {type(adapter).__name__}; "
+            f"build one with lora_func.init_adapter(model, spec)"
         )
     return [leaf for _, leaf in leaves(adapter)]
 
@@ -113,6 +137,30 @@ def leaf_adapters(adapter: AdapterLike) -> list[Adapter]:
 def target_weight_keys(adapter: AdapterLike) -> set[str]:
     """The model weight keys that some leaf of ``adapter`` adapts."""
     return {layer.target.weight_key for leaf in leaf_adapters(adapter) for layer in leaf.layers}
+
+
+def _check_params_dtype(where: str, params: Mapping[str, Any], dtype: torch.dtype) -> None:
+    """Trainable tensors are in the adapter dtype (``spec.dtype``), always: the dtype the adapter
+    reports, the one its file records and the one both paths compute in. A tensor in another
+    dtype would run (the merged path promotes it, the low-rank path fails deep in a GEMM on
+    mixed operands) and then save a file whose metadata contradicts it."""
+    wrong = sorted(k for k, v in params.items() if not isinstance(v, Tensor) or not (v.is_floating_point() or v.is_complex()))
+    if wrong:
+        got = params[wrong[0]]
+        shown = f"a {got.dtype} tensor" if isinstance(got, Tensor) else type(got).__name__
+        # An integer tensor would be silently truncated or promoted by the low-rank path.
+        raise TypeError(  # error: adapter-params-dtype
+            f"{where}: {wrong[:5]} must be floating-point tensors, got {shown}; pass tensors of "
+            f"the adapter dtype ({dtype})"
+        )
+    other = sorted(k for k, v in params.items() if v.dtype != dtype)
+    if other:
+        got_dtypes = sorted({str(params[k].dtype) for k in other})
+        raise TypeError(  # error: adapter-params-spec-dtype
+            f"{where}: {other[:5]}{' ...' if len(other) > 5 else ''} are {', '.join(got_dtypes)} tensors, but the "
+            f"adapter dtype is {dtype} (adapter.spec.dtype), which every trainable tensor must have; cast them "
+            f"(v.to({dtype})), or build the adapter in the other dtype with AdapterSpec(..., dtype=...)"
+        )
 
 
 def _check_same_keys(where: str, got: Mapping[str, Tensor], expected: Mapping[str, Tensor]) -> None:
@@ -149,6 +197,8 @@ class Adapter(AdapterNode, tag="adapter"):
     # Only for a rank-padded stack: each member's own (spec, layers), so unstack() gives the
     # originals back (shapes, ranks and alphas).
     members: tuple[tuple[AdapterSpec, tuple[AdapterLayer, ...]], ...] | None = static_field()
+    # The tensors every layer reads (Variant.shared_init), or None.
+    shared: SharedTensors | None = static_field()
 
     def __init__(
         self,
@@ -157,6 +207,7 @@ class Adapter(AdapterNode, tag="adapter"):
         spec: AdapterSpec,
         layers: Sequence[AdapterLayer],
         members: Sequence[tuple[AdapterSpec, tuple[AdapterLayer, ...]]] | None = None,
+        shared: SharedTensors | None = None,
     ) -> None:
         layers = tuple(layers) if isinstance(layers, Iterable) else layers  # type: ignore[assignment]
         wrong = [f"spec is a {type(spec).__name__}, not an AdapterSpec"] if not isinstance(spec, AdapterSpec) else []
@@ -173,9 +224,14 @@ class Adapter(AdapterNode, tag="adapter"):
                 f"Adapter(params, buffers, spec, layers): {'; '.join(wrong)}; build adapters with "
                 f"lora_func.init_adapter(model, spec), and new values with adapter.with_params(params)"
             )
+        if shared is not None and not isinstance(shared, SharedTensors):
+            raise TypeError(f"Adapter(...): shared must be a SharedTensors or None, got {type(shared).__name__}")  # error: adapter-init-shared
+        # (module, param shapes, buffer shapes) of each layer, and of the shared tensors.
+        groups = [(layer.target.module, layer.param_shapes, layer.buffer_shapes) for layer in layers]
+        groups += [(SHARED, shared.param_shapes, shared.buffer_shapes)] if shared is not None else []
         for arg, flat, keys in (
-            ("params", params, [key for layer in layers for key in layer.param_keys()]),
-            ("buffers", buffers, [key for layer in layers for key in layer.buffer_keys()]),
+            ("params", params, [f"{module}.{name}" for module, shapes, _ in groups for name, _ in shapes]),
+            ("buffers", buffers, [f"{module}.{name}" for module, _, shapes in groups for name, _ in shapes]),
         ):
             missing, unexpected = sorted(set(keys) - set(flat)), sorted(set(flat) - set(keys))
             if missing or unexpected:
@@ -184,11 +240,12 @@ class Adapter(AdapterNode, tag="adapter"):
                     f"keys {unexpected[:5]}; its keys are f'{{module}}.{{name}}' of each layer's {arg[:-1]}_shapes "
                     f"(adapter.with_params(params) keeps an adapter's keys)"
                 )
+        _check_params_dtype("Adapter(params, buffers, spec, layers)", params, spec.dtype)
         stacks: dict[tuple[int, ...], str] = {}
-        for layer in layers:
-            for arg, flat, shapes in (("params", params, layer.param_shapes), ("buffers", buffers, layer.buffer_shapes)):
+        for module, param_shapes, buffer_shapes in groups:
+            for arg, flat, shapes in (("params", params, param_shapes), ("buffers", buffers, buffer_shapes)):
                 for name, shape in shapes:
-                    key = f"{layer.target.module}.{name}"
+                    key = f"{module}.{name}"
                     got = tuple(flat[key].shape)
                     if got[len(got) - len(shape) :] != tuple(shape) or len(got) < len(shape):
                         raise ValueError(  # error: adapter-init-shape
@@ -202,17 +259,23 @@ class Adapter(AdapterNode, tag="adapter"):
                 f"{dict(sorted(stacks.items()))} (shape: first key with it); every tensor needs the same stack axes "
                 f"(build stacks with lora_func.stack)"
             )
-        built = self._unchecked(params, buffers, spec, layers, members)
+        built = self._unchecked(params, buffers, spec, layers, members, shared)
         for name in self.fields:
             object.__setattr__(self, name, getattr(built, name))
 
     @classmethod
     def _unchecked(
-        cls, params: Mapping[str, Any], buffers: Mapping[str, Any], spec: AdapterSpec, layers: Sequence[AdapterLayer], members: Any = None
+        cls,
+        params: Mapping[str, Any],
+        buffers: Mapping[str, Any],
+        spec: AdapterSpec,
+        layers: Sequence[AdapterLayer],
+        members: Any = None,
+        shared: SharedTensors | None = None,
     ) -> Adapter:
         """An adapter without the constructor's checks: for rebuilds from an adapter's own parts."""
         members = None if members is None else tuple(members)
-        return cls._build(params=dict(params), buffers=dict(buffers), spec=spec, layers=tuple(layers), members=members)
+        return cls._build(params=dict(params), buffers=dict(buffers), spec=spec, layers=tuple(layers), members=members, shared=shared)
 
     @property
     def variant(self) -> Variant:
@@ -221,20 +284,14 @@ class Adapter(AdapterNode, tag="adapter"):
     def with_params(self, params: Mapping[str, Tensor]) -> Adapter:
         """A new adapter with these trainable tensors (same keys as ``self.params``)."""
         _check_same_keys("with_params", params, self.params)
-        wrong = sorted(k for k, v in params.items() if not isinstance(v, Tensor) or not (v.is_floating_point() or v.is_complex()))
-        if wrong:
-            got = params[wrong[0]]
-            shown = f"a {got.dtype} tensor" if isinstance(got, Tensor) else type(got).__name__
-            # An integer tensor would be silently truncated or promoted by the low-rank path.
-            raise TypeError(  # error: adapter-params-dtype
-                f"Adapter.with_params: {wrong[:5]} must be floating-point tensors, got {shown}; pass tensors of "
-                f"the adapter dtype ({self.spec.dtype})"
-            )
-        return Adapter._unchecked(params, self.buffers, self.spec, self.layers, self.members)
+        dtype = self.spec.dtype
+        if any(not isinstance(v, Tensor) or v.dtype != dtype for v in params.values()):
+            _check_params_dtype("Adapter.with_params", params, dtype)
+        return Adapter._unchecked(params, self.buffers, self.spec, self.layers, self.members, self.shared)
 
     def with_buffers(self, buffers: Mapping[str, Tensor]) -> Adapter:
         _check_same_keys("with_buffers", buffers, self.buffers)
-        return Adapter._unchecked(self.params, buffers, self.spec, self.layers, self.members)
+        return Adapter._unchecked(self.params, buffers, self.spec, self.layers, self.members, self.shared)
 
     def detach(self) -> Adapter:
         """The same values as new leaf tensors in new storage: params with ``requires_grad=True``
@@ -246,16 +303,31 @@ class Adapter(AdapterNode, tag="adapter"):
             self.spec,
             self.layers,
             self.members,
+            self.shared,
         )
 
     def layer_tensors(self, layer: AdapterLayer) -> tuple[TensorDict, TensorDict]:
-        """``(params, buffers)`` of one layer, keyed by short names (``"lora_A"``)."""
+        """``(params, buffers)`` of one layer as its forms see them, keyed by short names
+        (``"lora_A"``): the layer's own tensors and the adapter's shared ones."""
         module = layer.target.module
-        return _split(self.params, module, layer.param_shapes), _split(self.buffers, module, layer.buffer_shapes)
+        own_params, own_buffers = _split(self.params, module, layer.param_shapes), _split(self.buffers, module, layer.buffer_shapes)
+        if self.shared is None:
+            return own_params, own_buffers
+        shared_params, shared_buffers = self.shared_tensors()
+        return shared_params | own_params, shared_buffers | own_buffers
+
+    def shared_tensors(self) -> tuple[TensorDict, TensorDict]:
+        """``(params, buffers)`` the adapter holds once for every layer (``Variant.shared_init``),
+        keyed by short names; empty for a variant without shared tensors."""
+        if self.shared is None:
+            return {}, {}
+        return _split(self.params, SHARED, self.shared.param_shapes), _split(self.buffers, SHARED, self.shared.buffer_shapes)
 
     def num_parameters(self) -> int:
-        """Trainable scalars (one stack member's, for a stacked adapter)."""
-        return sum(int(torch.Size(shape).numel()) for layer in self.layers for _, shape in layer.param_shapes)
+        """Trainable scalars (one stack member's, for a stacked adapter): the layers' and the shared ones."""
+        shared = self.shared.param_shapes if self.shared is not None else ()
+        shapes = [shape for layer in self.layers for _, shape in layer.param_shapes] + [shape for _, shape in shared]
+        return sum(int(torch.Size(shape).numel()) for shape in shapes)
 
     @property
     def stack_shape(self) -> tuple[int, ...]:
@@ -425,11 +497,16 @@ class Combined(Combinator, tag="combined"):
     weights: Tensor = own_tensor(shape=lambda node: (len(node.parts),))
 
     def __init__(self, parts: Sequence[AdapterLike], weights: Tensor | Sequence[float]) -> None:
+        if isinstance(parts, (AdapterNode, Mapping, str)) or not isinstance(parts, Iterable):
+            raise TypeError(  # error: combine-not-a-list
+                f"combine(adapters, weights): adapters must be a list of adapters, got {type(parts).__name__}; "
+                f"pass a list, one weight per adapter: combine([adapter], [w]) or combine([a, b], [w_a, w_b])"
+            )
         parts = tuple(parts)
         if not parts:
             raise ValueError("combine() needs at least one adapter")  # error: combine-empty
-        for part in parts:
-            leaf_adapters(part)
+        for i, part in enumerate(parts):
+            leaf_adapters(part, f"combine(adapters, weights): adapters[{i}]")
         given = weights
         if not isinstance(weights, Tensor):
             try:

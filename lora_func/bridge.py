@@ -13,7 +13,6 @@ import copy
 import inspect
 import json
 import os
-import types
 from pathlib import Path
 from typing import Any
 
@@ -62,11 +61,29 @@ class AdaptedModule(PreTrainedModel):
     # PreTrainedModel.__init__ must accept (it refuses e.g. sdpa for a class without these).
     _supports_sdpa = _supports_flash_attn = _supports_flex_attn = _supports_attention_backend = True
 
+    def __new__(cls, model: nn.Module, *args: Any, **kwargs: Any) -> AdaptedModule:
+        # Trainer reads the labels a model takes and whether it can return a loss from its
+        # *class*'s forward signature (find_labels, can_return_loss): each bridge is an instance
+        # of a subclass whose forward has the base model's signature, named after the base
+        # class (``AdaptedLlamaForCausalLM``).
+        if cls is AdaptedModule:
+            cls = _bridge_class(model)
+        return super().__new__(cls)
+
     def __init__(self, model: nn.Module, adapter: AdapterLike) -> None:
         config = getattr(model, "config", None)
         # A copy: PreTrainedModel.__init__ may adjust the config (attention implementation),
         # and the user's model must not change.
         super().__init__(copy.deepcopy(config) if isinstance(config, PreTrainedConfig) else PreTrainedConfig())
+        # What Trainer reads from the model it trains, forwarded from the base: the loss type
+        # (a causal LM's loss shifts labels, so Trainer counts labels[..., 1:] for
+        # num_items_in_batch), whether forward takes loss kwargs (then Trainer passes
+        # num_items_in_batch and does not divide by the accumulation steps itself), the main
+        # input's name.
+        self.loss_type = getattr(model, "loss_type", None)
+        if hasattr(model, "accepts_loss_kwargs"):
+            self.accepts_loss_kwargs = model.accepts_loss_kwargs
+        self.main_input_name = getattr(model, "main_input_name", self.main_input_name)
         # Not a submodule (plain attribute set past nn.Module.__setattr__): the base's tensors
         # must not be parameters of the bridge.
         object.__setattr__(self, "base", model)
@@ -78,9 +95,6 @@ class AdaptedModule(PreTrainedModel):
         self.adapter_params = nn.ParameterDict(
             {by_key[key]: nn.Parameter(tensor.detach(), requires_grad=True) for key, tensor in adapter.params.items()}
         )
-        # The model's forward signature on the bridge's forward: Trainer drops every batch
-        # column that is not a forward argument, and finds nothing in (*args, **kwargs).
-        object.__setattr__(self, "forward", types.MethodType(_signed_forward(model), self))
 
     @property
     def adapter(self) -> AdapterLike:
@@ -166,17 +180,23 @@ class AdaptedModule(PreTrainedModel):
         )
 
 
-def _signed_forward(model: nn.Module) -> Any:
+def _bridge_class(model: nn.Module) -> type[AdaptedModule]:
+    """A subclass of :class:`AdaptedModule` whose ``forward`` has ``model.forward``'s signature:
+    Trainer drops every batch column that is not a forward argument (it finds nothing in
+    ``(*args, **kwargs)``) and looks for label arguments on the class."""
+
     def forward(self: AdaptedModule, *args: Any, **kwargs: Any) -> Any:
         return self._adapted_forward(*args, **kwargs)
 
     try:
         signature = inspect.signature(model.forward)
     except (TypeError, ValueError):  # a builtin or C forward: keep (*args, **kwargs)
-        return forward
-    self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)
-    forward.__signature__ = signature.replace(parameters=[self_param, *signature.parameters.values()])  # type: ignore[attr-defined]
-    return forward
+        signature = None
+    if signature is not None:
+        self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)
+        forward.__signature__ = signature.replace(parameters=[self_param, *signature.parameters.values()])  # type: ignore[attr-defined]
+    name = f"Adapted{type(model).__name__}"
+    return type(name, (AdaptedModule,), {"forward": forward, "__module__": __name__, "__qualname__": name})
 
 
 def as_module(model: nn.Module, adapter: AdapterLike) -> AdaptedModule:

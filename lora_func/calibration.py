@@ -127,7 +127,13 @@ def _check_batch(batch: Any, index: int, vocab: int | None = None) -> tuple[Tens
     if not isinstance(ids, Tensor) or ids.ndim != 2 or ids.is_floating_point():
         got = f"shape {tuple(ids.shape)}, dtype {ids.dtype}" if isinstance(ids, Tensor) else type(ids).__name__
         raise ValueError(f"calibration batch {index}: 'input_ids' must be an integer tensor (batch, seq), got {got}")  # error: calib-input-ids-type
-    if vocab is not None and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+    if ids.numel() == 0:
+        # A zero-length batch has no token to record; the model would fail on it deep inside.
+        raise ValueError(  # error: calib-empty-batch
+            f"calibration batch {index}: 'input_ids' has shape {tuple(ids.shape)}, no tokens; pass batches of at "
+            f"least one row and one token (drop empty examples before batching)"
+        )
+    if vocab is not None and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
         # Else the embedding lookup fails deep inside with "index out of range in self".
         raise ValueError(  # error: calib-ids-range
             f"calibration batch {index}: 'input_ids' has ids outside [0, {vocab}) (min {int(ids.min())}, max "
@@ -201,6 +207,13 @@ def layer_input_batches(
         )
     accepted, takes_use_cache = _forward_keys(model)
     base = base_params(model)
+    meta = sorted(t.module for t in targets if base[t.weight_key].is_meta)
+    if meta:
+        raise ValueError(  # error: calib-meta-model
+            f"calibration runs the model on data, and targets {meta[:3]}{' ...' if len(meta) > 3 else ''} are on the meta "
+            f"device (shapes only, no values); materialise the model first (from_pretrained, or to_empty() and "
+            f"load_state_dict), then call init_adapter"
+        )
     # FSDP2 swaps its own parameters at each module's call: record there, reparametrize nothing.
     fsdp = is_fsdp_model(dict(model.named_modules()))
     # The token embedding's size (transformers' accessor, else the model's first nn.Embedding).
@@ -247,6 +260,13 @@ def layer_input_batches(
                     )
                 rows.append(x[keep.reshape(-1).to(x.device)].float())
             out[module] = rows[0] if len(rows) == 1 else torch.cat(rows)
+            if not bool(torch.isfinite(out[module]).all()):
+                # The statistics (an SVD of these rows) would fail or come out NaN.
+                raise ValueError(  # error: calib-non-finite
+                    f"calibration batch {index}: the inputs of target {module} hold NaN or inf: the model computes "
+                    f"non-finite activations on this batch (a non-finite weight upstream, or an overflow in half "
+                    f"precision); check the model on this batch (fix or reload its weights, or run it in float32)"
+                )
         del params, standins
         yield out
     if empty:

@@ -171,7 +171,8 @@ def check_float_targets(base: Mapping[str, Tensor], adapter: object, where: str)
 
 
 def check_adapter_placement(base: Mapping[str, Tensor], adapter: object, where: str) -> None:
-    """Raise unless every tensor of ``adapter`` is a float tensor on its target weight's device.
+    """Raise unless every tensor of ``adapter`` is on its target weight's device and every
+    trainable one in the adapter dtype (``spec.dtype``).
 
     On another device than the model (e.g. ``meta``, or CPU tensors for a CUDA model) the lazy
     path computes garbage or fails deep inside; an integer param (a cast gone wrong) would be
@@ -189,8 +190,10 @@ def check_adapter_placement(base: Mapping[str, Tensor], adapter: object, where: 
                 key = f"{layer.target.module}.{name}"
                 if tensor.device != weight.device:
                     misplaced.append(f"{key} on {tensor.device} (the model's {layer.target.weight_key} is on {weight.device})")
-                elif name in params and not (tensor.is_floating_point() or tensor.is_complex()):
-                    not_float.append(f"{key} ({tensor.dtype})")
+                elif name in params and tensor.dtype != leaf.spec.dtype:
+                    # An adapter dict edited in place: computing in another dtype than the
+                    # adapter reports (and saves) is refused on every path, merged or lazy.
+                    not_float.append(f"{key} ({tensor.dtype}, the adapter dtype is {leaf.spec.dtype})")
     if misplaced:
         raise ValueError(  # error: adapter-placement-device
             f"{where}: adapter tensors {sorted(misplaced)[:5]} are not on their target weight's device; move them "
@@ -199,8 +202,9 @@ def check_adapter_placement(base: Mapping[str, Tensor], adapter: object, where: 
         )
     if not_float:
         raise TypeError(  # error: adapter-placement-dtype
-            f"{where}: adapter params {sorted(not_float)[:5]} are not floating-point; the low-rank path would "
-            f"truncate or promote them. Rebuild the adapter (init_adapter / load) or pass float tensors to with_params"
+            f"{where}: adapter params {sorted(not_float)[:5]} are not in the adapter dtype (adapter.spec.dtype); the "
+            f"low-rank path would truncate, promote or refuse them. Derive new values with adapter.with_params(params) "
+            f"(tensors of the adapter dtype), or rebuild the adapter (init_adapter / load)"
         )
 
 

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from lora_func._application import Application, refuse_checkpointing_in_transform
 from lora_func._lazy import AdaptedBias, AdaptedCalls, AdaptedWeight, _BiasEntry, _ModeEntry
 from lora_func._routing import module_forward
-from lora_func._model import base_params, check_params, fresh_layer, layer_info, variant_init
+from lora_func._model import base_params, check_params, fresh_layer, layer_info, shared_init, variant_init
 from lora_func._sharded import is_fsdp_model, is_sharded, sharded_keys, swapped_on
 from lora_func._steps import LayerCall, LayerStep, VariantStep, merged_weight
 from lora_func.quantized import QuantizedKind, frozen_call, frozen_forwards, kind_of_tensor, logical_shape
@@ -123,8 +123,9 @@ def init_adapter(
         targets = [t for t in targets if t.module in fitted]
         infos = {m: fitted[m][0] for m in infos if m in fitted}
         payloads = {m: fitted[m][1] for m in infos}
-    params: dict[str, Tensor] = {}
-    buffers: dict[str, Tensor] = {}
+    # Tensors every layer reads (Variant.shared_init), drawn before the layers' own.
+    device = modules[targets[0].module].weight.device if targets else torch.device("cpu")
+    params, buffers, shared = shared_init(variant, spec, infos, device=device, generator=generator)
     layers = []
     for target in targets:
         # One target at a time: a sharded target's whole weight is gathered for its init only (a
@@ -135,7 +136,7 @@ def init_adapter(
         params.update({f"{target.module}.{name}": tensor for name, tensor in layer_params.items()})
         buffers.update({f"{target.module}.{name}": tensor for name, tensor in layer_buffers.items()})
         layers.append(layer)
-    return Adapter(params, buffers, spec, layers)
+    return Adapter(params, buffers, spec, layers, shared=shared)
 
 
 def _check(base: Mapping[str, Tensor], adapter: AdapterLike, *, quantized_ok: bool = False) -> None:
@@ -247,9 +248,10 @@ def _layer_steps(adapter: AdapterLike) -> dict[str, tuple[Target, LayerStep]]:
     if not adapter.parts:  # a leaf Adapter
         out: dict[str, tuple[Target, LayerStep]] = {}
         variant, dtype, flat_params, flat_buffers = adapter.variant, adapter.spec.dtype, adapter.params, adapter.buffers
+        shared_params, shared_buffers = adapter.shared_tensors()  # every layer reads them (one leaf each)
         for layer, (t, _stored, param_keys, buffer_keys) in zip(adapter.layers, _layer_plan(adapter.layers), strict=True):
-            params = {name: flat_params[key] for name, key, _ in param_keys}
-            buffers = {name: flat_buffers[key] for name, key, _ in buffer_keys}
+            params = shared_params | {name: flat_params[key] for name, key, _ in param_keys}
+            buffers = shared_buffers | {name: flat_buffers[key] for name, key, _ in buffer_keys}
             out[t.weight_key] = (t, VariantStep(variant, params, buffers, layer.info, dtype))
         return out
     per_part = [_layer_steps(part) for part in adapter.parts]

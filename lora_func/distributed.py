@@ -178,4 +178,4 @@ def broadcast_adapter(adapter: Adapter, src: int = 0, group: Any = None) -> Adap
         _unflat(flat, keyed, keys, out)
     params = {k: out[f"p:{k}"].clone().requires_grad_(True) for k in adapter.params}
     buffers = {k: out[f"b:{k}"].clone() for k in adapter.buffers}
-    return Adapter(params, buffers, adapter.spec, adapter.layers)
+    return Adapter(params, buffers, adapter.spec, adapter.layers, shared=adapter.shared)

@@ -95,11 +95,15 @@ def _stacked(adapters: Any, where: str) -> Adapter:
 
 
 def _checked_index(index: Any, size: int, where: str) -> Tensor:
+    if isinstance(index, Sequence) and not isinstance(index, (str, bytes)) and index and all(
+        isinstance(i, int) and not isinstance(i, bool) for i in index
+    ):
+        index = torch.tensor(list(index), dtype=torch.int64)  # a list, tuple or range of positions
     if not isinstance(index, Tensor) or index.dim() != 1 or index.dtype not in _INDEX_DTYPES or index.numel() == 0:
         shown = f"a {index.dtype} tensor of shape {tuple(index.shape)}" if isinstance(index, Tensor) else type(index).__name__
         raise TypeError(  # error: mixed-route-index-type
             f"{where}: index must be a non-empty 1-D int64 or int32 tensor (one adapter position per batch row), got {shown}; "
-            f"e.g. torch.tensor([2, 0, 1, 0])"
+            f"e.g. torch.tensor([2, 0, 1, 0]) or a list of ints [2, 0, 1, 0]"
         )
     outside = sorted({int(i) for i in index.tolist() if not 0 <= i < size})
     if outside:

@@ -67,8 +67,14 @@ def _stack_adapters(adapters: list[Adapter]) -> Adapter:
             raise ValueError(f"stack(): adapter {i} is itself stacked (stack_shape {other.stack_shape}); unstack it first")  # error: stack-nested
     if first.members is not None:
         raise ValueError("stack(): adapter 0 is itself a rank-padded stack; unstack it first")  # error: stack-nested-padded
-    if all(other.layers == first.layers for other in adapters[1:]):
+    if all(other.layers == first.layers and other.shared == first.shared for other in adapters[1:]):
         return pytree.tree_map(lambda *ts: torch.stack(ts), *adapters)
+    if first.shared is not None:
+        raise ValueError(  # error: stack-shared-ranks
+            f"stack(): these {first.spec.variant} adapters have different ranks, and the variant shares tensors across "
+            f"layers ({[n for n, _ in first.shared.param_shapes + first.shared.buffer_shapes]}): rank padding is not "
+            f"supported for shared tensors yet; stack adapters of one rank"
+        )
     # Rank-padded: zero-pad every tensor to the largest shape (only rank axes differ) and give
     # each layer a rank mask and the member's alpha, so each keeps its own scale.
     variant = first.variant
@@ -180,13 +186,13 @@ def _as_leaves(stacked: Adapter, sources: Sequence[Adapter]) -> Adapter:
     if not all(_plain_leaf(t) for a in sources for t in a.params.values()):
         return stacked
     params = {k: v.detach().requires_grad_(True) for k, v in stacked.params.items()}
-    return Adapter._unchecked(params, stacked.buffers, stacked.spec, stacked.layers, stacked.members)
+    return Adapter._unchecked(params, stacked.buffers, stacked.spec, stacked.layers, stacked.members, stacked.shared)
 
 
 def unstack(adapter: AdapterLike) -> list[AdapterLike]:
     """The inverse of :func:`stack`: the adapters along the leading axis (a rank-padded stack
     gives each member back at its own rank, without the padding and mask buffers)."""
-    leaf_adapters(adapter)
+    leaf_adapters(adapter, "unstack(adapter)")
     if not adapter.stack_shape:
         raise ValueError("unstack(): this adapter is not stacked (it has no leading stack axis)")  # error: unstack-not-stacked
     return [_member(adapter, k) for k in range(adapter.stack_shape[0])]
@@ -204,7 +210,7 @@ def _member(adapter: AdapterLike, index: int | Tensor) -> AdapterLike:
     if isinstance(index, Tensor):
         taken = pytree.tree_map(lambda t: t[index], adapter)
         members = [adapter.members[int(i)] for i in index.reshape(-1).tolist()]
-        return Adapter._unchecked(taken.params, taken.buffers, taken.spec, taken.layers, members)
+        return Adapter._unchecked(taken.params, taken.buffers, taken.spec, taken.layers, members, taken.shared)
     spec, layers = adapter.members[index]
     params: dict[str, Tensor] = {}
     buffers: dict[str, Tensor] = {}
@@ -220,7 +226,7 @@ def take(adapter: AdapterLike, index: int | Tensor) -> AdapterLike:
     """The stack members at ``index``: an int gives one adapter (as :func:`unstack`), a 1-D
     integer tensor gives a stacked adapter of ``len(index)`` members (e.g. one adapter per
     example of a batch, for a mixed-adapter batch under ``vmap``)."""
-    leaf_adapters(adapter)
+    leaf_adapters(adapter, "take(adapter, index)")
     if not adapter.stack_shape:
         raise ValueError("take(): this adapter is not stacked; build one with lora_func.stack([...])")  # error: take-not-stacked
     size = adapter.stack_shape[0]

@@ -118,6 +118,17 @@ def _module_name_pool(names: list[str]) -> set[str]:
     return set(names) | {n.rsplit(".", 1)[-1] for n in names}
 
 
+def _did_you_mean(wanted: list[str], modules: list[tuple[str, nn.Module]]) -> str:
+    """The module names close to ``wanted``, or, when none is, the names of the layers that
+    can be adapted (a list to pick from instead of "none")."""
+    close = close_names(wanted, _module_name_pool([name for name, _ in modules]))
+    if close:
+        return f"close module names: {close}"
+    adaptable = sorted({name.rsplit(".", 1)[-1] for name, module in modules if layer_kind(module) is not None})
+    shown = f"{adaptable[:20]}{' ...' if len(adaptable) > 20 else ''}" if adaptable else "none (no nn.Linear or Conv1D)"
+    return f"no module name is close; the layers it can adapt are named {shown}"
+
+
 def find_targets(model: nn.Module, spec: AdapterSpec) -> list[Target]:
     """The targets of ``spec`` in ``model``, in module order; raises before touching anything.
 
@@ -147,13 +158,13 @@ def find_targets(model: nn.Module, spec: AdapterSpec) -> list[Target]:
         if unmatched:
             raise ValueError(  # error: target-list-unmatched
                 f"target(s) {sorted(unmatched)} match no module of {type(model).__name__}; "
-                f"close module names: {close_names(unmatched, _module_name_pool(module_names)) or 'none'}; {_HINT}"
+                f"{_did_you_mean(unmatched, modules)}; {_HINT}"
             )
     if not matched:
         raise ValueError(  # error: target-pattern-unmatched
             f"target pattern {spec.targets!r} matches no module of {type(model).__name__} "
             f"(the pattern must match the whole name, e.g. r'.*\\.q_proj'); "
-            f"close module names: {close_names([spec.targets], _module_name_pool(module_names)) or 'none'}; {_HINT}"  # type: ignore[list-item]
+            f"{_did_you_mean([spec.targets], modules)}; {_HINT}"  # type: ignore[list-item]
         )
     kinds = [(name, module, layer_kind(module)) for name, module in matched]
     if spec.layer_types is None:

@@ -484,6 +484,14 @@ def _check_state(state: Any, where: str) -> None:
             f"{where}: state must be a lora_func.train.TrainState, got {type(state).__name__}; build one with "
             f"TrainState(adapter, make_optimizer(adapter, lr)) or load_checkpoint(directory, model)"
         )
+    if not isinstance(state.optimizer, torch.optim.Optimizer):
+        # Checked here, not at construction: a TrainState may be built first and given its
+        # optimiser after (TrainState(adapter, None); state.optimizer = make_optimizer(...)).
+        raise TypeError(  # error: train-state-optimizer
+            f"{where}: state.optimizer must be a torch.optim.Optimizer over state.adapter.params, got "
+            f"{type(state.optimizer).__name__}; build one with make_optimizer(state.adapter, lr) (a learning-rate "
+            f"scheduler wraps the optimiser: pass the optimiser, step the scheduler yourself)"
+        )
 
 
 def _check_optimizer_state(optimizer: torch.optim.Optimizer, params: Mapping[str, Tensor]) -> None:

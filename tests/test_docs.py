@@ -111,3 +111,29 @@ def test_cli_reports_a_diverged_run_with_the_variant_and_step_and_exits_1(tmp_pa
     assert code == 1, err
     assert re.search(r"^lora-func demo: training lora at lr 1e\+08 diverged: .*at step \d+: non-finite values in", err, re.M), err[:500]
     assert "Traceback" not in err and "Try a lower --lr" in err
+
+
+def test_readme_says_what_the_demo_numbers_and_the_suite_duration_depend_on():
+    """The demo's accuracies differ between CPUs' floating-point kernels (seen: ia3 80 % with
+    AVX-512, 100 % with AVX2), and the suite's duration is stated with where it is measured."""
+    readme = (ROOT / "README.md").read_text()
+    demo = readme[readme.index("## The demo") : readme.index("## Layout")]
+    assert "floating-point kernels" in demo and "not these digits" in demo
+    assert "docs/testing.md#how-long-the-suite-takes" in readme
+    testing = (ROOT / "docs" / "testing.md").read_text()
+    section = testing[testing.index("## How long the suite takes") :]
+    assert section.count("\n| ") >= 20, "docs/testing.md lists the slowest 20 tests"
+
+
+def test_the_suite_runs_torch_on_one_thread_and_so_do_the_processes_it_starts():
+    """A second OpenMP thread per test process made the suite 7x slower on 2 cores when another
+    process kept one of them busy (tests/conftest.py)."""
+    import os
+    import subprocess
+    import sys
+
+    import torch
+
+    assert torch.get_num_threads() == 1
+    child = subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"], capture_output=True, text=True, check=True)
+    assert child.stdout.strip() == "1" and os.environ["OMP_NUM_THREADS"] == "1"

@@ -11,6 +11,7 @@ import lora_func as lf
 from tests.contract_helpers import calibration_batches, perturbed
 from tests.models import tiny_model, tokens
 from tests.peft_helpers import ce_loss, copy_into_peft
+from tests.tolerance import assert_close_to_scale, scale_of
 
 VARIANTS = ("lora", "dora", "pissa", "eva")
 P = 0.3
@@ -88,8 +89,10 @@ def test_vmap_over_a_stack_honours_randomness():
     different = torch.func.vmap(run, randomness="different")(stacked)
     torch.manual_seed(0)
     same = torch.func.vmap(run, randomness="same")(stacked)
-    assert not torch.allclose(different[0], different[1])
-    assert torch.equal(same[0], same[1])
+    # The same masks give the same members up to the kernels' round-off (two rows of one batched
+    # GEMM need not round alike on every CPU); different masks move the logits by O(1).
+    assert (different[0] - different[1]).abs().max() > 1e-2 * scale_of(different[1])
+    assert_close_to_scale(same[0], same[1], msg="randomness='same'")
     model.eval()  # no dropout outside training: vmap needs no randomness at all
     torch.func.vmap(run)(stacked)
 

@@ -8,6 +8,7 @@ the update non-symmetric across layers).
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import os
@@ -25,7 +26,9 @@ from transformers import Trainer, TrainingArguments  # noqa: E402
 import lora_func as lf
 from lora_func import train as lft
 from tests.models import VOCAB, tiny_model
+from tests.peft_io_helpers import peft_warnings
 from tests.spawn import run_ranks
+from tests.tolerance import FP32_REL, scale_of
 
 STEPS, BATCH, LENGTH, LR = 3, 4, 8, 5e-2
 JOIN_TIMEOUT_S = 120
@@ -56,12 +59,14 @@ def _reference(adapter: lf.Adapter, *, autocast_dtype=None, max_grad_norm=1.0) -
     return state.adapter
 
 
-def _assert_same(got: lf.Adapter, want: lf.Adapter, start: lf.Adapter, atol: float = 1e-6) -> None:
+def _assert_same(got: lf.Adapter, want: lf.Adapter, start: lf.Adapter, rel: float = FP32_REL) -> None:
+    """Per tensor, ``max |got - want| <= rel * max |want|``; every tensor moved by far more."""
     assert set(got.params) == set(want.params)
     for k in want.params:
-        assert (want.params[k] - start.params[k]).abs().max() > 10 * atol, f"{k} did not move: the check would be vacuous"
+        scale = scale_of(want.params[k])
+        assert (want.params[k] - start.params[k]).abs().max() > 10 * rel * scale, f"{k} did not move: the check would be vacuous"
         diff = (got.params[k].detach() - want.params[k].detach()).abs().max().item()
-        assert diff <= atol, f"{k}: max abs diff {diff:.3g} > {atol:g}"
+        assert diff <= rel * scale, f"{k}: max abs diff {diff:.3g} > {rel:g} x max |want| ({scale:.3g})"
 
 
 # --- the module itself ----------------------------------------------------------------------
@@ -164,10 +169,10 @@ def test_trainer_trains_the_adapter_like_lora_func_train_and_saves_only_the_adap
     )
     logging.getLogger("transformers").setLevel(logging.ERROR)
     Trainer(model=bridge, args=args, train_dataset=_Batches()).train()
-    # 1e-5 after 3 steps of size ~LR: Trainer's default fused AdamW and HF's summed-then-divided
+    # 1e-4 of scale after 3 steps of size ~LR: Trainer's default fused AdamW and HF's summed-then-divided
     # loss round differently from lora_func's for-each AdamW and mean loss (seen: 2e-6); a wrong
     # batch, a missed clip or a dropped gradient moves tensors by ~1e-2.
-    _assert_same(bridge.adapter, _reference(start), start, atol=1e-5)
+    _assert_same(bridge.adapter, _reference(start), start, rel=1e-4)
     assert all(p.grad is None for p in model.parameters())
     # Checkpoints and save_model hold the adapter in peft's format, never the model's weights.
     trainer = Trainer(model=bridge, args=args)
@@ -213,7 +218,7 @@ def test_trainer_with_gradient_checkpointing_matches_lora_func_train(tmp_path, f
     logging.getLogger("transformers").setLevel(logging.ERROR)
     Trainer(model=bridge, args=args, train_dataset=_Batches()).train()
     assert any(recomputed), "Trainer's checkpointing did not engage"
-    _assert_same(bridge.adapter, _reference(start), start, atol=1e-5)
+    _assert_same(bridge.adapter, _reference(start), start, rel=1e-4)
     assert all(p.grad is None for p in model.parameters())
 
 
@@ -235,7 +240,7 @@ def test_trainer_resumes_from_a_bridge_checkpoint_exactly(tmp_path, fresh_accele
     # Another init: the resumed run must take the adapter (and optimiser, schedule) from checkpoint-2.
     other = start.with_params({k: v + 1.0 for k, v in start.params.items()})
     resumed = run(other, resume=str(tmp_path / "run" / "checkpoint-2"))
-    _assert_same(resumed, straight, start, atol=0.0)
+    _assert_same(resumed, straight, start, rel=0.0)
 
 
 # --- accelerate -------------------------------------------------------------------------------
@@ -294,3 +299,59 @@ def test_ddp_over_the_bridge_on_two_processes_matches_lora_func_train_on_the_ful
         assert torch.equal(ranks[0].params[k], ranks[1].params[k]), k
     _assert_same(ranks[0], _reference(start), start)
 
+
+
+class _PaddedBatches(torch.utils.data.IterableDataset):
+    """Rows whose labels end in a different number of ignored (-100) positions: Trainer's
+    num_items_in_batch then depends on how it counts (a causal LM's loss shifts the labels), so
+    a bridge that hides the base's loss type logs a differently scaled loss."""
+
+    def __init__(self, rows: int) -> None:
+        self.rows = rows
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(7)
+        for i in range(self.rows):
+            ids = torch.randint(3, VOCAB, (LENGTH,), generator=g)
+            labels = ids.clone()
+            labels[LENGTH - i % 4 :] = -100
+            yield {"input_ids": ids, "labels": labels}
+
+
+@pytest.mark.parametrize("accumulation", [1, 4])
+def test_trainer_logs_the_same_losses_through_the_bridge_as_on_a_peft_model(tmp_path, fresh_accelerate_state, accumulation):
+    """Trainer reads the model's loss type, whether forward takes loss kwargs and its label
+    arguments: through the bridge it must log, step by step, the losses it logs for the same
+    adapter as a peft model (with gradient accumulation too), and train to the same tensors."""
+    from peft import PeftModel
+
+    model = tiny_model("llama")
+    start = _adapter(model)
+    lf.save_peft(start, tmp_path / "start", model=model)
+    with peft_warnings():
+        peft_model = PeftModel.from_pretrained(tiny_model("llama"), str(tmp_path / "start"), is_trainable=True)
+    steps, batch = 3, 2
+
+    def run(module: torch.nn.Module, name: str) -> list[float]:
+        args = TrainingArguments(
+            str(tmp_path / name), max_steps=steps, per_device_train_batch_size=batch, gradient_accumulation_steps=accumulation,
+            learning_rate=LR, lr_scheduler_type="constant", report_to=[], use_cpu=True, disable_tqdm=True,
+            logging_steps=1, save_strategy="no", seed=0,
+        )
+        trainer = Trainer(model=module, args=args, train_dataset=_PaddedBatches(steps * batch * accumulation))
+        with peft_warnings():
+            trainer.train()
+        return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    bridge = lf.as_module(model, _copy(start))
+    assert bridge.loss_type == "ForCausalLM" and "labels" in type(bridge).__name__ + str(inspect.signature(type(bridge).forward))
+    ours, theirs = run(bridge, "bridge"), run(peft_model, "peft")
+    assert len(ours) == len(theirs) == steps
+    # Logged losses are rounded to 4 significant digits by Trainer; the mis-scaled bridge was off by 1/8.
+    assert ours == pytest.approx(theirs, rel=1e-3), (ours, theirs)
+    peft_state = {k: v for k, v in peft_model.state_dict().items() if "lora_" in k}
+    for key, value in bridge.adapter.params.items():
+        module, name = key.rsplit(".", 1)
+        theirs_t = peft_state[f"base_model.model.{module}.{name}.default.weight"]
+        torch.testing.assert_close(value.detach(), theirs_t, rtol=1e-4, atol=1e-5 * float(theirs_t.abs().max()), msg=key)

@@ -106,3 +106,36 @@ def test_summary_names_the_argument_that_is_wrong():
 def test_python_dash_m_lora_func_is_the_cli():
     result = subprocess.run([sys.executable, "-m", "lora_func", "demo", "--variants", "nope"], capture_output=True, text=True, check=False, timeout=60)
     assert result.returncode == 2 and "unknown variant(s) ['nope']" in result.stderr
+
+
+@pytest.mark.parametrize("scheme", ["bnb-nf4", "bnb-nf4-double", "bnb-int8", "torchao-nf4"])
+def test_summary_counts_quantized_weights_by_their_logical_size_as_peft_does(scheme):
+    """A 4-bit weight's storage holds two values per byte: counted by its numel() the base
+    looked 4x smaller and the trainable share larger than in peft's print_trainable_parameters."""
+    from peft import LoraConfig, get_peft_model
+
+    from tests.peft_io_helpers import peft_warnings
+    from tests.quantized_models import float_llama, quantized_llama
+
+    model = quantized_llama(scheme)
+    adapter = lf.init_adapter(model, lf.AdapterSpec("lora", targets=["q_proj", "v_proj"], r=2), generator=torch.Generator().manual_seed(0))
+    summary = lf.adapter_summary(model, adapter)
+    # The same architecture in float: its parameter count is the quantized model's logical size.
+    assert summary.total - summary.trainable == sum(p.numel() for p in float_llama().parameters())
+    if scheme.startswith("bnb"):  # peft's count (its formula knows bitsandbytes' Params4bit)
+        with peft_warnings():
+            wrapped = get_peft_model(quantized_llama(scheme), LoraConfig(r=2, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+        assert (summary.trainable, summary.total) == wrapped.get_nb_trainable_parameters()
+
+
+def test_summary_notes_a_targets_entry_that_matched_more_than_one_kind_of_module():
+    """GPT-2's "c_proj" names the attention output and the MLP output: peft's suffix rule
+    adapts both (kept, for peft compatibility), and the summary says so with the fix."""
+    model = tiny_model("gpt2")
+    both = lf.adapter_summary(model, lf.init_adapter(model, lf.AdapterSpec("lora", targets=["c_proj", "c_attn"], r=2)))
+    assert both.broad_targets == (("c_proj", ("transformer.h.*.attn.c_proj", "transformer.h.*.mlp.c_proj")),)
+    assert "note: targets entry 'c_proj' adapts 2 kinds of module" in str(both) and "'attn.c_proj'" in str(both)
+    one = lf.adapter_summary(model, lf.init_adapter(model, lf.AdapterSpec("lora", targets=["attn.c_proj"], r=2)))
+    assert one.broad_targets == () and "note" not in str(one)
+    llama = tiny_model("llama")  # q_proj names one kind of module in every layer: no note
+    assert lf.adapter_summary(llama, lf.init_adapter(llama, lf.AdapterSpec("lora", targets=["q_proj"], r=2))).broad_targets == ()

@@ -328,6 +328,35 @@ def on_model(call: Callable[[nn.Module, Ctx], Any], make: Callable[[], nn.Module
     return arrange
 
 
+def _with_tied(make: Callable[[Ctx, nn.Module], Callable[[], Any]], *, refuse: bool = False) -> Callable[[Ctx], Callable[[], Any]]:
+    """``make(ctx, model)`` with the test-only Tied-LoRA variant (a tensor shared across layers)
+    registered; ``refuse``: its shared_init raises, as for layers of different ranks."""
+
+    def arrange(ctx: Ctx) -> Callable[[], Any]:
+        from lora_func import variants
+        from tests.shared_variants import FROZEN, NAME, TIED
+
+        ctx.monkeypatch.setitem(variants._discover(), FROZEN.name, FROZEN)
+
+        def refusing(infos: Any, **kwargs: Any) -> Any:
+            raise ValueError("tied_lora needs one rank for every layer, got [2, 3]")
+
+        ctx.monkeypatch.setitem(variants._discover(), NAME, dataclasses.replace(TIED, shared_init=refusing) if refuse else TIED)
+        return make(ctx, ctx.model())
+
+    return arrange
+
+
+def _frozen_saved_changed(ctx: Ctx, model: nn.Module) -> Callable[[], Any]:
+    """A trainable_only file of Tied-LoRA with a frozen shared A changed after init: the A that
+    shared_init rebuilds on load differs from the saved digest."""
+    adapter = ctx.adapter(model, "tied_frozen")
+    key = "<shared>.tied_A"
+    changed = adapter.with_buffers({**adapter.buffers, key: adapter.buffers[key] + 1})
+    lf.save(changed, ctx.tmp / "t.safetensors", trainable_only=True)
+    return functools.partial(lf.load, ctx.tmp / "t.safetensors", model=model)
+
+
 def on_adapter(call: Callable[[lf.Adapter, Ctx], Any], *, dist: dict | None = None) -> Callable[[Ctx], Callable[[], Any]]:
     """``call(adapter, ctx)`` with a LoRA adapter on a tracked tiny Llama; ``dist``: fake_dist kwargs."""
 
@@ -902,6 +931,10 @@ CASES.update(
         "stack-nested": Case(on_two(lambda m, a, b, ctx: lf.stack([a, lf.stack([a, a])])), ("adapter 1", "(2,)", "unstack")),
         "stack-nested-padded": Case(_padded, ("unstack",)),
         "stack-not-rank-axis": Case(_incomplete_rank_axes, ("lora", "'lora_B'", Q)),
+        "load-shared-buffers-differ": Case(_with_tied(_frozen_saved_changed), ("t.safetensors", "tied_frozen")),
+        "stack-shared-ranks": Case(_with_tied(lambda ctx, m: functools.partial(lf.stack, [ctx.adapter(m, "tied_lora", r=2), ctx.adapter(m, "tied_lora", r=3)])), ("tied_lora", "'tied_A'", "one rank")),
+        "init-shared-failed": Case(_with_tied(lambda ctx, m: functools.partial(ctx.adapter, m, "tied_lora"), refuse=True), ("tied_lora", "needs one rank")),
+        "adapter-init-shared": Case(on_adapter(lambda a, ctx: lf.Adapter(a.params, a.buffers, a.spec, a.layers, shared="x")), ("SharedTensors", "str")),
         "stack-mixed-kinds": Case(on_two(lambda m, a, b, ctx: lf.stack([a, lf.compose(a, b)])), ("Adapter", "Composed")),
         "stack-parts": Case(on_two(lambda m, a, b, ctx: lf.stack([lf.compose(a), lf.compose(a, b)])), ("Composed", "[1, 2]")),
         # batching under vmap
@@ -1213,7 +1246,10 @@ def _meta_adapter(m: nn.Module, a: lf.Adapter, b: lf.Adapter, ctx: Ctx) -> Any:
 def _integer_adapter(m: nn.Module, a: lf.Adapter, b: lf.Adapter, ctx: Ctx) -> Any:
     from lora_func.checks import check_adapter_placement
 
-    ints = lf.Adapter({k: v.detach().long() for k, v in a.params.items()}, a.buffers, a.spec, a.layers)
+    # The constructor and with_params refuse integer tensors (adapter-params-dtype): an adapter
+    # whose dict was edited in place is what still reaches a call.
+    ints = a.detach()
+    ints.params.update({k: v.detach().long() for k, v in a.params.items()})
     return check_adapter_placement(lf.base_params(m), ints, "overlay")
 
 
@@ -1450,7 +1486,7 @@ CASES.update(
         "mixed-route-list": Case(on_two(lambda m, a, b, ctx: lf.mixed_adapted_call(m, [a, a.params], torch.tensor([0, 1]), IDS)), ("['Adapter', 'dict']",)),
         "mixed-route-adapters-type": Case(on_two(lambda m, a, b, ctx: lf.mixed_adapted_call(m, a.params, torch.tensor([0, 1]), IDS)), ("dict", "lora_func.stack")),
         "mixed-route-not-stacked": Case(on_two(lambda m, a, b, ctx: lf.mixed_adapted_call(m, a, torch.tensor([0, 0]), IDS)), ("stack_shape ()", "[adapter_0, adapter_1")),
-        "mixed-route-index-type": Case(on_two(lambda m, a, b, ctx: lf.mixed_adapted_call(m, [a, a], [0, 1], IDS)), ("list", "torch.tensor([2, 0, 1, 0])")),
+        "mixed-route-index-type": Case(on_two(lambda m, a, b, ctx: lf.mixed_adapted_call(m, [a, a], [0.5, 1], IDS)), ("list", "torch.tensor([2, 0, 1, 0])")),
         "mixed-route-index-range": Case(on_two(lambda m, a, b, ctx: lf.mixed_adapted_call(m, [a, a], torch.tensor([0, -1]), IDS)), ("[0, 2)", "-1")),
         "mixed-route-batch-rows": Case(_mixed_wrong_rows, ("2 rows", "len(index)=3", "q_proj")),
         "mixed-route-tied": Case(_mixed_tied, ("lm_head.weight", "transformer.wte.weight")),
@@ -1479,5 +1515,61 @@ CASES.update(
 CASES.update(
     {
         "peft-problems-not-adapter": Case(on_adapter(lambda a, ctx: lf.io.peft_problems(a.params)), ("dict",)),
+    }
+)
+
+
+# Reliability, round three (issue 35): the last raw errors at the public boundary.
+def _save_edited_in_place(ctx: Ctx) -> Callable[[], Any]:
+    edited = ctx.adapter(ctx.model()).detach()
+    edited.params[f"{Q}.lora_A"] = edited.params[f"{Q}.lora_A"].detach().half()
+    return lambda: lf.save(edited, ctx.tmp / "adapter.safetensors")
+
+
+def _eva_on(model: nn.Module, batches: list) -> Callable[[], Any]:
+    the_spec = lf.AdapterSpec("eva", targets=["q_proj"], r=2)
+    return lambda: lf.init_adapter(model, the_spec, generator=torch.Generator().manual_seed(0), calibration=batches)
+
+
+def _with_weight(ctx: Ctx, module: str, value: float) -> nn.Module:
+    """A tracked tiny Llama whose ``module`` weight holds ``value`` at [0, 0] (inf, not NaN:
+    the untouched-check compares bytes with torch.equal)."""
+    model = tiny_model("llama")
+    with torch.no_grad():
+        model.get_submodule(module).weight[0, 0] = value
+    return ctx.track(model)
+
+
+def _init_on(model: nn.Module, variant: str, **kwargs: Any) -> Callable[[], Any]:
+    the_spec = lf.AdapterSpec(variant, targets=["q_proj"], r=2, **kwargs)
+    return lambda: lf.init_adapter(model, the_spec, generator=torch.Generator().manual_seed(0))
+
+
+def _overflowing_dora(ctx: Ctx) -> Callable[[], Any]:
+    model = tiny_model("llama")
+    with torch.no_grad():
+        model.get_submodule(Q).weight.mul_(1e6)  # finite in fp32; its row norms overflow fp16
+    return _init_on(ctx.track(model), "dora", dtype=torch.float16)
+
+
+def _state_without_optimizer(ctx: Ctx) -> Callable[[], Any]:
+    from lora_func.train import TrainState, save_checkpoint
+
+    state = TrainState(ctx.adapter(ctx.model()).detach(), None)  # type: ignore[arg-type]
+    return lambda: save_checkpoint(ctx.tmp / "ckpt", state)
+
+
+CASES.update(
+    {
+        "adapter-params-spec-dtype": Case(on_adapter(lambda a, ctx: a.with_params({k: v.detach().half() for k, v in a.params.items()})), (f"{Q}.lora_A", "torch.float16", "torch.float32", "AdapterSpec")),
+        "save-tensor-mismatch": Case(_save_edited_in_place, (f"{Q}.lora_A", "torch.float16", "with_params")),
+        "calib-empty-batch": Case(lambda ctx: _eva_on(ctx.model(), [{"input_ids": torch.zeros(2, 0, dtype=torch.long)}]), ("(2, 0)",)),
+        "calib-meta-model": Case(lambda ctx: _eva_on(tiny_model("llama").to("meta"), [{"input_ids": IDS}]), (Q, "to_empty")),
+        "calib-non-finite": Case(lambda ctx: _eva_on(_with_weight(ctx, "model.layers.0.self_attn.o_proj", math.inf), [{"input_ids": IDS}]), ("model.layers.1.self_attn.q_proj", "batch 0")),
+        "init-meta-weight": Case(lambda ctx: _init_on(tiny_model("llama").to("meta"), "pissa"), ("pissa", Q, "to_empty")),
+        "init-non-finite-weight": Case(lambda ctx: _init_on(_with_weight(ctx, Q, math.inf), "pissa"), ("pissa", Q, "1 non-finite")),
+        "init-non-finite": Case(_overflowing_dora, ("dora", Q, "lora_magnitude_vector", "torch.float16")),
+        "combine-not-a-list": Case(on_adapter(lambda a, ctx: lf.combine(a, [1.0])), ("Adapter", "combine([adapter], [w])")),
+        "train-state-optimizer": Case(_state_without_optimizer, ("NoneType", "make_optimizer")),
     }
 )

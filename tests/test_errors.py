@@ -38,6 +38,23 @@ def test_target_matching_nothing_lists_close_module_names(llama):
     assert "must match the whole name" in str(err.value) and "q_proj" in str(err.value)
 
 
+@pytest.mark.parametrize("targets", [["zzzz"], r".*\.zzzz"], ids=["list", "regex"])
+def test_a_target_with_no_close_name_lists_the_layers_that_can_be_adapted(llama, targets):
+    with pytest.raises(ValueError) as err:
+        lf.init_adapter(llama, lf.AdapterSpec("lora", targets=targets))
+    message = str(err.value)
+    assert "none" not in message and "no module name is close" in message
+    assert "['down_proj', 'gate_proj', 'k_proj', 'lm_head', 'o_proj', 'q_proj', 'up_proj', 'v_proj']" in message
+
+
+@pytest.mark.parametrize("call", ["unstack", "take"])
+def test_unstack_and_take_of_a_non_adapter_name_the_function(llama, call):
+    adapter = lf.init_adapter(llama, lf.AdapterSpec("lora", targets=["q_proj"], r=2))
+    args = (adapter.params,) if call == "unstack" else (adapter.params, 0)
+    with pytest.raises(TypeError, match=rf"^{call}\(adapter.*\): expected an Adapter, Composed or Combined, got dict"):
+        getattr(lf, call)(*args)
+
+
 def test_overlay_key_that_is_not_a_model_tensor(llama):
     adapter = lf.init_adapter(llama, lf.AdapterSpec("lora", targets=["q_proj"], r=2))
     base = lf.base_params(llama)

@@ -2,7 +2,7 @@
 
 The scenarios live in tests/fsdp_worker.py; both ranks run all of them in one spawn (a spawn
 costs an interpreter start and imports). Each is compared with one process on the full batch
-through the parameter-dict overlay on an unsharded model (fp32, atol 1e-6), and each checks
+through the parameter-dict overlay on an unsharded model (fp32, to 1e-5 of each quantity's scale), and each checks
 that the adapter matters (logits move, every gradient is non-zero), so a route that silently
 runs the base model fails.
 """
@@ -22,6 +22,20 @@ from tests.models import tiny_model
 from tests.spawn import run_ranks
 
 JOIN_TIMEOUT_S = 300
+# Agreement with the one-process oracle, relative to the compared quantity's scale (the worker's
+# reldiff: max |got - want| / max |want|, per tensor for gradients and parameters). fp32
+# round-off differs between the sharded run (half batches, gathered weights, all-reduced
+# gradients) and the oracle, and between CPUs: the worst seen were 1.9e-6 (logits) and 1.5e-6
+# (gradients) with MKL's AVX2 kernels (MKL_ENABLE_INSTRUCTIONS=AVX2, what an AMD EPYC runs),
+# below 1e-6 with AVX-512. The former bound, 1e-6 absolute on logits ~10, was one ulp and
+# failed on an EPYC. What these must catch moves results by far more: the adapter moves the
+# logits by ~0.4 of their scale, so a 1e-3 error in its scale is 4e-4.
+OUTPUT_REL = 1e-5
+GRAD_REL = 1e-5
+# After four AdamW steps: Adam divides by sqrt(v), so an entry whose gradient is round-off
+# moves by a sign of round-off times lr (seen: 7.1e-6 with AVX2); a missed all-reduce or clip
+# moves the tensors by ~0.1 of their scale.
+ADAMW_REL = 5e-5
 WORLD = 2
 TRAIN = [f"train:{case}/{int(r)}/{int(c)}/{int(m)}" for case in W.CASES for r, c, m in W.CONFIGS]
 SCENARIOS = [
@@ -60,12 +74,12 @@ def test_sharded_training_equals_one_process_on_the_full_batch(results, name):
         where = f"{name}, rank {rank}: {r}"
         assert r["init"] == 0.0, where  # init_adapter on the sharded model: the same tensors
         assert r["adapter_effect"] > 0.05, where  # the adapter moves the oracle's logits...
+        assert r["scale_error_effect"] > 10 * OUTPUT_REL, where  # ...and lora_B off by 1e-3 would fail the bound
         assert r["min_grad_norm"] > 1e-4, where  # ...and every tensor gets a gradient
-        assert r["nograd_logits"] <= 1e-6 and r["logits"] <= 1e-6, where
-        assert r["grads"] <= 1e-6, where
-        assert r["moved"] > 1e-3 and r["adamw"] <= 1e-6, where
-        # The trained adapters agree to 1e-6; logits of size ~10 computed from them, to 1e-5.
-        assert r["after_logits"] <= 1e-5, where
+        assert r["nograd_logits"] <= OUTPUT_REL and r["logits"] <= OUTPUT_REL, where
+        assert r["grads"] <= GRAD_REL, where
+        assert r["moved"] > 1e-3 and r["adamw"] <= ADAMW_REL, where
+        assert r["after_logits"] <= OUTPUT_REL, where
         assert r["model_grads"] == 0 and r["forwards_left"] == 0, where
         checkpointing = name.split("/")[2] == "1"
         assert r["target_calls_per_step"] == (2 if checkpointing else 1), where  # the recompute ran
@@ -74,7 +88,7 @@ def test_sharded_training_equals_one_process_on_the_full_batch(results, name):
 @pytest.mark.parametrize("case", sorted(W.CASES))
 def test_torch_func_grad_idiom_on_a_sharded_model(results, case):
     for rank, r in enumerate(_get(results, f"func:{case}")):
-        assert r["grads"] <= 1e-6 and r["min_grad_norm"] > 1e-4, (case, rank, r)
+        assert r["grads"] <= GRAD_REL and r["min_grad_norm"] > 1e-4, (case, rank, r)
 
 
 @pytest.mark.parametrize("case", ["llama-lora", "gpt2-lora"])
@@ -98,7 +112,7 @@ def test_init_adapter_on_a_sharded_model_equals_unsharded(results, variant):
     fingerprints, and the same outputs as on an unsharded model."""
     for rank, r in enumerate(_get(results, f"init:{variant}")):
         assert r["same"] and r["fingerprints_equal"], (variant, rank, r)
-        assert r["logits"] <= 1e-6, (variant, rank, r)
+        assert r["logits"] <= OUTPUT_REL, (variant, rank, r)
     if get_variant(variant).records_base:  # PiSSA, AntiPaSTO: the whole weight's digest, per target
         assert _get(results, f"init:{variant}")[0]["fingerprinted"] == 14
 
@@ -114,7 +128,7 @@ def test_adapter_saved_from_rank_0_reloads_bit_identically_on_an_unsharded_model
     with torch.no_grad():
         logits = lf.adapted_call(model, adapter, W.batch()).logits
     sharded = torch.load(out / "sharded_logits.pt")
-    assert (logits - sharded).abs().max() <= 1e-6  # the unsharded model's outputs equal the sharded run's
+    assert W.reldiff(logits, sharded) <= OUTPUT_REL  # the unsharded model's outputs equal the sharded run's
 
 
 def test_refusals_name_the_culprit_and_leave_the_sharded_model_usable(results):
@@ -125,19 +139,19 @@ def test_refusals_name_the_culprit_and_leave_the_sharded_model_usable(results):
         assert "sharded by FSDP2 (DTensor)" in r["merge_overlay_dict"], r
         assert r["target_alone"].startswith("RuntimeError: block.0 was called while its weight is still sharded"), r
         assert "model.layers.0.mlp.up_proj.weight" in r["unfrozen"] and "requires_grad_(False)" in r["unfrozen"], r
-        assert float(r["after"]) <= 1e-6, r
+        assert float(r["after"]) <= OUTPUT_REL, r
 
 
 def test_qlora_torchao_nf4_targets_sharded_by_fsdp2(results):
     for rank, r in enumerate(_get(results, "nf4:")):
         assert r["weight_type"] == "DTensor/NF4Tensor", r  # really sharded, really NF4
         assert r["init"] == 0.0 and r["adapter_effect"] > 0.05 and r["min_grad_norm"] > 1e-4, (rank, r)
-        assert r["logits"] <= 1e-6 and r["grads"] <= 1e-6, (rank, r)
+        assert r["logits"] <= OUTPUT_REL and r["grads"] <= GRAD_REL, (rank, r)
 
 
 def test_adapted_block_and_generate_on_a_sharded_model(results):
     for rank, r in enumerate(_get(results, "context:")):
-        assert r["merged=True"] <= 1e-6 and r["merged=False"] <= 1e-6, (rank, r)
+        assert r["merged=True"] <= OUTPUT_REL and r["merged=False"] <= OUTPUT_REL, (rank, r)
         assert r["effect"] > 0.05 and r["base_after"] == 0.0 and r["forwards_left"] == 0, (rank, r)
         assert r["greedy_equal"] and r["greedy_differs_from_base"], (rank, r)
 
@@ -146,7 +160,7 @@ def test_per_row_adapters_on_a_sharded_model(results):
     """lf.mixed_adapted_call / lf.mixed_adapted (issue 20's route) on FSDP2 shards: every row as
     its own adapter on the unsharded model, gradients reach each adapter a row used."""
     for rank, r in enumerate(_get(results, "mixed:")):
-        assert r["logits"] <= 1e-5 and r["grads_of_used"] > 1e-4, (rank, r)
+        assert r["logits"] <= OUTPUT_REL and r["grads_of_used"] > 1e-4, (rank, r)
         assert r["greedy_equal"] and r["forwards_left"] == 0, (rank, r)
 
 

@@ -336,3 +336,20 @@ def test_dropout_acts_per_row_in_training_only():
     evaluated = lf.mixed_adapted_call(model, adapters, index, ids).logits
     _close(evaluated[0], lf.adapted_call(model, adapters[0], ids[:1]).logits[0])
     _close(evaluated[0], evaluated[1])
+
+
+@pytest.mark.parametrize("as_sequence", [list, tuple], ids=["list", "tuple"])
+def test_a_python_sequence_of_positions_is_an_index(as_sequence):
+    """mixed_adapted and mixed_adapted_call take a list or tuple of ints as the index tensor."""
+    model = _sdpa(tiny_model("llama"))
+    adapters = _tenants(model, "llama", ranks=(2, 2, 2))
+    positions = [2, 0, 1, 0, 2]
+    ids, mask = _batch()
+    want = lf.mixed_adapted_call(model, adapters, torch.tensor(positions), ids, attention_mask=mask).logits
+    got = lf.mixed_adapted_call(model, adapters, as_sequence(positions), ids, attention_mask=mask).logits
+    assert torch.equal(got, want)
+    with torch.no_grad(), lf.mixed_adapted(model, adapters, as_sequence(positions)):
+        inside = model(ids, attention_mask=mask).logits
+    assert torch.equal(inside, want.detach())
+    with pytest.raises(TypeError, match="int64 or int32 tensor"):  # bools and floats are not positions
+        lf.mixed_adapted_call(model, adapters, as_sequence([True, False, True, False, True]), ids)

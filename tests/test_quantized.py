@@ -13,6 +13,7 @@ import lora_func.quantized as quantized
 from tests.contract_helpers import calibration_batches, perturbed, spec_for
 from tests.peft_helpers import ce_loss, copy_into_peft
 from tests.quantized_models import SCHEMES, dequantized_weight, float_oracle, quantized_llama, state_bytes
+from tests.tolerance import assert_close_to_scale
 from tests.variant_table import ROWS
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning", "ignore::FutureWarning")
@@ -116,7 +117,7 @@ def test_checkpointing_on_a_quantized_base_equals_the_run_without(scheme_name):
         loss(model, a, ids, merged=False).backward()
         grads.append({k: v.grad for k, v in a.params.items()})
     for key in grads[0]:
-        torch.testing.assert_close(grads[1][key], grads[0][key], atol=1e-6, rtol=0, msg=key)
+        assert_close_to_scale(grads[1][key], grads[0][key], msg=key)
 
 
 @pytest.mark.parametrize("scheme_name", ["bnb-nf4", "torchao-int8"])

@@ -68,8 +68,11 @@ def test_a_linear_adapter_on_a_same_shaped_conv1d_is_refused():
 def test_integer_adapter_params_are_refused_on_the_lazy_path():
     model = Net()
     adapter = lora(model)
-    ints = lf.Adapter({k: v.detach().long() for k, v in adapter.params.items()}, adapter.buffers, adapter.spec, adapter.layers)
-    with pytest.raises(TypeError, match="are not floating-point; the low-rank path would"):
+    with pytest.raises(TypeError, match="must be floating-point tensors"):
+        lf.Adapter({k: v.detach().long() for k, v in adapter.params.items()}, adapter.buffers, adapter.spec, adapter.layers)
+    ints = adapter.detach()
+    ints.params.update({k: v.detach().long() for k, v in adapter.params.items()})  # edited in place
+    with pytest.raises(TypeError, match="are not in the adapter dtype"):
         lf.adapted_call(model, ints, torch.randn(2, 8))
 
 

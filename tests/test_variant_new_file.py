@@ -25,9 +25,9 @@ ROOT = Path(__file__).resolve().parents[1]
 NAME = "lora_gain"
 
 
-def _guide_variant_file() -> str:
-    """The first python block after the guide's "Writing a variant" heading: the whole file."""
-    section = (ROOT / "docs" / "guide" / "variants.md").read_text().split("## Writing a variant", 1)[1]
+def _guide_variant_file(heading: str = "## Writing a variant") -> str:
+    """The first python block after a heading of the guide: the whole file."""
+    section = (ROOT / "docs" / "guide" / "variants.md").read_text().split(heading, 1)[1]
     return re.search(r"^```python\n(.*?)^```", section, re.S | re.M)[1]
 
 
@@ -107,3 +107,45 @@ def test_the_guide_variant_reads_info_r_naively_and_is_exact_in_a_rank_padded_st
     presents each member with its own rank and alpha."""
     assert "info.alpha / info.r" in _guide_variant_file() and "layer_rank" not in _guide_variant_file()
     test_rank_stack.test_rank_padded_stack_equals_each_alone(NAME, kind)
+
+
+# The guide's second variant: VeRA-like, with a frozen random pair shared by every layer.
+SHARED_NAME = "vera_toy"
+
+
+def vera_toy_w_eff(p, buffers, W, bias, info):
+    """Written here independently of the guide: W + diag(b) B[:d_out] diag(d) A[:, :d_in]."""
+    a, b = buffers["vera_A"][:, : W.shape[1]], buffers["vera_B"][: W.shape[0]]
+    return W + torch.diag(p["vera_b"]) @ b @ torch.diag(p["vera_d"]) @ a, bias
+
+
+# perturb_scale 1: the toy's effect at 0.1 (b ~ 0.1, d ~ 0.1) is below bf16's rounding of the base output.
+SHARED_ROW = Row(variant=SHARED_NAME, w_eff=vera_toy_w_eff, step0_nonzero=frozenset({"vera_b"}), spec_kwargs={"r": 4}, perturb_scale=1.0)
+
+
+@pytest.fixture
+def registered_shared(tmp_path, monkeypatch):
+    (tmp_path / f"{SHARED_NAME}.py").write_text(_guide_variant_file("### Tensors shared across layers"))
+    monkeypatch.setattr(variants, "__path__", [*variants.__path__, str(tmp_path)])
+    monkeypatch.setattr(variants, "_REGISTRY", {})
+    monkeypatch.setitem(ROWS, SHARED_NAME, SHARED_ROW)
+    yield
+    sys.modules.pop(f"{variants.__name__}.{SHARED_NAME}", None)
+
+
+def test_the_shared_basis_is_one_frozen_leaf_of_the_adapter(registered_shared):
+    model, adapter = test_contract.build(SHARED_ROW, "linear")
+    assert sorted(k for k in adapter.buffers if k.startswith("<shared>.")) == ["<shared>.vera_A", "<shared>.vera_B"]
+    assert not any(k.startswith("<shared>.") for k in adapter.params)
+    assert adapter.num_parameters() == sum(4 + layer.info.d_out for layer in adapter.layers)
+
+
+@pytest.mark.parametrize("kind", ["linear", "conv1d"])
+@pytest.mark.parametrize("check", sorted(CHECKS))
+def test_the_contract_suite_passes_over_the_shared_basis_variant(check, kind, registered_shared, tmp_path):
+    function = CHECKS[check]
+    extra = {"tmp_path": tmp_path} if "tmp_path" in inspect.signature(function).parameters else {}
+    dtypes = [torch.bfloat16, torch.float16] if "dtype" in inspect.signature(function).parameters else [None]
+    for dtype in dtypes:
+        function(row=SHARED_ROW, kind=kind, **extra, **({} if dtype is None else {"dtype": dtype}))
+

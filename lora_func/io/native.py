@@ -27,12 +27,12 @@ Format versions: ``"2"`` (written); ``"1"`` (read), whose ``digest`` covers only
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
 import os
 import struct
-import dataclasses
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -40,15 +40,26 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from lora_func.variants import LayerInfo
-from lora_func.adapter import NODE_TYPES, Adapter, AdapterLayer, AdapterLike, AdapterNode, Combinator, leaves, part_prefix, walk
+from lora_func._model import base_params, shared_init, variant_init, weight_fingerprint
+from lora_func.adapter import (
+    NODE_TYPES,
+    SHARED,
+    Adapter,
+    AdapterLayer,
+    AdapterLike,
+    AdapterNode,
+    Combinator,
+    SharedTensors,
+    leaves,
+    part_prefix,
+    walk,
+)
 from lora_func.checks import check_float_targets, check_model, check_path
-from lora_func.quantized import logical_shape
-from lora_func._model import base_params, variant_init, weight_fingerprint
 from lora_func.io._files import read_safetensors, safetensors_write, write_file
+from lora_func.quantized import logical_shape
 from lora_func.spec import LAYER_TYPES, AdapterSpec
 from lora_func.targeting import Target, layer_kind
-from lora_func.variants import get_variant
+from lora_func.variants import LayerInfo, get_variant
 
 __all__ = ["load", "save"]
 
@@ -96,15 +107,22 @@ def _tree_to_json(node: AdapterLike) -> dict:
     a combinator's kind, parts and :meth:`~lora_func.adapter.Combinator.json_fields`."""
     if isinstance(node, Combinator):
         return {"kind": node.tag, "parts": [_tree_to_json(part) for part in node.parts], **node.json_fields()}
+    assert isinstance(node, Adapter)  # a leaf
     members = None
     if node.members is not None:
         members = [[json.loads(spec.to_json()), [_layer_to_json(layer) for layer in layers]] for spec, layers in node.members]
-    return {
+    out = {
         "kind": node.tag,
         "spec": json.loads(node.spec.to_json()),
         "layers": [_layer_to_json(layer) for layer in node.layers],
         "members": members,
     }
+    if node.shared is not None:  # only then: files of other adapters stay byte-identical
+        out["shared"] = {
+            "param_shapes": [[n, list(s)] for n, s in node.shared.param_shapes],
+            "buffer_shapes": [[n, list(s)] for n, s in node.shared.buffer_shapes],
+        }
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,6 +137,12 @@ class _Skeleton:
     spec: AdapterSpec | None = None  # a leaf's
     layers: tuple[AdapterLayer, ...] = ()
     members: tuple[tuple[AdapterSpec, tuple[AdapterLayer, ...]], ...] | None = None
+    shared: SharedTensors | None = None  # a leaf's tensors every layer reads
+
+    def groups(self) -> list[tuple[str, tuple[tuple[str, tuple[int, ...]], ...], tuple[tuple[str, tuple[int, ...]], ...]]]:
+        """``(module, param shapes, buffer shapes)`` of each layer of a leaf, then of its shared tensors."""
+        out = [(layer.target.module, layer.param_shapes, layer.buffer_shapes) for layer in self.layers]
+        return out + ([(SHARED, self.shared.param_shapes, self.shared.buffer_shapes)] if self.shared is not None else [])
 
     def own_shapes(self) -> dict[str, tuple[int, ...]]:
         """A combinator's own tensors and their shapes without stack axes (they depend only on its parts)."""
@@ -135,7 +159,14 @@ def _skeleton(data: dict) -> _Skeleton:
                 for spec, layers in data["members"]
             )
         spec = AdapterSpec.from_json(json.dumps(data["spec"]))
-        return _Skeleton(Adapter, spec=spec, layers=tuple(_layer_from_json(layer) for layer in data["layers"]), members=members)
+        shared = None
+        if "shared" in data:
+            shared = SharedTensors(
+                param_shapes=tuple((n, tuple(s)) for n, s in data["shared"]["param_shapes"]),
+                buffer_shapes=tuple((n, tuple(s)) for n, s in data["shared"]["buffer_shapes"]),
+            )
+        layers = tuple(_layer_from_json(layer) for layer in data["layers"])
+        return _Skeleton(Adapter, spec=spec, layers=layers, members=members, shared=shared)
     # What Combinator.from_json reads, read here so that a missing field is metadata damage.
     fields = {key: data[key] for key in kind.json_field_names()}  # type: ignore[attr-defined]
     return _Skeleton(kind, parts=tuple(_skeleton(part) for part in data["parts"]), fields=fields)
@@ -214,13 +245,24 @@ def save(adapter: AdapterLike, path: str | os.PathLike, *, trainable_only: bool 
     if trainable_only:
         for prefix, leaf in leaves(adapter):
             buffer_digests[prefix] = {
-                layer.target.module: tensors_digest(leaf.layer_tensors(layer)[1])
+                layer.target.module: tensors_digest({n: leaf.buffers[f"{layer.target.module}.{n}"] for n, _ in layer.buffer_shapes})
                 for layer in leaf.layers
                 if layer.buffer_shapes
             }
+            if leaf.shared is not None and leaf.shared.buffer_shapes:
+                buffer_digests[prefix][SHARED] = tensors_digest(leaf.shared_tensors()[1])
     else:
         tensors |= {f"buffers/{k}": v for k, v in adapter.buffers.items()}
     tensors = _unaliased({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()})
+    # What load checks, checked before writing: a file save wrote always loads. An adapter's
+    # dict edited in place (a half-precision tensor put into adapter.params) is refused here.
+    wrong = _tensor_problems(_skeleton(json.loads(json.dumps(tree))), tensors)
+    if wrong:
+        raise ValueError(  # error: save-tensor-mismatch
+            f"save(): the adapter's tensors do not match what it reports: {wrong[:5]}; the file would not load. "
+            f"Build new values with adapter.with_params(params) (tensors of the adapter dtype, adapter.spec.dtype, "
+            f"and its shapes) instead of editing adapter.params in place"
+        )
     metadata = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -303,10 +345,10 @@ def _expected_tensors(skeleton: _Skeleton, trainable_only: bool) -> set[str]:
     expected = set()
     for prefix, node in walk(skeleton):
         expected |= {f"params/{prefix}{name}" for name in node.own_shapes()}
-        for layer in node.layers:
-            expected |= {f"params/{prefix}{k}" for k in layer.param_keys()}
+        for module, param_shapes, buffer_shapes in node.groups():
+            expected |= {f"params/{prefix}{module}.{name}" for name, _ in param_shapes}
             if not trainable_only:
-                expected |= {f"buffers/{prefix}{k}" for k in layer.buffer_keys()}
+                expected |= {f"buffers/{prefix}{module}.{name}" for name, _ in buffer_shapes}
     return expected
 
 
@@ -325,10 +367,10 @@ def _tensor_problems(skeleton: _Skeleton, tensors: Mapping[str, Tensor]) -> list
         if node.spec is None:
             continue
         stacks = set()
-        for layer in node.layers:
-            for kind, shapes in (("params", layer.param_shapes), ("buffers", layer.buffer_shapes)):
+        for module, param_shapes, buffer_shapes in node.groups():
+            for kind, shapes in (("params", param_shapes), ("buffers", buffer_shapes)):
                 for name, shape in shapes:
-                    key = f"{kind}/{prefix}{layer.target.module}.{name}"
+                    key = f"{kind}/{prefix}{module}.{name}"
                     if key not in tensors:
                         continue  # trainable_only: rebuilt from the model
                     got = tuple(tensors[key].shape)
@@ -390,6 +432,26 @@ def _rebuild_buffers(
     return buffers
 
 
+def _rebuild_shared_buffers(
+    path: Path, model: nn.Module, leaf: _Skeleton, expected_digest: str | None, devices: Mapping[str, torch.device]
+) -> dict[str, Tensor]:
+    """Re-run the variant's ``shared_init`` (e.g. a basis drawn from a seed option, as peft
+    re-creates VeRA's projections on load); its buffers, checked against the digest."""
+    assert leaf.spec is not None and leaf.shared is not None
+    variant = get_variant(leaf.spec.variant)
+    infos = {layer.target.module: layer.info for layer in leaf.layers}
+    device = devices.get(leaf.layers[0].target.module, torch.device("cpu")) if leaf.layers else torch.device("cpu")
+    _, flat, _ = shared_init(variant, leaf.spec, infos, device=device, generator=torch.Generator().manual_seed(0))
+    buffers = {key.removeprefix(f"{SHARED}."): value for key, value in flat.items()}
+    if sorted(buffers) != sorted(name for name, _ in leaf.shared.buffer_shapes) or tensors_digest(buffers) != expected_digest:
+        raise ValueError(  # error: load-shared-buffers-differ
+            f"{path} holds only trainable tensors, and the shared buffers ({leaf.spec.variant}) that its init gives "
+            f"on this {type(model).__name__} differ from the saved ones (drawn from the init's generator, not from "
+            f"an option, or changed after init); save with trainable_only=False"
+        )
+    return buffers
+
+
 def load(path: str | os.PathLike, model: nn.Module | None = None) -> AdapterLike:
     """Read an adapter written by :func:`save` (an ``Adapter``, ``Composed`` or ``Combined``).
 
@@ -439,6 +501,7 @@ def load(path: str | os.PathLike, model: nn.Module | None = None) -> AdapterLike
     leaf_nodes = list(leaves(skeleton))
     all_layers = [layer for _, leaf in leaf_nodes for layer in leaf.layers]
     with_buffers = sorted(layer.target.module for layer in all_layers if layer.buffer_shapes)
+    with_buffers += [SHARED for _, leaf in leaf_nodes if leaf.shared is not None and leaf.shared.buffer_shapes][:1]
     if trainable_only and with_buffers and model is None:
         raise ValueError(  # error: load-trainable-only-needs-model
             f"{path} holds only the trainable tensors (saved with trainable_only=True); pass model=... (the model "
@@ -469,6 +532,10 @@ def load(path: str | os.PathLike, model: nn.Module | None = None) -> AdapterLike
                         expected_digest = buffer_digests.get(prefix, {}).get(layer.target.module)
                         for name, value in _rebuild_buffers(path, model, leaf.spec, layer, expected_digest).items():
                             rebuilt[f"buffers/{prefix}{layer.target.module}.{name}"] = value
+                if leaf.shared is not None and leaf.shared.buffer_shapes:
+                    expected_digest = buffer_digests.get(prefix, {}).get(SHARED)
+                    for name, value in _rebuild_shared_buffers(path, model, leaf, expected_digest, devices).items():
+                        rebuilt[f"buffers/{prefix}{SHARED}.{name}"] = value
             tensors |= rebuilt
     return _fill(skeleton, "", tensors, devices)
 
@@ -481,13 +548,15 @@ def _fill(skeleton: _Skeleton, prefix: str, tensors: Mapping[str, Tensor], devic
         own = {name: tensors[f"params/{prefix}{name}"].to(device) for name in skeleton.own_shapes()}
         return skeleton.kind.from_json(skeleton.fields, parts, own)  # type: ignore[attr-defined]
     params, buffers = {}, {}
-    for layer in skeleton.layers:
-        device = devices.get(layer.target.module, torch.device("cpu"))
-        for key in layer.param_keys():
-            params[key] = tensors[f"params/{prefix}{key}"].to(device).requires_grad_(True)
-        for key in layer.buffer_keys():
-            buffers[key] = tensors[f"buffers/{prefix}{key}"].to(device)
-    return Adapter(params, buffers, skeleton.spec, skeleton.layers, skeleton.members)
+    first = skeleton.layers[0].target.module if skeleton.layers else SHARED
+    for module, param_shapes, buffer_shapes in skeleton.groups():
+        # The shared tensors go where the first layer goes (init_adapter puts them there).
+        device = devices.get(first if module == SHARED else module, torch.device("cpu"))
+        for name, _ in param_shapes:
+            params[f"{module}.{name}"] = tensors[f"params/{prefix}{module}.{name}"].to(device).requires_grad_(True)
+        for name, _ in buffer_shapes:
+            buffers[f"{module}.{name}"] = tensors[f"buffers/{prefix}{module}.{name}"].to(device)
+    return Adapter(params, buffers, skeleton.spec, skeleton.layers, skeleton.members, shared=skeleton.shared)
 
 
 def _device_of(adapter: AdapterLike) -> torch.device:

@@ -279,6 +279,15 @@ class Variant:
         ``infos`` maps module name to the spec's ``LayerInfo``. The returned ``LayerInfo``
         may change ``r`` and ``alpha`` per layer; a module left out gets no adapter;
         ``payload`` reaches that layer's ``init`` as ``calibration``.
+      shared_init: tensors the adapter holds once and every layer reads (a random basis, a
+        bank, a seed-derived projection: VeRA, VB-LoRA, Tied-LoRA). ``(infos, *, dtype,
+        device, generator) -> (params, buffers)``, called once before the layers' ``init``
+        with ``infos`` (module name -> ``LayerInfo``) of every target; random draws from the
+        given CPU ``generator``, outputs in ``dtype`` on ``device``. Each is one leaf of the
+        adapter (keyed ``"<shared>.<name>"``), saved and stacked once; the forms of every layer
+        see them in their ``params`` / ``buffers`` under their names (which must differ from
+        the layers'), and a shared param's gradient is the sum over the layers that read it.
+        Name the rank axes of shared tensors in ``rank_axes`` too.
       peft: how the variant is stored in HF peft's checkpoint format (a
         :class:`~lora_func.variants.PeftFormat`); ``None``: peft has no equivalent, and
         ``save_peft`` refuses it.
@@ -297,6 +306,7 @@ class Variant:
     records_base: bool = False
     replaces_weight: bool = False
     calibrate: Callable[..., dict[str, tuple[LayerInfo, Any]]] | None = None
+    shared_init: Callable[..., tuple[TensorDict, TensorDict]] | None = None
     peft: PeftFormat | None = None
 
     def __repr__(self) -> str:
