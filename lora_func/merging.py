@@ -286,10 +286,10 @@ def _check_merge_arguments(
 def _cat_factors(adapters: Sequence[AdapterLike], weights: Tensor, targets: Mapping[str, Target], dtype: torch.dtype) -> dict[str, tuple[Tensor, Tensor]]:
     """peft's ``cat``: per target ``A = [w_k s_k A_k]``, ``B = [B_k]`` over the adapters that adapt it."""
     for i, adapter in enumerate(adapters):
-        if not isinstance(adapter, Adapter) or adapter.variant.name != "lora":
+        if not isinstance(adapter, Adapter) or adapter.variant.name not in _BASE_FREE:
             raise ValueError(  # error: merge-cat-lora
                 f"merge_adapters(method='cat'): adapters[{i}] is {type(adapter).__name__} of "
-                f"{sorted({leaf.variant.name for leaf in leaf_adapters(adapter)})}, not a plain LoRA; 'cat' concatenates "
+                f"{sorted({leaf.variant.name for leaf in leaf_adapters(adapter)})}, not a plain LoRA (lora, eva); 'cat' concatenates "
                 f"LoRA factors. Use method='linear' (exact for any variant) or lora_func.to_lora first"
             )
     a_parts: dict[str, list[Tensor]] = {key: [] for key in targets}
@@ -357,7 +357,7 @@ def merge_adapters(
         if rank is None:
             return _lora(factors, targets, dtype)
         return _lora({key: _svd_factors(b @ a, rank) for key, (a, b) in factors.items()}, targets, dtype)
-    if method == "linear" and rank is None and all(isinstance(a, Adapter) and a.variant.name == "lora" for a in adapters):
+    if method == "linear" and rank is None and all(isinstance(a, Adapter) and a.variant.name in _BASE_FREE for a in adapters):
         return merge_adapters(adapters, weights, method="cat", base=base)
     targets, deltas = _deltas(adapters, base, where)
     dtype = next(iter(deltas.values())).dtype

@@ -313,3 +313,52 @@ def test_a_merge_saves_with_save_peft_and_peft_reloads_it(setup, tmp_path, how):
         base_logits = setup.model(setup.ids).logits
     assert (want - base_logits).abs().max() > 1e-4
     assert rel(got, want) < 1e-10
+
+
+# ------------------------------------------------------------------ any variant, Conv1D, rsLoRA
+
+
+def test_mixed_variants_on_gpt2_conv1d_equal_peft_merge_functions_on_the_deltas():
+    """LoRA (rsLoRA), DoRA and HRA on GPT-2's Conv1D c_attn (stored (d_in, d_out)), one LoRA also
+    on mlp.c_fc: each method equals peft's merge_utils function applied to the measured deltas."""
+    from peft.utils import merge_utils
+
+    from tests.models import tiny_model
+
+    model = tiny_model("gpt2", dtype=torch.float64)
+    base = lf.base_params(model)
+    adapters = [_trained(model, "lora", ["c_attn", "mlp.c_fc"], 1, use_rslora=True),
+                _trained(model, "dora", ["c_attn"], 2), _trained(model, "hra", ["c_attn"], 3)]
+    weights = [0.5, 0.75, -0.25]
+    measured = []
+    for adapter in adapters:
+        merged = lf.merge_overlay(base, adapter)
+        measured.append({k: merged[k] - base[k] for k in ("transformer.h.0.attn.c_attn.weight", "transformer.h.1.attn.c_attn.weight",
+                                                          "transformer.h.0.mlp.c_fc.weight", "transformer.h.1.mlp.c_fc.weight")})
+    w = torch.tensor(weights, dtype=torch.float64)
+    oracles = {
+        "linear": lambda ts: merge_utils.task_arithmetic(ts, w),
+        "ties": lambda ts: merge_utils.ties(ts, w, 0.3, "total"),
+        "magnitude_prune": lambda ts: merge_utils.magnitude_prune(ts, w, 0.3),
+    }
+    for method, oracle in oracles.items():
+        merged = lf.merge_adapters(adapters, weights, method=method, density=None if method == "linear" else 0.3, base=base)
+        got = lf.merge_overlay(base, merged)
+        for key in measured[0]:
+            want = oracle([m[key].detach() for m in measured])
+            assert want.abs().max() > 1e-3
+            assert rel(got[key] - base[key], want) < 1e-10, (method, key)
+
+
+def test_cat_folds_each_members_scale_rslora_included(setup):
+    model = setup.model
+    a = _trained(model, "lora", ["q_proj", "down_proj"], 5, use_rslora=True)
+    b = _trained(model, "lora", ["q_proj", "v_proj"], 6, alpha=3.0)
+    merged = lf.merge_adapters([a, b], [0.5, -1.5], method="cat")
+    # q_proj carries both (rank 8), down_proj and v_proj one each (rank 4)
+    assert sorted((layer.target.module.rsplit(".", 2)[-1], layer.info.r) for layer in merged.layers if ".0." in layer.target.module) == [
+        ("down_proj", 4), ("q_proj", 8), ("v_proj", 4)]
+    got, want = lf_deltas(setup, merged), lf_deltas(setup, lf.combine([a, b], torch.tensor([0.5, -1.5], dtype=torch.float64)))
+    assert set(got) == set(want) and len(got) == 6
+    for module in want:
+        assert rel(got[module], want[module]) < 1e-12
