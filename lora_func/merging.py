@@ -255,15 +255,24 @@ def _energy_rank(delta: Tensor, energy: float) -> int:
 # ------------------------------------------------------------------ merge_adapters
 
 
+def _wrapped(t: Tensor) -> bool:
+    """Whether ``t`` is inside a torch.func transform (``vmap``/``grad``): its values cannot be read."""
+    return bool(torch._C._functorch.is_functorch_wrapped_tensor(t))
+
+
 def _check_merge_arguments(
     method: str, weights: Tensor, k: int, density: float | Tensor | None, rank: int | None, majority_sign: str
 ) -> None:
     if method not in METHODS:
         raise ValueError(f"merge_adapters: unknown method {method!r}; choose one of {list(METHODS)}")  # error: merge-method
-    if weights.shape != (k,):
+    if weights.shape != (k,) or not weights.is_floating_point():
         raise ValueError(  # error: merge-weights-shape
-            f"merge_adapters: weights has shape {tuple(weights.shape)}, but there are {k} adapters; pass one weight per "
-            f"adapter, shape ({k},)"
+            f"merge_adapters: weights has shape {tuple(weights.shape)} dtype {weights.dtype}, but there are {k} adapters; "
+            f"pass one float weight per adapter, shape ({k},)"
+        )
+    if not _wrapped(weights) and not bool(torch.isfinite(weights.detach()).all()):
+        raise ValueError(  # error: merge-weights-finite
+            f"merge_adapters: weights {weights.detach().tolist()} hold a NaN or inf; pass finite weights"
         )
     if method in _NEEDS_DENSITY:
         if density is None:
@@ -271,6 +280,8 @@ def _check_merge_arguments(
         if isinstance(density, Tensor):
             if density.dim() != 0 or not density.is_floating_point():
                 raise ValueError(f"merge_adapters: density must be a float or a 0-d float tensor, got shape {tuple(density.shape)} {density.dtype}")  # error: merge-density-tensor
+            if not _wrapped(density) and not 0 < float(density.detach()) <= 1:
+                raise ValueError(f"merge_adapters: density tensor {float(density.detach())} is outside (0, 1] (the fraction kept)")  # error: merge-density-tensor-range
         elif isinstance(density, bool) or not isinstance(density, (int, float)) or not 0 < density <= 1:
             raise ValueError(f"merge_adapters: density={density!r} must be a number in (0, 1] (the fraction kept)")  # error: merge-density-range
     elif density is not None:
@@ -347,7 +358,11 @@ def merge_adapters(
     """
     where = "merge_adapters"
     adapters = _check_adapters(adapters, where)
-    weights = torch.as_tensor(weights) if not isinstance(weights, Tensor) else weights
+    if not isinstance(weights, Tensor):
+        try:
+            weights = torch.as_tensor(weights, dtype=torch.float64)
+        except (TypeError, ValueError, RuntimeError):
+            weights = torch.tensor([[]])  # not numbers: reported with the expected form
     _check_merge_arguments(method, weights, len(adapters), density, rank, majority_sign)
     if method == "cat":
         targets = _targets(adapters)

@@ -1318,6 +1318,8 @@ CASES.update(
         "merge-bias-change": Case(lambda ctx: functools.partial(lf.merge_adapters, [ctx.adapter(ctx.model("qwen2"), "ia3")], [1.0], method="linear", base=lf.base_params(ctx.model("qwen2"))), ("'ia3'", "q_proj", "combine")),
         "merge-method": Case(on_two(lambda m, a, b, ctx: lf.merge_adapters([a], [1.0], method="mean")), ("'mean'", "'ties'")),
         "merge-weights-shape": Case(on_two(lambda m, a, b, ctx: lf.merge_adapters([a, b], [1.0], method="linear")), ("(1,)", "(2,)")),
+        "merge-weights-finite": Case(on_two(lambda m, a, b, ctx: lf.merge_adapters([a, b], [1.0, math.inf], method="linear")), ("inf",)),
+        "merge-density-tensor-range": Case(on_two(lambda m, a, b, ctx: lf.merge_adapters([a], [1.0], method="ties", density=torch.tensor(0.0))), ("0.0",)),
         "merge-density-missing": Case(on_two(lambda m, a, b, ctx: lf.merge_adapters([a], [1.0], method="ties")), ("'ties'",)),
         "merge-density-range": Case(on_two(lambda m, a, b, ctx: lf.merge_adapters([a], [1.0], method="ties", density=1.5)), ("1.5",)),
         "merge-density-tensor": Case(on_two(lambda m, a, b, ctx: lf.merge_adapters([a], [1.0], method="ties", density=torch.tensor([0.5]))), ("(1,)",)),
