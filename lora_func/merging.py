@@ -150,9 +150,8 @@ def _base_for(
                 f"{where}: the delta of {needing} depends on the base weight; pass base=lora_func.base_params(model)"
             )
         out: dict[str, Tensor] = {}
+        device = next(iter(leaf_adapters(adapters[0])[0].params.values())).device
         for key, t in targets.items():
-            device = next(leaf.params[f"{layer.target.module}.{next(iter(n for n, _ in layer.param_shapes))}"].device
-                          for a in adapters for leaf in leaf_adapters(a) for layer in leaf.layers if layer.target.weight_key == key)
             shape = (t.d_in, t.d_out) if t.layout == "conv1d" else (t.d_out, t.d_in)
             out[key] = torch.zeros(shape, dtype=dtype, device=device)
             if t.bias_key is not None:
@@ -160,9 +159,9 @@ def _base_for(
         return out
     out = {}
     for t in targets.values():
-        for key in (t.weight_key, t.bias_key):
-            if key is not None:
-                out[key] = base[key].detach().to(dtype)
+        for name in (t.weight_key, t.bias_key):
+            if name is not None:
+                out[name] = base[name].detach().to(dtype)
     return out
 
 
@@ -353,7 +352,8 @@ def merge_adapters(
 
     Returns a LoRA ``Adapter`` (``alpha = r`` per layer, scale 1; per-layer ranks may differ:
     ``save_peft`` writes a ``rank_pattern``), in the adapters' dtype promoted with the base's
-    and at least fp32. Biases are not merged: an adapter that changes a layer's bias (IA3 on a
+    and at least fp32. Its tensors carry the graph back to ``weights`` and the adapters'
+    tensors (learned merges); ``.detach()`` gives a fresh LoRA to train or save. Biases are not merged: an adapter that changes a layer's bias (IA3 on a
     biased layer) is refused.
     """
     where = "merge_adapters"

@@ -234,8 +234,8 @@ def test_vmap_over_weights_and_a_density_sweep(setup):
         return lf.merge_adapters(adapters, w, method=method, density=d, base=setup.base).params
 
     for method in ("ties", "magnitude_prune"):
-        over_w = torch.func.vmap(lambda w: merged_params(w, 0.4, method))(ws)
-        over_d = torch.func.vmap(lambda d: merged_params(ws[0], d, method))(densities)
+        over_w = torch.func.vmap(lambda w, m=method: merged_params(w, 0.4, m))(ws)
+        over_d = torch.func.vmap(lambda d, m=method: merged_params(ws[0], d, m))(densities)
         for i in range(3):
             one_w, one_d = merged_params(ws[i], 0.4, method), merged_params(ws[0], float(densities[i]), method)
             for key in one_w:
