@@ -199,6 +199,8 @@ class Adapter(AdapterNode, tag="adapter"):
     members: tuple[tuple[AdapterSpec, tuple[AdapterLayer, ...]], ...] | None = static_field()
     # The tensors every layer reads (Variant.shared_init), or None.
     shared: SharedTensors | None = static_field()
+    # Only for a rank-padded stack with shared tensors: each member's own shared shapes.
+    member_shared: tuple[SharedTensors | None, ...] | None = static_field()
 
     def __init__(
         self,
@@ -264,18 +266,15 @@ class Adapter(AdapterNode, tag="adapter"):
             object.__setattr__(self, name, getattr(built, name))
 
     @classmethod
-    def _unchecked(
-        cls,
-        params: Mapping[str, Any],
-        buffers: Mapping[str, Any],
-        spec: AdapterSpec,
-        layers: Sequence[AdapterLayer],
-        members: Any = None,
-        shared: SharedTensors | None = None,
-    ) -> Adapter:
-        """An adapter without the constructor's checks: for rebuilds from an adapter's own parts."""
-        members = None if members is None else tuple(members)
-        return cls._build(params=dict(params), buffers=dict(buffers), spec=spec, layers=tuple(layers), members=members, shared=shared)
+    def _unchecked(cls, *fields: Any) -> Adapter:
+        """An adapter of ``(params, buffers, spec, layers[, members[, shared[, member_shared]]])``
+        (the declared fields, in order) without the constructor's checks: for rebuilds from an
+        adapter's own parts."""
+        values = dict(zip(cls.fields, fields))
+        values |= {"params": dict(values["params"]), "buffers": dict(values["buffers"]), "layers": tuple(values["layers"])}
+        for name in ("members", "member_shared"):
+            values[name] = None if values.get(name) is None else tuple(values[name])
+        return cls._build(**values)
 
     @property
     def variant(self) -> Variant:
@@ -287,11 +286,11 @@ class Adapter(AdapterNode, tag="adapter"):
         dtype = self.spec.dtype
         if any(not isinstance(v, Tensor) or v.dtype != dtype for v in params.values()):
             _check_params_dtype("Adapter.with_params", params, dtype)
-        return Adapter._unchecked(params, self.buffers, self.spec, self.layers, self.members, self.shared)
+        return Adapter._unchecked(params, self.buffers, self.spec, self.layers, self.members, self.shared, self.member_shared)
 
     def with_buffers(self, buffers: Mapping[str, Tensor]) -> Adapter:
         _check_same_keys("with_buffers", buffers, self.buffers)
-        return Adapter._unchecked(self.params, buffers, self.spec, self.layers, self.members, self.shared)
+        return Adapter._unchecked(self.params, buffers, self.spec, self.layers, self.members, self.shared, self.member_shared)
 
     def detach(self) -> Adapter:
         """The same values as new leaf tensors in new storage: params with ``requires_grad=True``
@@ -304,6 +303,7 @@ class Adapter(AdapterNode, tag="adapter"):
             self.layers,
             self.members,
             self.shared,
+            self.member_shared,
         )
 
     def layer_tensors(self, layer: AdapterLayer) -> tuple[TensorDict, TensorDict]:

@@ -19,10 +19,12 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 from lora_func.adapter import (
+    SHARED,
     Adapter,
     AdapterLike,
     AdapterNode,
     Combinator,
+    SharedTensors,
     leaf_adapters,
 )
 from lora_func.spec import AdapterSpec
@@ -69,12 +71,6 @@ def _stack_adapters(adapters: list[Adapter]) -> Adapter:
         raise ValueError("stack(): adapter 0 is itself a rank-padded stack; unstack it first")  # error: stack-nested-padded
     if all(other.layers == first.layers and other.shared == first.shared for other in adapters[1:]):
         return pytree.tree_map(lambda *ts: torch.stack(ts), *adapters)
-    if first.shared is not None:
-        raise ValueError(  # error: stack-shared-ranks
-            f"stack(): these {first.spec.variant} adapters have different ranks, and the variant shares tensors across "
-            f"layers ({[n for n, _ in first.shared.param_shapes + first.shared.buffer_shapes]}): rank padding is not "
-            f"supported for shared tensors yet; stack adapters of one rank"
-        )
     # Rank-padded: zero-pad every tensor to the largest shape (only rank axes differ) and give
     # each layer a rank mask and the member's alpha, so each keeps its own scale.
     variant = first.variant
@@ -90,15 +86,7 @@ def _stack_adapters(adapters: list[Adapter]) -> Adapter:
         p_shapes = tuple((n, tuple(max(s) for s in zip(*(dict(lay.param_shapes)[n] for lay in column), strict=True))) for n, _ in layer.param_shapes)
         b_shapes = tuple((n, tuple(max(s) for s in zip(*(dict(lay.buffer_shapes)[n] for lay in column), strict=True))) for n, _ in layer.buffer_shapes)
         for name, shape in p_shapes + b_shapes:
-            bad = [lay.target.module for lay in column if any(
-                have != want and not _is_rank_axis(variant, name, axis)
-                for axis, (have, want) in enumerate(zip(dict(lay.param_shapes + lay.buffer_shapes)[name], shape, strict=True))
-            )]
-            if bad:
-                raise ValueError(  # error: stack-not-rank-axis
-                    f"stack(): {variant.name} tensor {name!r} of {bad[0]} differs in shape on an axis that is not a "
-                    f"rank axis; these adapters cannot be padded to one stack"
-                )
+            _check_rank_axes(variant, name, shape, [(lay.target.module, dict(lay.param_shapes + lay.buffer_shapes)[name]) for lay in column])
         module = layer.target.module
         for a, lay in zip(adapters, column, strict=True):
             for name, shape in p_shapes:
@@ -117,13 +105,53 @@ def _stack_adapters(adapters: list[Adapter]) -> Adapter:
                 buffer_shapes=b_shapes + ((RANK_MASK, (r_max,)), (RANK_ALPHA, ())),
             )
         )
+    shared = None
+    if first.shared is not None:
+        # Shared tensors pad along their rank axes as the layers' do; each member's own shapes
+        # are kept for unstack (the layers' rank masks mask them in the forms).
+        shared = _pad_shared(variant, adapters, params, buffers)
     return Adapter._unchecked(
         {k: torch.stack(v) for k, v in params.items()},
         {k: torch.stack(v) for k, v in buffers.items()},
         first.spec,
         layers,
         [(a.spec, a.layers) for a in adapters],
+        shared,
+        None if shared is None else [a.shared for a in adapters],
     )
+
+
+def _pad_shared(
+    variant: Variant, adapters: Sequence[Adapter], params: dict[str, list[Tensor]], buffers: dict[str, list[Tensor]]
+) -> SharedTensors:
+    """Zero-pad every member's shared tensors to the largest shape (rank axes only) into
+    ``params`` / ``buffers``; the padded shapes."""
+    column = [cast(SharedTensors, a.shared) for a in adapters]  # one spec, so the same names
+    out = []
+    for kind, flat in (("param_shapes", params), ("buffer_shapes", buffers)):
+        padded = []
+        for name, _ in getattr(column[0], kind):
+            have = [dict(getattr(s, kind))[name] for s in column]
+            shape = tuple(max(sizes) for sizes in zip(*have, strict=True))
+            _check_rank_axes(variant, name, shape, [(f"the shared {name}", one) for one in have])
+            flat[f"{SHARED}.{name}"] = [
+                _pad_to((a.params if kind == "param_shapes" else a.buffers)[f"{SHARED}.{name}"], shape) for a in adapters
+            ]
+            padded.append((name, shape))
+        out.append(tuple(padded))
+    return SharedTensors(param_shapes=out[0], buffer_shapes=out[1])
+
+
+def _check_rank_axes(variant: Variant, name: str, padded: tuple[int, ...], shapes: Sequence[tuple[str, tuple[int, ...]]]) -> None:
+    """Raise unless each ``(where, shape)`` of tensor ``name`` differs from ``padded`` on rank axes only."""
+    bad = [where for where, shape in shapes if any(
+        have != want and not _is_rank_axis(variant, name, axis) for axis, (have, want) in enumerate(zip(shape, padded, strict=True))
+    )]
+    if bad:
+        raise ValueError(  # error: stack-not-rank-axis
+            f"stack(): {variant.name} tensor {name!r} of {bad[0]} differs in shape on an axis that is not a "
+            f"rank axis; these adapters cannot be padded to one stack"
+        )
 
 
 def _is_rank_axis(variant: Variant, name: str, axis: int) -> bool:
@@ -186,7 +214,9 @@ def _as_leaves(stacked: Adapter, sources: Sequence[Adapter]) -> Adapter:
     if not all(_plain_leaf(t) for a in sources for t in a.params.values()):
         return stacked
     params = {k: v.detach().requires_grad_(True) for k, v in stacked.params.items()}
-    return Adapter._unchecked(params, stacked.buffers, stacked.spec, stacked.layers, stacked.members, stacked.shared)
+    return Adapter._unchecked(
+        params, stacked.buffers, stacked.spec, stacked.layers, stacked.members, stacked.shared, stacked.member_shared
+    )
 
 
 def unstack(adapter: AdapterLike) -> list[AdapterLike]:
@@ -209,17 +239,22 @@ def _member(adapter: AdapterLike, index: int | Tensor) -> AdapterLike:
         return pytree.tree_map(lambda t: t[index], adapter)
     if isinstance(index, Tensor):
         taken = pytree.tree_map(lambda t: t[index], adapter)
-        members = [adapter.members[int(i)] for i in index.reshape(-1).tolist()]
-        return Adapter._unchecked(taken.params, taken.buffers, taken.spec, taken.layers, members, taken.shared)
+        positions = [int(i) for i in index.reshape(-1).tolist()]
+        members = [adapter.members[i] for i in positions]
+        member_shared = None if adapter.member_shared is None else [adapter.member_shared[i] for i in positions]
+        return Adapter._unchecked(taken.params, taken.buffers, taken.spec, taken.layers, members, taken.shared, member_shared)
     spec, layers = adapter.members[index]
+    shared = None if adapter.member_shared is None else adapter.member_shared[index]
     params: dict[str, Tensor] = {}
     buffers: dict[str, Tensor] = {}
-    for layer in layers:
-        for flat, out, shapes in ((adapter.params, params, layer.param_shapes), (adapter.buffers, buffers, layer.buffer_shapes)):
+    groups = [(layer.target.module, layer.param_shapes, layer.buffer_shapes) for layer in layers]
+    groups += [(SHARED, shared.param_shapes, shared.buffer_shapes)] if shared is not None else []
+    for module, param_shapes, buffer_shapes in groups:
+        for flat, out, shapes in ((adapter.params, params, param_shapes), (adapter.buffers, buffers, buffer_shapes)):
             for name, shape in shapes:
-                key = f"{layer.target.module}.{name}"
+                key = f"{module}.{name}"
                 out[key] = flat[key][index][tuple(slice(0, n) for n in shape)]
-    return Adapter._unchecked(params, buffers, spec, layers)
+    return Adapter._unchecked(params, buffers, spec, layers, None, shared)
 
 
 def take(adapter: AdapterLike, index: int | Tensor) -> AdapterLike:

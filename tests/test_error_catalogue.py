@@ -932,7 +932,6 @@ CASES.update(
         "stack-nested-padded": Case(_padded, ("unstack",)),
         "stack-not-rank-axis": Case(_incomplete_rank_axes, ("lora", "'lora_B'", Q)),
         "load-shared-buffers-differ": Case(_with_tied(_frozen_saved_changed), ("t.safetensors", "tied_frozen")),
-        "stack-shared-ranks": Case(_with_tied(lambda ctx, m: functools.partial(lf.stack, [ctx.adapter(m, "tied_lora", r=2), ctx.adapter(m, "tied_lora", r=3)])), ("tied_lora", "'tied_A'", "one rank")),
         "init-shared-failed": Case(_with_tied(lambda ctx, m: functools.partial(ctx.adapter, m, "tied_lora"), refuse=True), ("tied_lora", "needs one rank")),
         "adapter-init-shared": Case(on_adapter(lambda a, ctx: lf.Adapter(a.params, a.buffers, a.spec, a.layers, shared="x")), ("SharedTensors", "str")),
         "stack-mixed-kinds": Case(on_two(lambda m, a, b, ctx: lf.stack([a, lf.compose(a, b)])), ("Adapter", "Composed")),

@@ -17,7 +17,7 @@ from torch.func import functional_call
 
 import lora_func as lf
 from lora_func.adapter import SHARED
-from tests import test_contract
+from tests import test_contract, test_rank_stack
 from tests.models import tiny_model, tokens
 from tests.shared_variants import NAME, registered_tied, tied_w_eff  # noqa: F401  (a fixture)
 from tests.variant_table import ROWS, Row
@@ -137,11 +137,23 @@ def test_compose_and_combine_keep_each_parts_shared_tensor(row):
     assert not torch.allclose(functional_call(model, lf.merge_overlay(base, combined), (ids,)).logits, alone)
 
 
-def test_stacking_members_of_different_ranks_is_refused(row):
-    model = tiny_model("llama")
-    adapters = [lf.init_adapter(model, lf.AdapterSpec(NAME, targets=["q_proj"], r=r)) for r in (2, 4)]
-    with pytest.raises(ValueError, match="rank padding is not supported for shared tensors"):
-        lf.stack(adapters)
+@pytest.mark.parametrize("kind", ["linear", "conv1d"])
+def test_a_rank_padded_stack_pads_the_shared_tensor_and_equals_each_member(row, kind, tmp_path):
+    """Members of ranks 1, 2, 4 (alphas 2, 3, 4): the shared A is padded along its rank axis
+    like the layers' tensors; outputs, gradients (the padding's exactly zero) and unstack equal
+    each member alone, and the stack saves and loads."""
+    test_rank_stack.test_rank_padded_stack_equals_each_alone(NAME, kind)
+    _, members = test_rank_stack._members(NAME, kind)
+    stacked = lf.stack(members)
+    assert stacked.params[f"{SHARED}.tied_A"].shape[:2] == (3, 4) and stacked.member_shared == tuple(m.shared for m in members)
+    lf.save(stacked, tmp_path / "s.safetensors")
+    back = lf.load(tmp_path / "s.safetensors")
+    assert back.member_shared == stacked.member_shared
+    for again, member in zip(lf.unstack(back), members, strict=True):
+        assert again.shared == member.shared
+        assert all(torch.equal(again.params[k], member.params[k]) for k in member.params)
+    taken = lf.take(stacked, torch.tensor([2, 0]))
+    assert taken.member_shared == (members[2].shared, members[0].shared)
 
 
 @pytest.mark.parametrize("kind", ["linear", "conv1d"])
@@ -172,3 +184,28 @@ def test_a_trainable_only_file_rebuilds_a_frozen_shared_tensor_from_its_init(reg
     lf.save(drawn_elsewhere, tmp_path / "d.safetensors", trainable_only=True)
     with pytest.raises(ValueError, match="the shared buffers"):
         lf.load(tmp_path / "d.safetensors", model=model)
+
+
+def test_mixed_rows_and_activation_checkpointing_read_the_shared_tensor(row):
+    """One adapter per row (both mixed routes) equals each row alone; under non-reentrant
+    activation checkpointing (module route) the shared tensor's gradient equals the one without."""
+    model, a = _adapter()
+    _, b = _adapter(seed=1)
+    ids, index = tokens(3, 8, seed=2), torch.tensor([1, 0, 1])
+    for call in (lf.mixed_call, lf.mixed_adapted_call):
+        out = call(model, lf.stack([a, b]), index, ids, use_cache=False).logits
+        for i in range(3):
+            alone = lf.adapted_call(model, (a, b)[int(index[i])], ids[i : i + 1]).logits[0]
+            torch.testing.assert_close(out[i], alone, rtol=1e-5, atol=1e-5 * float(alone.detach().abs().max()))
+    grads = []
+    for checkpointing in (True, False):
+        if checkpointing:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.activation_checkpointing_disable()
+        model.train()
+        trained = a.detach()
+        lf.adapted_call(model, trained, ids, route="module", use_cache=False).logits.square().mean().backward()
+        grads.append(trained.params[f"{SHARED}.tied_A"].grad)
+    assert grads[1].abs().max() > 0
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-6 * float(grads[1].abs().max()))

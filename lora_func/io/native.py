@@ -118,11 +118,25 @@ def _tree_to_json(node: AdapterLike) -> dict:
         "members": members,
     }
     if node.shared is not None:  # only then: files of other adapters stay byte-identical
-        out["shared"] = {
-            "param_shapes": [[n, list(s)] for n, s in node.shared.param_shapes],
-            "buffer_shapes": [[n, list(s)] for n, s in node.shared.buffer_shapes],
-        }
+        out["shared"] = _shared_to_json(node.shared)
+    if node.member_shared is not None:  # a rank-padded stack's members' own shared shapes
+        out["member_shared"] = [_shared_to_json(s) for s in node.member_shared]
     return out
+
+
+def _shared_to_json(shared: SharedTensors | None) -> dict | None:
+    if shared is None:
+        return None
+    return {"param_shapes": [[n, list(s)] for n, s in shared.param_shapes], "buffer_shapes": [[n, list(s)] for n, s in shared.buffer_shapes]}
+
+
+def _shared_from_json(data: dict | None) -> SharedTensors | None:
+    if data is None:
+        return None
+    return SharedTensors(
+        param_shapes=tuple((n, tuple(s)) for n, s in data["param_shapes"]),
+        buffer_shapes=tuple((n, tuple(s)) for n, s in data["buffer_shapes"]),
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,6 +152,7 @@ class _Skeleton:
     layers: tuple[AdapterLayer, ...] = ()
     members: tuple[tuple[AdapterSpec, tuple[AdapterLayer, ...]], ...] | None = None
     shared: SharedTensors | None = None  # a leaf's tensors every layer reads
+    member_shared: tuple[SharedTensors | None, ...] | None = None
 
     def groups(self) -> list[tuple[str, tuple[tuple[str, tuple[int, ...]], ...], tuple[tuple[str, tuple[int, ...]], ...]]]:
         """``(module, param shapes, buffer shapes)`` of each layer of a leaf, then of its shared tensors."""
@@ -159,14 +174,10 @@ def _skeleton(data: dict) -> _Skeleton:
                 for spec, layers in data["members"]
             )
         spec = AdapterSpec.from_json(json.dumps(data["spec"]))
-        shared = None
-        if "shared" in data:
-            shared = SharedTensors(
-                param_shapes=tuple((n, tuple(s)) for n, s in data["shared"]["param_shapes"]),
-                buffer_shapes=tuple((n, tuple(s)) for n, s in data["shared"]["buffer_shapes"]),
-            )
+        shared = _shared_from_json(data.get("shared"))
+        member_shared = None if data.get("member_shared") is None else tuple(_shared_from_json(s) for s in data["member_shared"])
         layers = tuple(_layer_from_json(layer) for layer in data["layers"])
-        return _Skeleton(Adapter, spec=spec, layers=layers, members=members, shared=shared)
+        return _Skeleton(Adapter, spec=spec, layers=layers, members=members, shared=shared, member_shared=member_shared)
     # What Combinator.from_json reads, read here so that a missing field is metadata damage.
     fields = {key: data[key] for key in kind.json_field_names()}  # type: ignore[attr-defined]
     return _Skeleton(kind, parts=tuple(_skeleton(part) for part in data["parts"]), fields=fields)
@@ -556,7 +567,10 @@ def _fill(skeleton: _Skeleton, prefix: str, tensors: Mapping[str, Tensor], devic
             params[f"{module}.{name}"] = tensors[f"params/{prefix}{module}.{name}"].to(device).requires_grad_(True)
         for name, _ in buffer_shapes:
             buffers[f"{module}.{name}"] = tensors[f"buffers/{prefix}{module}.{name}"].to(device)
-    return Adapter(params, buffers, skeleton.spec, skeleton.layers, skeleton.members, shared=skeleton.shared)
+    adapter = Adapter(params, buffers, skeleton.spec, skeleton.layers, skeleton.members, shared=skeleton.shared)
+    if skeleton.member_shared is None:
+        return adapter
+    return Adapter._unchecked(adapter.params, adapter.buffers, adapter.spec, adapter.layers, adapter.members, adapter.shared, skeleton.member_shared)
 
 
 def _device_of(adapter: AdapterLike) -> torch.device:

@@ -287,7 +287,8 @@ class Variant:
         adapter (keyed ``"<shared>.<name>"``), saved and stacked once; the forms of every layer
         see them in their ``params`` / ``buffers`` under their names (which must differ from
         the layers'), and a shared param's gradient is the sum over the layers that read it.
-        Name the rank axes of shared tensors in ``rank_axes`` too.
+        Name the rank axes of shared tensors in ``rank_axes`` too: a stack of adapters of
+        different ranks pads and masks them as the layers' tensors.
       peft: how the variant is stored in HF peft's checkpoint format (a
         :class:`~lora_func.variants.PeftFormat`); ``None``: peft has no equivalent, and
         ``save_peft`` refuses it.
