@@ -362,3 +362,39 @@ def test_cat_folds_each_members_scale_rslora_included(setup):
     assert set(got) == set(want) and len(got) == 6
     for module in want:
         assert rel(got[module], want[module]) < 1e-12
+
+
+def test_vmap_over_a_stack_of_adapters_merges_each_member(setup):
+    """The error for a stacked adapter says to vmap the merge over the stack: it works, ranks padded."""
+    a, b, c = (x.detach() for x in setup.adapters)
+    stacked = lf.stack([a, c])  # ranks 2 and 4: padded to 4 with a rank mask
+    for method, kwargs in (("cat", {}), ("ties", {"density": 0.4, "base": setup.base})):
+        over = torch.func.vmap(lambda member, m=method, kw=kwargs: lf.merge_adapters([member, b], [0.5, 0.75], method=m, **kw).params)(stacked)
+        for i, member in enumerate((a, c)):
+            one = lf.merge_adapters([member, b], [0.5, 0.75], method=method, **kwargs)
+            got = lf_deltas(setup, one.with_params({k: v[i] for k, v in over.items()}) if method != "cat" else one)
+            want = lf_deltas(setup, one)
+            if method == "cat":  # padded ranks: compare ΔW = B A of the vmapped factors
+                got = {k.removesuffix(".lora_A"): over[f"{k.removesuffix('.lora_A')}.lora_B"][i] @ over[k][i]
+                       for k in over if k.endswith(".lora_A")}
+            for module in want:
+                assert rel(got[module], want[module]) < 1e-12, (method, i, module)
+
+
+def test_a_bf16_base_gives_deltas_in_fp32():
+    from tests.models import tiny_model
+
+    model = tiny_model("llama", dtype=torch.bfloat16)
+    base = lf.base_params(model)
+    adapters = []
+    for seed in (0, 1):
+        adapter = lf.init_adapter(model, lf.AdapterSpec("dora", targets=["q_proj"], r=2), generator=torch.Generator().manual_seed(seed))
+        adapters.append(adapter.with_params({k: v + 0.01 * torch.randn_like(v) for k, v in adapter.params.items()}))
+    merged = lf.merge_adapters(adapters, [1.0, 1.0], method="linear", base=base)
+    assert {v.dtype for v in merged.params.values()} == {torch.float32}
+    fp32 = {k: v.float() for k, v in base.items()}
+    for layer in merged.layers:
+        key, module = layer.target.weight_key, layer.target.module
+        want = sum(lf.merge_overlay(fp32, x)[key] - fp32[key] for x in adapters)
+        got = merged.params[f"{module}.lora_B"] @ merged.params[f"{module}.lora_A"]
+        assert rel(got, want) < 1e-6  # W_eff rounded to bf16 before the subtraction: ~1e-2 off
