@@ -299,12 +299,17 @@ def test_to_lora_energy_picks_the_smallest_rank_per_layer(setup):
         assert errors[layer.target.module] == pytest.approx(float((1 - captured[r - 1]) ** 0.5), rel=1e-9)
 
 
-@pytest.mark.parametrize("how", ["svd", "ties"])
+@pytest.mark.parametrize("how", ["svd", "ties", "cat-ranks-differ"])
 def test_a_merge_saves_with_save_peft_and_peft_reloads_it(setup, tmp_path, how):
     if how == "svd":
         merged = lf.merge_adapters(setup.adapters, WEIGHTS, method="svd", rank=3, base=setup.base)
-    else:  # exact: per-layer ranks differ (16 and 16 here, q/v/down), written as peft's rank_pattern
+    elif how == "ties":  # exact: rank min(d_out, d_in) per layer, an identity factor
         merged = lf.merge_adapters(setup.adapters, WEIGHTS, method="ties", density=0.5, base=setup.base)
+    else:  # q_proj rank 8, v_proj and down_proj rank 4: peft's rank_pattern
+        a = _trained(setup.model, "lora", ["q_proj", "down_proj"], 5, use_rslora=True)
+        b = _trained(setup.model, "lora", ["q_proj", "v_proj"], 6, alpha=3.0)
+        merged = lf.merge_adapters([a, b], [0.5, -1.5], method="cat")
+        assert len({layer.info.r for layer in merged.layers}) == 2
     directory = lf.save_peft(merged.detach(), tmp_path / how, model=setup.model)
     reloaded = peft.PeftModel.from_pretrained(copy.deepcopy(setup.model), directory).eval()
     with torch.no_grad():
