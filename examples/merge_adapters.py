@@ -8,8 +8,9 @@ on one task (about 70 % of its questions; the rest are held out and never traine
 - task "count":   `5 6 7 ?`              -> `8`  (the next number, as the corpus counts)
 
 Then `lora_func.merge_adapters` merges them on their deltas (ΔW = s·B·A per layer) with each
-method, and the table shows each task's held-out accuracy for the base, each adapter alone and
-each merge. docs/guide/merging.md quotes the table.
+method (and TIES with its two weights learned by torch.func.grad on the training questions), and
+the table shows each task's held-out accuracy for the base, each adapter alone and each merge.
+docs/guide/merging.md quotes the table.
 
 Run: python examples/merge_adapters.py
 """
@@ -22,7 +23,7 @@ import lora_func as lf
 from lora_func.demo.corpus import TaskExample, task_split
 from lora_func.demo.model import default_targets, load_model
 from lora_func.demo.run import batch_sampler, encode_examples, held_out_accuracy
-from lora_func.train import TrainState, fit, make_optimizer
+from lora_func.train import TrainState, adapter_loss, fit, make_optimizer
 
 torch.manual_seed(0)
 torch.set_num_threads(1)  # a tiny model: one thread is fastest, and fair to a busy machine
@@ -70,6 +71,19 @@ candidates = {
     "dare_ties (1, 1), density 0.5": lf.merge_adapters(pair, [1.0, 1.0], method="dare_ties", density=0.5, generator=g),
     "magnitude_prune (1, 1), density 0.5": lf.merge_adapters(pair, [1.0, 1.0], method="magnitude_prune", density=0.5),
 }
+
+
+# Learned merge weights: the TIES merge is differentiable in its weights (its masks are constant),
+# so torch.func.grad tunes them on the training questions of both tasks (held-out ones unseen).
+def training_loss(weights):
+    merged = lf.merge_adapters(pair, weights, method="ties", density=0.5)
+    return sum(adapter_loss(model, merged, train.batch(), base=base) for train, _ in tasks.values())
+
+
+weights = torch.tensor([1.0, 1.0])
+for _ in range(30):
+    weights = weights - 0.05 * torch.func.grad(training_loss)(weights)
+candidates[f"ties, learned weights ({weights[0]:.2f}, {weights[1]:.2f})"] = lf.merge_adapters(pair, weights, method="ties", density=0.5)
 
 print("| adapter | 'words' held-out (30) | 'count' held-out (15) |")
 print("|---|---|---|")
