@@ -403,3 +403,22 @@ def test_a_bf16_base_gives_deltas_in_fp32():
         want = sum(lf.merge_overlay(fp32, x)[key] - fp32[key] for x in adapters)
         got = merged.params[f"{module}.lora_B"] @ merged.params[f"{module}.lora_A"]
         assert rel(got, want) < 1e-6  # W_eff rounded to bf16 before the subtraction: ~1e-2 off
+
+
+def test_the_building_blocks_compose_into_ties(setup):
+    """A new method is a few lines of the public blocks: TIES written by hand on the measured
+    deltas equals merge_adapters(method='ties'); DARE's drop keeps exactly where noise < density."""
+    from lora_func.merging import disjoint_mean, drop, elect_sign, trim
+
+    deltas = [lf_deltas(setup, a) for a in setup.adapters]
+    merged = lf_deltas(setup, lf.merge_adapters(setup.adapters, WEIGHTS, method="ties", density=0.4, base=setup.base))
+    w = torch.tensor(WEIGHTS, dtype=torch.float64)[:, None, None]
+    for module in merged:
+        stacked = torch.stack([d[module] for d in deltas])
+        trimmed = torch.stack([t * trim(t, 0.4) for t in stacked])
+        assert int(trim(stacked[0], 0.4).sum()) == int(0.4 * stacked[0].numel())
+        assert rel(disjoint_mean(w * trimmed, elect_sign(trimmed)), merged[module]) < 1e-12
+    noise = torch.rand(stacked[0].shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    dropped = drop(stacked[0], 0.25, noise)
+    assert torch.equal(dropped != 0, (noise < 0.25) & (stacked[0] != 0))
+    torch.testing.assert_close(dropped[noise < 0.25], stacked[0][noise < 0.25] * 4, rtol=1e-15, atol=0)
