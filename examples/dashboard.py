@@ -38,8 +38,47 @@ def _():
 
 @app.cell
 def _(mo):
+    # The guide's pages (docs/) open in a new tab of this app: a browser does not follow a
+    # file:// link from a served page, and marimo serves no files outside public/. A link is
+    # `?guide=docs/...md`; in that tab this cell renders the page and stops every other cell
+    # (they all depend on it), so the tab opens in a second without loading torch.
+    import re
+    from pathlib import Path
+
+    REPO = Path(mo.notebook_dir() or Path.cwd()).resolve().parent  # examples/..
+    MD_LINK = re.compile(r"\[([^\]]+)\]\((?!https?:|#)([^)\s#]+\.md)(#[^)\s]*)?\)")
+
+    def doc_link(path, text=None):
+        """HTML for a link to the guide page ``path`` (relative to the repository, e.g.
+        ``docs/guide/variants.md``), opened in a new tab; the text is the path unless given."""
+        return f'<a href="?guide={path}" target="_blank" rel="noopener">{text or path}</a>'
+
+    def guide_page(path):
+        """The guide page ``path`` as markdown, its links to other pages made clickable."""
+        file = (REPO / path).resolve()
+        if file.suffix != ".md" or not file.is_file() or not file.is_relative_to(REPO / "docs"):
+            pages = ", ".join(doc_link(p.relative_to(REPO).as_posix()) for p in sorted((REPO / "docs").rglob("*.md")))
+            return mo.callout(mo.md(f"No guide page `{path}` in this checkout. The pages: {pages}"), kind="danger")
+
+        def relink(match):  # a new tab again: a tab's session serves one page
+            target = (file.parent / match[2]).resolve()
+            if not (target.is_file() and target.is_relative_to(REPO / "docs")):
+                return match[0]  # left as it was: this app shows pages under docs/ only
+            return doc_link(target.relative_to(REPO).as_posix(), match[1])
+
+        text = MD_LINK.sub(relink, file.read_text())
+        return mo.vstack([mo.md(f"`{path}`, opened from the lora_func dashboard: close this tab to go back."), mo.md(text)])
+
+    requested_page = mo.query_params().get("guide")
+    if requested_page is not None:
+        mo.stop(True, guide_page(requested_page))
+    return Path, doc_link
+
+
+@app.cell
+def _(doc_link, mo):
     mo.md(
-        """
+        f"""
         # lora_func: fine-tune a small language model with every LoRA variant
 
         The model is a 1.2 M-parameter Llama that lora_func ships, pretrained on a generated
@@ -47,30 +86,31 @@ def _(mo):
         `what is 3 plus 4 ?`, which the base model has never seen: it answers with a story.
         An adapter trained on 70 of the 100 questions has to learn the *format*; the 30
         held-out questions come out right only if it reuses the sums the base already knows.
+        More in {doc_link("docs/guide/demo.md")} and {doc_link("docs/guide/why-adapters.md")}.
         """
     )
     return
 
 
 @app.cell
-def _(mo):
+def _(Path, mo):
     # The cold start (torch, transformers, the model) takes seconds: say so while it runs.
-    with mo.status.spinner(title="Step 1/3: loading torch, lora_func and the demo model…"):
+    with mo.status.spinner(title="Step 1/2: loading torch, lora_func and the demo model…"):
         import base64
         import io
         import tempfile
         import time
-        from pathlib import Path
 
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
         import torch
+        from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter
 
         import lora_func as lf
         from lora_func.demo.corpus import task_split
-        from lora_func.demo.model import load_model
+        from lora_func.demo.model import default_targets, load_model
         from lora_func.demo.run import DEFAULT_LR, DEFAULT_VARIANTS, DemoConfig, encode_examples, run_variant
 
         _model, tokenizer = load_model()
@@ -79,36 +119,71 @@ def _(mo):
         held_out_data = encode_examples(tokenizer, held_out_examples)
 
     # Script mode (python examples/dashboard.py) has no one to press buttons: it trains at once,
-    # briefly, and prints. CLI args after `--` set the app's defaults.
+    # briefly, and prints. CLI args after `--` set the app's defaults (`--variants all`: every one).
     SCRIPT = mo.app_meta().mode == "script"
     args = mo.cli_args()
+    _variants = str(args.get("variants", "lora" if SCRIPT else ",".join(DEFAULT_VARIANTS)))
     defaults = {
-        "variants": str(args.get("variants", "lora" if SCRIPT else ",".join(DEFAULT_VARIANTS))).split(","),
+        "variants": lf.list_variants() if _variants == "all" else _variants.split(","),
         "steps": int(args.get("steps", 15 if SCRIPT else 120)),
         "r": int(args.get("r", 8)),
         "lr": "",
         "dtype": "float32",
     }
     return (
-        DEFAULT_LR, DemoConfig, Path, SCRIPT, base64, defaults, held_out_data, held_out_examples, io, lf, load_model, plt,
-        run_variant, tempfile, time, tokenizer, torch, train_data, train_examples,
+        DEFAULT_LR, DemoConfig, FuncFormatter, LogLocator, MaxNLocator, NullFormatter, SCRIPT, base64, default_targets,
+        defaults, held_out_data, held_out_examples, io, lf, load_model, plt, run_variant, tempfile, time,
+        tokenizer, torch, train_data, train_examples,
     )
 
 
 @app.cell
 def _(held_out_examples, mo, train_examples):
+    # The last column shows what the base model knows: the same sum in its pretraining notation.
     rows = [
-        {"#": i, "split": split, "prompt": e.prompt, "answer": e.answer}
+        {"#": i, "split": split, "question (prompt)": e.prompt, "expected answer": e.answer,
+         "what the base model saw in pretraining": f"{e.a} + {e.b} = {e.a + e.b} ."}
         for i, (split, e) in enumerate(
             [("train", e) for e in train_examples] + [("held-out", e) for e in held_out_examples]
         )
     ]
-    mo.ui.table(rows, page_size=10, selection=None, label="The task: 70 training and 30 held-out questions")
+    mo.ui.table(
+        rows, page_size=10, selection=None, column_widths={"#": 60, "split": 100},
+        label="The task: 70 training and 30 held-out questions (the held-out ones are never trained on)",
+    )
     return
 
 
 @app.cell
-def _(DEFAULT_LR, defaults, lf, mo):
+def _():
+    # One entry per variant the dashboard offers (tests/test_dashboard.py checks that every
+    # option has one): the idea, when to pick it, and its reference page.
+    VARIANT_HELP = {
+        "lora": ("adds a low-rank update `s·B A` to each weight, B = 0 at start",
+                 "the default: every tool supports it (peft, vLLM, merging)", "docs/variants/lora.md"),
+        "pissa": ("LoRA started on the top singular directions of W; trains on the residual",
+                  "LoRA's format with faster, steadier convergence", "docs/variants/pissa.md"),
+        "eva": ("LoRA with A started from the SVD of the layer *inputs* on training batches",
+                "you have a few batches of task data when you create the adapter", "docs/variants/eva.md"),
+        "dora": ("splits W into per-row magnitude and direction; LoRA on the direction",
+                 "LoRA underfits at small r (each step costs a row norm more)", "docs/variants/dora.md"),
+        "delora": ("LoRA with each rank-1 direction normalised and a learnt scale: a bounded update",
+                   "long runs: the update's norm cannot run away", "docs/variants/delora.md"),
+        "hra": ("multiplies W by r Householder reflections (orthogonal: keeps W's spectrum)",
+                "you want to keep the base's geometry; robust to the learning rate", "docs/variants/hra.md"),
+        "ia3": ("rescales each output feature by a learnt gain (a few hundred numbers per layer)",
+                "the smallest adapters, many tasks per base; needs a ~30× larger learning rate", "docs/variants/ia3.md"),
+        "ia3_ff": ("rescales each *input* feature (peft's IA3 on feed-forward layers)",
+                   "as ia3, on the inputs (what peft does for `down_proj`)", "docs/variants/ia3.md"),
+        "antipasto": ("rotates and rescales W's own top singular vectors; a `steer` knob scales it at inference",
+                      "steering: dial an adapter's effect up, down or negative without retraining",
+                      "docs/variants/antipasto.md"),
+    }
+    return (VARIANT_HELP,)
+
+
+@app.cell
+def _(DEFAULT_LR, VARIANT_HELP, defaults, doc_link, lf, mo):
     def _check_lr(value):
         text = (value or {}).get("lr", "").strip()
         if not text:
@@ -138,62 +213,101 @@ def _(DEFAULT_LR, defaults, lf, mo):
         )
         .form(submit_button_label="Train", validate=_check_lr, bordered=True)
     )
+    variant_rows = "\n".join(
+        f"| `{name}` | {idea} | {when} | {doc_link(page)} |"
+        for name, (idea, when, page) in VARIANT_HELP.items()
+        if name in lf.list_variants()
+    )
     lr_defaults = ", ".join(f"`{name}` {value:g}" for name, value in sorted(DEFAULT_LR.items()))
+    help_text = mo.md(
+        f"""
+**Which variant?** Start with `lora`. Pick `ia3` for the smallest adapter, `pissa` or `eva`
+when LoRA converges slowly, `dora` when LoRA underfits at small r, `hra` to keep the base's
+geometry, `antipasto` to steer. The trade-offs, measured: {doc_link("docs/guide/variants.md")}.
+
+| variant | the idea | pick it when | details |
+|:--|:--|:--|:--|
+{variant_rows}
+
+- **rank r**: the size of the update; trainable parameters grow linearly in r (not for ia3,
+  ia3_ff: one gain per feature). {doc_link("docs/guide/hyperparameters.md")}
+- **steps per variant**: training steps of 16 questions each; 120 learns the task, a few
+  dozen show the trend.
+- **learning rate**: empty uses the per-variant defaults measured on this task: {lr_defaults}.
+  Multiplicative and normalised variants (ia3, delora, antipasto) want larger steps; one
+  value typed here applies to every variant.
+- **base dtype**: the frozen model's dtype; adapters stay float32 either way. bfloat16 and
+  float16 halve the base's memory; float16 trains with a GradScaler, which skips a step whose
+  gradients overflow. {doc_link("docs/guide/precision.md")}
+"""
+    )
     mo.vstack(
         [
             mo.md("## Configuration"),
             settings,
-            mo.accordion(
-                {
-                    "What do these mean?": mo.callout(
-                        mo.md(
-                            f"""
-- **variants**: `lora` adds a low-rank update `B A`; `dora` also learns each output row's
-  magnitude; `ia3` only rescales features (a few hundred numbers per layer); `pissa`
-  starts from the top singular directions; `delora` normalises each rank-1 direction and
-  learns its scale; `hra` multiplies by Householder reflections; `eva` initialises `A`
-  from the SVD of layer inputs on training batches; `antipasto` rotates and rescales the
-  weight's own singular basis. See docs/guide/variants.md.
-- **rank r**: the size of the update (trainable parameters grow linearly in r).
-- **learning rate**: the per-variant defaults were measured on this task: {lr_defaults}.
-  Multiplicative and normalised variants (ia3, delora, antipasto) want larger steps.
-- **base dtype**: the frozen model's dtype; adapters stay float32 either way. float16
-  trains with a GradScaler (docs/guide/precision.md).
-"""
-                        ),
-                        kind="info",
-                    )
-                }
-            ),
+            mo.accordion({"What do these mean?": mo.callout(help_text, kind="info")}, expanded=True),
         ]
     )
     return (settings,)
 
 
 @app.cell
-def _(
-    DemoConfig, Path, SCRIPT, base64, defaults, held_out_data, io, load_model, mo, plt, run_variant, settings, tempfile,
-    time, tokenizer, torch, train_data,
-):
-    chosen = settings.value if settings.value is not None else ({**defaults, "rank": defaults["r"]} if SCRIPT else None)
-    mo.stop(chosen is None, mo.callout(mo.md("Press **Train** to fine-tune the selected variants."), kind="info"))
-    mo.stop(not chosen["variants"], mo.callout(mo.md("Select at least one variant, then press **Train**."), kind="warn"))
+def _(FuncFormatter, LogLocator, MaxNLocator, NullFormatter, base64, io, mo, plt):
+    SMOOTHING = 10  # steps in the moving mean drawn bold (the table's final loss is the same mean at the end)
 
-    def loss_figure(curves, title):
-        """The loss curves as a full-width image (matplotlib's own HTML has a fixed pixel width)."""
-        fig, ax = plt.subplots(figsize=(11, 3.6), dpi=100)
-        for name, values in curves.items():
-            ax.plot(range(1, len(values) + 1), values, label=name, linewidth=1.2)
-        ax.set(xlabel="step", ylabel="training loss", yscale="log", title=title)
-        ax.grid(alpha=0.3)
+    def moving_mean(values, window=SMOOTHING):
+        """The mean of each value and the up to ``window - 1`` values before it."""
+        out, total = [], 0.0
+        for i, value in enumerate(values):
+            total += value - (values[i - window] if i >= window else 0.0)
+            out.append(total / min(i + 1, window))
+        return out
+
+    def loss_figure(curves, title, labels=None):
+        """The training loss of each variant against the step: each step faint, the moving mean
+        bold; a log loss axis with plain-number ticks, whole-number steps, the legend beside the
+        plot (never over a curve). ``labels``: legend text per variant (default: its name)."""
+        fig, ax = plt.subplots(figsize=(11, 3.8), dpi=100)
+        for i, (name, values) in enumerate(curves.items()):
+            steps = range(1, len(values) + 1)
+            ax.plot(steps, values, color=f"C{i % 10}", linewidth=0.7, alpha=0.35)
+            ax.plot(steps, moving_mean(values), color=f"C{i % 10}", linewidth=2, label=(labels or {}).get(name, name))
+        ax.set(xlabel="step", ylabel="training loss (log scale)", yscale="log",
+               title=f"{title}   (bold: mean of the last {SMOOTHING} steps; faint: each step)")
+        # Ticks at 1-9 × 10^k within one decade, 1, 2, 5 × 10^k up to three, powers of ten beyond:
+        # at least two labelled ticks, never a crowd.
+        low, high = ax.get_ylim()
+        subs = (1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0) if high < 10 * low else (1.0, 2.0, 5.0) if high < 1000 * low else (1.0,)
+        ax.yaxis.set_major_locator(LogLocator(base=10, subs=subs))
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+        ax.yaxis.set_minor_formatter(NullFormatter())
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3, which="major")
         if curves:
-            ax.legend()
+            ax.set_xlim(left=1)
+            ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
         fig.tight_layout()
+        return fig
+
+    def figure_html(fig, alt):
+        """``fig`` as a full-width image (matplotlib's own HTML has a fixed pixel width)."""
         buffer = io.BytesIO()
         fig.savefig(buffer, format="png")
         plt.close(fig)
         data = base64.b64encode(buffer.getvalue()).decode()
-        return mo.Html(f'<img src="data:image/png;base64,{data}" alt="{title}" style="width:100%;height:auto;display:block">')
+        return mo.Html(f'<img src="data:image/png;base64,{data}" alt="{alt}" style="width:100%;height:auto;display:block">')
+
+    return figure_html, loss_figure
+
+
+@app.cell
+def _(
+    DemoConfig, Path, SCRIPT, default_targets, defaults, figure_html, held_out_data, load_model, loss_figure, mo,
+    run_variant, settings, tempfile, time, tokenizer, torch, train_data,
+):
+    chosen = settings.value if settings.value is not None else ({**defaults, "rank": defaults["r"]} if SCRIPT else None)
+    mo.stop(chosen is None, mo.callout(mo.md("Press **Train** to fine-tune the selected variants."), kind="info"))
+    mo.stop(not chosen["variants"], mo.callout(mo.md("Select at least one variant, then press **Train**."), kind="warn"))
 
     config = DemoConfig(
         variants=list(chosen["variants"]), r=int(chosen["rank"]), steps=int(chosen["steps"]),
@@ -203,31 +317,154 @@ def _(
     started = time.perf_counter()
     curves, results = {}, []
     model = load_model(dtype=config.dtype)[0]
-    mo.output.replace(loss_figure(curves, "training loss (live)"))  # output 0: the live plot; the progress bar follows
-    with mo.status.progress_bar(total=len(config.variants) * config.steps, title="Step 2/3: fine-tuning") as bar:
+    targets = default_targets(model)
+    mo.output.replace(figure_html(loss_figure(curves, "training loss (live)"), "training loss (live)"))  # output 0: the live plot; the bar follows
+    with mo.status.progress_bar(total=len(config.variants) * config.steps, title="Step 2/2: fine-tuning and evaluating") as bar:
         for index, name in enumerate(config.variants, start=1):
             curves[name] = []
 
             def on_step(stats, name=name, index=index):
                 curves[name].append(stats.loss)
-                bar.update(subtitle=f"variant {index}/{len(config.variants)}: {name}, step {stats.step + 1}/{config.steps}, loss {stats.loss:.3f}")
-                if stats.step % 5 == 4 or stats.step + 1 == config.steps:
-                    mo.output.replace_at_index(loss_figure(curves, "training loss (live)"), 0)
+                last = stats.step + 1 == config.steps
+                doing = "evaluating on the held-out questions, saving and reloading" if last else f"loss {stats.loss:.3f}"
+                bar.update(subtitle=f"variant {index}/{len(config.variants)}: {name}, step {stats.step + 1}/{config.steps}, {doing}")
+                if stats.step % 5 == 4 or last:
+                    mo.output.replace_at_index(figure_html(loss_figure(curves, "training loss (live)"), "training loss (live)"), 0)
 
             with tempfile.TemporaryDirectory() as tmp:
                 results.append(run_variant(model, tokenizer, name, config, train_data, held_out_data, Path(tmp), on_step=on_step))
     seconds = time.perf_counter() - started
-    final_plot = loss_figure(curves, "training loss")
-    # The live plot and the progress bar make way for the results cell below.
-    mo.output.replace(mo.md("Step 3/3: evaluating and comparing: see the results below."))
+    # The live plot and the progress bar make way for the results cell below: nothing of the
+    # run's progress stays behind to read as if work were still going on.
+    mo.output.clear()
     if SCRIPT:
         for row in results:
             print(f"{row['variant']}: held-out accuracy {row['acc_before']:.0%} -> {row['acc_after']:.0%}, final loss {row['final_loss']:.3f}")
-    return config, final_plot, results, seconds
+    return config, curves, results, seconds, targets
 
 
 @app.cell
-def _(config, final_plot, mo, results, seconds):
+def _(torch):
+    def run_settings(config, targets, lrs):
+        """The settings that produced a run, as one line of markdown."""
+        lr = (f"{config.lr:g} for every variant" if config.lr is not None
+              else "per-variant default (" + ", ".join(f"{name} {value:g}" for name, value in lrs.items()) + ")")
+        dtype = str(config.dtype).removeprefix("torch.")
+        return (
+            f"variants {', '.join(config.variants)} · rank r = {config.r} · base dtype {dtype} (adapters float32) · "
+            f"learning rate {lr} · {config.steps} steps per variant · batch {config.batch_size} · seed {config.seed} · "
+            f"adapters on {', '.join(targets)}"
+        )
+
+    def interpretation(results, config):
+        """What a run's numbers say, as markdown paragraphs, every figure taken from ``results``."""
+
+        def who(r):
+            return f"**{r['variant']}** ({r['trainable']:,} trainable parameters, {r['trainable_pct']:.2f} % of the model)"
+
+        paragraphs = []
+        before = max(r["acc_before"] for r in results)
+        best = max(results, key=lambda r: (r["acc_after"], -r["trainable"]))
+        start = (
+            "Before training no adapter answers any of the 30 held-out questions: the base model has never seen the "
+            "question form." if before == 0 else
+            f"Before training the adapters already answer up to {before:.0%} of the held-out questions."
+        )
+        if len(results) == 1:
+            paragraphs.append(
+                f"{start} After {config.steps} steps {who(best)} answers {best['acc_after']:.0%} of them: "
+                + ("it learnt the format and reuses the sums the model already knew, since it never trained on these questions."
+                   if best["acc_after"] >= 0.5 else "it has not learnt the format yet.")
+            )
+        else:
+            paragraphs.append(
+                f"{start} After {config.steps} steps per variant the best is {who(best)} with {best['acc_after']:.0%} "
+                f"held-out accuracy; the worst, **{min(results, key=lambda r: r['acc_after'])['variant']}**, "
+                f"{min(r['acc_after'] for r in results):.0%}."
+            )
+            smallest = min(results, key=lambda r: r["trainable"])
+            largest = max(results, key=lambda r: r["trainable"])
+            ratio = largest["trainable"] / smallest["trainable"]
+            if smallest["acc_after"] >= largest["acc_after"] and ratio > 1.5:
+                paragraphs.append(
+                    f"**Parameter count is not quality.** {who(smallest)} reaches {smallest['acc_after']:.0%}; "
+                    f"{who(largest)}, {ratio:.0f}× more, reaches {largest['acc_after']:.0%}. This task needs a new *format*, "
+                    "not new knowledge: an adapter with few degrees of freedom has to reuse the sums the model already "
+                    "computes, while a large one can also fit the 70 training questions one by one."
+                )
+            elif ratio > 1.5:
+                paragraphs.append(
+                    f"Here capacity helped: {who(largest)} reaches {largest['acc_after']:.0%}, {who(smallest)} "
+                    f"{smallest['acc_after']:.0%}."
+                )
+        if best["acc_after"] < 0.5:
+            paragraphs.append(
+                f"No variant got past {best['acc_after']:.0%} in {config.steps} steps: too few to learn the task "
+                "(the default is 120). Press **Train** with more steps, or a larger learning rate."
+            )
+        low = [r for r in results if r["final_loss"] < 0.1 and r["acc_after"] < 0.8]
+        if low:
+            paragraphs.append(
+                "Low training loss with a lower held-out accuracy means fitting the training questions more than the "
+                "format: " + "; ".join(f"**{r['variant']}** final loss {r['final_loss']:.3f}, held-out {r['acc_after']:.0%}" for r in low) + "."
+            )
+        if len(results) > 1:
+            fast = min(results, key=lambda r: r["ms_per_step"])
+            slow = max(results, key=lambda r: r["ms_per_step"])
+            paragraphs.append(
+                f"Cost: **{fast['variant']}** takes {fast['ms_per_step']:.0f} ms per step, **{slow['variant']}** "
+                f"{slow['ms_per_step']:.0f} ms ({slow['ms_per_step'] / fast['ms_per_step']:.1f}×) on this machine."
+            )
+        skipped = [r for r in results if r["skipped_steps"]]
+        if skipped:
+            paragraphs.append(
+                "The float16 GradScaler skipped steps whose gradients overflowed (it then lowers its scale): "
+                + ", ".join(f"{r['variant']} {r['skipped_steps']} of {config.steps}" for r in skipped) + "."
+            )
+        # Reload: the saved and reloaded adapter must give the trained one's held-out logits.
+        dtype = str(config.dtype).removeprefix("torch.")
+        tolerance = 1024 * torch.finfo(config.dtype).eps  # a few hundred roundings of logits of size ~10-30
+        identical = [r["variant"] for r in results if r["reload_identical"]]
+        differ = [r for r in results if not r["reload_identical"]]
+        notes = []
+        if identical:
+            notes.append(f"{', '.join(identical)} reloaded bit for bit identical")
+        for r in differ:
+            diff = r["reload_max_abs_diff"]
+            if diff <= tolerance and r["variant"] == "pissa":
+                notes.append(
+                    f"pissa's reloaded logits differ by at most {diff:.1e}, within {dtype} round-off ({tolerance:.1e}, "
+                    f"1024 × its machine epsilon): peft stores PiSSA as a rank-{2 * config.r} LoRA on the untouched base "
+                    "instead of the trained residual form, so the same sum is rounded in another order. That is expected, "
+                    "not a defect"
+                )
+            elif diff <= tolerance:
+                notes.append(f"{r['variant']}'s reloaded logits differ by at most {diff:.1e}, within {dtype} round-off ({tolerance:.1e})")
+            else:
+                notes.append(
+                    f"⚠ {r['variant']}'s reloaded logits differ by {diff:.1e}, more than {dtype} round-off ({tolerance:.1e}): "
+                    "the saved adapter is not the trained one; please report it"
+                )
+        paragraphs.append("Save and reload: " + "; ".join(notes) + ".")
+        return "\n\n".join(paragraphs)
+
+    COLUMN_HELP = {
+        "trainable": "numbers the adapter trains, and their share of the model's parameters",
+        "acc. before": "held-out accuracy with the adapter at its initial values",
+        "acc. after": "held-out accuracy after training: exact greedy answers to the 30 questions never trained on",
+        "final loss": "mean training loss (cross-entropy per answer token) over the last 10 steps, on training questions",
+        "ms/step": "wall-clock milliseconds per training step (forward, backward, optimizer) on this machine, one CPU thread",
+        "reload": "the adapter saved (peft's format; antipasto lora_func's) and loaded back: its held-out logits against the trained one's",
+    }
+    return COLUMN_HELP, interpretation, run_settings
+
+
+
+@app.cell
+def _(
+    COLUMN_HELP, config, curves, figure_html, held_out_examples, interpretation, loss_figure, mo, results, run_settings,
+    seconds, targets,
+):
     summary = [
         {
             "variant": r["variant"],
@@ -241,22 +478,45 @@ def _(config, final_plot, mo, results, seconds):
         }
         for r in results
     ]
-    samples = [{"#": i, "variant": r["variant"], **s} for i, (r, s) in enumerate((r, s) for r in results for s in r["samples"])]
+    expected = {e.prompt: e.answer for e in held_out_examples}
+
+    def answered(text, prompt):
+        return text.removesuffix(".").strip() == expected[prompt]
+
+    samples = [
+        {"variant": r["variant"], "held-out question": s["prompt"], "expected": expected[s["prompt"]],
+         "before": s["before"], "after": s["after"], "✓/✗": "✓" if answered(s["after"], s["prompt"]) else "✗"}
+        for r in results for s in r["samples"]
+    ]
+    lrs = {r["variant"]: r["lr"] for r in results}
+    accuracy = {r["variant"]: f"{r['variant']}  held-out {r['acc_before']:.0%} → {r['acc_after']:.0%}" for r in results}
     done = mo.callout(
         mo.md(
             f"**Training complete**: {len(results)} variant(s) × {config.steps} steps in {seconds:.0f} s. "
-            f"These results stay here until the next **Train**; changing the settings does not clear them."
+            f"These results stay here until the next **Train**; changing the settings does not clear them.\n\n"
+            f"**Settings of these results**: {run_settings(config, targets, lrs)}."
         ),
         kind="success",
     )
+    columns = "\n".join(f"- **{name}**: {text}." for name, text in COLUMN_HELP.items())
     mo.vstack(
         [
             done,
             mo.md("## Results"),
-            final_plot,
-            mo.ui.table(summary, selection=None, label="results (acc.: held-out accuracy on the 30 questions never trained on)"),
+            figure_html(loss_figure(curves, "training loss", labels=accuracy), "training loss"),
+            mo.ui.table(summary, selection=None, header_tooltip=COLUMN_HELP,
+                        label="results (acc.: held-out accuracy on the 30 questions never trained on)"),
+            mo.md("### What this run shows\n\n" + interpretation(results, config)),
+            mo.accordion({"The columns": mo.md(columns)}, expanded=True),
             mo.md("## Generated answers, before and after"),
-            mo.ui.table(samples, selection=None, page_size=10, label="samples"),
+            mo.ui.table(
+                samples, selection=None, page_size=10,
+                label=f"{len(samples) // len(results)} of the held-out questions (never trained on) per variant, "
+                      "answered by greedy decoding; ✓: the answer after training is the expected one",
+                style_cell=lambda _row, column, value: (
+                    {"color": "#15803d" if value == "✓" else "#b91c1c", "fontWeight": "bold"} if column == "✓/✗" else {}
+                ),
+            ),
         ]
     )
     return

@@ -1,11 +1,15 @@
-"""DP-SGD on a LoRA adapter: per-example gradients with vmap(grad), per-example clipping, noise.
+"""DP-SGD on a LoRA adapter with lora_func.privacy: Poisson batches, per-example clipping, noise,
+accounting.
 
-Each step: the gradient of every example's loss (`per_example_grads`, one batched
-forward/backward, no hooks), each clipped to L2 norm <= C over all adapter tensors, summed,
-plus Gaussian noise N(0, (sigma*C)^2), divided by the batch size (Abadi et al. 2016). Only the
-adapter is trained, so only its (small) per-example gradients are ever materialised.
-Privacy accounting (epsilon for given sigma, sampling rate and steps) is not part of
-lora_func: use e.g. Opacus's RDP accountant on the same numbers.
+The privacy unit is one training example (a sequence): the adapter's updates are
+(epsilon, delta)-differentially private with respect to adding or removing one. Before
+training, the noise multiplier that spends the budget (epsilon = 8 at delta = 1e-5) over the
+planned steps is computed by the RDP accountant; every step then samples a Poisson batch
+(each example in with probability q), clips every example's gradient to `max_grad_norm` over
+all adapter tensors, adds Gaussian noise once and divides by the expected batch size.
+Both idioms are shown: the functional one (`private_grads`, then any update rule) and the
+stateful one (`private_step_` with a torch optimiser, accumulating micro-batches).
+docs/guide/privacy.md says what is private and how to choose the numbers.
 
 Run: python examples/dp_sgd.py
 """
@@ -15,44 +19,32 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import lora_func as lf
-from lora_func.batching import per_example_grads
+from lora_func.privacy import DPSGD, private_step_
 
 torch.manual_seed(0)
 config = LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, use_cache=False,
                      initializer_range=0.2)  # 0.02 leaves a 32-wide random model near-uniform
 model = LlamaForCausalLM(config).eval()
-# Per-example attention masks under vmap need eager attention (SDPA branches on the mask).
+# Per-example gradients run the model under vmap: per-example attention masks need eager attention.
 model.set_attn_implementation("eager")
 adapter = lf.init_adapter(model, lf.AdapterSpec("lora", targets=["q_proj", "v_proj"], r=4, alpha=8),
                           generator=torch.Generator().manual_seed(0))
 base = lf.base_params(model)
 
-# A learnable toy task: each sequence counts up by one (mod 61), left-padded to length 12.
-starts = torch.randint(3, 40, (32, 1))
+# The private dataset: 128 sequences that count up by one (mod 61), some left-padded.
+N = 128
+starts = torch.randint(3, 40, (N, 1))
 ids = (starts + torch.arange(12)) % 61
 mask = torch.ones_like(ids)
 mask[::3, :4] = 0
 
 
 def loss_fn(adapter, ids, mask):
-    """Mean next-token loss of a batch (here: a batch of one example, ids (1, T))."""
+    """Mean next-token loss of a batch; private_grads calls it on one example at a time, (1, T)."""
     logits = lf.adapted_call(model, adapter, ids, attention_mask=mask, base=base).logits
     labels = ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
     return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels.flatten())
-
-
-def dp_step(adapter, ids, mask, *, max_norm, noise_multiplier, lr, generator):
-    grads = per_example_grads(loss_fn, adapter, ids, mask)  # each (B, *param shape)
-    norms = torch.stack([g.flatten(1).norm(dim=1) for g in grads.values()]).norm(dim=0)  # (B,)
-    scale = (max_norm / (norms + 1e-6)).clamp(max=1.0)  # clip each example to norm <= max_norm
-    batch = ids.shape[0]
-    new = {}
-    for key, g in grads.items():
-        clipped_sum = torch.einsum("b,b...->...", scale, g)
-        noise = noise_multiplier * max_norm * torch.randn(clipped_sum.shape, generator=generator)
-        new[key] = adapter.params[key].detach() - lr * (clipped_sum + noise) / batch
-    return adapter.with_params(new), float((norms > max_norm).float().mean())
 
 
 def full_loss(adapter):
@@ -60,12 +52,39 @@ def full_loss(adapter):
         return float(loss_fn(adapter, ids, mask))
 
 
-generator = torch.Generator().manual_seed(1)
+# Plan the run, then get the noise that spends exactly the budget (the accountant assumes
+# Poisson sampling at rate q for `steps` steps).
+q, steps, delta, max_grad_norm = 12 / N, 40, 1e-5, 1.0
+sigma = lf.noise_for_epsilon(epsilon=8.0, sample_rate=q, steps=steps, delta=delta)
+print(f"noise multiplier {sigma:.3f} for epsilon 8 at delta {delta:g}: {steps} steps at sample rate {q:.3f}")
+sampler = lf.PoissonBatchSampler(N, q, steps, generator=torch.Generator().manual_seed(1))
+noise = torch.Generator().manual_seed(2)  # the noise has its own generator
+
+# 1. Functional: private_grads, then a hand-written SGD update (or torchopt).
 print(f"loss before: {full_loss(adapter):.4f}")
-for step in range(30):
-    batch = torch.randperm(32, generator=generator)[:8]  # sampled batch of 8
-    adapter, clipped = dp_step(adapter, ids[batch], mask[batch], max_norm=0.5, noise_multiplier=0.5, lr=2.0,
-                               generator=generator)
+params = {k: v.detach() for k, v in adapter.params.items()}
+for step, batch in enumerate(sampler):
+    if step == steps // 2:
+        break
+    index = torch.tensor(batch, dtype=torch.long)
+    grads = lf.private_grads(loss_fn, adapter.with_params(params), ids[index], mask[index], max_grad_norm=max_grad_norm,
+                             noise_multiplier=sigma, generator=noise, expected_batch_size=q * N)
+    params = {k: p - 0.5 * grads[k] for k, p in params.items()}
+adapter = adapter.with_params(params).detach()
+print(f"after {steps // 2} private SGD steps: loss {full_loss(adapter):.4f}")
+
+# 2. Stateful: a torch optimiser; each logical batch in micro-batches of at most 8 examples
+# (clipped per example, noised once: the same as one call on the whole batch).
+optimizer = torch.optim.AdamW(adapter.params.values(), lr=3e-3)
+dp = DPSGD(max_grad_norm=max_grad_norm, noise_multiplier=sigma, expected_batch_size=q * N, generator=noise)
+for step, batch in enumerate(sampler, start=steps // 2):
+    if step == steps:
+        break
+    index = torch.tensor(batch, dtype=torch.long)
+    micro = [(ids[index[i : i + 8]], mask[index[i : i + 8]]) for i in range(0, max(len(index), 1), 8)]
+    stats = private_step_(optimizer, adapter, loss_fn, micro, dp)
     if step % 10 == 0:
-        print(f"step {step:2d}: {clipped:.0%} of the examples clipped, loss {full_loss(adapter):.4f}")
-print(f"loss after 30 DP-SGD steps: {full_loss(adapter):.4f}")
+        print(f"step {step}: {stats.count} examples, {stats.clipped} clipped, loss {full_loss(adapter):.4f}")
+print(f"loss after {steps} DP-SGD steps: {full_loss(adapter):.4f}")
+print(f"privacy spent: epsilon {lf.epsilon(noise_multiplier=sigma, sample_rate=q, steps=steps, delta=delta):.3f} at delta {delta:g}")
+assert all(p.grad is None for p in model.parameters())  # the base model was never touched

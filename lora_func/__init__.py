@@ -3,8 +3,8 @@
 The names below are grouped as docs/api.md groups them. Namespaces for the rest:
 ``lora_func.variants`` (the variant contract and registry), ``lora_func.merging`` (the merge
 building blocks: trim, elect_sign, disjoint_mean, drop), ``lora_func.quantized`` (quantized
-weight kinds), ``lora_func.distributed`` (data-parallel helpers), ``lora_func.train`` (training
-utilities).
+weight kinds), ``lora_func.distributed`` (data-parallel helpers), ``lora_func.privacy`` (DP-SGD: the pieces
+behind ``private_grads``, the accountant), ``lora_func.train`` (training utilities).
 """
 
 import importlib as _importlib
@@ -36,6 +36,10 @@ from lora_func.io import load, load_peft, save, save_peft
 # Checks.
 from lora_func.checks import check_finite
 
+# Private training (DP-SGD): clipped, noised gradients; accounting; Poisson sampling.
+from lora_func import privacy  # noqa: F401  (lora_func.privacy.clipped_sum, Accountant, ...)
+from lora_func.privacy import PoissonBatchSampler, epsilon, noise_for_epsilon, private_grads
+
 # Ecosystem: peft habits, optree/torchopt, nn.Module frameworks (Trainer, accelerate, DDP).
 from lora_func import _optree  # noqa: F401  (registers the adapter types with optree, if installed)
 from lora_func import distributed  # noqa: F401  (lora_func.distributed.all_reduce_mean, ...)
@@ -47,9 +51,10 @@ COMBINING = ["Combined", "Composed", "LoraConversion", "combine", "compose", "me
 MANY_ADAPTERS = ["ensemble_call", "mixed_adapted", "mixed_adapted_call", "mixed_call", "per_example_grads", "stack", "take", "unstack"]
 FILES = ["load", "load_peft", "merged_state_dict", "save", "save_peft"]
 CHECKS = ["check_finite"]
+PRIVACY = ["PoissonBatchSampler", "epsilon", "noise_for_epsilon", "private_grads"]
 ECOSYSTEM = ["AdaptedModule", "AdapterSummary", "adapter_summary", "as_module"]
 
-__all__ = [*BUILDING, *APPLYING, *COMBINING, *MANY_ADAPTERS, *FILES, *CHECKS, *ECOSYSTEM]
+__all__ = [*BUILDING, *APPLYING, *COMBINING, *MANY_ADAPTERS, *FILES, *CHECKS, *PRIVACY, *ECOSYSTEM]
 
 __version__ = "0.1.0"
 

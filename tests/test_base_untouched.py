@@ -519,6 +519,19 @@ ROWS.update(
             Call("per-example gradients", lambda w: api("per_example_grads")(lambda a, ids: loss_of_ids(w.model("llama"), a, ids), w.adapter("delora"), IDS)),
         ],
         "check_finite": [Call("on a merged NaN weight", _safe_merge_with_nan, FloatingPointError)],
+        # Private training (issue 33): the DP-SGD gradient on both layer kinds; the accountant and
+        # the sampler read no model (a row each, so a model-reading regression would show).
+        "private_grads": [
+            Call("lora on Llama, noised", lambda w: lf.private_grads(lambda a, ids: loss_of_ids(w.model("llama"), a, ids), w.adapter(), IDS,
+                                                                     max_grad_norm=0.5, noise_multiplier=1.0, generator=torch.Generator().manual_seed(0))),
+            Call("dora on GPT-2 Conv1D", lambda w: lf.private_grads(lambda a, ids: loss_of_ids(w.model("gpt2"), a, ids), w.adapter("dora", "gpt2"), IDS,
+                                                                    max_grad_norm=0.5, noise_multiplier=0.0)),
+            Call("bad max_grad_norm", lambda w: lf.private_grads(lambda a, ids: loss_of_ids(w.model("llama"), a, ids), w.adapter(), IDS,
+                                                                 max_grad_norm=0.0, noise_multiplier=1.0), ValueError),
+        ],
+        "epsilon": [Call("RDP accountant", lambda w: lf.epsilon(noise_multiplier=1.0, sample_rate=0.01, steps=100, delta=1e-5))],
+        "noise_for_epsilon": [Call("inverse", lambda w: lf.noise_for_epsilon(epsilon=8.0, sample_rate=0.01, steps=100, delta=1e-5))],
+        "PoissonBatchSampler": [Call("batches", lambda w: list(lf.PoissonBatchSampler(10, 0.3, 3, generator=torch.Generator().manual_seed(0))))],
         "with_steering": [Call("steered forward", _steered_forward)],
         "TrainState": [Call("built", lambda w: _train_state(w))],
         "make_optimizer": [Call("built", lambda w: api("make_optimizer")(w.adapter().detach(), lr=0.1))],

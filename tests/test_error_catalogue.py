@@ -1099,6 +1099,59 @@ CASES.update(
     }
 )
 
+def _privacy(call: Callable[[nn.Module, lf.Adapter, Ctx], Any]) -> Callable[[Ctx], Callable[[], Any]]:
+    """``call(model, adapter, ctx)`` with a LoRA adapter on a tracked tiny Llama."""
+
+    def arrange(ctx: Ctx) -> Callable[[], Any]:
+        model = ctx.model()
+        return functools.partial(call, model, ctx.adapter(model), ctx)
+
+    return arrange
+
+
+def _private(**kwargs: Any) -> Callable[[Ctx], Callable[[], Any]]:
+    from lora_func.privacy import private_grads
+
+    arguments = {"max_grad_norm": 1.0, "noise_multiplier": 1.0} | kwargs
+    return _privacy(lambda m, a, ctx: private_grads(functools.partial(_logits_sum, m), a, IDS, **arguments))
+
+
+def _clipped(model: nn.Module, adapter: lf.Adapter, ids: torch.Tensor, c: float = 1.0) -> Any:
+    from lora_func.privacy import clipped_sum
+
+    return clipped_sum(functools.partial(_logits_sum, model), adapter, ids, max_grad_norm=c)
+
+
+def _not_leaf_grads(model: nn.Module, adapter: lf.Adapter, ctx: Ctx) -> Any:
+    from lora_func.privacy import set_grads_
+
+    computed = adapter.with_params({k: v * 1.0 for k, v in adapter.params.items()})
+    return set_grads_(computed, {k: torch.zeros_like(v) for k, v in adapter.params.items()})
+
+
+CASES.update(
+    {
+        "privacy-argument-range": Case(_private(max_grad_norm=0.0), ("max_grad_norm", "0.0", "(0, inf)")),
+        "privacy-steps": Case(lambda ctx: lambda: lf.privacy.epsilon(noise_multiplier=1.0, sample_rate=0.01, steps=-1, delta=1e-5), ("-1",)),
+        "privacy-orders": Case(lambda ctx: lambda: lf.privacy.rdp(noise_multiplier=1.0, sample_rate=0.01, steps=1, orders=[1.0, 2.0]), ("1.0",)),
+        "privacy-budget-too-small": Case(lambda ctx: lambda: lf.privacy.noise_for_epsilon(epsilon=1e-9, sample_rate=1.0, steps=10**6, delta=1e-12), ("epsilon=1e-09", "10000")),
+        "privacy-sampler-size": Case(lambda ctx: lambda: lf.privacy.PoissonBatchSampler(0, 0.1, 5), ("0", "len(dataset)")),
+        "privacy-generator": Case(_private(generator=0), ("private_grads", "int")),
+        "privacy-not-clipped": Case(lambda ctx: lambda: lf.privacy.noised_mean({"a": torch.zeros(1)}, noise_multiplier=1.0), ("dict", "clipped_sum")),
+        "privacy-empty-batch": Case(_privacy(lambda m, a, ctx: lf.privacy.private_grads(functools.partial(_logits_sum, m), a, IDS[:0], max_grad_norm=1.0, noise_multiplier=1.0)), ("expected_batch_size",)),
+        "privacy-sum-mismatch": Case(_privacy(lambda m, a, ctx: _clipped(m, a, IDS) + _clipped(m, a, IDS, 2.0)), ("max_grad_norm 1.0 and 2.0",)),
+        "privacy-grads-keys": Case(_privacy(lambda m, a, ctx: lf.privacy.set_grads_(a, {})), ("missing", Q)),
+        "privacy-grads-not-leaf": Case(_privacy(_not_leaf_grads), (Q, "make_optimizer")),
+        "privacy-step-dp": Case(_privacy(lambda m, a, ctx: lf.privacy.private_step_(torch.optim.SGD(a.params.values(), lr=0.1), a, _logits_sum, [IDS], {"max_grad_norm": 1.0})), ("dict", "DPSGD(")),
+        "privacy-optimizer-params": Case(_privacy(lambda m, a, ctx: lf.privacy.private_step_(torch.optim.SGD(a.detach().params.values(), lr=0.1), a, _logits_sum, [IDS], lf.privacy.DPSGD(max_grad_norm=1.0, noise_multiplier=1.0))), (Q, "make_optimizer")),
+        "privacy-prv-epsilon": Case(lambda ctx: lambda: lf.privacy.prv_epsilon(noise_multiplier=1.0, sample_rate=0.1, steps=10, delta=0.999), ("delta=0.999",)),
+        "privacy-prv-delta": Case(lambda ctx: lambda: lf.privacy.prv_epsilon(noise_multiplier=1.0, sample_rate=0.1, steps=10, delta=1e-14), ("delta=1e-14", "lora_func.privacy.epsilon")),
+        "privacy-autocast-dtype": Case(_privacy(lambda m, a, ctx: lf.privacy.private_step_(torch.optim.SGD(a.params.values(), lr=0.1), a, _logits_sum, [IDS], lf.privacy.DPSGD(max_grad_norm=1.0, noise_multiplier=1.0), autocast_dtype=torch.float16)), ("torch.float16", "bfloat16")),
+        "privacy-micro-batches": Case(_privacy(lambda m, a, ctx: lf.privacy.private_step_(torch.optim.SGD(a.params.values(), lr=0.1), a, _logits_sum, IDS, lf.privacy.DPSGD(max_grad_norm=1.0, noise_multiplier=1.0))), ("Tensor", "[(ids, mask)]")),
+    }
+)
+
+
 RNG_ADVANCES = frozenset(
     {
         "demo-diverged",

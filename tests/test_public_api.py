@@ -23,6 +23,7 @@ SECTIONS = {
     "MANY_ADAPTERS": ("Many adapters at once", "Many adapters in one batch"),
     "FILES": "Saving, loading, exporting",
     "CHECKS": "Checks and data-parallel training",
+    "PRIVACY": "Private training (DP-SGD)",
     "ECOSYSTEM": "Ecosystem",
 }
 

@@ -1,0 +1,220 @@
+"""DP-SGD gradients of an adapter: per-example clipping, one noise draw per logical batch.
+
+DP-SGD (Abadi et al. 2016) replaces the batch gradient by
+
+    (sum_b clip_C(g_b) + N(0, (sigma * C)^2 I)) / B,    clip_C(g) = g * min(1, C / ||g||)
+
+where ``g_b`` is example ``b``'s gradient over *all* trainable tensors (one norm per example,
+the ``max_grad_norm`` ``C`` bounds each example's influence) and the noise has std
+``noise_multiplier * C``. Two small pieces and one combination:
+
+- :func:`clipped_sum`: the per-example gradients (:func:`lora_func.per_example_grads`, one
+  batched forward and backward, no hooks), each clipped, summed: a :class:`ClippedSum`.
+  ``ClippedSum`` adds (``a + b``), which is gradient accumulation with the privacy semantics
+  kept: clip per example in every micro-batch, then noise once per logical batch;
+- :func:`noised_mean`: adds the noise to a ``ClippedSum`` and divides by the batch size;
+- :func:`private_grads`: the two in one call, a dict like ``adapter.params``.
+
+For the stateful idiom, :func:`set_grads_` writes a gradient dict into the ``.grad`` of the
+adapter's leaf tensors before ``optimizer.step()``. The clip factor is Opacus's,
+``min(1, C / (||g|| + 1e-6))``. A stack of adapters (an ensemble trained privately, one
+mechanism per member) clips each member's per-example gradient separately and draws each
+member's noise independently.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import Tensor
+
+from lora_func.adapter import AdapterLike, leaf_adapters
+from lora_func.batching import per_example_grads
+from lora_func.privacy._checks import (
+    check_expected_batch_size,
+    check_generator,
+    check_noise,
+    check_norm,
+)
+
+__all__ = ["ClippedSum", "clipped_sum", "noised_mean", "private_grads", "set_grads_"]
+
+_EPS = 1e-6  # in the clip factor's denominator, as Opacus
+
+
+def _batch_size(batch: tuple) -> int | None:
+    """The common dim-0 size of the tensors in ``batch`` (``None`` when they disagree)."""
+    sizes = {t.shape[0] for t in pytree.tree_leaves(batch) if isinstance(t, Tensor) and t.dim() >= 1}
+    return sizes.pop() if len(sizes) == 1 else None
+
+
+@dataclasses.dataclass(frozen=True)
+class ClippedSum:
+    """The sum of clipped per-example gradients of ``count`` examples, not yet noised.
+
+    ``grads``: a dict like ``adapter.params`` (same keys, shapes, dtypes). ``count``: the
+    number of examples summed. ``clipped``: how many of them had a norm above
+    ``max_grad_norm``; ``loss_sum``: the sum of their losses (statistics of the private data:
+    log them only if you account for them, or treat the run as non-private tuning). ``a + b``
+    sums two (same keys and ``max_grad_norm``).
+    """
+
+    grads: dict[str, Tensor]
+    count: int
+    max_grad_norm: float
+    clipped: int = 0
+    loss_sum: float = 0.0
+
+    def __add__(self, other: ClippedSum) -> ClippedSum:
+        if not isinstance(other, ClippedSum):
+            what = f"a {type(other).__name__}"
+        elif other.grads.keys() != self.grads.keys():
+            what = f"the sums of two adapters (keys {sorted(self.grads.keys() ^ other.grads.keys())[:3]} differ)"
+        elif other.max_grad_norm != self.max_grad_norm:
+            what = f"max_grad_norm {self.max_grad_norm} and {other.max_grad_norm}"
+        else:
+            what = ""
+        if what:
+            raise ValueError(  # error: privacy-sum-mismatch
+                f"ClippedSum: can only add the clipped sums of one adapter under one max_grad_norm (one logical batch), "
+                f"got {what}"
+            )
+        grads = {k: v + other.grads[k] for k, v in self.grads.items()}
+        return ClippedSum(grads, self.count + other.count, self.max_grad_norm, self.clipped + other.clipped,
+                          self.loss_sum + other.loss_sum)
+
+
+def clipped_sum(
+    loss_fn: Callable[..., Any],
+    adapter: AdapterLike,
+    *batch: Any,
+    max_grad_norm: float,
+    randomness: str = "error",
+    chunk_size: int | None = None,
+) -> ClippedSum:
+    """The per-example gradients of ``loss_fn(adapter, *example)``, each clipped to total L2
+    norm ``<= max_grad_norm`` over all of ``adapter.params``, summed.
+
+    ``loss_fn``, ``batch``, ``randomness`` and ``chunk_size`` are
+    :func:`lora_func.per_example_grads`'s: ``loss_fn`` sees one example as a batch of one
+    (``input_ids (1, T)``) and returns its 0-d loss; every tensor of ``batch`` has the batch
+    ``B`` on dim 0. A batch of zero examples (``(0, T)`` tensors, an empty Poisson draw) gives
+    zero gradients and ``count=0``. For a stacked adapter (``stack_shape (K,)``) ``loss_fn``
+    returns the sum of the members' losses and each member's gradient is clipped on its own.
+    """
+    norm = check_norm(max_grad_norm)
+    leaf_adapters(adapter)
+    size = _batch_size(batch)
+    params = adapter.params
+    if size == 0:
+        zeros = {k: torch.zeros_like(v, memory_format=torch.contiguous_format).detach() for k, v in params.items()}
+        return ClippedSum(zeros, 0, norm, 0)
+
+    def with_loss(adapter: AdapterLike, *example: Any) -> tuple[Tensor, Tensor]:
+        loss = loss_fn(adapter, *example)
+        return loss, loss.detach() if isinstance(loss, Tensor) else loss
+
+    grads, losses = per_example_grads(with_loss, adapter, *batch, has_aux=True, randomness=randomness, chunk_size=chunk_size)
+    lead = 1 + len(adapter.stack_shape)  # (B, *stack_shape): one norm per example (and member)
+    squares = [g.flatten(lead).float().pow(2).sum(-1) for g in grads.values()]
+    norms = torch.stack(squares).sum(0).sqrt()
+    factor = (norm / (norms + _EPS)).clamp(max=1.0)
+    sums = {}
+    for key, g in grads.items():
+        scale = factor.reshape(*factor.shape, *([1] * (g.dim() - lead))).to(g.dtype)
+        sums[key] = (g * scale).sum(0)
+    return ClippedSum(sums, norms.shape[0], norm, int((norms > norm).sum()), float(losses.float().sum()))
+
+
+def noised_mean(
+    total: ClippedSum,
+    *,
+    noise_multiplier: float,
+    generator: torch.Generator | None = None,
+    expected_batch_size: float | None = None,
+) -> dict[str, Tensor]:
+    """``(total + N(0, (noise_multiplier * max_grad_norm)^2)) / B``: the DP-SGD gradient.
+
+    ``B`` is ``expected_batch_size`` when given (with Poisson sampling: ``sample_rate *
+    dataset size``, :attr:`PoissonBatchSampler.expected_batch_size`; the sampled size depends
+    on the data) and ``total.count`` otherwise. The noise is drawn from ``generator`` (a
+    ``torch.Generator``; ``None``: the global RNG) one tensor per key in ``total.grads``'s
+    order, in fp32 (fp64 for fp64 gradients) on the generator's device, then moved to each
+    gradient's device and dtype: the same generator state gives the same noise on any device.
+    ``torch.Generator`` is not a cryptographically secure RNG (docs/guide/privacy.md).
+    """
+    if not isinstance(total, ClippedSum):
+        raise TypeError(f"noised_mean: total must be a ClippedSum (from clipped_sum), got {type(total).__name__}")  # error: privacy-not-clipped
+    sigma = check_noise(noise_multiplier)
+    check_generator(generator, "noised_mean")
+    denominator = check_expected_batch_size(expected_batch_size)
+    if denominator is None and total.count == 0:
+        raise ValueError(  # error: privacy-empty-batch
+            "noised_mean: the batch has no examples and no expected_batch_size was given to divide by; with Poisson "
+            "sampling pass expected_batch_size=sample_rate * dataset size (an empty draw is then a noise-only step)"
+        )
+    if denominator is None:
+        denominator = float(total.count)
+    device = generator.device if generator is not None else None
+    out = {}
+    for key, summed in total.grads.items():
+        draw_dtype = torch.float64 if summed.dtype == torch.float64 else torch.float32
+        if sigma == 0:
+            out[key] = summed / denominator
+            continue
+        noise = torch.randn(summed.shape, generator=generator, dtype=draw_dtype, device=device if device is not None else summed.device)
+        noise = noise.to(summed.device) * (sigma * total.max_grad_norm)
+        out[key] = ((summed.to(draw_dtype) + noise) / denominator).to(summed.dtype)
+    return out
+
+
+def private_grads(
+    loss_fn: Callable[..., Any],
+    adapter: AdapterLike,
+    *batch: Any,
+    max_grad_norm: float,
+    noise_multiplier: float,
+    generator: torch.Generator | None = None,
+    expected_batch_size: float | None = None,
+    randomness: str = "error",
+    chunk_size: int | None = None,
+) -> dict[str, Tensor]:
+    """The DP-SGD gradient of ``loss_fn`` at ``adapter`` on ``batch``: a dict like ``adapter.params``.
+
+    Per-example gradients (:func:`lora_func.per_example_grads`), each clipped to total L2
+    norm ``<= max_grad_norm`` over all of the adapter's trainable tensors, summed, plus
+    Gaussian noise ``N(0, (noise_multiplier * max_grad_norm)^2)`` from ``generator``, divided
+    by the batch size (``expected_batch_size`` when given). ``clipped_sum`` then
+    ``noised_mean``; see them for the arguments. Any adapter: every variant, compositions,
+    combinations, stacks (one private mechanism per member), on any base ``adapted_call``
+    runs (quantized included). Checks every argument before any work.
+    """
+    norm = check_norm(max_grad_norm)
+    check_noise(noise_multiplier)
+    check_generator(generator, "private_grads")
+    check_expected_batch_size(expected_batch_size)
+    total = clipped_sum(loss_fn, adapter, *batch, max_grad_norm=norm, randomness=randomness, chunk_size=chunk_size)
+    return noised_mean(total, noise_multiplier=noise_multiplier, generator=generator, expected_batch_size=expected_batch_size)
+
+
+def set_grads_(adapter: AdapterLike, grads: Mapping[str, Tensor]) -> None:
+    """Write ``grads`` into ``.grad`` of the adapter's leaf tensors (replacing what is there),
+    for the stateful idiom: ``set_grads_(adapter, private_grads(...)); optimizer.step()``."""
+    params = adapter.params
+    if set(grads) != set(params):
+        missing, unknown = sorted(set(params) - set(grads)), sorted(set(grads) - set(params))
+        raise KeyError(  # error: privacy-grads-keys
+            f"set_grads_: grads must have exactly the adapter's keys; missing {missing[:5]}, unknown {unknown[:5]}; "
+            f"pass the dict private_grads or noised_mean returned for this adapter"
+        )
+    for key, param in params.items():
+        if not param.is_leaf:
+            raise ValueError(  # error: privacy-grads-not-leaf
+                f"set_grads_: adapter tensor {key!r} is not a leaf tensor, so an optimiser cannot own it; use the adapter "
+                f"whose params the optimiser was built on (lora_func.train.make_optimizer(adapter, lr))"
+            )
+        param.grad = grads[key].detach().to(param.dtype).clone()
