@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -111,11 +111,12 @@ def target_weight(module: nn.Module, target: Target) -> tuple[Tensor, Tensor | N
     the layer holds it (what its fingerprint digests). Whole tensors when FSDP2 shards them (a
     collective: every rank calls this for the same targets in the same order); ``W``
     dequantized when the layer is quantized. Detached: call it under ``torch.no_grad()``."""
-    bias = full_tensor(module.bias.detach()) if target.bias_key is not None else None
-    kind = kind_of_tensor(module.weight)
+    weight = cast(Tensor, module.weight)  # nn.Module's attributes are typed Tensor | Module
+    bias = full_tensor(cast(Tensor, module.bias).detach()) if target.bias_key is not None else None
+    kind = kind_of_tensor(weight)
     if kind is not None:
-        return kind.dequantize(module), bias, module.weight
-    stored = full_tensor(module.weight.detach())
+        return kind.dequantize(module), bias, weight
+    stored = full_tensor(weight.detach())
     return canonical_weight(stored, target.layout), bias, stored
 
 

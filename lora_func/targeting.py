@@ -81,10 +81,10 @@ def stored_weight(weight: Tensor, layout: str) -> Tensor:
 def tensor_names(model: nn.Module) -> dict[int, list[str]]:
     """``id(tensor) -> every name it has`` (tied weights have several), over params and buffers."""
     names: dict[int, list[str]] = {}
-    for name, tensor in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(tensor), []).append(name)
-    for name, tensor in model.named_buffers(remove_duplicate=False):
-        names.setdefault(id(tensor), []).append(name)
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    for name, buffer in model.named_buffers(remove_duplicate=False):
+        names.setdefault(id(buffer), []).append(name)
     return names
 
 
@@ -197,7 +197,7 @@ def find_targets(model: nn.Module, spec: AdapterSpec) -> list[Target]:
                 module=name,
                 weight_key=f"{name}.weight",
                 bias_key=f"{name}.bias" if getattr(module, "bias", None) is not None else None,
-                layout=kind,
+                layout=str(kind),  # the unsupported (None) kinds were refused or filtered above
                 d_in=int(d_in),
                 d_out=int(d_out),
                 tied_keys=others,
