@@ -1,7 +1,8 @@
 """lora_func: LoRA-family adapters as pure functions on torch.func.
 
 The names below are grouped as docs/api.md groups them. Namespaces for the rest:
-``lora_func.variants`` (the variant contract and registry), ``lora_func.quantized`` (quantized
+``lora_func.variants`` (the variant contract and registry), ``lora_func.merging`` (the merge
+building blocks: trim, elect_sign, disjoint_mean, drop), ``lora_func.quantized`` (quantized
 weight kinds), ``lora_func.distributed`` (data-parallel helpers), ``lora_func.privacy`` (DP-SGD: the pieces
 behind ``private_grads``, the accountant), ``lora_func.train`` (training utilities).
 """
@@ -23,6 +24,7 @@ from lora_func.overlay import merge_overlay, overlay, overlay_calls
 
 # Combining adapters.
 from lora_func.adapter import Combined, Composed, combine, compose
+from lora_func.merging import LoraConversion, merge_adapters, to_lora
 
 # Many adapters at once: a stack under torch.func.vmap, or one adapter per row inside the layers.
 from lora_func.stacking import stack, take, unstack
@@ -47,7 +49,7 @@ from lora_func.summary import AdapterSummary, adapter_summary
 
 BUILDING = ["Adapter", "AdapterLayer", "AdapterSpec", "get_variant", "init_adapter", "list_variants"]
 APPLYING = ["Plan", "adapted", "adapted_call", "base_params", "check_params", "make_plan", "merge_overlay", "overlay", "overlay_calls"]
-COMBINING = ["Combined", "Composed", "combine", "compose"]
+COMBINING = ["Combined", "Composed", "LoraConversion", "combine", "compose", "merge_adapters", "to_lora"]
 MANY_ADAPTERS = ["ensemble_call", "mixed_adapted", "mixed_adapted_call", "mixed_call", "per_example_grads", "stack", "take", "unstack"]
 FILES = ["load", "load_peft", "merged_state_dict", "save", "save_peft"]
 CHECKS = ["check_finite"]

@@ -254,6 +254,18 @@ def composed(w: World) -> lf.Composed:
     return lf.compose(w.adapter("pissa"), w.adapter("dora", seed=5), w.adapter("ia3", seed=7))
 
 
+def _merge_then_train(w: World, method: str) -> None:
+    """A merge on the model's base, then a forward and backward through both overlays."""
+    model = w.model("llama")
+    base = lf.base_params(model)
+    weights = torch.tensor([0.7, -0.4], requires_grad=True)
+    merged = lf.merge_adapters([w.adapter("lora"), w.adapter("hra", seed=5)], weights, method=method, density=0.5, base=base,
+                               generator=torch.Generator().manual_seed(0))
+    loss_of(model, MERGED(base, merged)).backward()
+    assert weights.grad is not None
+    loss_of(model, LAZY(base, merged.detach())).backward()
+
+
 def combined(w: World) -> lf.Combined:
     return lf.combine([w.adapter("lora"), w.adapter("hra", seed=5)], torch.tensor([0.7, -0.4], requires_grad=True))
 
@@ -361,6 +373,18 @@ ROWS: dict[str, list[Call]] = {
         Call("wrong number of weights", lambda w: lf.combine([w.adapter()], torch.ones(2)), ValueError),
     ],
     "compose": [Call("then merged", lambda w: MERGED(lf.base_params(w.model("llama")), composed(w)))],
+    "merge_adapters": [
+        Call("ties of LoRA and HRA, then trained", lambda w: _merge_then_train(w, "ties")),
+        Call("dare_ties", lambda w: _merge_then_train(w, "dare_ties")),
+        Call("cat", lambda w: lf.merge_adapters([w.adapter("lora"), w.adapter("lora", seed=3)], [0.5, 0.5], method="cat")),
+        Call("unknown method", lambda w: lf.merge_adapters([w.adapter()], [1.0], method="mean"), ValueError),
+        Call("HRA without a base", lambda w: lf.merge_adapters([w.adapter("hra", seed=5)], [1.0], method="linear"), ValueError),
+    ],
+    "to_lora": [
+        Call("a combination", lambda w: lf.to_lora(combined(w), rank=2, base=lf.base_params(w.model("llama")))),
+        Call("rank and energy", lambda w: lf.to_lora(w.adapter(), rank=2, energy=0.5), ValueError),
+    ],
+    "LoraConversion": [Call("unpacked", lambda w: tuple(lf.to_lora(w.adapter("dora"), energy=0.9, base=lf.base_params(w.model("llama")))))],
     "get_variant": [Call("variant functions on the model's own tensors", variant_functions_on_the_models_own_tensors)],
     "init_adapter": [
         Call("every variant", lambda w: [_init(w, v, k) for v, k in zip(lf.list_variants(), ("llama", "gpt2") * 9, strict=False)]),
