@@ -7,13 +7,12 @@ from __future__ import annotations
 import copy
 import types
 
+import peft  # the oracle: a pinned test dependency, imported directly so its absence fails
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import lora_func as lf
-
-peft = pytest.importorskip("peft")
 
 # transformers deprecations reached through peft
 pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
