@@ -70,3 +70,17 @@ def randomize_biases(model: nn.Module) -> None:
 def tokens(batch: int = 2, length: int = 8, seed: int = 1) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, VOCAB, (batch, length), generator=g)
+
+
+class Net(nn.Module):
+    """``head(relu(proj(x)))``: one square target, so a Linear and a Conv1D ``proj`` have the
+    same name and the same stored shape."""
+
+    def __init__(self, proj: nn.Module | None = None, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.proj = proj if proj is not None else nn.Linear(8, 8)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.proj(x)))

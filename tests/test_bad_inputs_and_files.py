@@ -27,21 +27,7 @@ import lora_func as lf
 from lora_func.io import _files, load_peft, native, save_peft
 from lora_func.train import TrainState, load_checkpoint, make_optimizer, save_checkpoint, train_step
 from tests.contract_helpers import assert_unchanged, snapshot
-from tests.models import tiny_model, tokens
-
-
-class Net(nn.Module):
-    """``head(relu(proj(x)))``: one square target, so a Linear and a Conv1D ``proj`` have the
-    same name and the same stored shape."""
-
-    def __init__(self, proj: nn.Module | None = None, seed: int = 0) -> None:
-        super().__init__()
-        torch.manual_seed(seed)
-        self.proj = proj if proj is not None else nn.Linear(8, 8)
-        self.head = nn.Linear(8, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.relu(self.proj(x)))
+from tests.models import Net, tiny_model, tokens
 
 
 def lora(model: nn.Module, seed: int = 0, **kwargs) -> lf.Adapter:

@@ -14,18 +14,7 @@ from transformers.pytorch_utils import Conv1D
 
 import lora_func as lf
 from tests.contract_helpers import assert_unchanged, snapshot
-from tests.models import tiny_model
-
-
-class Net(nn.Module):
-    def __init__(self, proj: nn.Module | None = None, seed: int = 0) -> None:
-        super().__init__()
-        torch.manual_seed(seed)
-        self.proj = proj if proj is not None else nn.Linear(8, 8)
-        self.head = nn.Linear(8, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.relu(self.proj(x)))
+from tests.models import Net, tiny_model
 
 
 def visible(adapter: lf.Adapter, shift: float = 0.5) -> lf.Adapter:

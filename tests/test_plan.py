@@ -11,22 +11,27 @@ import torch
 from torch.func import functional_call
 
 import lora_func as lf
-from lora_func import call, plan as plan_module
+from lora_func import call
+from lora_func import plan as plan_module
 from tests.models import tiny_model, tokens
 
 
-@pytest.fixture
-def builds(monkeypatch):
-    """How many applications adapted_call has built."""
+def _count_calls(monkeypatch, module, name: str, real) -> list[int]:
+    """Replace ``module.name`` by ``real`` counted: the count is ``[n]``."""
     count = [0]
-    real = call.application
 
     def counting(*args, **kwargs):
         count[0] += 1
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(call, "application", counting)
+    monkeypatch.setattr(module, name, counting)
     return count
+
+
+@pytest.fixture
+def builds(monkeypatch):
+    """How many applications adapted_call has built."""
+    return _count_calls(monkeypatch, call, "application", call.application)
 
 
 def _setup(kind: str = "llama"):
@@ -187,14 +192,7 @@ def test_one_adapted_call_walks_the_adapter_tree_at_most_twice():
 
 def test_a_plan_is_built_once_per_structure_across_with_params_and_equal_adapters(monkeypatch):
     model, adapter, base, ids = _setup()
-    builds = [0]
-    real = plan_module.build_plan
-
-    def counting(*args, **kwargs):
-        builds[0] += 1
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(call, "build_plan", counting)
+    builds = _count_calls(monkeypatch, call, "build_plan", plan_module.build_plan)
     params = adapter.params
     for _ in range(3):  # a training loop: a new adapter (same structure) every step
         adapter = adapter.with_params({k: (v - 0.01 * v.detach()).detach().requires_grad_(True) for k, v in params.items()})
@@ -255,14 +253,7 @@ def test_a_cached_plan_follows_a_base_whose_target_changed_kind_or_shape(builds)
 
 def test_overlay_finds_its_plan_by_structure_and_follows_the_base(monkeypatch):
     model, adapter, base, ids = _setup()
-    builds = [0]
-    real = plan_module.build_plan
-
-    def counting(*args, **kwargs):
-        builds[0] += 1
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(plan_module, "build_plan", counting)
+    builds = _count_calls(monkeypatch, plan_module, "build_plan", plan_module.build_plan)
     monkeypatch.setattr(plan_module, "_OVERLAY_PLANS", [])
     for scale in (1.0, 0.5, 2.0):  # a training loop's with_params: one plan
         moved = adapter.with_params({k: v * scale for k, v in adapter.params.items()})
