@@ -39,12 +39,13 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
+from lora_func._deprecated import renamed_keywords
 from lora_func._application import Application, refuse_checkpointing_in_transform
 from lora_func._kernels import lowrank_input
 from lora_func._model import base_params
 from lora_func._routing import module_forward
 from lora_func._sharded import swapped_on
-from lora_func._steps import LayerCall, VariantStep
+from lora_func._layer_ops import LayerCall, VariantOp
 from lora_func.adapter import Adapter, AdapterLayer, AdapterLike, Combinator, leaf_adapters
 from lora_func.stacking import _member, _stack_adapters, take
 from lora_func.call import _call_plan, adapted_call
@@ -224,8 +225,8 @@ def _target_forward(adapter: Adapter, layer: AdapterLayer, rows: _Rows) -> Any:
 
         def one_row(p: dict[str, Tensor], b: dict[str, Tensor], x_row: Tensor) -> Tensor:
             x_op, finish = layout.prepare(x_row, target.d_out)
-            step = VariantStep(variant, p, b, info, dtype)
-            return finish(step.activation(x_op, LayerCall(weight, bias, base_call, training)))
+            op = VariantOp(variant, p, b, info, dtype)
+            return finish(op.activation(x_op, LayerCall(weight, bias, base_call, training)))
 
         # "different": the adapter's dropout (training only) draws an independent mask per row,
         # as one batched call would.
@@ -379,6 +380,7 @@ def _reshaped_rows(out: Any, members: int, rows: int) -> Any:
     )
 
 
+@renamed_keywords("mixed_call", strict="lazy_only")
 def mixed_call(
     model: nn.Module,
     adapters: AdapterLike,
@@ -386,7 +388,7 @@ def mixed_call(
     *args: Any,
     merged: bool = False,
     base: Mapping[str, Tensor] | None = None,
-    strict: bool = False,
+    lazy_only: bool = False,
     randomness: Randomness = "error",
     route: ManyRoute = "layers",
     **kwargs: Any,
@@ -436,19 +438,20 @@ def mixed_call(
 
     def one(adapter: AdapterLike, *example: Tensor) -> Any:
         example_args, example_kwargs = rebuild(example)
-        out = adapted_call(model, adapter, *example_args, merged=merged, base=base, strict=strict, **example_kwargs)
+        out = adapted_call(model, adapter, *example_args, merged=merged, base=base, lazy_only=lazy_only, **example_kwargs)
         return _drop_example_dim(_outputs_as_tensors(out, where))
 
     return _vmapped(one, where, randomness=randomness)(per_example, *examples)
 
 
+@renamed_keywords("ensemble_call", strict="lazy_only")
 def ensemble_call(
     model: nn.Module,
     adapters: AdapterLike,
     *args: Any,
     merged: bool = False,
     base: Mapping[str, Tensor] | None = None,
-    strict: bool = False,
+    lazy_only: bool = False,
     randomness: Randomness = "error",
     chunk_size: int | None = None,
     route: ManyRoute = "layers",
@@ -495,7 +498,7 @@ def ensemble_call(
     _check_attention(model, where)
 
     def one(adapter: AdapterLike) -> Any:
-        out = adapted_call(model, adapter, *args, merged=merged, base=base, strict=strict, **kwargs)
+        out = adapted_call(model, adapter, *args, merged=merged, base=base, lazy_only=lazy_only, **kwargs)
         return _outputs_as_tensors(out, where)
 
     return _vmapped(one, where, randomness=randomness, chunk_size=chunk_size)(adapters)
@@ -506,7 +509,7 @@ def per_example_grads(
     adapter: Any,
     *batch: Any,
     has_aux: bool = False,
-    randomness: str = "error",
+    randomness: Randomness = "error",
     chunk_size: int | None = None,
 ) -> Any:
     """The gradient of ``loss_fn(adapter, *example)`` for every example of ``batch``.

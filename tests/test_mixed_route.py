@@ -370,7 +370,7 @@ def test_the_built_in_low_rank_variants_declare_it():
 def test_a_low_rank_declaration_is_the_activation_form(name):
     """``Variant.low_rank`` says the activation form is ``base(x) + s (x Aᵀ) Bᵀ``: check it on
     random factors (B non-zero) against the declared names and scale."""
-    from lora_func._steps import LayerCall
+    from lora_func._layer_ops import LayerCall
     from lora_func.variants import LayerInfo
 
     variant = lf.get_variant(name)
