@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-from lora_func._routing import found_weights, replace_weights, weight_use
+from lora_func._routing import WeightStandIn, found_weights, replace_weights, weight_use
 from lora_func._layer_ops import LayerCall, LayerOp, merged_weight
 from lora_func.targeting import canonical_weight
 
@@ -42,7 +42,7 @@ _METADATA_FUNCS = {
 }
 
 
-class AdaptedWeight(Tensor):
+class AdaptedWeight(WeightStandIn):
     """Stand-in for one target weight in the lazy overlay (see module docstring)."""
 
     _weight: Tensor
@@ -111,7 +111,7 @@ class AdaptedWeight(Tensor):
         return _route(func, args, kwargs, _standin_of)
 
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:  # type: ignore[override]  # torch's stub is a plain function
+    def below_autograd(cls, func: Any, args: tuple, kwargs: dict) -> Any:
         # Reaching dispatch means an op bypassed __torch_function__ (a C++ path); computing
         # here would be below autograd and silently drop the adapter's gradients.
         raise RuntimeError(  # error: lazy-below-autograd

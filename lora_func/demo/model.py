@@ -103,10 +103,11 @@ def load_model(
     # versions (torch_dtype -> dtype); the shipped bf16 weights upcast exactly.
     if quantize is not None:
         config = quantization_config(quantize, dtype)
-        model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", quantization_config=config, dtype=dtype)
-        return model.to(device).eval(), tokenizer
-    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").to(device=device, dtype=dtype).eval()
-    return model, tokenizer
+        # Typed as the nn.Module it is: transformers' wrapper around PreTrainedModel.to hides its signature.
+        quantized: nn.Module = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", quantization_config=config, dtype=dtype)
+        return quantized.to(device).eval(), tokenizer
+    model: nn.Module = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager")
+    return model.to(device=device, dtype=dtype).eval(), tokenizer
 
 
 def default_targets(model: nn.Module) -> list[str]:
