@@ -2,7 +2,7 @@
 
 ``Gated`` below lives in this test file only: ``W_eff = W + gain · Σ_k gate_k · ΔW_k`` over its
 parts (``gain`` a static float, ``gate (K,)`` a trainable tensor it holds itself). Defining its
-constructor and ``layer_step`` is all it does, and it works through every path of the package:
+constructor and ``layer_op`` is all it does, and it works through every path of the package:
 merge_overlay, the lazy overlay and adapted_call, pytree flatten/unflatten (torch and optree),
 torch.func.grad and vmap, save/load, stack/take/unstack. Each check compares against the explicit
 float64 ``W_eff`` computed here by hand from the LoRA factors (``ΔW = (alpha/r) B A``), after

@@ -406,7 +406,7 @@ ROWS: dict[str, list[Call]] = {
         Call("every variant: forward + grad (Linear)", lambda w: every_variant_through(w, LAZY, "llama")),
         Call("training steps", lambda w: train_steps(w, LAZY, "hra")),
         Call("forward raising midway", lambda w: forward_that_raises_midway(w, LAZY), IndexError),
-        Call("strict lazy on a tied weight", lambda w: _tied_lm_head(w, functools.partial(LAZY, strict=True)), RuntimeError),
+        Call("lazy_only on a tied weight", lambda w: _tied_lm_head(w, functools.partial(LAZY, lazy_only=True)), RuntimeError),
     ],
     "overlay_mode": [
         Call("every variant: forward + backward (Conv1D)", lambda w: _through_overlay_mode(w, "gpt2")),

@@ -106,7 +106,7 @@ def test_overlay_mode_in_eager_code_equals_the_stand_ins(variant, kind):
     torch.testing.assert_close(plain, model(ids).logits, rtol=0, atol=0)
 
 
-def test_overlay_mode_gives_other_ops_the_merged_weight_or_raises_when_strict():
+def test_overlay_mode_gives_other_ops_the_merged_weight_or_raises_when_lazy_only():
     model = tiny_model("gpt2")
     adapter = lf.init_adapter(model, lf.AdapterSpec("lora", targets=["lm_head"], r=2, tied="both"))
     adapter = perturbed(adapter, seed=3)
@@ -116,7 +116,7 @@ def test_overlay_mode_gives_other_ops_the_merged_weight_or_raises_when_strict():
     # The embedding lookup reads the tied weight too: it gets the merged weight, as with overlay().
     torch.testing.assert_close(got, lf.adapted_call(model, adapter, ids, merged=True).logits, rtol=1e-5, atol=1e-5)
     with pytest.raises(RuntimeError, match=r"embedding on adapted weight\(s\) \['lm_head.weight'\] has no low-rank path"):
-        with lf.overlay_mode(base, adapter, strict=True):
+        with lf.overlay_mode(base, adapter, lazy_only=True):
             torch.func.functional_call(model, base, (ids,))
 
 
