@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 import lora_func as lf
 from lora_func.demo.corpus import TaskExample, task_split
-from lora_func.demo.model import default_targets, load_model
+from lora_func.demo.model import Quantize, default_targets, load_model
 from lora_func.quantized import logical_shape
 from lora_func.train import IGNORE_INDEX, StepStats, TrainState, fit, make_optimizer
 
@@ -93,7 +93,7 @@ class DemoConfig:
     samples: int = 2  # generated examples shown before/after per variant
     threads: int | None = None  # torch CPU threads while training; None: see threads_for_run
     gradient_checkpointing: bool = False  # recompute each decoder layer in backward (HF's, non-reentrant)
-    quantize: str | None = None  # "nf4" or "int8": a bitsandbytes-quantized base (QLoRA)
+    quantize: Quantize | None = None  # "nf4" or "int8": a bitsandbytes-quantized base (QLoRA)
 
     def lr_for(self, variant: str) -> float:
         return self.lr if self.lr is not None else DEFAULT_LR.get(variant, 1e-2)
