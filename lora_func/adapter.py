@@ -558,9 +558,7 @@ class Combined(Combinator, tag="combined"):
 def compose(*adapters: AdapterLike | Sequence[AdapterLike]) -> Composed:
     """One adapter that applies ``adapters[0]``, then ``adapters[1]`` on top, and so on.
 
-    ``compose(a, b)`` or ``compose([a, b])``: as every function that takes several adapters
-    (:func:`combine`, :func:`lora_func.stack`), a list or the adapters as separate arguments.
-
+    ``compose(a, b)`` or ``compose([a, b])`` (as :func:`combine` and :func:`lora_func.stack`).
     On a layer that several of them adapt, each sees the previous ones' effective weight and
     bias: ``W_eff = f_b(f_a(W, b))`` merged, and ``f_b``'s activation form runs with
     ``f_a``'s as its base layer on the lazy path (the two agree). Order matters (LoRA then
@@ -571,23 +569,13 @@ def compose(*adapters: AdapterLike | Sequence[AdapterLike]) -> Composed:
     fixed at init) comes after another part on the same layer, since it would silently drop
     the earlier parts' effect there.
     """
-    return Composed(adapters_argument(adapters))
-
-
-def adapters_argument(given: tuple[Any, ...]) -> Any:
-    """The adapters of a function that takes several: ``f([a, b])`` (one list or tuple) or
-    ``f(a, b)`` (separate arguments), as given (each function checks its items)."""
-    if len(given) == 1 and isinstance(given[0], (list, tuple)):
-        return tuple(given[0])
-    return given
+    return Composed(adapters[0] if len(adapters) == 1 and isinstance(adapters[0], (list, tuple)) else adapters)
 
 
 def combine(*adapters: Any, weights: Tensor | Sequence[float] | None = None) -> Combined:
     """The weighted sum of the adapters' deltas on one base: ``W + Σ_k w_k (W_eff_k(W) − W)``.
 
-    ``combine([a, b], [w_a, w_b])``, ``combine([a, b], weights=...)`` or ``combine(a, b,
-    weights=[w_a, w_b])`` (as :func:`compose`: a list or separate arguments).
-
+    ``combine([a, b], [w_a, w_b])`` or ``combine(a, b, weights=[w_a, w_b])`` (as :func:`compose`).
     Always a sum of deltas (of ``W_eff − W``), never of ``A`` and ``B`` separately (averaging
     factors gives ``((A1+A2)/2)((B1+B2)/2)``, which is not the average update). ``weights (K,)``
     may require grad (learned mixing) and may be batched under ``vmap``; a part on a layer
