@@ -22,7 +22,7 @@ import abc
 import dataclasses
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 from torch import Tensor
@@ -569,7 +569,8 @@ def compose(*adapters: AdapterLike | Sequence[AdapterLike]) -> Composed:
     fixed at init) comes after another part on the same layer, since it would silently drop
     the earlier parts' effect there.
     """
-    return Composed(adapters[0] if len(adapters) == 1 and isinstance(adapters[0], (list, tuple)) else adapters)
+    listed = len(adapters) == 1 and isinstance(adapters[0], (list, tuple))
+    return Composed(cast("Sequence[AdapterLike]", adapters[0] if listed else adapters))  # Composed checks each part
 
 
 def combine(*adapters: Any, weights: Tensor | Sequence[float] | None = None) -> Combined:
