@@ -453,10 +453,10 @@ def _int8_target(ctx: Ctx) -> Callable[[], Any]:
     return lambda: lf.init_adapter(model, the_spec)
 
 
-def _strict_tied(ctx: Ctx) -> Callable[[], Any]:
+def _lazy_only_tied(ctx: Ctx) -> Callable[[], Any]:
     gpt2 = ctx.model("gpt2")
     adapter = ctx.adapter(gpt2, targets=["lm_head"], tied="both")
-    over = lf.overlay(lf.base_params(gpt2), adapter, strict=True)
+    over = lf.overlay(lf.base_params(gpt2), adapter, lazy_only=True)
     return lambda: functional_call(gpt2, over, (tokens(),))
 
 
@@ -571,7 +571,7 @@ CASES: dict[str, Case] = {
     "overlay-tensor-shape": Case(overlay_call(_stacked), (Q + ".lora_A", "(2, 2, 32)", "(2, 32)", "vmap")),
     "params-unexpected": Case(overlay_call(_typo_base, via="call"), ("model.layers.0.mlp.up_proj.wieght", "model.layers.0.mlp.up_proj.weight")),
     "params-missing": Case(overlay_call(_partial_base, via="call"), ("model.norm.weight",)),
-    "lazy-strict": Case(_strict_tied, ("embedding", "lm_head.weight", "merge_overlay")),
+    "lazy-only": Case(_lazy_only_tied, ("embedding", "lm_head.weight", "merge_overlay")),
     "lazy-below-autograd": Case(_below_autograd, ("aten.add",)),
     "non-finite": Case(lambda ctx: lambda: check_finite({"b": torch.tensor([1.0, math.inf]), "a": torch.tensor([math.nan]), "ok": torch.ones(2)}, "gradients at step 3"), ("gradients at step 3", "['a', 'b']", "a (1 NaN, 0 inf of 1)", "b (0 NaN, 1 inf of 2)")),
     "non-finite-vmap": Case(lambda ctx: lambda: torch.func.vmap(lambda t: check_finite({"loss": t}, "loss"))(torch.ones(3)), ("'loss'",)),
@@ -1617,5 +1617,15 @@ CASES.update(
         "init-non-finite": Case(_overflowing_dora, ("dora", Q, "lora_magnitude_vector", "torch.float16")),
         "combine-not-a-list": Case(on_adapter(lambda a, ctx: lf.combine(a, [1.0])), ("Adapter", "combine([adapter], [w])")),
         "train-state-optimizer": Case(_state_without_optimizer, ("NoneType", "make_optimizer")),
+    }
+)
+
+
+CASES.update(
+    {
+        "deprecated-keyword-twice": Case(
+            on_adapter(lambda a, ctx: lf.adapted_call(ctx.model(), a, IDS, safe=True, check_finite=True)), ("safe=", "check_finite=")
+        ),
+        "combine-no-weights": Case(on_adapter(lambda a, ctx: lf.combine(a, a)), ("combine(a, b, weights=",)),
     }
 )

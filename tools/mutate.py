@@ -75,19 +75,19 @@ TARGETS: dict[str, tuple[tuple[str, ...] | None, list[list[str]]]] = {
         ("lora_scale", "add_low_rank", "_fresh_output_in_place", "base_plus_low_rank", "lora_weight_form", "lora_activation_form", "kaiming_uniform"),
         _ALL,
     ),
-    "lora_func/_steps.py": (None, [*_ALL[:3], ["tests/test_core.py", "tests/test_compose.py"], [COMPILE, "-k", "overlay_calls or keeps_the_path"], _ALL[3]]),
-    "lora_func/_lazy.py": (None, [*_ALL[:3], ["tests/test_core.py"], [COMPILE, "-k", "overlay_calls or keeps_the_path"], _ALL[3]]),
+    "lora_func/_layer_ops.py": (None, [*_ALL[:3], ["tests/test_core.py", "tests/test_compose.py"], [COMPILE, "-k", "overlay_mode or keeps_the_path"], _ALL[3]]),
+    "lora_func/_lazy.py": (None, [*_ALL[:3], ["tests/test_core.py"], [COMPILE, "-k", "overlay_mode or keeps_the_path"], _ALL[3]]),
     "lora_func/plan.py": (
-        ("_steps", "_program"),
+        ("_ops", "_program"),
         [*_ALL[:3], ["tests/test_core.py", "tests/test_compose.py", "tests/test_plan.py"], _ALL[3]],
     ),
     "lora_func/overlay.py": (
-        ("check_adapter_finite", "merge_overlay", "merged_overlay", "overlay", "lazy_overlay", "overlay_calls"),
-        [*_ALL[:3], ["tests/test_core.py", "tests/test_adapted_context.py", "tests/test_checks.py"], [COMPILE, "-k", "overlay_calls or keeps_the_path"], _ALL[3]],
+        ("check_adapter_finite", "merge_overlay", "merged_overlay", "overlay", "lazy_overlay", "overlay_mode"),
+        [*_ALL[:3], ["tests/test_core.py", "tests/test_adapted_context.py", "tests/test_checks.py"], [COMPILE, "-k", "overlay_mode or keeps_the_path"], _ALL[3]],
     ),
     "lora_func/call.py": (
         ("application", "adapted_call", "adapted"),
-        [*_ALL[:3], ["tests/test_core.py", "tests/test_adapted_context.py", "tests/test_plan.py"], [COMPILE, "-k", "overlay_calls or keeps_the_path"], _ALL[3]],
+        [*_ALL[:3], ["tests/test_core.py", "tests/test_adapted_context.py", "tests/test_plan.py"], [COMPILE, "-k", "overlay_mode or keeps_the_path"], _ALL[3]],
     ),
 }
 

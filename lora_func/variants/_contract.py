@@ -35,6 +35,7 @@ __all__ = [
     "BaseLayer",
     "InitFn",
     "LayerInfo",
+    "LowRank",
     "PeftFormat",
     "PeftLayer",
     "PeftMethod",
@@ -238,6 +239,27 @@ class PeftFormat:
     recompute_buffers: bool = False
 
 
+@dataclasses.dataclass(frozen=True)
+class LowRank:
+    """A declaration that a variant's activation form is a scaled low-rank product on the base:
+    ``y = base(x) + scale · (dropout(x) Aᵀ) Bᵀ`` with ``A = params[a] (r, d_in)``, ``B =
+    params[b] (d_out, r)`` and ``dropout`` the variant's ``dropout`` option (training steps
+    only; none without the option). Code that applies many adapters of the variant at once (the
+    mixed route: a different adapter per row) then batches the product itself (``bmm`` over the
+    members' stacked factors) instead of running the form per row under ``vmap``.
+
+    Attributes:
+      a: the short name of ``A``.
+      b: the short name of ``B``.
+      scale: ``(info, buffers) -> s``: a float, or, given a rank-padded stack's raw buffers
+        (with a leading member axis), one value per member (see :func:`layer_rank`).
+    """
+
+    a: str
+    b: str
+    scale: Callable[[LayerInfo, TensorDict | None], float | Tensor]
+
+
 @dataclasses.dataclass(frozen=True, repr=False)
 class Variant:
     """One adapter variant, as pure functions: what a variant file defines as ``VARIANT``.
@@ -292,6 +314,9 @@ class Variant:
       peft: how the variant is stored in HF peft's checkpoint format (a
         :class:`~lora_func.variants.PeftFormat`); ``None``: peft has no equivalent, and
         ``save_peft`` refuses it.
+      low_rank: a :class:`LowRank` when ``activation_form`` is exactly that scaled low-rank
+        product (the contract tests check it): the mixed route batches it; ``None``: the
+        mixed route runs ``activation_form`` per row.
     """
 
     name: str
@@ -309,6 +334,7 @@ class Variant:
     calibrate: Callable[..., dict[str, tuple[LayerInfo, Any]]] | None = None
     shared_init: Callable[..., tuple[TensorDict, TensorDict]] | None = None
     peft: PeftFormat | None = None
+    low_rank: LowRank | None = None
 
     def __repr__(self) -> str:
         # The functions' reprs would fill a screen; the name identifies the variant.
