@@ -157,7 +157,7 @@ def test_the_table_gives_each_peft_variant_its_keys_and_shapes():
             params, buffers = adapter.layer_tensors(layer)
             stored = {k: tuple(v.shape) for k, v in (params | buffers).items() if k in fmt.keys}
             assert set(fmt.keys) <= set(params) | set(buffers), variant
-            assert stored == fmt.shapes(layer.info.r, layer.target.d_in, layer.target.d_out), variant
+            assert stored == fmt.shapes_for(layer.info), variant
             assert set(fmt.buffers) <= set(buffers), variant
 
 
