@@ -34,20 +34,26 @@ def block_size_of(n_elements: int) -> int:
     return b
 
 
-@functools.lru_cache(maxsize=None)
-def _skew_gather(b: int) -> tuple[Tensor, Tensor]:
+def _skew_gather_of(b: int) -> tuple[Tensor, Tensor]:
     """``(index (b*b,), sign (b*b,))``: entry ``(i, j)`` of the skew matrix is
     ``sign · [0, v_0, v_1, ...][index]`` for ``v`` the row-major strict upper triangle
-    (``torch.triu_indices(b, b, 1)``, peft's order)."""
-    rows, cols = torch.triu_indices(b, b, 1)
-    index = torch.zeros(b, b, dtype=torch.long)
-    sign = torch.zeros(b, b)
-    position = torch.arange(1, rows.numel() + 1)
-    index[rows, cols] = position
-    index[cols, rows] = position
-    sign[rows, cols] = 1.0
-    sign[cols, rows] = -1.0
-    return index.reshape(-1), sign.reshape(-1)
+    (``torch.triu_indices(b, b, 1)``, peft's order): entry ``(i, j)``, ``i < j``, is
+    ``v[i·b − i(i+1)/2 + j − i − 1]``."""
+    i, j = torch.arange(b)[:, None], torch.arange(b)[None, :]
+    lo, hi = torch.minimum(i, j), torch.maximum(i, j)
+    index = torch.where(i == j, 0, lo * b - lo * (lo + 1) // 2 + hi - lo)
+    return index.reshape(-1), torch.sign(j - i).to(torch.get_default_dtype()).reshape(-1)
+
+
+_skew_gather_memo = functools.lru_cache(maxsize=None)(_skew_gather_of)
+
+
+def _skew_gather(b: int) -> tuple[Tensor, Tensor]:
+    """:func:`_skew_gather_of`, memoized in eager code (a trace computes it: it cannot follow
+    the memo, and folds the constants itself)."""
+    if torch.compiler.is_compiling():
+        return _skew_gather_of(b)
+    return _skew_gather_memo(b)
 
 
 def skew_from_upper(vec: Tensor, b: int) -> Tensor:
