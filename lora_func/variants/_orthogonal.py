@@ -106,11 +106,13 @@ def coft_project(vec: Tensor, b: int, eps: float) -> Tensor:
     before every forward; a pure function cannot, so the gradient w.r.t. the stored tensor is
     the same and the stored tensor itself is left as it is."""
     k = vec.shape[-2]
-    radius = eps / math.sqrt(k)
     with torch.no_grad():
-        norm = torch.linalg.vector_norm(skew_from_upper(vec, b), dim=(-2, -1))[..., None]
+        # peft computes the radius in fp32 (eps / torch.sqrt(torch.tensor(k))): the same rounding
+        # here, so a loaded checkpoint gives its outputs to float64 round-off.
+        radius = (torch.tensor(eps, dtype=torch.float32) / torch.tensor(float(k), dtype=torch.float32).sqrt()).to(vec.device, vec.dtype)
         # ‖U − Uᵀ‖_F = √2 ‖vec‖; peft compares the skew matrix's norm with the radius.
-        projected = torch.where(norm <= radius, vec, radius * vec / norm.clamp(min=torch.finfo(vec.dtype).tiny))
+        norm = torch.linalg.vector_norm(skew_from_upper(vec, b), dim=(-2, -1))[..., None]
+        projected = torch.where(norm <= radius, vec, radius * (vec / norm.clamp(min=torch.finfo(vec.dtype).tiny)))
     # `vec - vec.detach()` is exactly zero with the identity as its gradient: the value is the
     # projection bit for bit (`vec + (projected - vec)` would round).
     return projected + (vec - vec.detach())
