@@ -118,10 +118,7 @@ def rotation_blocks(params: TensorDict, info: LayerInfo, *, training: bool = Fal
     if info.option("coft"):
         vec = coft_project(vec, b, info.option("eps"))
     q = skew_from_upper(vec, b)
-    if info.option("use_cayley_neumann"):
-        blocks = cayley_neumann(q, info.option("num_cayley_neumann_terms"))
-    else:
-        blocks = cayley(q)
+    blocks = cayley_neumann(q, info.option("num_cayley_neumann_terms")) if info.option("use_cayley_neumann") else cayley(q)
     p = info.option("module_dropout")
     return block_multiplicative_dropout(blocks, p) if training and p else blocks
 
