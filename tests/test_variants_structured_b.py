@@ -141,6 +141,20 @@ def test_peft_checkpoint_loads_with_peft_logits_and_gradients_and_saves_back(cas
             assert peft_grads[key].abs().max() > 0, key
             assert _rel(g, peft_grads[key].reshape(g.shape)) < REL, f"grad {key} merged={merged}"
 
+    if case.startswith("boft"):
+        # 21 rows >= d_out = 16: BOFT's activation form runs on the merged weight (14 rows above
+        # rotate the input): the same logits and gradients as peft there too.
+        long_ids = tokens(batch=3, length=7, seed=5) % 48
+        pm.zero_grad()
+        out = pm(input_ids=long_ids).logits
+        peft_helpers.ce_loss(out, long_ids).backward()
+        assert _rel(lf.adapted_call(model, adapter, long_ids).logits, out) < REL
+        grads = grad(loss_fn(model, base, adapter, long_ids))(adapter.params)
+        for name, p in pm.named_parameters():
+            if p.requires_grad:
+                key = peft_helpers.peft_key_to_lf(name, NAMES)
+                assert _rel(grads[key], p.grad.reshape(grads[key].shape)) < REL, f"long grad {key}"
+
     lf.save_peft(adapter, tmp_path / "back", model=model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

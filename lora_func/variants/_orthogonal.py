@@ -34,38 +34,30 @@ def block_size_of(n_elements: int) -> int:
     return b
 
 
-def _skew_gather_of(b: int) -> tuple[Tensor, Tensor]:
-    """``(index (b*b,), sign (b*b,))``: entry ``(i, j)`` of the skew matrix is
-    ``sign · [0, v_0, v_1, ...][index]`` for ``v`` the row-major strict upper triangle
-    (``torch.triu_indices(b, b, 1)``, peft's order): entry ``(i, j)``, ``i < j``, is
-    ``v[i·b − i(i+1)/2 + j − i − 1]``."""
-    i, j = torch.arange(b)[:, None], torch.arange(b)[None, :]
-    lo, hi = torch.minimum(i, j), torch.maximum(i, j)
-    index = torch.where(i == j, 0, lo * b - lo * (lo + 1) // 2 + hi - lo)
-    return index.reshape(-1), torch.sign(j - i).to(torch.get_default_dtype()).reshape(-1)
+def _upper_index_of(b: int) -> Tensor:
+    """``(b(b-1)/2,)``: the flat positions ``i·b + j`` of the strict upper triangle of a ``b × b``
+    matrix in row-major order (``torch.triu_indices(b, b, 1)``, peft's order)."""
+    rows, cols = torch.triu_indices(b, b, 1)
+    return rows * b + cols
 
 
-_skew_gather_memo = functools.lru_cache(maxsize=None)(_skew_gather_of)
+_upper_index_memo = functools.lru_cache(maxsize=None)(_upper_index_of)
 
 
-def _skew_gather(b: int) -> tuple[Tensor, Tensor]:
-    """:func:`_skew_gather_of`, memoized in eager code (a trace computes it: it cannot follow
-    the memo, and folds the constants itself)."""
+def _upper_index(b: int) -> Tensor:
+    """:func:`_upper_index_of`, memoized in eager code (a trace computes it: it cannot follow
+    the memo, and folds the constant itself)."""
     if torch.compiler.is_compiling():
-        return _skew_gather_of(b)
-    return _skew_gather_memo(b)
+        return _upper_index_of(b)
+    return _upper_index_memo(b)
 
 
 def skew_from_upper(vec: Tensor, b: int) -> Tensor:
-    """``(..., b(b-1)/2) -> (..., b, b)``: the skew-symmetric matrix ``U − Uᵀ`` whose strict
-    upper triangle ``U`` is ``vec`` in row-major order (peft's ``_pytorch_skew_symmetric``).
-
-    A gather from a constant index (no in-place scatter into a fresh zero tensor), so it is one
-    op under ``vmap`` and ``torch.compile``."""
-    index, sign = _skew_gather(b)
-    padded = torch.cat([vec.new_zeros(*vec.shape[:-1], 1), vec], dim=-1)
-    flat = padded[..., index.to(vec.device)] * sign.to(vec.device, vec.dtype)
-    return flat.reshape(*vec.shape[:-1], b, b)
+    """``(k, b(b-1)/2) -> (k, b, b)``: the skew-symmetric matrices ``U − Uᵀ`` whose strict upper
+    triangles ``U`` are the rows of ``vec`` in row-major order (peft's ``_pytorch_skew_symmetric``,
+    the same three ops: zeros, one out-of-place index write, one subtraction)."""
+    upper = vec.new_zeros(vec.shape[0], b * b).index_copy(1, _upper_index(b).to(vec.device), vec).view(-1, b, b)
+    return upper - upper.transpose(-1, -2)
 
 
 def cayley_neumann(q: Tensor, terms: int) -> Tensor:
@@ -77,15 +69,17 @@ def cayley_neumann(q: Tensor, terms: int) -> Tensor:
     eye = torch.eye(q.shape[-1], dtype=q.dtype, device=q.device)
     if terms <= 1:
         return eye.expand(q.shape)
-    out = eye + 2.0 * q
+    # add(..., alpha=2) and bmm, as peft: one op per term each, no separate scaling or reshapes.
+    matmul = torch.bmm if q.dim() == 3 else torch.matmul
+    out = torch.add(eye, q, alpha=2.0)
     if terms == 2:
         return out
-    power = q @ q
-    out = out + 2.0 * power
+    power = matmul(q, q)
+    out = torch.add(out, power, alpha=2.0)
     for _ in range(3, terms - 1):
-        power = power @ q
-        out = out + 2.0 * power
-    return out + power @ q
+        power = matmul(power, q)
+        out = torch.add(out, power, alpha=2.0)
+    return out + matmul(power, q)
 
 
 def cayley(q: Tensor) -> Tensor:

@@ -15,11 +15,13 @@ factor ``i``: within each stretch of ``b·2^i`` input features, the ``2^{i+1}`` 
 features are reordered even chunks first, then odd ones (``P_0 = I``), so factor ``i`` mixes
 features ``b·2^{i−1}`` apart and ``m`` factors reach ``b·2^{m−1}`` features.
 
-Activation form: the input rotated factor by factor (``B_{m−1}`` first): each permutation is an
-``einops`` rearrange of the feature axis (``(blk two c r) <-> (blk c two r)``), each block
-diagonal one batched product; ``n·d_in·b·m`` multiply-adds, no ``d_in × d_in`` matrix (peft
-builds ``M`` densely every forward). Weight form: ``Mᵀ`` applied to the rows of ``W`` the same
-way, then ``diag(s)``.
+Activation form, for fewer input rows ``n`` than output features (generation, small batches):
+the input rotated factor by factor (``B_{m−1}`` first) in its own dtype as peft does; each
+permutation an ``einops`` rearrange of the feature axis (``(blk two c r) <-> (blk c two r)``),
+each block diagonal one batched product; ``n·d_in·b·m`` multiply-adds, no ``d_in × d_in`` matrix
+(peft builds ``M`` densely every forward, ``m·d_in³`` multiply-adds). For ``n >= d_out`` rotating
+the ``d_out`` rows of ``W`` instead costs less, so it runs on ``W_eff`` (one GEMM in the base
+dtype). Weight form: ``Mᵀ`` applied to the rows of ``W`` the same way, then ``diag(s)``.
 
 Init (``init="identity"``, peft's ``init_weights=True``): ``R = 0`` (every block ``I``), ``s = 1``.
 ``init="random"`` (``init_weights=False``): ``R ~ N(0, 0.1²)``, ``s ~ N(1, 0.1²)``.
@@ -130,17 +132,30 @@ def weight_form(
     params: TensorDict, buffers: TensorDict, weight: Tensor, bias: Tensor | None, info: LayerInfo
 ) -> tuple[Tensor, Tensor | None]:
     blocks = orthogonal_blocks(params).to(weight.dtype).transpose(-1, -2)
-    # W Mᵀ: each row w of W times Mᵀ = B_0ᵀ B_1ᵀ ⋯ B_{m−1}ᵀ, with B_iᵀ = P_i blockdiag(R_iᵀ) P_iᵀ.
-    rotated = weight
-    for i in range(blocks.shape[-4]):
-        rotated = _factor(rotated, blocks[i], i)
-    return params["boft_s"].to(weight.dtype)[:, None] * rotated, bias
+    return params["boft_s"].to(weight.dtype)[:, None] * _rotate_rows(weight, blocks), bias
+
+
+def _rotate_rows(weight: Tensor, transposed: Tensor) -> Tensor:
+    """``W Mᵀ``: each row ``w`` of ``weight`` times ``Mᵀ = B_0ᵀ B_1ᵀ ⋯ B_{m−1}ᵀ``, with
+    ``B_iᵀ = P_i blockdiag(R_iᵀ) P_iᵀ``; ``transposed`` holds the blocks ``R_iᵀ``."""
+    for i in range(transposed.shape[-4]):
+        weight = _factor(weight, transposed[i], i)
+    return weight
 
 
 def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: BaseLayer, info: LayerInfo) -> Tensor:
     training = getattr(base, "training", False)
     blocks = orthogonal_blocks(params, dropout=info.option("boft_dropout") if training else 0.0)
-    y = base(rotate_input(x.to(blocks.dtype), blocks).to(x.dtype))
+    rows = x.numel() // max(x.shape[-1], 1)
+    if rows >= info.d_out:
+        # As many rows as output features or more: rotating the weight's d_out rows costs less
+        # than rotating the input's rows (each factor a pass over either), so the layer runs on
+        # W_eff = diag(s) W Mᵀ in the base dtype, with the base bias (one GEMM).
+        weight = base.weight
+        w_eff = params["boft_s"][:, None] * _rotate_rows(weight.to(blocks.dtype), blocks.transpose(-1, -2))
+        return torch.nn.functional.linear(x, w_eff.to(x.dtype), base.bias)
+    # peft's order: the rotation in the input's dtype, the base layer, then the scale.
+    y = base(rotate_input(x, blocks.to(x.dtype)))
     scale = params["boft_s"]
     out = y.to(scale.dtype) * scale
     if base.bias is not None:

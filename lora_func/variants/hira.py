@@ -67,9 +67,11 @@ def init(
 
 
 def hadamard_delta(params: TensorDict, weight: Tensor) -> Tensor:
-    """``W ⊙ (B A)`` ``(d_out, d_in)``, in the adapter dtype."""
+    """``W ⊙ (B A)`` ``(d_out, d_in)``, in the wider of the base and adapter dtypes."""
     a, b = params["hira_A"], params["hira_B"]
-    return weight.to(a.dtype) * (b @ a)
+    # Type promotion computes a half-precision W times the fp32 product in fp32, without a
+    # separate upcast copy of W (peft's order).
+    return weight * (b @ a)
 
 
 def weight_form(
@@ -82,7 +84,8 @@ def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: Ba
     delta = hadamard_delta(params, base.weight)
     y = base(x)
     update = lowrank_input(x, base, info).to(delta.dtype) @ delta.transpose(-1, -2)
-    return (y.to(delta.dtype) + update).to(y.dtype)
+    # y + update in the wider dtype by promotion (no upcast copy of y), cast back: peft's order.
+    return (y + update).to(y.dtype)
 
 
 def check_options(options: Mapping[str, Any]) -> None:

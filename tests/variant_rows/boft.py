@@ -35,14 +35,12 @@ def boft_w_eff(p, buffers, W, bias, info):
 
 ROWS = (
     # two butterfly factors of 2×2 blocks (a permutation between them; d_in a multiple of 4,
-    # as the one-layer tests' 12); Llama q/v (with bias)
-    # and down_proj (d_in 48), GPT-2 c_attn and c_fc.
+    # as the one-layer tests' 12), on the default targets
     Row(
         variant="boft",
         w_eff=boft_w_eff,
         step0_nonzero=frozenset({"boft_R", "boft_s"}),
         spec_kwargs={"boft_block_size": 2, "boft_n_butterfly_factor": 2},
         perturb_scale=0.2,
-        targets={"llama": ["q_proj", "v_proj", "down_proj"], "qwen2": ["q_proj", "v_proj", "down_proj"], "gpt2": ["c_attn", "c_fc"]},
     ),
 )

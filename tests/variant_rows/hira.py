@@ -13,6 +13,5 @@ ROWS = (
         step0_nonzero=frozenset({"hira_B"}),
         spec_kwargs={"r": 4},
         perturb_scale=0.3,
-        targets={"llama": ["q_proj", "v_proj", "down_proj"], "qwen2": ["q_proj", "v_proj", "down_proj"], "gpt2": ["c_attn", "c_fc"]},
     ),
 )

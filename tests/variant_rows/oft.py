@@ -34,14 +34,13 @@ def oft_w_eff(p, buffers, W, bias, info):
 
 
 ROWS = (
-    # block size 8 (peft's default 32 is the whole width of these tiny layers); Llama q/v with
-    # bias and the MLP down projection (d_in 48); GPT-2 c_attn and c_fc.
+    # block size 8 (peft's default 32 is the whole width of these tiny layers): 4 blocks on the
+    # default targets (Llama q/v with bias, GPT-2 c_attn)
     Row(
         variant="oft",
         w_eff=oft_w_eff,
         step0_nonzero=frozenset({"oft_R"}),
         spec_kwargs={"oft_block_size": 8},
         perturb_scale=0.2,
-        targets={"llama": ["q_proj", "v_proj", "down_proj"], "qwen2": ["q_proj", "v_proj", "down_proj"], "gpt2": ["c_attn", "c_fc"]},
     ),
 )

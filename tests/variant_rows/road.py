@@ -43,6 +43,5 @@ ROWS = (
         step0_nonzero=frozenset({"road_theta", "road_alpha"}),
         spec_kwargs={"group_size": 2},
         perturb_scale=0.3,
-        targets={"llama": ["q_proj", "v_proj", "down_proj"], "qwen2": ["q_proj", "v_proj", "down_proj"], "gpt2": ["c_attn", "c_fc"]},
     ),
 )
