@@ -292,3 +292,41 @@ def test_stacking_members_of_different_block_sizes_names_the_method_and_the_opti
     out = torch.func.vmap(lambda m: lf.adapted_call(model, m, ids).logits)(lf.stack([c, d]))
     for i, member in enumerate((c, d)):
         torch.testing.assert_close(out[i], lf.adapted_call(model, member, ids).logits, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("variant", "options", "stats"),
+    [
+        # (tensor, mean, std, or "kaiming" bound 1/√d_in, or "zeros"/"ones")
+        ("hira", {"init": "kaiming"}, {"hira_A": "kaiming", "hira_B": "zeros"}),
+        ("hira", {"init": "gaussian"}, {"hira_A": (0.0, 1 / 40), "hira_B": "zeros"}),
+        ("hira", {"init": "random"}, {"hira_A": (0.0, 1.0), "hira_B": (0.0, 1.0)}),
+        ("oft", {"init": "identity", "oft_block_size": 8}, {"oft_R": "zeros"}),
+        ("oft", {"init": "random", "oft_block_size": 8}, {"oft_R": (0.0, 0.1)}),
+        ("boft", {"init": "identity", "boft_block_size": 8}, {"boft_R": "zeros", "boft_s": "ones"}),
+        ("boft", {"init": "random", "boft_block_size": 8}, {"boft_R": (0.0, 0.1), "boft_s": (1.0, 0.1)}),
+        ("road", {"init": "identity", "group_size": 8}, {"road_theta": "zeros", "road_alpha": "ones"}),
+        ("road", {"init": "random", "group_size": 8, "road_variant": "road_4"}, {"road_theta": (0.0, 0.5), "road_alpha": (1.0, 0.5)}),
+    ],
+)
+def test_init_distributions_are_peft_s(variant, options, stats):
+    """peft's inits (reset_*_parameters), on a 400 × 300 layer, in the requested dtype and device."""
+    d_in, d_out = 400, 320
+    spec = lf.AdapterSpec(variant, targets=["x"], r=40, **options)
+    info = LayerInfo(d_in=d_in, d_out=d_out, r=40, alpha=1.0, has_bias=False, options=spec.options)
+    params, buffers = get_variant(variant).init(torch.randn(d_out, d_in), None, info, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    assert buffers == {} and sorted(params) == sorted(stats)
+    for name, want in stats.items():
+        t = params[name]
+        assert t.dtype == torch.float64, name
+        if want == "zeros":
+            assert torch.count_nonzero(t) == 0, name
+        elif want == "ones":
+            assert torch.equal(t, torch.ones_like(t)), name
+        elif want == "kaiming":
+            bound = 1 / d_in**0.5  # kaiming_uniform(a=√5) over fan_in = d_in
+            assert t.abs().max() <= bound and t.abs().max() > 0.98 * bound, name
+        else:
+            mean, std = want
+            n = t.numel()  # within 4 standard errors; a mutant scale (2x, 1/r vs 1/r²) is far off
+            assert abs(float(t.mean()) - mean) < 4 * std / n**0.5 and abs(float(t.std()) / std - 1) < 4 / (2 * n) ** 0.5, (name, float(t.mean()), float(t.std()))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Any
 
 import torch
 from einops import rearrange
@@ -52,12 +53,35 @@ def _upper_index(b: int) -> Tensor:
     return _upper_index_memo(b)
 
 
+class _SkewFromUpper(torch.autograd.Function):
+    """``vec (k, n) -> U − Uᵀ (k, b, b)``. One autograd node whose backward reads the constant
+    index again instead of saving it (an ``index_copy`` node would keep the ``(n,)`` int64
+    index for backward): nothing is saved but ``b``."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(vec: Tensor, b: int) -> Tensor:
+        upper = vec.new_zeros(vec.shape[0], b * b).index_copy(1, _upper_index(b).to(vec.device), vec).view(-1, b, b)
+        return upper - upper.transpose(-1, -2)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Tensor) -> None:
+        ctx.b = inputs[1]
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        b = ctx.b
+        # d(U − Uᵀ)/dU applied to the gradient: G − Gᵀ, read at the upper positions.
+        both = (grad - grad.transpose(-1, -2)).reshape(-1, b * b)
+        return both.index_select(1, _upper_index(b).to(grad.device)), None
+
+
 def skew_from_upper(vec: Tensor, b: int) -> Tensor:
     """``(k, b(b-1)/2) -> (k, b, b)``: the skew-symmetric matrices ``U − Uᵀ`` whose strict upper
-    triangles ``U`` are the rows of ``vec`` in row-major order (peft's ``_pytorch_skew_symmetric``,
-    the same three ops: zeros, one out-of-place index write, one subtraction)."""
-    upper = vec.new_zeros(vec.shape[0], b * b).index_copy(1, _upper_index(b).to(vec.device), vec).view(-1, b, b)
-    return upper - upper.transpose(-1, -2)
+    triangles ``U`` are the rows of ``vec`` in row-major order (peft's ``_pytorch_skew_symmetric``:
+    zeros, one out-of-place index write, one subtraction; :class:`_SkewFromUpper`)."""
+    return _SkewFromUpper.apply(vec, b)
 
 
 def cayley_neumann(q: Tensor, terms: int) -> Tensor:
