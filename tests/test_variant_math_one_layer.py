@@ -321,6 +321,19 @@ DOCUMENTED = {
         False,
         {"lora_A": 0, "lora_B": 1},
     ),
+    # issue 30, structured family (b): peft's defaults; no alpha in any of the four
+    "oft": (
+        1.0,
+        {"oft_block_size": 32, "num_blocks": 0, "block_share": False, "coft": False, "eps": 6e-5, "use_cayley_neumann": True,
+         "num_cayley_neumann_terms": 5, "module_dropout": 0.0, "init": "identity"},
+        False,
+        False,
+        False,
+        {},
+    ),
+    "boft": (1.0, {"boft_block_size": 4, "boft_block_num": 0, "boft_n_butterfly_factor": 1, "boft_dropout": 0.0, "init": "identity"}, False, False, False, {}),
+    "road": (1.0, {"road_variant": "road_1", "group_size": 64, "init": "identity"}, False, True, False, {}),
+    "hira": (1.0, {"init": "kaiming", "dropout": 0.0}, True, False, False, {"hira_A": 0, "hira_B": 1}),
 }
 
 

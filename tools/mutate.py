@@ -70,6 +70,13 @@ TARGETS: dict[str, tuple[tuple[str, ...] | None, list[list[str]]]] = {
     "lora_func/variants/hra.py": (None, _variant_stages("hra", "tests/test_variant_hra.py")),
     "lora_func/variants/antipasto.py": (None, _variant_stages("antipasto", "tests/test_variant_antipasto.py")),
     "lora_func/variants/eva.py": (None, _variant_stages("eva", "tests/test_variant_eva.py")),
+    # issue 30 (b): the peft oracle and the variant's own tests first (fast, exact), then the
+    # contract rows and the catalogue; no hypothesis stage (it draws every variant: too slow per mutant).
+    **{
+        f"lora_func/variants/{name}.py": (None, [["tests/test_variants_structured_b.py", "-k", select], [CONTRACT, "-k", select], [CATALOGUE, "-k", select]])
+        for name, select in (("oft", "oft and not boft"), ("boft", "boft"), ("road", "road"), ("hira", "hira"))
+    },
+    "lora_func/variants/_orthogonal.py": (None, [["tests/test_variants_structured_b.py", "-k", "oft"], [CONTRACT, "-k", "oft"]]),
     "lora_func/variants/_contract.py": (("layer_rank", "layer_alpha"), _ALL),
     "lora_func/_kernels.py": (
         ("lora_scale", "add_low_rank", "_fresh_output_in_place", "base_plus_low_rank", "lora_weight_form", "lora_activation_form", "kaiming_uniform"),

@@ -221,6 +221,9 @@ class PeftFormat:
         one the adapter was built on (checked by fingerprint).
       recompute_buffers: the checkpoint holds no buffers: on load they are the variant's
         ``init`` on the base (PiSSA's residual, as peft recomputes it).
+      layer_shapes: ``LayerInfo -> {tensor name: shape}`` for a variant whose shapes depend on
+        its options (OFT's block size): checked on load instead of :attr:`shapes`, with the
+        options the entry's ``reads`` gave. ``None``: :attr:`shapes`. See :meth:`shapes_for`.
     """
 
     method: PeftMethod
@@ -237,6 +240,14 @@ class PeftFormat:
     export: Callable[[TensorDict, TensorDict, Tensor | None, LayerInfo], PeftLayer] | None = None
     export_needs_base: str | None = None
     recompute_buffers: bool = False
+    layer_shapes: Callable[[LayerInfo], dict[str, tuple[int, ...]]] | None = None
+
+    def shapes_for(self, info: LayerInfo) -> dict[str, tuple[int, ...]]:
+        """One layer's lora_func shapes, checked on load: :attr:`layer_shapes` where set, else
+        :attr:`shapes` of ``(info.r, info.d_in, info.d_out)``."""
+        if self.layer_shapes is not None:
+            return self.layer_shapes(info)
+        return self.shapes(info.r, info.d_in, info.d_out)
 
 
 @dataclasses.dataclass(frozen=True)
