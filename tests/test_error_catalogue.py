@@ -1157,6 +1157,26 @@ CASES.update(
 )
 
 
+# structured variants (issue 30)
+
+
+def _lokr_layouts_stack(ctx: Ctx) -> Callable[[], Any]:
+    model = ctx.model()
+    # r=2: W2 factored on the 32x32 q_proj (2 < max(8, 8)/2); r=4: W2 whole
+    a, b = ctx.adapter(model, variant="lokr", r=2), ctx.adapter(model, variant="lokr", r=4)
+    return lambda: lf.stack([a, b])
+
+
+CASES.update(
+    {
+        "lycoris-dropout": Case(spec("loha", ["q_proj"], rank_dropout=1.0), ("rank_dropout=1.0", "loha")),
+        "lycoris-init": Case(spec("lokr", ["q_proj"], init="zeros"), ("'zeros'", "lycoris")),
+        "lokr-decompose-factor": Case(spec("lokr", ["q_proj"], decompose_factor=0), ("decompose_factor=0",)),
+        "stack-tensor-sets": Case(_lokr_layouts_stack, ("lokr", "adapter 1", Q, "lokr_w2")),
+    }
+)
+
+
 RNG_ADVANCES = frozenset(
     {
         "demo-diverged",

@@ -154,6 +154,8 @@ class PeftMethod:
         ``rank_pattern``) and checked against the config on load; ``None``: no rank.
       rank_pattern: whether the method has per-layer ranks (``rank_pattern``).
       alpha: whether the method has ``lora_alpha`` / ``alpha_pattern``.
+      alpha_key: the config field that holds alpha (``"lora_alpha"``; LyCORIS methods and
+        GraLoRA call it ``"alpha"``); ``alpha_pattern`` keeps its name.
       feedforward_modules: whether the config lists feed-forward layers (``feedforward_modules``).
       checks: config field -> whether a value is valid (type, finite, range), for the fields
         the method's entries read; a checkpoint with an invalid value is refused on load.
@@ -171,6 +173,7 @@ class PeftMethod:
     alpha: bool = False
     feedforward_modules: bool = False
     checks: Mapping[str, Callable[[Any], bool]] = dataclasses.field(default_factory=dict)
+    alpha_key: str = "lora_alpha"
     training_only: Mapping[str, str] = dataclasses.field(default_factory=dict)
     unread: Callable[[Mapping[str, Any]], str] | None = None
 
@@ -220,6 +223,12 @@ class PeftFormat:
         one the adapter was built on (checked by fingerprint).
       recompute_buffers: the checkpoint holds no buffers: on load they are the variant's
         ``init`` on the base (PiSSA's residual, as peft recomputes it).
+      layer_shapes: ``(r, d_in, d_out, options) -> {tensor name: shape}`` for a variant whose
+        tensors differ from layer to layer (LoKr's Kronecker factors are full or factored by
+        the layer's sizes and rank; GraLoRA's hybrid part exists only with ``hybrid_r``): a
+        layer then holds exactly these tensors, a subset of ``keys``, and it replaces
+        ``shapes``. Where :attr:`PeftMethod.rank_of`'s tensor is not among them, the layer's
+        rank is the config's (``r`` / ``rank_pattern``), checked by these shapes.
     """
 
     method: PeftMethod
@@ -236,6 +245,7 @@ class PeftFormat:
     export: Callable[[TensorDict, TensorDict, Tensor | None, LayerInfo], PeftLayer] | None = None
     export_needs_base: str | None = None
     recompute_buffers: bool = False
+    layer_shapes: Callable[[int, int, int, Mapping[str, Any]], dict[str, tuple[int, ...]]] | None = None
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
