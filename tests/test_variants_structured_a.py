@@ -19,7 +19,7 @@ from torch.func import grad
 import lora_func as lf
 from lora_func.io.peft import peft_problems
 from lora_func.variants import LayerInfo
-from lora_func.variants import loha, lokr
+from lora_func.variants import gralora, loha, lokr, miss
 from tests.contract_helpers import loss_fn
 from tests.models import tiny_model, tokens
 from tests.peft_helpers import LinearBase, ce_loss
@@ -73,7 +73,7 @@ def make_peft(config, kind: str = "llama", *, seed: int = 5, scale: float = 0.3)
     return base, pm.eval()
 
 
-def check_against_peft(base, pm, tmp_path, *, n_layers: int) -> lf.Adapter:
+def check_against_peft(base, pm, tmp_path, *, n_layers: int, kind: str = "llama") -> lf.Adapter:
     """load_peft of pm's checkpoint: peft's logits and per-tensor gradients on the lazy and the
     merged path; save_peft of it loads in peft with the same logits. Returns the adapter."""
     pm.save_pretrained(tmp_path / "peft")
@@ -97,7 +97,7 @@ def check_against_peft(base, pm, tmp_path, *, n_layers: int) -> lf.Adapter:
             assert rel(g, peft_g) < REL, (key, merged, rel(g, peft_g))
     # lora_func -> peft
     lf.save_peft(adapter, tmp_path / "lf", model=base)
-    reloaded = peft.PeftModel.from_pretrained(copy.deepcopy(f64_model()), tmp_path / "lf").eval()
+    reloaded = peft.PeftModel.from_pretrained(f64_model(kind), tmp_path / "lf").eval()
     with torch.no_grad():
         assert rel(reloaded(input_ids=ids).logits, want) < REL
     return adapter
@@ -260,6 +260,91 @@ def test_lokr_activation_form_is_the_kronecker_identity():
         assert rel(lokr.weight_form(p, {}, w, b, i)[0], w + torch.kron(w1, w2) * 5.0 / r) < 1e-12
 
 
+# ========================================================================================= GraLoRA
+
+GPT2_TARGETS = ["c_attn", "c_fc"]
+
+
+@pytest.mark.parametrize(
+    ("kind", "kwargs"),
+    [
+        ("llama", dict(r=4, alpha=6, gralora_k=2)),
+        ("llama", dict(r=6, alpha=6, gralora_k=2, hybrid_r=2, init_weights=False)),
+        ("gpt2", dict(r=8, alpha=4, gralora_k=4, hybrid_r=1, fan_in_fan_out=True)),
+    ],
+    ids=["k2", "hybrid-random", "gpt2-k4-hybrid"],
+)
+def test_gralora_matches_peft(kind, kwargs, tmp_path):
+    targets = LLAMA_TARGETS if kind == "llama" else GPT2_TARGETS
+    base, pm = make_peft(peft.GraloraConfig(target_modules=targets, **kwargs), kind)
+    adapter = check_against_peft(base, pm, tmp_path, n_layers=6 if kind == "llama" else 4, kind=kind)
+    opts = dict(adapter.spec.options)
+    assert (opts["gralora_k"], opts["hybrid_r"]) == (kwargs["gralora_k"], kwargs.get("hybrid_r", 0))
+
+
+def test_gralora_blocks_are_k_by_k_lora_blocks():
+    """ΔW's block (m, n) is its own rank-s LoRA: B[m][n-th s rows]ᵀ A[n][:, m-th s columns]ᵀ,
+    built here block by block in float64, against both forms."""
+    k, s, d_in, d_out = 3, 2, 12, 15
+    r = k * s
+    g = torch.Generator().manual_seed(1)
+    i = info("gralora", r, d_in, d_out, alpha=4.0, gralora_k=k)
+    p = {n: torch.randn(sh, generator=g, dtype=torch.float64) for n, sh in gralora.peft_shapes(r, d_in, d_out, dict(i.options)).items()}
+    dw = torch.zeros(d_out, d_in, dtype=torch.float64)
+    bi, bo = d_in // k, d_out // k
+    for m in range(k):
+        for n in range(k):
+            a_block = p["gralora_A"][n][:, m * s:(m + 1) * s]  # (d_in/k, s)
+            b_block = p["gralora_B"][m][n * s:(n + 1) * s, :]  # (s, d_out/k)
+            dw[m * bo:(m + 1) * bo, n * bi:(n + 1) * bi] = (a_block @ b_block).T
+    dw *= 4.0 / r
+    w, b, x = torch.randn(d_out, d_in, generator=g, dtype=torch.float64), torch.randn(d_out, generator=g, dtype=torch.float64), torch.randn(2, 3, d_in, generator=g, dtype=torch.float64)
+    assert torch.linalg.matrix_rank(dw) > r  # higher rank than a LoRA of the same parameters
+    assert rel(gralora.weight_form(p, {}, w, b, i)[0], w + dw) < 1e-12
+    assert rel(gralora.activation_form(p, {}, x, LinearBase(w, b), i), x @ (w + dw).T + b) < 1e-12
+
+
+# ============================================================================================ MiSS
+
+
+@pytest.mark.parametrize(
+    ("init_weights", "extra"), [(True, {}), ("mini", {"mini_r": 4}), ("bat", {}), (False, {})], ids=["miss", "mini", "bat", "random"]
+)
+def test_miss_matches_peft(init_weights, extra, tmp_path):
+    # r=5 does not divide 32 or 48 (peft's zero-padded last chunk); bat needs r | both sizes.
+    r = 4 if init_weights == "bat" else 5
+    base, pm = make_peft(peft.MissConfig(r=r, target_modules=LLAMA_TARGETS, init_weights=init_weights, **extra))
+    adapter = check_against_peft(base, pm, tmp_path, n_layers=6)
+    assert dict(adapter.spec.options)["init"] == {True: "miss", False: "random"}.get(init_weights, init_weights)
+
+
+def test_miss_tiles_the_block():
+    """ΔW[o, j] = block[j mod r, o] (miss), the block tiled along d_out too (mini), and bat's
+    block-affine W[b, c] M_b + M_b, each built by loops in float64."""
+    d_in, d_out = 7, 6
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(d_out, d_in, generator=g, dtype=torch.float64)
+    for how, r, shape in (("miss", 3, (3, 6)), ("mini", 3, (3, 2)), ("bat", 2, (3, 2, 2))):
+        ww = w if how != "bat" else torch.randn(6, 4, generator=g, dtype=torch.float64)
+        i = info("miss", r, ww.shape[1], d_out, init=how, mini_r=2)
+        block = torch.randn(shape, generator=g, dtype=torch.float64)
+        want = torch.zeros_like(ww)
+        for o in range(d_out):
+            for j in range(ww.shape[1]):
+                if how == "miss":
+                    want[o, j] = block[j % r, o]
+                elif how == "mini":
+                    want[o, j] = block[j % r, o % 2]
+        if how == "bat":
+            for b_ in range(3):
+                for c in range(2):
+                    blk = ww[b_ * 2:(b_ + 1) * 2, c * 2:(c + 1) * 2]
+                    want[b_ * 2:(b_ + 1) * 2, c * 2:(c + 1) * 2] = blk @ block[b_] + block[b_]
+        x = torch.randn(4, ww.shape[1], generator=g, dtype=torch.float64)
+        assert rel(miss.weight_form({"miss_block": block}, {}, ww, None, i)[0], ww + want) < 1e-12, how
+        assert rel(miss.activation_form({"miss_block": block}, {}, x, LinearBase(ww, None), i), x @ (ww + want).T) < 1e-12, how
+
+
 # ================================================================================ dropout vs peft
 
 
@@ -305,7 +390,10 @@ def test_a_seeded_training_step_equals_peft(variant, config, tmp_path):
 # ================================================================================ training, refusals
 
 
-@pytest.mark.parametrize(("variant", "kwargs"), [("loha", {"r": 4}), ("lokr", {"r": 2, "alpha": 16.0})])
+@pytest.mark.parametrize(
+    ("variant", "kwargs"),
+    [("loha", {"r": 4}), ("lokr", {"r": 2, "alpha": 16.0}), ("gralora", {"r": 4, "hybrid_r": 2}), ("miss", {"r": 4})],
+)
 def test_init_adapter_trains(variant, kwargs):
     check_trains(variant, **kwargs)
 

@@ -224,10 +224,11 @@ def _config_problems(config: Mapping[str, Any]) -> list[str]:
         "target_modules": selector,
         "feedforward_modules": selector,
     }
-    # The fields the variants' entries read (every entry's checks, whatever the peft_type, as a
-    # field means one thing in peft).
+    # The fields the entries of the checkpoint's method read (a field can mean different things
+    # in two methods: init_weights is a bool for HRA, "lycoris" for LoKr, "bat" for MiSS).
     for fmt in _formats().values():
-        checks |= {fmt.method.alpha_key: number, **fmt.method.checks, **fmt.checks}
+        if fmt.method.peft_type == config.get("peft_type"):
+            checks |= {fmt.method.alpha_key: number, **fmt.method.checks, **fmt.checks}
     problems = [f"{name}={config[name]!r}" for name, ok in checks.items() if name in config and not ok(config[name])]
     for name, ok in (("rank_pattern", rank), ("alpha_pattern", number)):
         patterns = config.get(name)
@@ -464,9 +465,9 @@ def _layer_from_peft(directory: Path, config: Mapping[str, Any], module: str, fm
     if method.rank_of is not None:
         # peft computes the scale from the config's r / rank_pattern, not from the tensors.
         name, axis = method.rank_of
-        if name in tensors:
+        if fmt.layer_shapes is None:
             r = _checked_rank(directory, config, module, int(tensors[name].shape[axis]))
-        else:  # not in this layer (PeftFormat.layer_shapes): the config's, checked by the layer's shapes
+        else:  # the config's, checked by the layer's own shapes in _assemble
             r = int(_pattern_value(config.get("rank_pattern"), module, config.get("r", 8)))
     if method.alpha:
         alpha = float(_pattern_value(config.get("alpha_pattern"), module, config.get(method.alpha_key, 8)))
@@ -652,7 +653,14 @@ def _peft_config(
             )
     if method.alpha:
         config[method.alpha_key] = alpha = _most_common([o.alpha for o in layers])
-        config["alpha_pattern"] = {o.target.module: o.alpha for o in layers if o.alpha != alpha}
+        alpha_pattern = {o.target.module: o.alpha for o in layers if o.alpha != alpha}
+        if method.rank_pattern:  # the methods with per-layer ranks have per-layer alphas too
+            config["alpha_pattern"] = alpha_pattern
+        elif alpha_pattern:
+            raise ValueError(  # error: save-peft-one-alpha
+                f"save_peft: peft's {peft_type} has one alpha for all layers, but these layers differ from "
+                f"{method.alpha_key}={alpha}: {sorted(alpha_pattern)[:5]}; save the parts of different alphas separately"
+            )
     return config
 
 

@@ -152,7 +152,8 @@ class PeftMethod:
         checkpoint with any of them set (truthy) is refused on load.
       rank_of: ``(tensor name, axis)`` that holds a layer's rank, written as ``r`` (and
         ``rank_pattern``) and checked against the config on load; ``None``: no rank.
-      rank_pattern: whether the method has per-layer ranks (``rank_pattern``).
+      rank_pattern: whether the method has per-layer ranks (``rank_pattern``), and alphas
+        (``alpha_pattern``) where it has ``alpha``.
       alpha: whether the method has ``lora_alpha`` / ``alpha_pattern``.
       alpha_key: the config field that holds alpha (``"lora_alpha"``; LyCORIS methods and
         GraLoRA call it ``"alpha"``); ``alpha_pattern`` keeps its name.
@@ -227,8 +228,8 @@ class PeftFormat:
         tensors differ from layer to layer (LoKr's Kronecker factors are full or factored by
         the layer's sizes and rank; GraLoRA's hybrid part exists only with ``hybrid_r``): a
         layer then holds exactly these tensors, a subset of ``keys``, and it replaces
-        ``shapes``. Where :attr:`PeftMethod.rank_of`'s tensor is not among them, the layer's
-        rank is the config's (``r`` / ``rank_pattern``), checked by these shapes.
+        ``shapes``. The layer's rank is then the config's (``r`` / ``rank_pattern``), checked
+        by these shapes (:attr:`PeftMethod.rank_of` only says that the method has one).
     """
 
     method: PeftMethod

@@ -191,7 +191,7 @@ PEFT = PeftFormat(
     PeftMethod(
         "LOKR",
         {},
-        rank_of=("lokr_w2_a", 1),  # absent where W2 is whole: the config's r, checked by the shapes
+        rank_of=("lokr_w2_a", 1),  # with layer_shapes: the config's r, checked by the layer's shapes
         rank_pattern=True,
         alpha=True,
         alpha_key="alpha",
