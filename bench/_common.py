@@ -44,6 +44,23 @@ ROW_TARGETS = {
     "lora": QV, "pissa": QV, "delora": QV, "dora": QV, "hra": QV, "eva": QV, "antipasto": QV,
     "ia3": ("k_proj", "v_proj"), "ia3_ff": ("down_proj",), "ia3_kv_down": ("k_proj", "v_proj", "down_proj"),
 }
+# Issue 30's structured family, first part (LoHa, LoKr, GraLoRA, MiSS): q, v as LoRA.
+STRUCTURED_A = ("loha", "lokr", "gralora", "miss")
+ALL_VARIANTS += STRUCTURED_A
+ROW_TARGETS |= dict.fromkeys(STRUCTURED_A, QV)
+
+
+def structured_a_peft_config(row: str, rank: int, common: dict[str, Any]) -> Any:
+    """peft's config for a STRUCTURED_A row, with lora_func's defaults."""
+    import peft
+
+    if row == "loha":
+        return peft.LoHaConfig(r=rank, alpha=8, **common)
+    if row == "lokr":
+        return peft.LoKrConfig(r=rank, alpha=8, **common)
+    if row == "gralora":
+        return peft.GraloraConfig(r=rank, alpha=16, gralora_k=2, **common)
+    return peft.MissConfig(r=rank, **common)
 
 
 # glibc's malloc hands every block over 32 MiB back to the kernel when it is freed (and, by
@@ -233,6 +250,8 @@ def peft_model(s: Setup, row: str, rank: int, *, targets: Sequence[str] | None =
         config = peft.HRAConfig(r=rank, **common)
     elif row in ("ia3", "ia3_ff", "ia3_kv_down"):
         config = peft.IA3Config(feedforward_modules=[t for t in targets if t == "down_proj"], **common)
+    elif row in STRUCTURED_A:
+        config = structured_a_peft_config(row, rank, common)
     else:
         return None
     model = copy.deepcopy(s.model)

@@ -46,6 +46,8 @@ LORA_SAVED_LIMIT = 1.2
 LORA_WRITTEN_LIMIT = 2.0
 # Rows held to "at most peft's" on every count (the issue's list; ia3 in its three recipes).
 VS_PEFT_ROWS = ("lora", "dora", "delora", "hra", "ia3", "ia3_ff", "ia3_kv_down")
+# Issue 30 (structured family): LoHa, LoKr, GraLoRA and MiSS lazy at most peft's on every count.
+VS_PEFT_ROWS += c.STRUCTURED_A
 TARGET_DTYPE = "bfloat16"
 
 

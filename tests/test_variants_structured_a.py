@@ -163,7 +163,7 @@ def test_loha_both_activation_forms_equal_the_dense_update(r, face):
     """The rank-r² path (small r) and the dense-update path (r² ≥ d_in d_out / (d_in + d_out))
     against ΔW = s (W1a W1b) ⊙ (W2a W2b) built in float64, values and gradients."""
     d_in, d_out = 14, 10
-    assert loha.uses_face_splitting(r, d_in, d_out) is face
+    assert loha.uses_face_splitting(r, d_in, d_out, 3) is face
     g = torch.Generator().manual_seed(r)
     p = {n: torch.randn(s, generator=g, dtype=torch.float64) for n, s in loha.peft_shapes(r, d_in, d_out).items()}
     w, b, x = torch.randn(d_out, d_in, generator=g, dtype=torch.float64), torch.randn(d_out, generator=g, dtype=torch.float64), torch.randn(3, d_in, generator=g, dtype=torch.float64)
@@ -258,6 +258,9 @@ def test_lokr_activation_form_is_the_kronecker_identity():
             got = lokr.activation_form(p, {}, x, LinearBase(w, b), i)
         assert rel(got, want) < 1e-12, (r, both)
         assert rel(lokr.weight_form(p, {}, w, b, i)[0], w + torch.kron(w1, w2) * 5.0 / r) < 1e-12
+        # Many rows (rows·m·k >= d_out·d_in): the dense update, the same values.
+        many = torch.randn(40, d_in, generator=g, dtype=torch.float64)
+        assert rel(lokr.activation_form(p, {}, many, LinearBase(w, b), i), many @ (w + torch.kron(w1, w2) * 5.0 / r).T + b) < 1e-12
 
 
 # ========================================================================================= GraLoRA

@@ -148,16 +148,20 @@ def weight_form(
 def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: BaseLayer, info: LayerInfo) -> Tensor:
     k = info.option("gralora_k")
     a, b = blocks(params, info)
+    t = scale(info)
     y = base(x)
     xd = lowrank_input(x, base, info).to(a.dtype)
     h = torch.einsum("...ni,nir->...nr", rearrange(xd, "... (n i) -> ... n i", n=k), a)
-    # Output block m reads the m-th s-chunk of every input block's r features.
-    h = rearrange(h, "... n (m s) -> ... m (n s)", m=k)
+    # Output block m reads the m-th s-chunk of every input block's r features. The scale rides
+    # on these (..., k, r) activations (not on the (..., d_out) outputs, nor on a scaled copy of
+    # B that backward would have to keep).
+    h = rearrange(h * t, "... n (m s) -> ... m (n s)", m=k)
     delta = rearrange(torch.einsum("...mr,mro->...mo", h, b), "... m o -> ... (m o)")
     if "gralora_A_general" in params:
         xh = lowrank_input(x, base, info).to(a.dtype)  # peft draws the hybrid path's dropout anew
-        delta = delta + (xh @ params["gralora_A_general"].transpose(-1, -2)) @ params["gralora_B_general"].transpose(-1, -2)
-    return y + (delta * scale(info)).to(y.dtype)
+        hybrid_h = (xh @ params["gralora_A_general"].transpose(-1, -2)) * t
+        delta = delta + hybrid_h @ params["gralora_B_general"].transpose(-1, -2)
+    return y + delta.to(y.dtype)
 
 
 def check_options(options: Mapping[str, Any]) -> None:

@@ -9,9 +9,10 @@ Trainable ``hada_w1_a (d_out, r)``, ``hada_w1_b (r, d_in)``, ``hada_w2_a (d_out,
 The Hadamard product of two rank-``r`` matrices has rank up to ``r²``: row by row,
 ``(W1a W1b) ⊙ (W2a W2b) = U V`` with ``U = W1a ⊙ᵣ W2a (d_out, r²)`` (the column ``(i, j)`` is
 ``W1a[:, i] ⊙ W2a[:, j]``, the face-splitting product) and ``V (r², d_in)`` the same over the
-rows of ``W1b``, ``W2b``. The activation form is ``base(x) + s · (x Vᵀ) Uᵀ`` where that is
-cheaper than the ``(d_out, d_in)`` update (``r² (d_in + d_out) < d_in d_out``, every usual
-rank), else ``base(x) + x ΔWᵀ``.
+rows of ``W1b``, ``W2b``. The activation form is ``base(x) + s · (x Vᵀ) Uᵀ`` where that holds
+less than the ``(d_out, d_in)`` update (``r² (n + d_in + d_out) < d_in d_out`` for ``n`` input
+rows: large layers), else ``base(x) + x ΔWᵀ`` with ``ΔW`` built as peft builds it (the two
+products recomputed in backward, not kept).
 
 Init (``init="default"``, peft's ``init_weights=True``): ``W1a``, ``W1b``, ``W2a``
 kaiming-uniform (``a = √5``), ``W2b = 0``, so ``ΔW = 0`` and the step-0 gradient reaches
@@ -79,9 +80,33 @@ def scale(info: LayerInfo) -> float | Tensor:
     return info.alpha / info.r
 
 
+class _Hadamard(torch.autograd.Function):
+    """``(W1a W1b) ⊙ (W2a W2b)`` that saves only the four factors and recomputes the two
+    products in backward (peft's ``HadaWeight``): autograd would keep both ``(d_out, d_in)``
+    products for the whole step."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(w1a: Tensor, w1b: Tensor, w2a: Tensor, w2b: Tensor) -> Tensor:
+        return (w1a @ w1b) * (w2a @ w2b)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Tensor) -> None:
+        ctx.save_for_backward(*inputs)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        w1a, w1b, w2a, w2b = ctx.saved_tensors
+        g1 = grad * (w2a @ w2b)
+        g2 = grad * (w1a @ w1b)
+        t = torch.Tensor.transpose
+        return g1 @ t(w1b, -1, -2), t(w1a, -1, -2) @ g1, g2 @ t(w2b, -1, -2), t(w2a, -1, -2) @ g2
+
+
 def delta_weight(params: TensorDict, info: LayerInfo) -> Tensor:
     """``ΔW = s · (W1a W1b) ⊙ (W2a W2b)``, ``(d_out, d_in)``."""
-    return ((params["hada_w1_a"] @ params["hada_w1_b"]) * (params["hada_w2_a"] @ params["hada_w2_b"])) * scale(info)
+    return _Hadamard.apply(*(params[n] for n in NAMES)) * scale(info)
 
 
 def face_splitting(params: TensorDict) -> tuple[Tensor, Tensor]:
@@ -92,9 +117,11 @@ def face_splitting(params: TensorDict) -> tuple[Tensor, Tensor]:
     return u, v
 
 
-def uses_face_splitting(r: int, d_in: int, d_out: int) -> bool:
-    """Whether the rank-``r²`` path costs fewer multiplies per row than the dense update."""
-    return r * r * (d_in + d_out) < d_in * d_out
+def uses_face_splitting(r: int, d_in: int, d_out: int, rows: int) -> bool:
+    """Whether the rank-``r²`` path holds less than the dense update: its ``(rows, r²)``
+    activations and ``U``, ``V`` against the ``(d_out, d_in)`` update (both paths keep the
+    input). Fewer multiplies too whenever it holds."""
+    return r * r * (rows + d_in + d_out) < d_in * d_out
 
 
 def weight_form(
@@ -108,7 +135,7 @@ def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: Ba
     keep = _lycoris.output_keep(base, info, dtype=w1a.dtype, device=w1a.device, rescale=True)
     xa = x.to(w1a.dtype)
     r = w1a.shape[-1]  # the stored (possibly padded) rank: static under vmap
-    if uses_face_splitting(r, info.d_in, info.d_out):
+    if uses_face_splitting(r, info.d_in, info.d_out, x.numel() // info.d_in):
         u, v = face_splitting(params)
         # The scale and any dropout ride on the (d_out, r²) factor, not on the activations.
         u = u * scale(info)

@@ -14,8 +14,9 @@ has depends on its sizes and rank, exactly as in peft.
 
 Activation form, the Kronecker identity ``(W1 ⊗ W2) x = vec(W1 X W2ᵀ)`` with ``X = x`` seen as
 ``(m, n)``: two small products per row (``m n k + l m k`` multiplies, and with ``W2`` factored
-``X W2ᵀ = (X W2bᵀ) W2aᵀ``), never the ``(d_out, d_in)`` update. The weight form builds
-``torch.kron(W1, W2)``.
+``X W2ᵀ = (X W2bᵀ) W2aᵀ``), never the ``(d_out, d_in)`` update, while its ``(rows, m, k)``
+intermediate is smaller than that update (``rows · m · k < d_out · d_in``: large layers);
+else the dense update, built once as peft does. The weight form builds ``torch.kron(W1, W2)``.
 
 Init (peft's): ``init="default"`` (``init_weights=True``): ``W1`` (or ``W1a``) zero, the rest
 kaiming-uniform (``a = √5``); ``init="lycoris"``: ``W2`` (or ``W2b``) zero, the rest
@@ -119,6 +120,11 @@ def factor(params: TensorDict, which: str) -> Tensor:
     return whole if whole is not None else params[f"lokr_{which}_a"] @ params[f"lokr_{which}_b"]
 
 
+def w2_rows(params: TensorDict) -> int:
+    """``k``, the rows of ``W2`` (static)."""
+    return params["lokr_w2"].shape[-2] if "lokr_w2" in params else params["lokr_w2_a"].shape[-2]
+
+
 def delta_weight(params: TensorDict, info: LayerInfo) -> Tensor:
     """``ΔW = s · W1 ⊗ W2``, ``(d_out, d_in)``."""
     return torch.kron(factor(params, "w1"), factor(params, "w2")) * (info.alpha / info.r)
@@ -137,7 +143,15 @@ def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: Ba
         base, info, dtype=torch.float32, device=w1.device, rescale=bool(info.option("rank_dropout_scale"))
     )
     y = base(x)
-    xs = rearrange(x.to(w1.dtype), "... (m n) -> ... m n", m=m)
+    xa = x.to(w1.dtype)
+    if x.numel() // info.d_in * m * w2_rows(params) >= info.d_in * info.d_out:
+        # Many rows on a small layer: the (rows, m, k) intermediate would outweigh the dense
+        # update, which is then built once (as peft does) and applied in one product.
+        delta_w = delta_weight(params, info)
+        if keep is not None:
+            delta_w = delta_w * keep[:, None].to(delta_w.dtype)
+        return y + (xa @ delta_w.transpose(-1, -2)).to(y.dtype)
+    xs = rearrange(xa, "... (m n) -> ... m n", m=m)
     if "lokr_w2" in params:
         t = xs @ params["lokr_w2"].transpose(-1, -2)  # X W2ᵀ: (..., m, k)
     else:

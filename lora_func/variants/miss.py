@@ -60,8 +60,7 @@ def block_shape(r: int, d_in: int, d_out: int, options: Mapping[str, Any]) -> tu
 
 
 def _check_layer(r: int, d_in: int, d_out: int, options: Mapping[str, Any]) -> None:
-    if r > d_in:
-        raise ValueError(f"miss: r={r} is larger than the layer's d_in={d_in} (the block tiles the input); use r <= {d_in}")  # error: miss-rank
+    # r <= min(d_in, d_out) is init_adapter's own check (init-rank-too-big); peft asks r <= d_in.
     how, mini_r = options["init"], options["mini_r"]
     if how == "bat" and (d_in % r or d_out % r):
         raise ValueError(  # error: miss-bat-sizes
@@ -150,7 +149,7 @@ def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: Ba
         summed = xd @ _chunk_selector(info.d_in, r_pad, info.r, tiled.dtype, tiled.device)
     else:
         # The input's r-wide chunks summed (zero-padded to a whole number of chunks, as peft).
-        padded = F.pad(xd, (0, (-info.d_in) % r_pad))
+        padded = F.pad(xd, (0, (-info.d_in) % r_pad)) if info.d_in % r_pad else xd
         summed = rearrange(padded, "... (c r) -> ... c r", r=r_pad).sum(-2)
     return y + (summed @ tiled).to(y.dtype)
 
