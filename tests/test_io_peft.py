@@ -330,8 +330,8 @@ def test_load_peft_errors_name_the_problem(lora_dir, tmp_path):
     _edit_config(lora_dir, init_lora_weights=True, lora_bias=True)
     with pytest.raises(ValueError, match=r"LORA features lora_func does not support: \['lora_bias'\]"):
         load_peft(lora_dir, llama)
-    _edit_config(lora_dir, lora_bias=False, peft_type="LOKR")
-    with pytest.raises(ValueError, match=r"peft 'LOKR' checkpoint; lora_func reads peft_type \['DELORA', 'HRA', 'IA3', 'LORA'\]"):
+    _edit_config(lora_dir, lora_bias=False, peft_type="LN_TUNING")
+    with pytest.raises(ValueError, match=r"peft 'LN_TUNING' checkpoint; lora_func reads peft_type \['DELORA', 'GRALORA', 'HRA', 'IA3', 'LOHA', 'LOKR', 'LORA', 'MISS'\]"):
         load_peft(lora_dir, llama)
     _edit_config(lora_dir, peft_type="LORA")
     weights = lora_dir / "adapter_model.safetensors"

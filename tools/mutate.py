@@ -70,6 +70,16 @@ TARGETS: dict[str, tuple[tuple[str, ...] | None, list[list[str]]]] = {
     "lora_func/variants/hra.py": (None, _variant_stages("hra", "tests/test_variant_hra.py")),
     "lora_func/variants/antipasto.py": (None, _variant_stages("antipasto", "tests/test_variant_antipasto.py")),
     "lora_func/variants/eva.py": (None, _variant_stages("eva", "tests/test_variant_eva.py")),
+    # Issue 30, structured family (first part): the variant's own tests first (float64 peft
+    # oracles and its structure), then its contract rows and rank stacks.
+    **{
+        f"lora_func/variants/{name}.py": (
+            None,
+            [["tests/test_variants_structured_a.py", "-k", name], [CONTRACT, "-k", name], [RANK_STACK, "-k", name]],
+        )
+        for name in ("loha", "lokr", "gralora", "miss")
+    },
+    "lora_func/variants/_lycoris.py": (None, [["tests/test_variants_structured_a.py", "-k", "loha or lokr"], [CONTRACT, "-k", "loha or lokr"]]),
     "lora_func/variants/_contract.py": (("layer_rank", "layer_alpha"), _ALL),
     "lora_func/_kernels.py": (
         ("lora_scale", "add_low_rank", "_fresh_output_in_place", "base_plus_low_rank", "lora_weight_form", "lora_activation_form", "kaiming_uniform"),

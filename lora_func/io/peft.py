@@ -225,7 +225,7 @@ def _config_problems(config: Mapping[str, Any]) -> list[str]:
         "feedforward_modules": selector,
     }
     # The fields the entries of the checkpoint's method read (a field can mean different things
-    # in two methods: init_weights is a bool for HRA, "lycoris" for LoKr, "bat" for MiSS).
+    # in two methods: init_weights is a bool in one, also a string in another).
     for fmt in _formats().values():
         if fmt.method.peft_type == config.get("peft_type"):
             checks |= {fmt.method.alpha_key: number, **fmt.method.checks, **fmt.checks}

@@ -78,17 +78,17 @@ def factorization(dimension: int, factor: int = -1) -> tuple[int, int]:
 
 def layout(r: int, d_in: int, d_out: int, options: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
     """The tensors of one layer and their shapes, as peft's ``update_layer`` decides them."""
-    l, k = factorization(d_out, options["decompose_factor"])
-    m, n = factorization(d_in, options["decompose_factor"])
+    out_l, out_k = factorization(d_out, options["decompose_factor"])
+    in_m, in_n = factorization(d_in, options["decompose_factor"])
     shapes: dict[str, tuple[int, ...]] = {}
-    if options["decompose_both"] and r < max(l, m) / 2:
-        shapes |= {"lokr_w1_a": (l, r), "lokr_w1_b": (r, m)}
+    if options["decompose_both"] and r < max(out_l, in_m) / 2:
+        shapes |= {"lokr_w1_a": (out_l, r), "lokr_w1_b": (r, in_m)}
     else:
-        shapes["lokr_w1"] = (l, m)
-    if r < max(k, n) / 2:
-        shapes |= {"lokr_w2_a": (k, r), "lokr_w2_b": (r, n)}
+        shapes["lokr_w1"] = (out_l, in_m)
+    if r < max(out_k, in_n) / 2:
+        shapes |= {"lokr_w2_a": (out_k, r), "lokr_w2_b": (r, in_n)}
     else:
-        shapes["lokr_w2"] = (k, n)
+        shapes["lokr_w2"] = (out_k, in_n)
     return shapes
 
 
@@ -138,7 +138,7 @@ def weight_form(
 
 def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: BaseLayer, info: LayerInfo) -> Tensor:
     w1 = factor(params, "w1")  # (l, m): tiny, built whole even when factored
-    l, m = w1.shape[-2:]
+    m = w1.shape[-1]
     keep = _lycoris.output_keep(
         base, info, dtype=torch.float32, device=w1.device, rescale=bool(info.option("rank_dropout_scale"))
     )
@@ -177,7 +177,8 @@ def check_options(options: Mapping[str, Any]) -> None:
 
 
 def _peft_config(options: Mapping[str, Any]) -> dict[str, Any]:
-    init_weights: bool | str = {"default": True, "lycoris": "lycoris", "random": False}[options["init"]]
+    peft_inits: dict[str, bool | str] = {"default": True, "lycoris": "lycoris", "random": False}
+    init_weights = peft_inits[options["init"]]
     return _lycoris.peft_config(options) | {
         "init_weights": init_weights,
         "decompose_both": bool(options["decompose_both"]),

@@ -86,10 +86,8 @@ def init(
     options = dict(info.options)
     _check_layer(info.r, info.d_in, info.d_out, options)
     shape = block_shape(info.r, info.d_in, info.d_out, options)
-    if options["init"] == "random":
-        block = kaiming_uniform(shape, a=math.sqrt(5), generator=generator)
-    else:
-        block = torch.zeros(shape)
+    random = options["init"] == "random"
+    block = kaiming_uniform(shape, a=math.sqrt(5), generator=generator) if random else torch.zeros(shape)
     return {"miss_block": block.to(weight.device, dtype)}, {}
 
 
