@@ -49,6 +49,23 @@ ROW_TARGETS = {
 ROW_OPTIONS: dict[str, dict[str, Any]] = {"oft": {}, "boft": {}, "road": {"group_size": 32}, "hira": {}}
 ALL_VARIANTS += tuple(ROW_OPTIONS)
 ROW_TARGETS |= {row: QV for row in ROW_OPTIONS}
+# Issue 30's structured family, first part (LoHa, LoKr, GraLoRA, MiSS): q, v as LoRA.
+STRUCTURED_A = ("loha", "lokr", "gralora", "miss")
+ALL_VARIANTS += STRUCTURED_A
+ROW_TARGETS |= dict.fromkeys(STRUCTURED_A, QV)
+
+
+def structured_a_peft_config(row: str, rank: int, common: dict[str, Any]) -> Any:
+    """peft's config for a STRUCTURED_A row, with lora_func's defaults."""
+    import peft
+
+    if row == "loha":
+        return peft.LoHaConfig(r=rank, alpha=8, **common)
+    if row == "lokr":
+        return peft.LoKrConfig(r=rank, alpha=8, **common)
+    if row == "gralora":
+        return peft.GraloraConfig(r=rank, alpha=16, gralora_k=2, **common)
+    return peft.MissConfig(r=rank, **common)
 
 
 # glibc's malloc hands every block over 32 MiB back to the kernel when it is freed (and, by
@@ -248,6 +265,8 @@ def peft_model(s: Setup, row: str, rank: int, *, targets: Sequence[str] | None =
         config = {"oft": peft.OFTConfig, "boft": peft.BOFTConfig, "road": peft.RoadConfig}.get(row, peft.HiraConfig)(
             **({"r": rank} if row == "hira" else {}), **options, **common
         )
+    elif row in STRUCTURED_A:
+        config = structured_a_peft_config(row, rank, common)
     else:
         return None
     model = copy.deepcopy(s.model)

@@ -49,6 +49,8 @@ LORA_WRITTEN_LIMIT = 2.0
 VS_PEFT_ROWS = ("lora", "dora", "delora", "hra", "ia3", "ia3_ff", "ia3_kv_down")
 # Issue 30, structured family (b): each at most peft's on every count too.
 VS_PEFT_ROWS += ("oft", "boft", "road", "hira")
+# Issue 30 (structured family): LoHa, LoKr, GraLoRA and MiSS lazy at most peft's on every count.
+VS_PEFT_ROWS += c.STRUCTURED_A
 TARGET_DTYPE = "bfloat16"
 
 

@@ -59,6 +59,13 @@ def _stack_adapters(adapters: list[Adapter]) -> Adapter:
             )
         mine = [(layer.target, _info_key(layer.info), [n for n, _ in layer.param_shapes], [n for n, _ in layer.buffer_shapes]) for layer in other.layers]
         ref = [(layer.target, _info_key(layer.info), [n for n, _ in layer.param_shapes], [n for n, _ in layer.buffer_shapes]) for layer in first.layers]
+        if mine != ref and [m[:2] for m in mine] == [m[:2] for m in ref]:
+            module, have, want = next((b[0].module, b[2] + b[3], a[2] + a[3]) for a, b in zip(ref, mine, strict=True) if a != b)
+            raise ValueError(  # error: stack-tensor-sets
+                f"stack(): the {first.spec.variant} adapter {i} has tensors {have} on {module}, adapter 0 has {want}: "
+                f"this variant's tensors depend on the rank (or the options), so these ranks cannot be zero-padded into "
+                f"one stack; stack adapters of ranks that give the same tensors (docs/variants.md)"
+            )
         if mine != ref:
             diff = [a.target.module for a, b in zip(first.layers, other.layers, strict=False) if (a.target, _info_key(a.info)) != (b.target, _info_key(b.info))]
             raise ValueError(  # error: stack-other-layers

@@ -1178,6 +1178,41 @@ RNG_ADVANCES = frozenset(
     }
 )
 
+
+# structured variants (issue 30)
+
+
+def _lokr_layouts_stack(ctx: Ctx) -> Callable[[], Any]:
+    model = ctx.model()
+    # r=2: W2 factored on the 32x32 q_proj (2 < max(8, 8)/2); r=4: W2 whole
+    a, b = ctx.adapter(model, variant="lokr", r=2), ctx.adapter(model, variant="lokr", r=4)
+    return lambda: lf.stack([a, b])
+
+
+CASES.update(
+    {
+        "lycoris-dropout": Case(spec("loha", ["q_proj"], rank_dropout=1.0), ("rank_dropout=1.0", "loha")),
+        "lycoris-init": Case(spec("lokr", ["q_proj"], init="zeros"), ("'zeros'", "lycoris")),
+        "lokr-decompose-factor": Case(spec("lokr", ["q_proj"], decompose_factor=0), ("decompose_factor=0",)),
+        "stack-tensor-sets": Case(_lokr_layouts_stack, ("lokr", "adapter 1", Q, "lokr_w2")),
+        "gralora-rank": Case(init("gralora", ["q_proj"], r=3), (Q, "r=3", "gralora_k=2", "r=2 or r=4")),
+        "gralora-sizes": Case(init("gralora", ["q_proj"], r=3, gralora_k=3), (Q, "d_in=32", "gralora_k=3")),
+        "gralora-init": Case(spec("gralora", ["q_proj"], init="zeros"), ("'zeros'", "random")),
+        "gralora-option": Case(spec("gralora", ["q_proj"], hybrid_r=-1), ("hybrid_r=-1",)),
+        "miss-bat-sizes": Case(init("miss", ["q_proj"], r=3, init="bat"), (Q, "r=3", "d_in=32")),
+        "miss-mini-r": Case(init("miss", ["q_proj"], r=2, init="mini", mini_r=5), (Q, "mini_r=5", "d_out=32")),
+        "miss-init": Case(spec("miss", ["q_proj"], init="bone"), ("'bone'", "bat")),
+        "miss-mini-r-value": Case(spec("miss", ["q_proj"], mini_r=0), ("mini_r=0",)),
+        "save-peft-one-alpha": Case(
+            save_peft_of(lambda ctx: (_composed(ctx, {"variant": "gralora", "alpha": 4.0}, {"variant": "gralora", "alpha": 6.0, "targets": ["v_proj"]}), None)),
+            ("GRALORA", "alpha="),
+        ),
+    }
+)
+# init_adapter without a generator draws its seed before the variant's init refuses the layer.
+RNG_ADVANCES = RNG_ADVANCES | {"gralora-rank", "gralora-sizes", "miss-bat-sizes", "miss-mini-r"}
+
+
 # Cases whose failing call leaves something under tmp_path (a known gap, reported): the
 # expected change, exactly. None at the moment (save_checkpoint used to create its directory
 # before refusing a foreign optimiser).

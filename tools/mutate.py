@@ -77,6 +77,16 @@ TARGETS: dict[str, tuple[tuple[str, ...] | None, list[list[str]]]] = {
         for name, select in (("oft", "oft and not boft"), ("boft", "boft"), ("road", "road"), ("hira", "hira"))
     },
     "lora_func/variants/_orthogonal.py": (None, [["tests/test_variants_structured_b.py", "-k", "oft"], [CONTRACT, "-k", "oft"]]),
+    # Issue 30, structured family (first part): the variant's own tests first (float64 peft
+    # oracles and its structure), then its contract rows and rank stacks.
+    **{
+        f"lora_func/variants/{name}.py": (
+            None,
+            [["tests/test_variants_structured_a.py", "-k", name], [CONTRACT, "-k", name], [RANK_STACK, "-k", name]],
+        )
+        for name in ("loha", "lokr", "gralora", "miss")
+    },
+    "lora_func/variants/_lycoris.py": (None, [["tests/test_variants_structured_a.py", "-k", "loha or lokr"], [CONTRACT, "-k", "loha or lokr"]]),
     "lora_func/variants/_contract.py": (("layer_rank", "layer_alpha"), _ALL),
     "lora_func/_kernels.py": (
         ("lora_scale", "add_low_rank", "_fresh_output_in_place", "base_plus_low_rank", "lora_weight_form", "lora_activation_form", "kaiming_uniform"),

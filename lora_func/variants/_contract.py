@@ -153,8 +153,11 @@ class PeftMethod:
         checkpoint with any of them set (truthy) is refused on load.
       rank_of: ``(tensor name, axis)`` that holds a layer's rank, written as ``r`` (and
         ``rank_pattern``) and checked against the config on load; ``None``: no rank.
-      rank_pattern: whether the method has per-layer ranks (``rank_pattern``).
+      rank_pattern: whether the method has per-layer ranks (``rank_pattern``), and alphas
+        (``alpha_pattern``) where it has ``alpha``.
       alpha: whether the method has ``lora_alpha`` / ``alpha_pattern``.
+      alpha_key: the config field that holds alpha (``"lora_alpha"``; LyCORIS methods and
+        GraLoRA call it ``"alpha"``); ``alpha_pattern`` keeps its name.
       feedforward_modules: whether the config lists feed-forward layers (``feedforward_modules``).
       checks: config field -> whether a value is valid (type, finite, range), for the fields
         the method's entries read; a checkpoint with an invalid value is refused on load.
@@ -172,6 +175,7 @@ class PeftMethod:
     alpha: bool = False
     feedforward_modules: bool = False
     checks: Mapping[str, Callable[[Any], bool]] = dataclasses.field(default_factory=dict)
+    alpha_key: str = "lora_alpha"
     training_only: Mapping[str, str] = dataclasses.field(default_factory=dict)
     unread: Callable[[Mapping[str, Any]], str] | None = None
 
@@ -221,9 +225,14 @@ class PeftFormat:
         one the adapter was built on (checked by fingerprint).
       recompute_buffers: the checkpoint holds no buffers: on load they are the variant's
         ``init`` on the base (PiSSA's residual, as peft recomputes it).
-      layer_shapes: ``LayerInfo -> {tensor name: shape}`` for a variant whose shapes depend on
-        its options (OFT's block size): checked on load instead of :attr:`shapes`, with the
-        options the entry's ``reads`` gave. ``None``: :attr:`shapes`. See :meth:`shapes_for`.
+      layer_shapes: ``LayerInfo -> {tensor name: shape}`` for a variant whose tensors depend on
+        its options or differ from layer to layer (OFT's block size; LoKr's Kronecker factors
+        are full or factored by the layer's sizes and rank; GraLoRA's hybrid part exists only
+        with ``hybrid_r``), called with the options the entry's ``reads`` gave: a layer then
+        holds exactly these tensors, a subset of ``keys``, and they replace :attr:`shapes` on
+        load (see :meth:`shapes_for`). The layer's rank is then the config's (``r`` /
+        ``rank_pattern``), checked by these shapes (:attr:`PeftMethod.rank_of` only says that
+        the method has one). ``None``: :attr:`shapes`.
     """
 
     method: PeftMethod
