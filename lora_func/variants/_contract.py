@@ -335,7 +335,7 @@ class Variant:
         :class:`~lora_func.variants.PeftFormat`); ``None``: peft has no equivalent, and
         ``save_peft`` refuses it.
       low_rank: a :class:`LowRank` when ``activation_form`` is exactly that scaled low-rank
-        product (the contract tests check it): the mixed route batches it; ``None``: the
+        product (tests/test_mixed_route.py checks it): the mixed route batches it; ``None``: the
         mixed route runs ``activation_form`` per row.
     """
 
