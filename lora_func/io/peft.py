@@ -114,7 +114,7 @@ def _out(fmt: PeftFormat, adapter: Adapter, layer: AdapterLayer, base: Mapping[s
         return _Out(
             t,
             lambda: _stored(fmt, params | buffers),
-            r=layer.info.r if method.rank_of is not None else None,
+            r=layer.info.r if method.rank_of is not None or method.rank_in_config else None,
             alpha=layer.info.alpha if method.alpha else None,
             feedforward=fmt.feedforward,
         )
@@ -184,14 +184,26 @@ def _read_tensors(directory: Path) -> dict[str, Tensor]:
             problem = f"it holds a {type(loaded).__name__}, not a dict of named tensors"
         elif not all(isinstance(k, str) and isinstance(v, Tensor) for k, v in loaded.items()):
             problem = "it holds entries that are not named tensors"
-        elif any(not v.is_floating_point() for v in loaded.values()):
+        elif any(not (v.is_floating_point() or _integer_key(k, v)) for k, v in loaded.items()):
             # An integer "adapter" would be cast to an integer spec dtype, or truncate the layer.
-            problem = f"tensors {sorted(k for k, v in loaded.items() if not v.is_floating_point())[:3]} are not floating-point"
+            wrong = sorted(k for k, v in loaded.items() if not (v.is_floating_point() or _integer_key(k, v)))
+            problem = f"tensors {wrong[:3]} are not floating-point"
     if problem is not None:
         raise ValueError(f"the weights in {directory} are not readable (truncated or corrupted?): {problem}; re-save the checkpoint")  # error: peft-unreadable-weights
     if loaded is None:
         raise FileNotFoundError(f"no peft checkpoint at {directory}: neither {WEIGHTS_NAME} nor {LEGACY_WEIGHTS_NAME} is there")  # error: peft-no-weights
     return dict(loaded)
+
+
+def _integer_key(key: str, tensor: Tensor) -> bool:
+    """Whether ``key`` is an integer tensor that a variant stores as integers (``Variant.integer_buffers``)."""
+    if tensor.dtype not in (torch.int32, torch.int64):
+        return False
+    suffixes = {
+        fmt.keys[name] for variant in list_variants() if (fmt := get_variant(variant).peft) is not None
+        for name in get_variant(variant).integer_buffers if name in fmt.keys
+    }
+    return any(key.endswith("." + suffix) for suffix in suffixes)
 
 
 def _is_regex(pattern: Any) -> bool:
@@ -334,7 +346,7 @@ def _assemble(
     options: Mapping[str, Any],
 ) -> Adapter:
     """An :class:`Adapter` of ``variant_name`` on exactly ``layers``' modules, checked against the model."""
-    dtypes = {t.dtype for layer in layers.values() for t in (*layer.params.values(), *layer.buffers.values())}
+    dtypes = {t.dtype for layer in layers.values() for t in (*layer.params.values(), *layer.buffers.values()) if t.is_floating_point()}
     dtype = dtypes.pop()
     for other in dtypes:
         dtype = torch.promote_types(dtype, other)
@@ -363,7 +375,7 @@ def _assemble(
         layer = layers[target.module]
         rank = spec.r if layer.r is None else layer.r
         layer_alpha = spec.alpha if layer.alpha is None else float(layer.alpha)
-        expected = fmt.shapes(rank, target.d_in, target.d_out)
+        expected = fmt.shapes(rank, target.d_in, target.d_out, *((dict(spec.options),) if fmt.shapes_take_options else ()))
         got = {k: tuple(v.shape) for k, v in (layer.params | layer.buffers).items() if k in expected}
         if got != expected:
             wrong.append(f"{target.module}: checkpoint has {got}, the model needs {expected}")
@@ -378,7 +390,8 @@ def _assemble(
         for name, tensor in layer.params.items():
             params[f"{target.module}.{name}"] = tensor.to(weight.device, dtype).contiguous().requires_grad_(True)
         for name, tensor in layer_buffers.items():
-            buffers[f"{target.module}.{name}"] = tensor.to(weight.device).contiguous()
+            # positions (Variant.integer_buffers) are int64 in lora_func; peft may write int32
+            buffers[f"{target.module}.{name}"] = tensor.to(weight.device, None if tensor.is_floating_point() else torch.int64).contiguous()
         out_layers.append(
             adapter_layer(target, info, layer.params, layer_buffers, weight_fingerprint(weight) if variant.records_base else None)
         )
@@ -459,6 +472,8 @@ def _layer_from_peft(directory: Path, config: Mapping[str, Any], module: str, fm
         # peft computes the scale from the config's r / rank_pattern, not from the tensors.
         name, axis = method.rank_of
         r = _checked_rank(directory, config, module, int(tensors[name].shape[axis]))
+    elif method.rank_in_config:
+        r = int(config.get("r", 8))  # the shapes check in _assemble verifies the tensors
     if method.alpha:
         alpha = float(_pattern_value(config.get("alpha_pattern"), module, config.get("lora_alpha", 8)))
     params = {k: v for k, v in tensors.items() if k not in fmt.buffers}
@@ -468,16 +483,22 @@ def _layer_from_peft(directory: Path, config: Mapping[str, Any], module: str, fm
 def _read(directory: Path, config: Mapping[str, Any], peft_type: str, tensors: Mapping[str, dict[str, Tensor]], model: nn.Module) -> AdapterLike:
     """The adapter of a ``peft_type`` checkpoint: each layer read as the variant whose entry
     reads it; layers of several variants (a method with ``feedforward_modules``) compose."""
-    groups: dict[str, tuple[dict[str, Any], dict[str, _Layer]]] = {}
+    # Layers whose entry reads other options (a per-layer pattern of a sized option, e.g.
+    # n_frequency_pattern) are separate parts of the composition.
+    groups: dict[tuple[str, str], tuple[dict[str, Any], dict[str, _Layer]]] = {}
     formats = _formats()
     for module, found in tensors.items():
         name, options = _format_for(directory, config, peft_type, module)
-        groups.setdefault(name, (options, {}))[1][module] = _layer_from_peft(directory, config, module, formats[name], found)
+        key = (name, json.dumps(options, sort_keys=True, default=str))
+        groups.setdefault(key, (options, {}))[1][module] = _layer_from_peft(directory, config, module, formats[name], found)
     method = _methods()[peft_type]
-    r = int(config.get("r", 8)) if method.rank_of is not None else 8
+    r = int(config.get("r", 8)) if method.rank_of is not None or method.rank_in_config else 8
     alpha = float(config.get("lora_alpha", 8)) if method.alpha else None
     parts = [
-        _assemble(directory, model, name, groups[name][1], r=r, alpha=alpha, options=groups[name][0]) for name in formats if name in groups
+        _assemble(directory, model, name, layers, r=r, alpha=alpha, options=options)
+        for name in formats
+        for (group_name, _), (options, layers) in groups.items()
+        if group_name == name
     ]
     return parts[0] if len(parts) == 1 else compose(*parts)
 
@@ -630,7 +651,7 @@ def _peft_config(
         selector = _module_selector(ff, modules, dotted=False) if ff else []
         # peft requires feedforward_modules ⊆ target_modules, name by name.
         config["feedforward_modules"] = selector if set(selector) <= set(config["target_modules"]) else sorted(ff)
-    if method.rank_of is not None:
+    if method.rank_of is not None or method.rank_in_config:
         config["r"] = r = _most_common([o.r for o in layers])
         rank_pattern = {o.target.module: o.r for o in layers if o.r != r}
         if method.rank_pattern:

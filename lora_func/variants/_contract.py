@@ -161,6 +161,9 @@ class PeftMethod:
         > 0): loaded with a warning, as it acts in training only.
       unread: ``config -> why`` no variant of the method reads a layer of this config (e.g. an
         init that changed peft's base weights); the loader raises with it.
+      rank_in_config: the layer's ``r`` is the config's ``r`` (written from it, read as it),
+        though no tensor axis has that size (SHiRA: ``r·(d_in + d_out)`` values); the shapes
+        check on load verifies the tensors.
     """
 
     peft_type: str
@@ -173,6 +176,7 @@ class PeftMethod:
     checks: Mapping[str, Callable[[Any], bool]] = dataclasses.field(default_factory=dict)
     training_only: Mapping[str, str] = dataclasses.field(default_factory=dict)
     unread: Callable[[Mapping[str, Any]], str] | None = None
+    rank_in_config: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,7 +223,10 @@ class PeftFormat:
         ``None`` if it does not. With :attr:`Variant.records_base`, the base must also be the
         one the adapter was built on (checked by fingerprint).
       recompute_buffers: the checkpoint holds no buffers: on load they are the variant's
-        ``init`` on the base (PiSSA's residual, as peft recomputes it).
+        ``init`` on the base (PiSSA's residual, as peft recomputes it; positions that peft
+        derives from a seed in the config).
+      shapes_take_options: ``shapes`` takes the spec's options as a fourth argument (sizes set
+        by an option, e.g. FourierFT's ``n_frequency``).
     """
 
     method: PeftMethod
@@ -236,6 +243,7 @@ class PeftFormat:
     export: Callable[[TensorDict, TensorDict, Tensor | None, LayerInfo], PeftLayer] | None = None
     export_needs_base: str | None = None
     recompute_buffers: bool = False
+    shapes_take_options: bool = False
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -292,6 +300,12 @@ class Variant:
       peft: how the variant is stored in HF peft's checkpoint format (a
         :class:`~lora_func.variants.PeftFormat`); ``None``: peft has no equivalent, and
         ``save_peft`` refuses it.
+      padded_axes: axes sized by ``r`` but not of size ``r`` (SHiRA's ``r·(d_in + d_out)``
+        values and positions): :func:`lora_func.stack` zero-pads them to the largest member as
+        it pads rank axes, but :func:`padded_member` leaves them alone; the forms mask them
+        themselves from the member's own ``info.r`` (a 0-d tensor in a rank-padded stack).
+      integer_buffers: buffers that hold integer positions (int64: SHiRA's mask indices,
+        FourierFT's frequencies), never cast to the adapter dtype, saved and loaded as integers.
     """
 
     name: str
@@ -309,6 +323,8 @@ class Variant:
     calibrate: Callable[..., dict[str, tuple[LayerInfo, Any]]] | None = None
     shared_init: Callable[..., tuple[TensorDict, TensorDict]] | None = None
     peft: PeftFormat | None = None
+    padded_axes: Mapping[str, int | tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    integer_buffers: frozenset[str] = frozenset()
 
     def __repr__(self) -> str:
         # The functions' reprs would fill a screen; the name identifies the variant.

@@ -1,0 +1,188 @@
+"""SHiRA, FourierFT and C3A against HF peft 0.21 in float64 (issue 30), beyond the contract suite.
+
+Per method: a peft adapter with perturbed trainables, saved by peft, loads with ``load_peft`` and
+gives peft's logits and per-tensor gradients (lazy and merged); ``save_peft`` output loads in
+peft with the same logits; positions peft derives from a seed are peft's exactly; the default
+init trains. The tiny Llama is float64 with RMSNorm computing in the input dtype on both sides.
+"""
+
+from __future__ import annotations
+
+import copy
+import types
+
+import peft
+import pytest
+import torch
+from torch.func import grad
+
+import lora_func as lf
+from tests.contract_helpers import loss_fn
+from tests.models import tiny_model, tokens
+from tests.peft_helpers import ce_loss
+
+# transformers deprecations reached through peft
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning"),
+    pytest.mark.filterwarnings("ignore:Sparse invariant checks:UserWarning"),  # peft SHiRA's sparse delta
+]
+
+# v_proj 32 -> 16 and down_proj 48 -> 32: d_in != d_out, so a transposed delta shows; q_proj biased.
+TARGETS = ["q_proj", "v_proj", "down_proj"]
+REL = 1e-9
+
+
+def _rmsnorm_in_input_dtype(model: torch.nn.Module) -> torch.nn.Module:
+    def forward(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+    for m in model.modules():
+        if type(m).__name__ == "LlamaRMSNorm":
+            m.forward = types.MethodType(forward, m)
+    return model
+
+
+@pytest.fixture(scope="module")
+def llama64():
+    return _rmsnorm_in_input_dtype(tiny_model("llama", seed=1, dtype=torch.float64))
+
+
+def rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.detach() - want.detach()).abs().max() / want.detach().abs().max())
+
+
+def peft_model_of(model, config):
+    return peft.get_peft_model(copy.deepcopy(model), config).eval()
+
+
+def perturb(pm, prefix: str, scale: float = 0.3, fp32_exact: bool = False) -> None:
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for name, p in sorted(pm.named_parameters()):
+            if prefix in name:
+                noise = scale * torch.randn(p.shape, generator=g, dtype=torch.float64)
+                p.copy_(noise.float() if fp32_exact else noise)
+
+
+def peft_logits_and_grads(pm, ids, prefix):
+    pm.zero_grad()
+    out = pm(input_ids=ids).logits
+    ce_loss(out, ids).backward()
+    grads = {}
+    for name, p in pm.named_parameters():
+        if prefix in name:
+            module = name.removeprefix("base_model.model.").split(f".{prefix}")[0]
+            grads[module] = p.grad.detach().clone()
+    return out.detach(), grads
+
+
+def check_against_peft(model, pm, directory, prefix, key, *, grad_rel=REL, logit_rel=REL):
+    """load_peft(directory) gives pm's logits and per-tensor gradients (lazy and merged)."""
+    ids = tokens(batch=2, length=9, seed=4)
+    want, want_grads = peft_logits_and_grads(pm, ids, prefix)
+    assert (want - model(ids).logits).abs().max() > 1e-3, "the perturbed adapter should change the output"
+    adapter = lf.load_peft(directory, model)
+    base = lf.base_params(model)
+    for merged in (False, True):
+        with torch.no_grad():
+            got = lf.adapted_call(model, adapter, ids, merged=merged).logits
+        assert rel(got, want) < logit_rel, (merged, rel(got, want))
+        grads = grad(loss_fn(model, base, adapter, ids, merged=merged))(adapter.params)
+        assert {k.removesuffix(f".{key}") for k in grads} == set(want_grads)
+        for module, g in want_grads.items():
+            assert g.abs().max() > 0
+            assert rel(grads[f"{module}.{key}"], g.to(grads[f"{module}.{key}"].dtype)) < grad_rel, (module, merged)
+    return adapter, ids, want
+
+
+def check_reloads_in_peft(model, adapter, ids, want, tmp_path, *, logit_rel=REL):
+    """save_peft output loads in peft (PeftModel.from_pretrained) with the same logits."""
+    lf.save_peft(adapter, tmp_path / "ours", model=model)
+    reloaded = peft.PeftModel.from_pretrained(copy.deepcopy(model), tmp_path / "ours").eval()
+    with torch.no_grad():
+        got = reloaded(input_ids=ids).logits
+    assert rel(got, want) < logit_rel, rel(got, want)
+    return reloaded
+
+
+def check_trains(spec, kind="llama", steps=8):
+    model = tiny_model(kind, seed=3)
+    adapter = lf.init_adapter(model, spec, generator=torch.Generator().manual_seed(0))
+    ids = tokens(batch=4, length=12, seed=6)
+    with torch.no_grad():
+        torch.testing.assert_close(lf.adapted_call(model, adapter, ids).logits, model(ids).logits, rtol=0, atol=0)
+    params = adapter.detach().params
+    opt = torch.optim.Adam(params.values(), lr=0.02)
+    base = lf.base_params(model)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = loss_fn(model, base, adapter, ids)(params)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.9 * losses[0], losses
+
+
+# ============================================================================================ SHiRA
+
+
+@pytest.mark.parametrize("seed", [None, 3])
+def test_shira_peft_checkpoint_loads_with_peft_logits_gradients_and_reloads(llama64, tmp_path, seed):
+    pm = peft_model_of(llama64, peft.ShiraConfig(r=2, target_modules=TARGETS, random_seed=seed))
+    perturb(pm, "shira_weight")
+    pm.save_pretrained(tmp_path / "peft")
+    adapter, ids, want = check_against_peft(llama64, pm, tmp_path / "peft", "shira_weight", "shira_weight")
+    # the positions: peft's own (read from its checkpoint), and the ones our init draws from the seed
+    ours = lf.init_adapter(llama64, lf.AdapterSpec("shira", TARGETS, r=2, random_seed=seed, dtype=torch.float64))
+    for name, module in pm.named_modules():
+        if hasattr(module, "shira_indices") and "default" in module.shira_indices:
+            key = f"{name.removeprefix('base_model.model.')}.shira_indices"
+            assert torch.equal(adapter.buffers[key], module.shira_indices["default"].long()), key
+            assert torch.equal(ours.buffers[key], module.shira_indices["default"].long()), key
+            assert ours.buffers[key].dtype == torch.int64
+    reloaded = check_reloads_in_peft(llama64, adapter, ids, want, tmp_path)
+    assert reloaded.peft_config["default"].r == 2
+
+
+def test_shira_custom_mask_loads_and_stays_in_peft(llama64, tmp_path):
+    """A checkpoint made with a user mask (peft stores the positions) loads as mask_type='custom'."""
+
+    def first_rows(base_layer, r, **kwargs):
+        d_out, d_in = base_layer.weight.shape
+        mask = torch.zeros(d_out, d_in, dtype=base_layer.weight.dtype)
+        mask.view(-1)[: r * (d_in + d_out)] = 1
+        return mask
+
+    with pytest.warns(UserWarning, match="mask_type='first_rows' is not recognized"):
+        config = peft.ShiraConfig(r=1, target_modules=["v_proj"], mask_type="first_rows")
+    config.mask_fn = first_rows
+    pm = peft_model_of(llama64, config)
+    perturb(pm, "shira_weight")
+    pm.save_pretrained(tmp_path / "peft")
+    adapter, ids, want = check_against_peft(llama64, pm, tmp_path / "peft", "shira_weight", "shira_weight")
+    assert adapter.spec.option("mask_type") == "custom"
+    assert adapter.buffers["model.layers.0.self_attn.v_proj.shira_indices"][0].max() == 1  # the first 48 = 32 + 16 weights
+    check_reloads_in_peft(llama64, adapter, ids, want, tmp_path)
+    with pytest.raises(ValueError, match=r"mask_type='custom'.*with_buffers"):
+        lf.init_adapter(llama64, lf.AdapterSpec("shira", ["v_proj"], r=1, mask_type="custom"))
+
+
+def test_shira_refusals():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match=r"r=12 asks for r·\(d_in \+ d_out\) = 576 values.*at most 10"):
+        lf.init_adapter(model, lf.AdapterSpec("shira", ["v_proj"], r=12))
+    with pytest.raises(ValueError, match="mask_type='grid' is not one of"):
+        lf.AdapterSpec("shira", ["v_proj"], mask_type="grid")
+    with pytest.raises(ValueError, match="random_seed=-1"):
+        lf.AdapterSpec("shira", ["v_proj"], random_seed=-1)
+    with pytest.raises(TypeError, match="is not supported"):
+        peft.get_peft_model(tiny_model("gpt2"), peft.ShiraConfig(r=1, target_modules=["c_attn"]))
+
+
+def test_shira_trains_and_init_weights_false_is_random():
+    check_trains(lf.AdapterSpec("shira", TARGETS, r=2))
+    model = tiny_model("llama")
+    adapter = lf.init_adapter(model, lf.AdapterSpec("shira", ["v_proj"], r=2, init_weights=False), generator=torch.Generator().manual_seed(0))
+    values = adapter.params["model.layers.0.self_attn.v_proj.shira_weight"]
+    assert values.shape == (96,) and 0.7 < values.std() < 1.3
