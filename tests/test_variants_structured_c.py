@@ -105,14 +105,14 @@ def check_reloads_in_peft(model, adapter, ids, want, tmp_path, *, logit_rel=REL)
     return reloaded
 
 
-def check_trains(spec, kind="llama", steps=8):
+def check_trains(spec, kind="llama", steps=8, lr=0.02):
     model = tiny_model(kind, seed=3)
     adapter = lf.init_adapter(model, spec, generator=torch.Generator().manual_seed(0))
     ids = tokens(batch=4, length=12, seed=6)
     with torch.no_grad():
         torch.testing.assert_close(lf.adapted_call(model, adapter, ids).logits, model(ids).logits, rtol=0, atol=0)
     params = adapter.detach().params
-    opt = torch.optim.Adam(params.values(), lr=0.02)
+    opt = torch.optim.Adam(params.values(), lr=lr)
     base = lf.base_params(model)
     losses = []
     for _ in range(steps):
@@ -186,3 +186,97 @@ def test_shira_trains_and_init_weights_false_is_random():
     adapter = lf.init_adapter(model, lf.AdapterSpec("shira", ["v_proj"], r=2, init_weights=False), generator=torch.Generator().manual_seed(0))
     values = adapter.params["model.layers.0.self_attn.v_proj.shira_weight"]
     assert values.shape == (96,) and 0.7 < values.std() < 1.3
+
+
+# ======================================================================================== FourierFT
+
+
+@pytest.fixture(scope="module")
+def gpt2_64():
+    return tiny_model("gpt2", seed=1, dtype=torch.float64)
+
+
+def _fourierft_delta_in_float64(self, adapter):
+    """peft's ``FourierFTLayer.get_delta_weight`` with its fp32 (``torch.zeros`` in the default
+    dtype, ``spectrum.float()``) made float64: every other line is peft's."""
+    spectrum = self.fourierft_spectrum[adapter]
+    indices = self.indices[adapter].to(spectrum.device)
+    dense_spectrum = torch.zeros(self.out_features, self.in_features, device=spectrum.device, dtype=torch.float64)
+    dense_spectrum[indices[0, :], indices[1, :]] = spectrum.double()
+    delta_weight = torch.fft.ifft2(dense_spectrum).real * self.fourierft_scaling[adapter]
+    return delta_weight.to(spectrum.dtype)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_fourierft_peft_checkpoint_loads_with_peft_logits_gradients_and_reloads(llama64, gpt2_64, tmp_path, kind, monkeypatch):
+    """peft re-derives the positions from random_loc_seed; so do load_peft and init_adapter.
+    A per-layer n_frequency_pattern is lora_func's rank pattern, both ways. peft computes its
+    delta in fp32 whatever the model's dtype (``torch.zeros`` in the default dtype,
+    ``spectrum.float()``): against peft as it is the bound is fp32's; against peft with those two
+    made float64 it is 1e-9."""
+    model = llama64 if kind == "llama" else gpt2_64
+    targets = TARGETS if kind == "llama" else ["c_attn", "c_fc"]
+    pattern = {"model.layers.1.self_attn.v_proj": 40} if kind == "llama" else {"transformer.h.0.attn.c_attn": 40}
+    config = peft.FourierFTConfig(
+        n_frequency=24, scaling=75.0, random_loc_seed=5, target_modules=targets, n_frequency_pattern=pattern,
+        init_weights=True, fan_in_fan_out=kind == "gpt2",
+    )
+    pm = peft_model_of(model, config)
+    perturb(pm, "fourierft_spectrum")
+    pm.save_pretrained(tmp_path / "peft")
+    check_against_peft(model, pm, tmp_path / "peft", "fourierft_spectrum", "fourierft_spectrum", grad_rel=1e-5, logit_rel=1e-6)
+    monkeypatch.setattr(peft.tuners.fourierft.layer.FourierFTLayer, "get_delta_weight", _fourierft_delta_in_float64)
+    adapter, ids, want = check_against_peft(model, pm, tmp_path / "peft", "fourierft_spectrum", "fourierft_spectrum")
+    sizes = {layer.target.module: layer.info.r for layer in adapter.layers}
+    assert sizes == {m: pattern.get(m, 24) for m in sizes} and len(set(sizes.values())) == 2
+    ours = lf.init_adapter(model, lf.AdapterSpec("fourierft", targets, r=24, random_loc_seed=5, dtype=torch.float64))
+    for name, module in pm.named_modules():
+        if hasattr(module, "indices") and "default" in module.indices:
+            key = f"{name.removeprefix('base_model.model.')}.fourierft_indices"
+            assert torch.equal(adapter.buffers[key], module.indices["default"]), key
+            if name.removeprefix("base_model.model.") not in pattern:
+                assert torch.equal(ours.buffers[key], module.indices["default"]), key
+    reloaded = check_reloads_in_peft(model, adapter, ids, want, tmp_path)
+    assert reloaded.peft_config["default"].n_frequency_pattern == pattern
+
+
+def test_fourierft_default_init_is_peft_random_spectrum_and_trains():
+    model = tiny_model("llama")
+    adapter = lf.init_adapter(model, lf.AdapterSpec("fourierft", ["v_proj"], r=64), generator=torch.Generator().manual_seed(0))
+    spectrum = adapter.params["model.layers.0.self_attn.v_proj.fourierft_spectrum"]
+    assert spectrum.shape == (64,) and 0.7 < spectrum.std() < 1.3  # peft's default init_weights=False: randn
+    assert adapter.spec.option("scaling") == 150.0 and adapter.spec.option("random_loc_seed") == 777
+    check_trains(lf.AdapterSpec("fourierft", TARGETS, r=32, init_weights=True), lr=0.1)
+
+
+def test_fourierft_refusals():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match=r"r=513 frequencies.*16×32 = 512.*at most 512"):
+        lf.init_adapter(model, lf.AdapterSpec("fourierft", ["v_proj"], r=513))
+    with pytest.raises(ValueError, match="random_loc_seed=-3"):
+        lf.AdapterSpec("fourierft", ["v_proj"], random_loc_seed=-3)
+
+
+def test_fourierft_and_shira_stacks_of_different_sizes_equal_each_alone():
+    """Stacks of different r (numbers of frequencies / values): padded, each member masked."""
+    model = tiny_model("gpt2")
+    ids = tokens()
+    for variant, kwargs, ranks in (("fourierft", {"init_weights": True}, (8, 20)), ("shira", {}, (1, 3))):
+        adapters = []
+        for i, r in enumerate(ranks):
+            a = lf.init_adapter(model, lf.AdapterSpec(variant, ["c_attn"], r=r, **kwargs), generator=torch.Generator().manual_seed(i))
+            g = torch.Generator().manual_seed(7 + i)
+            adapters.append(a.with_params({k: v + 0.3 * torch.randn(v.shape, generator=g) for k, v in a.params.items()}))
+        stacked = lf.stack(adapters)
+        base = lf.base_params(model)
+        for merged in (False, True):
+            batched = torch.func.vmap(lambda a: lf.adapted_call(model, a, ids, merged=merged).logits)(stacked)
+            for i, a in enumerate(adapters):
+                alone = lf.adapted_call(model, a, ids, merged=merged).logits
+                torch.testing.assert_close(batched[i], alone, atol=1e-5, rtol=1e-5)
+                assert (alone - model(ids).logits).abs().max() > 1e-2
+        grads = torch.func.vmap(lambda a: grad(loss_fn(model, base, a, ids))(a.params))(stacked)
+        for key, g in grads.items():
+            assert g.shape[-1] == max(r * (1 if variant == "fourierft" else 128) for r in ranks)
+            small = ranks[0] * (1 if variant == "fourierft" else 128)
+            assert torch.count_nonzero(g[0, ..., small:]) == 0 and g[0, ..., :small].abs().max() > 0, key

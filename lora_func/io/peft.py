@@ -375,7 +375,7 @@ def _assemble(
         layer = layers[target.module]
         rank = spec.r if layer.r is None else layer.r
         layer_alpha = spec.alpha if layer.alpha is None else float(layer.alpha)
-        expected = fmt.shapes(rank, target.d_in, target.d_out, *((dict(spec.options),) if fmt.shapes_take_options else ()))
+        expected = fmt.shapes(rank, target.d_in, target.d_out)
         got = {k: tuple(v.shape) for k, v in (layer.params | layer.buffers).items() if k in expected}
         if got != expected:
             wrong.append(f"{target.module}: checkpoint has {got}, the model needs {expected}")
@@ -473,7 +473,9 @@ def _layer_from_peft(directory: Path, config: Mapping[str, Any], module: str, fm
         name, axis = method.rank_of
         r = _checked_rank(directory, config, module, int(tensors[name].shape[axis]))
     elif method.rank_in_config:
-        r = int(config.get("r", 8))  # the shapes check in _assemble verifies the tensors
+        # the shapes check in _assemble verifies the tensors
+        field, pattern = method.rank_fields
+        r = int(_pattern_value(config.get(pattern) if method.rank_pattern else None, module, config.get(field, 8)))
     if method.alpha:
         alpha = float(_pattern_value(config.get("alpha_pattern"), module, config.get("lora_alpha", 8)))
     params = {k: v for k, v in tensors.items() if k not in fmt.buffers}
@@ -483,22 +485,16 @@ def _layer_from_peft(directory: Path, config: Mapping[str, Any], module: str, fm
 def _read(directory: Path, config: Mapping[str, Any], peft_type: str, tensors: Mapping[str, dict[str, Tensor]], model: nn.Module) -> AdapterLike:
     """The adapter of a ``peft_type`` checkpoint: each layer read as the variant whose entry
     reads it; layers of several variants (a method with ``feedforward_modules``) compose."""
-    # Layers whose entry reads other options (a per-layer pattern of a sized option, e.g.
-    # n_frequency_pattern) are separate parts of the composition.
-    groups: dict[tuple[str, str], tuple[dict[str, Any], dict[str, _Layer]]] = {}
+    groups: dict[str, tuple[dict[str, Any], dict[str, _Layer]]] = {}
     formats = _formats()
     for module, found in tensors.items():
         name, options = _format_for(directory, config, peft_type, module)
-        key = (name, json.dumps(options, sort_keys=True, default=str))
-        groups.setdefault(key, (options, {}))[1][module] = _layer_from_peft(directory, config, module, formats[name], found)
+        groups.setdefault(name, (options, {}))[1][module] = _layer_from_peft(directory, config, module, formats[name], found)
     method = _methods()[peft_type]
-    r = int(config.get("r", 8)) if method.rank_of is not None or method.rank_in_config else 8
+    r = int(config.get(method.rank_fields[0], 8)) if method.rank_of is not None or method.rank_in_config else 8
     alpha = float(config.get("lora_alpha", 8)) if method.alpha else None
     parts = [
-        _assemble(directory, model, name, layers, r=r, alpha=alpha, options=options)
-        for name in formats
-        for (group_name, _), (options, layers) in groups.items()
-        if group_name == name
+        _assemble(directory, model, name, groups[name][1], r=r, alpha=alpha, options=groups[name][0]) for name in formats if name in groups
     ]
     return parts[0] if len(parts) == 1 else compose(*parts)
 
@@ -652,10 +648,11 @@ def _peft_config(
         # peft requires feedforward_modules ⊆ target_modules, name by name.
         config["feedforward_modules"] = selector if set(selector) <= set(config["target_modules"]) else sorted(ff)
     if method.rank_of is not None or method.rank_in_config:
-        config["r"] = r = _most_common([o.r for o in layers])
+        field, pattern = method.rank_fields
+        config[field] = r = _most_common([o.r for o in layers])
         rank_pattern = {o.target.module: o.r for o in layers if o.r != r}
         if method.rank_pattern:
-            config["rank_pattern"] = rank_pattern
+            config[pattern] = rank_pattern
         elif rank_pattern:
             raise ValueError(  # error: save-peft-one-rank
                 f"save_peft: peft's {peft_type} has one rank for all layers, but these layers differ from r={r}: "

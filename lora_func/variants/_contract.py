@@ -164,6 +164,9 @@ class PeftMethod:
       rank_in_config: the layer's ``r`` is the config's ``r`` (written from it, read as it),
         though no tensor axis has that size (SHiRA: ``r·(d_in + d_out)`` values); the shapes
         check on load verifies the tensors.
+      rank_fields: the config fields that hold ``r`` and, with :attr:`rank_pattern`, the
+        per-layer pattern (peft's ``get_pattern_key`` matching), where a method names them
+        otherwise (FourierFT: ``n_frequency`` and ``n_frequency_pattern``).
     """
 
     peft_type: str
@@ -177,6 +180,7 @@ class PeftMethod:
     training_only: Mapping[str, str] = dataclasses.field(default_factory=dict)
     unread: Callable[[Mapping[str, Any]], str] | None = None
     rank_in_config: bool = False
+    rank_fields: tuple[str, str] = ("r", "rank_pattern")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,8 +229,6 @@ class PeftFormat:
       recompute_buffers: the checkpoint holds no buffers: on load they are the variant's
         ``init`` on the base (PiSSA's residual, as peft recomputes it; positions that peft
         derives from a seed in the config).
-      shapes_take_options: ``shapes`` takes the spec's options as a fourth argument (sizes set
-        by an option, e.g. FourierFT's ``n_frequency``).
     """
 
     method: PeftMethod
@@ -243,7 +245,6 @@ class PeftFormat:
     export: Callable[[TensorDict, TensorDict, Tensor | None, LayerInfo], PeftLayer] | None = None
     export_needs_base: str | None = None
     recompute_buffers: bool = False
-    shapes_take_options: bool = False
 
 
 @dataclasses.dataclass(frozen=True, repr=False)

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from lora_func.variants._contract import BaseLayer
 
-__all__ = ["base_plus_dense", "peft_randperm_positions", "scatter_dense"]
+__all__ = ["base_plus_dense", "own_values", "peft_randperm_positions", "scatter_dense"]
 
 
 def peft_randperm_positions(d_out: int, d_in: int, n: int, seed: int | None) -> Tensor:
@@ -26,6 +26,17 @@ def peft_randperm_positions(d_out: int, d_in: int, n: int, seed: int | None) -> 
         generator.manual_seed(seed)
     flat = torch.randperm(d_out * d_in, generator=generator)[:n]
     return torch.stack([flat // d_in, flat % d_in])
+
+
+def own_values(values: Tensor, size: int | Tensor) -> Tensor:
+    """``values (n,)`` with the entries past ``size`` zeroed when ``size`` is a tensor: a member
+    of a stack of different sizes (``Variant.padded_axes``), whose padding sits at position
+    ``(0, 0)``; masked, it adds nothing and gets exactly zero gradient. An int ``size`` (one
+    adapter) returns ``values`` itself."""
+    if not isinstance(size, Tensor):
+        return values
+    own = torch.arange(values.shape[-1], device=values.device) < size
+    return values * own.to(values.dtype)
 
 
 def scatter_dense(values: Tensor, positions: Tensor, shape: tuple[int, int]) -> Tensor:

@@ -42,7 +42,7 @@ from lora_func.variants import (
     Variant,
     is_finite_number,
 )
-from lora_func.variants._sparse import base_plus_dense, peft_randperm_positions, scatter_dense
+from lora_func.variants._sparse import base_plus_dense, own_values, peft_randperm_positions, scatter_dense
 
 MASK_TYPES = ("random", "custom")
 
@@ -84,13 +84,8 @@ def init(
 
 def delta(params: TensorDict, buffers: TensorDict, info: LayerInfo) -> Tensor:
     """``ΔW (d_out, d_in)`` in the adapter dtype."""
-    values = params["shira_weight"]
-    if isinstance(info.r, Tensor):
-        # A member of a stack of different r (padded_member gives its own r as a tensor): the
-        # values past its own r·(d_in + d_out) are zero padding, at position (0, 0); masked, so
-        # they add nothing and get exactly zero gradient.
-        own = torch.arange(values.shape[-1], device=values.device) < info.r * (info.d_in + info.d_out)
-        values = values * own.to(values.dtype)
+    # In a stack of different r, info.r is the member's own (a tensor): its padding is masked.
+    values = own_values(params["shira_weight"], info.r * (info.d_in + info.d_out))
     return scatter_dense(values, buffers["shira_indices"], (info.d_out, info.d_in))
 
 
