@@ -280,3 +280,117 @@ def test_fourierft_and_shira_stacks_of_different_sizes_equal_each_alone():
             assert g.shape[-1] == max(r * (1 if variant == "fourierft" else 128) for r in ranks)
             small = ranks[0] * (1 if variant == "fourierft" else 128)
             assert torch.count_nonzero(g[0, ..., small:]) == 0 and g[0, ..., :small].abs().max() > 0, key
+
+
+# ============================================================================================== C3A
+
+
+def _c3a_forward(conv):
+    """peft's ``C3ALinear.forward`` with its fp32 casts made float64 and its circular convolution
+    ``conv``: every other line is peft's."""
+
+    def forward(self, x, *args, **kwargs):
+        previous_dtype = x.dtype
+        result = self.base_layer(x, *args, **kwargs)
+        x = x.to(torch.float64)
+        for active_adapter in self.active_adapters:
+            if active_adapter not in self.c3a_kernel.keys():
+                continue
+            c3a_kernel = self.c3a_kernel[active_adapter].to(torch.float64)
+            x = conv(x, c3a_kernel) / x.size(-1)
+            result += x.to(result.dtype)
+        return result.to(previous_dtype)
+
+    return forward
+
+
+def _peft_conv_autograd(x, w):
+    """peft's ``BlockCircularConvolution.forward``, differentiated by autograd instead of its
+    hand-written backward (whose input gradient is wrong in peft 0.21: see the test)."""
+    _, n, b = w.shape
+    x = x.reshape(*x.shape[:-1], n, b)
+    x = torch.einsum("...nb,mnb->...mb", torch.fft.ifft(x), torch.fft.fft(w))
+    return torch.fft.fft(x).real.reshape(*x.shape[:-2], -1)
+
+
+def test_c3a_peft_checkpoint_loads_with_peft_logits_gradients_and_reloads(llama64, tmp_path, monkeypatch):
+    """block_size / block_size_pattern are lora_func's r / rank pattern, both ways. peft runs its
+    circular convolution in fp32 whatever the model's dtype: against peft as it is, the logits
+    agree to fp32's bound; with those casts made float64, to 1e-9.
+
+    peft 0.21's hand-written backward (``BlockCircularConvolution``) gives the right kernel
+    gradient but a wrong INPUT gradient, so every kernel whose gradient flows back through
+    another C3A layer is wrong in peft. Ours is checked against a central finite difference,
+    against peft's forward differentiated by autograd (1e-9), and against peft's own backward
+    where it is right: the last adapted layer."""
+    from peft.tuners.c3a.utils import BlockCircularConvolution
+
+    pattern = {"model.layers.0.mlp.down_proj": 16}
+    config = peft.C3AConfig(block_size=8, target_modules=TARGETS, block_size_pattern=pattern, init_weights="kaiming_uniform")
+    pm = peft_model_of(llama64, config)
+    perturb(pm, "c3a_kernel", scale=3.0)
+    pm.save_pretrained(tmp_path / "peft")
+    ids = tokens(batch=2, length=9, seed=4)
+    adapter = lf.load_peft(tmp_path / "peft", llama64)
+    sizes = {layer.target.module: layer.info.r for layer in adapter.layers}
+    assert sizes == {m: pattern.get(m, 8) for m in sizes} and adapter.spec.option("init") == "kaiming_uniform"
+    with torch.no_grad():
+        assert rel(lf.adapted_call(llama64, adapter, ids).logits, pm(input_ids=ids).logits) < 1e-6  # peft's fp32
+    base = lf.base_params(llama64)
+    ours = grad(loss_fn(llama64, base, adapter, ids))(adapter.params)
+
+    monkeypatch.setattr(peft.tuners.c3a.layer.C3ALinear, "forward", _c3a_forward(BlockCircularConvolution.apply))
+    want, peft_own = peft_logits_and_grads(pm, ids, "c3a_kernel")
+    last = "model.layers.1.mlp.down_proj"
+    assert rel(ours[f"{last}.c3a_kernel"], peft_own[last]) < REL
+    first = "model.layers.0.self_attn.q_proj"
+    assert rel(ours[f"{first}.c3a_kernel"], peft_own[first]) > 0.1  # peft's wrong input gradient
+    # ours is the derivative: a central difference on one kernel entry of the first layer (h =
+    # 1e-2: the "float64" Llama runs its attention softmax in fp32, so the loss has fp32 noise)
+    loss = loss_fn(llama64, base, adapter, ids)
+    kernel = adapter.params[f"{first}.c3a_kernel"].detach()
+    step = torch.zeros_like(kernel)
+    step[1, 2, 3] = 1e-2
+    with torch.no_grad():
+        central = float((loss({**adapter.params, f"{first}.c3a_kernel": kernel + step}) - loss({**adapter.params, f"{first}.c3a_kernel": kernel - step})).detach()) / 2e-2
+    mine, theirs = float(ours[f"{first}.c3a_kernel"][1, 2, 3].detach()), float(peft_own[first][1, 2, 3])
+    assert abs(mine - central) < 0.02 * abs(central) and abs(theirs - central) > 0.2 * abs(central), (mine, theirs, central)
+
+    monkeypatch.setattr(peft.tuners.c3a.layer.C3ALinear, "forward", _c3a_forward(_peft_conv_autograd))
+    adapter, ids, want = check_against_peft(llama64, pm, tmp_path / "peft", "c3a_kernel", "c3a_kernel")
+    reloaded = check_reloads_in_peft(llama64, adapter, ids, want, tmp_path)
+    assert reloaded.peft_config["default"].block_size_pattern == pattern
+    # peft's merged delta (its get_circulant_fast, fp32) equals our weight form's
+    merged = lf.merge_overlay(base, adapter)
+    for name, module in reloaded.named_modules():
+        if hasattr(module, "c3a_kernel") and "default" in module.c3a_kernel:
+            key = name.removeprefix("base_model.model.")
+            got = merged[f"{key}.weight"] - base[f"{key}.weight"]
+            assert rel(got, module.get_delta_weight("default").double()) < 1e-6, key
+
+
+@pytest.mark.parametrize("init", ["xavier_uniform", "kaiming_uniform", "gaussian"])
+def test_c3a_random_inits_follow_peft(init):
+    model = tiny_model("llama")
+    adapter = lf.init_adapter(model, lf.AdapterSpec("c3a", ["v_proj"], r=8, init=init), generator=torch.Generator().manual_seed(0))
+    k = adapter.params["model.layers.0.self_attn.v_proj.c3a_kernel"]
+    assert k.shape == (2, 4, 8)
+    bound = {"xavier_uniform": (3 * 2 / 48) ** 0.5, "kaiming_uniform": (1 / 32) ** 0.5}.get(init)
+    if bound is None:
+        assert 0.6 < k.std() < 1.4
+    else:
+        assert k.abs().max() <= bound and k.abs().max() > 0.8 * bound
+
+
+def test_c3a_trains_and_refusals():
+    check_trains(lf.AdapterSpec("c3a", TARGETS, r=8), lr=0.5)
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match=r"r=12 \(peft's block_size\) must divide d_in=32 and d_out=16.*r=16"):
+        lf.init_adapter(model, lf.AdapterSpec("c3a", ["v_proj"], r=12))
+    with pytest.raises(ValueError, match="init='ones' is not one of"):
+        lf.AdapterSpec("c3a", ["v_proj"], init="ones")
+    with pytest.raises(TypeError, match="is not supported"):
+        peft.get_peft_model(tiny_model("gpt2"), peft.C3AConfig(block_size=8, target_modules=["c_attn"]))
+    a, b = (lf.init_adapter(model, lf.AdapterSpec("c3a", ["v_proj"], r=r)) for r in (4, 8))
+    with pytest.raises(ValueError, match="c3a tensor 'c3a_kernel'.*not a rank axis"):
+        lf.stack([a, b])

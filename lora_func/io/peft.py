@@ -234,10 +234,11 @@ def _config_problems(config: Mapping[str, Any]) -> list[str]:
         "target_modules": selector,
         "feedforward_modules": selector,
     }
-    # The fields the variants' entries read (every entry's checks, whatever the peft_type, as a
-    # field means one thing in peft).
+    # The fields the entries of the checkpoint's method read (a field can mean different things
+    # in different methods: init_weights is a bool in HRAConfig, a bool or a name in C3AConfig).
     for fmt in _formats().values():
-        checks |= {**fmt.method.checks, **fmt.checks}
+        if fmt.method.peft_type == config.get("peft_type"):
+            checks |= {**fmt.method.checks, **fmt.checks}
     problems = [f"{name}={config[name]!r}" for name, ok in checks.items() if name in config and not ok(config[name])]
     for name, ok in (("rank_pattern", rank), ("alpha_pattern", number)):
         patterns = config.get(name)
