@@ -70,7 +70,7 @@ def test_the_answers_differ_where_peft_differs(tmp_path):
         if peft_problems(_adapter(model, kind, variant), model=model if with_model else None)
     }
     expected = {(k, "antipasto", m) for k in ("llama", "gpt2") for m in (True, False)}
-    expected |= {("gpt2", v, m) for v in ("hra", "delora") for m in (True, False)}
+    expected |= {("gpt2", v, m) for v in ("hra", "delora", "shira", "c3a") for m in (True, False)}
     expected |= {(k, "pissa", False) for k in ("llama", "gpt2")}
     assert refused == expected
 

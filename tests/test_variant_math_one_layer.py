@@ -322,6 +322,14 @@ DOCUMENTED = {
         {"lora_A": 0, "lora_B": 1},
     ),
 }
+DOCUMENTED.update(
+    {
+        # issue 30: r is SHiRA's r, FourierFT's n_frequency, C3A's block_size (no rank axes)
+        "shira": (1.0, {"mask_type": "random", "random_seed": None, "init_weights": True}, True, False, False, {}),
+        "fourierft": (1.0, {"scaling": 150.0, "random_loc_seed": 777, "init_weights": False}, False, False, False, {}),
+        "c3a": (1.0, {"init": "zeros"}, False, False, False, {}),
+    }
+)
 
 
 @pytest.mark.parametrize("variant", sorted(DOCUMENTED))
