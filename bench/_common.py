@@ -44,6 +44,11 @@ ROW_TARGETS = {
     "lora": QV, "pissa": QV, "delora": QV, "dora": QV, "hra": QV, "eva": QV, "antipasto": QV,
     "ia3": ("k_proj", "v_proj"), "ia3_ff": ("down_proj",), "ia3_kv_down": ("k_proj", "v_proj", "down_proj"),
 }
+# issue 30 (structured family): r is SHiRA's r (r·(d_in + d_out) values, LoRA's count), C3A's
+# block size and FourierFT's number of frequencies (peft's default 1000, not the rank).
+ALL_VARIANTS += ("shira", "fourierft", "c3a")
+ROW_TARGETS |= {"shira": QV, "fourierft": QV, "c3a": QV}
+ROW_SIZES = {"fourierft": 1000}
 
 
 # glibc's malloc hands every block over 32 MiB back to the kernel when it is freed (and, by
@@ -209,7 +214,7 @@ def our_adapter(s: Setup, row: str, rank: int, *, targets: Sequence[str] | None 
     calibration = None
     if row == "eva":
         calibration = [{"input_ids": s.calib_ids}]
-    spec = lf.AdapterSpec(row, targets, r=rank, **options)
+    spec = lf.AdapterSpec(row, targets, r=ROW_SIZES.get(row, rank), **options)
     adapter = lf.init_adapter(model, spec, generator=torch.Generator().manual_seed(0), calibration=calibration)
     return _perturbed(adapter)
 
@@ -233,6 +238,12 @@ def peft_model(s: Setup, row: str, rank: int, *, targets: Sequence[str] | None =
         config = peft.HRAConfig(r=rank, **common)
     elif row in ("ia3", "ia3_ff", "ia3_kv_down"):
         config = peft.IA3Config(feedforward_modules=[t for t in targets if t == "down_proj"], **common)
+    elif row == "shira":
+        config = peft.ShiraConfig(r=rank, **common)
+    elif row == "fourierft":
+        config = peft.FourierFTConfig(n_frequency=ROW_SIZES[row], **common)
+    elif row == "c3a":
+        config = peft.C3AConfig(block_size=rank, **common)
     else:
         return None
     model = copy.deepcopy(s.model)

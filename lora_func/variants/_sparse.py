@@ -13,7 +13,7 @@ from torch import Tensor
 
 from lora_func.variants._contract import BaseLayer
 
-__all__ = ["base_plus_dense", "own_values", "peft_randperm_positions", "scatter_dense"]
+__all__ = ["linear_plus_dense", "own_values", "peft_randperm_positions", "scatter_dense"]
 
 
 def peft_randperm_positions(d_out: int, d_in: int, n: int, seed: int | None) -> Tensor:
@@ -48,9 +48,10 @@ def scatter_dense(values: Tensor, positions: Tensor, shape: tuple[int, int]) -> 
     return out.scatter_add(0, flat, values).reshape(shape)
 
 
-def base_plus_dense(base: BaseLayer, x: Tensor, delta: Tensor) -> Tensor:
-    """``base(x) + x Δᵀ`` for a dense ``Δ (d_out, d_in)`` in the adapter dtype: the product in
-    ``Δ``'s dtype, cast to the base output's dtype before the sum (as peft adds its delta
-    path). Never reads the base weight, so a quantized base stays quantized."""
-    y = base(x)
-    return y + F.linear(x.to(delta.dtype), delta).to(y.dtype)
+def linear_plus_dense(base: BaseLayer, x: Tensor, delta: Tensor) -> Tensor:
+    """``x (W + Δ)ᵀ + b`` with one product on the merged weight, as peft's SHiRA forward: ``Δ``
+    rounded to the base weight's dtype and added to ``W`` (one weight-sized write), then the
+    layer's own product. Cheaper than ``base(x) + x Δᵀ`` (a second product, its output, and an
+    input-gradient sum in backward) whenever ``Δ`` is dense anyway."""
+    weight = base.weight
+    return F.linear(x, weight + delta.to(weight.dtype), base.bias)

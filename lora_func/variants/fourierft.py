@@ -39,7 +39,7 @@ from lora_func.variants import (
     Variant,
     is_finite_number,
 )
-from lora_func.variants._sparse import base_plus_dense, own_values, peft_randperm_positions, scatter_dense
+from lora_func.variants._sparse import linear_plus_dense, own_values, peft_randperm_positions, scatter_dense
 
 
 def init(
@@ -78,7 +78,7 @@ def weight_form(
 
 
 def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: BaseLayer, info: LayerInfo) -> Tensor:
-    return base_plus_dense(base, x, delta(params, buffers, info))
+    return linear_plus_dense(base, x, delta(params, buffers, info))
 
 
 def check_options(options: Mapping[str, Any]) -> None:

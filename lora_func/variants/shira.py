@@ -31,6 +31,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from lora_func.variants import (
@@ -42,7 +43,7 @@ from lora_func.variants import (
     Variant,
     is_finite_number,
 )
-from lora_func.variants._sparse import base_plus_dense, own_values, peft_randperm_positions, scatter_dense
+from lora_func.variants._sparse import own_values, peft_randperm_positions, scatter_dense
 
 MASK_TYPES = ("random", "custom")
 
@@ -96,7 +97,12 @@ def weight_form(
 
 
 def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: BaseLayer, info: LayerInfo) -> Tensor:
-    return base_plus_dense(base, x, delta(params, buffers, info))
+    # peft's forward: the values added into (a copy of) W at their positions, then one product.
+    # One weight-sized write in the base dtype; no dense ΔW in the adapter dtype.
+    weight = base.weight
+    values = own_values(params["shira_weight"], info.r * (info.d_in + info.d_out))
+    rows, cols = buffers["shira_indices"]
+    return F.linear(x, weight.index_put((rows, cols), values.to(weight.dtype), accumulate=True), base.bias)
 
 
 def check_options(options: Mapping[str, Any]) -> None:

@@ -8,7 +8,7 @@ def c3a_w_eff(p, b, W, bias, info):
     # w_ij[(t − s) mod b] / d_in, written out entry by entry.
     k = p["c3a_kernel"]
     m, n, blk = k.shape
-    d_out, d_in = W.shape
+    d_in = W.shape[1]
     delta = torch.zeros_like(W)
     for i in range(m):
         for j in range(n):
