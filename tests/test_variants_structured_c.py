@@ -270,12 +270,12 @@ def test_fourierft_and_shira_stacks_of_different_sizes_equal_each_alone():
         stacked = lf.stack(adapters)
         base = lf.base_params(model)
         for merged in (False, True):
-            batched = torch.func.vmap(lambda a: lf.adapted_call(model, a, ids, merged=merged).logits)(stacked)
+            batched = torch.func.vmap(lambda a, merged=merged: lf.adapted_call(model, a, ids, merged=merged).logits)(stacked)
             for i, a in enumerate(adapters):
                 alone = lf.adapted_call(model, a, ids, merged=merged).logits
                 torch.testing.assert_close(batched[i], alone, atol=1e-5, rtol=1e-5)
                 assert (alone - model(ids).logits).abs().max() > 1e-2
-        grads = torch.func.vmap(lambda a: grad(loss_fn(model, base, a, ids))(a.params))(stacked)
+        grads = torch.func.vmap(lambda a, base=base: grad(loss_fn(model, base, a, ids))(a.params))(stacked)
         for key, g in grads.items():
             assert g.shape[-1] == max(r * (1 if variant == "fourierft" else 128) for r in ranks)
             small = ranks[0] * (1 if variant == "fourierft" else 128)
@@ -294,7 +294,7 @@ def _c3a_forward(conv):
         result = self.base_layer(x, *args, **kwargs)
         x = x.to(torch.float64)
         for active_adapter in self.active_adapters:
-            if active_adapter not in self.c3a_kernel.keys():
+            if active_adapter not in self.c3a_kernel:
                 continue
             c3a_kernel = self.c3a_kernel[active_adapter].to(torch.float64)
             x = conv(x, c3a_kernel) / x.size(-1)
@@ -392,5 +392,5 @@ def test_c3a_trains_and_refusals():
     with pytest.raises(TypeError, match="is not supported"):
         peft.get_peft_model(tiny_model("gpt2"), peft.C3AConfig(block_size=8, target_modules=["c_attn"]))
     a, b = (lf.init_adapter(model, lf.AdapterSpec("c3a", ["v_proj"], r=r)) for r in (4, 8))
-    with pytest.raises(ValueError, match="c3a tensor 'c3a_kernel'.*not a rank axis"):
+    with pytest.raises(ValueError, match=r"c3a tensor 'c3a_kernel'.*not a rank axis"):
         lf.stack([a, b])
