@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -102,11 +102,46 @@ def circular_convolution(x: Tensor, kernel: Tensor) -> Tensor:
     return torch.fft.fft(mixed).real.reshape(*x.shape[:-1], m * b)
 
 
+class _CircularConvolution(torch.autograd.Function):
+    """:func:`circular_convolution` saving only its real inputs for backward (autograd through the
+    FFTs would keep the complex spectra of the input and of the intermediate: 2-4x the bytes),
+    with the gradients as FFTs too. With ``g_i`` the output gradient's blocks:
+
+        ∂x_j = Re(fft(Σ_i ifft(g_i) ⊙ b·ifft(w_ij))),   ∂w_ij = Re(fft(Σ_rows fft(g_i) ⊙ ifft(x_j)))
+
+    (peft 0.21's hand-written backward has ``fft(g_i)`` in the first, which is its conjugate
+    spectrum: a wrong input gradient.) ``generate_vmap_rule``: vmap and ``torch.func`` see
+    through it (torch.compile gets the plain FFTs, see ``activation_form``)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x: Tensor, kernel: Tensor) -> Tensor:
+        return circular_convolution(x, kernel)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Tensor) -> None:
+        ctx.save_for_backward(*inputs)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor, Tensor]:
+        x, kernel = ctx.saved_tensors
+        m, n, b = kernel.shape
+        g = grad_out.reshape(*grad_out.shape[:-1], m, b)
+        x_blocks = x.reshape(*x.shape[:-1], n, b)
+        grad_x = torch.fft.fft(torch.einsum("...mb,mnb->...nb", torch.fft.ifft(g), torch.fft.ifft(kernel) * b)).real
+        grad_kernel = torch.fft.fft(torch.einsum("...mb,...nb->mnb", torch.fft.fft(g), torch.fft.ifft(x_blocks))).real
+        return grad_x.reshape(x.shape), grad_kernel
+
+
 def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: BaseLayer, info: LayerInfo) -> Tensor:
     kernel = params["c3a_kernel"]
     ct = _compute_dtype(kernel)
     y = base(x)
-    return y + (circular_convolution(x.to(ct), kernel.to(ct)) / info.d_in).to(y.dtype)
+    # Under torch.compile, autograd through the FFTs (the compiler plans what to save itself;
+    # dynamo's handling of a custom Function here warns about instantiating it).
+    conv = circular_convolution if torch.compiler.is_compiling() else _CircularConvolution.apply
+    return y + (cast(Tensor, conv(x.to(ct), kernel.to(ct))) / info.d_in).to(y.dtype)
 
 
 def check_options(options: Mapping[str, Any]) -> None:

@@ -18,7 +18,8 @@ spectrum, so the adapter is NOT the identity at init (peft's and the paper's cho
 
 Both forms build the dense ``ΔW`` by a scatter and one ``ifft2`` in the adapter dtype, at least
 fp32 (there is no half-precision FFT on the CPU; peft computes it in fp32 too). The activation
-form is ``base(x) + x ΔWᵀ`` (peft's forward) and never reads the base weight. GPT-2 ``Conv1D``:
+form adds ``ΔW`` (rounded to the base dtype) to ``W`` and runs one product (peft's forward runs
+``base(x) + x ΔWᵀ``, two products: more writes and ops, docs/benchmarks.md). GPT-2 ``Conv1D``:
 peft and lora_func both adapt it (peft's ``ΔW`` is ``(d_out, d_in)`` on Conv1D too).
 """
 

@@ -15,9 +15,10 @@ over the mask gives them. ``mask_type="custom"``: positions are yours: build wit
 stores the positions, whatever mask made them). Init (``init_weights=True``): zeros, the
 identity; ``False``: standard normal (peft's test init).
 
-Both forms build the dense ``ΔW`` by a ``scatter_add`` (repeated positions sum, as peft's
-coalesced sparse tensor); the activation form is ``base(x) + x ΔWᵀ`` and never reads the base
-weight (peft's forward adds ``ΔW`` to a copy of ``W``). peft's ``scaling`` (1.0, not in its
+The weight form builds the dense ``ΔW`` by a ``scatter_add`` (repeated positions sum, as peft's
+coalesced sparse tensor). The activation form is peft's forward: the values added into a copy of
+``W`` at their positions (``index_put``, in the base dtype), then one product; no dense ``ΔW``
+in the adapter dtype and no second product (a dequantized weight on a quantized base). peft's ``scaling`` (1.0, not in its
 config; ``set_scale`` at inference only) is not offered. peft refuses GPT-2 ``Conv1D``;
 lora_func adapts it (``ΔW`` in the canonical ``(d_out, d_in)`` layout).
 
