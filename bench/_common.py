@@ -66,6 +66,11 @@ def structured_a_peft_config(row: str, rank: int, common: dict[str, Any]) -> Any
     if row == "gralora":
         return peft.GraloraConfig(r=rank, alpha=16, gralora_k=2, **common)
     return peft.MissConfig(r=rank, **common)
+# issue 30 (structured family): r is SHiRA's r (r·(d_in + d_out) values, LoRA's count), C3A's
+# block size and FourierFT's number of frequencies (peft's default 1000, not the rank).
+ALL_VARIANTS += ("shira", "fourierft", "c3a")
+ROW_TARGETS |= {"shira": QV, "fourierft": QV, "c3a": QV}
+ROW_SIZES = {"fourierft": 1000}
 
 
 # glibc's malloc hands every block over 32 MiB back to the kernel when it is freed (and, by
@@ -231,7 +236,7 @@ def our_adapter(s: Setup, row: str, rank: int, *, targets: Sequence[str] | None 
     calibration = None
     if row == "eva":
         calibration = [{"input_ids": s.calib_ids}]
-    spec = lf.AdapterSpec(row, targets, r=rank, **options)
+    spec = lf.AdapterSpec(row, targets, r=ROW_SIZES.get(row, rank), **options)
     adapter = lf.init_adapter(model, spec, generator=torch.Generator().manual_seed(0), calibration=calibration)
     return _perturbed(adapter)
 
@@ -267,6 +272,12 @@ def peft_model(s: Setup, row: str, rank: int, *, targets: Sequence[str] | None =
         )
     elif row in STRUCTURED_A:
         config = structured_a_peft_config(row, rank, common)
+    elif row == "shira":
+        config = peft.ShiraConfig(r=rank, **common)
+    elif row == "fourierft":
+        config = peft.FourierFTConfig(n_frequency=ROW_SIZES[row], **common)
+    elif row == "c3a":
+        config = peft.C3AConfig(block_size=rank, **common)
     else:
         return None
     model = copy.deepcopy(s.model)

@@ -162,8 +162,11 @@ def _check_rank_axes(variant: Variant, name: str, padded: tuple[int, ...], shape
 
 
 def _is_rank_axis(variant: Variant, name: str, axis: int) -> bool:
-    axes = variant.rank_axes.get(name, ())
-    return axis == axes if isinstance(axes, int) else axis in axes
+    """A rank axis, or an axis sized by the rank that the variant masks itself (``padded_axes``)."""
+    for axes in (variant.rank_axes.get(name, ()), variant.padded_axes.get(name, ())):
+        if axis == axes if isinstance(axes, int) else axis in axes:
+            return True
+    return False
 
 
 def stack(*adapters: AdapterLike | Sequence[AdapterLike]) -> AdapterLike:

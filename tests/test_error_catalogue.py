@@ -1685,3 +1685,28 @@ CASES.update(
     }
 )
 RNG_ADVANCES = RNG_ADVANCES | {"boft-blocks", "road-group-size"}  # init_adapter without a generator
+# --- issue 30: shira, fourierft, c3a ---------------------------------------------------------
+
+
+def _init_seeded(variant: str, targets: Any, **kwargs: Any) -> Callable[[Ctx], Callable[[], Any]]:
+    """init_adapter with its own generator: the refusal must not touch the global RNG."""
+
+    def arrange(ctx: Ctx) -> Callable[[], Any]:
+        model, the_spec = ctx.model(), lf.AdapterSpec(variant, targets=targets, **kwargs)
+        return lambda: lf.init_adapter(model, the_spec, generator=torch.Generator().manual_seed(0))
+
+    return arrange
+
+
+CASES.update(
+    {
+        "shira-too-many": Case(_init_seeded("shira", ["v_proj"], r=12), ("model.layers.0.self_attn.v_proj", "r=12", "576", "at most 10")),
+        "shira-custom-mask": Case(_init_seeded("shira", ["v_proj"], r=1, mask_type="custom"), ("shira_indices", "with_buffers")),
+        "shira-mask-type": Case(spec("shira", ["v_proj"], mask_type="grid"), ("'grid'",)),
+        "shira-seed": Case(spec("shira", ["v_proj"], random_seed=-1), ("random_seed=-1",)),
+        "fourierft-too-many": Case(_init_seeded("fourierft", ["v_proj"], r=513), ("model.layers.0.self_attn.v_proj", "r=513", "512")),
+        "fourierft-seed": Case(spec("fourierft", ["v_proj"], random_loc_seed=-3), ("random_loc_seed=-3",)),
+        "c3a-block-size": Case(_init_seeded("c3a", ["v_proj"], r=12), ("model.layers.0.self_attn.v_proj", "r=12", "d_out=16", "r=16")),
+        "c3a-init": Case(spec("c3a", ["v_proj"], init="ones"), ("'ones'",)),
+    }
+)

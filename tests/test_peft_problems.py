@@ -77,6 +77,7 @@ def test_the_answers_differ_where_peft_differs(tmp_path):
     expected |= {("gpt2", v, m) for v in ("hra", "delora", "oft", "boft", "road") for m in (True, False)}
     expected |= {("gpt2", v, m) for v in ("hra", "delora") for m in (True, False)}
     expected |= {("gpt2", v, m) for v in ("loha", "lokr", "miss") for m in (True, False)}  # peft: nn.Linear only
+    expected |= {("gpt2", v, m) for v in ("hra", "delora", "shira", "c3a") for m in (True, False)}
     expected |= {(k, "pissa", False) for k in ("llama", "gpt2")}
     assert refused == expected
 

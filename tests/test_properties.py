@@ -96,7 +96,20 @@ def _options(draw: st.DrawFn, variant: str, r: int) -> dict[str, Any]:
         return {"group_size": 2, "road_variant": draw(st.sampled_from(["road_1", "road_2", "road_4"]))}
     if variant == "hira":
         return {"init": draw(st.sampled_from(["kaiming", "gaussian"]))}
+    if variant == "shira":
+        return {"random_seed": draw(st.sampled_from([None, 3]))}
+    if variant == "fourierft":  # init_weights=True: zeros, the identity (peft's default is a random spectrum)
+        return {"init_weights": True, "random_loc_seed": draw(st.sampled_from([777, 5])), "scaling": draw(st.sampled_from([150.0, 7.5]))}
     return {}
+
+
+def _sized_r(draw: st.DrawFn, variant: str, r: int, d_in: int, d_out: int) -> int:
+    """``r`` where a variant's r is a size with its own limits (issue 30)."""
+    if variant == "shira":  # r·(d_in + d_out) values must fit in the d_in·d_out weights (peft's limit)
+        return min(r, d_in * d_out // (d_in + d_out))
+    if variant == "c3a":  # r is the block size: it divides d_in and d_out
+        return draw(st.sampled_from([k for k in range(1, min(d_in, d_out) + 1) if d_in % k == 0 and d_out % k == 0]))
+    return r
 
 
 @st.composite
@@ -106,7 +119,7 @@ def cases(draw: st.DrawFn, variants: tuple[str, ...] | None = None) -> Case:
     bias = layout == "conv1d" or draw(st.booleans())
     d_in, d_out = draw(st.integers(2, 9)), draw(st.integers(2, 9))
     d_out += d_out % 2 if variant == "road" else 0  # RoAd rotates pairs of outputs
-    r = draw(st.integers(1, min(d_in, d_out)))
+    r = _sized_r(draw, variant, draw(st.integers(1, min(d_in, d_out))), d_in, d_out)
     alpha = None if variant in ("antipasto", "ia3", "ia3_ff") else draw(st.sampled_from([None, 1.0, 6.0, 16.0]))
     return Case(
         variant=variant,
@@ -289,7 +302,7 @@ def compositions(draw: st.DrawFn) -> tuple[str, list[Case], list[float]]:
     parts = []
     for i in range(n):
         variant = draw(st.sampled_from([v for v in lf.list_variants() if not (v == "pissa" and i > 0 and mode == "compose") and not (v == "road" and d_out % 2)]))
-        r = draw(st.integers(1, min(d_in, d_out)))
+        r = _sized_r(draw, variant, draw(st.integers(1, min(d_in, d_out))), d_in, d_out)
         alpha = None if variant in ("antipasto", "ia3", "ia3_ff") else draw(st.sampled_from([None, 3.0]))
         parts.append(
             Case(variant, layout, bias, d_in, d_out, r, base_dtype, torch.float64, tuple(sorted(_options(draw, variant, r).items())), alpha, seed + i)

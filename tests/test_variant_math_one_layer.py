@@ -351,6 +351,14 @@ DOCUMENTED |= {
     "gralora": (16.0, {"gralora_k": 2, "hybrid_r": 0, "dropout": 0.0, "init": "default"}, True, False, False, {"gralora_A": 2, "gralora_B": 1}),
     "miss": (8.0, {"init": "miss", "mini_r": 1, "dropout": 0.0}, True, False, False, {"miss_block": 0}),
 }
+DOCUMENTED.update(
+    {
+        # issue 30: r is SHiRA's r, FourierFT's n_frequency, C3A's block_size (no rank axes)
+        "shira": (1.0, {"mask_type": "random", "random_seed": None, "init_weights": True}, True, False, False, {}),
+        "fourierft": (1.0, {"scaling": 150.0, "random_loc_seed": 777, "init_weights": False}, False, False, False, {}),
+        "c3a": (1.0, {"init": "zeros"}, False, False, False, {}),
+    }
+)
 
 
 @pytest.mark.parametrize("variant", sorted(DOCUMENTED))

@@ -87,6 +87,11 @@ TARGETS: dict[str, tuple[tuple[str, ...] | None, list[list[str]]]] = {
         for name in ("loha", "lokr", "gralora", "miss")
     },
     "lora_func/variants/_lycoris.py": (None, [["tests/test_variants_structured_a.py", "-k", "loha or lokr"], [CONTRACT, "-k", "loha or lokr"]]),
+    # issue 30: the contract rows and the float64 peft oracles first (fast, exact), no properties
+    "lora_func/variants/shira.py": (None, [[CONTRACT, "-k", "shira"], ["tests/test_variants_structured_c.py", "-k", "shira"], [RANK_STACK, "-k", "shira"], [CATALOGUE, "-k", "shira"]]),
+    "lora_func/variants/fourierft.py": (None, [[CONTRACT, "-k", "fourierft"], ["tests/test_variants_structured_c.py", "-k", "fourierft"], [CATALOGUE, "-k", "fourierft"]]),
+    "lora_func/variants/c3a.py": (None, [[CONTRACT, "-k", "c3a"], ["tests/test_variants_structured_c.py", "-k", "c3a"], [CATALOGUE, "-k", "c3a"]]),
+    "lora_func/variants/_sparse.py": (None, [[CONTRACT, "-k", "shira or fourierft"], ["tests/test_variants_structured_c.py"]]),
     "lora_func/variants/_contract.py": (("layer_rank", "layer_alpha"), _ALL),
     "lora_func/_kernels.py": (
         ("lora_scale", "add_low_rank", "_fresh_output_in_place", "base_plus_low_rank", "lora_weight_form", "lora_activation_form", "kaiming_uniform"),

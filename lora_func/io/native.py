@@ -367,7 +367,7 @@ def _expected_tensors(skeleton: _Skeleton, trainable_only: bool) -> set[str]:
 def _tensor_problems(skeleton: _Skeleton, tensors: Mapping[str, Tensor]) -> list[str]:
     """Where the file's tensors disagree with its own metadata: each leaf's tensors must all
     have one leading stack shape followed by the recorded shape, params the spec's dtype and
-    buffers a float dtype; a combinator's own tensors (``weights``) float, of their shape
+    buffers a float dtype (int64 where the variant stores positions); a combinator's own tensors (``weights``) float, of their shape
     after stack axes. The checksum cannot catch this: a hostile file recomputes it."""
     problems = []
     for prefix, node in walk(skeleton):
@@ -392,6 +392,9 @@ def _tensor_problems(skeleton: _Skeleton, tensors: Mapping[str, Tensor]) -> list
                     stacks.add(got[: len(got) - len(shape)])
                     if kind == "params" and tensors[key].dtype != node.spec.dtype:
                         problems.append(f"{key}: dtype {tensors[key].dtype}, the spec says {node.spec.dtype}")
+                    elif name in get_variant(node.spec.variant).integer_buffers:
+                        if tensors[key].dtype != torch.int64:
+                            problems.append(f"{key}: dtype {tensors[key].dtype}, not the int64 positions the variant stores")
                     elif not tensors[key].is_floating_point():
                         problems.append(f"{key}: dtype {tensors[key].dtype}, not floating-point")
         if len(stacks) > 1:

@@ -116,7 +116,7 @@ def _out(fmt: PeftFormat, adapter: Adapter, layer: AdapterLayer, base: Mapping[s
         return _Out(
             t,
             lambda: _stored(fmt, params | buffers),
-            r=layer.info.r if method.rank_of is not None else None,
+            r=layer.info.r if method.rank_of is not None or method.rank_in_config else None,
             alpha=layer.info.alpha if method.alpha else None,
             feedforward=fmt.feedforward,
         )
@@ -186,14 +186,26 @@ def _read_tensors(directory: Path) -> dict[str, Tensor]:
             problem = f"it holds a {type(loaded).__name__}, not a dict of named tensors"
         elif not all(isinstance(k, str) and isinstance(v, Tensor) for k, v in loaded.items()):
             problem = "it holds entries that are not named tensors"
-        elif any(not v.is_floating_point() for v in loaded.values()):
+        elif any(not (v.is_floating_point() or _integer_key(k, v)) for k, v in loaded.items()):
             # An integer "adapter" would be cast to an integer spec dtype, or truncate the layer.
-            problem = f"tensors {sorted(k for k, v in loaded.items() if not v.is_floating_point())[:3]} are not floating-point"
+            wrong = sorted(k for k, v in loaded.items() if not (v.is_floating_point() or _integer_key(k, v)))
+            problem = f"tensors {wrong[:3]} are not floating-point"
     if problem is not None:
         raise ValueError(f"the weights in {directory} are not readable (truncated or corrupted?): {problem}; re-save the checkpoint")  # error: peft-unreadable-weights
     if loaded is None:
         raise FileNotFoundError(f"no peft checkpoint at {directory}: neither {WEIGHTS_NAME} nor {LEGACY_WEIGHTS_NAME} is there")  # error: peft-no-weights
     return dict(loaded)
+
+
+def _integer_key(key: str, tensor: Tensor) -> bool:
+    """Whether ``key`` is an integer tensor that a variant stores as integers (``Variant.integer_buffers``)."""
+    if tensor.dtype not in (torch.int32, torch.int64):
+        return False
+    suffixes = {
+        fmt.keys[name] for variant in list_variants() if (fmt := get_variant(variant).peft) is not None
+        for name in get_variant(variant).integer_buffers if name in fmt.keys
+    }
+    return any(key.endswith("." + suffix) for suffix in suffixes)
 
 
 def _is_regex(pattern: Any) -> bool:
@@ -225,7 +237,7 @@ def _config_problems(config: Mapping[str, Any]) -> list[str]:
         "feedforward_modules": selector,
     }
     # The fields the entries of the checkpoint's method read (a field can mean different things
-    # in two methods: init_weights is a bool in one, also a string in another).
+    # in different methods: init_weights is a bool in HRAConfig, a bool or a name in C3AConfig).
     for fmt in _formats().values():
         if fmt.method.peft_type == config.get("peft_type"):
             checks |= {fmt.method.alpha_key: number, **fmt.method.checks, **fmt.checks}
@@ -337,7 +349,7 @@ def _assemble(
     options: Mapping[str, Any],
 ) -> Adapter:
     """An :class:`Adapter` of ``variant_name`` on exactly ``layers``' modules, checked against the model."""
-    dtypes = {t.dtype for layer in layers.values() for t in (*layer.params.values(), *layer.buffers.values())}
+    dtypes = {t.dtype for layer in layers.values() for t in (*layer.params.values(), *layer.buffers.values()) if t.is_floating_point()}
     dtype = dtypes.pop()
     for other in dtypes:
         dtype = torch.promote_types(dtype, other)
@@ -382,7 +394,8 @@ def _assemble(
         for name, tensor in layer.params.items():
             params[f"{target.module}.{name}"] = tensor.to(weight.device, dtype).contiguous().requires_grad_(True)
         for name, tensor in layer_buffers.items():
-            buffers[f"{target.module}.{name}"] = tensor.to(weight.device).contiguous()
+            # positions (Variant.integer_buffers) are int64 in lora_func; peft may write int32
+            buffers[f"{target.module}.{name}"] = tensor.to(weight.device, None if tensor.is_floating_point() else torch.int64).contiguous()
         out_layers.append(
             adapter_layer(target, info, layer.params, layer_buffers, weight_fingerprint(weight) if variant.records_base else None)
         )
@@ -467,6 +480,10 @@ def _layer_from_peft(directory: Path, config: Mapping[str, Any], module: str, fm
             r = _checked_rank(directory, config, module, int(tensors[name].shape[axis]))
         else:  # the config's, checked by the layer's own shapes in _assemble
             r = int(_pattern_value(config.get("rank_pattern"), module, config.get("r", 8)))
+    elif method.rank_in_config:
+        # the shapes check in _assemble verifies the tensors
+        field, pattern = method.rank_fields
+        r = int(_pattern_value(config.get(pattern) if method.rank_pattern else None, module, config.get(field, 8)))
     if method.alpha:
         alpha = float(_pattern_value(config.get("alpha_pattern"), module, config.get(method.alpha_key, 8)))
     params = {k: v for k, v in tensors.items() if k not in fmt.buffers}
@@ -482,7 +499,7 @@ def _read(directory: Path, config: Mapping[str, Any], peft_type: str, tensors: M
         name, options = _format_for(directory, config, peft_type, module)
         groups.setdefault(name, (options, {}))[1][module] = _layer_from_peft(directory, config, module, formats[name], found)
     method = _methods()[peft_type]
-    r = int(config.get("r", 8)) if method.rank_of is not None else 8
+    r = int(config.get(method.rank_fields[0], 8)) if method.rank_of is not None or method.rank_in_config else 8
     alpha = float(config.get(method.alpha_key, 8)) if method.alpha else None
     parts = [
         _assemble(directory, model, name, groups[name][1], r=r, alpha=alpha, options=groups[name][0]) for name in formats if name in groups
@@ -639,11 +656,12 @@ def _peft_config(
         selector = _module_selector(ff, modules, dotted=False) if ff else []
         # peft requires feedforward_modules ⊆ target_modules, name by name.
         config["feedforward_modules"] = selector if set(selector) <= set(config["target_modules"]) else sorted(ff)
-    if method.rank_of is not None:
-        config["r"] = r = _most_common([o.r for o in layers])
+    if method.rank_of is not None or method.rank_in_config:
+        field, pattern = method.rank_fields
+        config[field] = r = _most_common([o.r for o in layers])
         rank_pattern = {o.target.module: o.r for o in layers if o.r != r}
         if method.rank_pattern:
-            config["rank_pattern"] = rank_pattern
+            config[pattern] = rank_pattern
         elif rank_pattern:
             raise ValueError(  # error: save-peft-one-rank
                 f"save_peft: peft's {peft_type} has one rank for all layers, but these layers differ from r={r}: "

@@ -165,6 +165,12 @@ class PeftMethod:
         > 0): loaded with a warning, as it acts in training only.
       unread: ``config -> why`` no variant of the method reads a layer of this config (e.g. an
         init that changed peft's base weights); the loader raises with it.
+      rank_in_config: the layer's ``r`` is the config's ``r`` (written from it, read as it),
+        though no tensor axis has that size (SHiRA: ``r·(d_in + d_out)`` values); the shapes
+        check on load verifies the tensors.
+      rank_fields: the config fields that hold ``r`` and, with :attr:`rank_pattern`, the
+        per-layer pattern (peft's ``get_pattern_key`` matching), where a method names them
+        otherwise (FourierFT: ``n_frequency`` and ``n_frequency_pattern``).
     """
 
     peft_type: str
@@ -178,6 +184,8 @@ class PeftMethod:
     alpha_key: str = "lora_alpha"
     training_only: Mapping[str, str] = dataclasses.field(default_factory=dict)
     unread: Callable[[Mapping[str, Any]], str] | None = None
+    rank_in_config: bool = False
+    rank_fields: tuple[str, str] = ("r", "rank_pattern")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,7 +232,8 @@ class PeftFormat:
         ``None`` if it does not. With :attr:`Variant.records_base`, the base must also be the
         one the adapter was built on (checked by fingerprint).
       recompute_buffers: the checkpoint holds no buffers: on load they are the variant's
-        ``init`` on the base (PiSSA's residual, as peft recomputes it).
+        ``init`` on the base (PiSSA's residual, as peft recomputes it; positions that peft
+        derives from a seed in the config).
       layer_shapes: ``LayerInfo -> {tensor name: shape}`` for a variant whose tensors depend on
         its options or differ from layer to layer (OFT's block size; LoKr's Kronecker factors
         are full or factored by the layer's sizes and rank; GraLoRA's hybrid part exists only
@@ -337,6 +346,12 @@ class Variant:
       low_rank: a :class:`LowRank` when ``activation_form`` is exactly that scaled low-rank
         product (tests/test_mixed_route.py checks it): the mixed route batches it; ``None``: the
         mixed route runs ``activation_form`` per row.
+      padded_axes: axes sized by ``r`` but not of size ``r`` (SHiRA's ``r·(d_in + d_out)``
+        values and positions): :func:`lora_func.stack` zero-pads them to the largest member as
+        it pads rank axes, but :func:`padded_member` leaves them alone; the forms mask them
+        themselves from the member's own ``info.r`` (a 0-d tensor in a rank-padded stack).
+      integer_buffers: buffers that hold integer positions (int64: SHiRA's mask indices,
+        FourierFT's frequencies), never cast to the adapter dtype, saved and loaded as integers.
     """
 
     name: str
@@ -355,6 +370,8 @@ class Variant:
     shared_init: Callable[..., tuple[TensorDict, TensorDict]] | None = None
     peft: PeftFormat | None = None
     low_rank: LowRank | None = None
+    padded_axes: Mapping[str, int | tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    integer_buffers: frozenset[str] = frozenset()
 
     def __repr__(self) -> str:
         # The functions' reprs would fill a screen; the name identifies the variant.

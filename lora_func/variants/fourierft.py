@@ -1,0 +1,134 @@
+"""FourierFT, Parameter-Efficient Fine-Tuning with Discrete Fourier Transform (Gao et al.,
+ICML 2024, arXiv 2405.03003), following HF peft's ``tuners/fourierft/layer.py``.
+
+Trainable ``fourierft_spectrum (n,)``: ``n`` spectral coefficients at fixed positions
+``fourierft_indices (2, n)`` (int64 row, column; a buffer) of a ``(d_out, d_in)`` spectrum
+``F``; ``n = r`` (lora_func's ``r`` is peft's ``n_frequency``, so peft's per-layer
+``n_frequency_pattern`` is the rank pattern):
+
+    ΔW = scaling · Re(IDFT2(F)) = scaling · Re(ifft2(F)),   W_eff = W + ΔW,   bias unchanged
+
+``ifft2`` includes the ``1/(d_out·d_in)`` normalisation. Positions: the first ``n`` entries of
+``torch.randperm(d_out·d_in)`` from a CPU generator seeded with ``random_loc_seed`` (peft's
+default 777), as (row, column) of the row-major index; the same seed on every layer, as peft.
+peft does not save the positions: it re-derives them from the seed, and so does ``load_peft``
+(``recompute_buffers``). Init (``init_weights=False``, peft's default): a standard-normal
+spectrum, so the adapter is NOT the identity at init (peft's and the paper's choice);
+``init_weights=True``: zeros, the identity.
+
+Both forms build the dense ``ΔW`` by a scatter and one ``ifft2`` in the adapter dtype, at least
+fp32 (there is no half-precision FFT on the CPU; peft computes it in fp32 too). The activation
+form adds ``ΔW`` (rounded to the base dtype) to ``W`` and runs one product (peft's forward runs
+``base(x) + x ΔWᵀ``, two products: more writes and ops, docs/benchmarks.md). GPT-2 ``Conv1D``:
+peft and lora_func both adapt it (peft's ``ΔW`` is ``(d_out, d_in)`` on Conv1D too).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lora_func.variants import (
+    BaseLayer,
+    LayerInfo,
+    PeftFormat,
+    PeftMethod,
+    TensorDict,
+    Variant,
+    is_finite_number,
+)
+from lora_func.variants._sparse import linear_plus_dense, own_values, peft_randperm_positions, scatter_dense
+
+
+def init(
+    weight: Tensor,
+    bias: Tensor | None,
+    info: LayerInfo,
+    *,
+    dtype: torch.dtype,
+    generator: torch.Generator,
+    calibration: Any = None,
+) -> tuple[TensorDict, TensorDict]:
+    n = info.r
+    if n > info.d_in * info.d_out:
+        raise ValueError(  # error: fourierft-too-many
+            f"fourierft: r={n} frequencies (peft's n_frequency) exceed the layer's {info.d_out}×{info.d_in} = "
+            f"{info.d_in * info.d_out} spectrum entries; lower r to at most {info.d_in * info.d_out}"
+        )
+    positions = peft_randperm_positions(info.d_out, info.d_in, n, info.option("random_loc_seed"))
+    spectrum = torch.zeros(n) if info.option("init_weights") else torch.randn(n, generator=generator)
+    return {"fourierft_spectrum": spectrum.to(weight.device, dtype)}, {"fourierft_indices": positions.to(weight.device)}
+
+
+def delta(params: TensorDict, buffers: TensorDict, info: LayerInfo) -> Tensor:
+    """``ΔW (d_out, d_in)`` in the adapter dtype (the FFT in at least fp32)."""
+    spectrum = params["fourierft_spectrum"]
+    ct = torch.promote_types(spectrum.dtype, torch.float32)
+    # In a stack of different r, info.r is the member's own (a tensor): its padding is masked.
+    dense = scatter_dense(own_values(spectrum, info.r).to(ct), buffers["fourierft_indices"], (info.d_out, info.d_in))
+    return (torch.fft.ifft2(dense).real * info.option("scaling")).to(spectrum.dtype)
+
+
+def weight_form(
+    params: TensorDict, buffers: TensorDict, weight: Tensor, bias: Tensor | None, info: LayerInfo
+) -> tuple[Tensor, Tensor | None]:
+    return weight + delta(params, buffers, info).to(weight.dtype), bias
+
+
+def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: BaseLayer, info: LayerInfo) -> Tensor:
+    return linear_plus_dense(base, x, delta(params, buffers, info))
+
+
+def check_options(options: Mapping[str, Any]) -> None:
+    seed = options["random_loc_seed"]
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"fourierft option random_loc_seed={seed!r} must be an integer >= 0 (a torch.Generator seed)")  # error: fourierft-seed
+
+
+def _size(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+VARIANT = Variant(
+    name="fourierft",
+    init=init,
+    weight_form=weight_form,
+    activation_form=activation_form,
+    options={"scaling": 150.0, "random_loc_seed": 777, "init_weights": False},
+    default_alpha=1.0,  # not used: the scale is the scaling option
+    uses_rank=False,  # r is the number of frequencies, up to d_in·d_out (checked by init)
+    check_options=check_options,
+    padded_axes={"fourierft_spectrum": 0, "fourierft_indices": 1},
+    integer_buffers=frozenset({"fourierft_indices"}),
+    # peft: FourierFTConfig; n_frequency / n_frequency_pattern are lora_func's r / rank pattern;
+    # the positions are not in the checkpoint (peft re-derives them from random_loc_seed).
+    peft=PeftFormat(
+        PeftMethod(
+            "FOURIERFT",
+            {"bias": "none"},
+            rank_in_config=True,
+            rank_pattern=True,
+            rank_fields=("n_frequency", "n_frequency_pattern"),
+            checks={
+                "n_frequency": _size,
+                "n_frequency_pattern": lambda v: isinstance(v, dict) and all(_size(n) for n in v.values()),
+                "scaling": is_finite_number,
+                "random_loc_seed": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+                "init_weights": lambda v: isinstance(v, bool),
+            },
+        ),
+        {"fourierft_spectrum": "fourierft_spectrum"},
+        lambda r, d_in, d_out: {"fourierft_spectrum": (r,)},
+        lambda options: {k: options[k] for k in ("scaling", "random_loc_seed", "init_weights")},
+        lambda config, module: {
+            "scaling": float(config.get("scaling", 150.0)),
+            "random_loc_seed": int(config.get("random_loc_seed", 777)),
+            "init_weights": bool(config.get("init_weights", False)),
+        },
+        buffers=frozenset({"fourierft_indices"}),
+        recompute_buffers=True,
+    ),
+)
