@@ -98,6 +98,8 @@ def _options(draw: st.DrawFn, variant: str, r: int) -> dict[str, Any]:
         return {"init": draw(st.sampled_from(["kaiming", "gaussian"]))}
     if variant == "shira":
         return {"random_seed": draw(st.sampled_from([None, 3]))}
+    if variant == "gralora":  # one block: the drawn sizes and ranks are rarely multiples of k (k = 2 in the contract suite)
+        return {"gralora_k": 1}
     if variant == "fourierft":  # init_weights=True: zeros, the identity (peft's default is a random spectrum)
         return {"init_weights": True, "random_loc_seed": draw(st.sampled_from([777, 5])), "scaling": draw(st.sampled_from([150.0, 7.5]))}
     return {}
@@ -245,7 +247,8 @@ def test_save_load_is_bit_identical(case):
 
 
 # Variants whose init is not exactly the identity: SVD or paired-reflection round-off.
-ROUND_OFF_AT_INIT = {"pissa", "hra"}
+# oft, boft: R = I exactly, but the rotated Conv1D weight comes back in another memory layout, and addmm then sums in another order (one ulp)
+ROUND_OFF_AT_INIT = {"pissa", "hra", "oft", "boft"}
 
 
 @PROPERTY

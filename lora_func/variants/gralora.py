@@ -57,7 +57,7 @@ def _check_layer(r: int, d_in: int, d_out: int, k: int) -> None:
     if r % k:
         raise ValueError(  # error: gralora-rank
             f"gralora: r={r} is not a multiple of gralora_k={k} (each of the k×k blocks has rank r/k); use r="
-            f"{max(k, r - r % k)} or r={r + k - r % k}, or another gralora_k"
+            f"{' or r='.join(str(v) for v in sorted({max(k, r - r % k), r + k - r % k}))}, or another gralora_k"
         )
     if d_in % k or d_out % k:
         raise ValueError(  # error: gralora-sizes

@@ -28,7 +28,7 @@ def oft_w_eff(p, buffers, W, bias, info):
     # variants.md (oft): y = base(x R), R block diagonal, so W_eff = W Rᵀ; bias unchanged.
     vec = p["oft_R"]
     b = next(s for s in range(1, 64) if s * (s - 1) // 2 == vec.shape[1])
-    blocks = oft_blocks(vec, b)
+    blocks = oft_blocks(vec, b, info.option("num_cayley_neumann_terms"), info.option("use_cayley_neumann"))
     R = torch.block_diag(*(blocks * (W.shape[1] // b) if len(blocks) == 1 else blocks))
     return W @ R.T, bias
 
