@@ -220,6 +220,12 @@ class PeftFormat:
         one the adapter was built on (checked by fingerprint).
       recompute_buffers: the checkpoint holds no buffers: on load they are the variant's
         ``init`` on the base (PiSSA's residual, as peft recomputes it).
+      shared_keys: a tensor of :attr:`Variant.shared_init` -> its whole key in the checkpoint
+        (``"base_model.vera_A"``): held once, not per layer.
+      shared_saved: ``options -> whether the checkpoint holds the shared tensors`` (peft's
+        ``save_projection``); ``None``: always. Where it does not, ``save_peft`` leaves them out
+        and ``load_peft`` re-creates them with the variant's ``shared_init`` (a basis drawn
+        from a seed in the options, as peft re-creates it from ``projection_prng_key``).
     """
 
     method: PeftMethod
@@ -236,6 +242,8 @@ class PeftFormat:
     export: Callable[[TensorDict, TensorDict, Tensor | None, LayerInfo], PeftLayer] | None = None
     export_needs_base: str | None = None
     recompute_buffers: bool = False
+    shared_keys: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    shared_saved: Callable[[Mapping[str, Any]], bool] | None = None
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
