@@ -1619,3 +1619,32 @@ CASES.update(
         "train-state-optimizer": Case(_state_without_optimizer, ("NoneType", "make_optimizer")),
     }
 )
+
+
+# The shared-basis variants (issue 31): their options, and their shared tensors in peft's format.
+def _vera_shared_init_of_two_ranks(ctx: Ctx) -> Callable[[], Any]:
+    from lora_func.variants import LayerInfo, get_variant
+
+    options = lf.AdapterSpec("vera", targets=["q_proj"]).options
+    infos = {m: LayerInfo(d_in=8, d_out=8, r=r, alpha=1.0, has_bias=False, options=options) for m, r in (("a", 2), ("b", 3))}
+    return lambda: get_variant("vera").shared_init(infos, dtype=torch.float32, device=torch.device("cpu"), generator=torch.Generator())
+
+
+CASES.update(
+    {
+        "bank-one-rank": Case(_vera_shared_init_of_two_ranks, ("vera", "[2, 3]")),
+        "bank-seed": Case(spec("vera", ["q_proj"], projection_prng_key=-1), ("projection_prng_key=-1",)),
+        "vera-init": Case(spec("vera", ["q_proj"], init="nope"), ("'nope'",)),
+        "peft-shared-missing": Case(
+            saved_peft(lambda d, ctx, m: _peft_on(d, ctx, m, tensors=lambda t: {k: v for k, v in t.items() if k != "base_model.vera_A"}), variant="vera"),
+            ("vera_A", "base_model.vera_A", "save_projection"),
+        ),
+        "peft-shared-shape": Case(
+            saved_peft(lambda d, ctx, m: _peft_on(d, ctx, m, tensors=lambda t: t | {"base_model.vera_B": torch.zeros(8, 2)}), variant="vera"),
+            ("base_model.vera_B", "(8, 2)", "(32, 2)"),
+        ),
+        "save-peft-shared-twice": Case(
+            save_peft_of(lambda ctx: (_composed(ctx, {"variant": "vera"}, {"variant": "vera", "targets": ["v_proj"]}), None)), ("vera_A",)
+        ),
+    }
+)
