@@ -41,10 +41,13 @@ def rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return float(((got - want).abs().max() / want.abs().max()).detach())
 
 
-def lf_key(peft_name: str) -> str:
+def lf_key(peft_name: str, shared: tuple[str, ...] = ()) -> str:
     """peft's parameter name -> the adapter's key: ``base_model.model.<module>.<t>.default`` ->
-    ``<module>.<t>``, ``base_model.<t>.default`` (a tensor held once) -> ``<shared>.<t>``."""
+    ``<module>.<t>``, ``base_model.<t>.default`` or a ``shared`` tensor (which peft's
+    ``named_parameters`` lists under the first layer that holds it) -> ``<shared>.<t>``."""
     name = peft_name.removesuffix(".default").removesuffix(".weight").removesuffix(".default")
+    if name.rsplit(".", 1)[-1] in shared:
+        return f"{SHARED}.{name.rsplit('.', 1)[-1]}"
     if name.startswith("base_model.model."):
         return name.removeprefix("base_model.model.")
     return f"{SHARED}.{name.removeprefix('base_model.')}"
@@ -75,7 +78,8 @@ def check_against_peft(model: torch.nn.Module, pm, directory: Path, *, ids: torc
     pm.zero_grad()
     want = pm(input_ids=ids).logits
     ce_loss(want, ids).backward()
-    peft_grads = {lf_key(n): p.grad for n, p in pm.named_parameters() if p.requires_grad}
+    shared = tuple(n for n, _ in adapter.shared.param_shapes) if adapter.shared is not None else ()
+    peft_grads = {lf_key(n, shared): p.grad for n, p in pm.named_parameters() if p.requires_grad}
     assert sorted(peft_grads) == sorted(adapter.params), "peft and lora_func train different tensors"
     assert (want - model(ids).logits).abs().max() > 1e-2, "the perturbed adapter should change the output"
     worst = {"logits": 0.0, "grads": 0.0}

@@ -366,14 +366,14 @@ def _assemble(
         layer = layers[target.module]
         rank = spec.r if layer.r is None else layer.r
         layer_alpha = spec.alpha if layer.alpha is None else float(layer.alpha)
-        expected = fmt.shapes(rank, target.d_in, target.d_out)
+        info = layer_info(spec, target, r=rank, alpha=layer_alpha)
+        expected = fmt.shapes(rank, target.d_in, target.d_out) if fmt.info_shapes is None else fmt.info_shapes(info)
         got = {k: tuple(v.shape) for k, v in (layer.params | layer.buffers).items() if k in expected}
         if got != expected:
             wrong.append(f"{target.module}: checkpoint has {got}, the model needs {expected}")
             continue
         module = modules[target.module]
         weight = module.weight
-        info = layer_info(spec, target, r=rank, alpha=layer_alpha)
         layer_buffers = dict(layer.buffers)
         if fmt.recompute_buffers:
             # As peft does on load (e.g. a residual from the base): the variant's own init on the base.

@@ -226,6 +226,8 @@ class PeftFormat:
         ``save_projection``); ``None``: always. Where it does not, ``save_peft`` leaves them out
         and ``load_peft`` re-creates them with the variant's ``shared_init`` (a basis drawn
         from a seed in the options, as peft re-creates it from ``projection_prng_key``).
+      info_shapes: ``LayerInfo -> {tensor name: shape}`` for a variant whose shapes depend on
+        its options (VB-LoRA's ``vector_length``); checked on load instead of ``shapes``.
     """
 
     method: PeftMethod
@@ -244,6 +246,7 @@ class PeftFormat:
     recompute_buffers: bool = False
     shared_keys: Mapping[str, str] = dataclasses.field(default_factory=dict)
     shared_saved: Callable[[Mapping[str, Any]], bool] | None = None
+    info_shapes: Callable[[LayerInfo], dict[str, tuple[int, ...]]] | None = None
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
