@@ -1643,7 +1643,7 @@ CASES.update(
             saved_peft(lambda d, ctx, m: _peft_on(d, ctx, m, tensors=lambda t: t | {"base_model.vera_B": torch.zeros(8, 2)}), variant="vera"),
             ("base_model.vera_B", "(8, 2)", "(32, 2)"),
         ),
-        "vblora-vector-length": Case(init("vblora", ["v_proj"], num_vectors=4, vector_length=12), ("vector_length=12", "model.layers.0.self_attn.v_proj (16x32)")),
+        "vblora-vector-length": Case(lambda ctx: _init_on(ctx.model(), "vblora", num_vectors=4, vector_length=12), ("vector_length=12", f"{Q} (32x32)")),
         "vblora-sizes": Case(spec("vblora", ["q_proj"], num_vectors=0), ("num_vectors=0",)),
         "vblora-topk": Case(spec("vblora", ["q_proj"], num_vectors=4, topk=5), ("topk=5", "num_vectors=4")),
         "vblora-init-scale": Case(spec("vblora", ["q_proj"], init_logits_std=-1.0), ("init_logits_std",)),
