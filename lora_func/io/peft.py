@@ -557,8 +557,11 @@ def load_peft(directory: str | os.PathLike, model: nn.Module) -> AdapterLike:
     _warn_training_only(directory, config)
     read = _read_tensors(directory)
     # Tensors held once for every layer (a shared basis, a bank), under whole keys.
-    whole = {key for fmt in _formats().values() if fmt.method.peft_type == peft_type for key in fmt.shared_keys.values()}
-    stored_shared = {key: read.pop(key) for key in sorted(whole) if key in read}
+    entries = [fmt for fmt in _formats().values() if fmt.method.peft_type == peft_type]
+    stored_shared = {key: read.pop(key) for fmt in entries for key in fmt.shared_keys.values() if key in read}
+    # peft's state dict also holds a copy of them under every layer that reads them (RandLoRA's).
+    copies = {name for fmt in entries for name in fmt.shared_keys}
+    read = {key: tensor for key, tensor in read.items() if key.rsplit(".", 1)[-1] not in copies}
     tensors = _by_module(directory, peft_type, read)
     _check_model(model, directory, tensors)
     selector = config.get("target_modules")
