@@ -1648,6 +1648,7 @@ CASES.update(
         "vblora-topk": Case(spec("vblora", ["q_proj"], num_vectors=4, topk=5), ("topk=5", "num_vectors=4")),
         "vblora-init-scale": Case(spec("vblora", ["q_proj"], init_logits_std=-1.0), ("init_logits_std",)),
         "randlora-init": Case(spec("randlora", ["q_proj"], init="nope"), ("'nope'",)),
+        "pvera-init": Case(spec("pvera", ["q_proj"], init="nope"), ("'nope'",)),
         "save-peft-shared-twice": Case(
             save_peft_of(lambda ctx: (_composed(ctx, {"variant": "vera"}, {"variant": "vera", "targets": ["v_proj"]}), None)), ("vera_A",)
         ),

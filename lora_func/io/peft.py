@@ -493,7 +493,7 @@ def _layer_from_peft(directory: Path, config: Mapping[str, Any], module: str, fm
     if method.rank_of is not None:
         # peft computes the scale from the config's r / rank_pattern, not from the tensors.
         name, axis = method.rank_of
-        r = _checked_rank(directory, config, module, int(tensors[name].shape[axis]))
+        r = _checked_rank(directory, config, module, int(tensors[name].shape[axis]) // method.rank_multiple)
     if method.alpha:
         alpha = float(_pattern_value(config.get("alpha_pattern"), module, config.get("lora_alpha", 8)))
     params = {k: v for k, v in tensors.items() if k not in fmt.buffers}

@@ -152,6 +152,7 @@ class PeftMethod:
         checkpoint with any of them set (truthy) is refused on load.
       rank_of: ``(tensor name, axis)`` that holds a layer's rank, written as ``r`` (and
         ``rank_pattern``) and checked against the config on load; ``None``: no rank.
+      rank_multiple: the ``rank_of`` axis holds this many times the rank (PVeRA's ``λ_d``: 2r).
       rank_pattern: whether the method has per-layer ranks (``rank_pattern``).
       alpha: whether the method has ``lora_alpha`` / ``alpha_pattern``.
       feedforward_modules: whether the config lists feed-forward layers (``feedforward_modules``).
@@ -167,6 +168,7 @@ class PeftMethod:
     fixed: Mapping[str, Any]
     refused: tuple[str, ...] = ("modules_to_save",)
     rank_of: tuple[str, int] | None = None
+    rank_multiple: int = 1
     rank_pattern: bool = False
     alpha: bool = False
     feedforward_modules: bool = False

@@ -209,7 +209,8 @@ VARIANT = Variant(
         "init": "zero",
     },
     default_alpha=1.0,
-    rank_axes={"randlora_lambda": 0, "randlora_A": 0, "randlora_B": 2},
+    # No rank axes: the number of bases (⌈d/r⌉) and the pairing of U_A's rows with U_B's columns
+    # depend on r, so adapters of different ranks cannot be zero-padded to one stack (stack() refuses).
     check_options=check_options,
     shared_init=shared_init,
     peft=PeftFormat(

@@ -98,6 +98,11 @@ def factors(params: TensorDict, info: LayerInfo) -> tuple[Tensor, Tensor]:
     a = mixture(logits_a, bank, topk).reshape(logits_a.shape[0], -1)
     # (d_out/L, r, L) -> (d_out/L, L, r) -> (d_out, r)
     b = mixture(logits_b, bank, topk).transpose(-1, -2).reshape(-1, logits_b.shape[1])
+    if not isinstance(info.r, int):
+        # A member of a rank-padded stack: its padded logits are zeros, whose mixture is not, so
+        # the padded ranks are masked on the factors (info.r is the member's own rank).
+        keep = (torch.arange(a.shape[0], device=a.device) < info.r).to(a.dtype)
+        a, b = a * keep.unsqueeze(-1), b * keep
     return a, b
 
 
