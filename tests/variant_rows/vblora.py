@@ -20,8 +20,8 @@ def vblora_w_eff(p, b, W, bias, info):
     return W + B @ A, bias
 
 
-# vector_length 8 divides every size: q 32x32, v 16x32, down 32x48 (Llama/Qwen2), c_attn 96x32 and
-# c_fc 128x32 (GPT-2).
+# vector_length 2 divides every size: q 32x32, v 16x32, down 32x48 (Llama/Qwen2), c_attn 96x32 and
+# c_fc 128x32 (GPT-2), and the 10x12 layer of the one-layer tests.
 TARGETS = {"llama": ["q_proj", "v_proj", "down_proj"], "qwen2": ["q_proj", "v_proj", "down_proj"], "gpt2": ["c_attn", "c_fc"]}
 
 # Not the identity at init (peft's init: ΔW = B A from a random bank and logits): measured
@@ -30,7 +30,7 @@ ROW = Row(
     variant="vblora",
     w_eff=vblora_w_eff,
     step0_nonzero=frozenset({"vblora_logits_A", "vblora_logits_B"}),
-    spec_kwargs={"r": 4, "num_vectors": 12, "vector_length": 8, "topk": 3},
+    spec_kwargs={"r": 4, "num_vectors": 12, "vector_length": 2, "topk": 3},
     identity_rtol=5e-3,
     perturb_scale=0.5,
     targets=TARGETS,
