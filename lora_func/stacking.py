@@ -70,9 +70,9 @@ def _stack_adapters(adapters: list[Adapter]) -> Adapter:
     if first.members is not None:
         raise ValueError("stack(): adapter 0 is itself a rank-padded stack; unstack it first")  # error: stack-nested-padded
     if all(other.layers == first.layers and other.shared == first.shared for other in adapters[1:]):
-        params = {k: torch.stack([a.params[k] for a in adapters]) for k in first.params}
-        buffers = {k: _stack_buffer(k, [a.buffers[k] for a in adapters]) for k in first.buffers}
-        return Adapter._unchecked(params, buffers, first.spec, first.layers, None, first.shared, None)
+        same_params = {k: torch.stack([a.params[k] for a in adapters]) for k in first.params}
+        same_buffers = {k: _stack_buffer(k, [a.buffers[k] for a in adapters]) for k in first.buffers}
+        return Adapter._unchecked(same_params, same_buffers, first.spec, first.layers, None, first.shared, None)
     # Rank-padded: zero-pad every tensor to the largest shape (only rank axes differ) and give
     # each layer a rank mask and the member's alpha, so each keeps its own scale.
     variant = first.variant

@@ -58,7 +58,7 @@ def test_the_basis_and_the_init_are_peft_s_draw_for_draw():
 def test_a_peft_checkpoint_loads_with_peft_s_logits_and_gradients(llama64, tmp_path, kind, save_projection):
     model = llama64 if kind == "llama" else bank_oracle.model64("gpt2")
     pm = bank_oracle.peft_model(model, _config(kind, save_projection))
-    adapter, worst = bank_oracle.check_against_peft(model, pm, tmp_path)
+    adapter, _ = bank_oracle.check_against_peft(model, pm, tmp_path)
     stored = load_file(tmp_path / "adapter_model.safetensors")
     assert ("base_model.vera_A" in stored) is save_projection
     # Without the basis in the file it is re-created from projection_prng_key, as peft does.
