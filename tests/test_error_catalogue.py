@@ -1630,6 +1630,15 @@ def _vera_shared_init_of_two_ranks(ctx: Ctx) -> Callable[[], Any]:
     return lambda: get_variant("vera").shared_init(infos, dtype=torch.float32, device=torch.device("cpu"), generator=torch.Generator())
 
 
+def _vblora_topk_without_weights(ctx: Ctx) -> Callable[[], Any]:
+    from lora_func.io import save_peft
+
+    model = ctx.model()
+    adapter = ctx.adapter(model, variant="vblora", num_vectors=4, vector_length=8, save_only_topk_weights=True)
+    directory = save_peft(adapter, ctx.tmp / "ckpt", model=model)
+    return _peft_on(directory, ctx, model, tensors=lambda t: {k: v for k, v in t.items() if not k.endswith("logits_B_topk_weights")})
+
+
 CASES.update(
     {
         "bank-one-rank": Case(_vera_shared_init_of_two_ranks, ("vera", "[2, 3]")),
@@ -1649,6 +1658,7 @@ CASES.update(
         "vblora-init-scale": Case(spec("vblora", ["q_proj"], init_logits_std=-1.0), ("init_logits_std",)),
         "randlora-init": Case(spec("randlora", ["q_proj"], init="nope"), ("'nope'",)),
         "pvera-init": Case(spec("pvera", ["q_proj"], init="nope"), ("'nope'",)),
+        "vblora-topk-tensors": Case(_vblora_topk_without_weights, ("vblora_logits_B_topk_indices", "vblora_logits_B_topk_weights")),
         "save-peft-shared-twice": Case(
             save_peft_of(lambda ctx: (_composed(ctx, {"variant": "vera"}, {"variant": "vera", "targets": ["v_proj"]}), None)), ("vera_A",)
         ),

@@ -49,12 +49,33 @@ def test_save_peft_loads_in_peft(tmp_path):
     assert all(torch.equal(back.params[k], adapter.params[k]) for k in adapter.params)
 
 
-def test_peft_s_top_k_checkpoints_are_refused(tmp_path):
-    model = tiny_model("llama")
-    pm = bank_oracle.peft_model(model, peft.VBLoRAConfig(r=4, target_modules=["q_proj"], save_only_topk_weights=True, **SIZES))
-    pm.save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match=r"VBLORA features lora_func does not support: \['save_only_topk_weights'\]"):
-        lf.load_peft(tmp_path, model)
+def test_top_k_checkpoints_load_and_save_both_ways(tmp_path):
+    """peft's save_only_topk_weights: integer top-k indices and k-1 weights per logits tensor. Read
+    back as peft does (log of the weights at the indices): peft's logits and gradients; written
+    the same way, peft loads it to the same logits."""
+    model = bank_oracle.model64("llama")
+    pm = bank_oracle.peft_model(model, peft.VBLoRAConfig(r=4, target_modules=TARGETS["llama"], save_only_topk_weights=True, **SIZES))
+    adapter, _ = bank_oracle.check_against_peft(model, pm, tmp_path / "peft")
+    stored = load_file(tmp_path / "peft" / "adapter_model.safetensors")
+    assert stored["base_model.model.model.layers.0.self_attn.q_proj.vblora_logits_A_topk_indices"].dtype == torch.uint8
+    assert adapter.spec.option("save_only_topk_weights") is True
+    logits = adapter.params["model.layers.0.self_attn.q_proj.vblora_logits_A"]
+    assert bool(torch.isfinite(logits).all()) and int((logits > -1e300).sum(-1).max()) == SIZES["topk"]
+    lf.save_peft(adapter, tmp_path / "ours", model=model)
+    ours = load_file(tmp_path / "ours" / "adapter_model.safetensors")
+    assert sorted(ours) == sorted(stored)
+    for key, tensor in stored.items():
+        assert ours[key].dtype == tensor.dtype and torch.allclose(ours[key].double(), tensor.double(), rtol=1e-12, atol=0), key
+    # peft reads a top-k checkpoint only in fp32 (its -inf matrix is fp32, scattered with the
+    # weights' dtype): the reload in peft runs on an fp32 model.
+    model32 = tiny_model("llama")
+    spec = lf.AdapterSpec("vblora", targets=TARGETS["llama"], r=4, save_only_topk_weights=True, **SIZES)
+    adapter32 = lf.init_adapter(model32, spec, generator=torch.Generator().manual_seed(3))
+    lf.save_peft(adapter32, tmp_path / "ours32", model=model32)
+    ids = tokens(2, 9, seed=4)
+    want = lf.adapted_call(model32, adapter32, ids).logits
+    assert bank_oracle.rel(bank_oracle.peft_reload_logits(model32, tmp_path / "ours32", ids), want) < 1e-6
+    assert bank_oracle.rel(lf.adapted_call(model32, lf.load_peft(tmp_path / "ours32", model32), ids).logits, want) < 1e-6
 
 
 def test_init_adapter_trains():

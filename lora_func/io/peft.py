@@ -101,7 +101,9 @@ class _Out:
 def _stored(fmt: PeftFormat, found: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """A layer's tensors (lora_func names) as peft stores them (peft suffixes and shapes)."""
     out = {}
-    for name, suffix in fmt.keys.items():
+    # A conversion may store a layer under the entry's other names (VB-LoRA's top-k form).
+    names = [(n, s) for s, n in fmt.imported.items() if n in found] or list(fmt.keys.items())
+    for name, suffix in names:
         tensor = found[name]
         out[suffix] = tensor.unsqueeze(fmt.matrix[name][0]) if name in fmt.matrix else tensor
     return out
@@ -143,7 +145,7 @@ def _suffixes(peft_type: str) -> dict[str, str]:
         suffix: name
         for fmt in _formats().values()
         if fmt.method.peft_type == peft_type
-        for suffix, name in [*((s, n) for n, s in fmt.keys.items()), *fmt.old_keys.items()]
+        for suffix, name in [*((s, n) for n, s in fmt.keys.items()), *fmt.old_keys.items(), *fmt.imported.items()]
     }
 
 
@@ -167,7 +169,10 @@ def _read_config(directory: Path) -> dict[str, Any]:
     return config
 
 
-def _read_tensors(directory: Path) -> dict[str, Tensor]:
+def _read_tensors(directory: Path, integer_suffixes: Iterable[str] = ()) -> dict[str, Tensor]:
+    """The checkpoint's tensors; integer ones only under ``integer_suffixes`` (an entry's
+    ``imported`` index tensors)."""
+    allowed = tuple(f".{suffix}" for suffix in integer_suffixes)
     path = directory / WEIGHTS_NAME
     legacy = directory / LEGACY_WEIGHTS_NAME
     loaded: Any = None
@@ -186,9 +191,9 @@ def _read_tensors(directory: Path) -> dict[str, Tensor]:
             problem = f"it holds a {type(loaded).__name__}, not a dict of named tensors"
         elif not all(isinstance(k, str) and isinstance(v, Tensor) for k, v in loaded.items()):
             problem = "it holds entries that are not named tensors"
-        elif any(not v.is_floating_point() for v in loaded.values()):
+        elif any(not v.is_floating_point() and not k.endswith(allowed) for k, v in loaded.items()):
             # An integer "adapter" would be cast to an integer spec dtype, or truncate the layer.
-            problem = f"tensors {sorted(k for k, v in loaded.items() if not v.is_floating_point())[:3]} are not floating-point"
+            problem = f"tensors {sorted(k for k, v in loaded.items() if not v.is_floating_point() and not k.endswith(allowed))[:3]} are not floating-point"
     if problem is not None:
         raise ValueError(f"the weights in {directory} are not readable (truncated or corrupted?): {problem}; re-save the checkpoint")  # error: peft-unreadable-weights
     if loaded is None:
@@ -481,6 +486,8 @@ def _format_for(directory: Path, config: Mapping[str, Any], peft_type: str, modu
 
 def _layer_from_peft(directory: Path, config: Mapping[str, Any], module: str, fmt: PeftFormat, found: Mapping[str, Tensor]) -> _Layer:
     """One layer's peft tensors in lora_func shapes, with its rank and alpha checked against the config."""
+    if fmt.convert_in is not None and any(name in fmt.imported.values() for name in found):
+        found = fmt.convert_in(dict(found), config)
     _check_complete(directory, module, found, fmt.keys)
     tensors = dict(found)
     for name, (axis, stored_as) in fmt.matrix.items():
@@ -555,7 +562,7 @@ def load_peft(directory: str | os.PathLike, model: nn.Module) -> AdapterLike:
     _check_config(directory, config)
     _refuse_unsupported(directory, config)
     _warn_training_only(directory, config)
-    read = _read_tensors(directory)
+    read = _read_tensors(directory, [s for fmt in _formats().values() if fmt.method.peft_type == peft_type for s in fmt.imported])
     # Tensors held once for every layer (a shared basis, a bank), under whole keys.
     entries = [fmt for fmt in _formats().values() if fmt.method.peft_type == peft_type]
     stored_shared = {key: read.pop(key) for fmt in entries for key in fmt.shared_keys.values() if key in read}

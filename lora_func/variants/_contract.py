@@ -230,6 +230,11 @@ class PeftFormat:
         from a seed in the options, as peft re-creates it from ``projection_prng_key``).
       info_shapes: ``LayerInfo -> {tensor name: shape}`` for a variant whose shapes depend on
         its options (VB-LoRA's ``vector_length``); checked on load instead of ``shapes``.
+      imported: peft suffix -> name, for tensors a checkpoint may hold in place of ``keys``
+        (VB-LoRA's top-k indices and weights; integer tensors allowed). ``export`` may store a
+        layer under these names; on load ``convert_in`` turns them into ``keys``' tensors.
+      convert_in: ``(the layer's tensors by name, config) -> {name in keys: tensor}``, applied
+        on load to a layer that holds ``imported`` tensors.
     """
 
     method: PeftMethod
@@ -249,6 +254,8 @@ class PeftFormat:
     shared_keys: Mapping[str, str] = dataclasses.field(default_factory=dict)
     shared_saved: Callable[[Mapping[str, Any]], bool] | None = None
     info_shapes: Callable[[LayerInfo], dict[str, tuple[int, ...]]] | None = None
+    imported: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    convert_in: Callable[[TensorDict, Mapping[str, Any]], TensorDict] | None = None
 
 
 @dataclasses.dataclass(frozen=True, repr=False)

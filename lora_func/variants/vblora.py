@@ -20,9 +20,11 @@ init_logits_std²)``, both from the given generator (peft draws them from the gl
 not zero at init (peft's behaviour): the adapted model differs from the base from the start.
 
 peft format (``VBLoRAConfig``): the two logits per layer and ``base_model.vblora_vector_bank``
-once. Differences from peft: peft's ``save_only_topk_weights=True`` checkpoints (top-k indices
-and weights instead of the logits) are refused on load and not written; load them in peft and
-save them again with ``save_only_topk_weights=False``.
+once; with ``save_only_topk_weights=True`` (option) each logits tensor is stored as its top-k
+indices (the smallest integer type that holds ``num_vectors``) and the first ``k − 1`` softmax
+weights, as peft stores it, and read back as peft does (``log`` of the weights at the indices).
+Difference from peft: the other logits of such a checkpoint are the dtype's lowest finite value
+(peft: ``-inf``), so the adapter stays finite and can be trained further (peft refuses to).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from lora_func.variants import (
     BaseLayer,
     LayerInfo,
     PeftFormat,
+    PeftLayer,
     PeftMethod,
     TensorDict,
     Variant,
@@ -132,11 +135,56 @@ def check_options(options: Mapping[str, Any]) -> None:
         raise ValueError("vblora options init_vector_bank_bound and init_logits_std must be >= 0")  # error: vblora-init-scale
 
 
-_CONFIG_FIELDS = ("num_vectors", "vector_length", "topk", "init_vector_bank_bound", "init_logits_std")
+_CONFIG_FIELDS = ("num_vectors", "vector_length", "topk", "init_vector_bank_bound", "init_logits_std", "save_only_topk_weights")
+_LOGITS = ("vblora_logits_A", "vblora_logits_B")
 
 
 def _peft_config(options: Mapping[str, Any]) -> dict[str, Any]:
-    return {name: options[name] for name in _CONFIG_FIELDS} | {"vblora_dropout": float(options["dropout"]), "save_only_topk_weights": False}
+    return {name: options[name] for name in _CONFIG_FIELDS} | {"vblora_dropout": float(options["dropout"])}
+
+
+def _index_dtype(count: int) -> torch.dtype:
+    """peft's choice: the smallest integer type that holds ``count`` vector indices."""
+    for limit, dtype in ((2**8, torch.uint8), (2**15, torch.int16), (2**31, torch.int32)):
+        if count < limit:
+            return dtype
+    return torch.int64
+
+
+def _export(params: TensorDict, buffers: TensorDict, weight: Tensor | None, info: LayerInfo) -> PeftLayer:
+    """The logits as they are, or (``save_only_topk_weights``) each as its top-k indices and the
+    first k − 1 softmax weights (peft's ``_get_adapter_state_dict``)."""
+    if not info.option("save_only_topk_weights"):
+        return PeftLayer(lambda: {name: params[name] for name in _LOGITS}, r=info.r)
+
+    def tensors() -> TensorDict:
+        out = {}
+        for name in _LOGITS:
+            top, indices = params[name].detach().topk(info.option("topk"))
+            out[f"{name}_topk_indices"] = indices.to(_index_dtype(info.option("num_vectors")))
+            out[f"{name}_topk_weights"] = torch.softmax(top, dim=-1)[..., :-1].contiguous()
+        return out
+
+    return PeftLayer(tensors, r=info.r)
+
+
+def _convert_in(found: TensorDict, config: Mapping[str, Any]) -> TensorDict:
+    """Top-k indices and weights back to logits, as peft does: ``log`` of the k weights (the last
+    is one minus the others) at the indices, the dtype's lowest finite value elsewhere."""
+    count = config.get("num_vectors", VARIANT.options["num_vectors"])
+    out = {}
+    for name in _LOGITS:
+        indices, weights = found.get(f"{name}_topk_indices"), found.get(f"{name}_topk_weights")
+        if indices is None or weights is None or indices.shape[:-1] != weights.shape[:-1] or indices.shape[-1] != weights.shape[-1] + 1:
+            have = {k: tuple(v.shape) for k, v in found.items()}
+            raise ValueError(  # error: vblora-topk-tensors
+                f"vblora: a save_only_topk_weights layer needs {name}_topk_indices (..., k) and {name}_topk_weights "
+                f"(..., k-1), got {have}; re-save the checkpoint"
+            )
+        weights = torch.cat([weights, 1 - weights.sum(-1, keepdim=True)], dim=-1)
+        logits = torch.full((*weights.shape[:-1], count), torch.finfo(weights.dtype).min, dtype=weights.dtype)
+        out[name] = logits.scatter(-1, indices.long(), torch.log(weights))
+    return out
 
 
 def _peft_reads(config: Mapping[str, Any], module: str) -> dict[str, Any]:
@@ -158,8 +206,7 @@ def _positive_int(value: Any) -> bool:
 PEFT_METHOD = PeftMethod(
     "VBLORA",
     {"bias": "none"},
-    # top-k checkpoints hold integer indices instead of the logits: not read (see the docstring).
-    ("modules_to_save", "save_only_topk_weights"),
+    ("modules_to_save",),
     rank_of=("vblora_logits_A", 0),
     checks={
         "num_vectors": _positive_int,
@@ -168,6 +215,7 @@ PEFT_METHOD = PeftMethod(
         "vblora_dropout": lambda v: v is None or (is_finite_number(v) and 0 <= v < 1),
         "init_vector_bank_bound": is_finite_number,
         "init_logits_std": is_finite_number,
+        "save_only_topk_weights": lambda v: isinstance(v, bool),
     },
 )
 
@@ -183,6 +231,7 @@ VARIANT = Variant(
         "dropout": 0.0,
         "init_vector_bank_bound": 0.02,
         "init_logits_std": 0.1,
+        "save_only_topk_weights": False,
     },
     default_alpha=1.0,
     rank_axes={"vblora_logits_A": 0, "vblora_logits_B": 1},
@@ -196,5 +245,8 @@ VARIANT = Variant(
         _peft_reads,
         shared_keys={"vblora_vector_bank": "base_model.vblora_vector_bank"},
         info_shapes=_peft_shapes,
+        export=_export,
+        imported={f"{name}_topk_{part}": f"{name}_topk_{part}" for name in _LOGITS for part in ("indices", "weights")},
+        convert_in=_convert_in,
     ),
 )
