@@ -101,7 +101,7 @@ class _Out:
 def _stored(fmt: PeftFormat, found: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """A layer's tensors (lora_func names) as peft stores them (peft suffixes and shapes)."""
     out = {}
-    # A conversion may store a layer under the entry's other names (VB-LoRA's top-k form).
+    # A conversion may store a layer under the entry's other names (a top-k form, say).
     names = [(n, s) for s, n in fmt.imported.items() if n in found] or list(fmt.keys.items())
     for name, suffix in names:
         tensor = found[name]
@@ -566,7 +566,7 @@ def load_peft(directory: str | os.PathLike, model: nn.Module) -> AdapterLike:
     # Tensors held once for every layer (a shared basis, a bank), under whole keys.
     entries = [fmt for fmt in _formats().values() if fmt.method.peft_type == peft_type]
     stored_shared = {key: read.pop(key) for fmt in entries for key in fmt.shared_keys.values() if key in read}
-    # peft's state dict also holds a copy of them under every layer that reads them (RandLoRA's).
+    # peft's state dict may also hold a copy of them under every layer that reads them.
     copies = {name for fmt in entries for name in fmt.shared_keys}
     read = {key: tensor for key, tensor in read.items() if key.rsplit(".", 1)[-1] not in copies}
     tensors = _by_module(directory, peft_type, read)
