@@ -74,6 +74,8 @@ def test_save_peft_loads_in_peft(llama64, tmp_path, save_projection):
     lf.save_peft(adapter, tmp_path, model=llama64)
     config = json.loads((tmp_path / "adapter_config.json").read_text())
     assert config["peft_type"] == "VERA" and config["r"] == 4 and config["projection_prng_key"] == 3 and config["save_projection"] is save_projection
+    assert config["init_weights"] is True and config["d_initial"] == 0.1 and config["vera_dropout"] == 0.0
+    assert all(t.dtype == torch.float64 for t in adapter.buffers.values())
     assert ("base_model.vera_B" in load_file(tmp_path / "adapter_model.safetensors")) is save_projection
     ids = tokens(2, 9, seed=4)
     want = lf.adapted_call(llama64, adapter, ids).logits
@@ -144,3 +146,19 @@ def test_a_stack_of_256_members_holds_one_basis_and_trains_in_one_ensemble_step(
     with torch.no_grad():
         after = losses({k: v - 1.0 * v.grad for k, v in params.items()})
     assert bool((after < before).all()), int((after < before).sum())
+
+
+def test_a_config_without_the_seed_fields_reads_as_peft_s_defaults(llama64, tmp_path):
+    """peft's defaults: projection_prng_key 0, save_projection True, init_weights True."""
+    pm = bank_oracle.peft_model(llama64, peft.VeraConfig(r=4, target_modules=TARGETS["llama"]))
+    pm.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    for name in ("projection_prng_key", "save_projection", "init_weights", "d_initial", "vera_dropout"):
+        del config[name]
+    (tmp_path / "adapter_config.json").write_text(json.dumps(config))
+    adapter = lf.load_peft(tmp_path, llama64)
+    assert dict(adapter.spec.options) == dict(lf.AdapterSpec("vera", targets=["q_proj"]).options)
+    path = tmp_path / "adapter_model.safetensors"
+    save_file({k: v for k, v in load_file(path).items() if "vera_A" not in k and "vera_B" not in k}, path)
+    with pytest.raises(ValueError, match="says it holds the shared vera_A"):
+        lf.load_peft(tmp_path, llama64)  # save_projection defaults to True
