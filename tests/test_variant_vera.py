@@ -158,6 +158,8 @@ def test_a_config_without_the_seed_fields_reads_as_peft_s_defaults(llama64, tmp_
     (tmp_path / "adapter_config.json").write_text(json.dumps(config))
     adapter = lf.load_peft(tmp_path, llama64)
     assert dict(adapter.spec.options) == dict(lf.AdapterSpec("vera", targets=["q_proj"]).options)
+    (tmp_path / "adapter_config.json").write_text(json.dumps(config | {"vera_dropout": 0.25, "init_weights": False}))
+    assert lf.load_peft(tmp_path, llama64).spec.options == lf.AdapterSpec("vera", targets=["q_proj"], dropout=0.25, init="random").options
     path = tmp_path / "adapter_model.safetensors"
     save_file({k: v for k, v in load_file(path).items() if "vera_A" not in k and "vera_B" not in k}, path)
     with pytest.raises(ValueError, match="says it holds the shared vera_A"):
