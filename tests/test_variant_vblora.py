@@ -97,5 +97,19 @@ def test_init_adapter_trains():
 def test_vector_length_must_divide_every_layer():
     with pytest.raises(ValueError, match=r"vector_length=12 must divide d_in and d_out of every layer.*v_proj \(16x32\)"):
         lf.init_adapter(tiny_model("llama"), lf.AdapterSpec("vblora", targets=["v_proj"], r=2, num_vectors=4, vector_length=12))
+    # down_proj is 32 x 48: 12 divides d_in only.
+    with pytest.raises(ValueError, match=r"vector_length=12 .*down_proj \(32x48\)"):
+        lf.init_adapter(tiny_model("llama"), lf.AdapterSpec("vblora", targets=["down_proj"], r=2, num_vectors=4, vector_length=12))
     with pytest.raises(ValueError, match=r"topk=5 exceeds num_vectors=4"):
         lf.AdapterSpec("vblora", targets=["v_proj"], num_vectors=4, topk=5)
+
+
+def test_init_draws_peft_s_distributions():
+    """bank ~ U(-bound, bound), logits ~ N(0, std²) (peft's init, from the generator)."""
+    spec = lf.AdapterSpec("vblora", targets=TARGETS["llama"], r=4, num_vectors=64, vector_length=8, init_vector_bank_bound=0.5, init_logits_std=0.3)
+    adapter = lf.init_adapter(tiny_model("llama"), spec, generator=torch.Generator().manual_seed(0))
+    bank = adapter.params[f"{SHARED}.vblora_vector_bank"].detach()
+    assert bank.abs().max() <= 0.5 and bank.abs().max() > 0.45 and abs(float(bank.std()) - 0.5 / 3**0.5) < 0.03
+    for name in ("vblora_logits_A", "vblora_logits_B"):
+        logits = torch.cat([adapter.params[f"{layer.target.module}.{name}"].detach().flatten() for layer in adapter.layers])
+        assert abs(float(logits.std()) - 0.3) < 0.01 and abs(float(logits.mean())) < 0.01, name
