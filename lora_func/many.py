@@ -136,7 +136,11 @@ class _Rows:
 
 
 def _gather(tensors: Mapping[str, Tensor], rows: Tensor) -> dict[str, Tensor]:
-    return {name: tensor.index_select(0, rows) for name, tensor in tensors.items()}
+    # A tensor every member shares (stacked as an expand: a seed-derived basis) stays one copy.
+    return {
+        name: tensor[0].expand(rows.shape[0], *tensor.shape[1:]) if tensor.dim() and tensor.stride(0) == 0 else tensor.index_select(0, rows)
+        for name, tensor in tensors.items()
+    }
 
 
 def _lora_factors(

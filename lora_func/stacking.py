@@ -77,7 +77,9 @@ def _stack_adapters(adapters: list[Adapter]) -> Adapter:
     if first.members is not None:
         raise ValueError("stack(): adapter 0 is itself a rank-padded stack; unstack it first")  # error: stack-nested-padded
     if all(other.layers == first.layers and other.shared == first.shared for other in adapters[1:]):
-        return pytree.tree_map(lambda *ts: torch.stack(ts), *adapters)
+        same_params = {k: torch.stack([a.params[k] for a in adapters]) for k in first.params}
+        same_buffers = {k: _stack_buffer(k, [a.buffers[k] for a in adapters]) for k in first.buffers}
+        return Adapter._unchecked(same_params, same_buffers, first.spec, first.layers, None, first.shared, None)
     # Rank-padded: zero-pad every tensor to the largest shape (only rank axes differ) and give
     # each layer a rank mask and the member's alpha, so each keeps its own scale.
     variant = first.variant
@@ -126,6 +128,19 @@ def _stack_adapters(adapters: list[Adapter]) -> Adapter:
         shared,
         None if shared is None else [a.shared for a in adapters],
     )
+
+
+def _stack_buffer(key: str, tensors: Sequence[Tensor]) -> Tensor:
+    """The members' buffer ``key`` stacked; a shared buffer that every member holds equal (a
+    basis drawn from one seed: VeRA's ``vera_A``) as an ``expand`` of the first, one copy for
+    all members (buffers are never written, so the stride-0 view is safe)."""
+    first = tensors[0]
+    if key.startswith(f"{SHARED}.") and all(
+        t is first or (t.shape == first.shape and t.dtype == first.dtype and t.device == first.device and torch.equal(t, first))
+        for t in tensors[1:]
+    ):
+        return first.unsqueeze(0).expand(len(tensors), *first.shape)
+    return torch.stack(list(tensors))
 
 
 def _pad_shared(

@@ -1708,5 +1708,46 @@ CASES.update(
         "fourierft-seed": Case(spec("fourierft", ["v_proj"], random_loc_seed=-3), ("random_loc_seed=-3",)),
         "c3a-block-size": Case(_init_seeded("c3a", ["v_proj"], r=12), ("model.layers.0.self_attn.v_proj", "r=12", "d_out=16", "r=16")),
         "c3a-init": Case(spec("c3a", ["v_proj"], init="ones"), ("'ones'",)),
+# The shared-basis variants (issue 31): their options, and their shared tensors in peft's format.
+def _vera_shared_init_of_two_ranks(ctx: Ctx) -> Callable[[], Any]:
+    from lora_func.variants import LayerInfo, get_variant
+
+    options = lf.AdapterSpec("vera", targets=["q_proj"]).options
+    infos = {m: LayerInfo(d_in=8, d_out=8, r=r, alpha=1.0, has_bias=False, options=options) for m, r in (("a", 2), ("b", 3))}
+    return lambda: get_variant("vera").shared_init(infos, dtype=torch.float32, device=torch.device("cpu"), generator=torch.Generator())
+
+
+def _vblora_topk_without_weights(ctx: Ctx) -> Callable[[], Any]:
+    from lora_func.io import save_peft
+
+    model = ctx.model()
+    adapter = ctx.adapter(model, variant="vblora", num_vectors=4, vector_length=8, save_only_topk_weights=True)
+    directory = save_peft(adapter, ctx.tmp / "ckpt", model=model)
+    return _peft_on(directory, ctx, model, tensors=lambda t: {k: v for k, v in t.items() if not k.endswith("logits_B_topk_weights")})
+
+
+CASES.update(
+    {
+        "bank-one-rank": Case(_vera_shared_init_of_two_ranks, ("vera", "[2, 3]")),
+        "bank-seed": Case(spec("vera", ["q_proj"], projection_prng_key=-1), ("projection_prng_key=-1",)),
+        "vera-init": Case(spec("vera", ["q_proj"], init="nope"), ("'nope'",)),
+        "peft-shared-missing": Case(
+            saved_peft(lambda d, ctx, m: _peft_on(d, ctx, m, tensors=lambda t: {k: v for k, v in t.items() if k != "base_model.vera_A"}), variant="vera"),
+            ("vera_A", "base_model.vera_A", "save_projection"),
+        ),
+        "peft-shared-shape": Case(
+            saved_peft(lambda d, ctx, m: _peft_on(d, ctx, m, tensors=lambda t: t | {"base_model.vera_B": torch.zeros(8, 2)}), variant="vera"),
+            ("base_model.vera_B", "(8, 2)", "(32, 2)"),
+        ),
+        "vblora-vector-length": Case(lambda ctx: _init_on(ctx.model(), "vblora", num_vectors=4, vector_length=12), ("vector_length=12", f"{Q} (32x32)")),
+        "vblora-sizes": Case(spec("vblora", ["q_proj"], num_vectors=0), ("num_vectors=0",)),
+        "vblora-topk": Case(spec("vblora", ["q_proj"], num_vectors=4, topk=5), ("topk=5", "num_vectors=4")),
+        "vblora-init-scale": Case(spec("vblora", ["q_proj"], init_logits_std=-1.0), ("init_logits_std",)),
+        "randlora-init": Case(spec("randlora", ["q_proj"], init="nope"), ("'nope'",)),
+        "pvera-init": Case(spec("pvera", ["q_proj"], init="nope"), ("'nope'",)),
+        "vblora-topk-tensors": Case(_vblora_topk_without_weights, ("vblora_logits_B_topk_indices", "vblora_logits_B_topk_weights")),
+        "save-peft-shared-twice": Case(
+            save_peft_of(lambda ctx: (_composed(ctx, {"variant": "vera"}, {"variant": "vera", "targets": ["v_proj"]}), None)), ("vera_A",)
+        ),
     }
 )

@@ -20,6 +20,8 @@ from tests.contract_helpers import calibration_batches, perturbed
 from tests.models import tiny_model
 
 TARGETS = {"llama": ["q_proj", "v_proj"], "gpt2": ["c_attn"]}
+# Options a variant needs on the tiny models (VB-LoRA: peft's default vector_length 256 divides no layer).
+OPTIONS = {"vblora": {"num_vectors": 12, "vector_length": 8}}
 
 
 # Options a variant needs on the tiny models (peft's RoAd default group_size=64 exceeds their widths).
@@ -27,7 +29,7 @@ SMALL_MODEL_OPTIONS = {"road": {"group_size": 2}, "oft": {"oft_block_size": 8}}
 
 
 def _adapter(model, kind: str, variant: str, **kwargs) -> lf.Adapter:
-    spec = lf.AdapterSpec(variant, targets=kwargs.pop("targets", TARGETS[kind]), **({"r": 2} | SMALL_MODEL_OPTIONS.get(variant, {}) | kwargs))
+    spec = lf.AdapterSpec(variant, targets=kwargs.pop("targets", TARGETS[kind]), **({"r": 2} | SMALL_MODEL_OPTIONS.get(variant, {}) | OPTIONS.get(variant, {}) | kwargs))
     calibration = calibration_batches() if variant == "eva" else None
     adapter = lf.init_adapter(model, spec, generator=torch.Generator().manual_seed(1), calibration=calibration)
     return perturbed(adapter, 0.1)

@@ -92,6 +92,12 @@ TARGETS: dict[str, tuple[tuple[str, ...] | None, list[list[str]]]] = {
     "lora_func/variants/fourierft.py": (None, [[CONTRACT, "-k", "fourierft"], ["tests/test_variants_structured_c.py", "-k", "fourierft"], [CATALOGUE, "-k", "fourierft"]]),
     "lora_func/variants/c3a.py": (None, [[CONTRACT, "-k", "c3a"], ["tests/test_variants_structured_c.py", "-k", "c3a"], [CATALOGUE, "-k", "c3a"]]),
     "lora_func/variants/_sparse.py": (None, [[CONTRACT, "-k", "shira or fourierft"], ["tests/test_variants_structured_c.py"]]),
+    # The shared-basis variants (issue 31): their own oracle tests instead of the (slow) properties.
+    **{
+        f"lora_func/variants/{name}.py": (None, _variant_stages(name, f"tests/test_variant_{name}.py")[:-1])
+        for name in ("vera", "vblora", "randlora", "pvera")
+    },
+    "lora_func/variants/_bank.py": (None, [[CONTRACT, "-k", "vera or randlora or pvera"], ["tests/test_variant_vera.py", "tests/test_variant_randlora.py"]]),
     "lora_func/variants/_contract.py": (("layer_rank", "layer_alpha"), _ALL),
     "lora_func/_kernels.py": (
         ("lora_scale", "add_low_rank", "_fresh_output_in_place", "base_plus_low_rank", "lora_weight_form", "lora_activation_form", "kaiming_uniform"),

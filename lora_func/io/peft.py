@@ -33,10 +33,12 @@ from lora_func._model import (
     adapter_layer,
     base_params,
     layer_info,
+    shared_init,
     variant_init,
     weight_fingerprint,
 )
 from lora_func.adapter import (
+    SHARED,
     Adapter,
     AdapterLayer,
     AdapterLike,
@@ -99,7 +101,9 @@ class _Out:
 def _stored(fmt: PeftFormat, found: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """A layer's tensors (lora_func names) as peft stores them (peft suffixes and shapes)."""
     out = {}
-    for name, suffix in fmt.keys.items():
+    # A conversion may store a layer under the entry's other names (a top-k form, say).
+    names = [(n, s) for s, n in fmt.imported.items() if n in found] or list(fmt.keys.items())
+    for name, suffix in names:
         if name not in found:
             continue  # a tensor this layer does not have (PeftFormat.layer_shapes)
         tensor = found[name]
@@ -143,7 +147,7 @@ def _suffixes(peft_type: str) -> dict[str, str]:
         suffix: name
         for fmt in _formats().values()
         if fmt.method.peft_type == peft_type
-        for suffix, name in [*((s, n) for n, s in fmt.keys.items()), *fmt.old_keys.items()]
+        for suffix, name in [*((s, n) for n, s in fmt.keys.items()), *fmt.old_keys.items(), *fmt.imported.items()]
     }
 
 
@@ -167,7 +171,10 @@ def _read_config(directory: Path) -> dict[str, Any]:
     return config
 
 
-def _read_tensors(directory: Path) -> dict[str, Tensor]:
+def _read_tensors(directory: Path, integer_suffixes: Iterable[str] = ()) -> dict[str, Tensor]:
+    """The checkpoint's tensors; integer ones only under ``integer_suffixes`` (an entry's
+    ``imported`` index tensors)."""
+    allowed = tuple(f".{suffix}" for suffix in integer_suffixes)
     path = directory / WEIGHTS_NAME
     legacy = directory / LEGACY_WEIGHTS_NAME
     loaded: Any = None
@@ -186,9 +193,9 @@ def _read_tensors(directory: Path) -> dict[str, Tensor]:
             problem = f"it holds a {type(loaded).__name__}, not a dict of named tensors"
         elif not all(isinstance(k, str) and isinstance(v, Tensor) for k, v in loaded.items()):
             problem = "it holds entries that are not named tensors"
-        elif any(not (v.is_floating_point() or _integer_key(k, v)) for k, v in loaded.items()):
+        elif any(not (v.is_floating_point() or _integer_key(k, v) or k.endswith(allowed)) for k, v in loaded.items()):
             # An integer "adapter" would be cast to an integer spec dtype, or truncate the layer.
-            wrong = sorted(k for k, v in loaded.items() if not (v.is_floating_point() or _integer_key(k, v)))
+            wrong = sorted(k for k, v in loaded.items() if not (v.is_floating_point() or _integer_key(k, v) or k.endswith(allowed)))
             problem = f"tensors {wrong[:3]} are not floating-point"
     if problem is not None:
         raise ValueError(f"the weights in {directory} are not readable (truncated or corrupted?): {problem}; re-save the checkpoint")  # error: peft-unreadable-weights
@@ -347,6 +354,7 @@ def _assemble(
     r: int = 8,
     alpha: float | None = None,
     options: Mapping[str, Any],
+    stored_shared: Mapping[str, Tensor] | None = None,
 ) -> Adapter:
     """An :class:`Adapter` of ``variant_name`` on exactly ``layers``' modules, checked against the model."""
     dtypes = {t.dtype for layer in layers.values() for t in (*layer.params.values(), *layer.buffers.values()) if t.is_floating_point()}
@@ -404,7 +412,39 @@ def _assemble(
             f"{directory} does not fit {type(model).__name__} (tensor shapes): {wrong[:3]}; load it onto the model "
             f"it was trained for"
         )
-    return Adapter(params, buffers, spec, out_layers)
+    if variant.shared_init is None:
+        return Adapter(params, buffers, spec, out_layers)
+    device = next(iter(params.values())).device if params else torch.device("cpu")
+    infos = {layer.target.module: layer.info for layer in out_layers}
+    shared_params, shared_buffers, shared = shared_init(variant, spec, infos, device=device, generator=torch.Generator().manual_seed(0))
+    _shared_from_checkpoint(directory, fmt, spec, shared_params, stored_shared or {})
+    _shared_from_checkpoint(directory, fmt, spec, shared_buffers, stored_shared or {})
+    return Adapter(params | shared_params, buffers | shared_buffers, spec, out_layers, shared=shared)
+
+
+def _shared_from_checkpoint(directory: Path, fmt: PeftFormat, spec: AdapterSpec, built: dict[str, Tensor], stored: Mapping[str, Tensor]) -> None:
+    """Replace the shared tensors ``built`` by the variant's ``shared_init`` (keyed
+    ``"<shared>.<name>"``) by the checkpoint's, where it holds them; where it does not, the
+    built ones stand only if the config says the checkpoint leaves them out (``shared_saved``)."""
+    saved = fmt.shared_saved is None or fmt.shared_saved(dict(spec.options))
+    for key, tensor in built.items():
+        name = key.removeprefix(f"{SHARED}.")
+        whole = fmt.shared_keys.get(name)
+        if whole is None:
+            continue
+        if whole not in stored:
+            if saved:
+                raise ValueError(  # error: peft-shared-missing
+                    f"{directory} is incomplete: its config says it holds the shared {name} ({whole}), but it does not; "
+                    f"re-save the checkpoint, or set save_projection=false in its config if the basis comes from the seed"
+                )
+            continue
+        if tuple(stored[whole].shape) != tuple(tensor.shape):
+            raise ValueError(  # error: peft-shared-shape
+                f"{directory} does not fit {spec.variant} on these layers: the shared {whole} has shape "
+                f"{tuple(stored[whole].shape)}, the adapted layers need {tuple(tensor.shape)}; load it onto the model it was trained for"
+            )
+        built[key] = stored[whole].to(tensor.device, spec.dtype).contiguous().requires_grad_(tensor.requires_grad)
 
 
 def _warn_training_only(directory: Path, config: Mapping[str, Any]) -> None:
@@ -463,6 +503,8 @@ def _format_for(directory: Path, config: Mapping[str, Any], peft_type: str, modu
 
 def _layer_from_peft(directory: Path, config: Mapping[str, Any], module: str, fmt: PeftFormat, found: Mapping[str, Tensor]) -> _Layer:
     """One layer's peft tensors in lora_func shapes, with its rank and alpha checked against the config."""
+    if fmt.convert_in is not None and any(name in fmt.imported.values() for name in found):
+        found = fmt.convert_in(dict(found), config)
     if fmt.layer_shapes is None:  # else the layer's own set is checked against the model's sizes in _assemble
         _check_complete(directory, module, found, fmt.keys)
     tensors = dict(found)
@@ -477,7 +519,7 @@ def _layer_from_peft(directory: Path, config: Mapping[str, Any], module: str, fm
         # peft computes the scale from the config's r / rank_pattern, not from the tensors.
         name, axis = method.rank_of
         if fmt.layer_shapes is None:
-            r = _checked_rank(directory, config, module, int(tensors[name].shape[axis]))
+            r = _checked_rank(directory, config, module, int(tensors[name].shape[axis]) // method.rank_multiple)
         else:  # the config's, checked by the layer's own shapes in _assemble
             r = int(_pattern_value(config.get("rank_pattern"), module, config.get("r", 8)))
     elif method.rank_in_config:
@@ -490,7 +532,14 @@ def _layer_from_peft(directory: Path, config: Mapping[str, Any], module: str, fm
     return _Layer(params=params, buffers={k: v for k, v in tensors.items() if k in fmt.buffers}, r=r, alpha=alpha)
 
 
-def _read(directory: Path, config: Mapping[str, Any], peft_type: str, tensors: Mapping[str, dict[str, Tensor]], model: nn.Module) -> AdapterLike:
+def _read(
+    directory: Path,
+    config: Mapping[str, Any],
+    peft_type: str,
+    tensors: Mapping[str, dict[str, Tensor]],
+    model: nn.Module,
+    stored_shared: Mapping[str, Tensor],
+) -> AdapterLike:
     """The adapter of a ``peft_type`` checkpoint: each layer read as the variant whose entry
     reads it; layers of several variants (a method with ``feedforward_modules``) compose."""
     groups: dict[str, tuple[dict[str, Any], dict[str, _Layer]]] = {}
@@ -502,7 +551,9 @@ def _read(directory: Path, config: Mapping[str, Any], peft_type: str, tensors: M
     r = int(config.get(method.rank_fields[0], 8)) if method.rank_of is not None or method.rank_in_config else 8
     alpha = float(config.get(method.alpha_key, 8)) if method.alpha else None
     parts = [
-        _assemble(directory, model, name, groups[name][1], r=r, alpha=alpha, options=groups[name][0]) for name in formats if name in groups
+        _assemble(directory, model, name, groups[name][1], r=r, alpha=alpha, options=groups[name][0], stored_shared=stored_shared)
+        for name in formats
+        if name in groups
     ]
     return parts[0] if len(parts) == 1 else compose(*parts)
 
@@ -537,7 +588,14 @@ def load_peft(directory: str | os.PathLike, model: nn.Module) -> AdapterLike:
     _check_config(directory, config)
     _refuse_unsupported(directory, config)
     _warn_training_only(directory, config)
-    tensors = _by_module(directory, peft_type, _read_tensors(directory))
+    read = _read_tensors(directory, [s for fmt in _formats().values() if fmt.method.peft_type == peft_type for s in fmt.imported])
+    # Tensors held once for every layer (a shared basis, a bank), under whole keys.
+    entries = [fmt for fmt in _formats().values() if fmt.method.peft_type == peft_type]
+    stored_shared = {key: read.pop(key) for fmt in entries for key in fmt.shared_keys.values() if key in read}
+    # peft's state dict may also hold a copy of them under every layer that reads them.
+    copies = {name for fmt in entries for name in fmt.shared_keys}
+    read = {key: tensor for key, tensor in read.items() if key.rsplit(".", 1)[-1] not in copies}
+    tensors = _by_module(directory, peft_type, read)
     _check_model(model, directory, tensors)
     selector = config.get("target_modules")
     if selector and not any(_selects(selector, name) for name, _ in model.named_modules()):
@@ -546,7 +604,7 @@ def load_peft(directory: str | os.PathLike, model: nn.Module) -> AdapterLike:
             f"{directory / CONFIG_NAME}: target_modules={selector!r} matches no module of {type(model).__name__}; load "
             f"it onto the model it was trained for, or fix target_modules"
         )
-    return _read(directory, config, peft_type, tensors, model)
+    return _read(directory, config, peft_type, tensors, model, stored_shared)
 
 
 # ===================================================================================== save
@@ -560,6 +618,8 @@ class _Export:
     peft_type: str
     shared: tuple[tuple[str, Any], ...]
     layers: tuple[_Out, ...]
+    # The tensors held once for every layer, by whole key (Variant.shared_init; PeftFormat.shared_keys).
+    whole: Mapping[str, Tensor] = field(default_factory=dict)
 
 
 def _export_leaf(adapter: Adapter, base: Mapping[str, Tensor] | None) -> _Export:
@@ -592,8 +652,13 @@ def _export_leaf(adapter: Adapter, base: Mapping[str, Tensor] | None) -> _Export
             )
         layers.append(_out(fmt, adapter, layer, base))
     assert fmt is not None  # an adapter has layers
-    shared = fmt.config(dict(adapter.spec.options))
-    return _Export(fmt.method.peft_type, tuple(sorted((k, json.dumps(v, sort_keys=True)) for k, v in shared.items())), tuple(layers))
+    options = dict(adapter.spec.options)
+    shared = fmt.config(options)
+    whole: dict[str, Tensor] = {}
+    if fmt.shared_keys and (fmt.shared_saved is None or fmt.shared_saved(options)):
+        shared_params, shared_buffers = adapter.shared_tensors()
+        whole = {key: (shared_params | shared_buffers)[name] for name, key in fmt.shared_keys.items()}
+    return _Export(fmt.method.peft_type, tuple(sorted((k, json.dumps(v, sort_keys=True)) for k, v in shared.items())), tuple(layers), whole)
 
 
 def _leaves(adapter: AdapterLike) -> list[Adapter]:
@@ -690,7 +755,9 @@ def _base_of(leaves: Sequence[Adapter], model: nn.Module | None) -> dict[str, Te
     return base
 
 
-def _one_checkpoint(exports: Sequence[_Export], model: nn.Module | None, task_type: str | None) -> tuple[dict[str, Any], list[_Out]]:
+def _one_checkpoint(
+    exports: Sequence[_Export], model: nn.Module | None, task_type: str | None
+) -> tuple[dict[str, Any], list[_Out], dict[str, Tensor]]:
     """The config and the layers of the one checkpoint that holds every part, after checking
     that the parts fit in one: one peft method and one set of options, each layer once."""
     kinds = sorted({(e.peft_type, e.shared) for e in exports})
@@ -708,8 +775,15 @@ def _one_checkpoint(exports: Sequence[_Export], model: nn.Module | None, task_ty
             f"save_peft: several parts adapt the same layers {twice[:5]}; a peft checkpoint has one adapter per "
             f"layer: save the parts separately, or export the merged model with lora_func.merged_state_dict"
         )
+    holding = [e for e in exports if e.whole]
+    if len(holding) > 1:
+        raise ValueError(  # error: save-peft-shared-twice
+            f"save_peft: {len(holding)} parts of this composed adapter each hold their own shared tensors "
+            f"({sorted(holding[0].whole)}); a peft checkpoint holds one set for all its layers: save each part with "
+            f"save_peft to its own directory"
+        )
     peft_type, shared = kinds[0][0], {k: json.loads(v) for k, v in kinds[0][1]}
-    return _peft_config(peft_type, shared, layers, model, task_type), layers
+    return _peft_config(peft_type, shared, layers, model, task_type), layers, dict(holding[0].whole) if holding else {}
 
 
 def peft_problems(adapter: AdapterLike, *, model: nn.Module | None = None) -> list[str]:
@@ -788,12 +862,12 @@ def save_peft(
     if model is not None:
         check_model(model, "save_peft")
     base = _base_of(leaves, model)
-    config, layers = _one_checkpoint([_export_leaf(leaf, base) for leaf in leaves], model, task_type)
+    config, layers, whole = _one_checkpoint([_export_leaf(leaf, base) for leaf in leaves], model, task_type)
     tensors = {
         f"{PREFIX}{o.target.module}.{suffix}": tensor.detach().to("cpu").contiguous()
         for o in layers
         for suffix, tensor in o.tensors().items()
-    }
+    } | {key: tensor.detach().to("cpu").contiguous() for key, tensor in whole.items()}
     directory = Path(directory)
     # The real directory (a symlink to a checkpoint directory is kept, its target replaced).
     target = Path(os.path.realpath(directory))

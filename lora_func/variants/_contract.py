@@ -153,6 +153,7 @@ class PeftMethod:
         checkpoint with any of them set (truthy) is refused on load.
       rank_of: ``(tensor name, axis)`` that holds a layer's rank, written as ``r`` (and
         ``rank_pattern``) and checked against the config on load; ``None``: no rank.
+      rank_multiple: the ``rank_of`` axis holds this many times the rank (PVeRA's ``λ_d``: 2r).
       rank_pattern: whether the method has per-layer ranks (``rank_pattern``), and alphas
         (``alpha_pattern``) where it has ``alpha``.
       alpha: whether the method has ``lora_alpha`` / ``alpha_pattern``.
@@ -177,6 +178,7 @@ class PeftMethod:
     fixed: Mapping[str, Any]
     refused: tuple[str, ...] = ("modules_to_save",)
     rank_of: tuple[str, int] | None = None
+    rank_multiple: int = 1
     rank_pattern: bool = False
     alpha: bool = False
     feedforward_modules: bool = False
@@ -242,6 +244,19 @@ class PeftFormat:
         load (see :meth:`shapes_for`). The layer's rank is then the config's (``r`` /
         ``rank_pattern``), checked by these shapes (:attr:`PeftMethod.rank_of` only says that
         the method has one). ``None``: :attr:`shapes`.
+      shared_keys: a tensor of :attr:`Variant.shared_init` -> its whole key in the checkpoint
+        (``"base_model.vera_A"``): held once, not per layer.
+      shared_saved: ``options -> whether the checkpoint holds the shared tensors`` (peft's
+        ``save_projection``); ``None``: always. Where it does not, ``save_peft`` leaves them out
+        and ``load_peft`` re-creates them with the variant's ``shared_init`` (a basis drawn
+        from a seed in the options, as peft re-creates it from ``projection_prng_key``).
+      info_shapes: ``LayerInfo -> {tensor name: shape}`` for a variant whose shapes depend on
+        its options (VB-LoRA's ``vector_length``); checked on load instead of ``shapes``.
+      imported: peft suffix -> name, for tensors a checkpoint may hold in place of ``keys``
+        (VB-LoRA's top-k indices and weights; integer tensors allowed). ``export`` may store a
+        layer under these names; on load ``convert_in`` turns them into ``keys``' tensors.
+      convert_in: ``(the layer's tensors by name, config) -> {name in keys: tensor}``, applied
+        on load to a layer that holds ``imported`` tensors.
     """
 
     method: PeftMethod
@@ -258,13 +273,20 @@ class PeftFormat:
     export: Callable[[TensorDict, TensorDict, Tensor | None, LayerInfo], PeftLayer] | None = None
     export_needs_base: str | None = None
     recompute_buffers: bool = False
+    shared_keys: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    shared_saved: Callable[[Mapping[str, Any]], bool] | None = None
+    info_shapes: Callable[[LayerInfo], dict[str, tuple[int, ...]]] | None = None
+    imported: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    convert_in: Callable[[TensorDict, Mapping[str, Any]], TensorDict] | None = None
     layer_shapes: Callable[[LayerInfo], dict[str, tuple[int, ...]]] | None = None
 
     def shapes_for(self, info: LayerInfo) -> dict[str, tuple[int, ...]]:
-        """One layer's lora_func shapes, checked on load: :attr:`layer_shapes` where set, else
+        """One layer's lora_func shapes, checked on load: :attr:`layer_shapes` or :attr:`info_shapes` where set, else
         :attr:`shapes` of ``(info.r, info.d_in, info.d_out)``."""
         if self.layer_shapes is not None:
             return self.layer_shapes(info)
+        if self.info_shapes is not None:
+            return self.info_shapes(info)
         return self.shapes(info.r, info.d_in, info.d_out)
 
 

@@ -1,0 +1,48 @@
+"""Helpers of the shared-basis variants (VeRA, RandLoRA, VB-LoRA): peft's seed-derived draws,
+reproduced draw for draw, and the checks their options share. Not a variant (the leading
+``_`` keeps it out of the registry)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lora_func.variants._contract import LayerInfo
+
+
+def peft_kaiming(shape: tuple[int, ...], generator: torch.Generator) -> Tensor:
+    """peft's ``_kaiming_init`` (``tuners/vera/model.py``, also RandLoRA's and PVeRA's):
+    ``U(-√(6 / fan_in), √(6 / fan_in))`` in fp32 from ``generator``, ``fan_in`` as
+    ``nn.init._calculate_correct_fan(t, "fan_in")`` (``shape[1]`` times the sizes after it)."""
+    out = torch.empty(shape, dtype=torch.float32)
+    fan = torch.nn.init._calculate_correct_fan(out, "fan_in")
+    bound = math.sqrt(3.0) * math.sqrt(2) / math.sqrt(fan)
+    with torch.no_grad():
+        return out.uniform_(-bound, bound, generator=generator)
+
+
+def one_rank(variant: str, infos: Mapping[str, LayerInfo]) -> int:
+    """The one rank of every layer: the shared basis has one rank (peft has no ``rank_pattern``
+    for these methods)."""
+    ranks = sorted({info.r for info in infos.values()})
+    if len(ranks) != 1:
+        raise ValueError(f"{variant} shares one basis of one rank across its layers, but the layers have ranks {ranks}; use one r")  # error: bank-one-rank
+    return ranks[0]
+
+
+def largest(infos: Mapping[str, LayerInfo]) -> tuple[int, int]:
+    """``(largest d_out, largest d_in)`` over the layers, each taken separately: the size of the
+    shared basis that every layer slices (peft's ``_find_dim``)."""
+    return max(info.d_out for info in infos.values()), max(info.d_in for info in infos.values())
+
+
+def check_seed(variant: str, name: str, options: Mapping[str, Any]) -> None:
+    """A seed option (peft's ``projection_prng_key``): an integer ``torch.Generator`` accepts."""
+    seed = options[name]
+    if not 0 <= seed < 2**63:
+        raise ValueError(f"{variant} option {name}={seed!r} must be an integer in [0, 2**63) (the seed of the shared basis)")  # error: bank-seed
+

@@ -1,0 +1,169 @@
+"""PVeRA, probabilistic VeRA (Fein-Ashley et al. 2025, arXiv 2512.07703), following HF peft's
+``tuners/pvera/{model,layer}.py``.
+
+VeRA (:mod:`lora_func.variants.vera`) whose middle activations are a Gaussian sample. One pair
+of frozen random matrices is shared by every layer, ``pvera_A (2r, D_in)`` and ``pvera_B (D_out,
+r)`` (the largest ``d_in`` / ``d_out`` over the layers); a layer reads ``A = pvera_A[:, :d_in]``,
+``B = pvera_B[:d_out, :]`` and trains ``pvera_lambda_b (d_out,)`` and ``pvera_lambda_d (2r,)``:
+
+    [μ, log σ²] = λ_d ⊙ (x Aᵀ)          (split in two halves of r)
+    z = μ + ε ⊙ exp(log σ² / 2),  ε ~ N(0, 1)     in a training step (or with sample_at_inference)
+    z = μ                                         otherwise
+    y = x Wᵀ + b + λ_b ⊙ (z Bᵀ)
+
+so at inference ``ΔW = Λ_b B Λ_{d,:r} A_{:r}`` (what the weight form and peft's merge use; the
+second halves of λ_d and A only act in training). ``ε`` comes from the global RNG
+(``torch.randn_like``, as peft without ``generator_seed``), so under ``vmap`` it follows
+``randomness=``. No scale (``alpha`` is unused).
+
+The basis is peft's draw for draw: a CPU generator seeded with ``projection_prng_key`` draws
+``pvera_A`` then ``pvera_B`` with ``kaiming_uniform_`` (``a = 0``). Init (peft's
+``init_weights=True``): ``λ_b = 0``, ``λ_d = d_initial``; ``init="random"``: ``λ_b = 1``,
+``λ_d ~ N(0, 1)`` (from the generator).
+
+peft format (``PveraConfig``): the two vectors per layer, ``base_model.pvera_A`` /
+``base_model.pvera_B`` once when ``save_projection``, re-created from the seed otherwise.
+Differences from peft: peft's ``generator_seed`` (a per-layer stateful generator for ε) is not
+offered: ε comes from the global RNG; a checkpoint with it loads with a warning.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lora_func._kernels import base_plus_low_rank, check_dropout, lowrank_input
+from lora_func.variants import (
+    BaseLayer,
+    LayerInfo,
+    PeftFormat,
+    PeftMethod,
+    TensorDict,
+    Variant,
+    is_finite_number,
+)
+from lora_func.variants._bank import check_seed, largest, one_rank
+
+INITS = ("zero", "random")
+
+
+def shared_init(infos: Mapping[str, LayerInfo], *, dtype: torch.dtype, device: torch.device, generator: torch.Generator) -> tuple[TensorDict, TensorDict]:
+    """``pvera_A (2r, D_in)``, ``pvera_B (D_out, r)``: peft's draws from ``projection_prng_key``."""
+    first = next(iter(infos.values()))
+    r = one_rank("pvera", infos)
+    d_out, d_in = largest(infos)
+    seeded = torch.Generator(device="cpu").manual_seed(first.option("projection_prng_key"))
+    pvera_a = torch.nn.init.kaiming_uniform_(torch.empty(2 * r, d_in), generator=seeded)
+    pvera_b = torch.nn.init.kaiming_uniform_(torch.empty(d_out, r), generator=seeded)
+    return {}, {"pvera_A": pvera_a.to(device, dtype), "pvera_B": pvera_b.to(device, dtype)}
+
+
+def init(
+    weight: Tensor,
+    bias: Tensor | None,
+    info: LayerInfo,
+    *,
+    dtype: torch.dtype,
+    generator: torch.Generator,
+    calibration: Any = None,
+) -> tuple[TensorDict, TensorDict]:
+    if info.option("init") == "random":
+        lambda_b = torch.ones(info.d_out)
+        lambda_d = torch.randn(2 * info.r, generator=generator)
+    else:
+        lambda_b = torch.zeros(info.d_out)
+        lambda_d = torch.full((2 * info.r,), float(info.option("d_initial")))
+    return {"pvera_lambda_b": lambda_b.to(weight.device, dtype), "pvera_lambda_d": lambda_d.to(weight.device, dtype)}, {}
+
+
+def weight_form(
+    params: TensorDict, buffers: TensorDict, weight: Tensor, bias: Tensor | None, info: LayerInfo
+) -> tuple[Tensor, Tensor | None]:
+    r = buffers["pvera_B"].shape[-1]
+    a = params["pvera_lambda_d"][:r].unsqueeze(-1) * buffers["pvera_A"][:r, : info.d_in]
+    b = params["pvera_lambda_b"].unsqueeze(-1) * buffers["pvera_B"][: info.d_out, :]
+    return weight + b @ a, bias
+
+
+def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: BaseLayer, info: LayerInfo) -> Tensor:
+    a = buffers["pvera_A"][:, : info.d_in]
+    b = params["pvera_lambda_b"].unsqueeze(-1) * buffers["pvera_B"][: info.d_out, :]
+    h = (lowrank_input(x, base, info).to(a.dtype) @ a.transpose(-1, -2)) * params["pvera_lambda_d"]
+    mu, logvar = h.chunk(2, dim=-1)
+    if getattr(base, "training", False) or info.option("sample_at_inference"):
+        mu = mu + torch.randn_like(mu) * torch.exp(0.5 * logvar)
+    return base_plus_low_rank(base, x, mu, b)
+
+
+def check_options(options: Mapping[str, Any]) -> None:
+    check_dropout("pvera", options)
+    check_seed("pvera", "projection_prng_key", options)
+    if options["init"] not in INITS:
+        raise ValueError(f"pvera option init={options['init']!r} is not one of {list(INITS)}")  # error: pvera-init
+
+
+def _peft_config(options: Mapping[str, Any]) -> dict[str, Any]:
+    return {
+        "projection_prng_key": options["projection_prng_key"],
+        "save_projection": options["save_projection"],
+        "pvera_dropout": float(options["dropout"]),
+        "d_initial": float(options["d_initial"]),
+        "init_weights": options["init"] == "zero",
+        "sample_at_inference": options["sample_at_inference"],
+        "generator_seed": None,
+    }
+
+
+def _peft_reads(config: Mapping[str, Any], module: str) -> dict[str, Any]:
+    return {
+        "projection_prng_key": int(config.get("projection_prng_key", 0)),
+        "save_projection": bool(config.get("save_projection", True)),
+        "dropout": float(config.get("pvera_dropout") or 0.0),
+        "d_initial": float(config.get("d_initial", 0.1)),
+        "init": "zero" if config.get("init_weights", True) else "random",
+        "sample_at_inference": bool(config.get("sample_at_inference", False)),
+    }
+
+
+PEFT_METHOD = PeftMethod(
+    "PVERA",
+    {"bias": "none"},
+    ("modules_to_save",),
+    rank_of=("pvera_lambda_d", 0),
+    rank_multiple=2,
+    checks={
+        "projection_prng_key": lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**63,
+        "save_projection": lambda v: isinstance(v, bool),
+        "pvera_dropout": lambda v: v is None or (is_finite_number(v) and 0 <= v < 1),
+        "d_initial": is_finite_number,
+        "init_weights": lambda v: isinstance(v, bool),
+        "sample_at_inference": lambda v: isinstance(v, bool),
+        "generator_seed": lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool)),
+    },
+    training_only={"generator_seed": "lora_func draws PVeRA's noise from the global RNG (torch.manual_seed), not from a per-layer generator"},
+)
+
+VARIANT = Variant(
+    name="pvera",
+    init=init,
+    weight_form=weight_form,
+    activation_form=activation_form,
+    options={"projection_prng_key": 0, "save_projection": True, "d_initial": 0.1, "dropout": 0.0, "init": "zero", "sample_at_inference": False},
+    default_alpha=1.0,
+    # No rank axes: λ_d and pvera_A hold [μ-half | log σ²-half], split at r, so zero-padding the rank
+    # would move the split; adapters of different ranks cannot be stacked (stack() refuses).
+    check_options=check_options,
+    shared_init=shared_init,
+    peft=PeftFormat(
+        PEFT_METHOD,
+        {"pvera_lambda_b": "pvera_lambda_b", "pvera_lambda_d": "pvera_lambda_d"},
+        lambda r, d_in, d_out: {"pvera_lambda_b": (d_out,), "pvera_lambda_d": (2 * r,)},
+        _peft_config,
+        _peft_reads,
+        shared_keys={"pvera_A": "base_model.pvera_A", "pvera_B": "base_model.pvera_B"},
+        shared_saved=lambda options: bool(options["save_projection"]),
+    ),
+)

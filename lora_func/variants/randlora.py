@@ -1,0 +1,225 @@
+"""RandLoRA, full-rank updates from shared random bases (Albert, Zhang, Ajanthan et al., ICLR
+2025, arXiv 2502.00987), following HF peft's ``tuners/randlora/{model,layer}.py``.
+
+Two frozen random bases are shared by every adapted layer, sized from the largest ``d_out`` and
+``d_in`` over the layers (``D = max`` and ``m = min`` of the two): ``randlora_A (r, 1, m)`` and
+``randlora_B (D, n, r)`` with ``n = ⌈m / r⌉`` bases. A layer with ``d = min(d_in, d_out)``,
+``d' = max(d_in, d_out)`` uses ``n_l = ⌈d / r⌉`` bases and trains ``randlora_lambda (r, n_l)``
+and ``randlora_gamma (n_l, d)``:
+
+    U_A = flatten_{0,1}(λ[:, :, None] ⊙ A[:, :, :d] ⊙ γ[None])     (r·n_l, d)
+    U_B = flatten_{1,2}(B[:d', :n_l, :])                             (d', n_l·r)
+    ΔW = s · U_B U_A          if d_in ≤ d_out   (U_B rows are outputs)
+    ΔW = s · (U_B U_A)ᵀ       otherwise         (U_B rows are inputs)
+
+with ``s = randlora_alpha / r``: a sum of ``n_l`` rank-``r`` terms, full rank ``d``. (U_A's
+rows are ordered (rank, basis) and U_B's columns (basis, rank), so each rank-``r`` term pairs
+differently drawn columns: a fixed random pairing, peft's, kept exactly.)
+
+The bases are peft's draws exactly: a CPU generator seeded with ``projection_prng_key`` draws
+``A`` then the ``n`` slices of ``B`` with ``kaiming_uniform_(a=√5)`` on bf16 tensors, each then
+divided by its standard deviation in bf16 (peft's ``_kaiming_init``); ``sparse=True`` (ternary
+``{-1, 0, 1}`` with probability ``1/6`` each sign) and ``very_sparse=True`` (``1/(2√m)``) draw
+``torch.rand`` instead, as peft does. Init (peft's ``init_weights=True``): ``λ = 0`` (ΔW = 0),
+``γ = 1 / max(n_l, d)``; ``init="random"``: ``λ ~ N(0, 1)``, ``γ = 1 / max(d_in, d_out)``.
+
+peft format (``RandLoraConfig``): λ and γ per layer, ``base_model.randlora_A`` /
+``base_model.randlora_B`` once when ``save_projection`` (peft also writes a copy of the bases
+under every layer; ``load_peft`` ignores those, ``save_peft`` does not write them, and peft
+loads the result). Differences from peft: the bases are drawn in bf16 always (peft uses fp16 on
+accelerators without bf16, pre-Ampere CUDA); ``alpha`` is unused (the scale is the
+``randlora_alpha`` option, as in peft's config).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lora_func._kernels import base_plus_low_rank, check_dropout, lowrank_input
+from lora_func.variants import (
+    BaseLayer,
+    LayerInfo,
+    PeftFormat,
+    PeftMethod,
+    TensorDict,
+    Variant,
+    is_finite_number,
+)
+from lora_func.variants._bank import check_seed, largest, one_rank
+
+INITS = ("zero", "random")
+
+
+def _bases(d: int, r: int) -> int:
+    """``⌈d / r⌉``: the number of rank-``r`` bases that make a rank-``d`` update."""
+    return math.ceil(d / r)
+
+
+def _ternary(uniform: Tensor, sparsity: float) -> Tensor:
+    out = torch.zeros(uniform.shape)
+    out[uniform < 1 / (2 * sparsity)] = -1
+    out[uniform > 1 - 1 / (2 * sparsity)] = 1
+    return out
+
+
+def _kaiming_bf16(shape: tuple[int, ...], generator: torch.Generator) -> Tensor:
+    out = torch.empty(shape, dtype=torch.bfloat16)
+    return torch.nn.init.kaiming_uniform_(out, a=math.sqrt(5), generator=generator)
+
+
+def shared_init(infos: Mapping[str, LayerInfo], *, dtype: torch.dtype, device: torch.device, generator: torch.Generator) -> tuple[TensorDict, TensorDict]:
+    """``randlora_A (r, 1, m)``, ``randlora_B (D, ⌈m/r⌉, r)``: peft's draws from ``projection_prng_key``."""
+    first = next(iter(infos.values()))
+    r = one_rank("randlora", infos)
+    d_out, d_in = largest(infos)
+    big, small = max(d_out, d_in), min(d_out, d_in)
+    seeded = torch.Generator(device="cpu").manual_seed(first.option("projection_prng_key"))
+    n = _bases(small, r)
+    if first.option("sparse") or first.option("very_sparse"):
+        sparsity = math.sqrt(small) if first.option("very_sparse") else 3
+        a = _ternary(torch.rand((r, 1, small), generator=seeded), sparsity)
+        b = _ternary(torch.rand((big, n, r), generator=seeded), sparsity)
+    else:
+        a = _kaiming_bf16((r, 1, small), seeded)
+        b = torch.cat([_kaiming_bf16((big, 1, r), seeded) for _ in range(n)], dim=1)
+    a, b = a / a.std(), b / b.std()
+    return {}, {"randlora_A": a.to(device, dtype), "randlora_B": b.to(device, dtype)}
+
+
+def init(
+    weight: Tensor,
+    bias: Tensor | None,
+    info: LayerInfo,
+    *,
+    dtype: torch.dtype,
+    generator: torch.Generator,
+    calibration: Any = None,
+) -> tuple[TensorDict, TensorDict]:
+    d = min(info.d_in, info.d_out)
+    n = _bases(d, info.r)
+    if info.option("init") == "random":
+        lam = torch.randn(info.r, n, generator=generator)
+        gamma = torch.full((n, d), 1 / max(info.d_in, info.d_out))
+    else:
+        lam = torch.zeros(info.r, n)
+        gamma = torch.full((n, d), 1 / max(n, d))
+    return {"randlora_lambda": lam.to(weight.device, dtype), "randlora_gamma": gamma.to(weight.device, dtype)}, {}
+
+
+def factors(params: TensorDict, buffers: TensorDict, info: LayerInfo) -> tuple[Tensor, Tensor]:
+    """``(U_A (r·n_l, d), s · U_B (d', n_l·r))`` of the layer (see the module docstring)."""
+    lam, gamma = params["randlora_lambda"], params["randlora_gamma"]
+    n, d = gamma.shape
+    big = max(info.d_in, info.d_out)
+    u_a = (lam.unsqueeze(-1) * buffers["randlora_A"][:, :, :d] * gamma.unsqueeze(0)).flatten(0, 1)
+    u_b = buffers["randlora_B"][:big, :n, :].flatten(1)
+    return u_a, u_b * (info.option("randlora_alpha") / info.r)
+
+
+def weight_form(
+    params: TensorDict, buffers: TensorDict, weight: Tensor, bias: Tensor | None, info: LayerInfo
+) -> tuple[Tensor, Tensor | None]:
+    u_a, u_b = factors(params, buffers, info)
+    delta = u_b @ u_a
+    return weight + (delta if info.d_in <= info.d_out else delta.transpose(-1, -2)), bias
+
+
+def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: BaseLayer, info: LayerInfo) -> Tensor:
+    u_a, u_b = factors(params, buffers, info)
+    dropped = lowrank_input(x, base, info).to(u_a.dtype)
+    if info.d_in <= info.d_out:  # x U_Aᵀ (n, r·n_l), then through U_B (d_out, r·n_l)
+        return base_plus_low_rank(base, x, dropped @ u_a.transpose(-1, -2), u_b)
+    # ΔW = (U_B U_A)ᵀ: x ΔWᵀ = (x U_B) U_A, U_B (d_in, n_l·r), U_A (r·n_l, d_out)
+    return base_plus_low_rank(base, x, dropped @ u_b, u_a.transpose(-1, -2))
+
+
+def check_options(options: Mapping[str, Any]) -> None:
+    check_dropout("randlora", options)
+    check_seed("randlora", "projection_prng_key", options)
+    if options["init"] not in INITS:
+        raise ValueError(f"randlora option init={options['init']!r} is not one of {list(INITS)}")  # error: randlora-init
+
+
+def _peft_config(options: Mapping[str, Any]) -> dict[str, Any]:
+    return {
+        "projection_prng_key": options["projection_prng_key"],
+        "save_projection": options["save_projection"],
+        "sparse": options["sparse"],
+        "very_sparse": options["very_sparse"],
+        "randlora_alpha": options["randlora_alpha"],
+        "randlora_dropout": float(options["dropout"]),
+        "init_weights": options["init"] == "zero",
+    }
+
+
+def _peft_reads(config: Mapping[str, Any], module: str) -> dict[str, Any]:
+    return {
+        "projection_prng_key": int(config.get("projection_prng_key", 0)),
+        "save_projection": bool(config.get("save_projection", True)),
+        "sparse": bool(config.get("sparse", False)),
+        "very_sparse": bool(config.get("very_sparse", False)),
+        "randlora_alpha": float(config.get("randlora_alpha", 640)),
+        "dropout": float(config.get("randlora_dropout") or 0.0),
+        "init": "zero" if config.get("init_weights", True) else "random",
+    }
+
+
+def _peft_shapes(r: int, d_in: int, d_out: int) -> dict[str, tuple[int, ...]]:
+    d = min(d_in, d_out)
+    return {"randlora_lambda": (r, _bases(d, r)), "randlora_gamma": (_bases(d, r), d)}
+
+
+def _is_flag(value: Any) -> bool:
+    return isinstance(value, bool)
+
+
+PEFT_METHOD = PeftMethod(
+    "RANDLORA",
+    {"bias": "none"},
+    ("modules_to_save",),
+    rank_of=("randlora_lambda", 0),
+    checks={
+        "projection_prng_key": lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**63,
+        "save_projection": _is_flag,
+        "sparse": _is_flag,
+        "very_sparse": _is_flag,
+        "randlora_alpha": is_finite_number,
+        "randlora_dropout": lambda v: v is None or (is_finite_number(v) and 0 <= v < 1),
+        "init_weights": _is_flag,
+    },
+)
+
+VARIANT = Variant(
+    name="randlora",
+    init=init,
+    weight_form=weight_form,
+    activation_form=activation_form,
+    options={
+        "projection_prng_key": 0,
+        "save_projection": True,
+        "sparse": False,
+        "very_sparse": False,
+        "randlora_alpha": 640.0,
+        "dropout": 0.0,
+        "init": "zero",
+    },
+    default_alpha=1.0,
+    # No rank axes: the number of bases (⌈d/r⌉) and the pairing of U_A's rows with U_B's columns
+    # depend on r, so adapters of different ranks cannot be zero-padded to one stack (stack() refuses).
+    check_options=check_options,
+    shared_init=shared_init,
+    peft=PeftFormat(
+        PEFT_METHOD,
+        {"randlora_lambda": "randlora_lambda", "randlora_gamma": "randlora_gamma"},
+        _peft_shapes,
+        _peft_config,
+        _peft_reads,
+        shared_keys={"randlora_A": "base_model.randlora_A", "randlora_B": "base_model.randlora_B"},
+        shared_saved=lambda options: bool(options["save_projection"]),
+    ),
+)

@@ -1,0 +1,169 @@
+"""VeRA, Vector-based Random Matrix Adaptation (Kopiczko, Blankevoort, Asano, ICLR 2024,
+arXiv 2310.11454), following HF peft's ``tuners/vera/{model,layer}.py``.
+
+One pair of frozen random matrices is shared by every adapted layer: ``vera_A (r, D_in)`` and
+``vera_B (D_out, r)``, sized to the largest ``d_in`` and ``d_out`` over the layers (each taken
+separately, peft's ``_find_dim``); a layer reads the top-left slices ``A = vera_A[:, :d_in]``,
+``B = vera_B[:d_out, :]``. Each layer trains two vectors, ``vera_lambda_b (d_out,)`` and
+``vera_lambda_d (r,)``:
+
+    ΔW = Λ_b B Λ_d A,   Λ = diag(λ),   y = x Wᵀ + b + λ_b ⊙ ((λ_d ⊙ (x Aᵀ)) Bᵀ)
+
+no scale (``alpha`` is unused). ``vera_A`` / ``vera_B`` are the adapter's shared buffers
+(``Variant.shared_init``): one leaf each, saved once, and in a stack of adapters built from one
+seed one copy for all members. They are peft's draws exactly: a CPU ``torch.Generator`` seeded
+with ``projection_prng_key`` draws ``vera_A`` then ``vera_B``, each ``U(-√(6/fan_in),
+√(6/fan_in))`` with ``fan_in`` its second axis (peft's ``_kaiming_init``); ``init_adapter``'s
+generator is not used for them, so every adapter of one key has the same basis.
+
+Init (peft's ``init_weights=True``): ``λ_b = 0``, ``λ_d = d_initial``, so ΔW = 0.
+``init="random"`` is peft's ``init_weights=False``: ``λ_b = 1``, ``λ_d ~ N(0, 1)`` (from the
+generator; peft draws from the global RNG).
+
+peft format (``VeraConfig``): the two vectors per layer, and ``base_model.vera_A`` /
+``base_model.vera_B`` once when ``save_projection`` (default). With ``save_projection=False``
+the checkpoint holds no basis: ``load_peft`` re-creates it from ``projection_prng_key`` as peft
+does, and ``save_peft`` leaves it out. Differences from peft: ``init="random"`` draws from the
+given generator, not the global RNG; one rank for every layer (peft has no ``rank_pattern``
+for VeRA either).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lora_func._kernels import base_plus_low_rank, check_dropout, lowrank_input
+from lora_func.variants import (
+    BaseLayer,
+    LayerInfo,
+    PeftFormat,
+    PeftMethod,
+    TensorDict,
+    Variant,
+    is_finite_number,
+)
+from lora_func.variants._bank import check_seed, largest, one_rank, peft_kaiming
+
+INITS = ("zero", "random")
+
+
+def shared_init(infos: Mapping[str, LayerInfo], *, dtype: torch.dtype, device: torch.device, generator: torch.Generator) -> tuple[TensorDict, TensorDict]:
+    """``vera_A (r, D_in)``, ``vera_B (D_out, r)``: peft's draws from ``projection_prng_key``."""
+    first = next(iter(infos.values()))
+    r = one_rank("vera", infos)
+    d_out, d_in = largest(infos)
+    seeded = torch.Generator(device="cpu").manual_seed(first.option("projection_prng_key"))
+    vera_a = peft_kaiming((r, d_in), seeded)
+    vera_b = peft_kaiming((d_out, r), seeded)
+    return {}, {"vera_A": vera_a.to(device, dtype), "vera_B": vera_b.to(device, dtype)}
+
+
+def init(
+    weight: Tensor,
+    bias: Tensor | None,
+    info: LayerInfo,
+    *,
+    dtype: torch.dtype,
+    generator: torch.Generator,
+    calibration: Any = None,
+) -> tuple[TensorDict, TensorDict]:
+    if info.option("init") == "random":
+        lambda_b = torch.ones(info.d_out)
+        lambda_d = torch.randn(info.r, generator=generator)
+    else:
+        lambda_b = torch.zeros(info.d_out)
+        lambda_d = torch.full((info.r,), float(info.option("d_initial")))
+    return {"vera_lambda_b": lambda_b.to(weight.device, dtype), "vera_lambda_d": lambda_d.to(weight.device, dtype)}, {}
+
+
+def factors(params: TensorDict, buffers: TensorDict, info: LayerInfo) -> tuple[Tensor, Tensor]:
+    """``(Λ_d A (r, d_in), Λ_b B (d_out, r))``: the layer's slices of the shared basis, scaled."""
+    a = buffers["vera_A"][:, : info.d_in]
+    b = buffers["vera_B"][: info.d_out, :]
+    return params["vera_lambda_d"].unsqueeze(-1) * a, params["vera_lambda_b"].unsqueeze(-1) * b
+
+
+def weight_form(
+    params: TensorDict, buffers: TensorDict, weight: Tensor, bias: Tensor | None, info: LayerInfo
+) -> tuple[Tensor, Tensor | None]:
+    a, b = factors(params, buffers, info)
+    return weight + b @ a, bias
+
+
+def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: BaseLayer, info: LayerInfo) -> Tensor:
+    a = buffers["vera_A"][:, : info.d_in]
+    b = params["vera_lambda_b"].unsqueeze(-1) * buffers["vera_B"][: info.d_out, :]
+    # λ_d on the (n, r) activations (peft's order); λ_b folded into the (d_out, r) factor.
+    h = (lowrank_input(x, base, info).to(a.dtype) @ a.transpose(-1, -2)) * params["vera_lambda_d"]
+    return base_plus_low_rank(base, x, h, b)
+
+
+def check_options(options: Mapping[str, Any]) -> None:
+    check_dropout("vera", options)
+    check_seed("vera", "projection_prng_key", options)
+    if options["init"] not in INITS:
+        raise ValueError(f"vera option init={options['init']!r} is not one of {list(INITS)}")  # error: vera-init
+
+
+def _peft_config(options: Mapping[str, Any]) -> dict[str, Any]:
+    return {
+        "projection_prng_key": options["projection_prng_key"],
+        "save_projection": options["save_projection"],
+        "vera_dropout": float(options["dropout"]),
+        "d_initial": float(options["d_initial"]),
+        "init_weights": options["init"] == "zero",
+    }
+
+
+def _peft_reads(config: Mapping[str, Any], module: str) -> dict[str, Any]:
+    return {
+        "projection_prng_key": int(config.get("projection_prng_key", 0)),
+        "save_projection": bool(config.get("save_projection", True)),
+        "dropout": float(config.get("vera_dropout") or 0.0),
+        "d_initial": float(config.get("d_initial", 0.1)),
+        "init": "zero" if config.get("init_weights", True) else "random",
+    }
+
+
+def _is_seed(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63
+
+
+PEFT_METHOD = PeftMethod(
+    "VERA",
+    {"bias": "none"},
+    ("modules_to_save",),
+    rank_of=("vera_lambda_d", 0),
+    checks={
+        "projection_prng_key": _is_seed,
+        "save_projection": lambda v: isinstance(v, bool),
+        "vera_dropout": lambda v: v is None or (is_finite_number(v) and 0 <= v < 1),
+        "d_initial": is_finite_number,
+        "init_weights": lambda v: isinstance(v, bool),
+    },
+)
+
+VARIANT = Variant(
+    name="vera",
+    init=init,
+    weight_form=weight_form,
+    activation_form=activation_form,
+    options={"projection_prng_key": 0, "save_projection": True, "d_initial": 0.1, "dropout": 0.0, "init": "zero"},
+    default_alpha=1.0,
+    rank_axes={"vera_lambda_d": 0, "vera_A": 0, "vera_B": 1},
+    check_options=check_options,
+    shared_init=shared_init,
+    peft=PeftFormat(
+        PEFT_METHOD,
+        {"vera_lambda_b": "vera_lambda_b", "vera_lambda_d": "vera_lambda_d"},
+        lambda r, d_in, d_out: {"vera_lambda_b": (d_out,), "vera_lambda_d": (r,)},
+        _peft_config,
+        _peft_reads,
+        shared_keys={"vera_A": "base_model.vera_A", "vera_B": "base_model.vera_B"},
+        shared_saved=lambda options: bool(options["save_projection"]),
+    ),
+)
