@@ -306,7 +306,7 @@ class LoraFA(torch.optim.Optimizer):
     ) -> None:
         frozen = {pair.a for pair in factor_pairs(adapter)}
         if not frozen:
-            raise ValueError(  # error: optim-no-factor-pairs
+            raise ValueError(  # error: lorafa-no-factor-pairs
                 "lorafa_optimizer: the adapter has no (A, B) factor pair (a (r, d_in) and a (d_out, r) trainable tensor "
                 "per layer): LoRA-FA freezes A and projects B's gradient (lora, pissa, eva, dora)"
             )

@@ -73,18 +73,17 @@ def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: Ba
 
 def check_options(options: Mapping[str, Any]) -> None:
     check_dropout("adalora", options)
-    ints = ("target_r", "tinit", "tfinal", "deltaT", "total_step")
+    ints = ("init_r", "target_r", "tinit", "tfinal", "deltaT", "total_step")
     bad = [f"{k}={options[k]!r}" for k in ints if isinstance(options[k], bool) or not isinstance(options[k], int) or options[k] < 0]
     bad += [f"{k}={options[k]!r}" for k in ("beta1", "beta2") if not (is_finite_number(options[k]) and 0 < options[k] < 1)]
     if not (is_finite_number(options["orth_reg_weight"]) and options["orth_reg_weight"] >= 0):
         bad.append(f"orth_reg_weight={options['orth_reg_weight']!r}")
-    if options["deltaT"] == 0 or options["total_step"] == 0:
-        bad.append(f"deltaT={options['deltaT']!r} and total_step={options['total_step']!r} must be >= 1")
+    bad += [f"{k}={options[k]!r}" for k in ("init_r", "deltaT", "total_step") if not bad and options[k] == 0]
     if not bad and options["tinit"] >= options["total_step"] - options["tfinal"]:
         bad.append(f"tinit={options['tinit']} >= total_step - tfinal = {options['total_step'] - options['tfinal']} (no budget phase)")
     if bad:
         raise ValueError(  # error: adalora-options
-            f"adalora options {bad} are invalid: target_r, tinit, tfinal are ints >= 0, deltaT and total_step ints >= 1 "
+            f"adalora options {bad} are invalid: target_r, tinit, tfinal are ints >= 0, init_r, deltaT and total_step ints >= 1 "
             f"with tinit < total_step - tfinal, beta1/beta2 in (0, 1), orth_reg_weight >= 0 (peft's AdaLoraConfig)"
         )
 
@@ -94,7 +93,7 @@ def check_options(options: Mapping[str, Any]) -> None:
 PEFT_METHOD = PeftMethod(
     "ADALORA",
     {"bias": "none"},
-    PEFT_UNSUPPORTED_FIELDS + ("use_dora", "loftq_config"),
+    (*PEFT_UNSUPPORTED_FIELDS, "use_dora", "loftq_config"),
     rank_of=("lora_A", 0),
     alpha=True,
     checks={
@@ -116,12 +115,6 @@ def _peft_reads(config: Mapping[str, Any], module: str) -> dict[str, Any] | None
     return read | {"dropout": float(config.get("lora_dropout") or 0.0), "init_r": int(config.get("init_r", 12))}
 
 
-def _check_init_r(options: Mapping[str, Any]) -> None:
-    check_options(options)
-    if isinstance(options["init_r"], bool) or not isinstance(options["init_r"], int) or options["init_r"] < 1:
-        raise ValueError(f"adalora option init_r={options['init_r']!r} must be an int >= 1 (peft's init_r: the rank r)")  # error: adalora-init-r
-
-
 def _init(weight: Tensor, bias: Tensor | None, info: LayerInfo, *, dtype: torch.dtype, generator: torch.Generator, calibration: Any = None) -> tuple[TensorDict, TensorDict]:
     if isinstance(info.r, int) and info.option("init_r") != info.r:
         raise ValueError(  # error: adalora-r-init-r
@@ -139,7 +132,7 @@ VARIANT = Variant(
     options={"init_r": 8, "dropout": 0.0} | SCHEDULE,
     default_alpha=8.0,
     rank_axes={"lora_A": 0, "lora_E": 0, "lora_B": 1},
-    check_options=_check_init_r,
+    check_options=check_options,
     peft=PeftFormat(
         PEFT_METHOD,
         {"lora_A": "lora_A", "lora_E": "lora_E", "lora_B": "lora_B"},
