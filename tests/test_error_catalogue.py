@@ -1679,5 +1679,6 @@ CASES.update(
         "budget-no-adalora": Case(lambda ctx: _budget_on(ctx, _budget_on_lora), ("orth_penalty", "AdapterSpec('adalora'")),
         "budget-settings-differ": Case(lambda ctx: _budget_on(ctx, _two_adalora), ("budget_init",)),
         "budget-missing-grads": Case(lambda ctx: _budget_on(ctx, _budget_without_grads), ("lora_A", "adapter.params")),
+        "lora-orthogonal-odd-r": Case(on_model(lambda m, ctx: lf.init_adapter(m, lf.AdapterSpec("lora", targets=["q_proj"], r=3, init="orthogonal"), generator=torch.Generator())), ("r=3",)),
     }
 )
