@@ -120,3 +120,38 @@ def test_olora_checkpoints_both_ways(model, olora, tmp_path):
 
 def test_peft_key_names_are_lora_keys():
     assert peft_helpers.peft_key_to_lf("base_model.model.x.lora_A.default.weight", ("lora_A",)) == "x.lora_A"
+
+
+@pytest.mark.parametrize("method", ["ipm", "kpm"])
+def test_corda_equals_peft_preprocess_corda(model, method, tmp_path, monkeypatch):
+    import dataclasses
+    import sys
+    import types
+
+    from peft.tuners.lora.config import CordaConfig
+
+    # peft's corda.py imports `dataclass` from the attrs package (not a dependency here) for one plain record.
+    monkeypatch.setitem(sys.modules, "attr", types.SimpleNamespace(dataclass=dataclasses.dataclass))
+    from peft.tuners.lora.corda import preprocess_corda
+
+    batches = [tokens(1, 12, seed=20 + i) for i in range(3)]  # peft hooks batches of one sequence
+    peft_base = copy.deepcopy(model)
+    config = LoraConfig(r=R, lora_alpha=ALPHA, target_modules=TARGETS, init_lora_weights="corda", corda_config=CordaConfig(corda_method=method))
+    preprocess_corda(peft_base, config, run_model=lambda: [peft_base(ids) for ids in batches])
+    with pytest.warns(FutureWarning, match="is_gradient_checkpointing"):
+        pm = get_peft_model(peft_base, config).eval()
+    spec = lf.AdapterSpec("corda", targets=TARGETS, r=R, alpha=ALPHA, corda_method=method)
+    adapter = lf.init_adapter(model, spec, calibration=[{"input_ids": ids} for ids in batches])
+    for name, layer in _peft_layers(pm).items():
+        # The same SVD of W C' on both sides: equal factors (its sign convention is the same op).
+        assert _rel(adapter.params[f"{name}.lora_A"], layer.lora_A["default"].weight) <= 1e-6, name
+        assert _rel(adapter.params[f"{name}.lora_B"], layer.lora_B["default"].weight) <= 1e-6, name
+        assert _rel(adapter.buffers[f"{name}.W_res"], layer.base_layer.weight) <= 1e-6, name
+    ids = tokens(2, 8, seed=6)
+    assert _rel(lf.adapted_call(model, adapter, ids).logits, pm(ids).logits) <= 1e-6
+    # The converted checkpoint on the untouched base.
+    trained = adapter.with_params({k: v.detach() * 1.1 for k, v in adapter.params.items()})
+    lf.save_peft(trained, tmp_path, model=model)
+    with pytest.warns(FutureWarning, match="is_gradient_checkpointing"):
+        loaded = PeftModel.from_pretrained(copy.deepcopy(model), tmp_path).eval()
+    assert _rel(loaded(ids).logits, lf.adapted_call(model, trained, ids).logits) <= 1e-5
