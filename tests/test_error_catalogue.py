@@ -1679,7 +1679,8 @@ CASES.update(
         "budget-no-adalora": Case(lambda ctx: _budget_on(ctx, _budget_on_lora), ("orth_penalty", "AdapterSpec('adalora'")),
         "budget-settings-differ": Case(lambda ctx: _budget_on(ctx, _two_adalora), ("budget_init",)),
         "budget-missing-grads": Case(lambda ctx: _budget_on(ctx, _budget_without_grads), ("lora_A", "adapter.params")),
-        "corda-needs-calibration": Case(on_model(lambda m, ctx: lf.init_adapter(m, lf.AdapterSpec("corda", targets=["q_proj"], r=2), generator=torch.Generator())), ("calibration=",)),
+        # init_adapter refuses a data-driven variant without calibration first; the variant's own init too.
+        "corda-needs-calibration": Case(lambda ctx: lambda: lf.get_variant("corda").init(torch.eye(4), None, _info(options=(("corda_method", "ipm"), ("dropout", 0.0), ("use_rslora", False))), dtype=torch.float32, generator=torch.Generator()), ("calibration=",)),
         "corda-method": Case(spec("corda", targets=["q_proj"], corda_method="pca"), ("'pca'", "ipm")),
         "corda-covariance": Case(lambda ctx: lambda: lf.get_variant("corda").init(torch.eye(4), None, _info(r=2, options=(("corda_method", "ipm"), ("dropout", 0.0), ("use_rslora", False))), dtype=torch.float32, generator=torch.Generator(), calibration=torch.full((4, 4), math.nan)), ("nan",)),
         "lora-orthogonal-odd-r": Case(on_model(lambda m, ctx: lf.init_adapter(m, lf.AdapterSpec("lora", targets=["q_proj"], r=3, init="orthogonal"), generator=torch.Generator())), ("r=3",)),
