@@ -1675,7 +1675,7 @@ CASES.update(
         "optim-closure": Case(lambda ctx: _riemannian_on(ctx, "lora", closure=True), ("closure", "loss.backward()")),
         "lorafa-no-factor-pairs": Case(_lorafa_on_hra, ("lorafa_optimizer", "freezes A")),
         "adalora-options": Case(spec("adalora", targets=["q_proj"], tinit=5, total_step=5), ("tinit=5", "total_step - tfinal")),
-        "adalora-r-init-r": Case(on_model(lambda m, ctx: lf.init_adapter(m, lf.AdapterSpec("adalora", targets=["q_proj"], r=4, init_r=8), generator=torch.Generator())), ("r=4", "init_r=8")),
+        "adalora-r-init-r": Case(lambda ctx: functools.partial(lf.save_peft, ctx.adapter(ctx.model(), "adalora", r=2, total_step=10), ctx.tmp / "out"), ("r=2", "init_r=8")),
         "budget-no-adalora": Case(lambda ctx: _budget_on(ctx, _budget_on_lora), ("orth_penalty", "AdapterSpec('adalora'")),
         "budget-settings-differ": Case(lambda ctx: _budget_on(ctx, _two_adalora), ("budget_init",)),
         "budget-missing-grads": Case(lambda ctx: _budget_on(ctx, _budget_without_grads), ("lora_A", "adapter.params")),

@@ -23,8 +23,10 @@ TARGETS = {"llama": ["q_proj", "v_proj"], "gpt2": ["c_attn"]}
 
 
 def _adapter(model, kind: str, variant: str, **kwargs) -> lf.Adapter:
-    spec = lf.AdapterSpec(variant, targets=kwargs.pop("targets", TARGETS[kind]), **({"r": 2} | kwargs))
-    calibration = calibration_batches() if variant == "eva" else None
+    # adalora: peft's config stores the rank as init_r, an option that must equal r.
+    extra = {"init_r": kwargs.get("r", 2), "total_step": 10} if variant == "adalora" else {}
+    spec = lf.AdapterSpec(variant, targets=kwargs.pop("targets", TARGETS[kind]), **({"r": 2} | extra | kwargs))
+    calibration = calibration_batches() if lf.get_variant(variant).calibrate is not None else None
     adapter = lf.init_adapter(model, spec, generator=torch.Generator().manual_seed(1), calibration=calibration)
     return perturbed(adapter, 0.1)
 
@@ -71,7 +73,7 @@ def test_the_answers_differ_where_peft_differs(tmp_path):
     }
     expected = {(k, "antipasto", m) for k in ("llama", "gpt2") for m in (True, False)}
     expected |= {("gpt2", v, m) for v in ("hra", "delora") for m in (True, False)}
-    expected |= {(k, "pissa", False) for k in ("llama", "gpt2")}
+    expected |= {(k, v, False) for k in ("llama", "gpt2") for v in ("pissa", "olora", "corda")}  # converted on the base
     assert refused == expected
 
 

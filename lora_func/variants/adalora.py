@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from lora_func._kernels import base_plus_low_rank, check_dropout, lowrank_input
-from lora_func.variants import BaseLayer, LayerInfo, PeftFormat, PeftMethod, TensorDict, Variant, is_finite_number
+from lora_func.variants import BaseLayer, LayerInfo, PeftFormat, PeftLayer, PeftMethod, TensorDict, Variant, is_finite_number
 from lora_func.variants.lora import PEFT_UNSUPPORTED_FIELDS
 
 # The schedule's settings (peft's AdaLoraConfig fields and defaults), held as spec options.
@@ -115,18 +115,19 @@ def _peft_reads(config: Mapping[str, Any], module: str) -> dict[str, Any] | None
     return read | {"dropout": float(config.get("lora_dropout") or 0.0), "init_r": int(config.get("init_r", 12))}
 
 
-def _init(weight: Tensor, bias: Tensor | None, info: LayerInfo, *, dtype: torch.dtype, generator: torch.Generator, calibration: Any = None) -> tuple[TensorDict, TensorDict]:
-    if isinstance(info.r, int) and info.option("init_r") != info.r:
+def _export(params: TensorDict, buffers: TensorDict, weight: Tensor | None, info: LayerInfo) -> PeftLayer:
+    """The layer as it is, after checking that the config's ``init_r`` (an option) is its rank."""
+    if info.option("init_r") != info.r:
         raise ValueError(  # error: adalora-r-init-r
-            f"adalora: r={info.r} and init_r={info.option('init_r')} differ; AdaLoRA's initial rank is r, and peft's config "
-            f"stores it as init_r: pass the same value for both (AdapterSpec('adalora', r=12, init_r=12))"
+            f"save_peft: adalora r={info.r} and init_r={info.option('init_r')} differ; peft's AdaLoraConfig stores the "
+            f"initial rank as init_r: build the adapter with the same value for both (AdapterSpec('adalora', r=12, init_r=12))"
         )
-    return init(weight, bias, info, dtype=dtype, generator=generator, calibration=calibration)
+    return PeftLayer(lambda: dict(params), r=info.r, alpha=info.alpha)
 
 
 VARIANT = Variant(
     name="adalora",
-    init=_init,
+    init=init,
     weight_form=weight_form,
     activation_form=activation_form,
     options={"init_r": 8, "dropout": 0.0} | SCHEDULE,
@@ -139,5 +140,6 @@ VARIANT = Variant(
         lambda r, d_in, d_out: {"lora_A": (r, d_in), "lora_E": (r, 1), "lora_B": (d_out, r)},
         _peft_config,
         _peft_reads,
+        export=_export,
     ),
 )
