@@ -155,3 +155,26 @@ def test_corda_equals_peft_preprocess_corda(model, method, tmp_path, monkeypatch
     with pytest.warns(FutureWarning, match="is_gradient_checkpointing"):
         loaded = PeftModel.from_pretrained(copy.deepcopy(model), tmp_path).eval()
     assert _rel(loaded(ids).logits, lf.adapted_call(model, trained, ids).logits) <= 1e-5
+
+
+def test_mica_equals_peft_and_its_checkpoints_load_both_ways(model, tmp_path):
+    pm = _peft(model, "mica")
+    adapter = lf.init_adapter(model, lf.AdapterSpec("mica", targets=TARGETS, r=R, alpha=ALPHA))
+    assert sorted(adapter.params) == sorted(k for k in adapter.params if k.endswith("lora_A"))  # B is a buffer
+    for name, layer in _peft_layers(pm).items():
+        assert not layer.lora_B["default"].weight.requires_grad  # peft freezes it too
+        assert _rel(adapter.buffers[f"{name}.lora_B"], layer.lora_B["default"].weight) <= 1e-6, name
+        assert not adapter.params[f"{name}.lora_A"].any() and not layer.lora_A["default"].weight.any()
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for layer in _peft_layers(pm).values():
+            layer.lora_A["default"].weight.add_(0.3 * torch.randn(layer.lora_A["default"].weight.shape, generator=g))
+    ids = tokens(2, 8, seed=7)
+    pm.save_pretrained(tmp_path / "peft")
+    back = lf.load_peft(tmp_path / "peft", model)
+    assert back.spec.variant == "mica" and sorted(back.buffers) == sorted(adapter.buffers)
+    assert _rel(lf.adapted_call(model, back, ids).logits, pm(ids).logits) <= 1e-6
+    lf.save_peft(back, tmp_path / "ours")
+    with pytest.warns(FutureWarning, match="is_gradient_checkpointing"):
+        again = PeftModel.from_pretrained(copy.deepcopy(model), tmp_path / "ours").eval()
+    assert _rel(again(ids).logits, pm(ids).logits) <= 1e-6

@@ -204,3 +204,5 @@ def test_budget_helpers_refuse_and_are_pure(model, loaded):
     assert all(not masked.params[k].any() for k in mask)
     assert rb.budget(adapter, 5) == (48, False) and rb.budget(adapter, 41) == (12, True)
     assert rb.budget(adapter, 6) == (int(36 * (1 - 1 / 35) ** 3 + 12), True)
+    even = lf.init_adapter(model, lf.AdapterSpec("adalora", targets=["q_proj"], r=4, init_r=4, tinit=4, deltaT=2, total_step=20))
+    assert rb.budget(even, 4) == (8, False) and rb.budget(even, 6)[1]  # step == tinit still warms up
