@@ -204,5 +204,11 @@ def test_budget_helpers_refuse_and_are_pure(model, loaded):
     assert all(not masked.params[k].any() for k in mask)
     assert rb.budget(adapter, 5) == (48, False) and rb.budget(adapter, 41) == (12, True)
     assert rb.budget(adapter, 6) == (int(36 * (1 - 1 / 35) ** 3 + 12), True)
-    even = lf.init_adapter(model, lf.AdapterSpec("adalora", targets=["q_proj"], r=4, init_r=4, tinit=4, deltaT=2, total_step=20))
+    even = lf.init_adapter(model, lf.AdapterSpec("adalora", targets=["q_proj"], r=4, init_r=4, target_r=2, tinit=4, deltaT=3, total_step=20))
     assert rb.budget(even, 4) == (8, False) and rb.budget(even, 6)[1]  # step == tinit still warms up
+    assert rb.budget(even, 20) == (4, False) and rb.budget(even, 21) == (4, True)  # 20 % deltaT != 0: the end itself is cubic
+    # A masking step whose budget is the initial one (target_r = init_r): peft's kthvalue(k=0) fails; nothing is masked.
+    flat = lf.init_adapter(model, lf.AdapterSpec("adalora", targets=["q_proj"], r=4, init_r=4, target_r=4, total_step=20))
+    ones = {k: torch.ones_like(v) for k, v in flat.params.items()}
+    _, keep = rb.budget_step(rb.budget_init(flat), flat, ones, 1)
+    assert keep is not None and all(m.all() for m in keep.values())
