@@ -174,6 +174,9 @@ def test_budget_schedule_equals_peft_rank_allocator_step_by_step(model):
                 key = n.removesuffix(".default")
                 assert torch.equal(state.exp_avg_ipt[key], ema) and torch.equal(state.exp_avg_unc[key], allocator.exp_avg_unc[n]), (step, key)
         assert (mask is not None) == peft_masked, step
+        if step >= 40:  # the final allocation: peft resets its EMAs and re-applies the same mask after
+            assert allocator.exp_avg_ipt == {} and not any(v.any() for v in state.exp_avg_ipt.values()), step
+            assert state.final_mask is not None and mask is state.final_mask, step
         if mask is None:
             continue
         masked_steps.append(step)
