@@ -4,7 +4,8 @@ The names below are grouped as docs/api.md groups them. Namespaces for the rest:
 ``lora_func.variants`` (the variant contract and registry), ``lora_func.merging`` (the merge
 building blocks: trim, elect_sign, disjoint_mean, drop), ``lora_func.quantized`` (quantized
 weight kinds), ``lora_func.distributed`` (data-parallel helpers), ``lora_func.privacy`` (DP-SGD: the pieces
-behind ``private_grads``, the accountant), ``lora_func.train`` (training utilities).
+behind ``private_grads``, the accountant), ``lora_func.optimizers`` (LoRA+, LoRA-FA, Riemannian:
+optimisers and pure transforms), ``lora_func.rank_budget`` (AdaLoRA's schedule), ``lora_func.train`` (training utilities).
 """
 
 import importlib as _importlib
@@ -43,6 +44,11 @@ from lora_func.checks import check_finite
 from lora_func import privacy  # (lora_func.privacy.clipped_sum, Accountant, ...)
 from lora_func.privacy import PoissonBatchSampler, epsilon, noise_for_epsilon, private_grads
 
+# Optimiser methods (LoRA+, LoRA-FA, Riemannian) and AdaLoRA's rank budget, as pure functions.
+from lora_func import optimizers, rank_budget  # (lora_func.optimizers.riemannian_precondition, ...)
+from lora_func.optimizers import lorafa_optimizer, loraplus_optimizer, riemannian_optimizer
+from lora_func.rank_budget import apply_mask, budget_init, budget_step, orth_penalty
+
 # Ecosystem: peft habits, optree/torchopt, nn.Module frameworks (Trainer, accelerate, DDP).
 from lora_func import _optree  # (registers the adapter types with optree, if installed)
 from lora_func import distributed  # (lora_func.distributed.all_reduce_mean, ...)
@@ -55,9 +61,10 @@ MANY_ADAPTERS = ["ensemble_call", "mixed_adapted", "mixed_adapted_call", "mixed_
 FILES = ["load", "load_peft", "merged_state_dict", "save", "save_peft"]
 CHECKS = ["check_finite"]
 PRIVACY = ["PoissonBatchSampler", "epsilon", "noise_for_epsilon", "private_grads"]
+TRAINING_METHODS = ["apply_mask", "budget_init", "budget_step", "lorafa_optimizer", "loraplus_optimizer", "orth_penalty", "riemannian_optimizer"]
 ECOSYSTEM = ["AdaptedModule", "AdapterSummary", "adapter_summary", "as_module"]
 
-__all__ = [*BUILDING, *APPLYING, *COMBINING, *MANY_ADAPTERS, *FILES, *CHECKS, *PRIVACY, *ECOSYSTEM]
+__all__ = [*BUILDING, *APPLYING, *COMBINING, *MANY_ADAPTERS, *FILES, *CHECKS, *PRIVACY, *TRAINING_METHODS, *ECOSYSTEM]
 
 __version__ = "0.1.0"
 

@@ -618,6 +618,42 @@ ROWS.update(
 )
 
 
+# Issue 31: optimiser methods and AdaLoRA's rank budget (lora_func.optimizers, lora_func.rank_budget).
+def _optimiser_steps(w: World, build: Callable[[lf.Adapter], torch.optim.Optimizer], variant: str = "lora") -> None:
+    model, adapter = w.model("llama"), w.adapter(variant).detach()
+    optimizer = build(adapter)
+    for _ in range(2):
+        optimizer.zero_grad()
+        loss_of_ids(model, adapter, IDS).backward()
+        optimizer.step()
+
+
+def _budget_round(w: World) -> None:
+    model, adapter = w.model("llama"), w.adapter("adalora")
+    state = lf.budget_init(adapter)
+    for step in range(1, 3):
+        loss = loss_of_ids(model, adapter, IDS) + lf.orth_penalty(adapter)
+        grads = dict(zip(adapter.params, torch.autograd.grad(loss, list(adapter.params.values())), strict=True))
+        state, mask = lf.budget_step(state, adapter, grads, step)
+        adapter = lf.apply_mask(adapter, mask)
+
+
+ROWS.update(
+    {
+        "loraplus_optimizer": [Call("two AdamW steps (dora)", lambda w: _optimiser_steps(w, lambda a: lf.loraplus_optimizer(a, torch.optim.AdamW, lr=1e-2, loraplus_lr_ratio=4.0), "dora"))],
+        "lorafa_optimizer": [
+            Call("two steps", lambda w: _optimiser_steps(w, lambda a: lf.lorafa_optimizer(a, lr=1e-2, weight_decay=0.1))),
+            Call("an adapter without factor pairs", lambda w: lf.lorafa_optimizer(w.adapter("hra"), lr=1e-2), ValueError),
+        ],
+        "riemannian_optimizer": [Call("two SGD steps", lambda w: _optimiser_steps(w, lambda a: lf.riemannian_optimizer(a, torch.optim.SGD, lr=1e-2)))],
+        "budget_init": [Call("schedule round", _budget_round), Call("no adalora part", lambda w: lf.budget_init(w.adapter()), ValueError)],
+        "budget_step": [Call("schedule round", _budget_round)],
+        "apply_mask": [Call("schedule round", _budget_round)],
+        "orth_penalty": [Call("backward", lambda w: lf.orth_penalty(w.adapter("adalora")).backward())],
+    }
+)
+
+
 def test_every_public_name_has_a_row():
     missing = sorted(set(lf.__all__) - set(ROWS))
     stale = sorted(set(ROWS) - set(lf.__all__) - set(PENDING))
@@ -660,3 +696,4 @@ def test_the_check_catches_each_kind_of_change():
         change(model)
         with pytest.raises(AssertionError):
             assert_same(model, before, what)
+

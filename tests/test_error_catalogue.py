@@ -1724,6 +1724,50 @@ def _vblora_topk_without_weights(ctx: Ctx) -> Callable[[], Any]:
     adapter = ctx.adapter(model, variant="vblora", num_vectors=4, vector_length=8, save_only_topk_weights=True)
     directory = save_peft(adapter, ctx.tmp / "ckpt", model=model)
     return _peft_on(directory, ctx, model, tensors=lambda t: {k: v for k, v in t.items() if not k.endswith("logits_B_topk_weights")})
+# ------------------------------------------------------------------ optimisers and AdaLoRA's schedule
+
+
+def _lorafa_on_hra(ctx: Ctx) -> Callable[[], Any]:
+    from lora_func.optimizers import lorafa_optimizer
+
+    adapter = ctx.adapter(ctx.model(), "hra")
+    return lambda: lorafa_optimizer(adapter, lr=1e-3)
+
+
+def _riemannian_on(ctx: Ctx, variant: str, closure: bool = False) -> Callable[[], Any]:
+    from lora_func.optimizers import riemannian_optimizer
+
+    adapter = ctx.adapter(ctx.model(), variant)
+    if not closure:
+        return lambda: riemannian_optimizer(adapter, torch.optim.SGD, lr=1e-3)
+    optimizer = riemannian_optimizer(adapter.detach(), torch.optim.SGD, lr=1e-3)
+    return lambda: optimizer.step(lambda: None)
+
+
+def _budget_on(ctx: Ctx, make: Callable[[nn.Module, Ctx], Any]) -> Callable[[], Any]:
+    model = ctx.model()
+    return lambda: make(model, ctx)
+
+
+def _two_adalora(model: nn.Module, ctx: Ctx) -> Any:
+    from lora_func.rank_budget import budget_init
+
+    a = ctx.adapter(model, "adalora", r=2, init_r=2, total_step=10)
+    b = ctx.adapter(model, "adalora", targets=("v_proj",), r=2, init_r=2, total_step=20)
+    return budget_init(lf.compose(a, b))
+
+
+def _budget_without_grads(model: nn.Module, ctx: Ctx) -> Any:
+    from lora_func.rank_budget import budget_init, budget_step
+
+    adapter = ctx.adapter(model, "adalora", r=2, init_r=2, total_step=10)
+    return budget_step(budget_init(adapter), adapter, {}, 1)
+
+
+def _budget_on_lora(model: nn.Module, ctx: Ctx) -> Any:
+    from lora_func.rank_budget import orth_penalty
+
+    return orth_penalty(ctx.adapter(model))
 
 
 CASES.update(
@@ -1749,5 +1793,22 @@ CASES.update(
         "save-peft-shared-twice": Case(
             save_peft_of(lambda ctx: (_composed(ctx, {"variant": "vera"}, {"variant": "vera", "targets": ["v_proj"]}), None)), ("vera_A",)
         ),
+        "optim-unknown-keys": Case(on_adapter(lambda a, ctx: __import__("lora_func.optimizers").optimizers.riemannian_precondition(a, {"x.lora_A": torch.zeros(1)})), ("x.lora_A", "adapter.params")),
+        "loraplus-ratio": Case(on_adapter(lambda a, ctx: __import__("lora_func.optimizers").optimizers.loraplus_optimizer(a, torch.optim.SGD, lr=1e-3, loraplus_lr_ratio=-1.0)), ("-1.0",)),
+        "optim-no-factor-pairs": Case(lambda ctx: _riemannian_on(ctx, "hra"), ("riemannian_optimizer", "s·B A")),
+        "optim-closure": Case(lambda ctx: _riemannian_on(ctx, "lora", closure=True), ("closure", "loss.backward()")),
+        "lorafa-no-factor-pairs": Case(_lorafa_on_hra, ("lorafa_optimizer", "freezes A")),
+        "adalora-options": Case(spec("adalora", targets=["q_proj"], tinit=5, total_step=5), ("tinit=5", "total_step - tfinal")),
+        "adalora-r-init-r": Case(lambda ctx: functools.partial(lf.save_peft, ctx.adapter(ctx.model(), "adalora", r=2, total_step=10), ctx.tmp / "out"), ("r=2", "init_r=8")),
+        "budget-no-adalora": Case(lambda ctx: _budget_on(ctx, _budget_on_lora), ("orth_penalty", "AdapterSpec('adalora'")),
+        "budget-settings-differ": Case(lambda ctx: _budget_on(ctx, _two_adalora), ("budget_init",)),
+        "budget-missing-grads": Case(lambda ctx: _budget_on(ctx, _budget_without_grads), ("lora_A", "adapter.params")),
+        # init_adapter refuses a data-driven variant without calibration first; the variant's own init too.
+        "corda-needs-calibration": Case(lambda ctx: lambda: lf.get_variant("corda").init(torch.eye(4), None, _info(options=(("corda_method", "ipm"), ("dropout", 0.0), ("use_rslora", False))), dtype=torch.float32, generator=torch.Generator()), ("calibration=",)),
+        "corda-method": Case(spec("corda", targets=["q_proj"], corda_method="pca"), ("'pca'", "ipm")),
+        "corda-covariance": Case(lambda ctx: lambda: lf.get_variant("corda").init(torch.eye(4), None, _info(r=2, options=(("corda_method", "ipm"), ("dropout", 0.0), ("use_rslora", False))), dtype=torch.float32, generator=torch.Generator(), calibration=torch.full((4, 4), math.nan)), ("nan",)),
+        # init_adapter refuses r > min(d_in, d_out) for every variant first; the variant's own init too.
+        "mica-rank": Case(lambda ctx: lambda: lf.get_variant("mica").init(torch.eye(4), None, _info(r=8), dtype=torch.float32, generator=torch.Generator()), ("r=8", "= 4")),
+        "lora-orthogonal-odd-r": Case(on_model(lambda m, ctx: lf.init_adapter(m, lf.AdapterSpec("lora", targets=["q_proj"], r=3, init="orthogonal"), generator=torch.Generator())), ("r=3",)),
     }
 )

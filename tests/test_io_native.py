@@ -69,6 +69,10 @@ def test_trainable_only_rebuilds_the_buffers_bit_exactly(row, kind, tmp_path):
     if adapter.buffers:
         assert small.stat().st_size < full.stat().st_size
     fresh = tiny_model(LAYER_KIND_MODEL[kind])
+    if row.calibration and adapter.buffers:  # corda: its residual depends on the calibration data, not in the file
+        with pytest.raises(ValueError, match="calibration"):
+            lf.load(small, model=fresh)
+        return
     loaded = lf.load(small, model=fresh)
     assert_same_adapter(adapter, loaded)
     assert_same_outputs(model, adapter, fresh, loaded, tokens())

@@ -29,8 +29,10 @@ SMALL_MODEL_OPTIONS = {"road": {"group_size": 2}, "oft": {"oft_block_size": 8}}
 
 
 def _adapter(model, kind: str, variant: str, **kwargs) -> lf.Adapter:
-    spec = lf.AdapterSpec(variant, targets=kwargs.pop("targets", TARGETS[kind]), **({"r": 2} | SMALL_MODEL_OPTIONS.get(variant, {}) | OPTIONS.get(variant, {}) | kwargs))
-    calibration = calibration_batches() if variant == "eva" else None
+    # adalora: peft's config stores the rank as init_r, an option that must equal r.
+    extra = {"init_r": kwargs.get("r", 2), "total_step": 10} if variant == "adalora" else {}
+    spec = lf.AdapterSpec(variant, targets=kwargs.pop("targets", TARGETS[kind]), **({"r": 2} | SMALL_MODEL_OPTIONS.get(variant, {}) | OPTIONS.get(variant, {}) | extra | kwargs))
+    calibration = calibration_batches() if lf.get_variant(variant).calibrate is not None else None
     adapter = lf.init_adapter(model, spec, generator=torch.Generator().manual_seed(1), calibration=calibration)
     return perturbed(adapter, 0.1)
 
@@ -80,7 +82,7 @@ def test_the_answers_differ_where_peft_differs(tmp_path):
     expected |= {("gpt2", v, m) for v in ("hra", "delora") for m in (True, False)}
     expected |= {("gpt2", v, m) for v in ("loha", "lokr", "miss") for m in (True, False)}  # peft: nn.Linear only
     expected |= {("gpt2", v, m) for v in ("hra", "delora", "shira", "c3a") for m in (True, False)}
-    expected |= {(k, "pissa", False) for k in ("llama", "gpt2")}
+    expected |= {(k, v, False) for k in ("llama", "gpt2") for v in ("pissa", "olora", "corda")}  # converted on the base
     assert refused == expected
 
 

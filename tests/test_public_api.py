@@ -24,6 +24,7 @@ SECTIONS = {
     "FILES": "Saving, loading, exporting",
     "CHECKS": "Checks and data-parallel training",
     "PRIVACY": "Private training (DP-SGD)",
+    "TRAINING_METHODS": "Optimiser methods and AdaLoRA's rank budget",
     "ECOSYSTEM": "Ecosystem",
 }
 

@@ -99,6 +99,12 @@ TARGETS: dict[str, tuple[tuple[str, ...] | None, list[list[str]]]] = {
     },
     "lora_func/variants/_bank.py": (None, [[CONTRACT, "-k", "vera or randlora or pvera"], ["tests/test_variant_vera.py", "tests/test_variant_randlora.py"]]),
     "lora_func/variants/_contract.py": (("layer_rank", "layer_alpha"), _ALL),
+    # Issue 31 (no hypothesis stage: these tests compare against peft step by step).
+    "lora_func/variants/adalora.py": (None, [[CONTRACT, "-k", "adalora"], ["tests/test_variant_adalora.py"]]),
+    "lora_func/variants/olora.py": (None, [["tests/test_inits.py", "-k", "olora"], [CONTRACT, "-k", "olora"]]),
+    "lora_func/variants/corda.py": (None, [["tests/test_inits.py", "-k", "corda"], [CONTRACT, "-k", "corda"]]),
+    "lora_func/rank_budget.py": (None, [["tests/test_variant_adalora.py"]]),
+    "lora_func/optimizers.py": (None, [["tests/test_optimizers.py"]]),
     "lora_func/_kernels.py": (
         ("lora_scale", "add_low_rank", "_fresh_output_in_place", "base_plus_low_rank", "lora_weight_form", "lora_activation_form", "kaiming_uniform"),
         _ALL,

@@ -32,7 +32,7 @@ from lora_func.variants import (
 )
 from lora_func.variants._contract import LowRank
 
-INITS = ("kaiming", "gaussian")
+INITS = ("kaiming", "gaussian", "orthogonal")
 
 # ------------------------------------------------------------------ peft's format (LoraConfig)
 
@@ -104,7 +104,8 @@ def peft_reads(config: Mapping[str, Any], *, use_dora: bool, inits: Sequence[Any
 
 def _reads(config: Mapping[str, Any], module: str) -> dict[str, Any] | None:
     options = peft_reads(config, use_dora=False, inits=PEFT_PLAIN_INITS)
-    return None if options is None else options | {"init": "gaussian" if config.get("init_lora_weights") == "gaussian" else "kaiming"}
+    init = config.get("init_lora_weights")
+    return None if options is None else options | {"init": init if init in ("gaussian", "orthogonal") else "kaiming"}
 
 
 PEFT = PeftFormat(PEFT_METHOD, PEFT_KEYS, peft_shapes, peft_config, _reads)
@@ -125,11 +126,26 @@ def init(
     r, d_in, d_out = info.r, info.d_in, info.d_out
     if info.option("init") == "gaussian":
         lora_a = torch.randn((r, d_in), generator=generator, dtype=torch.float32) / r
+    elif info.option("init") == "orthogonal":
+        return orthogonal_init(weight, info, dtype=dtype, generator=generator)
     else:
         lora_a = kaiming_uniform((r, d_in), a=math.sqrt(5), generator=generator)
     lora_b = torch.zeros((d_out, r), dtype=torch.float32)
     params = {"lora_A": lora_a.to(weight.device, dtype), "lora_B": lora_b.to(weight.device, dtype)}
     return params, {}
+
+
+def orthogonal_init(weight: Tensor, info: LayerInfo, *, dtype: torch.dtype, generator: torch.Generator) -> tuple[TensorDict, TensorDict]:
+    """peft's ``init_lora_weights="orthogonal"`` (its draws in its order): ``Q = qr(N(0, 1)^{r×r})``,
+    ``A = (N^{d_in×r/2} Q[0::2])ᵀ / 10``, ``B = (N^{r/2×d_out})ᵀ Q[1::2] / 10``; ``B A = 0`` (the rows
+    of ``Q`` are orthonormal) up to round-off, with both factors non-zero. ``r`` even."""
+    r = info.r
+    if isinstance(r, int) and r % 2:
+        raise ValueError(f"lora option init='orthogonal' needs an even rank (A and B take alternate rows of one orthogonal matrix), got r={r}")  # error: lora-orthogonal-odd-r
+    q, _ = torch.linalg.qr(torch.randn((r, r), generator=generator))
+    lora_a = torch.randn((info.d_in, r // 2), generator=generator).mm(q[0::2, :]).T / 10.0
+    lora_b = torch.randn((r // 2, info.d_out), generator=generator).T.mm(q[1::2, :]) / 10.0
+    return {"lora_A": lora_a.contiguous().to(weight.device, dtype), "lora_B": lora_b.contiguous().to(weight.device, dtype)}, {}
 
 
 def check_options(options: Mapping[str, Any]) -> None:
