@@ -145,6 +145,10 @@ def every_variant_through(w: World, make: Callable[..., dict[str, Tensor]], kind
         torch.func.grad(lambda p: loss_of(model, make(base, adapter.with_params(p))))(adapter.params)  # noqa: B023
 
 
+# Options that fit a 32-wide layer where peft's defaults do not.
+SMALL_LAYER_OPTIONS = {"road": {"group_size": 2}, "oft": {"oft_block_size": 8}, "vblora": {"num_vectors": 12, "vector_length": 8}}
+
+
 def variant_functions_on_the_models_own_tensors(w: World) -> None:
     """Each variant's init, weight form and activation form, fed views of the model's own weights
     (no copies): a variant that wrote into its inputs would change the model."""
@@ -153,12 +157,18 @@ def variant_functions_on_the_models_own_tensors(w: World) -> None:
     weight, bias = canonical_weight(layer.weight.detach(), "linear"), layer.bias.detach()
     x = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0))
     for name in lf.list_variants():
-        if name == "eva":
-            continue  # needs calibrate's output; its forms are LoRA's (covered by "lora")
         variant = lf.get_variant(name)
-        spec = lf.AdapterSpec(name, targets=["q_proj"], r=2)
+        calibration = None
+        if variant.calibrate is not None:
+            if name != "corda":
+                continue  # eva needs calibrate's output; its forms are LoRA's (covered by "lora")
+            calibration = x.T @ x  # corda's payload: the layer inputs' covariance (d_in, d_in)
+        spec = lf.AdapterSpec(name, targets=["q_proj"], r=2, **SMALL_LAYER_OPTIONS.get(name, {}))
         info = LayerInfo(d_in=32, d_out=32, r=2, alpha=spec.alpha, has_bias=True, options=spec.options)
-        params, buffers = variant.init(weight, bias, info, dtype=torch.float32, generator=torch.Generator().manual_seed(0))
+        params, buffers = variant.init(weight, bias, info, dtype=torch.float32, generator=torch.Generator().manual_seed(0), calibration=calibration)
+        if variant.shared_init is not None:  # VeRA & co: the basis every layer reads, as init_adapter passes it
+            shared = variant.shared_init({"q_proj": info}, dtype=torch.float32, device=weight.device, generator=torch.Generator().manual_seed(1))
+            params, buffers = shared[0] | params, shared[1] | buffers
         variant.weight_form(params, buffers, weight, bias, info)
 
         class Base:

@@ -967,7 +967,7 @@ CASES.update(
         "peft-unsupported-features": Case(saved_peft(lambda d, ctx, m: _peft_on(d, ctx, m, config={"bias": "all"})), ("LORA", "['bias']")),
         "peft-incomplete": Case(saved_peft(lambda d, ctx, m: _peft_on(d, ctx, m, tensors=lambda t: {k: v for k, v in t.items() if not (Q in k and "lora_B" in k)})), (Q, "['lora_A']", "['lora_A', 'lora_B']")),
         "peft-rank-mismatch": Case(saved_peft(lambda d, ctx, m: _peft_on(d, ctx, m, config={"r": 3, "rank_pattern": {}})), ("rank 2", "says 3")),
-        "peft-layer-unread": Case(saved_peft(lambda d, ctx, m: _peft_on(d, ctx, m, config={"init_lora_weights": "olora"})), ("'olora'", "path_initial_model_for_weight_conversion")),
+        "peft-layer-unread": Case(saved_peft(lambda d, ctx, m: _peft_on(d, ctx, m, config={"init_lora_weights": "lora_ga"})), ("'lora_ga'", "path_initial_model_for_weight_conversion")),
         "peft-vector-shape": Case(saved_peft(lambda d, ctx, m: _peft_on(d, ctx, m, config={"feedforward_modules": ["q_proj"]}), variant="ia3", targets=("q_proj",)), (Q, "(32, 1)", "(1, d_in)")),
         "peft-unknown-type": Case(saved_peft(lambda d, ctx, m: _peft_on(d, ctx, m, config={"peft_type": "PROMPT_TUNING"})), ("'PROMPT_TUNING'", "LORA")),
         "save-peft-needs-model": Case(save_peft_of(lambda ctx: (ctx.adapter(ctx.model(), variant="pissa"), None)), ("model=",)),
@@ -1688,6 +1688,39 @@ RNG_ADVANCES = RNG_ADVANCES | {"boft-blocks", "road-group-size"}  # init_adapter
 # --- issue 30: shira, fourierft, c3a ---------------------------------------------------------
 
 
+
+CASES.update(
+    {
+        "deprecated-keyword-twice": Case(
+            on_adapter(lambda a, ctx: lf.adapted_call(ctx.model(), a, IDS, safe=True, check_finite=True)), ("safe=", "check_finite=")
+        ),
+        "combine-no-weights": Case(on_adapter(lambda a, ctx: lf.combine(a, a)), ("combine(a, b, weights=",)),
+    }
+)
+# --- issue 30, structured family (b): oft, boft, road, hira -----------------------------------
+CASES.update(
+    {
+        "oft-blocks": Case(spec("oft", ["q_proj"], num_blocks=4), ("oft_block_size=32", "num_blocks=4")),
+        "oft-neumann-terms": Case(spec("oft", ["q_proj"], num_cayley_neumann_terms=0), ("num_cayley_neumann_terms=0",)),
+        "oft-module-dropout": Case(spec("oft", ["q_proj"], module_dropout=1.0), ("module_dropout=1.0",)),
+        "oft-eps": Case(spec("oft", ["q_proj"], eps=0.0), ("eps=0.0",)),
+        "oft-init": Case(spec("oft", ["q_proj"], init="zeros"), ("'zeros'", "identity")),
+        "boft-block-options": Case(spec("boft", ["q_proj"], boft_block_size=0), ("boft_block_size=0", "boft_block_num=0")),
+        "boft-factor": Case(spec("boft", ["q_proj"], boft_n_butterfly_factor=0), ("boft_n_butterfly_factor=0",)),
+        "boft-dropout": Case(spec("boft", ["q_proj"], boft_dropout=-0.1), ("boft_dropout=-0.1",)),
+        "boft-init": Case(spec("boft", ["q_proj"], init="zeros"), ("'zeros'",)),
+        "boft-blocks": Case(init("boft", ["q_proj"], boft_block_size=3), ("boft cannot adapt " + Q, "boft_block_size=3", "d_in=32")),
+        "road-variant": Case(spec("road", ["q_proj"], road_variant="road_3"), ("'road_3'", "road_4")),
+        "road-group-size-even": Case(spec("road", ["q_proj"], group_size=3), ("group_size=3",)),
+        "road-init": Case(spec("road", ["q_proj"], init="zeros"), ("'zeros'",)),
+        "road-group-size": Case(init("road", ["q_proj"]), ("road cannot adapt " + Q, "group_size=64", "d_out=32")),
+        "hira-init": Case(spec("hira", ["q_proj"], init="xavier"), ("'xavier'", "gaussian")),
+    }
+)
+RNG_ADVANCES = RNG_ADVANCES | {"boft-blocks", "road-group-size"}  # init_adapter without a generator
+# --- issue 30: shira, fourierft, c3a ---------------------------------------------------------
+
+
 def _init_seeded(variant: str, targets: Any, **kwargs: Any) -> Callable[[Ctx], Callable[[], Any]]:
     """init_adapter with its own generator: the refusal must not touch the global RNG."""
 
@@ -1708,6 +1741,10 @@ CASES.update(
         "fourierft-seed": Case(spec("fourierft", ["v_proj"], random_loc_seed=-3), ("random_loc_seed=-3",)),
         "c3a-block-size": Case(_init_seeded("c3a", ["v_proj"], r=12), ("model.layers.0.self_attn.v_proj", "r=12", "d_out=16", "r=16")),
         "c3a-init": Case(spec("c3a", ["v_proj"], init="ones"), ("'ones'",)),
+    }
+)
+
+
 # The shared-basis variants (issue 31): their options, and their shared tensors in peft's format.
 def _vera_shared_init_of_two_ranks(ctx: Ctx) -> Callable[[], Any]:
     from lora_func.variants import LayerInfo, get_variant
@@ -1724,6 +1761,35 @@ def _vblora_topk_without_weights(ctx: Ctx) -> Callable[[], Any]:
     adapter = ctx.adapter(model, variant="vblora", num_vectors=4, vector_length=8, save_only_topk_weights=True)
     directory = save_peft(adapter, ctx.tmp / "ckpt", model=model)
     return _peft_on(directory, ctx, model, tensors=lambda t: {k: v for k, v in t.items() if not k.endswith("logits_B_topk_weights")})
+
+
+CASES.update(
+    {
+        "bank-one-rank": Case(_vera_shared_init_of_two_ranks, ("vera", "[2, 3]")),
+        "bank-seed": Case(spec("vera", ["q_proj"], projection_prng_key=-1), ("projection_prng_key=-1",)),
+        "vera-init": Case(spec("vera", ["q_proj"], init="nope"), ("'nope'",)),
+        "peft-shared-missing": Case(
+            saved_peft(lambda d, ctx, m: _peft_on(d, ctx, m, tensors=lambda t: {k: v for k, v in t.items() if k != "base_model.vera_A"}), variant="vera"),
+            ("vera_A", "base_model.vera_A", "save_projection"),
+        ),
+        "peft-shared-shape": Case(
+            saved_peft(lambda d, ctx, m: _peft_on(d, ctx, m, tensors=lambda t: t | {"base_model.vera_B": torch.zeros(8, 2)}), variant="vera"),
+            ("base_model.vera_B", "(8, 2)", "(32, 2)"),
+        ),
+        "vblora-vector-length": Case(lambda ctx: _init_on(ctx.model(), "vblora", num_vectors=4, vector_length=12), ("vector_length=12", f"{Q} (32x32)")),
+        "vblora-sizes": Case(spec("vblora", ["q_proj"], num_vectors=0), ("num_vectors=0",)),
+        "vblora-topk": Case(spec("vblora", ["q_proj"], num_vectors=4, topk=5), ("topk=5", "num_vectors=4")),
+        "vblora-init-scale": Case(spec("vblora", ["q_proj"], init_logits_std=-1.0), ("init_logits_std",)),
+        "randlora-init": Case(spec("randlora", ["q_proj"], init="nope"), ("'nope'",)),
+        "pvera-init": Case(spec("pvera", ["q_proj"], init="nope"), ("'nope'",)),
+        "vblora-topk-tensors": Case(_vblora_topk_without_weights, ("vblora_logits_B_topk_indices", "vblora_logits_B_topk_weights")),
+        "save-peft-shared-twice": Case(
+            save_peft_of(lambda ctx: (_composed(ctx, {"variant": "vera"}, {"variant": "vera", "targets": ["v_proj"]}), None)), ("vera_A",)
+        ),
+    }
+)
+
+
 # ------------------------------------------------------------------ optimisers and AdaLoRA's schedule
 
 
@@ -1772,27 +1838,6 @@ def _budget_on_lora(model: nn.Module, ctx: Ctx) -> Any:
 
 CASES.update(
     {
-        "bank-one-rank": Case(_vera_shared_init_of_two_ranks, ("vera", "[2, 3]")),
-        "bank-seed": Case(spec("vera", ["q_proj"], projection_prng_key=-1), ("projection_prng_key=-1",)),
-        "vera-init": Case(spec("vera", ["q_proj"], init="nope"), ("'nope'",)),
-        "peft-shared-missing": Case(
-            saved_peft(lambda d, ctx, m: _peft_on(d, ctx, m, tensors=lambda t: {k: v for k, v in t.items() if k != "base_model.vera_A"}), variant="vera"),
-            ("vera_A", "base_model.vera_A", "save_projection"),
-        ),
-        "peft-shared-shape": Case(
-            saved_peft(lambda d, ctx, m: _peft_on(d, ctx, m, tensors=lambda t: t | {"base_model.vera_B": torch.zeros(8, 2)}), variant="vera"),
-            ("base_model.vera_B", "(8, 2)", "(32, 2)"),
-        ),
-        "vblora-vector-length": Case(lambda ctx: _init_on(ctx.model(), "vblora", num_vectors=4, vector_length=12), ("vector_length=12", f"{Q} (32x32)")),
-        "vblora-sizes": Case(spec("vblora", ["q_proj"], num_vectors=0), ("num_vectors=0",)),
-        "vblora-topk": Case(spec("vblora", ["q_proj"], num_vectors=4, topk=5), ("topk=5", "num_vectors=4")),
-        "vblora-init-scale": Case(spec("vblora", ["q_proj"], init_logits_std=-1.0), ("init_logits_std",)),
-        "randlora-init": Case(spec("randlora", ["q_proj"], init="nope"), ("'nope'",)),
-        "pvera-init": Case(spec("pvera", ["q_proj"], init="nope"), ("'nope'",)),
-        "vblora-topk-tensors": Case(_vblora_topk_without_weights, ("vblora_logits_B_topk_indices", "vblora_logits_B_topk_weights")),
-        "save-peft-shared-twice": Case(
-            save_peft_of(lambda ctx: (_composed(ctx, {"variant": "vera"}, {"variant": "vera", "targets": ["v_proj"]}), None)), ("vera_A",)
-        ),
         "optim-unknown-keys": Case(on_adapter(lambda a, ctx: __import__("lora_func.optimizers").optimizers.riemannian_precondition(a, {"x.lora_A": torch.zeros(1)})), ("x.lora_A", "adapter.params")),
         "loraplus-ratio": Case(on_adapter(lambda a, ctx: __import__("lora_func.optimizers").optimizers.loraplus_optimizer(a, torch.optim.SGD, lr=1e-3, loraplus_lr_ratio=-1.0)), ("-1.0",)),
         "optim-no-factor-pairs": Case(lambda ctx: _riemannian_on(ctx, "hra"), ("riemannian_optimizer", "s·B A")),
