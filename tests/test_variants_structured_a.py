@@ -95,8 +95,10 @@ def check_against_peft(base, pm, tmp_path, *, n_layers: int, kind: str = "llama"
             peft_g = trainables[key].grad
             assert peft_g.abs().max() > 0, key
             assert rel(g, peft_g) < REL, (key, merged, rel(g, peft_g))
-    # lora_func -> peft
+    # lora_func -> peft: the config's fields read back as the same options, ranks and alphas
     lf.save_peft(adapter, tmp_path / "lf", model=base)
+    again = lf.load_peft(tmp_path / "lf", base)
+    assert again.spec.options == adapter.spec.options and again.layers == adapter.layers
     reloaded = peft.PeftModel.from_pretrained(f64_model(kind), tmp_path / "lf").eval()
     with torch.no_grad():
         assert rel(reloaded(input_ids=ids).logits, want) < REL
