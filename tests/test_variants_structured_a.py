@@ -95,8 +95,10 @@ def check_against_peft(base, pm, tmp_path, *, n_layers: int, kind: str = "llama"
             peft_g = trainables[key].grad
             assert peft_g.abs().max() > 0, key
             assert rel(g, peft_g) < REL, (key, merged, rel(g, peft_g))
-    # lora_func -> peft
+    # lora_func -> peft: the config's fields read back as the same options, ranks and alphas
     lf.save_peft(adapter, tmp_path / "lf", model=base)
+    again = lf.load_peft(tmp_path / "lf", base)
+    assert again.spec.options == adapter.spec.options and again.layers == adapter.layers
     reloaded = peft.PeftModel.from_pretrained(f64_model(kind), tmp_path / "lf").eval()
     with torch.no_grad():
         assert rel(reloaded(input_ids=ids).logits, want) < REL
@@ -361,18 +363,22 @@ def test_miss_tiles_the_block():
         ("lokr", lambda: peft.LoKrConfig(r=2, alpha=3, target_modules=LLAMA_TARGETS, rank_dropout=0.5, rank_dropout_scale=True)),
         ("lokr", lambda: peft.LoKrConfig(r=2, alpha=3, target_modules=LLAMA_TARGETS, rank_dropout=0.4)),
         ("lokr", lambda: peft.LoKrConfig(r=2, alpha=3, target_modules=LLAMA_TARGETS, module_dropout=0.5)),
+        # input dropout, drawn anew for the hybrid path
+        ("gralora", lambda: peft.GraloraConfig(r=4, alpha=6, hybrid_r=2, target_modules=LLAMA_TARGETS, gralora_dropout=0.3)),
+        ("miss", lambda: peft.MissConfig(r=4, target_modules=LLAMA_TARGETS, miss_dropout=0.3)),
     ],
-    ids=["loha-rank", "loha-module", "lokr-rank-scaled", "lokr-rank", "lokr-module"],
+    ids=["loha-rank", "loha-module", "lokr-rank-scaled", "lokr-rank", "lokr-module", "gralora-hybrid", "miss"],
 )
 def test_a_seeded_training_step_equals_peft(variant, config, tmp_path):
-    """rank_dropout and module_dropout draw what peft draws, in its order: the same seed gives
+    """The dropouts (LoHa/LoKr rank_dropout and module_dropout, GraLoRA's and MiSS's input
+    dropout) draw what peft draws, in its order: the same seed gives
     peft's training-mode logits; eval mode and the merged path have no dropout. (With both set,
     peft skips the row draw of a dropped layer and the streams part: see _lycoris.output_keep.)"""
     base, pm = make_peft(config())
     pm.save_pretrained(tmp_path)
     adapter = lf.load_peft(tmp_path, base)
     opts = dict(adapter.spec.options)
-    assert opts["rank_dropout"] + opts["module_dropout"] > 0 and adapter.spec.variant == variant
+    assert sum(v for k, v in opts.items() if k.endswith("dropout")) > 0 and adapter.spec.variant == variant
     ids = tokens(batch=2, length=7, seed=4)
     with torch.no_grad():
         plain = pm(input_ids=ids).logits

@@ -106,7 +106,11 @@ class _Hadamard(torch.autograd.Function):
 
 def delta_weight(params: TensorDict, info: LayerInfo) -> Tensor:
     """``ΔW = s · (W1a W1b) ⊙ (W2a W2b)``, ``(d_out, d_in)``."""
-    return _Hadamard.apply(*(params[n] for n in NAMES)) * scale(info)
+    factors = [params[n] for n in NAMES]
+    if torch.compiler.is_compiling():
+        # A trace plans its own saved tensors (and dynamo warns when it traces a custom Function).
+        return (factors[0] @ factors[1]) * (factors[2] @ factors[3]) * scale(info)
+    return _Hadamard.apply(*factors) * scale(info)
 
 
 def face_splitting(params: TensorDict) -> tuple[Tensor, Tensor]:
