@@ -44,6 +44,28 @@ ROW_TARGETS = {
     "lora": QV, "pissa": QV, "delora": QV, "dora": QV, "hra": QV, "eva": QV, "antipasto": QV,
     "ia3": ("k_proj", "v_proj"), "ia3_ff": ("down_proj",), "ia3_kv_down": ("k_proj", "v_proj", "down_proj"),
 }
+# Issue 30, structured family (b): peft's defaults on q, v, except where they do not fit the
+# benchmark's widths (RoAd's group of 64 does not divide a 32-wide layer).
+ROW_OPTIONS: dict[str, dict[str, Any]] = {"oft": {}, "boft": {}, "road": {"group_size": 32}, "hira": {}}
+ALL_VARIANTS += tuple(ROW_OPTIONS)
+ROW_TARGETS |= {row: QV for row in ROW_OPTIONS}
+# Issue 30's structured family, first part (LoHa, LoKr, GraLoRA, MiSS): q, v as LoRA.
+STRUCTURED_A = ("loha", "lokr", "gralora", "miss")
+ALL_VARIANTS += STRUCTURED_A
+ROW_TARGETS |= dict.fromkeys(STRUCTURED_A, QV)
+
+
+def structured_a_peft_config(row: str, rank: int, common: dict[str, Any]) -> Any:
+    """peft's config for a STRUCTURED_A row, with lora_func's defaults."""
+    import peft
+
+    if row == "loha":
+        return peft.LoHaConfig(r=rank, alpha=8, **common)
+    if row == "lokr":
+        return peft.LoKrConfig(r=rank, alpha=8, **common)
+    if row == "gralora":
+        return peft.GraloraConfig(r=rank, alpha=16, gralora_k=2, **common)
+    return peft.MissConfig(r=rank, **common)
 # issue 30 (structured family): r is SHiRA's r (r·(d_in + d_out) values, LoRA's count), C3A's
 # block size and FourierFT's number of frequencies (peft's default 1000, not the rank).
 ALL_VARIANTS += ("shira", "fourierft", "c3a")
@@ -210,7 +232,7 @@ def our_adapter(s: Setup, row: str, rank: int, *, targets: Sequence[str] | None 
         if down:
             parts.append(lf.init_adapter(model, lf.AdapterSpec("ia3_ff", down), generator=torch.Generator().manual_seed(0)))
         return _perturbed(lf.compose(*parts))
-    options: dict[str, Any] = {}
+    options: dict[str, Any] = dict(ROW_OPTIONS.get(row, {}))
     calibration = None
     if row == "eva":
         calibration = [{"input_ids": s.calib_ids}]
@@ -238,6 +260,18 @@ def peft_model(s: Setup, row: str, rank: int, *, targets: Sequence[str] | None =
         config = peft.HRAConfig(r=rank, **common)
     elif row in ("ia3", "ia3_ff", "ia3_kv_down"):
         config = peft.IA3Config(feedforward_modules=[t for t in targets if t == "down_proj"], **common)
+    elif row in ROW_OPTIONS:
+        import peft.tuners.boft.layer
+
+        # Without its CUDA extension peft's BOFT uses one butterfly factor (our default too); never
+        # let it try to compile the extension here.
+        peft.tuners.boft.layer._FBD_CUDA = peft.tuners.boft.layer._FBD_CUDA or False
+        options = {"road": {"group_size": 32}}.get(row, {})
+        config = {"oft": peft.OFTConfig, "boft": peft.BOFTConfig, "road": peft.RoadConfig}.get(row, peft.HiraConfig)(
+            **({"r": rank} if row == "hira" else {}), **options, **common
+        )
+    elif row in STRUCTURED_A:
+        config = structured_a_peft_config(row, rank, common)
     elif row == "shira":
         config = peft.ShiraConfig(r=rank, **common)
     elif row == "fourierft":

@@ -20,7 +20,8 @@ base): keeping one base-dtype copy of each distinct target input (the frozen bas
 a frozen layer's backward needs its weight, not its input) and the ``(n, r)`` activations of
 each target (counted in fp32), and writing one base-dtype pass over the input gradient per
 target. Targets (bf16 base): LoRA lazy saved <= 1.2x and written <= 2x that limit, written <=
-the merged path's, ops <= peft's; DoRA, DeLoRA, HRA and IA3 lazy <= peft on all three counts.
+the merged path's, ops <= peft's; DoRA, DeLoRA, HRA, IA3, OFT, BOFT, RoAd and HiRA lazy <= peft
+on all three counts.
 
     python bench/counts.py                      # hidden 256, 4 layers, 8 x 128 tokens, r = 8
     python bench/counts.py --dtypes bfloat16 --variants lora,dora
@@ -46,6 +47,10 @@ LORA_SAVED_LIMIT = 1.2
 LORA_WRITTEN_LIMIT = 2.0
 # Rows held to "at most peft's" on every count (the issue's list; ia3 in its three recipes).
 VS_PEFT_ROWS = ("lora", "dora", "delora", "hra", "ia3", "ia3_ff", "ia3_kv_down")
+# Issue 30, structured family (b): each at most peft's on every count too.
+VS_PEFT_ROWS += ("oft", "boft", "road", "hira")
+# Issue 30 (structured family): LoHa, LoKr, GraLoRA and MiSS lazy at most peft's on every count.
+VS_PEFT_ROWS += c.STRUCTURED_A
 TARGET_DTYPE = "bfloat16"
 
 

@@ -178,6 +178,14 @@ def _():
         "antipasto": ("rotates and rescales W's own top singular vectors; a `steer` knob scales it at inference",
                       "steering: dial an adapter's effect up, down or negative without retraining",
                       "docs/variants/antipasto.md"),
+        "loha": ("the Hadamard product of two low-rank updates (LyCORIS): rank up to r² from LoRA-like factors",
+                 "LoRA's rank is the bottleneck; diffusion users' LyCORIS checkpoints", "docs/variants/loha.md"),
+        "lokr": ("a Kronecker product W1 ⊗ W2 of small factors (LyCORIS): a full-rank update from few numbers",
+                 "the fewest parameters with a high-rank update", "docs/variants/lokr.md"),
+        "gralora": ("a k×k grid of small LoRA blocks (+ an optional plain LoRA): k·r rank at LoRA's cost",
+                    "LoRA at larger r stops improving; the same parameters, finer blocks", "docs/variants/gralora.md"),
+        "miss": ("one small block shared, tiled over the whole weight (or W's r×r blocks made affine)",
+                 "the fewest parameters per layer and the cheapest step", "docs/variants/miss.md"),
     }
     return (VARIANT_HELP,)
 

@@ -8,7 +8,8 @@ behind ``private_grads``, the accountant), ``lora_func.train`` (training utiliti
 """
 
 import importlib as _importlib
-import warnings as _warnings
+
+from lora_func import _deprecated
 
 # Describing and building an adapter.
 from lora_func.adapter import Adapter, AdapterLayer
@@ -17,10 +18,10 @@ from lora_func.spec import AdapterSpec
 from lora_func.variants import get_variant, list_variants
 
 # Applying an adapter (the model is never modified).
-from lora_func._model import base_params, check_params
+from lora_func._model import base_params, check_base_params
 from lora_func.call import adapted, adapted_call, make_plan
 from lora_func.plan import Plan
-from lora_func.overlay import merge_overlay, overlay, overlay_calls
+from lora_func.overlay import merge_overlay, overlay, overlay_mode
 
 # Combining adapters.
 from lora_func.adapter import Combined, Composed, combine, compose
@@ -48,7 +49,7 @@ from lora_func import distributed  # (lora_func.distributed.all_reduce_mean, ...
 from lora_func.summary import AdapterSummary, adapter_summary
 
 BUILDING = ["Adapter", "AdapterLayer", "AdapterSpec", "get_variant", "init_adapter", "list_variants"]
-APPLYING = ["Plan", "adapted", "adapted_call", "base_params", "check_params", "make_plan", "merge_overlay", "overlay", "overlay_calls"]
+APPLYING = ["Plan", "adapted", "adapted_call", "base_params", "check_base_params", "make_plan", "merge_overlay", "overlay", "overlay_mode"]
 COMBINING = ["Combined", "Composed", "LoraConversion", "combine", "compose", "merge_adapters", "to_lora"]
 MANY_ADAPTERS = ["ensemble_call", "mixed_adapted", "mixed_adapted_call", "mixed_call", "per_example_grads", "stack", "take", "unstack"]
 FILES = ["load", "load_peft", "merged_state_dict", "save", "save_peft"]
@@ -60,12 +61,15 @@ __all__ = [*BUILDING, *APPLYING, *COMBINING, *MANY_ADAPTERS, *FILES, *CHECKS, *P
 
 __version__ = "0.1.0"
 
-# Old names, still answered with a DeprecationWarning: name -> (module, new name).
+# Old names, still answered with a DeprecationWarning until 0.2: name -> (module, its name there,
+# the new public spelling).
 _DEPRECATED = {
-    "merge": ("lora_func.export", "merged_state_dict"),
-    "all_reduce_mean": ("lora_func.distributed", "all_reduce_mean"),
-    "all_reduce_mean_grads_": ("lora_func.distributed", "all_reduce_mean_grads_"),
-    "broadcast_adapter": ("lora_func.distributed", "broadcast_adapter"),
+    "merge": ("lora_func.export", "merged_state_dict", "lora_func.merged_state_dict"),
+    "all_reduce_mean": ("lora_func.distributed", "all_reduce_mean", "lora_func.distributed.all_reduce_mean"),
+    "all_reduce_mean_grads_": ("lora_func.distributed", "all_reduce_mean_grads_", "lora_func.distributed.all_reduce_mean_grads_"),
+    "broadcast_adapter": ("lora_func.distributed", "broadcast_adapter", "lora_func.distributed.broadcast_adapter"),
+    "check_params": ("lora_func._model", "check_base_params", "lora_func.check_base_params"),
+    "overlay_calls": ("lora_func.overlay", "overlay_mode", "lora_func.overlay_mode"),
 }
 
 
@@ -77,10 +81,7 @@ def __getattr__(name: str):
 
         return getattr(bridge, name)
     if name in _DEPRECATED:
-        module, new = _DEPRECATED[name]
-        public = "lora_func" if module == "lora_func.export" else module
-        _warnings.warn(
-            f"lora_func.{name} is deprecated and will be removed; use {public}.{new}", DeprecationWarning, stacklevel=2
-        )
+        module, new, public = _DEPRECATED[name]
+        _deprecated.warn_renamed(f"lora_func.{name}", public)
         return getattr(_importlib.import_module(module), new)
     raise AttributeError(f"module 'lora_func' has no attribute {name!r}")  # error: unknown-attribute

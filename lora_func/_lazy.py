@@ -5,7 +5,7 @@ the adapter tensors of its layer. Through ``__torch_function__`` it intercepts t
 consume a weight (``F.linear`` for nn.Linear, ``torch.addmm``/``torch.matmul`` for GPT-2
 Conv1D) and returns ``base(x)`` plus the variant's activation form, so no merged weight is
 ever built. Metadata reads (dtype, shape, device) answer from the wrapper; any other op
-gets the dense merged weight (correct, just not lazy) or, with ``strict=True``, raises.
+gets the dense merged weight (correct, just not lazy) or, with ``lazy_only=True``, raises.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-from lora_func._routing import found_weights, replace_weights, weight_use
-from lora_func._steps import LayerCall, LayerStep, merged_weight
+from lora_func._routing import WeightStandIn, found_weights, replace_weights, weight_use
+from lora_func._layer_ops import LayerCall, LayerOp, merged_weight
 from lora_func.targeting import canonical_weight
 
 __all__ = ["AdaptedBias", "AdaptedCalls", "AdaptedWeight"]
@@ -42,14 +42,14 @@ _METADATA_FUNCS = {
 }
 
 
-class AdaptedWeight(Tensor):
+class AdaptedWeight(WeightStandIn):
     """Stand-in for one target weight in the lazy overlay (see module docstring)."""
 
     _weight: Tensor
     _bias: Tensor | None
-    _step: LayerStep
+    _op: LayerOp
     _layout: str
-    _strict: bool
+    _lazy_only: bool
     _name: str
     _training: bool
 
@@ -58,10 +58,10 @@ class AdaptedWeight(Tensor):
         cls,
         weight: Tensor,
         bias: Tensor | None,
-        step: LayerStep,
+        op: LayerOp,
         *,
         layout: str,
-        strict: bool,
+        lazy_only: bool,
         name: str,
         training: bool = False,
     ) -> AdaptedWeight:
@@ -73,8 +73,8 @@ class AdaptedWeight(Tensor):
             device=weight.device,
             requires_grad=False,
         )
-        out._weight, out._bias, out._step = weight, bias, step
-        out._layout, out._strict, out._name, out._training = layout, strict, name, training
+        out._weight, out._bias, out._op = weight, bias, op
+        out._layout, out._lazy_only, out._name, out._training = layout, lazy_only, name, training
         return out
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -82,17 +82,17 @@ class AdaptedWeight(Tensor):
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]  # torch's stub: no keyword
         return (
-            f"AdaptedWeight({self._name}, step={type(self._step).__name__}, shape={tuple(self._weight.shape)}, "
+            f"AdaptedWeight({self._name}, op={type(self._op).__name__}, shape={tuple(self._weight.shape)}, "
             f"dtype={self._weight.dtype})"
         )
 
     def merged(self) -> Tensor:
         """The dense merged weight, in the stored layout and base dtype."""
-        return merged_weight(self._step, self._weight, self._bias, self._layout)[0]
+        return merged_weight(self._op, self._weight, self._bias, self._layout)[0]
 
     def _adapted(self, x: Tensor, bias: Tensor | None, call: Callable[[Tensor], Tensor]) -> Tensor:
         base = LayerCall(canonical_weight(self._weight, self._layout), bias, call, self._training)
-        return self._step.activation(x, base)
+        return self._op.activation(x, base)
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -111,7 +111,7 @@ class AdaptedWeight(Tensor):
         return _route(func, args, kwargs, _standin_of)
 
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:  # type: ignore[override]  # torch's stub is a plain function
+    def below_autograd(cls, func: Any, args: tuple, kwargs: dict) -> Any:
         # Reaching dispatch means an op bypassed __torch_function__ (a C++ path); computing
         # here would be below autograd and silently drop the adapter's gradients.
         raise RuntimeError(  # error: lazy-below-autograd
@@ -124,17 +124,17 @@ class AdaptedBias(AdaptedWeight):
 
     Inside its layer's own op, paired with its weight's stand-in, it is the base bias (the
     activation form scales it); in any other op (a layer computing ``x @ W.T + b`` by hand) it is
-    the merged ``b_eff``, as its weight there is ``W_eff``, or it raises when strict."""
+    the merged ``b_eff``, as its weight there is ``W_eff``, or it raises when lazy_only."""
 
     _pair: Any
 
     @staticmethod
-    def __new__(cls, bias: Tensor, pair: AdaptedWeight, *, strict: bool, name: str) -> AdaptedBias:
+    def __new__(cls, bias: Tensor, pair: AdaptedWeight, *, lazy_only: bool, name: str) -> AdaptedBias:
         out = Tensor._make_wrapper_subclass(
             cls, bias.shape, strides=bias.stride(), dtype=bias.dtype, device=bias.device, requires_grad=False
         )
-        out._weight, out._bias, out._step, out._pair = bias, None, pair._step, pair
-        out._layout, out._strict, out._name = "bias", strict, name
+        out._weight, out._bias, out._op, out._pair = bias, None, pair._op, pair
+        out._layout, out._lazy_only, out._name = "bias", lazy_only, name
         return out
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]  # torch's stub: no keyword
@@ -147,7 +147,7 @@ class AdaptedBias(AdaptedWeight):
 
 def merged_bias(pair: Any) -> Tensor:
     """``b_eff`` of the target whose weight is ``pair`` (a stand-in or a mode entry)."""
-    return cast(Tensor, merged_weight(pair._step, pair._weight, pair._bias, pair._layout)[1])  # the pair has a bias
+    return cast(Tensor, merged_weight(pair._op, pair._weight, pair._bias, pair._layout)[1])  # the pair has a bias
 
 
 _STANDINS = (AdaptedWeight, AdaptedBias)
@@ -162,7 +162,7 @@ class _Adapted(Protocol):
 
     _weight: Tensor
     _layout: str
-    _strict: bool
+    _lazy_only: bool
     _name: str
 
     def merged(self) -> Tensor: ...
@@ -173,16 +173,16 @@ class _Adapted(Protocol):
 def _route(func: Any, args: tuple, kwargs: dict, find: Callable[[Any], Any]) -> Any:
     """``func(*args, **kwargs)`` where ``find`` tells which values are adapted weights: the
     layer's own op on one (:func:`lora_func._routing.weight_use`) takes the low-rank path; any
-    other op gets the dense merged weight, or raises when the weight is strict."""
+    other op gets the dense merged weight, or raises when the weight is lazy_only."""
     use = weight_use(func, args, kwargs, find)
     if use is not None:
         w = use.entry
         return w._adapted(use.x, use.bias, lambda x_: use.replay(x_, w._weight))
     found = found_weights(args, kwargs, find)
-    if any(a._strict for a in found):
-        raise RuntimeError(  # error: lazy-strict
-            f"lazy overlay (strict): {getattr(func, '__name__', func)} on adapted weight(s) {sorted({a._name for a in found})} "
-            f"has no low-rank path; use merge_overlay (merged weights) or overlay(..., strict=False) to fall back "
+    if any(a._lazy_only for a in found):
+        raise RuntimeError(  # error: lazy-only
+            f"lazy overlay (lazy_only=True): {getattr(func, '__name__', func)} on adapted weight(s) {sorted({a._name for a in found})} "
+            f"has no low-rank path; use merge_overlay (merged weights) or overlay(..., lazy_only=False) to fall back "
             f"to the dense merged weight"
         )
     if found:
@@ -193,13 +193,13 @@ def _route(func: Any, args: tuple, kwargs: dict, find: Callable[[Any], Any]) -> 
 class _ModeEntry:
     """One target weight of :class:`AdaptedCalls`: the base tensor itself, found by identity."""
 
-    __slots__ = ("_bias", "_layout", "_name", "_step", "_strict", "_training", "_weight")
+    __slots__ = ("_bias", "_layout", "_lazy_only", "_name", "_op", "_training", "_weight")
 
     def __init__(
-        self, weight: Tensor, bias: Tensor | None, step: LayerStep, *, layout: str, strict: bool, name: str, training: bool = False
+        self, weight: Tensor, bias: Tensor | None, op: LayerOp, *, layout: str, lazy_only: bool, name: str, training: bool = False
     ) -> None:
-        self._weight, self._bias, self._step = weight, bias, step
-        self._layout, self._strict, self._name, self._training = layout, strict, name, training
+        self._weight, self._bias, self._op = weight, bias, op
+        self._layout, self._lazy_only, self._name, self._training = layout, lazy_only, name, training
 
     merged = AdaptedWeight.merged
     _adapted = AdaptedWeight._adapted
@@ -208,10 +208,10 @@ class _ModeEntry:
 class _BiasEntry:
     """The bias of a target of :class:`AdaptedCalls` whose variant changes it (see AdaptedBias)."""
 
-    __slots__ = ("_layout", "_name", "_pair", "_strict", "_weight")
+    __slots__ = ("_layout", "_lazy_only", "_name", "_pair", "_weight")
 
-    def __init__(self, bias: Tensor, pair: _ModeEntry, *, strict: bool, name: str) -> None:
-        self._weight, self._pair, self._layout, self._strict, self._name = bias, pair, "bias", strict, name
+    def __init__(self, bias: Tensor, pair: _ModeEntry, *, lazy_only: bool, name: str) -> None:
+        self._weight, self._pair, self._layout, self._lazy_only, self._name = bias, pair, "bias", lazy_only, name
 
     def merged(self) -> Tensor:
         return merged_bias(self._pair)
@@ -224,7 +224,7 @@ class AdaptedCalls(TorchFunctionMode):
     (``Tensor._make_wrapper_subclass``), but it traces torch-function modes. So the model gets
     its own base tensors, and while the mode is active the layer's own op on a target weight
     (found by identity) takes the same low-rank path a stand-in would, and any other op on it
-    gets the dense merged weight (or raises when ``strict``): the same semantics as
+    gets the dense merged weight (or raises when ``lazy_only``): the same semantics as
     :func:`lora_func.overlay`. Checking every op's arguments costs Python time per op, which
     only the trace pays; eager code uses the stand-ins.
     """

@@ -1,7 +1,7 @@
 """The model side: what lora_func reads from a model, in one place.
 
 Its parameters as a detached dict (:func:`base_params`), the check of a parameter dict against
-it (:func:`check_params`), weight fingerprints, the whole float weight of one target (gathered
+it (:func:`check_base_params`), weight fingerprints, the whole float weight of one target (gathered
 when FSDP2 shards it, dequantized when it is quantized), and a variant's init on one target
 (:func:`variant_init`: :func:`lora_func.init_adapter` and both loaders run it). Nothing here
 writes to a model.
@@ -27,7 +27,7 @@ from lora_func.variants import LayerInfo, TensorDict, Variant
 __all__ = [
     "adapter_layer",
     "base_params",
-    "check_params",
+    "check_base_params",
     "fresh_layer",
     "layer_info",
     "target_weight",
@@ -53,7 +53,7 @@ def base_params(model: nn.Module) -> dict[str, Tensor]:
     return out
 
 
-def check_params(model: nn.Module, params: Mapping[str, Tensor]) -> None:
+def check_base_params(model: nn.Module, params: Mapping[str, Tensor]) -> None:
     """Raise ``KeyError`` unless ``params`` names exactly the model's parameters and buffers.
 
     ``functional_call(strict=False)`` silently ignores a mistyped key; this lists the

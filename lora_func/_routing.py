@@ -26,7 +26,27 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-__all__ = ["LayoutForward", "WeightUse", "module_forward", "replace_weights", "weight_use"]
+__all__ = ["LayoutForward", "WeightStandIn", "WeightUse", "module_forward", "replace_weights", "weight_use"]
+
+
+class WeightStandIn(Tensor):
+    """Base of the wrapper tensors that stand in for a target weight (the lazy overlay's, the
+    calibration recorder's): each intercepts the weight's uses in ``__torch_function__``, holds
+    the real weight as ``_weight``, and declares here, once, what an op that reaches torch's
+    dispatch below autograd does (:meth:`below_autograd`)."""
+
+    _weight: Tensor
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:  # type: ignore[override]  # torch's stub is a plain function
+        return cls.below_autograd(func, args, kwargs or {})
+
+    @classmethod
+    def below_autograd(cls, func: Any, args: tuple, kwargs: dict) -> Any:
+        """An op that bypassed ``__torch_function__`` (a C++ path): by default computed on the
+        real weights; a subclass for which that would be wrong (it drops gradients) refuses."""
+        args, kwargs = pytree.tree_map_only(cls, lambda t: t._weight, (args, kwargs))
+        return func(*args, **kwargs)
 
 
 class Entry(Protocol):

@@ -22,12 +22,13 @@ import abc
 import dataclasses
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 from torch import Tensor
 
-from lora_func._steps import ChainStep, LayerStep, SumStep
+from lora_func._deprecated import warn_renamed
+from lora_func._layer_ops import ChainOp, LayerOp, SumOp
 from lora_func._tree import (
     NODE_TYPES,
     AdapterNode,
@@ -361,8 +362,10 @@ class Combinator(AdapterNode):
       for JSON-able, hashable configuration (``parts`` is declared here);
     - ``__init__``: validates its arguments (this is the public constructor), then calls
       ``self._init(parts, **fields)``;
-    - ``layer_step(steps, present) -> LayerStep``: how the steps of its parts that adapt one
-      layer (``steps[j]`` is part ``present[j]``'s) combine there (see :mod:`lora_func._steps`);
+    - ``layer_op(ops, present) -> LayerOp``: how the layer ops of its parts that adapt one
+      layer (``ops[j]`` is part ``present[j]``'s) combine there (see :mod:`lora_func._layer_ops`;
+      a subclass that defines it under its old name ``layer_step`` still works until 0.2, with
+      a ``DeprecationWarning``);
     - optionally ``verb`` (the public function that builds it, for messages) and ``__repr__``.
 
     Everything else (``params``, ``buffers``, ``with_params``, ``detach``, ``stack_shape``,
@@ -377,9 +380,16 @@ class Combinator(AdapterNode):
         for name in self.fields:
             object.__setattr__(self, name, getattr(built, name))
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "layer_step" in vars(cls) and "layer_op" not in vars(cls):
+            # Defined under the old name (before 0.2): it serves as layer_op.
+            warn_renamed(f"{cls.__name__}.layer_step", f"{cls.__name__}.layer_op", stacklevel=3)
+            setattr(cls, "layer_op", vars(cls)["layer_step"])  # noqa: B010  (mypy: no assigning a method)
+
     @abc.abstractmethod
-    def layer_step(self, steps: Sequence[LayerStep], present: Sequence[int]) -> LayerStep:
-        """How the steps of the parts that adapt one layer combine there."""
+    def layer_op(self, ops: Sequence[LayerOp], present: Sequence[int]) -> LayerOp:
+        """How the layer ops of the parts that adapt one layer combine there."""
 
     def rebuild(self, parts: Sequence[AdapterNode], own: Mapping[str, Any] | None = None) -> Combinator:
         """The same kind of node (same static configuration) over ``parts``, with ``own``
@@ -480,10 +490,10 @@ class Composed(Combinator, tag="composed"):
             raise ValueError(f"compose(): parts have different stack shapes {sorted(shapes)}; stack each part alike")  # error: compose-stack-shapes
         self._init(parts)
 
-    def layer_step(self, steps: Sequence[LayerStep], present: Sequence[int]) -> LayerStep:
-        """The parts' steps in order, as one flat chain (a composed part's chain is spliced in)."""
-        flat = [s for step in steps for s in (step.steps if isinstance(step, ChainStep) else (step,))]
-        return flat[0] if len(flat) == 1 else ChainStep(flat)
+    def layer_op(self, ops: Sequence[LayerOp], present: Sequence[int]) -> LayerOp:
+        """The parts' layer ops in order, as one flat chain (a composed part's chain is spliced in)."""
+        flat = [o for op in ops for o in (op.ops if isinstance(op, ChainOp) else (op,))]
+        return flat[0] if len(flat) == 1 else ChainOp(flat)
 
 
 class Combined(Combinator, tag="combined"):
@@ -536,18 +546,19 @@ class Combined(Combinator, tag="combined"):
             )
         self._init(parts, weights=weights)
 
-    def layer_step(self, steps: Sequence[LayerStep], present: Sequence[int]) -> LayerStep:
+    def layer_op(self, ops: Sequence[LayerOp], present: Sequence[int]) -> LayerOp:
         """``W + Σ_k w_k (W_eff_k − W)`` over the parts present on the layer (their weights only)."""
         weights = self.weights if len(present) == len(self.parts) else self.weights[..., list(present)]
-        return SumStep(steps, weights)
+        return SumOp(ops, weights)
 
     def __repr__(self) -> str:
         return f"Combined({', '.join(map(repr, self.parts))}, weights={tuple(self.weights.shape)})"
 
 
-def compose(*adapters: AdapterLike) -> Composed:
+def compose(*adapters: AdapterLike | Sequence[AdapterLike]) -> Composed:
     """One adapter that applies ``adapters[0]``, then ``adapters[1]`` on top, and so on.
 
+    ``compose(a, b)`` or ``compose([a, b])`` (as :func:`combine` and :func:`lora_func.stack`).
     On a layer that several of them adapt, each sees the previous ones' effective weight and
     bias: ``W_eff = f_b(f_a(W, b))`` merged, and ``f_b``'s activation form runs with
     ``f_a``'s as its base layer on the lazy path (the two agree). Order matters (LoRA then
@@ -558,18 +569,31 @@ def compose(*adapters: AdapterLike) -> Composed:
     fixed at init) comes after another part on the same layer, since it would silently drop
     the earlier parts' effect there.
     """
-    return Composed(adapters)
+    listed = len(adapters) == 1 and isinstance(adapters[0], (list, tuple))
+    return Composed(cast("Sequence[AdapterLike]", adapters[0] if listed else adapters))  # Composed checks each part
 
 
-def combine(adapters: Sequence[AdapterLike], weights: Tensor | Sequence[float]) -> Combined:
+def combine(*adapters: Any, weights: Tensor | Sequence[float] | None = None) -> Combined:
     """The weighted sum of the adapters' deltas on one base: ``W + Σ_k w_k (W_eff_k(W) − W)``.
 
+    ``combine([a, b], [w_a, w_b])`` or ``combine(a, b, weights=[w_a, w_b])`` (as :func:`compose`).
     Always a sum of deltas (of ``W_eff − W``), never of ``A`` and ``B`` separately (averaging
     factors gives ``((A1+A2)/2)((B1+B2)/2)``, which is not the average update). ``weights (K,)``
     may require grad (learned mixing) and may be batched under ``vmap``; a part on a layer
     the others leave alone contributes only there. The lazy path computes each part's
     low-rank path on the same base output.
     """
-    return Combined(adapters, weights)
+    parts: Any
+    if len(adapters) == 2 and weights is None and not isinstance(adapters[1], AdapterNode):
+        parts, weights = adapters  # combine(adapters, weights), or a bad first argument Combined refuses
+    elif len(adapters) == 1 and isinstance(adapters[0], (list, tuple)):
+        parts = adapters[0]  # combine([a, b], weights=...)
+    else:
+        parts = adapters  # combine(a, b, weights=...)
+    if weights is None:
+        raise TypeError(  # error: combine-no-weights
+            "combine() needs weights, one per adapter: combine([a, b], [w_a, w_b]) or combine(a, b, weights=[w_a, w_b])"
+        )
+    return Combined(parts, weights)
 
 

@@ -14,7 +14,7 @@ import inspect
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from safetensors.torch import save_file
 from torch import nn
@@ -46,6 +46,12 @@ def _parameter_names(keys: list[str]) -> dict[str, str]:
     return names if len(names) == len(keys) else {f"p{i}": k for i, k in enumerate(keys)}
 
 
+def _hf(model: nn.Module) -> PreTrainedModel:
+    """The base as the transformers model whose methods the bridge forwards to (checkpointing,
+    the input embeddings): only called when the base has them."""
+    return cast(PreTrainedModel, model)
+
+
 class AdaptedModule(PreTrainedModel):
     """``model`` with ``adapter`` applied, as a module whose parameters are the adapter's
     trainable tensors (see :func:`as_module`).
@@ -60,6 +66,11 @@ class AdaptedModule(PreTrainedModel):
     # The base model computes attention, not the bridge: whatever it was configured with
     # PreTrainedModel.__init__ must accept (it refuses e.g. sdpa for a class without these).
     _supports_sdpa = _supports_flash_attn = _supports_flex_attn = _supports_attention_backend = True
+
+    # Set in __init__ past nn.Module.__setattr__ (not submodules: see there).
+    base: nn.Module
+    _template: AdapterLike
+    names: dict[str, str]
 
     def __new__(cls, model: nn.Module, *args: Any, **kwargs: Any) -> AdaptedModule:
         # Trainer reads the labels a model takes and whether it can return a loss from its
@@ -80,7 +91,8 @@ class AdaptedModule(PreTrainedModel):
         # num_items_in_batch), whether forward takes loss kwargs (then Trainer passes
         # num_items_in_batch and does not divide by the accumulation steps itself), the main
         # input's name.
-        self.loss_type = getattr(model, "loss_type", None)
+        # (transformers declares loss_type a str; a model without one holds None, as here.)
+        object.__setattr__(self, "loss_type", getattr(model, "loss_type", None))
         if hasattr(model, "accepts_loss_kwargs"):
             self.accepts_loss_kwargs = model.accepts_loss_kwargs
         self.main_input_name = getattr(model, "main_input_name", self.main_input_name)
@@ -113,7 +125,7 @@ class AdaptedModule(PreTrainedModel):
 
     # Checkpointing is the base model's (HF's own layers): the bridge's forward is adapted_call,
     # which re-applies the adapter in every recompute.
-    def activation_checkpointing_enable(self, activation_checkpointing_kwargs: dict | None = None, **options: Any) -> None:
+    def activation_checkpointing_enable(self, activation_checkpointing_kwargs: dict | None = None, *args: Any, **options: Any) -> None:
         if not self.base.training:
             # The bridge never changes the base's mode, and HF checkpoints only in training mode:
             # enabling it on an eval-mode base would silently checkpoint nothing.
@@ -122,10 +134,10 @@ class AdaptedModule(PreTrainedModel):
                 f"HF checkpoints only in training mode (the bridge never changes the base's mode); call model.train() on "
                 f"the base model first"
             )
-        self.base.activation_checkpointing_enable(activation_checkpointing_kwargs=activation_checkpointing_kwargs, **options)
+        _hf(self.base).activation_checkpointing_enable(activation_checkpointing_kwargs, *args, **options)
 
     def activation_checkpointing_disable(self) -> None:
-        self.base.activation_checkpointing_disable()
+        _hf(self.base).activation_checkpointing_disable()
 
     def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None, **options: Any) -> None:
         self.activation_checkpointing_enable(gradient_checkpointing_kwargs, **options)
@@ -134,9 +146,9 @@ class AdaptedModule(PreTrainedModel):
         self.activation_checkpointing_disable()
 
     def get_input_embeddings(self) -> nn.Module:
-        return self.base.get_input_embeddings()
+        return _hf(self.base).get_input_embeddings()
 
-    def save_pretrained(self, save_directory: str | os.PathLike, *, is_main_process: bool = True, **ignored: Any) -> Path:
+    def save_pretrained(self, save_directory: str | os.PathLike, is_main_process: bool = True, *ignored_args: Any, **ignored: Any) -> Path:
         """Write the adapter, nothing of the base: peft's format (``adapter_config.json`` +
         ``adapter_model.safetensors``, :func:`lora_func.save_peft`) when peft has the variant,
         else ``adapter.safetensors`` (:func:`lora_func.save`). ``transformers.Trainer`` calls it

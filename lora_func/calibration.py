@@ -18,11 +18,10 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, cast
 
 import torch
-import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
 from lora_func._application import Application
-from lora_func._routing import replace_weights, weight_use
+from lora_func._routing import WeightStandIn, replace_weights, weight_use
 from lora_func._sharded import is_fsdp_model
 from lora_func._model import base_params
 from lora_func.quantized import frozen_call, frozen_forwards, kind_of_tensor
@@ -33,7 +32,7 @@ __all__ = ["IGNORE_INDEX", "RecordingWeight", "layer_input_batches"]
 IGNORE_INDEX = -100  # label value of positions that carry no loss (transformers' convention)
 
 
-class RecordingWeight(Tensor):
+class RecordingWeight(WeightStandIn):
     """Stand-in for a target weight that records the layer's input and otherwise *is* the weight.
 
     It intercepts, via ``__torch_function__``, the ops that consume a weight as a linear map
@@ -79,13 +78,9 @@ class RecordingWeight(Tensor):
         args, kwargs = replace_weights(args, kwargs, find, lambda t: t._weight)
         return func(*args, **kwargs)
 
-    @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        # Reached only by an op that bypassed __torch_function__; calibration runs under
-        # no_grad, so computing on the real weight here is correct (the op is not recorded,
-        # which layer_input_batches reports as a layer that saw no input).
-        args, kwargs = pytree.tree_map_only(cls, lambda t: t._weight, (args, kwargs or {}))
-        return func(*args, **kwargs)
+    # An op that bypasses __torch_function__ runs on the real weight (WeightStandIn's default):
+    # calibration runs under no_grad, so that is correct; the op is not recorded, which
+    # layer_input_batches reports as a layer that saw no input.
 
 
 class _CallRecorder:
@@ -145,7 +140,7 @@ def _check_batch(batch: Any, index: int, vocab: int | None = None) -> tuple[Tens
         if value is None:
             continue
         if not isinstance(value, Tensor) or tuple(value.shape) != tuple(ids.shape):
-            got = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+            got = str(tuple(value.shape)) if isinstance(value, Tensor) else type(value).__name__
             raise ValueError(  # error: calib-mask-shape
                 f"calibration batch {index}: '{key}' has shape {got}, but 'input_ids' has shape {tuple(ids.shape)}"
             )
@@ -217,9 +212,8 @@ def layer_input_batches(
     # FSDP2 swaps its own parameters at each module's call: record there, reparametrize nothing.
     fsdp = is_fsdp_model(dict(model.named_modules()))
     # The token embedding's size (transformers' accessor, else the model's first nn.Embedding).
-    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else next(
-        (m for m in model.modules() if isinstance(m, torch.nn.Embedding)), None
-    )
+    accessor = getattr(model, "get_input_embeddings", None)
+    embeddings = accessor() if callable(accessor) else next((m for m in model.modules() if isinstance(m, torch.nn.Embedding)), None)
     vocab = getattr(embeddings, "num_embeddings", None)
     empty = True
     for index, batch in _cached(batches, cycle):
@@ -245,14 +239,14 @@ def layer_input_batches(
             Application(model, params, {**frozen_forwards(model, exclude=forwards), **forwards})(**inputs)
         n_tokens = ids.numel()
         out = {}
-        for module, standin in standins.items():
-            if not standin.records:
+        for module, recorded in standins.items():
+            if not recorded.records:
                 raise ValueError(  # error: calib-target-unused
                     f"calibration batch {index}: target {module} saw no input during the forward pass "
                     f"(is it used by the model through F.linear / addmm / matmul?)"
                 )
             rows = []
-            for x in standin.records:
+            for x in recorded.records:
                 if x.shape[0] != n_tokens:
                     raise ValueError(  # error: calib-rows-mismatch
                         f"calibration batch {index}: target {module} got an input of {x.shape[0]} rows, which does "

@@ -19,12 +19,14 @@ import torch
 from torch import Tensor, nn
 
 from lora_func._application import Application, refuse_checkpointing_in_transform
-from lora_func._model import base_params, check_params
+from lora_func._deprecated import renamed_keywords
+from lora_func._model import base_params, check_base_params
 from lora_func._routing import module_forward
 from lora_func._sharded import is_sharded, swapped_on
-from lora_func._steps import LayerCall, LayerStep, merged_weight
+from lora_func._layer_ops import LayerCall, LayerOp, merged_weight
 from lora_func.adapter import AdapterLike
-from lora_func.checks import check_base, check_finite, check_model
+from lora_func.checks import check_base, check_model
+from lora_func.checks import check_finite as finite_or_raise
 from lora_func.overlay import check_adapter_finite, lazy_overlay, merged_overlay
 from lora_func.plan import Plan, Route, adapter_tensors, build_plan, cached_plan, check_plan_fits, detached_base, structure_key
 from lora_func.quantized import QuantizedKind, frozen_call, frozen_forwards, kind_of_tensor
@@ -58,7 +60,7 @@ class _QuantizedLayer:
         return self._call(x)
 
 
-def _module_call(target: Target, step: LayerStep, merged: bool) -> Any:
+def _module_call(target: Target, op: LayerOp, merged: bool) -> Any:
     """The module-call route's forward of one target: the variant on the tensor the module holds."""
     layout = module_forward(target.layout)
 
@@ -74,23 +76,23 @@ def _module_call(target: Target, step: LayerStep, merged: bool) -> Any:
         kind = kind_of_tensor(module.weight)
         if kind is not None and merged:
             # A dense merged weight for this call only, in the dtype the weight was quantized from.
-            w_eff, b_eff = merged_weight(step, kind.dequantize(module), bias, target.layout)
-            b = b_eff if step.changes_bias else bias
+            w_eff, b_eff = merged_weight(op, kind.dequantize(module), bias, target.layout)
+            b = b_eff if op.changes_bias else bias
             y = layout.merged(x_op.to(w_eff.dtype), w_eff, None if b is None else b.to(w_eff.dtype))
             return finish(y.to(x.dtype))
         if kind is not None:
-            return finish(step.activation(x_op, cast(BaseLayer, _QuantizedLayer(module, kind))))  # read-only: see _steps
+            return finish(op.activation(x_op, cast(BaseLayer, _QuantizedLayer(module, kind))))  # read-only: see _layer_ops
         weight = module.weight
         if merged:
-            w_eff, b_eff = merged_weight(step, weight, bias, target.layout)
-            return finish(layout.merged(x_op, w_eff, b_eff if step.changes_bias else bias))
-        return finish(step.activation(x_op, LayerCall(canonical_weight(weight, target.layout), bias, inner, module.training)))
+            w_eff, b_eff = merged_weight(op, weight, bias, target.layout)
+            return finish(layout.merged(x_op, w_eff, b_eff if op.changes_bias else bias))
+        return finish(op.activation(x_op, LayerCall(canonical_weight(weight, target.layout), bias, inner, module.training)))
 
     return forward
 
 
 def application(
-    model: nn.Module, plan: Plan, base: Mapping[str, Tensor], adapter: AdapterLike, *, merged: bool, strict: bool, whole_base: bool
+    model: nn.Module, plan: Plan, base: Mapping[str, Tensor], adapter: AdapterLike, *, merged: bool, lazy_only: bool, whole_base: bool
 ) -> Application:
     """What an adapted call puts on ``model`` (see :mod:`lora_func._application`), by ``plan``.
 
@@ -101,10 +103,10 @@ def application(
     forwards: dict[str, Any] = {}
     params: Mapping[str, Tensor]
     if plan.route == "overlay":
-        params = merged_overlay(plan, base, adapter) if merged else lazy_overlay(plan, base, adapter, strict=strict, training=model.training)
+        params = merged_overlay(plan, base, adapter) if merged else lazy_overlay(plan, base, adapter, lazy_only=lazy_only, training=model.training)
     else:
         params = dict(base)
-        forwards = {plan.targets[key].target.module: _module_call(plan.targets[key].target, step, merged) for key, step in plan.steps(adapter).items()}
+        forwards = {plan.targets[key].target.module: _module_call(plan.targets[key].target, op, merged) for key, op in plan.ops(adapter).items()}
     if not whole_base:
         params = {name: tensor for name, tensor in params.items() if tensor is not base[name]}
     params = swapped_on(params, modules, plan.fsdp, "adapted_call")
@@ -138,7 +140,7 @@ def make_plan(
         base = base_params(model)
     else:
         check_base(base, where)
-        check_params(model, base)
+        check_base_params(model, base)
     return build_plan(base, adapter, model=model, route=route, where=where)
 
 
@@ -154,7 +156,7 @@ def _call_plan(
 
     def build() -> Plan:
         if given:
-            check_params(model, base)
+            check_base_params(model, base)
         fresh.append(build_plan(base, adapter, model=model, route=route, where=where))
         return fresh[0]
 
@@ -200,15 +202,15 @@ def _same_objects(a: tuple, b: tuple) -> bool:
     return len(a) == len(b) and all(map(operator.is_, a, b))
 
 
-def _memo_key(model: nn.Module, base: Any, merged: bool, strict: bool, safe: bool, route: str) -> tuple | None:
+def _memo_key(model: nn.Module, base: Any, merged: bool, lazy_only: bool, check_finite: bool, route: str) -> tuple | None:
     """The options under which this call may reuse its plan's last application, or ``None`` when
     it may not: only eager inference (no grad, no transform, no trace) of the lazy path with a
-    reused base dict (merged weights and ``safe`` checks read values, which in-place writes change)."""
-    if base is None or merged or safe or torch.is_grad_enabled() or torch.compiler.is_compiling():
+    reused base dict (merged weights and ``check_finite`` checks read values, which in-place writes change)."""
+    if base is None or merged or check_finite or torch.is_grad_enabled() or torch.compiler.is_compiling():
         return None
     if torch._C._functorch.peek_interpreter_stack() is not None:
         return None
-    return (strict, route, model.training)
+    return (lazy_only, route, model.training)
 
 
 def _memoised(model: nn.Module, key: tuple, base: Mapping[str, Tensor], adapter: AdapterLike, plan: Plan | None) -> Application | None:
@@ -235,14 +237,15 @@ def _memoised(model: nn.Module, key: tuple, base: Mapping[str, Tensor], adapter:
 # ----------------------------------------------------------------------------- the public calls
 
 
+@renamed_keywords("adapted_call", strict="lazy_only", safe="check_finite")
 def adapted_call(
     model: nn.Module,
     adapter: AdapterLike,
     *args: Any,
     merged: bool = False,
     base: Mapping[str, Tensor] | None = None,
-    strict: bool = False,
-    safe: bool = False,
+    lazy_only: bool = False,
+    check_finite: bool = False,
     route: Route = "auto",
     plan: Plan | None = None,
     **kwargs: Any,
@@ -269,16 +272,23 @@ def adapted_call(
     explicitly.
 
     Under ``torch.compile`` the lazy path (``merged=False``) runs as a torch-function mode
-    (:func:`overlay_calls`) instead of stand-in tensors, which dynamo cannot create: same
+    (:func:`overlay_mode`) instead of stand-in tensors, which dynamo cannot create: same
     outputs and gradients, ``fullgraph=True`` works, and new adapter values reuse the compiled
     graph. A hand-written ``functional_call(model, overlay(...))`` does not
     compile, nor survive checkpointing: call ``adapted_call`` (or use ``merge_overlay``) there.
 
-    ``safe=True``: see :func:`merge_overlay` and :func:`overlay` (eager code only: it reads values).
+    ``check_finite=True``: see :func:`merge_overlay` and :func:`overlay` (eager code only: it
+    reads values). ``lazy_only=True``: see :func:`overlay`.
+
+    ``merged`` defaults follow one rule across the package: ``False`` (the lazy path) for a call
+    that may be differentiated (``adapted_call``, ``ensemble_call``, ``mixed_call``, the
+    overlays), ``True`` only for :func:`adapted`, a block of many gradient-free calls
+    (generation), where building the merged weights once is cheaper than the low-rank path on
+    every call.
     """
     where = "adapted_call"
     check_model(model, where)
-    memo_key = _memo_key(model, base, merged, strict, safe, route)
+    memo_key = _memo_key(model, base, merged, lazy_only, check_finite, route)
     if memo_key is not None and base is not None:
         reused = _memoised(model, memo_key, base, adapter, plan)
         if reused is not None:
@@ -293,31 +303,32 @@ def adapted_call(
         # A dict from named_parameters() holds the model's requires_grad tensors: backward
         # would fill their .grad.
         base = detached_base(base)
-    if safe:
+    if check_finite:
         check_adapter_finite(adapter, where)
     if plan.route == "overlay" and torch.compiler.is_compiling():
         # Dynamo cannot trace the creation of the lazy stand-ins; the same lazy path as a
         # torch-function mode over the base tensors traces with fullgraph=True. Checkpointed
         # regions are dynamo's own (it traces them, the adapter's ops included), so no
         # Application re-applies anything at recompute.
-        from lora_func.overlay import merge_overlay, overlay_calls
+        from lora_func.overlay import merge_overlay, overlay_mode
 
         if merged:
-            params = merge_overlay(base, adapter, safe=safe, plan=plan)
+            params = merge_overlay(base, adapter, check_finite=check_finite, plan=plan)
             return torch.func.functional_call(model, params, args, kwargs, tie_weights=True, strict=False)
-        with overlay_calls(base, adapter, strict=strict, training=model.training, plan=plan):
+        with overlay_mode(base, adapter, lazy_only=lazy_only, training=model.training, plan=plan):
             return torch.func.functional_call(model, dict(base), args, kwargs, tie_weights=True, strict=False)
-    applied = application(model, plan, base, adapter, merged=merged, strict=strict, whole_base=True)
-    if safe and merged and plan.route == "overlay":
-        check_finite({k: v for k, v in applied.params.items() if v is not base[k]}, "merge_overlay(safe=True): merged weights")
+    applied = application(model, plan, base, adapter, merged=merged, lazy_only=lazy_only, whole_base=True)
+    if check_finite and merged and plan.route == "overlay":
+        finite_or_raise({k: v for k, v in applied.params.items() if v is not base[k]}, "merge_overlay(check_finite=True): merged weights")
     if memo_key is not None and given is not None:
         plan.last = _Memo(memo_key, given, adapter, applied)
     return applied(*args, **kwargs)
 
 
+@renamed_keywords("adapted", strict="lazy_only")
 @contextlib.contextmanager
 def adapted(
-    model: nn.Module, adapter: AdapterLike, *, merged: bool = True, strict: bool = False, route: Route = "auto"
+    model: nn.Module, adapter: AdapterLike, *, merged: bool = True, lazy_only: bool = False, route: Route = "auto"
 ) -> Iterator[nn.Module]:
     """Within the ``with`` block, ``model``'s adapted tensors are swapped for the overlay's;
     on exit (also on error) the model's own tensors are put back, untouched.
@@ -328,14 +339,15 @@ def adapted(
             tokens = model.generate(input_ids, max_new_tokens=20)
 
     ``merged=True`` (default) computes the merged weights once for the whole block (fast for
-    generation); ``merged=False`` uses the lazy stand-ins. Only the adapted entries are
-    swapped. ``route``: as in :func:`adapted_call`. Not for training (use :func:`adapted_call`
+    generation; the package's rule for ``merged``'s default is in :func:`adapted_call`);
+    ``merged=False`` uses the lazy stand-ins (``lazy_only``: as in :func:`overlay`). Only the
+    adapted entries are swapped. ``route``: as in :func:`adapted_call`. Not for training (use :func:`adapted_call`
     or ``functional_call`` under ``torch.func.grad``), and not thread-safe: other users of
     ``model`` see the adapter while the block runs.
     """
     where = "adapted"
     base = base_params(model)
     plan = _call_plan(model, base, False, adapter, route, where, None)
-    applied = application(model, plan, base, adapter, merged=merged, strict=strict, whole_base=False)
+    applied = application(model, plan, base, adapter, merged=merged, lazy_only=lazy_only, whole_base=False)
     with applied.applied():
         yield model

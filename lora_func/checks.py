@@ -7,7 +7,7 @@ caller can raise at the first place the value appears.
 
 The check reads tensor values, so it is a host synchronisation and cannot run inside
 ``torch.func.vmap`` (a data-dependent branch); call it in eager code, e.g. once per
-training step on the loss and the gradients, or through ``merge_overlay(..., safe=True)``.
+training step on the loss and the gradients, or through ``merge_overlay(..., check_finite=True)``.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor, nn
 
+from lora_func._deprecated import renamed_keywords
 from lora_func.adapter import AdapterLike
 from lora_func.checks import check_base, check_float_targets
 from lora_func._model import base_params
@@ -16,8 +17,9 @@ from lora_func.quantized import kind_of_tensor
 __all__ = ["merged_state_dict"]
 
 
+@renamed_keywords("merged_state_dict", safe="check_finite")
 def merged_state_dict(
-    model_or_base: nn.Module | Mapping[str, Tensor], adapter: AdapterLike, *, safe: bool = False, dtype: torch.dtype | None = None
+    model_or_base: nn.Module | Mapping[str, Tensor], adapter: AdapterLike, *, check_finite: bool = False, dtype: torch.dtype | None = None
 ) -> dict[str, Tensor]:
     """The merged weights of ``adapter`` on a model, as a full state dict; the base untouched.
 
@@ -30,7 +32,7 @@ def merged_state_dict(
     copies (``load_state_dict`` copies them anyway), so never write into them. Tied names
     (GPT-2 ``lm_head.weight`` / ``transformer.wte.weight`` with ``tied="both"``) get one
     merged tensor. ``adapter`` may be composed or combined; a stacked adapter raises (pick
-    one member with ``lora_func.take``). ``safe=True`` refuses NaN/inf in the adapter or the
+    one member with ``lora_func.take``). ``check_finite=True`` refuses NaN/inf in the adapter or the
     merged weights, naming them (see :func:`lora_func.merge_overlay`).
 
     ``dtype``: every floating-point tensor of the result in this dtype. A quantized model
@@ -63,7 +65,7 @@ def merged_state_dict(
         cast: dict[int, Tensor] = {}  # one object per object: tied names stay tied
         dense = {k: cast.setdefault(id(v), v.to(dtype) if v.is_floating_point() else v) for k, v in dense.items()}
     with torch.no_grad():
-        merged = merge_overlay(dense, adapter, safe=safe)
+        merged = merge_overlay(dense, adapter, check_finite=check_finite)
     out: dict[str, Tensor] = {}
     plain: dict[int, Tensor] = {}  # one output tensor per input object, so tied names stay tied
     for key in keys:

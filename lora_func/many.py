@@ -10,10 +10,12 @@ Two routes, one feature:
   path per row with that row's own adapter tensors. Attention, masks, the KV cache,
   ``model.generate`` and everything else stay the model's own: any attention implementation
   (SDPA, flash, eager), ``use_cache=True``, quantized bases. An ensemble repeats the batch's rows
-  once per member. Two per-row paths: LoRA-form variants (``lora``, ``eva``) take two batched
-  products with each row's gathered ``A`` and ``B`` (``bmm``, as S-LoRA/punica's gathered
-  kernels); every other variant runs its own activation form under ``torch.vmap`` over the rows,
-  the base weight unbatched.
+  once per member. Two per-row paths: a variant that declares its activation form a scaled
+  low-rank product (``Variant.low_rank``: ``lora``, ``eva``) takes two batched products with
+  each row's gathered ``A`` and ``B`` (``bmm``, as S-LoRA/punica's gathered kernels; an ensemble's
+  member-major blocks of rows read the stacked factors as they are, no gather); every other
+  variant runs its own activation form under ``torch.vmap`` over the rows, the base weight
+  unbatched.
 - **``torch.func.vmap`` over the whole model** (:func:`mixed_call`, :func:`per_example_grads`,
   ``ensemble_call(..., route="vmap")``): pure functions of the adapter tensors, so they compose
   with ``torch.func.grad`` and with each other, and each example runs as a batch of one (a
@@ -37,12 +39,13 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
+from lora_func._deprecated import renamed_keywords
 from lora_func._application import Application, refuse_checkpointing_in_transform
-from lora_func._kernels import lora_activation_form, lora_scale, lowrank_input
+from lora_func._kernels import lowrank_input
 from lora_func._model import base_params
 from lora_func._routing import module_forward
 from lora_func._sharded import swapped_on
-from lora_func._steps import LayerCall, VariantStep
+from lora_func._layer_ops import LayerCall, VariantOp
 from lora_func.adapter import Adapter, AdapterLayer, AdapterLike, Combinator, leaf_adapters
 from lora_func.stacking import _member, _stack_adapters, take
 from lora_func.call import _call_plan, adapted_call
@@ -55,8 +58,8 @@ from lora_func._vmapped import drop_example_dim as _drop_example_dim
 from lora_func._vmapped import outputs_as_tensors as _outputs_as_tensors
 from lora_func._vmapped import split_examples as _split_examples
 from lora_func._vmapped import vmapped as _vmapped
-from lora_func.variants import LayerInfo, get_variant, list_variants
-from lora_func.variants._contract import RANK_MASK
+from lora_func.variants import LayerInfo, Variant, get_variant, list_variants
+from lora_func.variants._contract import RANK_MASK, LowRank
 
 __all__ = ["ensemble_call", "mixed_adapted", "mixed_adapted_call", "mixed_call", "per_example_grads"]
 
@@ -66,9 +69,9 @@ Randomness = Literal["error", "different", "same"]
 # ----------------------------------------------------------------------------- in the target layers
 
 
-def _gathered_path(variant_name: str) -> bool:
-    """Whether a variant takes the gathered-``bmm`` path (its activation form is LoRA's)."""
-    return get_variant(variant_name).activation_form is lora_activation_form
+def _low_rank(variant: Variant | str) -> LowRank | None:
+    """The variant's low-rank declaration, when it takes the batched-``bmm`` path."""
+    return (get_variant(variant) if isinstance(variant, str) else variant).low_rank
 
 
 def _stacked(adapters: Any, where: str) -> Adapter:
@@ -136,14 +139,17 @@ def _gather(tensors: Mapping[str, Tensor], rows: Tensor) -> dict[str, Tensor]:
     return {name: tensor.index_select(0, rows) for name, tensor in tensors.items()}
 
 
-def _lora_factors(params: Mapping[str, Tensor], buffers: Mapping[str, Tensor], info: LayerInfo) -> tuple[Tensor, Tensor]:
+def _lora_factors(
+    form: LowRank, params: Mapping[str, Tensor], buffers: Mapping[str, Tensor], info: LayerInfo
+) -> tuple[Tensor, Tensor]:
     """Each row's ``s_b A_bᵀ (n, d_in, r)`` and ``B_bᵀ (n, r, d_out)`` from its gathered tensors
-    (``A (n, r, d_in)``, ``B (n, d_out, r)``); a rank-padded stack's padding masked out."""
-    lora_a, lora_b = params["lora_A"], params["lora_B"]
+    (``A (n, r, d_in)``, ``B (n, d_out, r)``, named by ``form``); a rank-padded stack's padding
+    masked out."""
+    lora_a, lora_b = params[form.a], params[form.b]
     if RANK_MASK in buffers:  # rank-padded stack: padded rank entries never reach the output
         mask = buffers[RANK_MASK].to(lora_a.dtype)
         lora_a, lora_b = lora_a * mask[:, :, None], lora_b * mask[:, None, :]
-    scale = lora_scale(info, dict(buffers))
+    scale = form.scale(info, dict(buffers))
     if isinstance(scale, Tensor):
         scale = scale.to(lora_a.dtype).reshape(-1, 1, 1)
     # Contiguous (n, r, d_out): autograd then computes both backward products with their long
@@ -151,26 +157,36 @@ def _lora_factors(params: Mapping[str, Tensor], buffers: Mapping[str, Tensor], i
     return (lora_a * scale).transpose(1, 2), lora_b.transpose(1, 2).contiguous()
 
 
-def _gathered_lora(a_t: Tensor, b_t: Tensor, info: LayerInfo, x: Tensor, y: Tensor, training: bool) -> Tensor:
-    """``y + (x_b s_b A_bᵀ) B_bᵀ`` per block ``b`` of rows: ``x (rows, ..., d_in)``, ``y (rows, ...,
-    d_out)`` the frozen layer's output, ``a_t (n, d_in, r)`` and ``b_t (n, r, d_out)`` from
-    :func:`_lora_factors`, ``n`` dividing ``rows`` (one factor per row, or per block of rows)."""
+def _gathered_lora(
+    a_t: Tensor, b_t: Tensor, info: LayerInfo, x: Tensor, base: Callable[[Tensor], Tensor], training: bool
+) -> Tensor:
+    """``base(x) + (x_b s_b A_bᵀ) B_bᵀ`` per block ``b`` of rows: ``x (rows, ..., d_in)``,
+    ``base`` the frozen layer's op, ``a_t (n, d_in, r)`` and ``b_t (n, r, d_out)`` from
+    :func:`_lora_factors`, ``n`` dividing ``rows`` (one factor per row, or per block of rows).
+
+    The rows are laid out member-major, so ``x.view(n, -1, d_in)`` is free and the frozen layer
+    runs on that view: its output ``(n, L, d_out)`` is then a fresh tensor, not a view, and the
+    low-rank product is accumulated into it in place (``baddbmm_``) with no copy of the
+    activations (in place into a view of the output would make autograd copy the whole
+    gradient in backward, ``CopySlices``)."""
     n = a_t.shape[0]
-    dropped = lowrank_input(x, types.SimpleNamespace(training=training), info)
-    h = torch.bmm(dropped.reshape(n, -1, x.shape[-1]).to(a_t.dtype), a_t)
-    flat_y = y.reshape(n, -1, y.shape[-1])
-    if flat_y.dtype == h.dtype and not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack() is None:
+    x3 = x.reshape(n, -1, x.shape[-1])
+    dropped = lowrank_input(x3, types.SimpleNamespace(training=training), info)
+    h = torch.bmm(dropped.to(a_t.dtype), a_t)
+    y = base(x3)
+    out_shape = (*x.shape[:-1], y.shape[-1])
+    if y.dtype == h.dtype and not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack() is None:
         # The frozen layer's output is fresh and no backward formula reads it: accumulate in place
         # (as the single-adapter path does), no copy of the (n, L, d_out) activations.
-        return flat_y.baddbmm_(h, b_t).view(y.shape)
-    return (flat_y + torch.bmm(h, b_t).to(flat_y.dtype)).view(y.shape)
+        return y.baddbmm_(h, b_t).view(out_shape)
+    return (y + torch.bmm(h, b_t).to(y.dtype)).view(out_shape)
 
 
 def _target_forward(adapter: Adapter, layer: AdapterLayer, rows: _Rows) -> Any:
     """The replacement ``forward`` of one target module (an Application forward)."""
     target, info, variant, dtype = layer.target, layer.info, adapter.variant, adapter.spec.dtype
     params, buffers = adapter.layer_tensors(layer)
-    gathered = _gathered_path(variant.name)
+    form = variant.low_rank
     layout = module_forward(target.layout)
     sources = (*params.values(), *buffers.values())
     # Inference only (no autograd, no transform): each row count's gathered factors, computed once
@@ -178,7 +194,7 @@ def _target_forward(adapter: Adapter, layer: AdapterLayer, rows: _Rows) -> Any:
     # so an in-place update of an adapter inside the block is seen.
     factors: dict[tuple[int, torch.device], tuple[tuple[int, ...], tuple[Tensor, Tensor]]] = {}
 
-    def lora_factors(n: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    def lora_factors(form: LowRank, n: int, device: torch.device) -> tuple[Tensor, Tensor]:
         cacheable = not torch.is_grad_enabled() and torch._C._functorch.peek_interpreter_stack() is None
         versions = tuple(t._version for t in sources) if cacheable else ()
         if cacheable:
@@ -189,10 +205,10 @@ def _target_forward(adapter: Adapter, layer: AdapterLayer, rows: _Rows) -> Any:
         if rows.span is not None:
             start, members = rows.span
             out = _lora_factors(
-                {k: v.narrow(0, start, members) for k, v in params.items()}, {k: v.narrow(0, start, members) for k, v in buffers.items()}, info
+                form, {k: v.narrow(0, start, members) for k, v in params.items()}, {k: v.narrow(0, start, members) for k, v in buffers.items()}, info
             )
         else:
-            out = _lora_factors(_gather(params, index), _gather(buffers, index), info)
+            out = _lora_factors(form, _gather(params, index), _gather(buffers, index), info)
         if cacheable:
             factors[(n, device)] = (versions, out)
         return out
@@ -200,17 +216,17 @@ def _target_forward(adapter: Adapter, layer: AdapterLayer, rows: _Rows) -> Any:
     def forward(module: Any, inner: Any, x: Tensor) -> Tensor:
         kind = kind_of_tensor(module.weight)
         base_call = inner if kind is None else frozen_call(module, kind)
-        if gathered:
-            a_t, b_t = lora_factors(x.shape[0], x.device)
-            return _gathered_lora(a_t, b_t, info, x, base_call(x), module.training)
+        if form is not None:
+            a_t, b_t = lora_factors(form, x.shape[0], x.device)
+            return _gathered_lora(a_t, b_t, info, x, base_call, module.training)
         index = rows(x.shape[0], x.device, target.module)
         weight = canonical_weight(module.weight, target.layout)
         bias, training = module.bias, module.training
 
         def one_row(p: dict[str, Tensor], b: dict[str, Tensor], x_row: Tensor) -> Tensor:
             x_op, finish = layout.prepare(x_row, target.d_out)
-            step = VariantStep(variant, p, b, info, dtype)
-            return finish(step.activation(x_op, LayerCall(weight, bias, base_call, training)))
+            op = VariantOp(variant, p, b, info, dtype)
+            return finish(op.activation(x_op, LayerCall(weight, bias, base_call, training)))
 
         # "different": the adapter's dropout (training only) draws an independent mask per row,
         # as one batched call would.
@@ -242,8 +258,8 @@ def _mixed_application(
     if given:
         base = detached_base(base)
     quantized = sorted(layer.target.module for layer in stacked.layers if kind_of_tensor(base[layer.target.weight_key]) is not None)
-    if quantized and not _gathered_path(stacked.spec.variant):
-        gathered = sorted(name for name in list_variants() if _gathered_path(name))
+    if quantized and _low_rank(stacked.spec.variant) is None:
+        gathered = sorted(name for name in list_variants() if _low_rank(name) is not None)
         raise ValueError(  # error: mixed-route-quantized
             f"{where}: targets {quantized[:4]} are quantized, and mixed adapters on quantized layers are supported for "
             f"the LoRA-form variants {gathered} only (variant {stacked.spec.variant!r} runs its activation form under "
@@ -364,6 +380,7 @@ def _reshaped_rows(out: Any, members: int, rows: int) -> Any:
     )
 
 
+@renamed_keywords("mixed_call", strict="lazy_only")
 def mixed_call(
     model: nn.Module,
     adapters: AdapterLike,
@@ -371,7 +388,7 @@ def mixed_call(
     *args: Any,
     merged: bool = False,
     base: Mapping[str, Tensor] | None = None,
-    strict: bool = False,
+    lazy_only: bool = False,
     randomness: Randomness = "error",
     route: ManyRoute = "layers",
     **kwargs: Any,
@@ -421,19 +438,20 @@ def mixed_call(
 
     def one(adapter: AdapterLike, *example: Tensor) -> Any:
         example_args, example_kwargs = rebuild(example)
-        out = adapted_call(model, adapter, *example_args, merged=merged, base=base, strict=strict, **example_kwargs)
+        out = adapted_call(model, adapter, *example_args, merged=merged, base=base, lazy_only=lazy_only, **example_kwargs)
         return _drop_example_dim(_outputs_as_tensors(out, where))
 
     return _vmapped(one, where, randomness=randomness)(per_example, *examples)
 
 
+@renamed_keywords("ensemble_call", strict="lazy_only")
 def ensemble_call(
     model: nn.Module,
     adapters: AdapterLike,
     *args: Any,
     merged: bool = False,
     base: Mapping[str, Tensor] | None = None,
-    strict: bool = False,
+    lazy_only: bool = False,
     randomness: Randomness = "error",
     chunk_size: int | None = None,
     route: ManyRoute = "layers",
@@ -480,7 +498,7 @@ def ensemble_call(
     _check_attention(model, where)
 
     def one(adapter: AdapterLike) -> Any:
-        out = adapted_call(model, adapter, *args, merged=merged, base=base, strict=strict, **kwargs)
+        out = adapted_call(model, adapter, *args, merged=merged, base=base, lazy_only=lazy_only, **kwargs)
         return _outputs_as_tensors(out, where)
 
     return _vmapped(one, where, randomness=randomness, chunk_size=chunk_size)(adapters)
@@ -491,7 +509,7 @@ def per_example_grads(
     adapter: Any,
     *batch: Any,
     has_aux: bool = False,
-    randomness: str = "error",
+    randomness: Randomness = "error",
     chunk_size: int | None = None,
 ) -> Any:
     """The gradient of ``loss_fn(adapter, *example)`` for every example of ``batch``.

@@ -4,15 +4,15 @@ A :class:`Plan` is built from a model (or a base dict), an adapter's *structure*
 nodes, each leaf's spec and layers, each combinator's static configuration) and the route. The
 build runs every structural check of the adapter against the model, in one walk of the adapter
 tree, and keeps per target what applying needs (:class:`TargetPlan`: names, layout, tied names,
-quantized / sharded flags) and how to build each target's step from the adapter's tensors. It
+quantized / sharded flags) and how to build each target's op from the adapter's tensors. It
 reads no tensor values, so ``adapter.with_params(...)`` (a training loop's new adapter each
 step) runs under the same plan: hold one with :func:`lora_func.make_plan`, or let the library find it in
 its per-model cache (:func:`cached_plan`), keyed by structure, held weakly by the model.
 
 Applying is then a thin loop: :meth:`Plan.check_tensors` (shapes, devices and dtypes of the
-adapter's tensors: what ``with_params`` may change) and :meth:`Plan.steps` (one step per target,
+adapter's tensors: what ``with_params`` may change) and :meth:`Plan.ops` (one layer op per target,
 no walk of the tree). The runners are :mod:`lora_func.overlay` (``overlay``, ``merge_overlay``,
-``overlay_calls``), :mod:`lora_func.call` (``adapted_call``, ``adapted``, the module route) and
+``overlay_mode``), :mod:`lora_func.call` (``adapted_call``, ``adapted``, the module route) and
 :mod:`lora_func.many` (many adapters per batch).
 """
 
@@ -27,9 +27,10 @@ from typing import Any, Literal, NamedTuple, get_args
 import torch
 from torch import Tensor, nn
 
-from lora_func._model import base_params, check_params
+from lora_func._deprecated import deprecated_method
+from lora_func._model import base_params, check_base_params
 from lora_func._sharded import is_fsdp_model, is_sharded
-from lora_func._steps import LayerStep, VariantStep
+from lora_func._layer_ops import LayerOp, VariantOp
 from lora_func.adapter import Adapter, AdapterLike, AdapterNode, walk
 from lora_func.checks import check_base, check_float_targets
 from lora_func.quantized import kind_of_tensor, logical_shape
@@ -91,7 +92,7 @@ def normalised_base(model: nn.Module, base: Mapping[str, Tensor] | None, where: 
         return base_params(model)
     check_base(base, where)
     if known is None or base.keys() != known.base_keys:
-        check_params(model, base)
+        check_base_params(model, base)
     return detached_base(base)
 
 
@@ -137,7 +138,7 @@ class TargetPlan(NamedTuple):
 
 
 class _Leaf(NamedTuple):
-    """How to build one leaf adapter's steps: per layer ``(weight key, info, ((short name, flat
+    """How to build one leaf adapter's layer ops: per layer ``(weight key, info, ((short name, flat
     key), ...) of params, the same of buffers)``; ``shared``: the leaf holds tensors every layer
     reads (``Variant.shared_init``)."""
 
@@ -148,20 +149,20 @@ class _Leaf(NamedTuple):
 
 
 class _Node(NamedTuple):
-    """How a combinator's steps combine: its parts' programs, and per weight key (in
+    """How a combinator's parts' layer ops combine: its parts' programs, and per weight key (in
     application order) the indices of the parts that adapt it."""
 
     parts: tuple[_Leaf | _Node, ...]
     present: tuple[tuple[str, tuple[int, ...]], ...]
 
 
-def _steps(program: _Leaf | _Node, node: Any) -> dict[str, LayerStep]:
+def _ops(program: _Leaf | _Node, node: Any) -> dict[str, LayerOp]:
     if isinstance(program, _Leaf):
         params, buffers = node.params, node.buffers
         # Tensors every layer reads (one leaf each, so their gradient sums over the layers).
         shared_params, shared_buffers = node.shared_tensors() if program.shared else ({}, {})
         return {
-            key: VariantStep(
+            key: VariantOp(
                 program.variant,
                 shared_params | {n: params[k] for n, k in param_keys},
                 shared_buffers | {n: buffers[k] for n, k in buffer_keys},
@@ -170,8 +171,8 @@ def _steps(program: _Leaf | _Node, node: Any) -> dict[str, LayerStep]:
             )
             for key, info, param_keys, buffer_keys in program.layers
         }
-    per_part = [_steps(sub, part) for sub, part in zip(program.parts, node.parts, strict=True)]
-    return {key: node.layer_step([per_part[k][key] for k in present], present) for key, present in program.present}
+    per_part = [_ops(sub, part) for sub, part in zip(program.parts, node.parts, strict=True)]
+    return {key: node.layer_op([per_part[k][key] for k in present], present) for key, present in program.present}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,10 +236,12 @@ class Plan:
         submodules only: what the model's weak cache holds must not keep the model alive)."""
         return {"": model, **(self._modules or {})}
 
-    def steps(self, adapter: AdapterLike) -> dict[str, LayerStep]:
-        """Per target weight key, the step that applies ``adapter`` there (an adapter of the
+    def ops(self, adapter: AdapterLike) -> dict[str, LayerOp]:
+        """Per target weight key, the layer op that applies ``adapter`` there (an adapter of the
         plan's structure: checked by :meth:`check_tensors`)."""
-        return _steps(self._program, adapter)
+        return _ops(self._program, adapter)
+
+    steps = deprecated_method("ops", "steps", "Plan")
 
     def check_tensors(self, adapter: AdapterLike, where: str) -> None:
         """Raise unless every tensor of ``adapter`` has its unstacked shape, sits on its target
@@ -506,7 +509,7 @@ def build_plan(
 
 
 def _program(node: Any, prefix: str) -> _Leaf | _Node:
-    """How to build ``node``'s steps from its tensors (a recursion over the parts, as the steps are)."""
+    """How to build ``node``'s layer ops from its tensors (a recursion over the parts, as the ops are)."""
     if not node.parts:
         return _Leaf(
             node.variant,
@@ -570,7 +573,7 @@ def cached_plan(
     return plan
 
 
-# The latest parameter-dict plans (overlay, merge_overlay, overlay_calls: no model), found by
+# The latest parameter-dict plans (overlay, merge_overlay, overlay_mode: no model), found by
 # structure and base as cached_plan finds a model's; they hold no tensors. Documented in the README.
 _OVERLAY_PLANS: list[Plan] = []
 _OVERLAY_PLANS_MAX = 8

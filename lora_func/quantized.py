@@ -137,8 +137,19 @@ def _frozen_forward(kind: QuantizedKind) -> Callable[..., Tensor]:
 # ------------------------------------------------------------------------- bitsandbytes
 
 
+# A quantized layer of bitsandbytes or torchao, as the functions below read it: the attributes
+# they use (weight.quant_state, state.CB, compute_dtype, ...) are those libraries', which are
+# optional and untyped, so the layer is typed as what mypy can check (anything).
+QuantizedLayer = Any
+
+
 def _bnb() -> Any:
     return sys.modules.get("bitsandbytes")
+
+
+def _bnb4_shape(t: Any) -> tuple[int, ...]:
+    # A Params4bit holds the packed bytes; the layer's (d_out, d_in) is in its quant_state.
+    return tuple(t.quant_state.shape)
 
 
 def _is_params4bit(t: Tensor) -> bool:
@@ -146,7 +157,7 @@ def _is_params4bit(t: Tensor) -> bool:
     return bnb is not None and isinstance(t, bnb.nn.Params4bit)
 
 
-def _bnb4_dequantize(module: nn.Module) -> Tensor:
+def _bnb4_dequantize(module: QuantizedLayer) -> Tensor:
     import bitsandbytes.functional as bf
 
     data, state = module.weight.data, module.weight.quant_state
@@ -161,7 +172,7 @@ def _bnb4_dequantize(module: nn.Module) -> Tensor:
     return bf.dequantize_4bit(data, state)
 
 
-def _bnb4_call(module: nn.Module) -> Callable[[Tensor], Tensor]:
+def _bnb4_call(module: QuantizedLayer) -> Callable[[Tensor], Tensor]:
     import bitsandbytes as bnb
 
     def call(x: Tensor) -> Tensor:
@@ -177,21 +188,21 @@ def _is_int8params(t: Tensor) -> bool:
     return bnb is not None and isinstance(t, bnb.nn.Int8Params)
 
 
-def _bnb8_dequantize(module: nn.Module) -> Tensor:
+def _bnb8_dequantize(module: QuantizedLayer) -> Tensor:
     state, weight = module.state, module.weight
     cb = state.CB if state.CB is not None else weight.data
     scb = state.SCB if state.SCB is not None else weight.SCB
     return cb.float() * (scb.float()[:, None] / 127.0)
 
 
-def _bnb8_call(module: nn.Module) -> Callable[[Tensor], Tensor]:
+def _bnb8_call(module: QuantizedLayer) -> Callable[[Tensor], Tensor]:
     # LLM.int8 quantizes the activations too; its own forward is the op (it moves the int8
     # weight into the layer's state on the first call, the same bytes).
     return lambda x: type(module).forward(module, x)
 
 
 register(QuantizedKind("bitsandbytes-int8", _is_int8params, lambda t: tuple(t.shape), _bnb8_dequantize, _bnb8_call))
-register(QuantizedKind("bitsandbytes-4bit", _is_params4bit, lambda t: tuple(t.quant_state.shape), _bnb4_dequantize, _bnb4_call))
+register(QuantizedKind("bitsandbytes-4bit", _is_params4bit, _bnb4_shape, _bnb4_dequantize, _bnb4_call))
 
 
 # ------------------------------------------------------------------------------- torchao
@@ -211,9 +222,17 @@ def _is_torchao(t: Tensor) -> bool:
     return base is not None and isinstance(t, base) and hasattr(t, "dequantize")
 
 
-def _torchao_call(module: nn.Module) -> Callable[[Tensor], Tensor]:
+def _torchao_call(module: QuantizedLayer) -> Callable[[Tensor], Tensor]:
     return lambda x: F.linear(x, module.weight, module.bias)
 
 
-register(QuantizedKind("torchao", _is_torchao, lambda t: tuple(t.shape), lambda m: m.weight.dequantize(), _torchao_call))
-register(QuantizedKind("torchao-nf4", _is_nf4, lambda t: tuple(t.shape), lambda m: m.weight.get_original_weight(), _torchao_call))
+def _torchao_dequantize(module: QuantizedLayer) -> Tensor:
+    return module.weight.dequantize()
+
+
+def _nf4_dequantize(module: QuantizedLayer) -> Tensor:
+    return module.weight.get_original_weight()
+
+
+register(QuantizedKind("torchao", _is_torchao, lambda t: tuple(t.shape), _torchao_dequantize, _torchao_call))
+register(QuantizedKind("torchao-nf4", _is_nf4, lambda t: tuple(t.shape), _nf4_dequantize, _torchao_call))

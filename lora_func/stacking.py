@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.utils._pytree as pytree
@@ -59,6 +59,13 @@ def _stack_adapters(adapters: list[Adapter]) -> Adapter:
             )
         mine = [(layer.target, _info_key(layer.info), [n for n, _ in layer.param_shapes], [n for n, _ in layer.buffer_shapes]) for layer in other.layers]
         ref = [(layer.target, _info_key(layer.info), [n for n, _ in layer.param_shapes], [n for n, _ in layer.buffer_shapes]) for layer in first.layers]
+        if mine != ref and [m[:2] for m in mine] == [m[:2] for m in ref]:
+            module, have, want = next((b[0].module, b[2] + b[3], a[2] + a[3]) for a, b in zip(ref, mine, strict=True) if a != b)
+            raise ValueError(  # error: stack-tensor-sets
+                f"stack(): the {first.spec.variant} adapter {i} has tensors {have} on {module}, adapter 0 has {want}: "
+                f"this variant's tensors depend on the rank (or the options), so these ranks cannot be zero-padded into "
+                f"one stack; stack adapters of ranks that give the same tensors (docs/variants.md)"
+            )
         if mine != ref:
             diff = [a.target.module for a, b in zip(first.layers, other.layers, strict=False) if (a.target, _info_key(a.info)) != (b.target, _info_key(b.info))]
             raise ValueError(  # error: stack-other-layers
@@ -162,8 +169,11 @@ def _is_rank_axis(variant: Variant, name: str, axis: int) -> bool:
     return False
 
 
-def stack(adapters: Sequence[AdapterLike]) -> AdapterLike:
+def stack(*adapters: AdapterLike | Sequence[AdapterLike]) -> AdapterLike:
     """One adapter whose tensors have a new leading axis of size ``len(adapters)``.
+
+    ``stack([a, b])`` or ``stack(a, b)`` (as :func:`lora_func.compose`); one adapter alone is
+    refused (a one-member stack is ``stack([a])``).
 
     ``torch.func.vmap(f)(stack([a, b]))`` runs ``f(a)`` and ``f(b)`` at once. The adapters
     must share variant, targets and options; their ranks (and alphas) may differ: then every
@@ -173,30 +183,32 @@ def stack(adapters: Sequence[AdapterLike]) -> AdapterLike:
     zero). :func:`unstack` gives the originals back. Composed/Combined adapters of the same
     structure stack part by part.
     """
-    if isinstance(adapters, (AdapterNode, Mapping, str)) or not isinstance(adapters, Iterable):
+    given: Any = adapters[0] if len(adapters) == 1 else adapters
+    if isinstance(given, (AdapterNode, Mapping, str)) or not isinstance(given, Iterable):
         raise TypeError(  # error: stack-not-a-list
-            f"stack() expects a list of adapters, got {type(adapters).__name__}; e.g. lora_func.stack([adapter_0, adapter_1])"
+            f"stack() expects a list of adapters, got {type(given).__name__}; e.g. lora_func.stack([adapter_0, adapter_1]) "
+            f"or lora_func.stack(adapter_0, adapter_1)"
         )
-    adapters = list(adapters)
-    if not adapters:
+    members: list[AdapterLike] = list(given)
+    if not members:
         raise ValueError("stack() needs at least one adapter")  # error: stack-empty
-    for adapter in adapters:
+    for adapter in members:
         leaf_adapters(adapter)
-    kinds = {(type(a), a.static() if isinstance(a, Combinator) else ()) for a in adapters}
+    kinds = {(type(a), a.static() if isinstance(a, Combinator) else ()) for a in members}
     if len(kinds) > 1:
         shown = sorted(f"{kind.__name__}{static if static else ''}" for kind, static in kinds)
         raise TypeError(f"stack(): mixed kinds {shown}; stack adapters of one kind")  # error: stack-mixed-kinds
-    first = adapters[0]
+    first = members[0]
     if not isinstance(first, Combinator):
-        leaves = cast("list[Adapter]", adapters)  # one kind: all Adapters
+        leaves = cast("list[Adapter]", members)  # one kind: all Adapters
         return _as_leaves(_stack_adapters(leaves), leaves)
-    n = {len(a.parts) for a in adapters}
+    n = {len(a.parts) for a in members}
     if len(n) > 1:
         raise ValueError(f"stack(): {type(first).__name__} adapters with different numbers of parts {sorted(n)}")  # error: stack-parts
-    parts = [stack([a.parts[i] for a in adapters]) for i in range(len(first.parts))]
+    parts = [stack([a.parts[i] for a in members]) for i in range(len(first.parts))]
     own = {}
     for name in first.tensor_fields():
-        values = [a.own_params()[name] for a in adapters]
+        values = [a.own_params()[name] for a in members]
         stacked = torch.stack(values)
         if all(_plain_leaf(v) for v in values):
             stacked = stacked.detach().requires_grad_(any(v.requires_grad for v in values))

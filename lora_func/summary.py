@@ -8,7 +8,7 @@ import re
 import torch
 from torch import nn
 
-from lora_func.adapter import AdapterLike, leaves
+from lora_func.adapter import Adapter, AdapterLike, leaves
 from lora_func.checks import check_model_and_adapter
 
 __all__ = ["AdapterSummary", "LayerSummary", "adapter_summary"]
@@ -70,7 +70,7 @@ class AdapterSummary:
 def _rows(adapter: AdapterLike, part: int | None) -> list[LayerSummary]:
     """A leaf's layers; a combinator's parts' rows (``part``: the top-level part index), then
     one row per tensor the combinator holds itself (``"(combine weights)"``)."""
-    if not adapter.parts:  # a leaf Adapter
+    if isinstance(adapter, Adapter):  # a leaf
         return [
             LayerSummary(
                 module=layer.target.module,

@@ -2,7 +2,7 @@
 
 ``Gated`` below lives in this test file only: ``W_eff = W + gain · Σ_k gate_k · ΔW_k`` over its
 parts (``gain`` a static float, ``gate (K,)`` a trainable tensor it holds itself). Defining its
-constructor and ``layer_step`` is all it does, and it works through every path of the package:
+constructor and ``layer_op`` is all it does, and it works through every path of the package:
 merge_overlay, the lazy overlay and adapted_call, pytree flatten/unflatten (torch and optree),
 torch.func.grad and vmap, save/load, stack/take/unstack. Each check compares against the explicit
 float64 ``W_eff`` computed here by hand from the LoRA factors (``ΔW = (alpha/r) B A``), after
@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 import lora_func as lf
-from lora_func._steps import LayerStep, SumStep
+from lora_func._layer_ops import LayerOp, SumOp
 from lora_func.adapter import NODE_TYPES, Combinator, leaves, own_tensor, static_field, walk
 
 R, ALPHA = 2, 4.0  # LoRA scale alpha / r = 2
@@ -37,8 +37,8 @@ class Gated(Combinator, tag="test_gated"):
     def __init__(self, parts: Sequence[lf.Adapter], gate: Tensor, gain: float) -> None:
         self._init(parts, gate=gate, gain=float(gain))
 
-    def layer_step(self, steps: Sequence[LayerStep], present: Sequence[int]) -> LayerStep:
-        return SumStep(steps, self.gain * self.gate[..., list(present)])
+    def layer_op(self, ops: Sequence[LayerOp], present: Sequence[int]) -> LayerOp:
+        return SumOp(ops, self.gain * self.gate[..., list(present)])
 
 
 class Net(nn.Module):
@@ -246,11 +246,36 @@ def test_fields_are_declared_once_and_become_slots_children_and_saved_fields():
         node.gain = 3.0
 
 
-def test_a_combinator_without_layer_step_cannot_be_built():
-    """The interface is declared on the base: a subclass that leaves out layer_step is abstract."""
+def test_a_combinator_without_layer_op_cannot_be_built():
+    """The interface is declared on the base: a subclass that leaves out layer_op is abstract."""
 
     class Incomplete(Combinator):
         pass
 
-    with pytest.raises(TypeError, match="layer_step"):
+    with pytest.raises(TypeError, match="layer_op"):
         Incomplete._build(parts=())
+
+
+def test_a_combinator_defining_the_old_name_layer_step_warns_and_works_alike():
+    """Until 0.2 a subclass written against the old interface (``layer_step``) still builds, with a
+    DeprecationWarning naming ``layer_op``, and gives the same outputs as the new spelling."""
+    with pytest.warns(DeprecationWarning, match="layer_step is deprecated.*layer_op"):
+
+        class OldGated(Combinator, tag="test_gated_old_name"):
+            gate: Tensor = own_tensor(shape=lambda node: (len(node.parts),))
+            gain: float = static_field()
+
+            def __init__(self, parts: Sequence[lf.Adapter], gate: Tensor, gain: float) -> None:
+                self._init(parts, gate=gate, gain=float(gain))
+
+            def layer_step(self, steps: Sequence[LayerOp], present: Sequence[int]) -> LayerOp:
+                return SumOp(steps, self.gain * self.gate[..., list(present)])
+
+    model = Net()
+    parts = [_lora(model, ["fc1"], 0), _lora(model, ["fc1", "fc2"], 1)]
+    gate = torch.tensor([0.7, -0.4])
+    x = torch.randn(3, 6, generator=torch.Generator().manual_seed(2))
+    new = lf.adapted_call(model, Gated(parts, gate, 1.5), x)
+    old = lf.adapted_call(model, OldGated(parts, gate, 1.5), x)
+    torch.testing.assert_close(old, new, rtol=0, atol=0)
+    assert (new - model(x)).abs().max() > 1e-3

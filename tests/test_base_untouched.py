@@ -306,14 +306,14 @@ def _steered_forward(w: World) -> None:
     steered = adapter.with_buffers(api("with_steering")(adapter.buffers, -0.5))
     loss_of(model, lf.overlay(lf.base_params(model), steered))
 
-def _through_overlay_calls(w: World, kind: str, *, strict: bool = False, **adapter_kwargs: Any) -> None:
+def _through_overlay_mode(w: World, kind: str, *, lazy_only: bool = False, **adapter_kwargs: Any) -> None:
     """Forward and backward of every variant (or one tied-weight adapter) with the lazy path as a mode."""
     model = w.model(kind)
     base = lf.base_params(model)
     variants = ["lora"] if adapter_kwargs else lf.list_variants()
     for variant in variants:
         adapter = w.adapter(variant, kind, **adapter_kwargs)
-        with lf.overlay_calls(base, adapter, strict=strict):
+        with lf.overlay_mode(base, adapter, lazy_only=lazy_only):
             loss = loss_of(model, base)
         loss.backward()
 
@@ -364,9 +364,9 @@ ROWS: dict[str, list[Call]] = {
     "all_reduce_mean_grads_": [Call("not initialised", lambda w: lf.distributed.all_reduce_mean_grads_(w.adapter().params), RuntimeError)],
     "base_params": [Call("both models", lambda w: (lf.base_params(w.model("llama")), lf.base_params(w.model("gpt2"))))],
     "broadcast_adapter": [Call("not initialised", lambda w: lf.distributed.broadcast_adapter(w.adapter()), RuntimeError)],
-    "check_params": [
-        Call("valid", lambda w: lf.check_params(w.model("gpt2"), lf.base_params(w.model("gpt2")))),
-        Call("missing keys", lambda w: lf.check_params(w.model("gpt2"), {}), KeyError),
+    "check_base_params": [
+        Call("valid", lambda w: lf.check_base_params(w.model("gpt2"), lf.base_params(w.model("gpt2")))),
+        Call("missing keys", lambda w: lf.check_base_params(w.model("gpt2"), {}), KeyError),
     ],
     "combine": [
         Call("grad through the mixing weights", _grad_of_mixing_weights),
@@ -406,11 +406,11 @@ ROWS: dict[str, list[Call]] = {
         Call("every variant: forward + grad (Linear)", lambda w: every_variant_through(w, LAZY, "llama")),
         Call("training steps", lambda w: train_steps(w, LAZY, "hra")),
         Call("forward raising midway", lambda w: forward_that_raises_midway(w, LAZY), IndexError),
-        Call("strict lazy on a tied weight", lambda w: _tied_lm_head(w, functools.partial(LAZY, strict=True)), RuntimeError),
+        Call("lazy_only on a tied weight", lambda w: _tied_lm_head(w, functools.partial(LAZY, lazy_only=True)), RuntimeError),
     ],
-    "overlay_calls": [
-        Call("every variant: forward + backward (Conv1D)", lambda w: _through_overlay_calls(w, "gpt2")),
-        Call("strict on a tied weight", lambda w: _through_overlay_calls(w, "gpt2", strict=True, targets=["lm_head"], tied="both"), RuntimeError),
+    "overlay_mode": [
+        Call("every variant: forward + backward (Conv1D)", lambda w: _through_overlay_mode(w, "gpt2")),
+        Call("lazy_only on a tied weight", lambda w: _through_overlay_mode(w, "gpt2", lazy_only=True, targets=["lm_head"], tied="both"), RuntimeError),
     ],
     "save": [
         Call("into a new directory", lambda w: lf.save(w.adapter("eva"), w.tmp / "new" / "e.safetensors")),

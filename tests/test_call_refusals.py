@@ -72,7 +72,7 @@ def test_merge_overlay_and_overlay_refuse_an_int8_base():
     int_net = Net()
     int_net.proj.weight = nn.Parameter(torch.randint(-5, 5, (8, 8), dtype=torch.int8), requires_grad=False)
     base = lf.base_params(int_net)
-    for make in (lf.merge_overlay, lf.overlay, lf.overlay_calls):
+    for make in (lf.merge_overlay, lf.overlay, lf.overlay_mode):
         with pytest.raises(TypeError, match=r"proj.weight \(torch.int8\)"):
             make(base, adapter)
 

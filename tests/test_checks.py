@@ -1,5 +1,5 @@
 """Non-finite values raise with the tensor's name instead of silently producing garbage:
-``lora_func.checks.check_finite`` and ``merge_overlay`` / ``overlay`` with ``safe=True``."""
+``lora_func.checks.check_finite`` and ``merge_overlay`` / ``overlay`` with ``check_finite=True``."""
 
 from __future__ import annotations
 
@@ -90,7 +90,7 @@ def _lora_on(model_kind: str, dtype: torch.dtype = torch.float32):
     return model, adapter
 
 
-def test_safe_merging_names_the_non_finite_adapter_tensor_and_leaves_the_model_alone():
+def test_check_finite_merging_names_the_non_finite_adapter_tensor_and_leaves_the_model_alone():
     import lora_func as lf
     from tests.contract_helpers import assert_unchanged, snapshot
     from tests.models import tokens
@@ -104,27 +104,27 @@ def test_safe_merging_names_the_non_finite_adapter_tensor_and_leaves_the_model_a
     bad = adapter.with_params(params)
     base = lf.base_params(model)
     calls = {
-        "merge_overlay": lambda **safe: lf.merge_overlay(base, bad, **safe),
-        "overlay": lambda **safe: lf.overlay(base, bad, **safe),
-        "overlay_calls": lambda **safe: lf.overlay_calls(base, bad, **safe),
-        "merge": lambda **safe: lf.merged_state_dict(model, bad, **safe),
-        "adapted_call merged": lambda **safe: lf.adapted_call(model, bad, tokens(), merged=True, **safe),
-        "adapted_call lazy": lambda **safe: lf.adapted_call(model, bad, tokens(), **safe),
+        "merge_overlay": lambda **check: lf.merge_overlay(base, bad, **check),
+        "overlay": lambda **check: lf.overlay(base, bad, **check),
+        "overlay_mode": lambda **check: lf.overlay_mode(base, bad, **check),
+        "merge": lambda **check: lf.merged_state_dict(model, bad, **check),
+        "adapted_call merged": lambda **check: lf.adapted_call(model, bad, tokens(), merged=True, **check),
+        "adapted_call lazy": lambda **check: lf.adapted_call(model, bad, tokens(), **check),
     }
-    # Without safe=True (the default) nothing is checked: the NaN silently reaches the outputs,
+    # Without check_finite=True (the default) nothing is checked: the NaN silently reaches the outputs,
     # which is what the option is for.
     for name, call in calls.items():
         call()
     assert torch.isnan(lf.adapted_call(model, bad, tokens(), merged=True).logits).any()
     for name, call in calls.items():
         with pytest.raises(FloatingPointError, match=rf"adapter tensors: non-finite values in \['{key}'\]: {key} \(1 NaN"):
-            call(safe=True)
-            pytest.fail(f"{name}(safe=True) did not raise")
+            call(check_finite=True)
+            pytest.fail(f"{name}(check_finite=True) did not raise")
     assert_unchanged(model, snap)
-    lf.merge_overlay(base, adapter, safe=True)  # a finite adapter passes
+    lf.merge_overlay(base, adapter, check_finite=True)  # a finite adapter passes
 
 
-def test_safe_merging_catches_a_merge_that_overflows_a_half_precision_base():
+def test_check_finite_merging_catches_a_merge_that_overflows_a_half_precision_base():
     import lora_func as lf
 
     model, adapter = _lora_on("llama", torch.float16)
@@ -135,5 +135,5 @@ def test_safe_merging_catches_a_merge_that_overflows_a_half_precision_base():
     params[f"{key}.lora_B"].fill_(300.0)  # ... whose product overflows fp16 (> 65504)
     big = adapter.with_params(params)
     with pytest.raises(FloatingPointError, match=rf"merged weights: non-finite values in \['{key}.weight'\]"):
-        lf.merge_overlay(base, big, safe=True)
+        lf.merge_overlay(base, big, check_finite=True)
     assert torch.isinf(lf.merge_overlay(base, big)[f"{key}.weight"]).any()  # unsafe: silently inf

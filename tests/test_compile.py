@@ -1,4 +1,4 @@
-"""The compile path: ``overlay_calls`` (the lazy overlay as a torch-function mode) in eager
+"""The compile path: ``overlay_mode`` (the lazy overlay as a torch-function mode) in eager
 code equals the stand-ins, and torch.compile of the adapted step (DESIGN.md: compile the
 function that calls functional_call): every variant, lazy and merged, on both layer kinds,
 traces with ``fullgraph=True``, gives eager's outputs and gradients, and new adapter values
@@ -76,7 +76,7 @@ class _StandIns:
 
 class _Mode:
     def __init__(self, base, adapter, strict=False):
-        self.base, self.mode = base, lf.overlay_calls(base, adapter, strict=strict)
+        self.base, self.mode = base, lf.overlay_mode(base, adapter, lazy_only=strict)
 
     def __enter__(self):
         self.mode.__enter__()
@@ -88,7 +88,7 @@ class _Mode:
 
 @pytest.mark.parametrize("kind", ["linear", "conv1d"])
 @pytest.mark.parametrize("variant", sorted(ROWS))
-def test_overlay_calls_in_eager_code_equals_the_stand_ins(variant, kind):
+def test_overlay_mode_in_eager_code_equals_the_stand_ins(variant, kind):
     row = ROWS[variant]
     model, adapter = build(row, kind)
     adapter = perturbed_row(adapter, row.perturb_scale)
@@ -101,22 +101,22 @@ def test_overlay_calls_in_eager_code_equals_the_stand_ins(variant, kind):
     # Only the base dict's own tensors are routed (by identity): copies are just the base model.
     clones = {id(v): v.clone() for v in base.values()}  # one clone per tensor: tied names stay tied
     copies = {k: clones[id(v)] for k, v in base.items()}
-    with lf.overlay_calls(base, adapter):
+    with lf.overlay_mode(base, adapter):
         plain = torch.func.functional_call(model, copies, (ids,)).logits
     torch.testing.assert_close(plain, model(ids).logits, rtol=0, atol=0)
 
 
-def test_overlay_calls_gives_other_ops_the_merged_weight_or_raises_when_strict():
+def test_overlay_mode_gives_other_ops_the_merged_weight_or_raises_when_lazy_only():
     model = tiny_model("gpt2")
     adapter = lf.init_adapter(model, lf.AdapterSpec("lora", targets=["lm_head"], r=2, tied="both"))
     adapter = perturbed(adapter, seed=3)
     base, ids = lf.base_params(model), tokens(2, 8)
-    with lf.overlay_calls(base, adapter):
+    with lf.overlay_mode(base, adapter):
         got = torch.func.functional_call(model, base, (ids,)).logits
     # The embedding lookup reads the tied weight too: it gets the merged weight, as with overlay().
     torch.testing.assert_close(got, lf.adapted_call(model, adapter, ids, merged=True).logits, rtol=1e-5, atol=1e-5)
     with pytest.raises(RuntimeError, match=r"embedding on adapted weight\(s\) \['lm_head.weight'\] has no low-rank path"):
-        with lf.overlay_calls(base, adapter, strict=True):
+        with lf.overlay_mode(base, adapter, lazy_only=True):
             torch.func.functional_call(model, base, (ids,))
 
 
@@ -129,7 +129,7 @@ def test_compiled_adapted_call_keeps_the_path_it_was_asked_for():
     base, ids = lf.base_params(model), tokens(2, 8)
 
     def logits(merged):
-        return lf.adapted_call(model, adapter, ids, merged=merged, strict=True, base=base).logits
+        return lf.adapted_call(model, adapter, ids, merged=merged, lazy_only=True, base=base).logits
 
     want = logits(True)
     got = torch.compile(lambda: logits(True), fullgraph=True, backend=BACKEND)()

@@ -94,9 +94,9 @@ def test_standin_answers_metadata_and_falls_back_to_merged_weight():
     torch.testing.assert_close(standin.T, merged.T)  # any other op: the dense merged weight
     torch.testing.assert_close(standin * 2, merged * 2)
     assert "AdaptedWeight(model.layers.0.self_attn.q_proj.weight" in repr(standin)
-    strict = lf.overlay(base, adapter, strict=True)[key]
-    with pytest.raises(RuntimeError, match="strict"):
-        strict * 2
+    lazy_only = lf.overlay(base, adapter, lazy_only=True)[key]
+    with pytest.raises(RuntimeError, match="lazy_only=True"):
+        lazy_only * 2
 
 
 def test_training_with_torch_func_grad_reduces_loss():

@@ -17,6 +17,7 @@ import pytest
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 ARGS = "--hidden 64 --layers 2 --vocab 128 --batch 4 --seq 64 --rank 4 --threads 1".split()
 ROWS = ("lora", "dora", "delora", "hra", "ia3", "ia3_ff", "ia3_kv_down")
+ROWS += ("oft", "boft", "road", "hira")  # issue 30 (b)
 
 # (saved bytes, written bytes, ops) over the frozen base, lazy overlay, measured at ARGS.
 PINNED = {
@@ -39,6 +40,30 @@ PINNED = {
         "ia3_kv_down": (614400, 1845600, 24),
     },
 }
+
+# Issue 30 (structured family, first part): the lazy counts measured at ARGS; the bf16 targets
+# (at most peft's on every count) are checked for them too.
+STRUCTURED_A = ("loha", "lokr", "gralora", "miss")
+ROWS += STRUCTURED_A
+PINNED["bfloat16"] |= {
+    "loha": (327680, 2179072, 88),
+    "lokr": (327680, 2297856, 80),
+    "gralora": (294912, 2891776, 88),
+    "miss": (16384, 2134016, 52),
+}
+PINNED["float32"] |= {
+    "loha": (196608, 1261568, 68),
+    "lokr": (196608, 1773568, 64),
+    "gralora": (163840, 2367488, 72),
+    "miss": (16384, 1609728, 36),
+}
+
+
+# issue 30 (b), measured at ARGS (peft's are 393216/3341824/164, 309760/2266112/172,
+# 530432/4214784/156, 327680/2367488/64 on bf16; 262144/2555392/148, 539648/2299392/148,
+# 530432/3428352/140, 196608/1581056/44 on fp32).
+PINNED["bfloat16"] |= {"oft": (393216, 3276288, 156), "boft": (242688, 662016, 120), "road": (530432, 4214784, 156), "hira": (327680, 2367488, 64)}
+PINNED["float32"] |= {"oft": (262144, 2489856, 140), "boft": (275456, 530944, 108), "road": (530432, 3428352, 140), "hira": (196608, 1581056, 44)}
 
 
 @pytest.fixture(scope="module")

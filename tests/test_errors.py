@@ -189,6 +189,6 @@ def test_bad_files(llama, tmp_path):
 def test_functional_call_on_lazy_overlay_with_strict_fallback_refused():
     gpt2 = tiny_model("gpt2")
     adapter = lf.init_adapter(gpt2, lf.AdapterSpec("lora", targets=["lm_head"], tied="both", r=2))
-    over = lf.overlay(lf.base_params(gpt2), adapter, strict=True)
+    over = lf.overlay(lf.base_params(gpt2), adapter, lazy_only=True)
     with pytest.raises(RuntimeError, match=r"embedding on adapted weight\(s\) \['lm_head.weight'\].*merge_overlay"):
         functional_call(gpt2, over, (tokens(),))

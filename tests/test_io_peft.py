@@ -19,6 +19,7 @@ import lora_func as lf
 from lora_func._kernels import lora_scale
 from lora_func.export import merged_state_dict
 from lora_func.io import load_peft, save_peft
+from lora_func.variants import get_variant, list_variants
 from tests.contract_helpers import assert_unchanged, calibration_batches, perturbed, snapshot
 from tests.models import tiny_model, tokens
 from tests.peft_io_helpers import (
@@ -330,8 +331,9 @@ def test_load_peft_errors_name_the_problem(lora_dir, tmp_path):
     _edit_config(lora_dir, init_lora_weights=True, lora_bias=True)
     with pytest.raises(ValueError, match=r"LORA features lora_func does not support: \['lora_bias'\]"):
         load_peft(lora_dir, llama)
-    _edit_config(lora_dir, lora_bias=False, peft_type="LOKR")
-    with pytest.raises(ValueError, match=r"peft 'LOKR' checkpoint; lora_func reads peft_type \['DELORA', 'HRA', 'IA3', 'LORA'\]"):
+    _edit_config(lora_dir, lora_bias=False, peft_type="PROMPT_TUNING")
+    read = sorted({get_variant(v).peft.method.peft_type for v in list_variants() if get_variant(v).peft is not None})
+    with pytest.raises(ValueError, match=re.escape(f"peft 'PROMPT_TUNING' checkpoint; lora_func reads peft_type {read}")):
         load_peft(lora_dir, llama)
     _edit_config(lora_dir, peft_type="LORA")
     weights = lora_dir / "adapter_model.safetensors"

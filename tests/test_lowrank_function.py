@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import lora_func as lf
-from lora_func._steps import LayerCall
+from lora_func._layer_ops import LayerCall
 from lora_func._kernels import _BasePlusProduct, base_plus_product, half_product_applies
 from tests.models import tiny_model
 

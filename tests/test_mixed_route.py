@@ -353,3 +353,72 @@ def test_a_python_sequence_of_positions_is_an_index(as_sequence):
     assert torch.equal(inside, want.detach())
     with pytest.raises(TypeError, match="int64 or int32 tensor"):  # bools and floats are not positions
         lf.mixed_adapted_call(model, adapters, as_sequence([True, False, True, False, True]), ids)
+
+
+# ----------------------------------------------------------------------------- the low-rank declaration
+
+
+def _declaring_variants() -> list[str]:
+    return [name for name in list_variants() if lf.get_variant(name).low_rank is not None]
+
+
+def test_the_built_in_low_rank_variants_declare_it():
+    assert set(_declaring_variants()) >= {"lora", "eva"}
+
+
+@pytest.mark.parametrize("name", _declaring_variants())
+def test_a_low_rank_declaration_is_the_activation_form(name):
+    """``Variant.low_rank`` says the activation form is ``base(x) + s (x Aᵀ) Bᵀ``: check it on
+    random factors (B non-zero) against the declared names and scale."""
+    from lora_func._layer_ops import LayerCall
+    from lora_func.variants import LayerInfo
+
+    variant = lf.get_variant(name)
+    form = variant.low_rank
+    g = torch.Generator().manual_seed(3)
+    d_in, d_out, r = 6, 5, 3
+    info = LayerInfo(d_in, d_out, r, 7.0, True, tuple(sorted(variant.options.items())))
+    params = {form.a: torch.randn(r, d_in, generator=g), form.b: torch.randn(d_out, r, generator=g)}
+    weight, bias, x = torch.randn(d_out, d_in, generator=g), torch.randn(d_out, generator=g), torch.randn(2, 4, d_in, generator=g)
+    base = LayerCall(weight, bias, lambda t: torch.nn.functional.linear(t, weight, bias))
+    got = variant.activation_form(params, {}, x, base, info)
+    scale = form.scale(info, None)
+    want = base(x) + scale * (x @ params[form.a].T) @ params[form.b].T
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert (got - base(x)).abs().max() > 0.1
+
+
+def test_the_batched_path_follows_the_declaration_not_the_function(monkeypatch):
+    """A variant with LoRA's forms but no ``low_rank`` runs its form per row (under vmap), one that
+    declares it takes the batched ``bmm`` path whatever its activation form's identity; both give
+    the per-row loop's logits."""
+    import dataclasses
+
+    import lora_func.many as many
+    from lora_func.variants import _REGISTRY, _discover
+
+    lora = lf.get_variant("lora")
+    _discover()
+    undeclared = dataclasses.replace(lora, name="lora_undeclared", low_rank=None)
+    wrapped = dataclasses.replace(lora, name="lora_wrapped", activation_form=lambda *a: lora.activation_form(*a))
+    monkeypatch.setitem(_REGISTRY, undeclared.name, undeclared)
+    monkeypatch.setitem(_REGISTRY, wrapped.name, wrapped)
+    bmm_calls = []
+    real_bmm = torch.bmm
+
+    def counting_bmm(*args, **kwargs):
+        bmm_calls.append(1)
+        return real_bmm(*args, **kwargs)
+
+    monkeypatch.setattr(many.torch, "bmm", counting_bmm)
+    model = _sdpa(tiny_model("llama"))
+    index = torch.tensor([1, 0, 1])
+    ids, mask = _batch(3)
+    for name, batched in (("lora_undeclared", False), ("lora_wrapped", True)):
+        adapters = _tenants(model, "llama", name, count=2)
+        bmm_calls.clear()
+        with torch.no_grad():
+            got = lf.mixed_adapted_call(model, adapters, index, ids, attention_mask=mask).logits
+        assert bool(bmm_calls) is batched, name
+        for j, (g, want) in enumerate(zip(got, _loop_logits(model, adapters, index, ids, mask), strict=True)):
+            _close(g, want, f"{name} row {j}")

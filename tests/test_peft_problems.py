@@ -22,8 +22,12 @@ from tests.models import tiny_model
 TARGETS = {"llama": ["q_proj", "v_proj"], "gpt2": ["c_attn"]}
 
 
+# Options a variant needs on the tiny models (peft's RoAd default group_size=64 exceeds their widths).
+SMALL_MODEL_OPTIONS = {"road": {"group_size": 2}, "oft": {"oft_block_size": 8}}
+
+
 def _adapter(model, kind: str, variant: str, **kwargs) -> lf.Adapter:
-    spec = lf.AdapterSpec(variant, targets=kwargs.pop("targets", TARGETS[kind]), **({"r": 2} | kwargs))
+    spec = lf.AdapterSpec(variant, targets=kwargs.pop("targets", TARGETS[kind]), **({"r": 2} | SMALL_MODEL_OPTIONS.get(variant, {}) | kwargs))
     calibration = calibration_batches() if variant == "eva" else None
     adapter = lf.init_adapter(model, spec, generator=torch.Generator().manual_seed(1), calibration=calibration)
     return perturbed(adapter, 0.1)
@@ -70,6 +74,9 @@ def test_the_answers_differ_where_peft_differs(tmp_path):
         if peft_problems(_adapter(model, kind, variant), model=model if with_model else None)
     }
     expected = {(k, "antipasto", m) for k in ("llama", "gpt2") for m in (True, False)}
+    expected |= {("gpt2", v, m) for v in ("hra", "delora", "oft", "boft", "road") for m in (True, False)}
+    expected |= {("gpt2", v, m) for v in ("hra", "delora") for m in (True, False)}
+    expected |= {("gpt2", v, m) for v in ("loha", "lokr", "miss") for m in (True, False)}  # peft: nn.Linear only
     expected |= {("gpt2", v, m) for v in ("hra", "delora", "shira", "c3a") for m in (True, False)}
     expected |= {(k, "pissa", False) for k in ("llama", "gpt2")}
     assert refused == expected
@@ -156,8 +163,12 @@ def test_the_table_gives_each_peft_variant_its_keys_and_shapes():
         for layer in adapter.layers:
             params, buffers = adapter.layer_tensors(layer)
             stored = {k: tuple(v.shape) for k, v in (params | buffers).items() if k in fmt.keys}
+            if fmt.layer_shapes is not None:  # the layer holds exactly its own subset of the keys
+                want = fmt.shapes_for(layer.info)
+                assert stored == want and set(want) <= set(fmt.keys) and set(params) | set(buffers) == set(want), variant
+                continue
             assert set(fmt.keys) <= set(params) | set(buffers), variant
-            assert stored == fmt.shapes(layer.info.r, layer.target.d_in, layer.target.d_out), variant
+            assert stored == fmt.shapes_for(layer.info), variant
             assert set(fmt.buffers) <= set(buffers), variant
 
 

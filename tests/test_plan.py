@@ -62,7 +62,7 @@ def test_inference_calls_with_one_base_and_adapter_build_once(builds):
         pytest.param(lambda model, adapter, base, ids: lf.adapted_call(model, adapter, ids, base=base), id="grad enabled"),
         pytest.param(lambda model, adapter, base, ids: lf.adapted_call(model, adapter, ids), id="no base dict"),
         pytest.param(lambda model, adapter, base, ids: lf.adapted_call(model, adapter, ids, base=base, merged=True), id="merged"),
-        pytest.param(lambda model, adapter, base, ids: lf.adapted_call(model, adapter, ids, base=base, safe=True), id="safe"),
+        pytest.param(lambda model, adapter, base, ids: lf.adapted_call(model, adapter, ids, base=base, check_finite=True), id="check_finite"),
     ],
 )
 def test_calls_that_read_values_or_record_gradients_never_reuse(builds, call, request):

@@ -86,6 +86,16 @@ def _options(draw: st.DrawFn, variant: str, r: int) -> dict[str, Any]:
             "steer": draw(st.sampled_from([1.0, -1.3, 0.6])),
             "max_rotation_angle": draw(st.sampled_from([math.pi / 3, 2.0, math.inf])),
         }
+    # oft: one block of d_in (the default 32 exceeds every drawn d_in); boft: one block per
+    # layer, any d_in; road: pairs of neighbouring outputs (cases draw an even d_out for it).
+    if variant == "oft":
+        return {"use_cayley_neumann": draw(st.booleans()), "block_share": draw(st.booleans())}
+    if variant == "boft":
+        return {"boft_block_size": 0, "boft_block_num": 1}
+    if variant == "road":
+        return {"group_size": 2, "road_variant": draw(st.sampled_from(["road_1", "road_2", "road_4"]))}
+    if variant == "hira":
+        return {"init": draw(st.sampled_from(["kaiming", "gaussian"]))}
     if variant == "shira":
         return {"random_seed": draw(st.sampled_from([None, 3]))}
     if variant == "fourierft":  # init_weights=True: zeros, the identity (peft's default is a random spectrum)
@@ -108,6 +118,7 @@ def cases(draw: st.DrawFn, variants: tuple[str, ...] | None = None) -> Case:
     layout = draw(st.sampled_from(["linear", "conv1d"]))
     bias = layout == "conv1d" or draw(st.booleans())
     d_in, d_out = draw(st.integers(2, 9)), draw(st.integers(2, 9))
+    d_out += d_out % 2 if variant == "road" else 0  # RoAd rotates pairs of outputs
     r = _sized_r(draw, variant, draw(st.integers(1, min(d_in, d_out))), d_in, d_out)
     alpha = None if variant in ("antipasto", "ia3", "ia3_ff") else draw(st.sampled_from([None, 1.0, 6.0, 16.0]))
     return Case(
@@ -290,7 +301,7 @@ def compositions(draw: st.DrawFn) -> tuple[str, list[Case], list[float]]:
     mode = draw(st.sampled_from(["compose", "combine"]))
     parts = []
     for i in range(n):
-        variant = draw(st.sampled_from([v for v in lf.list_variants() if not (v == "pissa" and i > 0 and mode == "compose")]))
+        variant = draw(st.sampled_from([v for v in lf.list_variants() if not (v == "pissa" and i > 0 and mode == "compose") and not (v == "road" and d_out % 2)]))
         r = _sized_r(draw, variant, draw(st.integers(1, min(d_in, d_out))), d_in, d_out)
         alpha = None if variant in ("antipasto", "ia3", "ia3_ff") else draw(st.sampled_from([None, 3.0]))
         parts.append(

@@ -57,6 +57,8 @@ def test_all_is_exactly_the_groups_without_repeats():
         ("all_reduce_mean", lora_func.distributed.all_reduce_mean),
         ("all_reduce_mean_grads_", lora_func.distributed.all_reduce_mean_grads_),
         ("broadcast_adapter", lora_func.distributed.broadcast_adapter),
+        ("check_params", lf.check_base_params),
+        ("overlay_calls", lf.overlay_mode),
     ],
 )
 def test_old_names_warn_and_are_the_new_functions(old, new):

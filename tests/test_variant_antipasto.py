@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch.func import grad, vmap
 
 import lora_func as lf
-from lora_func._steps import LayerCall
+from lora_func._layer_ops import LayerCall
 from lora_func.variants import LayerInfo
 from lora_func.variants import antipasto
 from tests.contract_helpers import logits, loss_fn, perturbed

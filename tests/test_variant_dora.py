@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import lora_func as lf
-from lora_func._steps import LayerCall
+from lora_func._layer_ops import LayerCall
 from lora_func.variants import LayerInfo
 from lora_func.variants.dora import VARIANT
 from lora_func.targeting import canonical_weight

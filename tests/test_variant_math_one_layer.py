@@ -321,6 +321,35 @@ DOCUMENTED = {
         False,
         {"lora_A": 0, "lora_B": 1},
     ),
+    # issue 30, structured family (b): peft's defaults; no alpha in any of the four
+    "oft": (
+        1.0,
+        {"oft_block_size": 32, "num_blocks": 0, "block_share": False, "coft": False, "eps": 6e-5, "use_cayley_neumann": True,
+         "num_cayley_neumann_terms": 5, "module_dropout": 0.0, "init": "identity"},
+        False,
+        False,
+        False,
+        {},
+    ),
+    "boft": (1.0, {"boft_block_size": 4, "boft_block_num": 0, "boft_n_butterfly_factor": 1, "boft_dropout": 0.0, "init": "identity"}, False, False, False, {}),
+    "road": (1.0, {"road_variant": "road_1", "group_size": 64, "init": "identity"}, False, True, False, {}),
+    "hira": (1.0, {"init": "kaiming", "dropout": 0.0}, True, False, False, {"hira_A": 0, "hira_B": 1}),
+}
+
+# Issue 30, structured family (first part).
+_LYCORIS = {"rank_dropout": 0.0, "module_dropout": 0.0, "use_effective_conv2d": False}
+DOCUMENTED |= {
+    "loha": (8.0, {**_LYCORIS, "init": "default"}, True, False, False, {"hada_w1_a": 1, "hada_w1_b": 0, "hada_w2_a": 1, "hada_w2_b": 0}),
+    "lokr": (
+        8.0,
+        {**_LYCORIS, "init": "default", "decompose_both": False, "decompose_factor": -1, "rank_dropout_scale": False},
+        True,
+        False,
+        False,
+        {"lokr_w1_a": 1, "lokr_w1_b": 0, "lokr_w2_a": 1, "lokr_w2_b": 0},
+    ),
+    "gralora": (16.0, {"gralora_k": 2, "hybrid_r": 0, "dropout": 0.0, "init": "default"}, True, False, False, {"gralora_A": 2, "gralora_B": 1}),
+    "miss": (8.0, {"init": "miss", "mini_r": 1, "dropout": 0.0}, True, False, False, {"miss_block": 0}),
 }
 DOCUMENTED.update(
     {

@@ -70,6 +70,23 @@ TARGETS: dict[str, tuple[tuple[str, ...] | None, list[list[str]]]] = {
     "lora_func/variants/hra.py": (None, _variant_stages("hra", "tests/test_variant_hra.py")),
     "lora_func/variants/antipasto.py": (None, _variant_stages("antipasto", "tests/test_variant_antipasto.py")),
     "lora_func/variants/eva.py": (None, _variant_stages("eva", "tests/test_variant_eva.py")),
+    # issue 30 (b): the peft oracle and the variant's own tests first (fast, exact), then the
+    # contract rows and the catalogue; no hypothesis stage (it draws every variant: too slow per mutant).
+    **{
+        f"lora_func/variants/{name}.py": (None, [["tests/test_variants_structured_b.py", "-k", select], [CONTRACT, "-k", select], [CATALOGUE, "-k", select]])
+        for name, select in (("oft", "oft and not boft"), ("boft", "boft"), ("road", "road"), ("hira", "hira"))
+    },
+    "lora_func/variants/_orthogonal.py": (None, [["tests/test_variants_structured_b.py", "-k", "oft"], [CONTRACT, "-k", "oft"]]),
+    # Issue 30, structured family (first part): the variant's own tests first (float64 peft
+    # oracles and its structure), then its contract rows and rank stacks.
+    **{
+        f"lora_func/variants/{name}.py": (
+            None,
+            [["tests/test_variants_structured_a.py", "-k", name], [CONTRACT, "-k", name], [RANK_STACK, "-k", name]],
+        )
+        for name in ("loha", "lokr", "gralora", "miss")
+    },
+    "lora_func/variants/_lycoris.py": (None, [["tests/test_variants_structured_a.py", "-k", "loha or lokr"], [CONTRACT, "-k", "loha or lokr"]]),
     # issue 30: the contract rows and the float64 peft oracles first (fast, exact), no properties
     "lora_func/variants/shira.py": (None, [[CONTRACT, "-k", "shira"], ["tests/test_variants_structured_c.py", "-k", "shira"], [RANK_STACK, "-k", "shira"], [CATALOGUE, "-k", "shira"]]),
     "lora_func/variants/fourierft.py": (None, [[CONTRACT, "-k", "fourierft"], ["tests/test_variants_structured_c.py", "-k", "fourierft"], [CATALOGUE, "-k", "fourierft"]]),
@@ -80,19 +97,19 @@ TARGETS: dict[str, tuple[tuple[str, ...] | None, list[list[str]]]] = {
         ("lora_scale", "add_low_rank", "_fresh_output_in_place", "base_plus_low_rank", "lora_weight_form", "lora_activation_form", "kaiming_uniform"),
         _ALL,
     ),
-    "lora_func/_steps.py": (None, [*_ALL[:3], ["tests/test_core.py", "tests/test_compose.py"], [COMPILE, "-k", "overlay_calls or keeps_the_path"], _ALL[3]]),
-    "lora_func/_lazy.py": (None, [*_ALL[:3], ["tests/test_core.py"], [COMPILE, "-k", "overlay_calls or keeps_the_path"], _ALL[3]]),
+    "lora_func/_layer_ops.py": (None, [*_ALL[:3], ["tests/test_core.py", "tests/test_compose.py"], [COMPILE, "-k", "overlay_mode or keeps_the_path"], _ALL[3]]),
+    "lora_func/_lazy.py": (None, [*_ALL[:3], ["tests/test_core.py"], [COMPILE, "-k", "overlay_mode or keeps_the_path"], _ALL[3]]),
     "lora_func/plan.py": (
-        ("_steps", "_program"),
+        ("_ops", "_program"),
         [*_ALL[:3], ["tests/test_core.py", "tests/test_compose.py", "tests/test_plan.py"], _ALL[3]],
     ),
     "lora_func/overlay.py": (
-        ("check_adapter_finite", "merge_overlay", "merged_overlay", "overlay", "lazy_overlay", "overlay_calls"),
-        [*_ALL[:3], ["tests/test_core.py", "tests/test_adapted_context.py", "tests/test_checks.py"], [COMPILE, "-k", "overlay_calls or keeps_the_path"], _ALL[3]],
+        ("check_adapter_finite", "merge_overlay", "merged_overlay", "overlay", "lazy_overlay", "overlay_mode"),
+        [*_ALL[:3], ["tests/test_core.py", "tests/test_adapted_context.py", "tests/test_checks.py"], [COMPILE, "-k", "overlay_mode or keeps_the_path"], _ALL[3]],
     ),
     "lora_func/call.py": (
         ("application", "adapted_call", "adapted"),
-        [*_ALL[:3], ["tests/test_core.py", "tests/test_adapted_context.py", "tests/test_plan.py"], [COMPILE, "-k", "overlay_calls or keeps_the_path"], _ALL[3]],
+        [*_ALL[:3], ["tests/test_core.py", "tests/test_adapted_context.py", "tests/test_plan.py"], [COMPILE, "-k", "overlay_mode or keeps_the_path"], _ALL[3]],
     ),
 }
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from importlib import resources
 from pathlib import Path
+from typing import Literal
 
 import torch
 from torch import nn
@@ -58,10 +59,11 @@ def tiny_config(vocab_size: int):
     )
 
 
-QUANTIZE = ("nf4", "int8")
+Quantize = Literal["nf4", "int8"]
+QUANTIZE: tuple[Quantize, ...] = ("nf4", "int8")
 
 
-def quantization_config(quantize: str, dtype: torch.dtype):
+def quantization_config(quantize: Quantize, dtype: torch.dtype):
     """bitsandbytes' config for ``quantize``: ``"nf4"`` (QLoRA's 4-bit NormalFloat, double
     quantization, compute in ``dtype``) or ``"int8"`` (LLM.int8)."""
     try:
@@ -82,7 +84,7 @@ def quantization_config(quantize: str, dtype: torch.dtype):
 
 
 def load_model(
-    model_dir: str | os.PathLike | None = None, *, dtype: torch.dtype = torch.float32, device: str = "cpu", quantize: str | None = None
+    model_dir: str | os.PathLike | None = None, *, dtype: torch.dtype = torch.float32, device: str = "cpu", quantize: Quantize | None = None
 ):
     """``(model, tokenizer)`` from ``model_dir`` (any local causal-LM directory that
     ``AutoModelForCausalLM`` and ``AutoTokenizer`` read), or the shipped tiny model when
@@ -103,10 +105,11 @@ def load_model(
     # versions (torch_dtype -> dtype); the shipped bf16 weights upcast exactly.
     if quantize is not None:
         config = quantization_config(quantize, dtype)
-        model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", quantization_config=config, dtype=dtype)
-        return model.to(device).eval(), tokenizer
-    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").to(device=device, dtype=dtype).eval()
-    return model, tokenizer
+        # Typed as the nn.Module it is: transformers' wrapper around PreTrainedModel.to hides its signature.
+        quantized: nn.Module = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", quantization_config=config, dtype=dtype)
+        return quantized.to(device).eval(), tokenizer
+    model: nn.Module = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager")
+    return model.to(device=device, dtype=dtype).eval(), tokenizer
 
 
 def default_targets(model: nn.Module) -> list[str]:

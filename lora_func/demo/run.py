@@ -15,16 +15,25 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 from torch import Tensor, nn
 
 import lora_func as lf
 from lora_func.demo.corpus import TaskExample, task_split
-from lora_func.demo.model import default_targets, load_model
+from lora_func.demo.model import Quantize, default_targets, load_model
 from lora_func.quantized import logical_shape
 from lora_func.train import IGNORE_INDEX, StepStats, TrainState, fit, make_optimizer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+
+class _Generates(Protocol):
+    """What :func:`generate` uses of a transformers causal LM."""
+
+    def generate(self, inputs: Tensor, **kwargs: Any) -> Tensor: ...
 
 __all__ = [
     "DEFAULT_LR",
@@ -84,7 +93,7 @@ class DemoConfig:
     samples: int = 2  # generated examples shown before/after per variant
     threads: int | None = None  # torch CPU threads while training; None: see threads_for_run
     gradient_checkpointing: bool = False  # recompute each decoder layer in backward (HF's, non-reentrant)
-    quantize: str | None = None  # "nf4" or "int8": a bitsandbytes-quantized base (QLoRA)
+    quantize: Quantize | None = None  # "nf4" or "int8": a bitsandbytes-quantized base (QLoRA)
 
     def lr_for(self, variant: str) -> float:
         return self.lr if self.lr is not None else DEFAULT_LR.get(variant, 1e-2)
@@ -175,11 +184,10 @@ def held_out_accuracy(model: nn.Module, adapter: Any, data: TaskData, *, base: d
     """``(exact-match accuracy, logits)``: a question counts when greedy decoding gives every
     answer token (one teacher-forced pass: greedy picks the argmax at each answer position).
     ``adapter=None`` scores the base model."""
-    kwargs = {"attention_mask": data.attention_mask}
     if adapter is None:
-        logits = model(data.input_ids, **kwargs).logits
+        logits = model(data.input_ids, attention_mask=data.attention_mask).logits
     else:
-        logits = lf.adapted_call(model, adapter, data.input_ids, base=base, **kwargs).logits
+        logits = lf.adapted_call(model, adapter, data.input_ids, base=base, attention_mask=data.attention_mask).logits
     return correct_answers(logits, data).float().mean().item(), logits
 
 
@@ -196,11 +204,12 @@ def generate(model: nn.Module, tokenizer: Any, prompt: str, adapter: Any = None,
     :func:`lora_func.adapted` (merged weights for the whole generation) when given."""
     ids = tokenizer(prompt, return_tensors="pt")["input_ids"].to(next(model.parameters()).device)
     kwargs = {"max_new_tokens": max_new_tokens, "do_sample": False, "pad_token_id": tokenizer.pad_token_id}
+    lm = cast("_Generates", model)  # a transformers causal LM (load_model's)
     if adapter is None:
-        out = model.generate(ids, **kwargs)
+        out = lm.generate(ids, **kwargs)
     else:
         with lf.adapted(model, adapter):
-            out = model.generate(ids, **kwargs)
+            out = lm.generate(ids, **kwargs)
     text = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()
     return text.split(" .")[0] + " ." if " ." in text else text  # up to the first full stop
 
@@ -246,16 +255,17 @@ def training_mode(model: nn.Module, *, checkpointing: bool) -> Iterator[None]:
     if not checkpointing:
         yield
         return
-    was_training = model.training
-    model.train()
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    hf = cast("PreTrainedModel", model)  # a transformers model (load_model's)
+    was_training = hf.training
+    hf.train()
+    hf.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     try:
         yield
     finally:
-        model.activation_checkpointing_disable()
-        if getattr(model, "_require_grads_hook", None) is not None:
-            model.disable_input_require_grads()
-        model.train(was_training)
+        hf.activation_checkpointing_disable()
+        if getattr(hf, "_require_grads_hook", None) is not None:
+            hf.disable_input_require_grads()
+        hf.train(was_training)
 
 
 def run_variant(

@@ -100,6 +100,8 @@ def _stored(fmt: PeftFormat, found: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """A layer's tensors (lora_func names) as peft stores them (peft suffixes and shapes)."""
     out = {}
     for name, suffix in fmt.keys.items():
+        if name not in found:
+            continue  # a tensor this layer does not have (PeftFormat.layer_shapes)
         tensor = found[name]
         out[suffix] = tensor.unsqueeze(fmt.matrix[name][0]) if name in fmt.matrix else tensor
     return out
@@ -238,7 +240,7 @@ def _config_problems(config: Mapping[str, Any]) -> list[str]:
     # in different methods: init_weights is a bool in HRAConfig, a bool or a name in C3AConfig).
     for fmt in _formats().values():
         if fmt.method.peft_type == config.get("peft_type"):
-            checks |= {**fmt.method.checks, **fmt.checks}
+            checks |= {fmt.method.alpha_key: number, **fmt.method.checks, **fmt.checks}
     problems = [f"{name}={config[name]!r}" for name, ok in checks.items() if name in config and not ok(config[name])]
     for name, ok in (("rank_pattern", rank), ("alpha_pattern", number)):
         patterns = config.get(name)
@@ -376,14 +378,15 @@ def _assemble(
         layer = layers[target.module]
         rank = spec.r if layer.r is None else layer.r
         layer_alpha = spec.alpha if layer.alpha is None else float(layer.alpha)
-        expected = fmt.shapes(rank, target.d_in, target.d_out)
-        got = {k: tuple(v.shape) for k, v in (layer.params | layer.buffers).items() if k in expected}
+        info = layer_info(spec, target, r=rank, alpha=layer_alpha)
+        expected = fmt.shapes_for(info)
+        # with layer_shapes the layer's own set of tensors: a missing or extra one is a mismatch
+        got = {k: tuple(v.shape) for k, v in (layer.params | layer.buffers).items() if k in expected or fmt.layer_shapes is not None}
         if got != expected:
             wrong.append(f"{target.module}: checkpoint has {got}, the model needs {expected}")
             continue
         module = modules[target.module]
         weight = module.weight
-        info = layer_info(spec, target, r=rank, alpha=layer_alpha)
         layer_buffers = dict(layer.buffers)
         if fmt.recompute_buffers:
             # As peft does on load (e.g. a residual from the base): the variant's own init on the base.
@@ -460,7 +463,8 @@ def _format_for(directory: Path, config: Mapping[str, Any], peft_type: str, modu
 
 def _layer_from_peft(directory: Path, config: Mapping[str, Any], module: str, fmt: PeftFormat, found: Mapping[str, Tensor]) -> _Layer:
     """One layer's peft tensors in lora_func shapes, with its rank and alpha checked against the config."""
-    _check_complete(directory, module, found, fmt.keys)
+    if fmt.layer_shapes is None:  # else the layer's own set is checked against the model's sizes in _assemble
+        _check_complete(directory, module, found, fmt.keys)
     tensors = dict(found)
     for name, (axis, stored_as) in fmt.matrix.items():
         t = tensors[name]
@@ -472,13 +476,16 @@ def _layer_from_peft(directory: Path, config: Mapping[str, Any], module: str, fm
     if method.rank_of is not None:
         # peft computes the scale from the config's r / rank_pattern, not from the tensors.
         name, axis = method.rank_of
-        r = _checked_rank(directory, config, module, int(tensors[name].shape[axis]))
+        if fmt.layer_shapes is None:
+            r = _checked_rank(directory, config, module, int(tensors[name].shape[axis]))
+        else:  # the config's, checked by the layer's own shapes in _assemble
+            r = int(_pattern_value(config.get("rank_pattern"), module, config.get("r", 8)))
     elif method.rank_in_config:
         # the shapes check in _assemble verifies the tensors
         field, pattern = method.rank_fields
         r = int(_pattern_value(config.get(pattern) if method.rank_pattern else None, module, config.get(field, 8)))
     if method.alpha:
-        alpha = float(_pattern_value(config.get("alpha_pattern"), module, config.get("lora_alpha", 8)))
+        alpha = float(_pattern_value(config.get("alpha_pattern"), module, config.get(method.alpha_key, 8)))
     params = {k: v for k, v in tensors.items() if k not in fmt.buffers}
     return _Layer(params=params, buffers={k: v for k, v in tensors.items() if k in fmt.buffers}, r=r, alpha=alpha)
 
@@ -493,7 +500,7 @@ def _read(directory: Path, config: Mapping[str, Any], peft_type: str, tensors: M
         groups.setdefault(name, (options, {}))[1][module] = _layer_from_peft(directory, config, module, formats[name], found)
     method = _methods()[peft_type]
     r = int(config.get(method.rank_fields[0], 8)) if method.rank_of is not None or method.rank_in_config else 8
-    alpha = float(config.get("lora_alpha", 8)) if method.alpha else None
+    alpha = float(config.get(method.alpha_key, 8)) if method.alpha else None
     parts = [
         _assemble(directory, model, name, groups[name][1], r=r, alpha=alpha, options=groups[name][0]) for name in formats if name in groups
     ]
@@ -506,7 +513,8 @@ def load_peft(directory: str | os.PathLike, model: nn.Module) -> AdapterLike:
 
     Each layer is read as the variant whose peft entry reads it (``Variant.peft.reads``: e.g. a
     LoraConfig's ``use_dora`` / ``init_lora_weights`` pick among the variants stored as it),
-    with its rank and alpha from ``r`` / ``rank_pattern`` and ``lora_alpha`` / ``alpha_pattern``
+    with its rank and alpha from ``r`` / ``rank_pattern`` and ``lora_alpha`` (the method's
+    alpha field) / ``alpha_pattern``
     as peft computes them; layers of several variants in one checkpoint (``feedforward_modules``)
     load as their composition. Buffers the checkpoint does not hold are recomputed from
     ``model`` as peft does. The adapted layers are exactly the modules that have
@@ -660,8 +668,15 @@ def _peft_config(
                 f"{sorted(rank_pattern)[:5]}; save the parts of different ranks separately"
             )
     if method.alpha:
-        config["lora_alpha"] = alpha = _most_common([o.alpha for o in layers])
-        config["alpha_pattern"] = {o.target.module: o.alpha for o in layers if o.alpha != alpha}
+        config[method.alpha_key] = alpha = _most_common([o.alpha for o in layers])
+        alpha_pattern = {o.target.module: o.alpha for o in layers if o.alpha != alpha}
+        if method.rank_pattern:  # the methods with per-layer ranks have per-layer alphas too
+            config["alpha_pattern"] = alpha_pattern
+        elif alpha_pattern:
+            raise ValueError(  # error: save-peft-one-alpha
+                f"save_peft: peft's {peft_type} has one alpha for all layers, but these layers differ from "
+                f"{method.alpha_key}={alpha}: {sorted(alpha_pattern)[:5]}; save the parts of different alphas separately"
+            )
     return config
 
 

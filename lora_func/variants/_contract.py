@@ -35,6 +35,7 @@ __all__ = [
     "BaseLayer",
     "InitFn",
     "LayerInfo",
+    "LowRank",
     "PeftFormat",
     "PeftLayer",
     "PeftMethod",
@@ -152,8 +153,11 @@ class PeftMethod:
         checkpoint with any of them set (truthy) is refused on load.
       rank_of: ``(tensor name, axis)`` that holds a layer's rank, written as ``r`` (and
         ``rank_pattern``) and checked against the config on load; ``None``: no rank.
-      rank_pattern: whether the method has per-layer ranks (``rank_pattern``).
+      rank_pattern: whether the method has per-layer ranks (``rank_pattern``), and alphas
+        (``alpha_pattern``) where it has ``alpha``.
       alpha: whether the method has ``lora_alpha`` / ``alpha_pattern``.
+      alpha_key: the config field that holds alpha (``"lora_alpha"``; LyCORIS methods and
+        GraLoRA call it ``"alpha"``); ``alpha_pattern`` keeps its name.
       feedforward_modules: whether the config lists feed-forward layers (``feedforward_modules``).
       checks: config field -> whether a value is valid (type, finite, range), for the fields
         the method's entries read; a checkpoint with an invalid value is refused on load.
@@ -177,6 +181,7 @@ class PeftMethod:
     alpha: bool = False
     feedforward_modules: bool = False
     checks: Mapping[str, Callable[[Any], bool]] = dataclasses.field(default_factory=dict)
+    alpha_key: str = "lora_alpha"
     training_only: Mapping[str, str] = dataclasses.field(default_factory=dict)
     unread: Callable[[Mapping[str, Any]], str] | None = None
     rank_in_config: bool = False
@@ -229,6 +234,14 @@ class PeftFormat:
       recompute_buffers: the checkpoint holds no buffers: on load they are the variant's
         ``init`` on the base (PiSSA's residual, as peft recomputes it; positions that peft
         derives from a seed in the config).
+      layer_shapes: ``LayerInfo -> {tensor name: shape}`` for a variant whose tensors depend on
+        its options or differ from layer to layer (OFT's block size; LoKr's Kronecker factors
+        are full or factored by the layer's sizes and rank; GraLoRA's hybrid part exists only
+        with ``hybrid_r``), called with the options the entry's ``reads`` gave: a layer then
+        holds exactly these tensors, a subset of ``keys``, and they replace :attr:`shapes` on
+        load (see :meth:`shapes_for`). The layer's rank is then the config's (``r`` /
+        ``rank_pattern``), checked by these shapes (:attr:`PeftMethod.rank_of` only says that
+        the method has one). ``None``: :attr:`shapes`.
     """
 
     method: PeftMethod
@@ -245,6 +258,35 @@ class PeftFormat:
     export: Callable[[TensorDict, TensorDict, Tensor | None, LayerInfo], PeftLayer] | None = None
     export_needs_base: str | None = None
     recompute_buffers: bool = False
+    layer_shapes: Callable[[LayerInfo], dict[str, tuple[int, ...]]] | None = None
+
+    def shapes_for(self, info: LayerInfo) -> dict[str, tuple[int, ...]]:
+        """One layer's lora_func shapes, checked on load: :attr:`layer_shapes` where set, else
+        :attr:`shapes` of ``(info.r, info.d_in, info.d_out)``."""
+        if self.layer_shapes is not None:
+            return self.layer_shapes(info)
+        return self.shapes(info.r, info.d_in, info.d_out)
+
+
+@dataclasses.dataclass(frozen=True)
+class LowRank:
+    """A declaration that a variant's activation form is a scaled low-rank product on the base:
+    ``y = base(x) + scale · (dropout(x) Aᵀ) Bᵀ`` with ``A = params[a] (r, d_in)``, ``B =
+    params[b] (d_out, r)`` and ``dropout`` the variant's ``dropout`` option (training steps
+    only; none without the option). Code that applies many adapters of the variant at once (the
+    mixed route: a different adapter per row) then batches the product itself (``bmm`` over the
+    members' stacked factors) instead of running the form per row under ``vmap``.
+
+    Attributes:
+      a: the short name of ``A``.
+      b: the short name of ``B``.
+      scale: ``(info, buffers) -> s``: a float, or, given a rank-padded stack's raw buffers
+        (with a leading member axis), one value per member (see :func:`layer_rank`).
+    """
+
+    a: str
+    b: str
+    scale: Callable[[LayerInfo, TensorDict | None], float | Tensor]
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -301,6 +343,9 @@ class Variant:
       peft: how the variant is stored in HF peft's checkpoint format (a
         :class:`~lora_func.variants.PeftFormat`); ``None``: peft has no equivalent, and
         ``save_peft`` refuses it.
+      low_rank: a :class:`LowRank` when ``activation_form`` is exactly that scaled low-rank
+        product (tests/test_mixed_route.py checks it): the mixed route batches it; ``None``: the
+        mixed route runs ``activation_form`` per row.
       padded_axes: axes sized by ``r`` but not of size ``r`` (SHiRA's ``r·(d_in + d_out)``
         values and positions): :func:`lora_func.stack` zero-pads them to the largest member as
         it pads rank axes, but :func:`padded_member` leaves them alone; the forms mask them
@@ -324,6 +369,7 @@ class Variant:
     calibrate: Callable[..., dict[str, tuple[LayerInfo, Any]]] | None = None
     shared_init: Callable[..., tuple[TensorDict, TensorDict]] | None = None
     peft: PeftFormat | None = None
+    low_rank: LowRank | None = None
     padded_axes: Mapping[str, int | tuple[int, ...]] = dataclasses.field(default_factory=dict)
     integer_buffers: frozenset[str] = frozenset()
 

@@ -40,6 +40,7 @@ from lora_func.variants import (
     is_finite_number,
 )
 from lora_func.variants.lora import (
+    LOW_RANK,
     PEFT_KEYS,
     PEFT_METHOD,
     peft_config,
@@ -358,4 +359,5 @@ VARIANT = Variant(
     check_options=check_options,
     calibrate=calibrate,
     peft=PEFT,
+    low_rank=LOW_RANK,
 )

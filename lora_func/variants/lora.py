@@ -19,6 +19,7 @@ from lora_func._kernels import (
     check_dropout,
     kaiming_uniform,
     lora_activation_form,
+    lora_scale,
     lora_weight_form,
 )
 from lora_func.variants import (
@@ -29,6 +30,7 @@ from lora_func.variants import (
     Variant,
     is_finite_number,
 )
+from lora_func.variants._contract import LowRank
 
 INITS = ("kaiming", "gaussian")
 
@@ -107,6 +109,9 @@ def _reads(config: Mapping[str, Any], module: str) -> dict[str, Any] | None:
 
 PEFT = PeftFormat(PEFT_METHOD, PEFT_KEYS, peft_shapes, peft_config, _reads)
 
+# The activation form is base(x) + s·(dropout(x) Aᵀ) Bᵀ (lora_activation_form): shared with eva.
+LOW_RANK = LowRank("lora_A", "lora_B", lora_scale)
+
 
 def init(
     weight: Tensor,
@@ -143,4 +148,5 @@ VARIANT = Variant(
     rank_axes={"lora_A": 0, "lora_B": 1},
     check_options=check_options,
     peft=PEFT,
+    low_rank=LOW_RANK,
 )

@@ -1,12 +1,12 @@
-"""The step algebra: what the overlays apply to one target layer.
+"""Layer ops: what the overlays apply to one target layer.
 
-A :class:`LayerStep` is one variant's adapter on one layer (:class:`VariantStep`) or several
-combined: applied in order (:class:`ChainStep`, from ``compose``) or as a weighted sum of
-deltas (:class:`SumStep`, from ``combine``). Each step has a weight form (``W -> W_eff``, used
+A :class:`LayerOp` is one variant's adapter on one layer (:class:`VariantOp`) or several
+combined: applied in order (:class:`ChainOp`, from ``compose``) or as a weighted sum of
+deltas (:class:`SumOp`, from ``combine``). Each op has a weight form (``W -> W_eff``, used
 by the merged path: :func:`merged_weight`) and an activation form (``x -> y`` given the base
 layer, used by the lazy stand-ins of :mod:`lora_func._lazy`, the module-call route and the
-mixed route). An adapter tree node says how its parts' steps combine
-(``AdapterNode.layer_step``).
+mixed route). An adapter tree node says how its parts' ops combine
+(``AdapterNode.layer_op``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from lora_func.targeting import canonical_weight, stored_weight
 from lora_func.variants import BaseLayer, LayerInfo, TensorDict, Variant
 from lora_func.variants._contract import padded_member
 
-__all__ = ["ChainStep", "LayerCall", "LayerStep", "SumStep", "VariantStep", "merged_weight"]
+__all__ = ["ChainOp", "LayerCall", "LayerOp", "SumOp", "VariantOp", "merged_weight"]
 
 
 class LayerCall:
@@ -48,7 +48,7 @@ class LayerCall:
         return self._call(x)
 
 
-class LayerStep(Protocol):
+class LayerOp(Protocol):
     """What the overlays apply to one target layer: a variant, or several combined.
 
     ``weight(W (d_out, d_in), b (d_out,) | None) -> (W_eff, b_eff)`` takes and returns the
@@ -63,7 +63,7 @@ class LayerStep(Protocol):
     def activation(self, x: Tensor, base: BaseLayer) -> Tensor: ...
 
 
-class VariantStep:
+class VariantOp:
     """One variant's adapter on one layer; the forms run in the adapter ``dtype``."""
 
     __slots__ = ("buffers", "changes_bias", "dtype", "info", "params", "variant")
@@ -90,15 +90,15 @@ class VariantStep:
         return self.variant.activation_form(self.params, self.buffers, x, base, self.info)
 
 
-class _StepBase:
-    """``base`` with ``step`` applied: the base layer that the next step of a chain sees.
+class _OpBase:
+    """``base`` with ``op`` applied: the base layer that the next op of a chain sees.
     Its ``weight``/``bias`` (the merged effective ones) are only computed if a form reads
-    them (DoRA's norm), so a chain of low-rank steps stays lazy."""
+    them (DoRA's norm), so a chain of low-rank ops stays lazy."""
 
-    __slots__ = ("_bias", "_inner", "_step", "_weight")
+    __slots__ = ("_bias", "_inner", "_op", "_weight")
 
-    def __init__(self, step: LayerStep, inner: BaseLayer) -> None:
-        self._step, self._inner = step, inner
+    def __init__(self, op: LayerOp, inner: BaseLayer) -> None:
+        self._op, self._inner = op, inner
         self._weight: Tensor | None = None
         self._bias: Tensor | None = None
 
@@ -108,7 +108,7 @@ class _StepBase:
 
     def _merge(self) -> None:
         if self._weight is None:
-            self._weight, self._bias = self._step.weight(self._inner.weight, self._inner.bias)
+            self._weight, self._bias = self._op.weight(self._inner.weight, self._inner.bias)
 
     @property
     def weight(self) -> Tensor:
@@ -117,37 +117,37 @@ class _StepBase:
 
     @property
     def bias(self) -> Tensor | None:
-        if not self._step.changes_bias:
+        if not self._op.changes_bias:
             return self._inner.bias
         self._merge()
         return self._bias
 
     def __call__(self, x: Tensor) -> Tensor:
-        return self._step.activation(x, self._inner)
+        return self._op.activation(x, self._inner)
 
 
-class ChainStep:
+class ChainOp:
     """Steps applied in order: each sees the previous ones' effective weight (compose)."""
 
-    __slots__ = ("changes_bias", "steps")
+    __slots__ = ("changes_bias", "ops")
 
-    def __init__(self, steps: Sequence[LayerStep]) -> None:
-        self.steps = tuple(steps)
-        self.changes_bias = any(step.changes_bias for step in self.steps)
+    def __init__(self, ops: Sequence[LayerOp]) -> None:
+        self.ops = tuple(ops)
+        self.changes_bias = any(op.changes_bias for op in self.ops)
 
     def weight(self, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor | None]:
-        for step in self.steps:
-            weight, bias = step.weight(weight, bias)
+        for op in self.ops:
+            weight, bias = op.weight(weight, bias)
         return weight, bias
 
     def activation(self, x: Tensor, base: BaseLayer) -> Tensor:
-        for step in self.steps[:-1]:
-            base = _StepBase(step, base)
-        return self.steps[-1].activation(x, base)
+        for op in self.ops[:-1]:
+            base = _OpBase(op, base)
+        return self.ops[-1].activation(x, base)
 
 
 class _SharedBase:
-    """``base`` that computes ``base(x)`` once per input tensor (the steps of a sum all call it)."""
+    """``base`` that computes ``base(x)`` once per input tensor (the ops of a sum all call it)."""
 
     __slots__ = ("_base", "_last")
 
@@ -173,18 +173,18 @@ class _SharedBase:
         return self._last[1]
 
 
-class SumStep:
-    """A weighted sum of the steps' deltas on one base: ``W + Σ_k w_k (W_eff_k − W)`` (combine).
+class SumOp:
+    """A weighted sum of the ops' deltas on one base: ``W + Σ_k w_k (W_eff_k − W)`` (combine).
 
     ``weights (K,)`` may require grad. Deltas are summed in at least fp32, then cast to the
     base dtype, so a bf16 base does not lose the small deltas to rounding.
     """
 
-    __slots__ = ("changes_bias", "steps", "weights")
+    __slots__ = ("changes_bias", "ops", "weights")
 
-    def __init__(self, steps: Sequence[LayerStep], weights: Tensor) -> None:
-        self.steps, self.weights = tuple(steps), weights
-        self.changes_bias = any(step.changes_bias for step in self.steps)
+    def __init__(self, ops: Sequence[LayerOp], weights: Tensor) -> None:
+        self.ops, self.weights = tuple(ops), weights
+        self.changes_bias = any(op.changes_bias for op in self.ops)
 
     def _sum(self, base: Tensor, outs: Sequence[Tensor]) -> Tensor:
         ct = torch.promote_types(base.dtype, torch.float32)
@@ -194,21 +194,21 @@ class SumStep:
         return total.to(base.dtype)
 
     def weight(self, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor | None]:
-        merged = [step.weight(weight, bias) for step in self.steps]
+        merged = [op.weight(weight, bias) for op in self.ops]
         w_eff = self._sum(weight, [w for w, _ in merged])
         if bias is None or not self.changes_bias:
             return w_eff, bias
-        return w_eff, self._sum(bias, [cast(Tensor, b) for _, b in merged])  # each step keeps a bias it was given
+        return w_eff, self._sum(bias, [cast(Tensor, b) for _, b in merged])  # each op keeps a bias it was given
 
     def activation(self, x: Tensor, base: BaseLayer) -> Tensor:
         shared = _SharedBase(base)
         y = shared(x)
-        return self._sum(y, [step.activation(x, shared) for step in self.steps])
+        return self._sum(y, [op.activation(x, shared) for op in self.ops])
 
 
 def merged_weight(
-    step: LayerStep, weight: Tensor, bias: Tensor | None, layout: str
+    op: LayerOp, weight: Tensor, bias: Tensor | None, layout: str
 ) -> tuple[Tensor, Tensor | None]:
     """``(W_eff, b_eff)`` in the stored layout and the base dtype."""
-    w_eff, b_eff = step.weight(canonical_weight(weight, layout), bias)
+    w_eff, b_eff = op.weight(canonical_weight(weight, layout), bias)
     return stored_weight(w_eff, layout), b_eff

@@ -1,0 +1,197 @@
+"""LoHa, low-rank Hadamard product (FedPara: Hyeon-Woo, Ye-Bin, Oh, arXiv 2108.06098; the
+LyCORIS form, Yeh et al., arXiv 2309.14859), following HF peft's ``tuners/loha/layer.py``.
+
+Trainable ``hada_w1_a (d_out, r)``, ``hada_w1_b (r, d_in)``, ``hada_w2_a (d_out, r)``,
+``hada_w2_b (r, d_in)``; with ``s = alpha / r``:
+
+    ΔW = s · (W1a W1b) ⊙ (W2a W2b)     W_eff = W + ΔW,   bias unchanged
+
+The Hadamard product of two rank-``r`` matrices has rank up to ``r²``: row by row,
+``(W1a W1b) ⊙ (W2a W2b) = U V`` with ``U = W1a ⊙ᵣ W2a (d_out, r²)`` (the column ``(i, j)`` is
+``W1a[:, i] ⊙ W2a[:, j]``, the face-splitting product) and ``V (r², d_in)`` the same over the
+rows of ``W1b``, ``W2b``. The activation form is ``base(x) + s · (x Vᵀ) Uᵀ`` where that holds
+less than the ``(d_out, d_in)`` update (``r² (n + d_in + d_out) < d_in d_out`` for ``n`` input
+rows: large layers), else ``base(x) + x ΔWᵀ`` with ``ΔW`` built as peft builds it (the two
+products recomputed in backward, not kept).
+
+Init (``init="default"``, peft's ``init_weights=True``): ``W1a``, ``W1b``, ``W2a``
+kaiming-uniform (``a = √5``), ``W2b = 0``, so ``ΔW = 0`` and the step-0 gradient reaches
+``W2b`` only. ``init="random"`` (peft's ``False``): all four kaiming-uniform.
+
+Training only, as peft (lazy path; the merged path has no dropout, as peft's merged layers):
+``module_dropout`` skips the whole update with that probability, ``rank_dropout`` zeroes
+output rows of the update and rescales the kept ones by the kept fraction (peft's draws, in
+its order: :func:`lora_func.variants._lycoris.output_keep`). ``use_effective_conv2d`` acts on
+conv kernels only: on Linear and Conv1D it is ignored, as in peft, and saved as it is. peft
+rounds the scale to fp32 (``torch.tensor(alpha / r)``); lora_func keeps it a Python float.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from einops import rearrange
+from torch import Tensor
+
+from lora_func._kernels import base_plus_low_rank, kaiming_uniform
+from lora_func.variants import (
+    BaseLayer,
+    LayerInfo,
+    PeftFormat,
+    PeftMethod,
+    TensorDict,
+    Variant,
+)
+from lora_func.variants import _lycoris
+
+INITS = ("default", "random")
+NAMES = ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b")
+
+
+def init(
+    weight: Tensor,
+    bias: Tensor | None,
+    info: LayerInfo,
+    *,
+    dtype: torch.dtype,
+    generator: torch.Generator,
+    calibration: Any = None,
+) -> tuple[TensorDict, TensorDict]:
+    r, d_in, d_out = info.r, info.d_in, info.d_out
+    a = math.sqrt(5)
+    params = {
+        "hada_w1_a": kaiming_uniform((d_out, r), a=a, generator=generator),
+        "hada_w1_b": kaiming_uniform((r, d_in), a=a, generator=generator),
+        "hada_w2_a": kaiming_uniform((d_out, r), a=a, generator=generator),
+        "hada_w2_b": (
+            kaiming_uniform((r, d_in), a=a, generator=generator)
+            if info.option("init") == "random"
+            else torch.zeros((r, d_in), dtype=torch.float32)
+        ),
+    }
+    return {k: v.to(weight.device, dtype) for k, v in params.items()}, {}
+
+
+def scale(info: LayerInfo) -> float | Tensor:
+    """``alpha / r`` (a member's own in a rank-padded stack: see ``padded_member``)."""
+    return info.alpha / info.r
+
+
+class _Hadamard(torch.autograd.Function):
+    """``(W1a W1b) ⊙ (W2a W2b)`` that saves only the four factors and recomputes the two
+    products in backward (peft's ``HadaWeight``): autograd would keep both ``(d_out, d_in)``
+    products for the whole step."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(w1a: Tensor, w1b: Tensor, w2a: Tensor, w2b: Tensor) -> Tensor:
+        return (w1a @ w1b) * (w2a @ w2b)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Tensor) -> None:
+        ctx.save_for_backward(*inputs)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        w1a, w1b, w2a, w2b = ctx.saved_tensors
+        g1 = grad * (w2a @ w2b)
+        g2 = grad * (w1a @ w1b)
+        t = torch.Tensor.transpose
+        return g1 @ t(w1b, -1, -2), t(w1a, -1, -2) @ g1, g2 @ t(w2b, -1, -2), t(w2a, -1, -2) @ g2
+
+
+def delta_weight(params: TensorDict, info: LayerInfo) -> Tensor:
+    """``ΔW = s · (W1a W1b) ⊙ (W2a W2b)``, ``(d_out, d_in)``."""
+    return _Hadamard.apply(*(params[n] for n in NAMES)) * scale(info)
+
+
+def face_splitting(params: TensorDict) -> tuple[Tensor, Tensor]:
+    """``U (d_out, r²)``, ``V (r², d_in)`` with ``(W1a W1b) ⊙ (W2a W2b) = U V``."""
+    w1a, w1b, w2a, w2b = (params[n] for n in NAMES)
+    u = rearrange(w1a[:, :, None] * w2a[:, None, :], "o i j -> o (i j)")
+    v = rearrange(w1b[:, None, :] * w2b[None, :, :], "i j d -> (i j) d")
+    return u, v
+
+
+def uses_face_splitting(r: int, d_in: int, d_out: int, rows: int) -> bool:
+    """Whether the rank-``r²`` path holds less than the dense update: its ``(rows, r²)``
+    activations and ``U``, ``V`` against the ``(d_out, d_in)`` update (both paths keep the
+    input). Fewer multiplies too whenever it holds."""
+    return r * r * (rows + d_in + d_out) < d_in * d_out
+
+
+def weight_form(
+    params: TensorDict, buffers: TensorDict, weight: Tensor, bias: Tensor | None, info: LayerInfo
+) -> tuple[Tensor, Tensor | None]:
+    return weight + delta_weight(params, info).to(weight.dtype), bias
+
+
+def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: BaseLayer, info: LayerInfo) -> Tensor:
+    w1a = params["hada_w1_a"]
+    keep = _lycoris.output_keep(base, info, dtype=w1a.dtype, device=w1a.device, rescale=True)
+    xa = x.to(w1a.dtype)
+    r = w1a.shape[-1]  # the stored (possibly padded) rank: static under vmap
+    if uses_face_splitting(r, info.d_in, info.d_out, x.numel() // info.d_in):
+        u, v = face_splitting(params)
+        # The scale and any dropout ride on the (d_out, r²) factor, not on the activations.
+        u = u * scale(info)
+        if keep is not None:
+            u = u * keep[:, None]
+        return base_plus_low_rank(base, x, xa @ v.transpose(-1, -2), u)
+    delta = delta_weight(params, info)
+    if keep is not None:
+        delta = delta * keep[:, None]
+    # base(x) + x ΔWᵀ: the "low-rank" path at full width, one product.
+    return base_plus_low_rank(base, x, xa, delta)
+
+
+def check_options(options: Mapping[str, Any]) -> None:
+    _lycoris.check_options("loha", options, INITS)
+
+
+# ------------------------------------------------------------------ peft's format (LoHaConfig)
+
+
+def peft_shapes(r: int, d_in: int, d_out: int) -> dict[str, tuple[int, ...]]:
+    """``hada_w1_a (d_out, r)``, ``hada_w1_b (r, d_in)``, the same for ``w2``."""
+    return {"hada_w1_a": (d_out, r), "hada_w1_b": (r, d_in), "hada_w2_a": (d_out, r), "hada_w2_b": (r, d_in)}
+
+
+def _reads(config: Mapping[str, Any], module: str) -> dict[str, Any]:
+    return _lycoris.peft_reads(config) | {"init": "default" if config.get("init_weights", True) else "random"}
+
+
+PEFT = PeftFormat(
+    PeftMethod(
+        "LOHA",
+        {},
+        rank_of=("hada_w1_b", 0),
+        rank_pattern=True,
+        alpha=True,
+        alpha_key="alpha",
+        checks=_lycoris.peft_checks() | {"init_weights": lambda v: isinstance(v, bool)},
+    ),
+    {name: name for name in NAMES},
+    peft_shapes,
+    lambda options: _lycoris.peft_config(options) | {"init_weights": options["init"] == "default"},
+    _reads,
+    # peft's LyCORIS tuners take nn.Linear / Conv1d / Conv2d only: GPT-2 Conv1D is refused.
+    conv1d=False,
+)
+
+
+VARIANT = Variant(
+    name="loha",
+    init=init,
+    weight_form=weight_form,
+    activation_form=activation_form,
+    options={**_lycoris.OPTIONS, "init": "default"},
+    default_alpha=8.0,
+    rank_axes={"hada_w1_a": 1, "hada_w1_b": 0, "hada_w2_a": 1, "hada_w2_b": 0},
+    check_options=check_options,
+    peft=PEFT,
+)

@@ -1,0 +1,246 @@
+"""LoKr, low-rank Kronecker product (KronA: Edalati et al., arXiv 2212.10650; the LyCORIS
+form, Yeh et al., arXiv 2309.14859), following HF peft's ``tuners/lokr/layer.py``.
+
+The layer's sizes are factored as peft's ``factorization``: ``d_out = l·k``, ``d_in = m·n``
+(``l ≤ k``, ``m ≤ n``, near the square root, or ``decompose_factor`` as one factor where it
+divides). With ``s = alpha / r``:
+
+    ΔW = s · W1 ⊗ W2,   W1 (l, m),   W2 (k, n),   W_eff = W + ΔW,   bias unchanged
+
+``W2`` is stored factored, ``lokr_w2_a (k, r) @ lokr_w2_b (r, n)``, when ``r < max(k, n)/2``,
+else whole as ``lokr_w2``; ``W1`` is whole (``lokr_w1``) unless ``decompose_both`` and
+``r < max(l, m)/2`` (then ``lokr_w1_a (l, r) @ lokr_w1_b (r, m)``). So which tensors a layer
+has depends on its sizes and rank, exactly as in peft.
+
+Activation form, the Kronecker identity ``(W1 ⊗ W2) x = vec(W1 X W2ᵀ)`` with ``X = x`` seen as
+``(m, n)``: two small products per row (``m n k + l m k`` multiplies, and with ``W2`` factored
+``X W2ᵀ = (X W2bᵀ) W2aᵀ``), never the ``(d_out, d_in)`` update, while its ``(rows, m, k)``
+intermediate is smaller than that update (``rows · m · k < d_out · d_in``: large layers);
+else the dense update, built once as peft does. The weight form builds ``torch.kron(W1, W2)``.
+
+Init (peft's): ``init="default"`` (``init_weights=True``): ``W1`` (or ``W1a``) zero, the rest
+kaiming-uniform (``a = √5``); ``init="lycoris"``: ``W2`` (or ``W2b``) zero, the rest
+kaiming-uniform; ``init="random"`` (``False``): all kaiming-uniform. The first two are the
+identity at init.
+
+Training only, as peft (lazy path): ``module_dropout`` skips the update, ``rank_dropout``
+zeroes output rows of it, rescaled by the kept fraction only with ``rank_dropout_scale``
+(:func:`lora_func.variants._lycoris.output_keep`). ``use_effective_conv2d`` (conv kernels
+only) is ignored on Linear and Conv1D, as in peft.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from einops import rearrange
+from torch import Tensor
+
+from lora_func._kernels import kaiming_uniform
+from lora_func.variants import (
+    BaseLayer,
+    LayerInfo,
+    PeftFormat,
+    PeftMethod,
+    TensorDict,
+    Variant,
+    is_finite_number,
+)
+from lora_func.variants import _lycoris
+
+INITS = ("default", "lycoris", "random")
+NAMES = ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b")
+
+
+def factorization(dimension: int, factor: int = -1) -> tuple[int, int]:
+    """peft's ``factorization``: ``(m, n)`` with ``m·n = dimension``, ``m ≤ n``; ``m = factor``
+    where ``factor > 0`` divides ``dimension``, else the pair found by peft's search near the
+    square root (``m`` at most ``factor`` where ``factor > 0``)."""
+    if factor > 0 and dimension % factor == 0:
+        return factor, dimension // factor
+    if factor == -1:
+        factor = dimension
+    m, n = 1, dimension
+    length = m + n
+    while m < n:
+        new_m = m + 1
+        while dimension % new_m != 0:
+            new_m += 1
+        new_n = dimension // new_m
+        if new_m + new_n > length or new_m > factor:
+            break
+        m, n = new_m, new_n
+    return (n, m) if m > n else (m, n)
+
+
+def layout(r: int, d_in: int, d_out: int, options: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+    """The tensors of one layer and their shapes, as peft's ``update_layer`` decides them."""
+    out_l, out_k = factorization(d_out, options["decompose_factor"])
+    in_m, in_n = factorization(d_in, options["decompose_factor"])
+    shapes: dict[str, tuple[int, ...]] = {}
+    if options["decompose_both"] and r < max(out_l, in_m) / 2:
+        shapes |= {"lokr_w1_a": (out_l, r), "lokr_w1_b": (r, in_m)}
+    else:
+        shapes["lokr_w1"] = (out_l, in_m)
+    if r < max(out_k, in_n) / 2:
+        shapes |= {"lokr_w2_a": (out_k, r), "lokr_w2_b": (r, in_n)}
+    else:
+        shapes["lokr_w2"] = (out_k, in_n)
+    return shapes
+
+
+def init(
+    weight: Tensor,
+    bias: Tensor | None,
+    info: LayerInfo,
+    *,
+    dtype: torch.dtype,
+    generator: torch.Generator,
+    calibration: Any = None,
+) -> tuple[TensorDict, TensorDict]:
+    options = dict(info.options)
+    how = options["init"]
+    # peft's zero tensor: W1 (or W1a) by default, W2 (or W2b) the LyCORIS way, none at random.
+    zero = {"default": ("lokr_w1", "lokr_w1_a"), "lycoris": ("lokr_w2", "lokr_w2_b"), "random": ()}[how]
+    params = {}
+    for name, shape in layout(info.r, info.d_in, info.d_out, options).items():
+        if name in zero:
+            params[name] = torch.zeros(shape, dtype=torch.float32)
+        else:
+            params[name] = kaiming_uniform(shape, a=math.sqrt(5), generator=generator)
+    return {k: v.to(weight.device, dtype) for k, v in params.items()}, {}
+
+
+def factor(params: TensorDict, which: str) -> Tensor:
+    """``W1`` or ``W2`` (``which`` is ``"w1"`` / ``"w2"``), whole: stored, or ``a @ b``."""
+    whole = params.get(f"lokr_{which}")
+    return whole if whole is not None else params[f"lokr_{which}_a"] @ params[f"lokr_{which}_b"]
+
+
+def w2_rows(params: TensorDict) -> int:
+    """``k``, the rows of ``W2`` (static)."""
+    return params["lokr_w2"].shape[-2] if "lokr_w2" in params else params["lokr_w2_a"].shape[-2]
+
+
+def delta_weight(params: TensorDict, info: LayerInfo) -> Tensor:
+    """``ΔW = s · W1 ⊗ W2``, ``(d_out, d_in)``."""
+    return torch.kron(factor(params, "w1"), factor(params, "w2")) * (info.alpha / info.r)
+
+
+def weight_form(
+    params: TensorDict, buffers: TensorDict, weight: Tensor, bias: Tensor | None, info: LayerInfo
+) -> tuple[Tensor, Tensor | None]:
+    return weight + delta_weight(params, info).to(weight.dtype), bias
+
+
+def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: BaseLayer, info: LayerInfo) -> Tensor:
+    w1 = factor(params, "w1")  # (l, m): tiny, built whole even when factored
+    m = w1.shape[-1]
+    keep = _lycoris.output_keep(
+        base, info, dtype=torch.float32, device=w1.device, rescale=bool(info.option("rank_dropout_scale"))
+    )
+    y = base(x)
+    xa = x.to(w1.dtype)
+    if x.numel() // info.d_in * m * w2_rows(params) >= info.d_in * info.d_out:
+        # Many rows on a small layer: the (rows, m, k) intermediate would outweigh the dense
+        # update, which is then built once (as peft does) and applied in one product.
+        delta_w = delta_weight(params, info)
+        if keep is not None:
+            delta_w = delta_w * keep[:, None].to(delta_w.dtype)
+        return y + (xa @ delta_w.transpose(-1, -2)).to(y.dtype)
+    xs = rearrange(xa, "... (m n) -> ... m n", m=m)
+    if "lokr_w2" in params:
+        t = xs @ params["lokr_w2"].transpose(-1, -2)  # X W2ᵀ: (..., m, k)
+    else:
+        t = (xs @ params["lokr_w2_b"].transpose(-1, -2)) @ params["lokr_w2_a"].transpose(-1, -2)
+    # The scale rides on the (l, m) factor: W1 X W2ᵀ, then (l, k) -> l·k outputs, row-major as kron.
+    delta = rearrange((w1 * (info.alpha / info.r)) @ t, "... l k -> ... (l k)")
+    if keep is not None:
+        delta = delta * keep.to(delta.dtype)
+    return y + delta.to(y.dtype)
+
+
+def check_options(options: Mapping[str, Any]) -> None:
+    _lycoris.check_options("lokr", options, INITS)
+    f = options["decompose_factor"]
+    if f != -1 and f < 1:
+        raise ValueError(  # error: lokr-decompose-factor
+            f"lokr option decompose_factor={f!r} must be -1 (factor each size near its square root) or a positive "
+            f"integer (the preferred factor)"
+        )
+
+
+# ------------------------------------------------------------------ peft's format (LoKrConfig)
+
+
+def _peft_config(options: Mapping[str, Any]) -> dict[str, Any]:
+    peft_inits: dict[str, bool | str] = {"default": True, "lycoris": "lycoris", "random": False}
+    init_weights = peft_inits[options["init"]]
+    return _lycoris.peft_config(options) | {
+        "init_weights": init_weights,
+        "decompose_both": bool(options["decompose_both"]),
+        "decompose_factor": int(options["decompose_factor"]),
+        "rank_dropout_scale": bool(options["rank_dropout_scale"]),
+    }
+
+
+def _reads(config: Mapping[str, Any], module: str) -> dict[str, Any]:
+    init_weights = config.get("init_weights", True)
+    how = "lycoris" if init_weights == "lycoris" else "default" if init_weights else "random"
+    return _lycoris.peft_reads(config) | {
+        "init": how,
+        "decompose_both": bool(config.get("decompose_both", False)),
+        "decompose_factor": int(config.get("decompose_factor", -1)),
+        "rank_dropout_scale": bool(config.get("rank_dropout_scale", False)),
+    }
+
+
+def _is_int(value: Any) -> bool:
+    return is_finite_number(value) and isinstance(value, int)
+
+
+PEFT = PeftFormat(
+    PeftMethod(
+        "LOKR",
+        {},
+        rank_of=("lokr_w2_a", 1),  # with layer_shapes: the config's r, checked by the layer's shapes
+        rank_pattern=True,
+        alpha=True,
+        alpha_key="alpha",
+        checks=_lycoris.peft_checks()
+        | {
+            "init_weights": lambda v: isinstance(v, bool) or v == "lycoris",
+            "decompose_both": lambda v: isinstance(v, bool),
+            "decompose_factor": lambda v: _is_int(v) and (v == -1 or v >= 1),
+            "rank_dropout_scale": lambda v: isinstance(v, bool),
+        },
+    ),
+    {name: name for name in NAMES},
+    lambda r, d_in, d_out: layout(r, d_in, d_out, {"decompose_both": False, "decompose_factor": -1}),
+    _peft_config,
+    _reads,
+    conv1d=False,  # peft's LyCORIS tuners take nn.Linear / Conv1d / Conv2d only
+    layer_shapes=lambda info: layout(info.r, info.d_in, info.d_out, dict(info.options)),
+)
+
+
+VARIANT = Variant(
+    name="lokr",
+    init=init,
+    weight_form=weight_form,
+    activation_form=activation_form,
+    options={
+        **_lycoris.OPTIONS,
+        "init": "default",
+        "decompose_both": False,
+        "decompose_factor": -1,
+        "rank_dropout_scale": False,
+    },
+    default_alpha=8.0,
+    rank_axes={"lokr_w1_a": 1, "lokr_w1_b": 0, "lokr_w2_a": 1, "lokr_w2_b": 0},
+    check_options=check_options,
+    peft=PEFT,
+)
