@@ -394,3 +394,28 @@ def test_c3a_trains_and_refusals():
     a, b = (lf.init_adapter(model, lf.AdapterSpec("c3a", ["v_proj"], r=r)) for r in (4, 8))
     with pytest.raises(ValueError, match=r"c3a tensor 'c3a_kernel'.*not a rank axis"):
         lf.stack([a, b])
+
+
+@pytest.mark.parametrize(
+    ("variant", "kwargs", "field", "bad"),
+    [
+        ("shira", {"r": 1, "random_seed": 0}, "random_seed", [-1, 1.5, "3"]),
+        ("fourierft", {"r": 8, "random_loc_seed": 0}, "random_loc_seed", [-1, None, True]),
+        ("c3a", {"r": 8, "init": "gaussian"}, "init_weights", ["ones", 1]),
+    ],
+)
+def test_peft_configs_with_invalid_fields_are_refused(tmp_path, variant, kwargs, field, bad):
+    """save_peft -> load_peft round trip (seed 0 is a valid seed), then the same checkpoint with
+    each invalid value of the field: refused naming it, before anything is built."""
+    import json
+
+    model = tiny_model("llama")
+    adapter = lf.init_adapter(model, lf.AdapterSpec(variant, ["v_proj"], **kwargs), generator=torch.Generator().manual_seed(0))
+    lf.save_peft(adapter, tmp_path, model=model)
+    again = lf.load_peft(tmp_path, model)
+    assert again.spec.options == adapter.spec.options and all(torch.equal(again.buffers[k], v) for k, v in adapter.buffers.items())
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    for value in bad:
+        (tmp_path / "adapter_config.json").write_text(json.dumps({**config, field: value}))
+        with pytest.raises(ValueError, match=f"{field}="):
+            lf.load_peft(tmp_path, model)
