@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Literal, cast
 
 import torch
 
@@ -68,3 +69,12 @@ def check_num_examples(num_examples: object, where: str) -> int:
     if not isinstance(num_examples, int) or isinstance(num_examples, bool) or num_examples < 1:
         raise ValueError(f"{where}: num_examples must be an integer >= 1, got {num_examples!r}; pass the dataset size, len(dataset)")  # error: privacy-sampler-size
     return num_examples
+
+
+def check_clipping(clipping: object) -> Literal["auto", "ghost", "per_example"]:
+    if clipping not in ("auto", "ghost", "per_example"):
+        raise ValueError(  # error: privacy-clipping
+            f"clipping={clipping!r} is not one of 'auto', 'ghost', 'per_example' (how the per-example norms are found; "
+            f"all three give the same result, 'auto' the cheapest)"
+        )
+    return cast(Literal["auto", "ghost", "per_example"], clipping)
