@@ -203,6 +203,7 @@ def private_grads(
     expected_batch_size: float | None = None,
     randomness: str = "error",
     chunk_size: int | None = None,
+    clipping: Clipping = "auto",
 ) -> dict[str, Tensor]:
     """The DP-SGD gradient of ``loss_fn`` at ``adapter`` on ``batch``: a dict like ``adapter.params``.
 
@@ -210,15 +211,18 @@ def private_grads(
     norm ``<= max_grad_norm`` over all of the adapter's trainable tensors, summed, plus
     Gaussian noise ``N(0, (noise_multiplier * max_grad_norm)^2)`` from ``generator``, divided
     by the batch size (``expected_batch_size`` when given). ``clipped_sum`` then
-    ``noised_mean``; see them for the arguments. Any adapter: every variant, compositions,
-    combinations, stacks (one private mechanism per member), on any base ``adapted_call``
-    runs (quantized included). Checks every argument before any work.
+    ``noised_mean``; see them for the arguments (``clipping``: how the per-example norms are
+    found, ghost clipping for LoRA-form layers by default; every choice gives the same
+    result). Any adapter: every variant, compositions, combinations, stacks (one private
+    mechanism per member), on any base ``adapted_call`` runs (quantized included). Checks
+    every argument before any work.
     """
     norm = check_norm(max_grad_norm)
     check_noise(noise_multiplier)
     check_generator(generator, "private_grads")
     check_expected_batch_size(expected_batch_size)
-    total = clipped_sum(loss_fn, adapter, *batch, max_grad_norm=norm, randomness=randomness, chunk_size=chunk_size)
+    check_clipping(clipping)
+    total = clipped_sum(loss_fn, adapter, *batch, max_grad_norm=norm, randomness=randomness, chunk_size=chunk_size, clipping=clipping)
     return noised_mean(total, noise_multiplier=noise_multiplier, generator=generator, expected_batch_size=expected_batch_size)
 
 
