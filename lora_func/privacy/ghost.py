@@ -6,8 +6,8 @@ For a layer ``y = base(x) + s · (x Aᵀ) Bᵀ`` with input ``x (B, T, d_in)`` a
 ``(B, T, r)``, example ``b``'s gradients are ``∇B_b = g_bᵀ h_b`` and ``∇A_b = u_bᵀ x_b``, so
 
 - their squared norms are ``Σ_{t,t'} (g_t·g_t')(h_t·h_t')`` and ``Σ_{t,t'} (u_t·u_t')(x_t·x_t')``
-  (ghost norms, Li et al. 2022: two ``(B, T, T)`` Gram products), or, where ``T²`` exceeds
-  ``r · (d_in + d_out)``, the norms of the materialised ``(B, r, d)`` gradients (smaller then);
+  (ghost norms, Li et al. 2022: two ``(B, T, T)`` Gram products), or the norms of the
+  materialised ``(B, r, d)`` gradients where those hold less (see below);
 - the clipped sum is ``Σ_b c_b ∇B_b = gᵀ (c ⊙ h)`` and ``Σ_b c_b ∇A_b = (c ⊙ u)ᵀ x`` over all
   ``B · T`` rows (book-keeping, Bu et al. 2023: the stored ``x`` and ``g``, one backward).
 
@@ -15,8 +15,11 @@ Recording: the forward runs under ``vmap`` over the examples as in
 :func:`lora_func.per_example_grads`; the adapter's low-rank tensors are shared (not copied per
 example) and an activation tap (:func:`lora_func._steps.activation_tap`, installed for this call
 only) passes each LoRA-form layer's output through :class:`_Tap`, an identity whose ``vmap``
-rule sees the batched tensors: it keeps ``x`` and the output, whose gradient the one backward
-returns. Every other tensor of the adapter (another variant's, a LoRA layer with dropout) keeps
+rule sees the batched tensors: it keeps ``x`` (a view of the activation, no copy), and in the
+one backward the layer's output gradient arrives per example. A layer whose per-example
+gradients hold less than ``g`` and the Gram products (``T · (d_out + T) >= r · (d_in + d_out)``,
+most layers beyond a few dozen tokens) turns them into its ``(B, r, d)`` gradients right then and
+drops ``x`` and ``g``; the others keep ``g`` for the Gram norms and the book-keeping sum. Every other tensor of the adapter (another variant's, a LoRA layer with dropout) keeps
 a per-example copy in the same forward and backward, and its per-example gradient joins the
 norm: the results equal the per-example path (tested).
 
@@ -65,14 +68,81 @@ def ghost_layers(adapter: AdapterLike) -> dict[str, tuple[str, str]]:
     return out
 
 
-class _Recorder:
-    """What the tap keeps per layer: inputs and tapped outputs (batch first), the LoRA scale."""
+class _Layer:
+    """One LoRA-form layer during a ghost pass: its calls' inputs (batch first), and either
+    its accumulated per-example gradients (``gram=False``: computed in the backward as each
+    output gradient arrives, then ``x`` and ``g`` are dropped) or the output gradients kept for
+    the Gram norms and the book-keeping sum after the backward (``gram=True``)."""
 
-    def __init__(self, by_tensor: dict[int, str]) -> None:
-        self.by_tensor = by_tensor
-        self.inputs: dict[str, list[Tensor]] = {}
-        self.outputs: dict[str, list[Tensor]] = {}
-        self.scales: dict[str, float] = {}
+    def __init__(self, a: Tensor, b: Tensor, scale: float, clipping: Clipping) -> None:
+        self.dtype = torch.promote_types(a.dtype, torch.float32)
+        self.a, self.b, self.scale, self.clipping = a.to(self.dtype), b.to(self.dtype), scale, clipping
+        self.inputs: list[Tensor | None] = []
+        self.grads: list[Tensor] = []
+        self.gram: bool | None = None
+        self.grad_a: Tensor | None = None
+        self.grad_b: Tensor | None = None
+
+    def record(self, x: Tensor) -> int:
+        if self.gram is None:
+            # Which holds less: g (B, T, d_out) and the (B, T, T) Gram products, or the (B, r, d) gradients.
+            tokens, (r, d_in), d_out = x[0].numel() // x.shape[-1], self.a.shape, self.b.shape[0]
+            self.gram = self.clipping == "ghost" or tokens * (d_out + tokens) < r * (d_in + d_out)
+        self.inputs.append(x)
+        return len(self.inputs) - 1
+
+    def backward(self, index: int, g: Tensor) -> None:
+        x = self.inputs[index]
+        assert x is not None
+        x, g = _rows(x, self.dtype), _rows(g, self.dtype)
+        if self.gram:
+            self.grads.append(g)
+            return
+        self.inputs[index] = None  # this call is done: keep its (B, r, d) gradients only
+        h, u = self._lowrank(x, g)
+        grad_a, grad_b = u.mT @ x, g.mT @ h
+        self.grad_a = grad_a if self.grad_a is None else self.grad_a + grad_a
+        self.grad_b = grad_b if self.grad_b is None else self.grad_b + grad_b
+
+    def _lowrank(self, x: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
+        return (x @ self.a.T) * self.scale, (g @ self.b) * self.scale  # h = s·x Aᵀ, u = s·g B: (B, T, r)
+
+    def finish(self, batch_size: int) -> tuple[Tensor, Callable[[Tensor], tuple[Tensor, Tensor]]]:
+        """Per-example squared norms and the clipped-sum function ``c (B,) -> (ΣcA, ΣcB)``."""
+        if not self.gram:
+            grad_a = self.grad_a if self.grad_a is not None else self.a.new_zeros(batch_size, *self.a.shape)
+            grad_b = self.grad_b if self.grad_b is not None else self.b.new_zeros(batch_size, *self.b.shape)
+            squares = grad_a.pow(2).sum((1, 2)) + grad_b.pow(2).sum((1, 2))
+            return squares, lambda c: (torch.einsum("b,bri->ri", c, grad_a), torch.einsum("b,bor->or", c, grad_b))
+        # Several calls of one layer: their rows side by side (the gradient sums over all of them).
+        x = torch.cat([_rows(t, self.dtype) for t in self.inputs if t is not None], 1)
+        g = torch.cat(self.grads, 1) if len(self.grads) == len(self.inputs) else None
+        if g is None:  # a call whose output did not reach the loss: its g is 0
+            g = torch.zeros(*x.shape[:2], self.b.shape[0], dtype=self.dtype, device=x.device)
+        h, u = self._lowrank(x, g)
+        squares = ((g @ g.mT) * (h @ h.mT)).sum((1, 2)) + ((u @ u.mT) * (x @ x.mT)).sum((1, 2))
+
+        def sums(c: Tensor) -> tuple[Tensor, Tensor]:
+            c = c[:, None, None]
+            return (u * c).flatten(0, 1).T @ x.flatten(0, 1), g.flatten(0, 1).T @ (h * c).flatten(0, 1)
+
+        return squares, sums
+
+
+def _rows(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """``(B, ..., d) -> (B, T, d)`` in ``dtype``."""
+    return t.reshape(t.shape[0], -1, t.shape[-1]).to(dtype)
+
+
+class _Recorder:
+    """The activation tap of one ghost pass: routes each LoRA-form layer's output through
+    :class:`_Tap` and collects what the layer needs."""
+
+    def __init__(self, by_tensor: dict[int, str], shared: dict[str, Tensor], keys: dict[str, tuple[str, str]],
+                 clipping: Clipping, anchor: Tensor) -> None:
+        self.by_tensor, self.shared, self.keys, self.clipping, self.anchor = by_tensor, shared, keys, clipping, anchor
+        self.layers: dict[str, _Layer] = {}
+        self.device_type = anchor.device.type
 
     def __call__(self, step: VariantStep, x: Tensor, y: Tensor) -> Tensor:
         a = step.params.get("lora_A")
@@ -82,13 +152,11 @@ class _Recorder:
         scale = lora_scale(step.info, step.buffers)
         if isinstance(scale, Tensor):  # only inside a stack; stacks take the per-example path
             return y
-        self.scales[name] = scale
+        if name not in self.layers:
+            key_a, key_b = self.keys[name]
+            self.layers[name] = _Layer(self.shared[key_a], self.shared[key_b], scale, self.clipping)
         out: Tensor = _Tap.apply(x, y, self, name)
         return out
-
-    def record(self, name: str, x: Tensor, out: Tensor) -> None:
-        self.inputs.setdefault(name, []).append(x)
-        self.outputs.setdefault(name, []).append(out)
 
 
 def _batch_first(t: Tensor, dim: int | None, size: int) -> Tensor:
@@ -96,13 +164,13 @@ def _batch_first(t: Tensor, dim: int | None, size: int) -> Tensor:
 
 
 class _Tap(torch.autograd.Function):
-    """``y`` unchanged; under ``vmap`` it records ``x`` and ``y`` with the batch on dim 0 (its
-    ``vmap`` rule gets the batched tensors themselves) and returns the recorded ``y``, so the
-    gradient of the loss w.r.t. that tensor is the layer's per-example output gradient."""
+    """``y`` unchanged. Its ``vmap`` rule gets the batched tensors themselves: it records ``x``
+    (batch first) and puts ``y`` through :class:`_Grad`, whose backward hands the layer its
+    per-example output gradient. Outside ``vmap`` nothing is recorded (the caller checks)."""
 
     @staticmethod
     def forward(x: Tensor, y: Tensor, recorder: _Recorder, name: str) -> Tensor:
-        return y.view_as(y)  # outside vmap: nothing recorded (the layer then falls back)
+        return y.view_as(y)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: Any, output: Any) -> None:
@@ -114,44 +182,41 @@ class _Tap(torch.autograd.Function):
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple, x: Tensor, y: Tensor, recorder: _Recorder, name: str) -> tuple[Tensor, int]:
-        xs = _batch_first(x, in_dims[0], info.batch_size).detach()
-        ys = _batch_first(y, in_dims[1], info.batch_size)
-        # Nothing before this layer may need a gradient (the shared low-rank tensors do not):
-        # a fresh leaf then, so that the backward still reaches it.
-        out = ys.view_as(ys) if ys.requires_grad else ys.detach().requires_grad_(True)
-        recorder.record(name, xs, out)
+        index = recorder.layers[name].record(_batch_first(x, in_dims[0], info.batch_size).detach())
+        out = _Grad.apply(_batch_first(y, in_dims[1], info.batch_size), recorder.anchor, recorder, name, index)
         return out, 0
 
 
+class _Grad(torch.autograd.Function):
+    """Identity on ``y`` whose backward gives the layer its output gradient. It also takes the
+    pass's 0-d ``anchor`` (which requires grad), so that the one backward, asked for the
+    anchor's gradient, reaches every tapped layer even where nothing before it needs a gradient
+    (the shared low-rank tensors do not)."""
+
+    @staticmethod
+    def forward(y: Tensor, anchor: Tensor, recorder: _Recorder, name: str, index: int) -> Tensor:
+        return y.view_as(y)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: Any, output: Any) -> None:
+        ctx.recorder, ctx.name, ctx.index = inputs[2], inputs[3], inputs[4]
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None, None]:
+        with torch.no_grad(), torch.autocast(ctx.recorder.device_type, enabled=False):
+            ctx.recorder.layers[ctx.name].backward(ctx.index, grad.detach())
+        return grad, None, None, None, None
+
+
 class GhostPass:
-    """One recorded forward and backward: per example the squared gradient norms and, given
-    clip factors, the clipped sums, per tensor key."""
+    """One recorded forward and backward: per example the squared gradient norm over all
+    tensors and, given clip factors, the clipped sums per tensor key."""
 
     def __init__(self, losses: Tensor, squares: Tensor, sums: Callable[[Tensor], dict[str, Tensor]]) -> None:
         self.losses, self.squares, self._sums = losses, squares, sums
 
     def clipped_sums(self, factor: Tensor) -> dict[str, Tensor]:
         return self._sums(factor)
-
-
-def _lora_layer(
-    x: Tensor, g: Tensor, a: Tensor, b: Tensor, scale: float, gram: bool
-) -> tuple[Tensor, Callable[[Tensor], tuple[Tensor, Tensor]]]:
-    """Per-example squared norm of ``(∇A, ∇B)`` of one layer and the clipped-sum function;
-    ``x (B, T, d_in)``, ``g (B, T, d_out)`` in the compute dtype."""
-    h = (x @ a.T) * scale  # (B, T, r)
-    u = (g @ b) * scale  # (B, T, r)
-    if gram:
-        squares = ((g @ g.mT) * (h @ h.mT)).sum((1, 2)) + ((u @ u.mT) * (x @ x.mT)).sum((1, 2))
-
-        def sums(c: Tensor) -> tuple[Tensor, Tensor]:
-            c = c[:, None, None]
-            return (u * c).flatten(0, 1).T @ x.flatten(0, 1), g.flatten(0, 1).T @ (h * c).flatten(0, 1)
-
-        return squares, sums
-    grad_a, grad_b = u.mT @ x, g.mT @ h  # (B, r, d_in), (B, d_out, r)
-    squares = grad_a.pow(2).sum((1, 2)) + grad_b.pow(2).sum((1, 2))
-    return squares, lambda c: (torch.einsum("b,bri->ri", c, grad_a), torch.einsum("b,bor->or", c, grad_b))
 
 
 def ghost_pass(
@@ -167,7 +232,7 @@ def ghost_pass(
     """The recorded forward and backward of ``loss_fn`` on ``batch`` (see the module
     docstring); ``None`` when a layer of ``layers`` was not seen by the tap (its tensors
     reached the model another way, a merged overlay): the caller then takes the per-example
-    path. ``clipping="ghost"`` takes Gram norms for every layer, ``"auto"`` where smaller."""
+    path. ``clipping="ghost"`` takes Gram norms for every layer, ``"auto"`` where they hold less."""
     params = adapter.params
     ghost_keys = {key for pair in layers.values() for key in pair}
     shared = {key: params[key].detach() for key in ghost_keys}
@@ -176,7 +241,9 @@ def ghost_pass(
         for key, value in params.items()
         if key not in ghost_keys
     }
-    recorder = _Recorder({id(shared[a]): module for module, (a, _) in layers.items()})
+    first = next(iter(params.values()))
+    anchor = torch.zeros((), dtype=first.dtype, device=first.device, requires_grad=True)
+    recorder = _Recorder({id(shared[a]): module for module, (a, _) in layers.items()}, shared, layers, clipping, anchor)
     examples, rebuild = split_examples(batch, {}, batch_size)
 
     def loss(own: dict[str, Tensor], *example: Tensor) -> Any:
@@ -185,46 +252,30 @@ def ghost_pass(
 
     with torch.enable_grad(), activation_tap(recorder):
         losses = vmapped(loss, "private_grads", randomness=randomness)(copies, *examples)
-    if set(recorder.outputs) != set(layers):
+    if set(recorder.layers) != set(layers):
         return None
     if not isinstance(losses, Tensor) or tuple(losses.shape) != (batch_size,):
         raise ValueError(  # error: privacy-ghost-loss
             f"private_grads: loss_fn must return one scalar loss per example (a 0-d tensor), got "
             f"{type(losses).__name__} of per-example shape {tuple(losses.shape[1:]) if isinstance(losses, Tensor) else '?'}"
         )
-    taps = [out for module in layers for out in recorder.outputs[module]]
     with torch.enable_grad():
-        grads = torch.autograd.grad(losses.sum(), [*taps, *copies.values()], allow_unused=True)
-    tap_grads = iter(grads[: len(taps)])
-    copy_grads = {key: torch.zeros_like(copies[key]) if g is None else g for key, g in zip(copies, grads[len(taps):], strict=True)}
-    device_type = next(iter(params.values())).device.type
-    per_layer = {}
-    with torch.no_grad(), torch.autocast(device_type, enabled=False):
-        for module, (key_a, key_b) in layers.items():
-            a, b = shared[key_a], shared[key_b]
-            dtype = torch.promote_types(a.dtype, torch.float32)
-            xs, gs = [], []
-            for x, out in zip(recorder.inputs[module], recorder.outputs[module], strict=True):
-                g = next(tap_grads)
-                xs.append(x.reshape(batch_size, -1, x.shape[-1]).to(dtype))
-                gs.append((torch.zeros_like(out) if g is None else g).reshape(batch_size, -1, out.shape[-1]).to(dtype))
-            x, g = torch.cat(xs, 1), torch.cat(gs, 1)
-            r, tokens = a.shape[0], x.shape[1]
-            gram = clipping == "ghost" or tokens * tokens < r * (a.shape[1] + b.shape[0])
-            per_layer[module] = _lora_layer(x, g, a.to(dtype), b.to(dtype), recorder.scales[module], gram)
-        lead = 1  # (B,): one norm per example
-        squares = [g.flatten(lead).float().pow(2).sum(-1) for g in copy_grads.values()]
-        squares += [s.float() for s, _ in per_layer.values()]
-    total = torch.stack(squares).sum(0)
+        grads = torch.autograd.grad(losses.sum(), [anchor, *copies.values()], allow_unused=True)
+    copy_grads = {key: torch.zeros_like(copies[key]) if g is None else g for key, g in zip(copies, grads[1:], strict=True)}
+    with torch.no_grad(), torch.autocast(first.device.type, enabled=False):
+        finished = {module: layer.finish(batch_size) for module, layer in recorder.layers.items()}
+        squares = [g.flatten(1).float().pow(2).sum(-1) for g in copy_grads.values()]
+        squares += [s.float() for s, _ in finished.values()]
+        total = torch.stack(squares).sum(0)
 
     def sums(factor: Tensor) -> dict[str, Tensor]:
         out = {}
-        with torch.no_grad(), torch.autocast(device_type, enabled=False):
+        with torch.no_grad(), torch.autocast(first.device.type, enabled=False):
             for key, g in copy_grads.items():
                 out[key] = torch.einsum("b,b...->...", factor.to(g.dtype), g)
-            for module, (_, layer_sums) in per_layer.items():
+            for module, (_, layer_sums) in finished.items():
                 key_a, key_b = layers[module]
-                grad_a, grad_b = layer_sums(factor.to(torch.promote_types(params[key_a].dtype, torch.float32)))
+                grad_a, grad_b = layer_sums(factor.to(recorder.layers[module].dtype))
                 out[key_a], out[key_b] = grad_a.to(params[key_a].dtype), grad_b.to(params[key_b].dtype)
         return {key: out[key] for key in params}
 
