@@ -231,8 +231,8 @@ def ghost_pass(
 ) -> GhostPass | None:
     """The recorded forward and backward of ``loss_fn`` on ``batch`` (see the module
     docstring); ``None`` when a layer of ``layers`` was not seen by the tap (its tensors
-    reached the model another way, a merged overlay): the caller then takes the per-example
-    path. ``clipping="ghost"`` takes Gram norms for every layer, ``"auto"`` where they hold less."""
+    reached the model another way, a merged overlay) or the loss is not one scalar per
+    example: the caller then takes the per-example path (which names a bad loss). ``clipping="ghost"`` takes Gram norms for every layer, ``"auto"`` where they hold less."""
     params = adapter.params
     ghost_keys = {key for pair in layers.values() for key in pair}
     shared = {key: params[key].detach() for key in ghost_keys}
@@ -252,13 +252,8 @@ def ghost_pass(
 
     with torch.enable_grad(), activation_tap(recorder):
         losses = vmapped(loss, "private_grads", randomness=randomness)(copies, *examples)
-    if set(recorder.layers) != set(layers):
-        return None
-    if not isinstance(losses, Tensor) or tuple(losses.shape) != (batch_size,):
-        raise ValueError(  # error: privacy-ghost-loss
-            f"private_grads: loss_fn must return one scalar loss per example (a 0-d tensor), got "
-            f"{type(losses).__name__} of per-example shape {tuple(losses.shape[1:]) if isinstance(losses, Tensor) else '?'}"
-        )
+    if set(recorder.layers) != set(layers) or not isinstance(losses, Tensor) or tuple(losses.shape) != (batch_size,):
+        return None  # (a loss that is not one scalar per example: the per-example path says so)
     with torch.enable_grad():
         grads = torch.autograd.grad(losses.sum(), [anchor, *copies.values()], allow_unused=True)
     copy_grads = {key: torch.zeros_like(copies[key]) if g is None else g for key, g in zip(copies, grads[1:], strict=True)}
