@@ -180,7 +180,7 @@ def _check_privacy(directory: Path, saved: Any, privacy: DPSGD | None) -> Tensor
                "the private run from it (its accounting starts at step 0)")
         )
     if not isinstance(privacy, DPSGD) or privacy.generator is None:
-        raise ValueError(  # error: train-checkpoint-privacy-generator
+        raise ValueError(  # error: train-checkpoint-privacy-load-generator
             f"load_checkpoint: privacy must be a lora_func.privacy.DPSGD with a generator (the saved noise state is set "
             f"into it), got {type(privacy).__name__ if not isinstance(privacy, DPSGD) else 'generator=None'}"
         )

@@ -217,7 +217,7 @@ def _private_step(
 ) -> StepStats:
     """:func:`train_step`'s private mode (its docstring)."""
     if privacy is None:
-        raise ValueError(  # error: train-micro-batch-size
+        raise ValueError(  # error: train-micro-batch-needs-privacy
             f"train_step: micro_batch_size={micro_batch_size!r} accumulates the clipped per-example gradients of a private "
             f"step; pass privacy=lora_func.privacy.DPSGD(...) with it (a non-private step takes the whole batch)"
         )
