@@ -24,11 +24,12 @@ a per-example copy in the same forward and backward, and its per-example gradien
 norm: the results equal the per-example path (tested).
 
 Which tensors get ghost norms: ``lora_A``/``lora_B`` of every layer whose variant's activation
-form is LoRA's (``lora``, rsLoRA, and the variants that only change LoRA's init: PiSSA, OLoRA,
-EVA, ...) and whose ``dropout`` is 0, alone or inside a composition or combination (the tap sees
-the layer's own input and output there too); not in a stack. Everything else (DoRA's tensors:
-its norm term makes the gradient no outer product of ``x`` and ``g``; every other variant; a
-combination's own weights; stacks; ``chunk_size``) takes the per-example path.
+form is a frozen part plus LoRA's product (``lora`` with or without rsLoRA, ``eva``: LoRA with a
+data-driven init, ``pissa``: a frozen residual instead of ``W``) and whose ``dropout`` is 0, alone or inside a composition or combination (the tap sees the layer's
+own input and output there too); not in a stack. Everything else takes the per-example path in
+the same pass: DoRA's tensors (its norm term makes the gradient no outer product of ``x`` and
+``g``), every other variant, a combination's own weights, LoRA with dropout; and stacks and ``chunk_size`` run per example
+altogether.
 """
 
 from __future__ import annotations
@@ -44,6 +45,11 @@ from lora_func._steps import VariantStep, activation_tap
 from lora_func._tree import leaves
 from lora_func._vmapped import split_examples, vmapped
 from lora_func.adapter import AdapterLike
+from lora_func.variants import pissa
+
+# Activation forms that are "a frozen part + s · (x Aᵀ) Bᵀ" in lora_A/lora_B: LoRA's, and
+# PiSSA's (its frozen part is the residual W_res instead of W). Their gradients are the same.
+LORA_FORMS = frozenset({lora_activation_form, pissa.activation_form})
 
 __all__ = ["Clipping", "GhostPass", "ghost_layers", "ghost_pass"]
 
@@ -58,7 +64,7 @@ def ghost_layers(adapter: AdapterLike) -> dict[str, tuple[str, str]]:
         return {}
     out = {}
     for prefix, leaf in leaves(adapter):
-        if leaf.members is not None or leaf.variant.activation_form is not lora_activation_form:
+        if leaf.members is not None or leaf.variant.activation_form not in LORA_FORMS:
             continue
         for layer in leaf.layers:
             names = {name for name, _ in layer.param_shapes}
@@ -78,7 +84,7 @@ class _Layer:
         self.dtype = torch.promote_types(a.dtype, torch.float32)
         self.a, self.b, self.scale, self.clipping = a.to(self.dtype), b.to(self.dtype), scale, clipping
         self.inputs: list[Tensor | None] = []
-        self.grads: list[Tensor] = []
+        self.grads: dict[int, Tensor] = {}  # by call index (the backward meets the calls in reverse)
         self.gram: bool | None = None
         self.grad_a: Tensor | None = None
         self.grad_b: Tensor | None = None
@@ -96,7 +102,7 @@ class _Layer:
         assert x is not None
         x, g = _rows(x, self.dtype), _rows(g, self.dtype)
         if self.gram:
-            self.grads.append(g)
+            self.grads[index] = g
             return
         self.inputs[index] = None  # this call is done: keep its (B, r, d) gradients only
         h, u = self._lowrank(x, g)
@@ -115,10 +121,10 @@ class _Layer:
             squares = grad_a.pow(2).sum((1, 2)) + grad_b.pow(2).sum((1, 2))
             return squares, lambda c: (torch.einsum("b,bri->ri", c, grad_a), torch.einsum("b,bor->or", c, grad_b))
         # Several calls of one layer: their rows side by side (the gradient sums over all of them).
-        x = torch.cat([_rows(t, self.dtype) for t in self.inputs if t is not None], 1)
-        g = torch.cat(self.grads, 1) if len(self.grads) == len(self.inputs) else None
-        if g is None:  # a call whose output did not reach the loss: its g is 0
-            g = torch.zeros(*x.shape[:2], self.b.shape[0], dtype=self.dtype, device=x.device)
+        xs = [_rows(t, self.dtype) for t in self.inputs if t is not None]
+        # A call whose output did not reach the loss has g = 0.
+        gs = [self.grads[i] if i in self.grads else x.new_zeros(*x.shape[:2], self.b.shape[0]) for i, x in enumerate(xs)]
+        x, g = torch.cat(xs, 1), torch.cat(gs, 1)
         h, u = self._lowrank(x, g)
         squares = ((g @ g.mT) * (h @ h.mT)).sum((1, 2)) + ((u @ u.mT) * (x @ x.mT)).sum((1, 2))
 
