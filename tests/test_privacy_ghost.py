@@ -50,7 +50,7 @@ def _equals_the_loop(loss_fn, adapter, ids, clipping):
 @pytest.mark.parametrize("clipping", ["ghost", "per_example"])
 @pytest.mark.parametrize("name", ["lora-llama", "lora-llama-nf4", "dora-gpt2-conv1d", "dora-llama-nf4"])
 def test_each_clipping_equals_the_loop_on_a_float_and_an_nf4_base(name, clipping, paths):
-    model, adapter, ids, loss_fn, c, want, norms = _case(name)
+    _, adapter, ids, loss_fn, c, want, norms = _case(name)
     total = clipped_sum(loss_fn, adapter, ids, max_grad_norm=c, clipping=clipping)
     _assert_rel({k: v / ids.shape[0] for k, v in total.grads.items()}, want, 1e-5)
     assert total.clipped == int((norms > c).sum()) and total.count == ids.shape[0]

@@ -103,12 +103,12 @@ def test_a_resumed_private_run_draws_the_noise_an_uninterrupted_one_draws(tmp_pa
 def test_the_refusals_of_the_private_mode(tmp_path):
     model, adapter, batch = _setup()
     state = _state(adapter)
-    with pytest.raises(ValueError, match="max_grad_norm=1.0 cannot go with it"):
+    with pytest.raises(ValueError, match=r"max_grad_norm=1\.0 cannot go with it"):
         train_step(model, state, batch, privacy=_dp(), max_grad_norm=1.0)
     scaled = TrainState(state.adapter, state.optimizer, torch.amp.GradScaler("cpu"))
     with pytest.raises(ValueError, match="a GradScaler"):
         train_step(model, scaled, batch, privacy=_dp())
-    with pytest.raises(ValueError, match="needs privacy|pass privacy="):
+    with pytest.raises(ValueError, match="pass privacy="):
         train_step(model, state, batch, micro_batch_size=2)
     with pytest.raises(ValueError, match="micro_batch_size=0"):
         train_step(model, state, batch, privacy=_dp(), micro_batch_size=0)
