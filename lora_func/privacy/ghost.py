@@ -189,29 +189,32 @@ class _Tap(torch.autograd.Function):
     @staticmethod
     def vmap(info: Any, in_dims: tuple, x: Tensor, y: Tensor, recorder: _Recorder, name: str) -> tuple[Tensor, int]:
         index = recorder.layers[name].record(_batch_first(x, in_dims[0], info.batch_size).detach())
-        out = _Grad.apply(_batch_first(y, in_dims[1], info.batch_size), recorder.anchor, recorder, name, index)
-        return out, 0
+        # y keeps its layout (where vmap put the batch): moving it would make later views copy.
+        dim = in_dims[1]
+        if dim is None:
+            y, dim = y.expand(info.batch_size, *y.shape), 0
+        return _Grad.apply(y, recorder.anchor, recorder, name, index, dim), dim
 
 
 class _Grad(torch.autograd.Function):
-    """Identity on ``y`` whose backward gives the layer its output gradient. It also takes the
-    pass's 0-d ``anchor`` (which requires grad), so that the one backward, asked for the
-    anchor's gradient, reaches every tapped layer even where nothing before it needs a gradient
-    (the shared low-rank tensors do not)."""
+    """Identity on ``y`` (batch on dim ``dim``) whose backward gives the layer its output
+    gradient, batch first. It also takes the pass's 0-d ``anchor`` (which requires grad), so
+    that the one backward, asked for the anchor's gradient, reaches every tapped layer even
+    where nothing before it needs a gradient (the shared low-rank tensors do not)."""
 
     @staticmethod
-    def forward(y: Tensor, anchor: Tensor, recorder: _Recorder, name: str, index: int) -> Tensor:
+    def forward(y: Tensor, anchor: Tensor, recorder: _Recorder, name: str, index: int, dim: int) -> Tensor:
         return y.view_as(y)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: Any, output: Any) -> None:
-        ctx.recorder, ctx.name, ctx.index = inputs[2], inputs[3], inputs[4]
+        ctx.recorder, ctx.name, ctx.index, ctx.dim = inputs[2:]
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None, None]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None, None, None]:
         with torch.no_grad(), torch.autocast(ctx.recorder.device_type, enabled=False):
-            ctx.recorder.layers[ctx.name].backward(ctx.index, grad.detach())
-        return grad, None, None, None, None
+            ctx.recorder.layers[ctx.name].backward(ctx.index, grad.detach().movedim(ctx.dim, 0))
+        return grad, None, None, None, None, None
 
 
 class GhostPass:
