@@ -4,8 +4,11 @@ One tiny Llama (hidden 256, 4 layers, 64 tokens, LoRA r=8 on q_proj/v_proj by de
 batch sizes 8 to 64, in one run; for each batch size:
 
 - non-private step (the reference): the batched loss, one backward to the adapter's tensors;
-- ``lora_func.private_grads``: per-example gradients, clipped, summed, noised (the whole
-  DP-SGD gradient);
+- ``lora_func.private_grads``: per-example norms, clipped sum, noise (the whole DP-SGD
+  gradient), with ``clipping="auto"`` (the default) and each of the two ways it chooses between
+  forced: ``"ghost"`` (Gram norms and book-keeping for every LoRA layer) and ``"per_example"``
+  (per-example gradients of every tensor); ``--seq``/``--rank`` move the choice (short
+  sequences and large ranks: Gram products);
 - Opacus (when installed): ``GradSampleModule`` on a peft model with the same weights, in its
   hooks mode and its functorch mode, then the same clipping and noise on ``grad_sample``
   (what Opacus's ``DPOptimizer`` does), against peft's own non-private backward.
