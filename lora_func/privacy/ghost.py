@@ -54,7 +54,6 @@ LORA_FORMS = frozenset({lora_activation_form, pissa.activation_form})
 __all__ = ["Clipping", "GhostPass", "ghost_layers", "ghost_pass"]
 
 Clipping = Literal["auto", "ghost", "per_example"]
-CLIPPINGS: tuple[Clipping, ...] = ("auto", "ghost", "per_example")
 
 
 def ghost_layers(adapter: AdapterLike) -> dict[str, tuple[str, str]]:
