@@ -128,3 +128,17 @@ def test_the_refusals_of_the_private_mode(tmp_path):
     assert torch.equal(untouched.generator.get_state(), torch.Generator().manual_seed(7).get_state())  # refused: not set
     with pytest.raises(ValueError, match="generator"):
         save_checkpoint(tmp_path / "global", state, privacy=DPSGD(max_grad_norm=C, noise_multiplier=SIGMA))
+
+
+def test_a_damaged_privacy_entry_is_named_on_load(tmp_path):
+    import json
+
+    from tests.test_error_catalogue import _reseal_checkpoint
+
+    model, adapter, _ = _setup()
+    directory = save_checkpoint(tmp_path / "ckpt", _state(adapter), privacy=_dp())
+    meta = json.loads((directory / "trainer_state.json").read_text())
+    meta["privacy"]["generator_state"], meta["privacy"]["noise_multiplier"] = "not base64!", -1.0
+    _reseal_checkpoint(directory, state_text=json.dumps(meta))  # a hostile edit passes the checksums
+    with pytest.raises(ValueError, match=r"privacy.noise_multiplier=-1.0 .*privacy.generator_state is not base64"):
+        load_checkpoint(directory, model, privacy=_dp())
