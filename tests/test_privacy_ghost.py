@@ -140,12 +140,12 @@ def test_the_tap_is_gone_after_a_call_and_after_one_that_raises():
     assert _steps._tap_users == 0 and getattr(_steps._tap_state, "tap", None) is None
     # An adapted call outside private_grads runs no tap.
     calls = []
-    original = ghost._Tap.apply
+    original = ghost._Layer.record
     try:
-        ghost._Tap.apply = lambda *a: calls.append(a) or original(*a)
+        ghost._Layer.record = lambda *a: calls.append(a) or original(*a)
         lf.adapted_call(model, adapter, ids).logits.sum().backward()
     finally:
-        ghost._Tap.apply = original
+        ghost._Layer.record = original
     assert not calls
 
 
