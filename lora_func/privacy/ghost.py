@@ -14,9 +14,9 @@ For a layer ``y = base(x) + s · (x Aᵀ) Bᵀ`` with input ``x (B, T, d_in)`` a
 Recording: the forward runs under ``vmap`` over the examples as in
 :func:`lora_func.per_example_grads`; the adapter's low-rank tensors are shared (not copied per
 example) and an activation tap (:func:`lora_func._steps.activation_tap`, installed for this call
-only) sees each LoRA-form layer's batched ``x`` and ``y``: it keeps ``x`` (a view of the
-activation, no copy) and hooks ``y``, so that in the one backward the layer's output gradient
-arrives per example. A layer whose per-example
+only) passes each LoRA-form layer's output through :class:`_Tap`, an identity whose ``vmap``
+rule sees the batched tensors: it keeps ``x`` (a view of the activation, no copy), and in the
+one backward the layer's output gradient arrives per example. A layer whose per-example
 gradients hold less than ``g`` and the Gram products (``T · (d_out + T) >= r · (d_in + d_out)``,
 most layers beyond a few dozen tokens) turns them into its ``(B, r, d)`` gradients right then and
 drops ``x`` and ``g``; the others keep ``g`` for the Gram norms and the book-keeping sum.
@@ -35,7 +35,6 @@ altogether.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -142,17 +141,9 @@ def _rows(t: Tensor, dtype: torch.dtype) -> Tensor:
     return t.reshape(t.shape[0], -1, t.shape[-1]).to(dtype)
 
 
-_functorch = torch._C._functorch  # the batched tensors' own layout (no public API gives it)
-
-
 class _Recorder:
-    """The activation tap of one ghost pass. Under the pass's ``vmap``, each LoRA-form layer's
-    ``x`` and ``y`` are batched tensors; the tap reads the tensors they wrap (the whole batch,
-    the batch on dim ``maybe_get_bdim``), keeps ``x`` (a view, batch first) and hooks the
-    wrapped ``y``: the one backward hands the layer its per-example output gradient there.
-    A custom ``autograd.Function`` with a ``vmap`` rule would do the same at several times the
-    cost per call. Tensors that are not batched at exactly one level (the user's own ``vmap``
-    inside the loss) are left alone: the layer then counts as unseen and the call falls back."""
+    """The activation tap of one ghost pass: routes each LoRA-form layer's output through
+    :class:`_Tap` and collects what the layer needs."""
 
     def __init__(self, by_tensor: dict[int, str], shared: dict[str, Tensor], keys: dict[str, tuple[str, str]],
                  clipping: Clipping, anchor: Tensor) -> None:
@@ -163,31 +154,68 @@ class _Recorder:
     def __call__(self, step: VariantStep, x: Tensor, y: Tensor) -> Tensor:
         a = step.params.get("lora_A")
         name = None if a is None else self.by_tensor.get(id(a))
-        if name is None or not torch.is_grad_enabled() or not _functorch.is_batchedtensor(y):
+        if name is None or not torch.is_grad_enabled():
             return y
         scale = lora_scale(step.info, step.buffers)
         if isinstance(scale, Tensor):  # only inside a stack; stacks take the per-example path
             return y
-        if not y.requires_grad:
-            # Nothing before this layer needs a gradient (the shared low-rank tensors do not): the
-            # 0-d anchor puts it on the backward's path (its gradient is never read).
-            y = y + self.anchor.to(y.dtype)
-        wrapped_y, wrapped_x = _functorch.get_unwrapped(y), _functorch.get_unwrapped(x) if _functorch.is_batchedtensor(x) else None
-        if _functorch.is_batchedtensor(wrapped_y) or (wrapped_x is not None and _functorch.is_batchedtensor(wrapped_x)):
-            return y  # batched at more than one level
-        batch = wrapped_y.shape[_functorch.maybe_get_bdim(y)]
-        xs = x.expand(batch, *x.shape) if wrapped_x is None else wrapped_x.movedim(_functorch.maybe_get_bdim(x), 0)
         if name not in self.layers:
             key_a, key_b = self.keys[name]
             self.layers[name] = _Layer(self.shared[key_a], self.shared[key_b], scale, self.clipping)
-        layer = self.layers[name]
-        index, dim = layer.record(xs.detach()), _functorch.maybe_get_bdim(y)
-        wrapped_y.register_hook(functools.partial(self._backward, layer, index, dim))
-        return y
+        out: Tensor = _Tap.apply(x, y, self, name)
+        return out
 
-    def _backward(self, layer: _Layer, index: int, dim: int, grad: Tensor) -> None:
-        with torch.no_grad(), torch.autocast(self.device_type, enabled=False):
-            layer.backward(index, grad.detach().movedim(dim, 0))
+
+def _batch_first(t: Tensor, dim: int | None, size: int) -> Tensor:
+    return t.expand(size, *t.shape) if dim is None else t.movedim(dim, 0)
+
+
+class _Tap(torch.autograd.Function):
+    """``y`` unchanged. Its ``vmap`` rule gets the batched tensors themselves: it records ``x``
+    (batch first) and puts ``y`` through :class:`_Grad`, whose backward hands the layer its
+    per-example output gradient. Outside ``vmap`` nothing is recorded (the caller checks)."""
+
+    @staticmethod
+    def forward(x: Tensor, y: Tensor, recorder: _Recorder, name: str) -> Tensor:
+        return y.view_as(y)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: Any, output: Any) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[None, Tensor, None, None]:
+        return None, grad, None, None
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple, x: Tensor, y: Tensor, recorder: _Recorder, name: str) -> tuple[Tensor, int]:
+        index = recorder.layers[name].record(_batch_first(x, in_dims[0], info.batch_size).detach())
+        # y keeps its layout (where vmap put the batch): moving it would make later views copy.
+        dim = in_dims[1]
+        if dim is None:
+            y, dim = y.expand(info.batch_size, *y.shape), 0
+        return _Grad.apply(y, recorder.anchor, recorder, name, index, dim), dim
+
+
+class _Grad(torch.autograd.Function):
+    """Identity on ``y`` (batch on dim ``dim``) whose backward gives the layer its output
+    gradient, batch first. It also takes the pass's 0-d ``anchor`` (which requires grad), so
+    that the one backward, asked for the anchor's gradient, reaches every tapped layer even
+    where nothing before it needs a gradient (the shared low-rank tensors do not)."""
+
+    @staticmethod
+    def forward(y: Tensor, anchor: Tensor, recorder: _Recorder, name: str, index: int, dim: int) -> Tensor:
+        return y.view_as(y)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: Any, output: Any) -> None:
+        ctx.recorder, ctx.name, ctx.index, ctx.dim = inputs[2:]
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None, None, None]:
+        with torch.no_grad(), torch.autocast(ctx.recorder.device_type, enabled=False):
+            ctx.recorder.layers[ctx.name].backward(ctx.index, grad.detach().movedim(ctx.dim, 0))
+        return grad, None, None, None, None, None
 
 
 class GhostPass:
