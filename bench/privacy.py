@@ -4,8 +4,11 @@ One tiny Llama (hidden 256, 4 layers, 64 tokens, LoRA r=8 on q_proj/v_proj by de
 batch sizes 8 to 64, in one run; for each batch size:
 
 - non-private step (the reference): the batched loss, one backward to the adapter's tensors;
-- ``lora_func.private_grads``: per-example gradients, clipped, summed, noised (the whole
-  DP-SGD gradient);
+- ``lora_func.private_grads``: per-example norms, clipped sum, noise (the whole DP-SGD
+  gradient), with ``clipping="auto"`` (the default) and each of the two ways it chooses between
+  forced: ``"ghost"`` (Gram norms and book-keeping for every LoRA layer) and ``"per_example"``
+  (per-example gradients of every tensor); ``--seq``/``--rank`` move the choice (short
+  sequences and large ranks: Gram products);
 - Opacus (when installed): ``GradSampleModule`` on a peft model with the same weights, in its
   hooks mode and its functorch mode, then the same clipping and noise on ``grad_sample``
   (what Opacus's ``DPOptimizer`` does), against peft's own non-private backward.
@@ -20,6 +23,7 @@ Run: python bench/privacy.py [--batches 8 16 32 64] [--rounds 5] [--clock cpu|wa
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -34,6 +38,7 @@ from functional import build, peak_allocated, perturbed, token_loss
 import lora_func as lf
 
 TARGETS = ["q_proj", "v_proj"]
+PRIVATE = "lora_func private_grads (clip + noise)"
 C, SIGMA = 1.0, 1.0
 
 
@@ -59,12 +64,16 @@ def section(model, adapter, ids, mask, r, alpha, rounds, clock):
     def non_private():
         return torch.autograd.grad(loss(live, ids, mask), list(leaves.values()))
 
-    def private():
-        return lf.private_grads(loss, live, ids, mask, max_grad_norm=C, noise_multiplier=SIGMA, generator=noise)
+    def private(clipping="auto"):
+        return lf.private_grads(loss, live, ids, mask, max_grad_norm=C, noise_multiplier=SIGMA, generator=noise, clipping=clipping)
 
     reference = "lora_func non-private step (batched backward)"
-    methods = {reference: non_private, "lora_func private_grads (clip + noise)": private}
-    references = {"lora_func private_grads (clip + noise)": reference}
+    methods = {reference: non_private, PRIVATE: private}
+    references = {PRIVATE: reference}
+    for clipping in ("ghost", "per_example"):  # "auto" chooses per layer between these; each forced
+        name = f"lora_func private_grads clipping={clipping!r}"
+        methods[name] = functools.partial(private, clipping)
+        references[name] = reference
     try:
         peft = c.peft_named_adapters(model, [adapter], r, alpha, TARGETS)
     except ImportError:
@@ -97,7 +106,7 @@ def section(model, adapter, ids, mask, r, alpha, rounds, clock):
                 methods[name] = opacus_step
                 references[name] = "peft non-private step"
                 methods[f"{name} "] = opacus_step  # the same call against our private step (a second row)
-                references[f"{name} "] = "lora_func private_grads (clip + noise)"
+                references[f"{name} "] = PRIVATE
     peaks = {name: peak_allocated(fn) for name, fn in methods.items() if not name.endswith(" ")}
     times = c.timed_rounds({k: v for k, v in methods.items() if not k.endswith(" ")}, rounds, clock)
     for name in methods:
@@ -110,10 +119,13 @@ def section(model, adapter, ids, mask, r, alpha, rounds, clock):
         peak = peaks[name.rstrip()]
         ratio = f"{peak / peaks[ref.rstrip()]:.2f}" if ref else ""
         print(f"| {name} | {c.fmt_bytes(peak)} | {ratio} | {ref or ''} |")
-    return {
-        "time": c.paired_ratio(times, "lora_func private_grads (clip + noise)", reference),
-        "memory": peaks["lora_func private_grads (clip + noise)"] / peaks[reference],
-    }
+    out = {"time": c.paired_ratio(times, PRIVATE, reference), "memory": peaks[PRIVATE] / peaks[reference]}
+    for mode in ("hooks", "functorch"):  # Opacus against the private step (> 1: the private step is ahead)
+        name = next((n for n in methods if f"GradSampleModule {mode}" in n), None)
+        if name is not None:
+            out[f"opacus {mode} time"] = c.paired_ratio(times, name, PRIVATE)
+            out[f"opacus {mode} memory"] = peaks[name] / peaks[PRIVATE]
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -11,7 +11,9 @@ mixed route). An adapter tree node says how its parts' ops combine
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol, cast
 
 import torch
@@ -21,7 +23,30 @@ from lora_func.targeting import canonical_weight, stored_weight
 from lora_func.variants import BaseLayer, LayerInfo, TensorDict, Variant
 from lora_func.variants._contract import padded_member
 
-__all__ = ["ChainOp", "LayerCall", "LayerOp", "SumOp", "VariantOp", "merged_weight"]
+__all__ = ["ChainOp", "LayerCall", "LayerOp", "SumOp", "VariantOp", "activation_tap", "merged_weight"]
+
+# ------------------------------------------------------------------ the activation tap
+# lora_func.privacy's ghost clipping needs each low-rank layer's input and output gradient. A
+# tap, installed for one call in one thread by activation_tap, sees every VariantOp's
+# (step, x, y) and returns the y to use (an identity that records). Both routes (stand-ins and
+# module calls) reach a variant through VariantOp.activation, so this is the one place.
+_tap_state = threading.local()
+_tap_users = 0  # taps installed in any thread: a plain int, so that compiled code guards on 0
+
+
+@contextlib.contextmanager
+def activation_tap(tap: Callable[[VariantOp, Tensor, Tensor], Tensor]) -> Iterator[None]:
+    """Call ``tap(step, x, y)`` on every variant activation in this thread for the block (taken
+    off in ``finally``)."""
+    global _tap_users
+    previous = getattr(_tap_state, "tap", None)
+    _tap_state.tap = tap
+    _tap_users += 1
+    try:
+        yield
+    finally:
+        _tap_users -= 1
+        _tap_state.tap = previous
 
 
 class LayerCall:
@@ -87,7 +112,9 @@ class VariantOp:
         return w_eff.to(weight.dtype), None if b_eff is None or bias is None else b_eff.to(bias.dtype)
 
     def activation(self, x: Tensor, base: BaseLayer) -> Tensor:
-        return self.variant.activation_form(self.params, self.buffers, x, base, self.info)
+        y = self.variant.activation_form(self.params, self.buffers, x, base, self.info)
+        tap = getattr(_tap_state, "tap", None) if _tap_users else None
+        return y if tap is None else tap(self, x, y)
 
 
 class _OpBase:

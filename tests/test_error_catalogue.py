@@ -1157,6 +1157,58 @@ CASES.update(
 )
 
 
+def _private_train_step(**kwargs: Any) -> Callable[[Ctx], Callable[[], Any]]:
+    from lora_func.train import TrainState, train_step
+
+    def arrange(ctx: Ctx) -> Callable[[], Any]:
+        model, state = _train_state(ctx)
+        if kwargs.pop("scaler", False):
+            state = TrainState(state.adapter, state.optimizer, torch.amp.GradScaler("cpu"))
+        batch = kwargs.pop("batch", {"input_ids": IDS})
+        return lambda: train_step(model, state, batch, **kwargs)
+
+    return arrange
+
+
+def _dp(generator: bool = True, max_grad_norm: float = 1.0) -> Any:
+    return lf.privacy.DPSGD(max_grad_norm=max_grad_norm, noise_multiplier=1.0,
+                            generator=torch.Generator().manual_seed(0) if generator else None)
+
+
+def _private_checkpoint_then(saved: Any, given: Any) -> Callable[[Ctx], Callable[[], Any]]:
+    from lora_func.train import load_checkpoint, save_checkpoint
+
+    def arrange(ctx: Ctx) -> Callable[[], Any]:
+        model, state = _train_state(ctx)
+        directory = save_checkpoint(ctx.tmp / "ckpt", state, privacy=saved)
+        return lambda: load_checkpoint(directory, model, privacy=given)
+
+    return arrange
+
+
+def _save_private_without_generator(ctx: Ctx) -> Callable[[], Any]:
+    from lora_func.train import save_checkpoint
+
+    _, state = _train_state(ctx)
+    return lambda: save_checkpoint(ctx.tmp / "ckpt", state, privacy=_dp(generator=False))
+
+
+CASES.update(
+    {
+        "privacy-clipping": Case(_private(clipping="gost"), ("'gost'",)),
+        "train-micro-batch-needs-privacy": Case(_private_train_step(micro_batch_size=2), ("micro_batch_size=2", "privacy=")),
+        "train-privacy-type": Case(_private_train_step(privacy={"max_grad_norm": 1.0}), ("dict",)),
+        "train-privacy-conflict": Case(_private_train_step(privacy=_dp(), scaler=True, max_grad_norm=0.5), ("GradScaler", "max_grad_norm=0.5")),
+        "train-micro-batch-size": Case(_private_train_step(privacy=_dp(), micro_batch_size=0), ("micro_batch_size=0",)),
+        "train-private-batch": Case(_private_train_step(privacy=_dp(), batch={"input_ids": IDS, "labels": IDS[:1]}), ("input_ids", "labels")),
+        "train-checkpoint-privacy-generator": Case(_save_private_without_generator, ("generator=None",)),
+        "train-checkpoint-privacy": Case(_private_checkpoint_then(_dp(), None), ("private", "privacy=")),
+        "train-checkpoint-privacy-load-generator": Case(_private_checkpoint_then(_dp(), _dp(generator=False)), ("generator=None",)),
+        "train-checkpoint-privacy-mismatch": Case(_private_checkpoint_then(_dp(), _dp(max_grad_norm=2.0)), ("'max_grad_norm': 2.0",)),
+    }
+)
+
+
 RNG_ADVANCES = frozenset(
     {
         "demo-diverged",

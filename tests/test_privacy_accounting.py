@@ -25,7 +25,7 @@ from lora_func.privacy import (
 )
 
 # The accounting oracle: a pinned test dependency, imported directly so its absence fails.
-import opacus.accountants as opacus_rdp  # noqa: E402
+import opacus.accountants as opacus_rdp
 
 DELTA = 1e-5
 # sigma from heavy noise to almost none; q from tiny batches to full batch; steps from one to an epoch of 1e4.

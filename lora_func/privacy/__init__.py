@@ -4,6 +4,8 @@
   ``max_grad_norm``, summed, Gaussian noise, divided by the batch size), and its two pieces
   :func:`clipped_sum` / :func:`noised_mean` for gradient accumulation (clip per example, noise
   once per logical batch); :func:`set_grads_` for a ``torch.optim`` optimiser.
+- :mod:`lora_func.privacy.ghost`: ghost clipping with book-keeping, the per-example norms and
+  clipped sums of LoRA-form layers from their inputs and output gradients (``clipping=``).
 - :mod:`lora_func.privacy.accounting`: :func:`epsilon`, :func:`noise_for_epsilon` and
   :class:`Accountant` (the RDP accountant of the sampled Gaussian mechanism, equal to
   Opacus's; no dependency); :func:`prv_epsilon` and :func:`prv_epsilon_of_history`, the tighter
@@ -12,7 +14,8 @@
   accounting assumes.
 - :mod:`lora_func.privacy.step`: :class:`DPSGD` (a run's mechanism, validated once) and
   :func:`private_step_`, one ``torch.optim`` step on a logical batch given as micro-batches,
-  under bf16 autocast when asked: the hook for ``lora_func.train``.
+  under bf16 autocast when asked: what ``lora_func.train``'s private mode
+  (``train_step(..., privacy=DPSGD(...))``) runs.
 
 What is private, what is not, and how to choose ``max_grad_norm``, ``noise_multiplier`` and
 the batch size: docs/guide/privacy.md.

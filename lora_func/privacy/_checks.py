@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Literal
 
 import torch
 
 
 def check_real(value: object, name: str, low: float, high: float, *, low_open: bool, high_open: bool, hint: str) -> float:
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if ok:
+    if ok and isinstance(value, (int, float)):
         ok = (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
-    if not ok:
+    if not ok or not isinstance(value, (int, float)):
         interval = f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
         raise ValueError(f"{name} must be a real number in {interval}, got {value!r}; {hint}")  # error: privacy-argument-range
     return float(value)
@@ -68,3 +69,12 @@ def check_num_examples(num_examples: object, where: str) -> int:
     if not isinstance(num_examples, int) or isinstance(num_examples, bool) or num_examples < 1:
         raise ValueError(f"{where}: num_examples must be an integer >= 1, got {num_examples!r}; pass the dataset size, len(dataset)")  # error: privacy-sampler-size
     return num_examples
+
+
+def check_clipping(clipping: object) -> Literal["auto", "ghost", "per_example"]:
+    if clipping != "auto" and clipping != "ghost" and clipping != "per_example":  # (narrows for mypy)
+        raise ValueError(  # error: privacy-clipping
+            f"clipping={clipping!r} is not one of 'auto', 'ghost', 'per_example' (how the per-example norms are found; "
+            f"all three give the same result, 'auto' the cheapest)"
+        )
+    return clipping

@@ -33,13 +33,15 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 from lora_func.adapter import AdapterLike, leaf_adapters
-from lora_func.many import per_example_grads
+from lora_func.many import Randomness, per_example_grads
 from lora_func.privacy._checks import (
+    check_clipping,
     check_expected_batch_size,
     check_generator,
     check_noise,
     check_norm,
 )
+from lora_func.privacy.ghost import Clipping, ghost_layers, ghost_pass
 
 __all__ = ["ClippedSum", "clipped_sum", "noised_mean", "private_grads", "set_grads_"]
 
@@ -93,8 +95,9 @@ def clipped_sum(
     adapter: AdapterLike,
     *batch: Any,
     max_grad_norm: float,
-    randomness: str = "error",
+    randomness: Randomness = "error",
     chunk_size: int | None = None,
+    clipping: Clipping = "auto",
 ) -> ClippedSum:
     """The per-example gradients of ``loss_fn(adapter, *example)``, each clipped to total L2
     norm ``<= max_grad_norm`` over all of ``adapter.params``, summed.
@@ -105,14 +108,30 @@ def clipped_sum(
     ``B`` on dim 0. A batch of zero examples (``(0, T)`` tensors, an empty Poisson draw) gives
     zero gradients and ``count=0``. For a stacked adapter (``stack_shape (K,)``) ``loss_fn``
     returns the sum of the members' losses and each member's gradient is clipped on its own.
+
+    ``clipping``: how the per-example norms are found; every choice gives the same result.
+    ``"per_example"``: per-example gradients of every tensor (:func:`lora_func.per_example_grads`);
+    ``"ghost"``: ghost norms and book-keeping (:mod:`lora_func.privacy.ghost`) for the LoRA-form
+    layers, per-example gradients for the other tensors, in one forward and backward;
+    ``"auto"`` (default): as ``"ghost"``, each layer's norm from its ``(B, T, T)`` Gram products
+    or its materialised per-example gradient, whichever is smaller (with ``chunk_size``:
+    ``"per_example"``). docs/guide/privacy.md says which tensors get ghost norms.
     """
     norm = check_norm(max_grad_norm)
+    clipping = check_clipping(clipping)
     leaf_adapters(adapter)
     size = _batch_size(batch)
     params = adapter.params
     if size == 0:
         zeros = {k: torch.zeros_like(v, memory_format=torch.contiguous_format).detach() for k, v in params.items()}
         return ClippedSum(zeros, 0, norm, 0)
+    layers = ghost_layers(adapter) if clipping != "per_example" and (chunk_size is None or clipping == "ghost") else {}
+    recorded = ghost_pass(loss_fn, adapter, batch, size, layers, clipping=clipping, randomness=randomness) if layers and size else None
+    if recorded is not None:
+        norms = recorded.squares.sqrt()
+        factor = (norm / (norms + _EPS)).clamp(max=1.0)
+        return ClippedSum(recorded.clipped_sums(factor), norms.shape[0], norm, int((norms > norm).sum()),
+                          float(recorded.losses.float().sum()))
 
     def with_loss(adapter: AdapterLike, *example: Any) -> tuple[Tensor, Tensor]:
         loss = loss_fn(adapter, *example)
@@ -123,10 +142,12 @@ def clipped_sum(
     squares = [g.flatten(lead).float().pow(2).sum(-1) for g in grads.values()]
     norms = torch.stack(squares).sum(0).sqrt()
     factor = (norm / (norms + _EPS)).clamp(max=1.0)
-    sums = {}
-    for key, g in grads.items():
-        scale = factor.reshape(*factor.shape, *([1] * (g.dim() - lead))).to(g.dtype)
-        sums[key] = (g * scale).sum(0)
+    # Fused clip and sum: one contraction over the batch, no clipped copy of the gradients.
+    sums = {
+        key: torch.einsum("b,b...->...", factor.to(g.dtype), g) if lead == 1
+        else (g * factor.reshape(*factor.shape, *([1] * (g.dim() - lead))).to(g.dtype)).sum(0)  # a stack: per member
+        for key, g in grads.items()
+    }
     return ClippedSum(sums, norms.shape[0], norm, int((norms > norm).sum()), float(losses.float().sum()))
 
 
@@ -180,8 +201,9 @@ def private_grads(
     noise_multiplier: float,
     generator: torch.Generator | None = None,
     expected_batch_size: float | None = None,
-    randomness: str = "error",
+    randomness: Randomness = "error",
     chunk_size: int | None = None,
+    clipping: Clipping = "auto",
 ) -> dict[str, Tensor]:
     """The DP-SGD gradient of ``loss_fn`` at ``adapter`` on ``batch``: a dict like ``adapter.params``.
 
@@ -189,15 +211,18 @@ def private_grads(
     norm ``<= max_grad_norm`` over all of the adapter's trainable tensors, summed, plus
     Gaussian noise ``N(0, (noise_multiplier * max_grad_norm)^2)`` from ``generator``, divided
     by the batch size (``expected_batch_size`` when given). ``clipped_sum`` then
-    ``noised_mean``; see them for the arguments. Any adapter: every variant, compositions,
-    combinations, stacks (one private mechanism per member), on any base ``adapted_call``
-    runs (quantized included). Checks every argument before any work.
+    ``noised_mean``; see them for the arguments (``clipping``: how the per-example norms are
+    found, ghost clipping for LoRA-form layers by default; every choice gives the same
+    result). Any adapter: every variant, compositions, combinations, stacks (one private
+    mechanism per member), on any base ``adapted_call`` runs (quantized included). Checks
+    every argument before any work.
     """
     norm = check_norm(max_grad_norm)
     check_noise(noise_multiplier)
     check_generator(generator, "private_grads")
     check_expected_batch_size(expected_batch_size)
-    total = clipped_sum(loss_fn, adapter, *batch, max_grad_norm=norm, randomness=randomness, chunk_size=chunk_size)
+    check_clipping(clipping)
+    total = clipped_sum(loss_fn, adapter, *batch, max_grad_norm=norm, randomness=randomness, chunk_size=chunk_size, clipping=clipping)
     return noised_mean(total, noise_multiplier=noise_multiplier, generator=generator, expected_batch_size=expected_batch_size)
 
 

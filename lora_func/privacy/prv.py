@@ -148,9 +148,9 @@ def prv_epsilon_of_history(history: Sequence[tuple[float, float, int]], delta: f
         everything.step(noise_multiplier=s, sample_rate=q, steps=n)
     half_width = everything.epsilon(delta_error / 4)
     for s, q, _ in history:
-        one = Accountant()
-        one.step(noise_multiplier=s, sample_rate=q)
-        half_width = max(half_width, one.epsilon(delta_error / (8 * total)))
+        single = Accountant()
+        single.step(noise_multiplier=s, sample_rate=q)
+        half_width = max(half_width, single.epsilon(delta_error / (8 * total)))
     half_width = max(half_width, eps_error) + 3
     mesh = eps_error / math.sqrt(total * math.log(12 / delta_error) / 2)
     t_min, t_max, size = _aligned(-half_width, half_width, mesh)
@@ -159,12 +159,14 @@ def prv_epsilon_of_history(history: Sequence[tuple[float, float, int]], delta: f
             f"PRV accountant: delta={delta!r} is too small for float64 rounding on a mesh of {size} points; use a larger "
             f"delta or eps_error, or the RDP accountant (lora_func.privacy.epsilon)"
         )
-    pmf, shift = None, 0.0
+    pmf: Tensor | None = None
+    shift = 0.0
     for s, q, n in history:
         one, one_shift = _discrete(q, s, t_min, t_max, size)
         composed = _self_compose(one, n)
         pmf = composed if pmf is None else _convolve_same(pmf, composed)
         shift += one_shift * n
+    assert pmf is not None  # history is not empty (checked above)
     ts = torch.linspace(t_min, t_max, size, dtype=_F64) + shift  # the composed domain: every step's mean shift added
     return _epsilon_of(pmf, ts, delta - delta_error, delta) + eps_error
 

@@ -30,7 +30,9 @@ from lora_func.privacy._checks import (
     check_noise,
     check_norm,
 )
+from lora_func.privacy.ghost import Clipping
 from lora_func.privacy.grads import ClippedSum, clipped_sum, noised_mean, set_grads_
+from lora_func.many import Randomness
 
 __all__ = ["DPSGD", "PrivateStepStats", "private_step_"]
 
@@ -61,11 +63,14 @@ class DPSGD:
 @dataclasses.dataclass(frozen=True)
 class PrivateStepStats:
     """One private step: ``count`` examples in the logical batch, ``clipped`` of them clipped,
-    ``loss`` their mean loss (``nan`` for an empty batch). Statistics of the private data."""
+    ``loss`` their mean loss (``nan`` for an empty batch): statistics of the private data.
+    ``grad_norm``: the norm of the noisy gradient the optimiser got (released by the mechanism,
+    so logging it costs no privacy)."""
 
     count: int
     clipped: int
     loss: float
+    grad_norm: float = math.nan
 
 
 def _micro_batches(micro_batches: Any) -> list[tuple]:
@@ -98,8 +103,9 @@ def private_step_(
     dp: DPSGD,
     *,
     autocast_dtype: torch.dtype | None = None,
-    randomness: str = "error",
+    randomness: Randomness = "error",
     chunk_size: int | None = None,
+    clipping: Clipping = "auto",
 ) -> PrivateStepStats:
     """One DP-SGD step of ``optimizer`` on the logical batch made of ``micro_batches``.
 
@@ -112,6 +118,7 @@ def private_step_(
     ``torch.autocast`` on the adapter's device; the gradients stay in the adapter's dtype.
     A non-finite gradient raises ``FloatingPointError`` naming the tensors before the optimiser
     moves anything. No gradient scaler: clip per example on unscaled gradients (bf16 or fp32).
+    ``clipping``, ``randomness``, ``chunk_size``: :func:`lora_func.privacy.clipped_sum`'s.
     """
     if not isinstance(dp, DPSGD):
         raise TypeError(f"private_step_: dp must be a lora_func.privacy.DPSGD, got {type(dp).__name__}; DPSGD(max_grad_norm=1.0, noise_multiplier=1.0)")  # error: privacy-step-dp
@@ -127,7 +134,8 @@ def private_step_(
     total: ClippedSum | None = None
     with torch.autocast(device_type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
         for batch in batches:
-            part = clipped_sum(loss_fn, adapter, *batch, max_grad_norm=dp.max_grad_norm, randomness=randomness, chunk_size=chunk_size)
+            part = clipped_sum(loss_fn, adapter, *batch, max_grad_norm=dp.max_grad_norm, randomness=randomness,
+                               chunk_size=chunk_size, clipping=clipping)
             total = part if total is None else total + part
     assert total is not None
     grads = noised_mean(total, noise_multiplier=dp.noise_multiplier, generator=dp.generator, expected_batch_size=dp.expected_batch_size)
@@ -135,4 +143,5 @@ def private_step_(
     set_grads_(adapter, grads)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return PrivateStepStats(total.count, total.clipped, total.loss_sum / total.count if total.count else math.nan)
+    norm = float(torch.stack([g.detach().float().pow(2).sum() for g in grads.values()]).sum().sqrt())
+    return PrivateStepStats(total.count, total.clipped, total.loss_sum / total.count if total.count else math.nan, norm)

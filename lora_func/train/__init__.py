@@ -15,6 +15,11 @@ One step (:func:`train_step`) does, in order:
    scale lowered (that is the scaler's job, not an error); without one, a non-finite loss or
    gradient raises ``FloatingPointError`` naming the step and the tensors.
 
+Private mode: ``train_step(..., privacy=lora_func.privacy.DPSGD(...))`` (and ``fit``) takes a
+DP-SGD step instead: every example clipped, noise drawn once per step, optional micro-batches;
+no scaler and no ``max_grad_norm`` with it. ``save_checkpoint`` / ``load_checkpoint`` with
+``privacy=`` keep the noise generator's state (docs/guide/privacy.md).
+
 Adapters stay fp32 on a bf16/fp16 base (``AdapterSpec``'s default): see docs/guide/precision.md.
 
 Exact resume: :func:`fit` takes ``batch_at(step)``, a pure function of the step number, so

@@ -8,6 +8,8 @@ training continues bit-identically.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import json
 import math
@@ -25,6 +27,7 @@ import lora_func as lf
 from lora_func.checks import check_model, check_path, non_finite_keys
 from lora_func.io._files import read_safetensors, replace_directory, safetensors_write
 from lora_func.io.native import tensors_digest
+from lora_func.privacy.step import DPSGD
 from lora_func.train.state import TrainState, check_state
 
 __all__ = ["load_checkpoint", "save_checkpoint"]
@@ -36,10 +39,15 @@ _STATE_FILE = "trainer_state.json"
 _DIGESTS = "lora_func_checksums"  # metadata of optimizer.safetensors
 
 
-def save_checkpoint(directory: str | os.PathLike, state: TrainState) -> Path:
+def save_checkpoint(directory: str | os.PathLike, state: TrainState, *, privacy: DPSGD | None = None) -> Path:
     """Write ``state`` to ``directory``: the adapter (:func:`lora_func.save`), the optimiser's
     tensors keyed by adapter tensor name (safetensors) and its hyperparameters, the scaler and
     the step (JSON). Returns the directory.
+
+    ``privacy``: the run's :class:`lora_func.privacy.DPSGD`; its mechanism and its noise
+    generator's state are saved too, so that :func:`load_checkpoint` with ``privacy=`` continues
+    the noise draws where they were (a resumed run draws what an uninterrupted one would). The
+    accountant's step count is ``state.step``.
 
     The three files are written into a new directory next to ``directory`` that then takes
     its place in one step (as :func:`lora_func.save_peft` does; other entries of an existing
@@ -47,6 +55,7 @@ def save_checkpoint(directory: str | os.PathLike, state: TrainState) -> Path:
     checkpoint or the new one, never one step's adapter with another step's optimiser."""
     check_path(directory, "save_checkpoint", "directory")
     check_state(state, "save_checkpoint")
+    private = None if privacy is None else _privacy_meta(privacy)
     directory = Path(directory)
     target = Path(os.path.realpath(directory))
     if target.exists() and not target.is_dir():
@@ -69,6 +78,8 @@ def save_checkpoint(directory: str | os.PathLike, state: TrainState) -> Path:
         "scaler": None if state.scaler is None else state.scaler.state_dict(),
         "device_type": next(iter(state.adapter.params.values())).device.type,
     }
+    if private is not None:
+        meta["privacy"] = private
     text = json.dumps(meta, indent=1)
     # Checked on load: safetensors has no checksum, and a flipped bit in a moment (or in the
     # learning rate in trainer_state.json) would otherwise train on silently.
@@ -92,9 +103,15 @@ def save_checkpoint(directory: str | os.PathLike, state: TrainState) -> Path:
     return directory
 
 
-def load_checkpoint(directory: str | os.PathLike, model: nn.Module) -> TrainState:
+def load_checkpoint(directory: str | os.PathLike, model: nn.Module, *, privacy: DPSGD | None = None) -> TrainState:
     """Rebuild the :class:`TrainState` saved by :func:`save_checkpoint` for ``model``: same
     adapter bits, optimiser class, hyperparameters and moments, scaler and step.
+
+    A checkpoint of a private run needs ``privacy``: a :class:`lora_func.privacy.DPSGD` with
+    the saved mechanism (``max_grad_norm``, ``noise_multiplier``, ``expected_batch_size``) and a
+    generator on the saved device, whose state is then set to the saved one (the only change
+    made to it, after every check passed). A checkpoint of a non-private run refuses
+    ``privacy`` (its noise state is unknown).
 
     Everything is checked before anything is built: the files' checksums (a flipped bit in
     the moments or the state raises), the structure of ``trainer_state.json``, and every
@@ -110,6 +127,7 @@ def load_checkpoint(directory: str | os.PathLike, model: nn.Module) -> TrainStat
     text, meta = _read_state(directory / _STATE_FILE)
     tensors, file_meta = _read_optimizer_file(directory / _OPTIMIZER_FILE)
     _check_digests(directory, text, tensors, file_meta)
+    noise_state = _check_privacy(directory, meta.get("privacy"), privacy)
     adapter: Any = lf.load(directory / _ADAPTER_FILE, model=model)
     optimizer_class: Any = getattr(torch.optim, meta["optimizer"], None)
     if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)) or optimizer_class is torch.optim.Optimizer:
@@ -128,7 +146,53 @@ def load_checkpoint(directory: str | os.PathLike, model: nn.Module) -> TrainStat
     if meta["scaler"] is not None:
         scaler = torch.amp.GradScaler(meta["device_type"])
         scaler.load_state_dict(meta["scaler"])
+    if privacy is not None and privacy.generator is not None and noise_state is not None:
+        privacy.generator.set_state(noise_state)
     return TrainState(adapter, optimizer, scaler, meta["step"])
+
+
+def _privacy_meta(privacy: DPSGD) -> dict[str, Any]:
+    if not isinstance(privacy, DPSGD) or privacy.generator is None:
+        raise ValueError(  # error: train-checkpoint-privacy-generator
+            f"save_checkpoint: privacy must be the run's lora_func.privacy.DPSGD with its own noise generator, got "
+            f"{type(privacy).__name__ if not isinstance(privacy, DPSGD) else 'a DPSGD drawing from the global RNG (generator=None)'}; "
+            f"a resumable private run needs DPSGD(..., generator=torch.Generator().manual_seed(seed))"
+        )
+    return {
+        "max_grad_norm": privacy.max_grad_norm,
+        "noise_multiplier": privacy.noise_multiplier,
+        "expected_batch_size": privacy.expected_batch_size,
+        "generator_device": privacy.generator.device.type,
+        "generator_state": base64.b64encode(privacy.generator.get_state().numpy().tobytes()).decode("ascii"),
+    }
+
+
+def _check_privacy(directory: Path, saved: Any, privacy: DPSGD | None) -> Tensor | None:
+    """The saved noise generator state, after checking that ``privacy`` fits the checkpoint."""
+    if saved is None and privacy is None:
+        return None
+    if saved is None or privacy is None:
+        raise ValueError(  # error: train-checkpoint-privacy
+            f"load_checkpoint: {directory} was saved by a {'private' if saved is not None else 'non-private'} run, and "
+            + ("no privacy= was given: pass the run's DPSGD (same max_grad_norm, noise_multiplier, expected_batch_size; a "
+               "generator) so that its noise continues where it stopped, and train on with privacy=" if saved is not None else
+               "privacy= was given, but the checkpoint holds no noise state to continue; load it without privacy= and start "
+               "the private run from it (its accounting starts at step 0)")
+        )
+    if not isinstance(privacy, DPSGD) or privacy.generator is None:
+        raise ValueError(  # error: train-checkpoint-privacy-load-generator
+            f"load_checkpoint: privacy must be a lora_func.privacy.DPSGD with a generator (the saved noise state is set "
+            f"into it), got {type(privacy).__name__ if not isinstance(privacy, DPSGD) else 'generator=None'}"
+        )
+    wanted = {key: saved[key] for key in ("max_grad_norm", "noise_multiplier", "expected_batch_size")}
+    given = {key: getattr(privacy, key) for key in wanted}
+    if wanted != given or privacy.generator.device.type != saved["generator_device"]:
+        raise ValueError(  # error: train-checkpoint-privacy-mismatch
+            f"load_checkpoint: {directory} was saved with {wanted} and a {saved['generator_device']} generator, but privacy "
+            f"has {given} and a {privacy.generator.device.type} generator; resume with the saved mechanism (a different one "
+            f"changes the accounting: start a new run for it)"
+        )
+    return torch.frombuffer(bytearray(base64.b64decode(saved["generator_state"])), dtype=torch.uint8)
 
 
 def _adapter_digest(path: Path) -> str | None:
@@ -189,6 +253,26 @@ def _state_problems(meta: Any) -> list[str]:
     scaler = meta["scaler"]
     if scaler is not None and (not isinstance(scaler, dict) or not all(_finite_number(v) for v in scaler.values())):
         problems.append(f"scaler={scaler!r} is not an object of finite numbers")
+    if "privacy" in meta:
+        problems += _privacy_problems(meta["privacy"])
+    return problems
+
+
+def _privacy_problems(private: Any) -> list[str]:
+    """What is wrong with the ``privacy`` entry of a parsed ``trainer_state.json``."""
+    keys = ("max_grad_norm", "noise_multiplier", "expected_batch_size", "generator_device", "generator_state")
+    if not isinstance(private, dict) or set(private) != set(keys):
+        return [f"privacy is not an object with exactly the fields {list(keys)}"]
+    problems = [f"privacy.{key}={private[key]!r} is not a finite number >= 0" for key in ("max_grad_norm", "noise_multiplier")
+                if not (_finite_number(private[key]) and private[key] >= 0)]
+    if private["expected_batch_size"] is not None and not (_finite_number(private["expected_batch_size"]) and private["expected_batch_size"] > 0):
+        problems.append(f"privacy.expected_batch_size={private['expected_batch_size']!r} is not None or a number > 0")
+    if not isinstance(private["generator_device"], str) or not _is_device_type(private["generator_device"]):
+        problems.append(f"privacy.generator_device={private['generator_device']!r} is not a device type")
+    try:
+        base64.b64decode(private["generator_state"], validate=True)
+    except (TypeError, binascii.Error):
+        problems.append("privacy.generator_state is not base64")
     return problems
 
 

@@ -19,6 +19,7 @@ import lora_func as lf
 from lora_func.adapter import leaf_adapters
 from lora_func.checks import check_base, check_finite, check_model
 from lora_func.plan import detached_base
+from lora_func.privacy.step import DPSGD, private_step_
 from lora_func.train.state import (
     IGNORE_INDEX,
     Batch,
@@ -28,6 +29,19 @@ from lora_func.train.state import (
 )
 
 __all__ = ["adapter_loss", "causal_lm_loss", "fit", "make_optimizer", "train_step"]
+
+
+class _DefaultNorm(float):
+    """``max_grad_norm``'s default (1.0), told apart from a value passed by hand: a private
+    step refuses the latter (it clips per example instead)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "1.0"
+
+
+DEFAULT_MAX_GRAD_NORM = _DefaultNorm(1.0)
 
 
 def causal_lm_loss(logits: Tensor, labels: Tensor) -> Tensor:
@@ -72,15 +86,27 @@ def train_step(
     *,
     base: Mapping[str, Tensor] | None = None,
     autocast_dtype: torch.dtype | None = None,
-    max_grad_norm: float | None = 1.0,
+    max_grad_norm: float | None = DEFAULT_MAX_GRAD_NORM,
+    privacy: DPSGD | None = None,
+    micro_batch_size: int | None = None,
 ) -> StepStats:
     """One optimiser step on ``batch``; advances ``state.step``. See the module docstring for
     the order of operations. Raises ``FloatingPointError`` naming the step (and the adapter
-    tensors) on a non-finite loss, or on non-finite gradients without a scaler."""
+    tensors) on a non-finite loss, or on non-finite gradients without a scaler.
+
+    ``privacy`` (a :class:`lora_func.privacy.DPSGD`): a DP-SGD step instead
+    (:func:`lora_func.privacy.private_step_`): every example (row of ``batch``) clipped to
+    ``privacy.max_grad_norm``, one noise draw for the whole batch, in micro-batches of
+    ``micro_batch_size`` rows (``None``: one) that change memory, not the result. fp32 or
+    ``autocast_dtype=torch.bfloat16``; no GradScaler and no ``max_grad_norm`` with it (the
+    clipping is per example). ``StepStats.grad_norm`` is then the noisy gradient's norm.
+    """
     check_model(model, "train_step")
     check_state(state, "train_step")
     if base is not None:
         check_base(base, "train_step")
+    if privacy is not None or micro_batch_size is not None:
+        return _private_step(model, state, batch, base, autocast_dtype, max_grad_norm, privacy, micro_batch_size)
     if max_grad_norm is not None and (
         isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)) or not max_grad_norm > 0
     ):
@@ -126,7 +152,9 @@ def fit(
     steps: int,
     *,
     autocast_dtype: torch.dtype | None = None,
-    max_grad_norm: float | None = 1.0,
+    max_grad_norm: float | None = DEFAULT_MAX_GRAD_NORM,
+    privacy: DPSGD | None = None,
+    micro_batch_size: int | None = None,
     max_skipped: int = 20,
     progress: bool = True,
     desc: str = "training",
@@ -139,7 +167,9 @@ def fit(
     generator seeded with it) and a resumed run sees the same batches. Shows a tqdm progress
     bar unless ``progress=False``; ``on_step`` is called after every step (live plots).
     ``max_skipped`` consecutive scaler-skipped steps raise: the scale has collapsed and the
-    gradients are not finite at any scale.
+    gradients are not finite at any scale. ``privacy``, ``micro_batch_size``: private steps
+    (:func:`train_step`); a resumed private run restores ``privacy.generator`` with
+    :func:`load_checkpoint` (``privacy=``), and ``state.step`` is the accountant's step count.
     """
     check_model(model, "fit")
     check_state(state, "fit")
@@ -157,7 +187,8 @@ def fit(
     try:
         while state.step < steps:
             stats = train_step(
-                model, state, batch_at(state.step), base=base, autocast_dtype=autocast_dtype, max_grad_norm=max_grad_norm
+                model, state, batch_at(state.step), base=base, autocast_dtype=autocast_dtype, max_grad_norm=max_grad_norm,
+                privacy=privacy, micro_batch_size=micro_batch_size,
             )
             history.append(stats)
             skipped_in_a_row = skipped_in_a_row + 1 if stats.skipped else 0
@@ -172,6 +203,68 @@ def fit(
     finally:
         bar.close()
     return history
+
+
+def _private_step(
+    model: nn.Module,
+    state: TrainState,
+    batch: Batch,
+    base: Mapping[str, Tensor] | None,
+    autocast_dtype: torch.dtype | None,
+    max_grad_norm: float | None,
+    privacy: DPSGD | None,
+    micro_batch_size: int | None,
+) -> StepStats:
+    """:func:`train_step`'s private mode (its docstring)."""
+    if privacy is None:
+        raise ValueError(  # error: train-micro-batch-needs-privacy
+            f"train_step: micro_batch_size={micro_batch_size!r} accumulates the clipped per-example gradients of a private "
+            f"step; pass privacy=lora_func.privacy.DPSGD(...) with it (a non-private step takes the whole batch)"
+        )
+    if not isinstance(privacy, DPSGD):
+        raise TypeError(  # error: train-privacy-type
+            f"train_step: privacy must be a lora_func.privacy.DPSGD, got {type(privacy).__name__}; "
+            f"DPSGD(max_grad_norm=1.0, noise_multiplier=1.0, generator=torch.Generator().manual_seed(0))"
+        )
+    conflicts = [name for name, on in (("a GradScaler (state.scaler)", state.scaler is not None),
+                                       (f"max_grad_norm={max_grad_norm!r}", max_grad_norm is not DEFAULT_MAX_GRAD_NORM)) if on]
+    if conflicts:
+        raise ValueError(  # error: train-privacy-conflict
+            f"train_step: privacy= clips every example to privacy.max_grad_norm and draws the noise on unscaled gradients, "
+            f"so {' and '.join(conflicts)} cannot go with it; drop {'them' if len(conflicts) > 1 else 'it'} (bf16 autocast "
+            f"needs no scaler; set the clip bound in DPSGD)"
+        )
+    rows = _batch_rows(batch)
+    if micro_batch_size is None:
+        micro_batch_size = max(rows, 1)
+    if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int) or micro_batch_size < 1:
+        raise ValueError(  # error: train-micro-batch-size
+            f"train_step: micro_batch_size={micro_batch_size!r} must be an integer >= 1 (rows of the batch per forward "
+            f"and backward) or None (the whole batch at once)"
+        )
+    _check_optimizer_state(state.optimizer, state.adapter.params)
+    base = None if base is None else detached_base(base)
+
+    def loss_fn(adapter: Any, part: Batch) -> Tensor:
+        return adapter_loss(model, adapter, part, base=base)
+
+    parts = [({k: v[i : i + micro_batch_size] for k, v in batch.items()},) for i in range(0, max(rows, 1), micro_batch_size)]
+    stats = private_step_(state.optimizer, state.adapter, loss_fn, parts, privacy, autocast_dtype=autocast_dtype,
+                          randomness="different")
+    step = state.step
+    state.step += 1
+    return StepStats(step, stats.loss, stats.grad_norm, skipped=False)
+
+
+def _batch_rows(batch: Batch) -> int:
+    sizes = {v.shape[0] for v in batch.values() if isinstance(v, Tensor) and v.dim() >= 1} if isinstance(batch, Mapping) else set()
+    if len(sizes) != 1 or "input_ids" not in batch:
+        raise ValueError(  # error: train-private-batch
+            f"train_step: a private step needs a batch dict with input_ids whose tensors all have the examples on dim 0 "
+            f"(one size), got {sorted(batch) if isinstance(batch, Mapping) else type(batch).__name__} with dim-0 sizes "
+            f"{sorted(sizes)}"
+        )
+    return sizes.pop()
 
 
 def _check_optimizer_state(optimizer: torch.optim.Optimizer, params: Mapping[str, Tensor]) -> None:
