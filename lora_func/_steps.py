@@ -21,7 +21,7 @@ from lora_func.targeting import canonical_weight, stored_weight
 from lora_func.variants import BaseLayer, LayerInfo, TensorDict, Variant
 from lora_func.variants._contract import padded_member
 
-__all__ = ["ChainStep", "LayerCall", "LayerStep", "SumStep", "VariantStep", "merged_weight"]
+__all__ = ["ChainStep", "ExpertsStep", "LayerCall", "LayerStep", "SumStep", "VariantStep", "merged_weight"]
 
 
 class LayerCall:
@@ -206,9 +206,52 @@ class SumStep:
         return self._sum(y, [step.activation(x, shared) for step in self.steps])
 
 
+class ExpertsStep:
+    """One variant's adapter on a 3-D expert parameter: its forms run per expert.
+
+    ``params`` / ``buffers`` are the layer's own tensors, each with a leading expert axis ``E``;
+    ``shared_params`` / ``shared_buffers`` (the adapter's shared tensors, a rank-padded stack's
+    mask and alphas) have none and every expert reads them. ``weight(W (E, d_out, d_in), None)``
+    maps the variant's weight form over the experts (``torch.func.vmap``), so a member of a
+    rank-padded stack is presented per expert exactly as on a matrix (:class:`VariantStep`).
+    Applied through the merged weight (the experts' op is a per-expert loop or a grouped matmul,
+    not one layer call).
+    """
+
+    __slots__ = ("buffers", "dtype", "info", "params", "shared_buffers", "shared_params", "variant")
+    changes_bias = False
+
+    def __init__(
+        self,
+        variant: Variant,
+        params: TensorDict,
+        buffers: TensorDict,
+        shared_params: TensorDict,
+        shared_buffers: TensorDict,
+        info: LayerInfo,
+        dtype: torch.dtype,
+    ) -> None:
+        self.variant, self.params, self.buffers, self.info, self.dtype = variant, params, buffers, info, dtype
+        self.shared_params, self.shared_buffers = shared_params, shared_buffers
+
+    def weight(self, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        shared_params, shared_buffers, variant, info, dtype = self.shared_params, self.shared_buffers, self.variant, self.info, self.dtype
+
+        def one(params: TensorDict, buffers: TensorDict, w: Tensor) -> Tensor:
+            step = VariantStep(variant, shared_params | params, shared_buffers | buffers, info, dtype)
+            return step.weight(w, None)[0]
+
+        return torch.func.vmap(one)(self.params, self.buffers, weight), bias
+
+    def activation(self, x: Tensor, base: BaseLayer) -> Tensor:
+        # Per expert x (E, n, d_in) -> (E, n, d_out) through the merged weights (the overlays
+        # never call it: they apply an expert parameter by its merged weight).
+        return x @ self.weight(base.weight, None)[0].transpose(-1, -2)
+
+
 def merged_weight(
     step: LayerStep, weight: Tensor, bias: Tensor | None, layout: str
 ) -> tuple[Tensor, Tensor | None]:
     """``(W_eff, b_eff)`` in the stored layout and the base dtype."""
     w_eff, b_eff = step.weight(canonical_weight(weight, layout), bias)
-    return stored_weight(w_eff, layout), b_eff
+    return stored_weight(w_eff, layout, weight.shape), b_eff

@@ -25,10 +25,10 @@ from lora_func._sharded import is_sharded, swapped_on
 from lora_func._steps import LayerCall, LayerStep, merged_weight
 from lora_func.adapter import AdapterLike
 from lora_func.checks import check_base, check_finite, check_model
-from lora_func.overlay import check_adapter_finite, lazy_overlay, merged_overlay
+from lora_func.overlay import check_adapter_finite, lazy_overlay, merged_only_params, merged_overlay
 from lora_func.plan import Plan, Route, adapter_tensors, build_plan, cached_plan, check_plan_fits, detached_base, structure_key
 from lora_func.quantized import QuantizedKind, frozen_call, frozen_forwards, kind_of_tensor
-from lora_func.targeting import Target, canonical_weight
+from lora_func.targeting import MERGED_ONLY, Target, canonical_weight
 from lora_func.variants import BaseLayer
 
 __all__ = ["adapted", "adapted_call", "make_plan"]
@@ -103,8 +103,14 @@ def application(
     if plan.route == "overlay":
         params = merged_overlay(plan, base, adapter) if merged else lazy_overlay(plan, base, adapter, strict=strict, training=model.training)
     else:
-        params = dict(base)
-        forwards = {plan.targets[key].target.module: _module_call(plan.targets[key].target, step, merged) for key, step in plan.steps(adapter).items()}
+        # The kinds applied through their merged weight (embeddings, convs, norms, experts) go in
+        # the parameter dict on this route too; the module calls adapt Linear / Conv1D layers.
+        params = {**base, **merged_only_params(plan, base, adapter)}
+        forwards = {
+            t.module: _module_call(t, step, merged)
+            for key, step in plan.steps(adapter).items()
+            if (t := plan.targets[key].target).layout not in MERGED_ONLY
+        }
     if not whole_base:
         params = {name: tensor for name, tensor in params.items() if tensor is not base[name]}
     params = swapped_on(params, modules, plan.fsdp, "adapted_call")

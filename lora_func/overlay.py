@@ -15,12 +15,13 @@ from collections.abc import Mapping
 from torch import Tensor
 
 from lora_func._lazy import AdaptedBias, AdaptedCalls, AdaptedWeight, _BiasEntry, _ModeEntry
-from lora_func._steps import merged_weight
+from lora_func._steps import LayerStep, merged_weight
 from lora_func.adapter import AdapterLike
 from lora_func.checks import check_base, check_finite
 from lora_func.plan import Plan, adapter_tensors, check_plan_fits, overlay_plan
+from lora_func.targeting import MERGED_ONLY, Target
 
-__all__ = ["merge_overlay", "overlay", "overlay_calls"]
+__all__ = ["merge_overlay", "merged_only_params", "overlay", "overlay_calls"]
 
 
 def checked_plan(base: Mapping[str, Tensor], adapter: AdapterLike, where: str, safe: bool, plan: Plan | None) -> Plan:
@@ -68,14 +69,18 @@ def merged_overlay(plan: Plan, base: Mapping[str, Tensor], adapter: AdapterLike)
     """:func:`merge_overlay` without its checks (``plan`` checked ``adapter`` on ``base``)."""
     out = dict(base)
     for key, step in plan.steps(adapter).items():
-        t = plan.targets[key].target
-        bias = base[t.bias_key] if t.bias_key is not None else None
-        w_eff, b_eff = merged_weight(step, base[key], bias, t.layout)
-        for name in (key, *t.tied_keys):
-            out[name] = w_eff
-        if step.changes_bias and t.bias_key is not None and b_eff is not None:
-            out[t.bias_key] = b_eff
+        _put_merged(out, plan.targets[key].target, step, base)
     return out
+
+
+def _put_merged(out: dict[str, Tensor], t: Target, step: LayerStep, base: Mapping[str, Tensor]) -> None:
+    """Put target ``t``'s merged weight (under every name of it) and changed bias into ``out``."""
+    bias = base[t.bias_key] if t.bias_key is not None else None
+    w_eff, b_eff = merged_weight(step, base[t.weight_key], bias, t.layout)
+    for name in (t.weight_key, *t.tied_keys):
+        out[name] = w_eff
+    if step.changes_bias and t.bias_key is not None and b_eff is not None:
+        out[t.bias_key] = b_eff
 
 
 def overlay(
@@ -108,11 +113,27 @@ def lazy_overlay(plan: Plan, base: Mapping[str, Tensor], adapter: AdapterLike, *
     for key, step in plan.steps(adapter).items():
         t = targets[key].target
         bias = base[t.bias_key] if t.bias_key is not None else None
+        if t.layout in MERGED_ONLY:
+            _put_merged(out, t, step, base)  # a lookup, a convolution, a norm, experts: no low-rank path to intercept
+            continue
         standin = AdaptedWeight(base[key], bias, step, layout=t.layout, strict=strict, name=key, training=training)
         for name in (key, *t.tied_keys):
             out[name] = standin
         if step.changes_bias and bias is not None and t.bias_key is not None:
             out[t.bias_key] = AdaptedBias(bias, standin, strict=strict, name=t.bias_key)
+    return out
+
+
+def merged_only_params(plan: Plan, base: Mapping[str, Tensor], adapter: AdapterLike) -> dict[str, Tensor]:
+    """The merged weights (and changed biases) of the targets of a kind applied through the merged
+    weight only (``lora_func.targeting.MERGED_ONLY``: embeddings, convs, norms, experts), by name:
+    what the module route puts in the parameter dict. (Under :func:`overlay_calls` every op on
+    such a weight gets its merged weight.)"""
+    out: dict[str, Tensor] = {}
+    for key, step in plan.steps(adapter).items():
+        t = plan.targets[key].target
+        if t.layout in MERGED_ONLY:
+            _put_merged(out, t, step, base)
     return out
 
 

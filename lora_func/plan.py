@@ -29,12 +29,13 @@ from torch import Tensor, nn
 
 from lora_func._model import base_params, check_params
 from lora_func._sharded import is_fsdp_model, is_sharded
-from lora_func._steps import LayerStep, VariantStep
+from lora_func._steps import ExpertsStep, LayerStep, VariantStep
 from lora_func.adapter import Adapter, AdapterLike, AdapterNode, walk
 from lora_func.checks import check_base, check_float_targets
 from lora_func.quantized import kind_of_tensor, logical_shape
-from lora_func.targeting import Target, close_names, layer_kind
+from lora_func.targeting import MERGED_ONLY, Target, close_names, module_kind, stored_shape
 from lora_func.variants import LayerInfo, Variant
+from lora_func.variants._contract import RANK_ALPHA, RANK_MASK
 
 __all__ = [
     "ROUTES",
@@ -138,12 +139,12 @@ class TargetPlan(NamedTuple):
 
 class _Leaf(NamedTuple):
     """How to build one leaf adapter's steps: per layer ``(weight key, info, ((short name, flat
-    key), ...) of params, the same of buffers)``; ``shared``: the leaf holds tensors every layer
-    reads (``Variant.shared_init``)."""
+    key), ...) of params, the same of buffers, whether it is an expert parameter)``; ``shared``:
+    the leaf holds tensors every layer reads (``Variant.shared_init``)."""
 
     variant: Variant
     dtype: torch.dtype
-    layers: tuple[tuple[str, LayerInfo, tuple[tuple[str, str], ...], tuple[tuple[str, str], ...]], ...]
+    layers: tuple[tuple[str, LayerInfo, tuple[tuple[str, str], ...], tuple[tuple[str, str], ...], bool], ...]
     shared: bool = False
 
 
@@ -160,16 +161,19 @@ def _steps(program: _Leaf | _Node, node: Any) -> dict[str, LayerStep]:
         params, buffers = node.params, node.buffers
         # Tensors every layer reads (one leaf each, so their gradient sums over the layers).
         shared_params, shared_buffers = node.shared_tensors() if program.shared else ({}, {})
-        return {
-            key: VariantStep(
-                program.variant,
-                shared_params | {n: params[k] for n, k in param_keys},
-                shared_buffers | {n: buffers[k] for n, k in buffer_keys},
-                info,
-                program.dtype,
-            )
-            for key, info, param_keys, buffer_keys in program.layers
-        }
+        steps: dict[str, LayerStep] = {}
+        for key, info, param_keys, buffer_keys, experts in program.layers:
+            own_params, own_buffers = {n: params[k] for n, k in param_keys}, {n: buffers[k] for n, k in buffer_keys}
+            if experts:
+                # A rank-padded stack's mask and alphas have no expert axis: every expert reads them.
+                per_expert = {n: t for n, t in own_buffers.items() if n not in (RANK_MASK, RANK_ALPHA)}
+                steps[key] = ExpertsStep(
+                    program.variant, own_params, per_expert, shared_params,
+                    shared_buffers | {n: t for n, t in own_buffers.items() if n not in per_expert}, info, program.dtype,
+                )
+            else:
+                steps[key] = VariantStep(program.variant, shared_params | own_params, shared_buffers | own_buffers, info, program.dtype)
+        return steps
     per_part = [_steps(sub, part) for sub, part in zip(program.parts, node.parts, strict=True)]
     return {key: node.layer_step([per_part[k][key] for k in present], present) for key, present in program.present}
 
@@ -374,9 +378,9 @@ def refuse_tied(targets: Mapping[str, TargetPlan], where: str) -> None:
 def _check_layouts(modules: Mapping[str, nn.Module], targets: Sequence[Target], where: str) -> None:
     wrong = []
     for t in targets:
-        module = modules.get(t.module)
-        if module is not None and layer_kind(module) != t.layout:
-            wrong.append(f"{t.module}: adapter built for a {t.layout} layer, the model's is {layer_kind(module) or type(module).__name__}")
+        module = modules.get(t.owner)
+        if module is not None and module_kind(modules, t) != t.layout:
+            wrong.append(f"{t.module}: adapter built for a {t.layout} layer, the model's is {module_kind(modules, t) or type(module).__name__}")
     if wrong:
         raise ValueError(  # error: adapter-layout
             f"{where}: {sorted(wrong)[:5]}; the stored weight layouts differ (Linear (out, in) vs Conv1D (in, out)), so "
@@ -453,7 +457,7 @@ def build_plan(
         )
     wrong = []
     for key, t in targets_in_order.items():
-        stored = (t.d_out, t.d_in) if t.layout == "linear" else (t.d_in, t.d_out)
+        stored = stored_shape(t)
         if logical_shape(base[key]) != stored:
             wrong.append(f"{key}: adapter built for {stored}, model has {logical_shape(base[key])}")
     if wrong:
@@ -474,6 +478,13 @@ def build_plan(
         if check.dtype is not None and tensor.dtype != check.dtype:
             _raise_tensor_problem(plan_checks, params, buffers, where)
     sharded = sorted(key for key in targets_in_order if is_sharded(base[key]))
+    special = sorted(key for key in {*quantized, *sharded} if targets_in_order[key].layout in MERGED_ONLY)
+    if special:
+        raise ValueError(  # error: kind-quantized-or-sharded
+            f"{where}: target(s) {special[:4]} are {', '.join(sorted({targets_in_order[k].layout for k in special}))} weights that "
+            f"are quantized or sharded by FSDP2; lora_func applies these kinds through their merged weight, which needs a "
+            f"plain tensor: leave them out of the targets, or dequantize / unshard those layers"
+        )
     if resolved == "overlay":
         if quantized:
             raise ValueError(  # error: quantized-overlay
@@ -517,6 +528,7 @@ def _program(node: Any, prefix: str) -> _Leaf | _Node:
                     layer.info,
                     tuple((name, f"{layer.target.module}.{name}") for name, _ in layer.param_shapes),
                     tuple((name, f"{layer.target.module}.{name}") for name, _ in layer.buffer_shapes),
+                    layer.target.experts is not None,
                 )
                 for layer in node.layers
             ),

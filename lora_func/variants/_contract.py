@@ -220,6 +220,14 @@ class PeftFormat:
         one the adapter was built on (checked by fingerprint).
       recompute_buffers: the checkpoint holds no buffers: on load they are the variant's
         ``init`` on the base (PiSSA's residual, as peft recomputes it).
+      keys_by_kind: target kind -> tensor name -> peft key suffix, where peft names a kind's
+        tensors otherwise (LoRA on ``nn.Embedding``: ``lora_embedding_A``); the other kinds use
+        :attr:`keys`.
+      to_peft / from_peft: ``(kind, name, tensor, stored weight shape) -> tensor``: a tensor
+        in peft's shape for a target of that kind and back (LoRA's conv tensors carry the
+        kernel's axes, its expert tensors are peft's ``(r·E, d_in)`` / ``(d_out, r·E)``);
+        ``None``: the same shapes for every kind.
+      optional: tensor names a layer may lack (a norm without a bias).
     """
 
     method: PeftMethod
@@ -236,6 +244,10 @@ class PeftFormat:
     export: Callable[[TensorDict, TensorDict, Tensor | None, LayerInfo], PeftLayer] | None = None
     export_needs_base: str | None = None
     recompute_buffers: bool = False
+    keys_by_kind: Mapping[str, Mapping[str, str]] = dataclasses.field(default_factory=dict)
+    to_peft: Callable[[str, str, Tensor, tuple[int, ...]], Tensor] | None = None
+    from_peft: Callable[[str, str, Tensor, tuple[int, ...]], Tensor] | None = None
+    optional: frozenset[str] = frozenset()
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -292,6 +304,13 @@ class Variant:
       peft: how the variant is stored in HF peft's checkpoint format (a
         :class:`~lora_func.variants.PeftFormat`); ``None``: peft has no equivalent, and
         ``save_peft`` refuses it.
+      kinds: the target kinds it adapts (``lora_func.targeting.KINDS``: ``"linear"``,
+        ``"conv1d"``, ``"embedding"``, ``"conv"``, ``"norm"``, ``"experts"``); a spec naming a
+        target of another kind is refused, naming the variant, the kind and these. Every kind's
+        weight arrives in its canonical view (``(d_out, d_in)``; ``(d,)`` for a norm; an expert
+        parameter's forms run once per expert, its tensors carry a leading expert axis); the
+        activation form is only called on ``"linear"`` and ``"conv1d"`` layers (the other
+        kinds apply through the merged weight).
     """
 
     name: str
@@ -309,6 +328,7 @@ class Variant:
     calibrate: Callable[..., dict[str, tuple[LayerInfo, Any]]] | None = None
     shared_init: Callable[..., tuple[TensorDict, TensorDict]] | None = None
     peft: PeftFormat | None = None
+    kinds: frozenset[str] = frozenset({"linear", "conv1d"})
 
     def __repr__(self) -> str:
         # The functions' reprs would fill a screen; the name identifies the variant.
