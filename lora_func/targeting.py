@@ -313,7 +313,7 @@ def check_kinds(variant: Variant, targets: Sequence[Target], where: str) -> None
         )
 
 
-def find_targets(model: nn.Module, spec: AdapterSpec) -> list[Target]:
+def find_targets(model: nn.Module, spec: AdapterSpec, where: str = "init_adapter") -> list[Target]:
     """The targets of ``spec`` in ``model``, in module order; raises before touching anything.
 
     ``spec.targets == "all-linear"`` is peft's shorthand: every ``nn.Linear`` and GPT-2
@@ -395,5 +395,5 @@ def find_targets(model: nn.Module, spec: AdapterSpec) -> list[Target]:
                 shape=tuple(int(n) for n in shape) if layout in ("conv", *EXPERT_LAYOUTS) else (),
             )
         )
-    check_kinds(get_variant(spec.variant), targets, "init_adapter")
+    check_kinds(get_variant(spec.variant), targets, where)
     return targets

@@ -50,7 +50,7 @@ from lora_func.checks import check_model, check_path
 from lora_func.io._files import replace_directory, safetensors_write
 from lora_func.quantized import kind_of_tensor
 from lora_func.spec import AdapterSpec
-from lora_func.targeting import Target, canonical_weight, find_targets, tensor_names
+from lora_func.targeting import EXPERT_LAYOUTS, Target, canonical_weight, find_targets, kind_of_layout, layer_kind, stored_shape, tensor_names
 from lora_func.variants import (
     PeftFormat,
     PeftMethod,
@@ -96,11 +96,16 @@ class _Out:
     feedforward: bool = False
 
 
-def _stored(fmt: PeftFormat, found: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """A layer's tensors (lora_func names) as peft stores them (peft suffixes and shapes)."""
+def _stored(fmt: PeftFormat, found: Mapping[str, Tensor], target: Target) -> dict[str, Tensor]:
+    """A layer's tensors (lora_func names) as peft stores them (peft suffixes and shapes) on ``target``."""
+    kind = kind_of_layout(target.layout)
     out = {}
-    for name, suffix in fmt.keys.items():
+    for name, suffix in fmt.keys_by_kind.get(kind, fmt.keys).items():
+        if name not in found and name in fmt.optional:
+            continue
         tensor = found[name]
+        if fmt.to_peft is not None:
+            tensor = fmt.to_peft(kind, name, tensor, stored_shape(target))
         out[suffix] = tensor.unsqueeze(fmt.matrix[name][0]) if name in fmt.matrix else tensor
     return out
 
@@ -113,7 +118,7 @@ def _out(fmt: PeftFormat, adapter: Adapter, layer: AdapterLayer, base: Mapping[s
         method = fmt.method
         return _Out(
             t,
-            lambda: _stored(fmt, params | buffers),
+            lambda: _stored(fmt, params | buffers, t),
             r=layer.info.r if method.rank_of is not None else None,
             alpha=layer.info.alpha if method.alpha else None,
             feedforward=fmt.feedforward,
@@ -132,7 +137,7 @@ def _out(fmt: PeftFormat, adapter: Adapter, layer: AdapterLayer, base: Mapping[s
             )
         weight = canonical_weight(weight, t.layout)
     converted = fmt.export(params, buffers, weight, layer.info)
-    return _Out(t, lambda: _stored(fmt, converted.tensors()), r=converted.r, alpha=converted.alpha, feedforward=fmt.feedforward)
+    return _Out(t, lambda: _stored(fmt, converted.tensors(), t), r=converted.r, alpha=converted.alpha, feedforward=fmt.feedforward)
 
 
 def _suffixes(peft_type: str) -> dict[str, str]:
@@ -141,7 +146,8 @@ def _suffixes(peft_type: str) -> dict[str, str]:
         suffix: name
         for fmt in _formats().values()
         if fmt.method.peft_type == peft_type
-        for suffix, name in [*((s, n) for n, s in fmt.keys.items()), *fmt.old_keys.items()]
+        for keys in (fmt.keys, *fmt.keys_by_kind.values())
+        for suffix, name in [*((s, n) for n, s in keys.items()), *fmt.old_keys.items()]
     }
 
 
@@ -221,6 +227,7 @@ def _config_problems(config: Mapping[str, Any]) -> list[str]:
         "lora_alpha": number,
         "target_modules": selector,
         "feedforward_modules": selector,
+        "target_parameters": lambda v: v is None or (isinstance(v, list) and all(isinstance(t, str) for t in v)),
     }
     # The fields the variants' entries read (every entry's checks, whatever the peft_type, as a
     # field means one thing in peft).
@@ -290,7 +297,8 @@ def _check_model(model: nn.Module, directory: Path, modules: Iterable[str]) -> N
             f"load_peft({directory}) needs the untouched base model, got a peft-wrapped {type(model).__name__}; "
             f"pass model.get_base_model() of a fresh model (lora_func never modifies it)"
         )
-    names = {name for name, _ in model.named_modules()}
+    experts = _expert_params(model)
+    names = {name for name, _ in model.named_modules()} | set(experts)
     missing = sorted(set(modules) - names)
     if missing:
         raise ValueError(  # error: peft-missing-modules
@@ -298,7 +306,7 @@ def _check_model(model: nn.Module, directory: Path, modules: Iterable[str]) -> N
             f"all); load it onto the model it was trained for"
         )
     by_name = dict(model.named_modules())
-    weights = {m: getattr(by_name[m], "weight", None) for m in modules}
+    weights = {m: experts[m] if m in experts else getattr(by_name[m], "weight", None) for m in modules}
     not_float = sorted(
         f"{m}.weight ({w.dtype})"
         for m, w in weights.items()
@@ -310,6 +318,99 @@ def _check_model(model: nn.Module, directory: Path, modules: Iterable[str]) -> N
             f"(quantized or integer): the adapter's delta would be rounded away; dequantize those layers first (load the "
             f"model without a quantization config)"
         )
+
+
+def _expert_params(model: nn.Module) -> dict[str, Tensor]:
+    """The model's 3-D parameters (MoE experts) by name: what ``target_parameters`` can name."""
+    return {name: p for name, p in model.named_parameters(remove_duplicate=False) if p.dim() == 3}
+
+
+def _targeted_parameters(model: nn.Module, selector: Sequence[str]) -> dict[str, list[str]]:
+    """owner module -> the names of its parameters peft's ``target_parameters`` selects, in the
+    module's order (peft wraps them in this order: the first one innermost)."""
+    out: dict[str, list[str]] = {}
+    for owner, module in model.named_modules():
+        for pname, _ in module.named_parameters(recurse=False):
+            key = f"{owner}.{pname}"
+            if any(key == t or key.endswith("." + t) for t in selector):
+                out.setdefault(owner, []).append(pname)
+    return out
+
+
+def _resolve_parameters(directory: Path, config: Mapping[str, Any], tensors: dict[str, dict[str, Tensor]], model: nn.Module) -> dict[str, dict[str, Tensor]]:
+    """peft's keys of ``target_parameters`` layers under their parameters' names. peft wraps each
+    targeted parameter of a module in its own ``ParamWrapper``, nested in the module's parameter
+    order: with n of them, the i-th one's tensors are under ``<module>`` + ``.base_layer`` × (n-1-i)."""
+    selector = config.get("target_parameters") or []
+    if not selector:
+        return tensors
+    targeted = _targeted_parameters(model, selector)
+    out: dict[str, dict[str, Tensor]] = {}
+    for module, found in tensors.items():
+        owner, depth = module, 0
+        while owner.endswith(".base_layer"):
+            owner, depth = owner.removesuffix(".base_layer"), depth + 1
+        names = targeted.get(owner)
+        if names is None:
+            out[module] = found
+            continue
+        if depth >= len(names):
+            raise ValueError(  # error: peft-parameter-nesting
+                f"{directory} has tensors under {module}, nested {depth} deep, but target_parameters={list(selector)} selects "
+                f"{len(names)} parameter(s) of {owner} ({names}); re-save the checkpoint"
+            )
+        out[f"{owner}.{names[len(names) - 1 - depth]}"] = found
+    return out
+
+
+def _parameter_key(layers: Sequence[Target]) -> dict[str, str]:
+    """Target module -> the module path peft stores its tensors under: an expert parameter's
+    owner with ``.base_layer`` once for every targeted parameter of that owner after it
+    (:func:`_resolve_parameters` reads it back)."""
+    by_owner: dict[str, list[str]] = {}
+    for t in layers:
+        if t.layout in EXPERT_LAYOUTS:
+            by_owner.setdefault(t.owner, []).append(t.module)
+    out = {t.module: t.module for t in layers}
+    for owner, params in by_owner.items():
+        for i, name in enumerate(params):
+            out[name] = owner + ".base_layer" * (len(params) - 1 - i)
+    return out
+
+
+def _drop_saved_bases(directory: Path, tensors: Mapping[str, Tensor], model: nn.Module) -> dict[str, Tensor]:
+    """The tensors without the base weights peft saves beside an adapted embedding
+    (``save_embedding_layers``: ``<module>.base_layer.weight``), after checking that each equals
+    the model's: lora_func never changes the base, so a checkpoint that changed it (a resized
+    vocabulary, trained embeddings) must be refused."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    out, changed = {}, []
+    for key, tensor in tensors.items():
+        name = key.removeprefix(PREFIX)
+        if key.startswith(PREFIX) and name.endswith(".base_layer.weight"):
+            own = params.get(name.replace(".base_layer.weight", ".weight"))
+            if own is not None:
+                if own.shape != tensor.shape or not torch.equal(own.detach().to(tensor.dtype), tensor):
+                    changed.append(name.replace(".base_layer.weight", ".weight"))
+                continue
+        out[key] = tensor
+    if changed:
+        raise ValueError(  # error: peft-base-changed
+            f"{directory} holds base weights that differ from the model's: {sorted(changed)[:4]} (peft saved the base layer "
+            f"of an adapted embedding: a resized vocabulary or trained embeddings); lora_func never changes the base: copy "
+            f"those weights into the model first, then load_peft"
+        )
+    return out
+
+
+def _kind_of(model: nn.Module, module: str) -> tuple[str, tuple[int, ...]]:
+    """``(kind, stored weight shape)`` of a checkpoint's layer ``module`` in ``model``."""
+    experts = _expert_params(model)
+    if module in experts:
+        return "experts", tuple(experts[module].shape)
+    found = model.get_submodule(module)
+    weight = getattr(found, "weight", None)
+    return layer_kind(found) or "linear", tuple(weight.shape) if isinstance(weight, Tensor) else ()
 
 
 @dataclass
@@ -338,10 +439,19 @@ def _assemble(
     dtype = dtypes.pop()
     for other in dtypes:
         dtype = torch.promote_types(dtype, other)
-    spec = AdapterSpec(variant_name, targets=sorted(layers), r=r, alpha=alpha, dtype=dtype, **options)
+    experts = _expert_params(model)
+    spec = AdapterSpec(
+        variant_name,
+        targets=sorted(m for m in layers if m not in experts),
+        r=r,
+        alpha=alpha,
+        dtype=dtype,
+        target_parameters=sorted(m for m in layers if m in experts),
+        **options,
+    )
     modules = dict(model.named_modules())
     names_of = tensor_names(model)
-    tied = sorted(m for m in layers if len(names_of.get(id(getattr(modules[m], "weight", None)), ())) > 1)
+    tied = sorted(m for m in layers if m not in experts and len(names_of.get(id(getattr(modules[m], "weight", None)), ())) > 1)
     if tied:
         raise ValueError(  # error: peft-tied-module
             f"{directory} adapts {tied}, whose weight is tied to another name (e.g. GPT-2's lm_head and the token "
@@ -349,7 +459,7 @@ def _assemble(
             f"(tied='both'), which also changes the embedding; merge the adapter in peft (merge_and_unload) instead"
         )
     try:
-        targets = find_targets(model, spec)
+        targets = find_targets(model, spec, where="its layers")
     except ValueError as err:
         raise ValueError(f"load_peft({directory}): {err}") from None  # error: peft-layer-refused
     variant = get_variant(variant_name)
@@ -363,13 +473,14 @@ def _assemble(
         layer = layers[target.module]
         rank = spec.r if layer.r is None else layer.r
         layer_alpha = spec.alpha if layer.alpha is None else float(layer.alpha)
-        expected = fmt.shapes(rank, target.d_in, target.d_out)
+        expected = {k: (*target.shape[:1], *v) if target.experts is not None else v for k, v in fmt.shapes(rank, target.d_in, target.d_out).items()}
         got = {k: tuple(v.shape) for k, v in (layer.params | layer.buffers).items() if k in expected}
+        expected = {k: v for k, v in expected.items() if k in got or k not in fmt.optional}
         if got != expected:
             wrong.append(f"{target.module}: checkpoint has {got}, the model needs {expected}")
             continue
-        module = modules[target.module]
-        weight = module.weight
+        module = modules[target.owner]
+        weight = getattr(module, target.weight_key.rpartition(".")[2])
         info = layer_info(spec, target, r=rank, alpha=layer_alpha)
         layer_buffers = dict(layer.buffers)
         if fmt.recompute_buffers:
@@ -415,8 +526,8 @@ def _refuse_unsupported(directory: Path, config: Mapping[str, Any]) -> None:
         )
 
 
-def _check_complete(directory: Path, module: str, found: Mapping[str, Tensor], needed: Iterable[str]) -> None:
-    if sorted(found) != sorted(needed):
+def _check_complete(directory: Path, module: str, found: Mapping[str, Tensor], needed: Iterable[str], optional: Iterable[str] = ()) -> None:
+    if not set(needed) - set(optional) <= set(found) <= set(needed):
         raise ValueError(  # error: peft-incomplete
             f"{directory} is incomplete at {module}: it has {sorted(found)}, the layer needs {sorted(needed)}; re-save the checkpoint"
         )
@@ -444,10 +555,15 @@ def _format_for(directory: Path, config: Mapping[str, Any], peft_type: str, modu
     raise ValueError(f"{directory} cannot be read as a lora_func variant at {module}: {why}")  # error: peft-layer-unread
 
 
-def _layer_from_peft(directory: Path, config: Mapping[str, Any], module: str, fmt: PeftFormat, found: Mapping[str, Tensor]) -> _Layer:
-    """One layer's peft tensors in lora_func shapes, with its rank and alpha checked against the config."""
-    _check_complete(directory, module, found, fmt.keys)
+def _layer_from_peft(
+    directory: Path, config: Mapping[str, Any], module: str, fmt: PeftFormat, found: Mapping[str, Tensor], kind: tuple[str, tuple[int, ...]]
+) -> _Layer:
+    """One layer's peft tensors in lora_func shapes, with its rank and alpha checked against the
+    config; ``kind``: the layer's kind and stored weight shape in the model."""
+    _check_complete(directory, module, found, fmt.keys_by_kind.get(kind[0], fmt.keys), fmt.optional)
     tensors = dict(found)
+    if fmt.from_peft is not None:
+        tensors = {name: fmt.from_peft(kind[0], name, t, kind[1]) for name, t in tensors.items()}
     for name, (axis, stored_as) in fmt.matrix.items():
         t = tensors[name]
         if t.dim() != 2 or t.shape[axis] != 1:
@@ -458,6 +574,7 @@ def _layer_from_peft(directory: Path, config: Mapping[str, Any], module: str, fm
     if method.rank_of is not None:
         # peft computes the scale from the config's r / rank_pattern, not from the tensors.
         name, axis = method.rank_of
+        axis += 1 if kind[0] == "experts" else 0  # the expert axis comes first
         r = _checked_rank(directory, config, module, int(tensors[name].shape[axis]))
     if method.alpha:
         alpha = float(_pattern_value(config.get("alpha_pattern"), module, config.get("lora_alpha", 8)))
@@ -472,7 +589,8 @@ def _read(directory: Path, config: Mapping[str, Any], peft_type: str, tensors: M
     formats = _formats()
     for module, found in tensors.items():
         name, options = _format_for(directory, config, peft_type, module)
-        groups.setdefault(name, (options, {}))[1][module] = _layer_from_peft(directory, config, module, formats[name], found)
+        layer = _layer_from_peft(directory, config, module, formats[name], found, _kind_of(model, module))
+        groups.setdefault(name, (options, {}))[1][module] = layer
     method = _methods()[peft_type]
     r = int(config.get("r", 8)) if method.rank_of is not None else 8
     alpha = float(config.get("lora_alpha", 8)) if method.alpha else None
@@ -511,7 +629,8 @@ def load_peft(directory: str | os.PathLike, model: nn.Module) -> AdapterLike:
     _check_config(directory, config)
     _refuse_unsupported(directory, config)
     _warn_training_only(directory, config)
-    tensors = _by_module(directory, peft_type, _read_tensors(directory))
+    tensors = _by_module(directory, peft_type, _drop_saved_bases(directory, _read_tensors(directory), model))
+    tensors = _resolve_parameters(directory, config, tensors, model)
     _check_model(model, directory, tensors)
     selector = config.get("target_modules")
     if selector and not any(_selects(selector, name) for name, _ in model.named_modules()):
@@ -611,7 +730,7 @@ def _module_selector(selected: Sequence[str], candidates: Sequence[str] | None, 
 def _peft_config(
     peft_type: str, shared: Mapping[str, Any], layers: Sequence[_Out], model: nn.Module | None, task_type: str | None = None
 ) -> dict[str, Any]:
-    modules = [o.target.module for o in layers]
+    modules = [o.target.module for o in layers if o.target.layout not in EXPERT_LAYOUTS]
     all_modules = [n for n, _ in model.named_modules() if n] if model is not None else None
     config: dict[str, Any] = {
         "peft_type": peft_type,
@@ -620,6 +739,10 @@ def _peft_config(
         "inference_mode": True,
         "target_modules": _module_selector(modules, all_modules),
     }
+    parameters = sorted(o.target.module for o in layers if o.target.layout in EXPERT_LAYOUTS)
+    if parameters:
+        # peft's target_parameters: the full parameter names select exactly these.
+        config["target_parameters"] = parameters
     if any(o.target.layout == "conv1d" for o in layers):
         # GPT-2 Conv1D: peft needs fan_in_fan_out (it would set it itself, with a warning).
         config["fan_in_fan_out"] = True
@@ -755,8 +878,9 @@ def save_peft(
         check_model(model, "save_peft")
     base = _base_of(leaves, model)
     config, layers = _one_checkpoint([_export_leaf(leaf, base) for leaf in leaves], model, task_type)
+    stored_under = _parameter_key([o.target for o in layers])
     tensors = {
-        f"{PREFIX}{o.target.module}.{suffix}": tensor.detach().to("cpu").contiguous()
+        f"{PREFIX}{stored_under[o.target.module]}.{suffix}": tensor.detach().to("cpu").contiguous()
         for o in layers
         for suffix, tensor in o.tensors().items()
     }

@@ -126,8 +126,9 @@ def lora_kind_shape(kind: str, name: str, tensor: Tensor, shape: tuple[int, ...]
     """The inverse of :func:`peft_kind_shape`; a tensor of another shape comes back unchanged
     (the loader's shape check then names it)."""
     if kind == "conv":
-        kernel = tuple(shape[1:]) if name == "lora_A" else (1,) * (len(shape) - 2)
-        return tensor.flatten(1) if tuple(tensor.shape[1:]) == kernel else tensor
+        # A (r, in, *k) matches the base kernel's (in, *k), B (out, r, 1, ...) is a 1x1 conv.
+        fits = tuple(tensor.shape[1:]) == tuple(shape[1:]) if name == "lora_A" else tuple(tensor.shape[2:]) == (1,) * (len(shape) - 2)
+        return tensor.flatten(1) if fits else tensor
     if kind == "experts" and tensor.dim() == 2:
         experts = shape[0]
         if name == "lora_A" and tensor.shape[0] % experts == 0:
