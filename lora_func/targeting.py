@@ -248,7 +248,7 @@ def _did_you_mean(wanted: list[str], modules: list[tuple[str, nn.Module]]) -> st
     close = close_names(wanted, _module_name_pool([name for name, _ in modules]))
     if close:
         return f"close module names: {close}"
-    adaptable = sorted({name.rsplit(".", 1)[-1] for name, module in modules if layer_kind(module) is not None})
+    adaptable = sorted({name.rsplit(".", 1)[-1] for name, module in modules if layer_kind(module) in ("linear", "conv1d")})
     shown = f"{adaptable[:20]}{' ...' if len(adaptable) > 20 else ''}" if adaptable else "none (no nn.Linear or Conv1D)"
     return f"no module name is close; the layers it can adapt are named {shown}"
 
@@ -309,7 +309,7 @@ def check_kinds(variant: Variant, targets: Sequence[Target], where: str) -> None
         raise ValueError(  # error: variant-kind-unsupported
             f"{where}: variant {variant.name!r} cannot adapt {refused[:5]}{' ...' if len(refused) > 5 else ''}; "
             f"{variant.name} adapts {', '.join(supported)}. Leave those out of the targets, or pick a variant that adapts "
-            f"them (lora adapts every kind but norms; ln_tuning adapts norms)"
+            f"them (lora adapts every kind but norms; ln_tuning adapts norms, Linear and Conv1D)"
         )
 
 

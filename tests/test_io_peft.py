@@ -331,7 +331,7 @@ def test_load_peft_errors_name_the_problem(lora_dir, tmp_path):
     with pytest.raises(ValueError, match=r"LORA features lora_func does not support: \['lora_bias'\]"):
         load_peft(lora_dir, llama)
     _edit_config(lora_dir, lora_bias=False, peft_type="LOKR")
-    with pytest.raises(ValueError, match=r"peft 'LOKR' checkpoint; lora_func reads peft_type \['DELORA', 'HRA', 'IA3', 'LORA'\]"):
+    with pytest.raises(ValueError, match=r"peft 'LOKR' checkpoint; lora_func reads peft_type \[.*'LORA'.*\]"):
         load_peft(lora_dir, llama)
     _edit_config(lora_dir, peft_type="LORA")
     weights = lora_dir / "adapter_model.safetensors"

@@ -59,7 +59,7 @@ from lora_func.checks import check_float_targets, check_model, check_path
 from lora_func.io._files import read_safetensors, safetensors_write, write_file
 from lora_func.quantized import logical_shape
 from lora_func.spec import LAYER_TYPES, AdapterSpec
-from lora_func.targeting import Target, layer_kind
+from lora_func.targeting import EXPERT_LAYOUTS, Target, module_kind, stored_shape
 from lora_func.variants import LayerInfo, get_variant
 
 __all__ = ["load", "save"]
@@ -315,8 +315,9 @@ def _sane_layer(layer: AdapterLayer) -> bool:
     sizes = (info.d_in, info.d_out, info.r, target.d_in, target.d_out)
     names = (target.module, target.weight_key, *target.tied_keys, *([] if target.bias_key is None else [target.bias_key]))
     return (
-        target.layout in LAYER_TYPES
+        target.layout in (*LAYER_TYPES, *EXPERT_LAYOUTS)
         and all(isinstance(n, str) for n in names)
+        and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in target.shape)
         and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in sizes)
         and isinstance(info.alpha, (int, float))
         and not isinstance(info.alpha, bool)
@@ -405,14 +406,14 @@ def _model_problems(model: nn.Module, base: Mapping[str, Tensor], layers: list[A
     modules = dict(model.named_modules())
     for layer in layers:
         t = layer.target
-        stored = (t.d_out, t.d_in) if t.layout == "linear" else (t.d_in, t.d_out)
-        kind = layer_kind(modules[t.module]) if t.module in modules else None
+        stored = stored_shape(t)
+        kind = module_kind(modules, t)
         if t.weight_key not in base:
             problems.append(f"{t.weight_key}: not in the model")
         elif kind != t.layout:
             # Same name and, for a square layer, same shape: an nn.Linear adapter on a GPT-2
             # Conv1D would run transposed and give wrong outputs without an error.
-            problems.append(f"{t.weight_key}: adapter built for a {t.layout} layer, the model's is {kind or type(modules.get(t.module)).__name__}")
+            problems.append(f"{t.weight_key}: adapter built for a {t.layout} layer, the model's is {kind or type(modules.get(t.owner)).__name__}")
         elif logical_shape(base[t.weight_key]) != stored:
             problems.append(f"{t.weight_key}: adapter built for {stored}, model has {logical_shape(base[t.weight_key])}")
         elif layer.base_fingerprint is not None and weight_fingerprint(base[t.weight_key]) != layer.base_fingerprint:

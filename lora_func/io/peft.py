@@ -473,7 +473,8 @@ def _assemble(
         layer = layers[target.module]
         rank = spec.r if layer.r is None else layer.r
         layer_alpha = spec.alpha if layer.alpha is None else float(layer.alpha)
-        expected = {k: (*target.shape[:1], *v) if target.experts is not None else v for k, v in fmt.shapes(rank, target.d_in, target.d_out).items()}
+        shapes = fmt.shapes_by_kind.get(kind_of_layout(target.layout), fmt.shapes)(rank, target.d_in, target.d_out)
+        expected = {k: (*target.shape[:1], *v) if target.experts is not None else v for k, v in shapes.items()}
         got = {k: tuple(v.shape) for k, v in (layer.params | layer.buffers).items() if k in expected}
         expected = {k: v for k, v in expected.items() if k in got or k not in fmt.optional}
         if got != expected:
@@ -743,10 +744,10 @@ def _peft_config(
     if parameters:
         # peft's target_parameters: the full parameter names select exactly these.
         config["target_parameters"] = parameters
-    if any(o.target.layout == "conv1d" for o in layers):
+    method = _methods()[peft_type]
+    if method.fan_in_fan_out and any(o.target.layout == "conv1d" for o in layers):
         # GPT-2 Conv1D: peft needs fan_in_fan_out (it would set it itself, with a warning).
         config["fan_in_fan_out"] = True
-    method = _methods()[peft_type]
     config |= dict(method.fixed) | dict(shared)
     if method.feedforward_modules:
         ff = [o.target.module for o in layers if o.feedforward]

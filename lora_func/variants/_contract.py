@@ -161,6 +161,8 @@ class PeftMethod:
         > 0): loaded with a warning, as it acts in training only.
       unread: ``config -> why`` no variant of the method reads a layer of this config (e.g. an
         init that changed peft's base weights); the loader raises with it.
+      fan_in_fan_out: the method's config has peft's ``fan_in_fan_out`` (written ``true`` for
+        GPT-2 ``Conv1D`` layers).
     """
 
     peft_type: str
@@ -173,6 +175,7 @@ class PeftMethod:
     checks: Mapping[str, Callable[[Any], bool]] = dataclasses.field(default_factory=dict)
     training_only: Mapping[str, str] = dataclasses.field(default_factory=dict)
     unread: Callable[[Mapping[str, Any]], str] | None = None
+    fan_in_fan_out: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,6 +231,8 @@ class PeftFormat:
         kernel's axes, its expert tensors are peft's ``(r·E, d_in)`` / ``(d_out, r·E)``);
         ``None``: the same shapes for every kind.
       optional: tensor names a layer may lack (a norm without a bias).
+      shapes_by_kind: target kind -> ``(r, d_in, d_out) -> {tensor name: shape}`` where a kind's
+        tensors have other shapes than :attr:`shapes` (a norm's ``(d,)`` weight).
     """
 
     method: PeftMethod
@@ -248,6 +253,7 @@ class PeftFormat:
     to_peft: Callable[[str, str, Tensor, tuple[int, ...]], Tensor] | None = None
     from_peft: Callable[[str, str, Tensor, tuple[int, ...]], Tensor] | None = None
     optional: frozenset[str] = frozenset()
+    shapes_by_kind: Mapping[str, Callable[[int, int, int], dict[str, tuple[int, ...]]]] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True, repr=False)

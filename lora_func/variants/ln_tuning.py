@@ -1,8 +1,10 @@
 """LN tuning (Zhao et al. 2023, arXiv 2312.11420), following HF peft's ``tuners/ln_tuning``.
 
-peft's LN tuning trains a copy of each targeted norm layer (``LayerNorm``, Llama's ``RMSNorm``):
-its weight ``(d,)`` and bias ``(d,)``. Trainable ``ln_weight`` and ``ln_bias`` (where the layer
-has a bias), copies of the base's values, so the adapted model starts as the base:
+peft's LN tuning trains a copy of each targeted layer: meant for norm layers (``LayerNorm``,
+Llama's ``RMSNorm``: weight ``(d,)``, bias ``(d,)``), it takes any layer (peft warns), and on a
+``nn.Linear`` / GPT-2 ``Conv1D`` it is full fine-tuning of that layer. Trainable ``ln_weight``
+(canonical view: ``(d,)`` on a norm, ``(d_out, d_in)`` on a matrix) and ``ln_bias`` (where the
+layer has a bias), copies of the base's values, so the adapted model starts as the base:
 
     W_eff = ln_weight,   b_eff = ln_bias
 
@@ -49,13 +51,22 @@ def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: Ba
     return F.linear(x.to(weight.dtype), weight, params.get("ln_bias", None if base.bias is None else base.bias.to(weight.dtype))).to(x.dtype)
 
 
+def _stored_layout(kind: str, name: str, tensor: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """peft's copy of a GPT-2 Conv1D holds its weight ``(d_in, d_out)``: the transpose of the
+    canonical view, both ways."""
+    return tensor.T if kind == "conv1d" and name == "ln_weight" else tensor
+
+
 PEFT = PeftFormat(
-    PeftMethod("LN_TUNING", {}, ("modules_to_save",)),
+    PeftMethod("LN_TUNING", {}, ("modules_to_save",), fan_in_fan_out=False),
     {"ln_weight": "ln_tuning_layers.weight", "ln_bias": "ln_tuning_layers.bias"},
-    lambda r, d_in, d_out: {"ln_weight": (d_out,), "ln_bias": (d_out,)},
+    lambda r, d_in, d_out: {"ln_weight": (d_out, d_in), "ln_bias": (d_out,)},
     lambda options: {},
     lambda config, module: {},
     optional=frozenset({"ln_bias"}),
+    to_peft=_stored_layout,
+    from_peft=_stored_layout,
+    shapes_by_kind={"norm": lambda r, d_in, d_out: {"ln_weight": (d_out,), "ln_bias": (d_out,)}},
 )
 
 VARIANT = Variant(
@@ -68,5 +79,5 @@ VARIANT = Variant(
     changes_bias=True,
     replaces_weight=True,
     peft=PEFT,
-    kinds=frozenset({"norm"}),
+    kinds=frozenset({"linear", "conv1d", "norm"}),
 )
