@@ -71,8 +71,8 @@ def test_compose_pair_on_one_layer_merged_lazy_oracle(setting, first, second):
     kind, model, base, ids = setting
     a = _adapter(model, first, [LAYER[kind]], seed=10)
     b = _adapter(model, second, [LAYER[kind]], seed=20)
-    if second == "pissa":
-        with pytest.raises(ValueError, match=r"part 1 \(pissa\) replaces the base weight of .*Put part 1 first"):
+    if lf.get_variant(second).replaces_weight:
+        with pytest.raises(ValueError, match=rf"part 1 \({second}\) replaces the base weight of .*Put part 1 first"):
             lf.compose(a, b)
         return
     both = lf.compose(a, b)
@@ -91,9 +91,11 @@ def test_compose_pair_on_one_layer_merged_lazy_oracle(setting, first, second):
 @pytest.mark.parametrize("variant", sorted(ROWS))
 def test_compose_gradients_lazy_equal_merged(setting, variant):
     kind, model, base, ids = setting
-    first = "pissa" if variant != "pissa" else "lora"
+    # A variant that replaces the base weight (pissa, ln_tuning) goes first; the others after pissa.
+    replaces = lf.get_variant(variant).replaces_weight
+    first = "lora" if replaces else "pissa"
     parts = [_adapter(model, first, [LAYER[kind]], seed=1), _adapter(model, variant, [LAYER[kind]], seed=2)]
-    if variant == "pissa":
+    if replaces:
         parts.reverse()
     both = lf.compose(*parts)
 

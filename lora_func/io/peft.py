@@ -459,7 +459,7 @@ def _assemble(
             f"(tied='both'), which also changes the embedding; merge the adapter in peft (merge_and_unload) instead"
         )
     try:
-        targets = find_targets(model, spec, where="its layers")
+        targets = find_targets(model, spec, where="the checkpoint's layers")
     except ValueError as err:
         raise ValueError(f"load_peft({directory}): {err}") from None  # error: peft-layer-refused
     variant = get_variant(variant_name)
