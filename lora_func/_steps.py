@@ -19,9 +19,9 @@ from torch import Tensor
 
 from lora_func.targeting import canonical_weight, stored_weight
 from lora_func.variants import BaseLayer, LayerInfo, TensorDict, Variant
-from lora_func.variants._contract import padded_member
+from lora_func.variants._contract import RANK_ALPHA, RANK_MASK, padded_member
 
-__all__ = ["ChainStep", "ExpertsStep", "LayerCall", "LayerStep", "SumStep", "VariantStep", "merged_weight"]
+__all__ = ["ChainStep", "ExpertsStep", "LayerCall", "LayerStep", "SumStep", "VariantStep", "merged_weight", "variant_step"]
 
 
 class LayerCall:
@@ -247,6 +247,27 @@ class ExpertsStep:
         # Per expert x (E, n, d_in) -> (E, n, d_out) through the merged weights (the overlays
         # never call it: they apply an expert parameter by its merged weight).
         return x @ self.weight(base.weight, None)[0].transpose(-1, -2)
+
+
+def variant_step(
+    variant: Variant,
+    own: tuple[TensorDict, TensorDict],
+    shared: tuple[TensorDict, TensorDict],
+    info: LayerInfo,
+    dtype: torch.dtype,
+    *,
+    experts: bool = False,
+) -> LayerStep:
+    """One variant's step on one layer from the layer's ``own`` ``(params, buffers)`` and the
+    adapter's ``shared`` ones: a :class:`VariantStep`, or on an expert parameter an
+    :class:`ExpertsStep` (a rank-padded stack's mask and alphas have no expert axis: every
+    expert reads them, as the shared tensors)."""
+    (params, buffers), (shared_params, shared_buffers) = own, shared
+    if not experts:
+        return VariantStep(variant, shared_params | params, shared_buffers | buffers, info, dtype)
+    per_expert = {n: t for n, t in buffers.items() if n not in (RANK_MASK, RANK_ALPHA)}
+    every = shared_buffers | {n: t for n, t in buffers.items() if n not in per_expert}
+    return ExpertsStep(variant, params, per_expert, shared_params, every, info, dtype)
 
 
 def merged_weight(

@@ -29,13 +29,12 @@ from torch import Tensor, nn
 
 from lora_func._model import base_params, check_params
 from lora_func._sharded import is_fsdp_model, is_sharded
-from lora_func._steps import ExpertsStep, LayerStep, VariantStep
+from lora_func._steps import LayerStep, variant_step
 from lora_func.adapter import Adapter, AdapterLike, AdapterNode, walk
 from lora_func.checks import check_base, check_float_targets
 from lora_func.quantized import kind_of_tensor, logical_shape
 from lora_func.targeting import MERGED_ONLY, Target, close_names, module_kind, stored_shape
 from lora_func.variants import LayerInfo, Variant
-from lora_func.variants._contract import RANK_ALPHA, RANK_MASK
 
 __all__ = [
     "ROUTES",
@@ -161,19 +160,13 @@ def _steps(program: _Leaf | _Node, node: Any) -> dict[str, LayerStep]:
         params, buffers = node.params, node.buffers
         # Tensors every layer reads (one leaf each, so their gradient sums over the layers).
         shared_params, shared_buffers = node.shared_tensors() if program.shared else ({}, {})
-        steps: dict[str, LayerStep] = {}
-        for key, info, param_keys, buffer_keys, experts in program.layers:
-            own_params, own_buffers = {n: params[k] for n, k in param_keys}, {n: buffers[k] for n, k in buffer_keys}
-            if experts:
-                # A rank-padded stack's mask and alphas have no expert axis: every expert reads them.
-                per_expert = {n: t for n, t in own_buffers.items() if n not in (RANK_MASK, RANK_ALPHA)}
-                steps[key] = ExpertsStep(
-                    program.variant, own_params, per_expert, shared_params,
-                    shared_buffers | {n: t for n, t in own_buffers.items() if n not in per_expert}, info, program.dtype,
-                )
-            else:
-                steps[key] = VariantStep(program.variant, shared_params | own_params, shared_buffers | own_buffers, info, program.dtype)
-        return steps
+        return {
+            key: variant_step(
+                program.variant, ({n: params[k] for n, k in p_keys}, {n: buffers[k] for n, k in b_keys}), (shared_params, shared_buffers),
+                info, program.dtype, experts=experts,
+            )
+            for key, info, p_keys, b_keys, experts in program.layers
+        }
     per_part = [_steps(sub, part) for sub, part in zip(program.parts, node.parts, strict=True)]
     return {key: node.layer_step([per_part[k][key] for k in present], present) for key, present in program.present}
 

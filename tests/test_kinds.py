@@ -149,3 +149,25 @@ def test_the_mixed_route_refuses_merged_only_kinds(models):
     a = lf.init_adapter(model, lf.AdapterSpec("lora", targets=["embed_tokens"], r=2))
     with pytest.raises(ValueError, match=r"model.embed_tokens \(embedding\)"):
         lf.mixed_adapted_call(model, [a, a], torch.tensor([0, 1]), tokens())
+
+
+@pytest.mark.parametrize("kind", ["embedding", "conv", "experts"])
+def test_rank_padded_stacks_keep_each_member(kind, models):
+    """Adapters of ranks 2 and 3 stacked (zero-padded, masked): under vmap each member's merged
+    weight is its own, on an expert parameter too (the rank axis sits after the expert axis)."""
+    model_name, targets, extra = NEW_KINDS[kind]
+    model = models[model_name]
+    members = [
+        _perturbed(lf.init_adapter(model, lf.AdapterSpec("lora", targets=targets, r=r, **extra), generator=torch.Generator().manual_seed(r)), seed=r)
+        for r in (2, 3)
+    ]
+    stacked = lf.stack(members)
+    assert stacked.members is not None
+    base = lf.base_params(model)
+    keys = [layer.target.weight_key for layer in members[0].layers]
+    batched = torch.func.vmap(lambda a: [lf.merge_overlay(base, a)[k] for k in keys])(stacked)
+    for i, member in enumerate(members):
+        merged = lf.merge_overlay(base, member)
+        for j, key in enumerate(keys):
+            torch.testing.assert_close(batched[j][i], merged[key], rtol=1e-6, atol=1e-6, msg=f"{key} member {i}")
+    assert not torch.allclose(batched[0][0], batched[0][1])
