@@ -17,11 +17,11 @@ from typing import Protocol, cast
 import torch
 from torch import Tensor
 
-from lora_func.targeting import canonical_weight, stored_weight
+from lora_func.targeting import EXPERT_LAYOUTS, canonical_weight, stored_weight
 from lora_func.variants import BaseLayer, LayerInfo, TensorDict, Variant
 from lora_func.variants._contract import RANK_ALPHA, RANK_MASK, padded_member
 
-__all__ = ["ChainStep", "ExpertsStep", "LayerCall", "LayerStep", "SumStep", "VariantStep", "merged_weight", "variant_step"]
+__all__ = ["ChainStep", "ExpertsStep", "LayerCall", "LayerStep", "SumStep", "VariantStep", "has_kind_form", "merged_weight", "variant_step"]
 
 
 class LayerCall:
@@ -32,17 +32,26 @@ class LayerCall:
     training step (the adapter's dropout acts then only).
     """
 
-    __slots__ = ("_call", "bias", "training", "weight")
+    __slots__ = ("_call", "bias", "replay", "training", "weight")
 
     # Calling it is exactly ``x @ weight.T + bias`` on a plain weight: the base-dtype low-rank
     # path (lora_func._kernels.base_plus_product) may compute the input gradient from ``weight``.
     replays_weight = True
 
-    def __init__(self, weight: Tensor, bias: Tensor | None, call: Callable[[Tensor], Tensor], training: bool = False) -> None:
+    def __init__(
+        self,
+        weight: Tensor,
+        bias: Tensor | None,
+        call: Callable[[Tensor], Tensor],
+        training: bool = False,
+        replay: Callable[[Tensor, Tensor], Tensor] | None = None,
+    ) -> None:
         self.weight = weight
         self.bias = bias
         self._call = call
         self.training = training
+        # The layer's op with another stored table (an embedding's lookup: Variant.kind_forms).
+        self.replay = replay
 
     def __call__(self, x: Tensor) -> Tensor:
         return self._call(x)
@@ -66,13 +75,17 @@ class LayerStep(Protocol):
 class VariantStep:
     """One variant's adapter on one layer; the forms run in the adapter ``dtype``."""
 
-    __slots__ = ("buffers", "changes_bias", "dtype", "info", "params", "variant")
+    __slots__ = ("buffers", "changes_bias", "dtype", "form", "info", "params", "variant")
 
-    def __init__(self, variant: Variant, params: TensorDict, buffers: TensorDict, info: LayerInfo, dtype: torch.dtype) -> None:
+    def __init__(
+        self, variant: Variant, params: TensorDict, buffers: TensorDict, info: LayerInfo, dtype: torch.dtype, kind: str = "linear"
+    ) -> None:
         # A member of a rank-padded stack is presented as one adapter (the contract's view).
         params, buffers, info = padded_member(params, buffers, info, variant.rank_axes)
         self.variant, self.params, self.buffers, self.info, self.dtype = variant, params, buffers, info, dtype
         self.changes_bias = variant.changes_bias
+        # The activation form of the target's kind (an embedding's gather: Variant.kind_forms).
+        self.form = variant.kind_forms.get(kind, variant.activation_form)
 
     def weight(self, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor | None]:
         # Never below the base's precision: a bf16 adapter on an fp32 base would otherwise
@@ -87,7 +100,7 @@ class VariantStep:
         return w_eff.to(weight.dtype), None if b_eff is None or bias is None else b_eff.to(bias.dtype)
 
     def activation(self, x: Tensor, base: BaseLayer) -> Tensor:
-        return self.variant.activation_form(self.params, self.buffers, x, base, self.info)
+        return self.form(self.params, self.buffers, x, base, self.info)
 
 
 class _StepBase:
@@ -256,18 +269,28 @@ def variant_step(
     info: LayerInfo,
     dtype: torch.dtype,
     *,
-    experts: bool = False,
+    layout: str = "linear",
 ) -> LayerStep:
-    """One variant's step on one layer from the layer's ``own`` ``(params, buffers)`` and the
-    adapter's ``shared`` ones: a :class:`VariantStep`, or on an expert parameter an
-    :class:`ExpertsStep` (a rank-padded stack's mask and alphas have no expert axis: every
-    expert reads them, as the shared tensors)."""
+    """One variant's step on one layer (stored ``layout``) from the layer's ``own`` ``(params,
+    buffers)`` and the adapter's ``shared`` ones: a :class:`VariantStep`, or on an expert
+    parameter an :class:`ExpertsStep` (a rank-padded stack's mask and alphas have no expert
+    axis: every expert reads them, as the shared tensors)."""
     (params, buffers), (shared_params, shared_buffers) = own, shared
-    if not experts:
-        return VariantStep(variant, shared_params | params, shared_buffers | buffers, info, dtype)
+    if layout not in EXPERT_LAYOUTS:
+        return VariantStep(variant, shared_params | params, shared_buffers | buffers, info, dtype, kind=layout)
     per_expert = {n: t for n, t in buffers.items() if n not in (RANK_MASK, RANK_ALPHA)}
     every = shared_buffers | {n: t for n, t in buffers.items() if n not in per_expert}
     return ExpertsStep(variant, params, per_expert, shared_params, every, info, dtype)
+
+
+def has_kind_form(step: LayerStep, kind: str) -> bool:
+    """Whether ``step`` computes on a target of ``kind`` without its merged weight: every variant
+    in it has an activation form for the kind (``Variant.kind_forms``)."""
+    if isinstance(step, VariantStep):
+        return kind in step.variant.kind_forms
+    if isinstance(step, (ChainStep, SumStep)):
+        return all(has_kind_form(part, kind) for part in step.steps)
+    return False
 
 
 def merged_weight(

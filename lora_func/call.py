@@ -20,9 +20,9 @@ from torch import Tensor, nn
 
 from lora_func._application import Application, refuse_checkpointing_in_transform
 from lora_func._model import base_params, check_params
-from lora_func._routing import module_forward
+from lora_func._routing import module_forward, module_replay
 from lora_func._sharded import is_sharded, swapped_on
-from lora_func._steps import LayerCall, LayerStep, merged_weight
+from lora_func._steps import LayerCall, LayerStep, has_kind_form, merged_weight
 from lora_func.adapter import AdapterLike
 from lora_func.checks import check_base, check_finite, check_model
 from lora_func.overlay import check_adapter_finite, lazy_overlay, merged_only_params, merged_overlay
@@ -64,7 +64,7 @@ def _module_call(target: Target, step: LayerStep, merged: bool) -> Any:
 
     def forward(module: Any, inner: Any, x: Tensor) -> Tensor:
         x_op, finish = layout.prepare(x, target.d_out)
-        bias = module.bias
+        bias = getattr(module, "bias", None)  # an nn.Embedding has none
         if is_sharded(module.weight):
             raise RuntimeError(  # error: fsdp-weight-still-sharded
                 f"{target.module} was called while its weight is still sharded (a DTensor): FSDP2 gathers a "
@@ -84,7 +84,8 @@ def _module_call(target: Target, step: LayerStep, merged: bool) -> Any:
         if merged:
             w_eff, b_eff = merged_weight(step, weight, bias, target.layout)
             return finish(layout.merged(x_op, w_eff, b_eff if step.changes_bias else bias))
-        return finish(step.activation(x_op, LayerCall(canonical_weight(weight, target.layout), bias, inner, module.training)))
+        base = LayerCall(canonical_weight(weight, target.layout), bias, inner, module.training, module_replay(module))
+        return finish(step.activation(x_op, base))
 
     return forward
 
@@ -109,7 +110,7 @@ def application(
         forwards = {
             t.module: _module_call(t, step, merged)
             for key, step in plan.steps(adapter).items()
-            if (t := plan.targets[key].target).layout not in MERGED_ONLY
+            if (t := plan.targets[key].target).layout not in MERGED_ONLY or has_kind_form(step, t.layout)
         }
     if not whole_base:
         params = {name: tensor for name, tensor in params.items() if tensor is not base[name]}

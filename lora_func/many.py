@@ -252,8 +252,8 @@ def _mixed_application(
     merged_only = sorted(f"{layer.target.module} ({layer.target.layout})" for layer in stacked.layers if layer.target.layout in MERGED_ONLY)
     if merged_only:
         raise ValueError(  # error: mixed-route-kind
-            f"{where}: targets {merged_only[:4]} are of a kind that lora_func applies through its merged weight (one "
-            f"weight for the whole batch), so one batch cannot hold rows of different adapters there; use "
+            f"{where}: targets {merged_only[:4]} are embeddings, convolutions, norms or expert parameters, which the mixed "
+            f"route does not adapt per row, so one batch cannot hold rows of different adapters there; use "
             f"lora_func.adapted_call per adapter, or leave those layers out of the targets"
         )
     refuse_checkpointing_in_transform(model)

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from torch import Tensor
 
 from lora_func._lazy import AdaptedBias, AdaptedCalls, AdaptedWeight, _BiasEntry, _ModeEntry
-from lora_func._steps import LayerStep, merged_weight
+from lora_func._steps import LayerStep, has_kind_form, merged_weight
 from lora_func.adapter import AdapterLike
 from lora_func.checks import check_base, check_finite
 from lora_func.plan import Plan, adapter_tensors, check_plan_fits, overlay_plan
@@ -113,8 +113,8 @@ def lazy_overlay(plan: Plan, base: Mapping[str, Tensor], adapter: AdapterLike, *
     for key, step in plan.steps(adapter).items():
         t = targets[key].target
         bias = base[t.bias_key] if t.bias_key is not None else None
-        if t.layout in MERGED_ONLY:
-            _put_merged(out, t, step, base)  # a lookup, a convolution, a norm, experts: no low-rank path to intercept
+        if t.layout in MERGED_ONLY and not has_kind_form(step, t.layout):
+            _put_merged(out, t, step, base)  # a convolution, a norm, experts: no low-rank path to intercept
             continue
         standin = AdaptedWeight(base[key], bias, step, layout=t.layout, strict=strict, name=key, training=training)
         for name in (key, *t.tied_keys):
@@ -126,13 +126,14 @@ def lazy_overlay(plan: Plan, base: Mapping[str, Tensor], adapter: AdapterLike, *
 
 def merged_only_params(plan: Plan, base: Mapping[str, Tensor], adapter: AdapterLike) -> dict[str, Tensor]:
     """The merged weights (and changed biases) of the targets of a kind applied through the merged
-    weight only (``lora_func.targeting.MERGED_ONLY``: embeddings, convs, norms, experts), by name:
+    weight (``lora_func.targeting.MERGED_ONLY``: convs, norms, experts, and embeddings but where
+    the variant has a gather form, ``Variant.kind_forms``), by name:
     what the module route puts in the parameter dict. (Under :func:`overlay_calls` every op on
     such a weight gets its merged weight.)"""
     out: dict[str, Tensor] = {}
     for key, step in plan.steps(adapter).items():
         t = plan.targets[key].target
-        if t.layout in MERGED_ONLY:
+        if t.layout in MERGED_ONLY and not has_kind_form(step, t.layout):
             _put_merged(out, t, step, base)
     return out
 

@@ -138,12 +138,12 @@ class TargetPlan(NamedTuple):
 
 class _Leaf(NamedTuple):
     """How to build one leaf adapter's steps: per layer ``(weight key, info, ((short name, flat
-    key), ...) of params, the same of buffers, whether it is an expert parameter)``; ``shared``:
+    key), ...) of params, the same of buffers, the target's stored layout)``; ``shared``:
     the leaf holds tensors every layer reads (``Variant.shared_init``)."""
 
     variant: Variant
     dtype: torch.dtype
-    layers: tuple[tuple[str, LayerInfo, tuple[tuple[str, str], ...], tuple[tuple[str, str], ...], bool], ...]
+    layers: tuple[tuple[str, LayerInfo, tuple[tuple[str, str], ...], tuple[tuple[str, str], ...], str], ...]
     shared: bool = False
 
 
@@ -163,9 +163,9 @@ def _steps(program: _Leaf | _Node, node: Any) -> dict[str, LayerStep]:
         return {
             key: variant_step(
                 program.variant, ({n: params[k] for n, k in p_keys}, {n: buffers[k] for n, k in b_keys}), (shared_params, shared_buffers),
-                info, program.dtype, experts=experts,
+                info, program.dtype, layout=layout,
             )
-            for key, info, p_keys, b_keys, experts in program.layers
+            for key, info, p_keys, b_keys, layout in program.layers
         }
     per_part = [_steps(sub, part) for sub, part in zip(program.parts, node.parts, strict=True)]
     return {key: node.layer_step([per_part[k][key] for k in present], present) for key, present in program.present}
@@ -521,7 +521,7 @@ def _program(node: Any, prefix: str) -> _Leaf | _Node:
                     layer.info,
                     tuple((name, f"{layer.target.module}.{name}") for name, _ in layer.param_shapes),
                     tuple((name, f"{layer.target.module}.{name}") for name, _ in layer.buffer_shapes),
-                    layer.target.experts is not None,
+                    layer.target.layout,
                 )
                 for layer in node.layers
             ),

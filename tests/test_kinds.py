@@ -171,3 +171,30 @@ def test_rank_padded_stacks_keep_each_member(kind, models):
         for j, key in enumerate(keys):
             torch.testing.assert_close(batched[j][i], merged[key], rtol=1e-6, atol=1e-6, msg=f"{key} member {i}")
     assert not torch.allclose(batched[0][0], batched[0][1])
+
+
+def test_lora_on_an_embedding_is_a_gather_on_both_lazy_routes(models):
+    """The lazy overlay (strict: any use of the table other than the lookup would raise) and the
+    module route compute LoRA on the embedding by its gather form, never a merged (V, d) table,
+    and equal the merged weight's outputs."""
+    model = models["llama"]
+    adapter = _perturbed(lf.init_adapter(model, lf.AdapterSpec("lora", targets=["embed_tokens"], r=2)))
+    base, ids = lf.base_params(model), tokens()
+    merged = torch.func.functional_call(model, lf.merge_overlay(base, adapter), (ids,)).logits
+    strict = torch.func.functional_call(model, lf.overlay(base, adapter, strict=True), (ids,)).logits
+    torch.testing.assert_close(strict, merged, rtol=1e-5, atol=1e-5)
+    calls = []
+
+    class NoTable(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            # (detach: the call's base dict, the table itself and the head's weight, no new table)
+            if isinstance(out, torch.Tensor) and func is not torch.Tensor.detach and tuple(out.shape) == tuple(base["model.embed_tokens.weight"].shape):
+                calls.append(getattr(func, "__name__", func))
+            return out
+
+    with NoTable():
+        for route in ("overlay", "module"):
+            out = lf.adapted_call(model, adapter, ids, route=route).logits
+            torch.testing.assert_close(out, merged, rtol=1e-5, atol=1e-5)
+    assert calls == [], f"a (V, d) table was built: {calls}"

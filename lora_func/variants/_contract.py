@@ -316,7 +316,12 @@ class Variant:
         weight arrives in its canonical view (``(d_out, d_in)``; ``(d,)`` for a norm; an expert
         parameter's forms run once per expert, its tensors carry a leading expert axis); the
         activation form is only called on ``"linear"`` and ``"conv1d"`` layers (the other
-        kinds apply through the merged weight).
+        kinds apply through the merged weight, unless ``kind_forms`` has one).
+      kind_forms: activation forms for kinds whose layer op is not a matmul of ``x``, where
+        computing without the merged weight is cheaper: ``{"embedding": form}`` with ``form(params,
+        buffers, ids (...), base, info) -> (..., d_out)``, ``base(ids)`` the layer's lookup and
+        ``base.replay(ids, table)`` the same lookup (padding index and options) in another
+        ``(num_embeddings, k)`` table. Must equal the lookup in ``W_effᵀ``.
     """
 
     name: str
@@ -335,6 +340,7 @@ class Variant:
     shared_init: Callable[..., tuple[TensorDict, TensorDict]] | None = None
     peft: PeftFormat | None = None
     kinds: frozenset[str] = frozenset({"linear", "conv1d"})
+    kind_forms: Mapping[str, ActivationFn] = dataclasses.field(default_factory=dict)
 
     def __repr__(self) -> str:
         # The functions' reprs would fill a screen; the name identifies the variant.

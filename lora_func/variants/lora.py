@@ -19,6 +19,7 @@ from lora_func._kernels import (
     check_dropout,
     kaiming_uniform,
     lora_activation_form,
+    lora_embedding_form,
     lora_weight_form,
 )
 from lora_func.variants import (
@@ -188,4 +189,5 @@ VARIANT = Variant(
     # The merged path serves every kind; peft has LoRA on all of these (nn.Embedding, conv
     # layers, target_parameters) but norms.
     kinds=frozenset({"linear", "conv1d", "embedding", "conv", "experts"}),
+    kind_forms={"embedding": lora_embedding_form},  # a gather instead of a merged (V, d) table
 )
