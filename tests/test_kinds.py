@@ -198,3 +198,19 @@ def test_lora_on_an_embedding_is_a_gather_on_both_lazy_routes(models):
             out = lf.adapted_call(model, adapter, ids, route=route).logits
             torch.testing.assert_close(out, merged, rtol=1e-5, atol=1e-5)
     assert calls == [], f"a (V, d) table was built: {calls}"
+
+
+@pytest.mark.parametrize("kind", ["embedding", "conv", "experts"])
+def test_export_and_merging_per_kind(kind, models):
+    """merged_state_dict loads into a fresh model with the adapted outputs; merge_adapters (SVD to
+    rank r) of an adapter with itself is that adapter, per expert too."""
+    model_name, targets, extra = NEW_KINDS[kind]
+    model = models[model_name]
+    adapter = _perturbed(lf.init_adapter(model, lf.AdapterSpec("lora", targets=targets, r=2, **extra)))
+    ids = tokens()
+    want = lf.adapted_call(model, adapter, ids).logits.detach()
+    fresh = tiny_model(model_name)
+    fresh.load_state_dict(lf.merged_state_dict(model, adapter))
+    torch.testing.assert_close(fresh(ids).logits, want, rtol=1e-5, atol=1e-5)
+    merged = lf.merge_adapters([adapter, adapter], weights=[0.5, 0.5], rank=2, method="svd")
+    torch.testing.assert_close(lf.adapted_call(model, merged, ids).logits, want, rtol=1e-4, atol=1e-4)
