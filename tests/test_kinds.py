@@ -214,3 +214,16 @@ def test_export_and_merging_per_kind(kind, models):
     torch.testing.assert_close(fresh(ids).logits, want, rtol=1e-5, atol=1e-5)
     merged = lf.merge_adapters([adapter, adapter], weights=[0.5, 0.5], rank=2, method="svd")
     torch.testing.assert_close(lf.adapted_call(model, merged, ids).logits, want, rtol=1e-4, atol=1e-4)
+
+
+def test_load_refuses_a_file_whose_variant_no_longer_adapts_a_kind(models, tmp_path, monkeypatch):
+    import dataclasses
+
+    import lora_func.io.native as native
+
+    model = models["llama"]
+    path = lf.save(lf.init_adapter(model, lf.AdapterSpec("lora", targets=["embed_tokens"], r=2)), tmp_path / "a.safetensors")
+    narrow = dataclasses.replace(lf.get_variant("lora"), kinds=frozenset({"linear"}))
+    monkeypatch.setattr(native, "get_variant", lambda name: narrow)
+    with pytest.raises(ValueError, match=r"load\(.*\): variant 'lora' cannot adapt \['model.embed_tokens \(embedding\)'\]"):
+        lf.load(path, model=model)

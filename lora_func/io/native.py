@@ -59,7 +59,7 @@ from lora_func.checks import check_float_targets, check_model, check_path
 from lora_func.io._files import read_safetensors, safetensors_write, write_file
 from lora_func.quantized import logical_shape
 from lora_func.spec import LAYER_TYPES, AdapterSpec
-from lora_func.targeting import EXPERT_LAYOUTS, Target, module_kind, stored_shape
+from lora_func.targeting import EXPERT_LAYOUTS, Target, check_kinds, module_kind, stored_shape
 from lora_func.variants import LayerInfo, get_variant
 
 __all__ = ["load", "save"]
@@ -431,7 +431,7 @@ def _rebuild_buffers(
     # Buffers never depend on the random draws of the variants that have them at niter=0 /
     # full SVD; a variant whose buffers do (PiSSA's randomized SVD) fails the digest check below.
     _, buffers, _ = variant_init(
-        get_variant(spec.variant), spec, model.get_submodule(layer.target.module), layer.target, layer.info,
+        get_variant(spec.variant), spec, model.get_submodule(layer.target.owner), layer.target, layer.info,
         generator=torch.Generator().manual_seed(0),
     )
     buffers = {name: buffers[name].detach().contiguous() for name, _ in layer.buffer_shapes if name in buffers}
@@ -512,6 +512,8 @@ def load(path: str | os.PathLike, model: nn.Module | None = None) -> AdapterLike
             f"the API, not in the file)"
         )
     leaf_nodes = list(leaves(skeleton))
+    for _, leaf in leaf_nodes:  # a variant adapts the kinds it declares (a file from elsewhere may claim more)
+        check_kinds(get_variant(cast(AdapterSpec, leaf.spec).variant), [layer.target for layer in leaf.layers], f"load({path})")
     all_layers = [layer for _, leaf in leaf_nodes for layer in leaf.layers]
     with_buffers = sorted(layer.target.module for layer in all_layers if layer.buffer_shapes)
     with_buffers += [SHARED for _, leaf in leaf_nodes if leaf.shared is not None and leaf.shared.buffer_shapes][:1]
