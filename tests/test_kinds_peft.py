@@ -1,7 +1,7 @@
 """The target kinds beyond Linear / Conv1D against HF peft 0.21: LoRA on ``nn.Embedding``
 (``embed_tokens``), on ``nn.Conv2d`` / ``nn.Conv1d``, on 3-D MoE expert parameters (tiny
 Mixtral, ``target_parameters``; eager expert loop and grouped_mm) and LN tuning (Llama's
-RMSNorm, GPT-2's LayerNorm with bias).
+RMSNorm, GPT-2's LayerNorm with bias, a GPT-2 Conv1D).
 
 Each case: peft's trainable tensors perturbed at random and saved by peft; ``load_peft`` of
 that checkpoint gives peft's logits and every tensor's gradient (float64, relative 1e-9; the
@@ -143,6 +143,11 @@ CASES = {
     "ln_tuning-layernorm": (
         lambda seed=0: tiny_model("gpt2", seed=seed, dtype=torch.float64),
         lambda: LNTuningConfig(target_modules=["ln_1", "ln_f"]), tokens, _lm_loss, 1e-9,
+    ),
+    # peft's LN tuning copies any layer: a GPT-2 Conv1D's copy holds its (d_in, d_out) weight
+    "ln_tuning-conv1d": (
+        lambda seed=0: tiny_model("gpt2", seed=seed, dtype=torch.float64),
+        lambda: LNTuningConfig(target_modules=["c_fc"]), tokens, _lm_loss, 1e-9,
     ),
 }
 
