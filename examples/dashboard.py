@@ -178,6 +178,9 @@ def _():
         "antipasto": ("rotates and rescales W's own top singular vectors; a `steer` knob scales it at inference",
                       "steering: dial an adapter's effect up, down or negative without retraining",
                       "docs/variants/antipasto.md"),
+        "ln_tuning": ("trains a copy of each targeted layer (peft's LN tuning: meant for norm layers)",
+                      "norm targets (`input_layernorm`, `norm`); on the demo's attention projections it is their full fine-tuning",
+                      "docs/variants/ln_tuning.md"),
     }
     return (VARIANT_HELP,)
 
