@@ -186,6 +186,9 @@ def _():
                     "LoRA at larger r stops improving; the same parameters, finer blocks", "docs/variants/gralora.md"),
         "miss": ("one small block shared, tiled over the whole weight (or W's r×r blocks made affine)",
                  "the fewest parameters per layer and the cheapest step", "docs/variants/miss.md"),
+        "ln_tuning": ("trains a copy of each targeted layer (peft's LN tuning: meant for norm layers)",
+                      "norm targets (`input_layernorm`, `norm`); on the demo's attention projections it is their full fine-tuning",
+                      "docs/variants/ln_tuning.md"),
     }
     return (VARIANT_HELP,)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +28,7 @@ __all__ = [
     "half_product_applies",
     "kaiming_uniform",
     "lora_activation_form",
+    "lora_embedding_form",
     "lora_scale",
     "lora_weight_form",
     "lowrank_input",
@@ -263,3 +264,16 @@ def lora_activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, bas
         return base_plus_product(base, x, lora_a, lora_b * lora_scale(info, buffers))
     h = (dropped.to(lora_a.dtype) @ lora_a.T) * lora_scale(info, buffers)
     return base_plus_low_rank(base, x, h, lora_b)
+
+
+def lora_embedding_form(params: TensorDict, buffers: TensorDict, ids: Tensor, base: BaseLayer, info: LayerInfo) -> Tensor:
+    """LoRA's form on an ``nn.Embedding`` (a gather, no ``(V, d)`` merged table): ``ids (...) ->
+    base(ids) + s·A[:, ids]ᵀ Bᵀ (..., d)``, with ``lora_A (r, V)``, ``lora_B (d, r)``. The rows of
+    ``A`` are looked up with the layer's own lookup (``base.replay``: its padding index keeps that
+    row's gradient zero, as peft's lora.Embedding); the ``(..., r)`` rows are scaled and go
+    through ``B`` in the adapter dtype, cast back to the base output's (no dropout: peft applies
+    none to embeddings)."""
+    lora_a, lora_b = params["lora_A"], params["lora_B"]
+    replay = cast(Any, base).replay  # an embedding's BaseLayer (lora_func._steps.LayerCall) has one
+    h = replay(ids, lora_a.transpose(0, 1)) * lora_scale(info, buffers)
+    return add_low_rank(base(ids), h, lora_b)

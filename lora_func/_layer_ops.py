@@ -19,11 +19,11 @@ from typing import Protocol, cast
 import torch
 from torch import Tensor
 
-from lora_func.targeting import canonical_weight, stored_weight
+from lora_func.targeting import EXPERT_LAYOUTS, canonical_weight, stored_weight
 from lora_func.variants import BaseLayer, LayerInfo, TensorDict, Variant
-from lora_func.variants._contract import padded_member
+from lora_func.variants._contract import RANK_ALPHA, RANK_MASK, padded_member
 
-__all__ = ["ChainOp", "LayerCall", "LayerOp", "SumOp", "VariantOp", "activation_tap", "merged_weight"]
+__all__ = ["ChainOp", "ExpertsOp", "LayerCall", "LayerOp", "SumOp", "VariantOp", "activation_tap", "has_kind_form", "merged_weight", "variant_op"]
 
 # ------------------------------------------------------------------ the activation tap
 # lora_func.privacy's ghost clipping needs each low-rank layer's input and output gradient. A
@@ -57,17 +57,26 @@ class LayerCall:
     training step (the adapter's dropout acts then only).
     """
 
-    __slots__ = ("_call", "bias", "training", "weight")
+    __slots__ = ("_call", "bias", "replay", "training", "weight")
 
     # Calling it is exactly ``x @ weight.T + bias`` on a plain weight: the base-dtype low-rank
     # path (lora_func._kernels.base_plus_product) may compute the input gradient from ``weight``.
     replays_weight = True
 
-    def __init__(self, weight: Tensor, bias: Tensor | None, call: Callable[[Tensor], Tensor], training: bool = False) -> None:
+    def __init__(
+        self,
+        weight: Tensor,
+        bias: Tensor | None,
+        call: Callable[[Tensor], Tensor],
+        training: bool = False,
+        replay: Callable[[Tensor, Tensor], Tensor] | None = None,
+    ) -> None:
         self.weight = weight
         self.bias = bias
         self._call = call
         self.training = training
+        # The layer's op with another stored table (an embedding's lookup: Variant.kind_forms).
+        self.replay = replay
 
     def __call__(self, x: Tensor) -> Tensor:
         return self._call(x)
@@ -91,13 +100,17 @@ class LayerOp(Protocol):
 class VariantOp:
     """One variant's adapter on one layer; the forms run in the adapter ``dtype``."""
 
-    __slots__ = ("buffers", "changes_bias", "dtype", "info", "params", "variant")
+    __slots__ = ("buffers", "changes_bias", "dtype", "form", "info", "params", "variant")
 
-    def __init__(self, variant: Variant, params: TensorDict, buffers: TensorDict, info: LayerInfo, dtype: torch.dtype) -> None:
+    def __init__(
+        self, variant: Variant, params: TensorDict, buffers: TensorDict, info: LayerInfo, dtype: torch.dtype, kind: str = "linear"
+    ) -> None:
         # A member of a rank-padded stack is presented as one adapter (the contract's view).
         params, buffers, info = padded_member(params, buffers, info, variant.rank_axes)
         self.variant, self.params, self.buffers, self.info, self.dtype = variant, params, buffers, info, dtype
         self.changes_bias = variant.changes_bias
+        # The activation form of the target's kind (an embedding's gather: Variant.kind_forms).
+        self.form = variant.kind_forms.get(kind, variant.activation_form)
 
     def weight(self, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor | None]:
         # Never below the base's precision: a bf16 adapter on an fp32 base would otherwise
@@ -112,7 +125,7 @@ class VariantOp:
         return w_eff.to(weight.dtype), None if b_eff is None or bias is None else b_eff.to(bias.dtype)
 
     def activation(self, x: Tensor, base: BaseLayer) -> Tensor:
-        y = self.variant.activation_form(self.params, self.buffers, x, base, self.info)
+        y = self.form(self.params, self.buffers, x, base, self.info)
         tap = getattr(_tap_state, "tap", None) if _tap_users else None
         return y if tap is None else tap(self, x, y)
 
@@ -233,9 +246,83 @@ class SumOp:
         return self._sum(y, [op.activation(x, shared) for op in self.ops])
 
 
+class ExpertsOp:
+    """One variant's adapter on a 3-D expert parameter: its forms run per expert.
+
+    ``params`` / ``buffers`` are the layer's own tensors, each with a leading expert axis ``E``;
+    ``shared_params`` / ``shared_buffers`` (the adapter's shared tensors, a rank-padded stack's
+    mask and alphas) have none and every expert reads them. ``weight(W (E, d_out, d_in), None)``
+    maps the variant's weight form over the experts (``torch.func.vmap``), so a member of a
+    rank-padded stack is presented per expert exactly as on a matrix (:class:`VariantOp`).
+    Applied through the merged weight (the experts' op is a per-expert loop or a grouped matmul,
+    not one layer call).
+    """
+
+    __slots__ = ("buffers", "dtype", "info", "params", "shared_buffers", "shared_params", "variant")
+    changes_bias = False
+
+    def __init__(
+        self,
+        variant: Variant,
+        params: TensorDict,
+        buffers: TensorDict,
+        shared_params: TensorDict,
+        shared_buffers: TensorDict,
+        info: LayerInfo,
+        dtype: torch.dtype,
+    ) -> None:
+        self.variant, self.params, self.buffers, self.info, self.dtype = variant, params, buffers, info, dtype
+        self.shared_params, self.shared_buffers = shared_params, shared_buffers
+
+    def weight(self, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        shared_params, shared_buffers, variant, info, dtype = self.shared_params, self.shared_buffers, self.variant, self.info, self.dtype
+
+        def one(params: TensorDict, buffers: TensorDict, w: Tensor) -> Tensor:
+            op = VariantOp(variant, shared_params | params, shared_buffers | buffers, info, dtype)
+            return op.weight(w, None)[0]
+
+        return torch.func.vmap(one)(self.params, self.buffers, weight), bias
+
+    def activation(self, x: Tensor, base: BaseLayer) -> Tensor:
+        # Per expert x (E, n, d_in) -> (E, n, d_out) through the merged weights (the overlays
+        # never call it: they apply an expert parameter by its merged weight).
+        return x @ self.weight(base.weight, None)[0].transpose(-1, -2)
+
+
+def variant_op(
+    variant: Variant,
+    own: tuple[TensorDict, TensorDict],
+    shared: tuple[TensorDict, TensorDict],
+    info: LayerInfo,
+    dtype: torch.dtype,
+    *,
+    layout: str = "linear",
+) -> LayerOp:
+    """One variant's layer op on one layer (stored ``layout``) from the layer's ``own`` ``(params,
+    buffers)`` and the adapter's ``shared`` ones: a :class:`VariantOp`, or on an expert
+    parameter an :class:`ExpertsOp` (a rank-padded stack's mask and alphas have no expert
+    axis: every expert reads them, as the shared tensors)."""
+    (params, buffers), (shared_params, shared_buffers) = own, shared
+    if layout not in EXPERT_LAYOUTS:
+        return VariantOp(variant, shared_params | params, shared_buffers | buffers, info, dtype, kind=layout)
+    per_expert = {n: t for n, t in buffers.items() if n not in (RANK_MASK, RANK_ALPHA)}
+    every = shared_buffers | {n: t for n, t in buffers.items() if n not in per_expert}
+    return ExpertsOp(variant, params, per_expert, shared_params, every, info, dtype)
+
+
+def has_kind_form(op: LayerOp, kind: str) -> bool:
+    """Whether ``op`` computes on a target of ``kind`` without its merged weight: every variant
+    in it has an activation form for the kind (``Variant.kind_forms``)."""
+    if isinstance(op, VariantOp):
+        return kind in op.variant.kind_forms
+    if isinstance(op, (ChainOp, SumOp)):
+        return all(has_kind_form(part, kind) for part in op.ops)
+    return False
+
+
 def merged_weight(
     op: LayerOp, weight: Tensor, bias: Tensor | None, layout: str
 ) -> tuple[Tensor, Tensor | None]:
     """``(W_eff, b_eff)`` in the stored layout and the base dtype."""
     w_eff, b_eff = op.weight(canonical_weight(weight, layout), bias)
-    return stored_weight(w_eff, layout), b_eff
+    return stored_weight(w_eff, layout, weight.shape), b_eff

@@ -20,7 +20,7 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from lora_func._routing import WeightStandIn, found_weights, replace_weights, weight_use
-from lora_func._layer_ops import LayerCall, LayerOp, merged_weight
+from lora_func._layer_ops import LayerCall, LayerOp, has_kind_form, merged_weight
 from lora_func.targeting import canonical_weight
 
 __all__ = ["AdaptedBias", "AdaptedCalls", "AdaptedWeight"]
@@ -90,8 +90,10 @@ class AdaptedWeight(WeightStandIn):
         """The dense merged weight, in the stored layout and base dtype."""
         return merged_weight(self._op, self._weight, self._bias, self._layout)[0]
 
-    def _adapted(self, x: Tensor, bias: Tensor | None, call: Callable[[Tensor], Tensor]) -> Tensor:
-        base = LayerCall(canonical_weight(self._weight, self._layout), bias, call, self._training)
+    def _adapted(
+        self, x: Tensor, bias: Tensor | None, call: Callable[[Tensor], Tensor], replay: Callable[[Tensor, Tensor], Tensor] | None = None
+    ) -> Tensor:
+        base = LayerCall(canonical_weight(self._weight, self._layout), bias, call, self._training, replay)
         return self._op.activation(x, base)
 
     @classmethod
@@ -167,17 +169,20 @@ class _Adapted(Protocol):
 
     def merged(self) -> Tensor: ...
 
-    def _adapted(self, x: Tensor, bias: Tensor | None, call: Callable[[Tensor], Tensor]) -> Tensor: ...
+    def _adapted(
+        self, x: Tensor, bias: Tensor | None, call: Callable[[Tensor], Tensor], replay: Callable[[Tensor, Tensor], Tensor] | None = None
+    ) -> Tensor: ...
 
 
 def _route(func: Any, args: tuple, kwargs: dict, find: Callable[[Any], Any]) -> Any:
     """``func(*args, **kwargs)`` where ``find`` tells which values are adapted weights: the
-    layer's own op on one (:func:`lora_func._routing.weight_use`) takes the low-rank path; any
-    other op gets the dense merged weight, or raises when the weight is lazy_only."""
+    layer's own op on one (:func:`lora_func._routing.weight_use`) takes the low-rank path (on an
+    embedding, where the op has a form for it: ``Variant.kind_forms``); any other op gets the
+    dense merged weight, or raises when the weight is lazy_only."""
     use = weight_use(func, args, kwargs, find)
-    if use is not None:
+    if use is not None and (use.entry._layout in ("linear", "conv1d") or has_kind_form(use.entry._step, use.entry._layout)):
         w = use.entry
-        return w._adapted(use.x, use.bias, lambda x_: use.replay(x_, w._weight))
+        return w._adapted(use.x, use.bias, lambda x_: use.replay(x_, w._weight), use.replay)
     found = found_weights(args, kwargs, find)
     if any(a._lazy_only for a in found):
         raise RuntimeError(  # error: lazy-only

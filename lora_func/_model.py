@@ -111,7 +111,7 @@ def target_weight(module: nn.Module, target: Target) -> tuple[Tensor, Tensor | N
     the layer holds it (what its fingerprint digests). Whole tensors when FSDP2 shards them (a
     collective: every rank calls this for the same targets in the same order); ``W``
     dequantized when the layer is quantized. Detached: call it under ``torch.no_grad()``."""
-    weight = cast(Tensor, module.weight)  # nn.Module's attributes are typed Tensor | Module
+    weight = cast(Tensor, getattr(module, target.weight_key.rpartition(".")[2]))  # an expert parameter's own name
     bias = full_tensor(cast(Tensor, module.bias).detach()) if target.bias_key is not None else None
     kind = kind_of_tensor(weight)
     if kind is not None:
@@ -164,7 +164,10 @@ def variant_init(
             # the weight's exact values (a residual, a fingerprint) or from data cannot be.
             _check_weight_values(spec, target, weight)
         try:
-            params, buffers = variant.init(weight, bias, info, dtype=spec.dtype, generator=generator, calibration=calibration)
+            if target.experts is not None:
+                params, buffers = _per_expert_init(variant, weight, info, dtype=spec.dtype, generator=generator, calibration=calibration)
+            else:
+                params, buffers = variant.init(weight, bias, info, dtype=spec.dtype, generator=generator, calibration=calibration)
         except (TypeError, ValueError) as err:
             _check_weight_values(spec, target, weight)  # a broken base explains it better than the variant
             raise type(err)(f"{spec.variant} cannot adapt {target.module}: {err}") from err  # error: init-layer-failed
@@ -181,6 +184,17 @@ def variant_init(
                     f"or leave this module out of targets"
                 )
     return params, buffers, stored
+
+
+def _per_expert_init(
+    variant: Variant, weight: Tensor, info: LayerInfo, *, dtype: torch.dtype, generator: torch.Generator, calibration: Any
+) -> tuple[TensorDict, TensorDict]:
+    """``variant``'s init on each expert's ``(d_out, d_in)`` matrix of ``weight (E, d_out, d_in)``,
+    in expert order from one generator, stacked on a leading expert axis."""
+    inits = [variant.init(w, None, info, dtype=dtype, generator=generator, calibration=calibration) for w in weight.unbind(0)]
+    params = {name: torch.stack([p[name] for p, _ in inits]) for name in inits[0][0]}
+    buffers = {name: torch.stack([b[name] for _, b in inits]) for name in inits[0][1]}
+    return params, buffers
 
 
 def _check_weight_values(spec: AdapterSpec, target: Target, weight: Tensor) -> None:

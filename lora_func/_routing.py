@@ -12,8 +12,10 @@ lora_func meets a target layer in four places, and all four ask this module:
   map and its merged map.
 
 A layer's own op, per layout: ``F.linear(x, W, b)`` for ``nn.Linear`` (``W`` stored
-``(d_out, d_in)``), and ``torch.addmm(b, x, W)`` with ``beta == alpha == 1`` or
-``torch.matmul(x, W)`` for transformers' GPT-2 ``Conv1D`` (``W`` stored ``(d_in, d_out)``).
+``(d_out, d_in)``), ``torch.addmm(b, x, W)`` with ``beta == alpha == 1`` or
+``torch.matmul(x, W)`` for transformers' GPT-2 ``Conv1D`` (``W`` stored ``(d_in, d_out)``), and
+``F.embedding(ids, W, ...)`` for ``nn.Embedding`` (``W`` stored ``(num_embeddings, dim)``; ``x``
+is then the ids, and ``replay(ids, T)`` looks them up in another table ``T``).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-__all__ = ["LayoutForward", "WeightStandIn", "WeightUse", "module_forward", "replace_weights", "weight_use"]
+__all__ = ["LayoutForward", "WeightStandIn", "WeightUse", "module_forward", "module_replay", "replace_weights", "weight_use"]
 
 
 class WeightStandIn(Tensor):
@@ -98,6 +100,14 @@ def weight_use(func: Any, args: tuple, kwargs: dict, find: Callable[[Any], Entry
         b = _own_bias(bound["input"], w, find)
         if w is not None and w._layout == "conv1d" and bound["beta"] == 1 and bound["alpha"] == 1 and find(x) is None and b is not _NOT_OWN:
             return WeightUse(w, x, b, lambda x_, w_: torch.addmm(b, x_, w_))
+    elif func is F.embedding:
+        names = ("input", "weight", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse")
+        bound = _bind(names, args, kwargs, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False, sparse=False)
+        x, w = bound["input"], find(bound["weight"])
+        # max_norm renormalises the table in place: that lookup gets the merged table instead.
+        if w is not None and w._layout == "embedding" and find(x) is None and bound["max_norm"] is None:
+            options = {name: bound[name] for name in names[2:]}
+            return WeightUse(w, x, None, lambda x_, w_: F.embedding(x_, w_, **options))
     elif func in (torch.matmul, Tensor.matmul, Tensor.__matmul__):
         bound = _bind(("input", "other"), args, kwargs)
         x, w = bound["input"], find(bound["other"])
@@ -157,7 +167,19 @@ def _conv1d_merged(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
 _LAYOUTS = {
     "linear": LayoutForward(_linear_prepare, lambda x, w, b: F.linear(x, w, b)),
     "conv1d": LayoutForward(_conv1d_prepare, _conv1d_merged),
+    # x: the ids; the merged map is a lookup in the merged table (a frozen table's gradient
+    # options do not matter for its values).
+    "embedding": LayoutForward(_linear_prepare, lambda ids, w, b: F.embedding(ids, w)),
 }
+
+
+def module_replay(module: Any) -> Callable[[Tensor, Tensor], Tensor] | None:
+    """An ``nn.Embedding``'s lookup with its options in another table (``LayerCall.replay``), or
+    ``None`` for another layer."""
+    if not isinstance(module, torch.nn.Embedding):
+        return None
+    options = (module.padding_idx, module.max_norm, module.norm_type, module.scale_grad_by_freq, module.sparse)
+    return lambda ids, table: F.embedding(ids, table, *options)
 
 
 def module_forward(layout: str) -> LayoutForward:

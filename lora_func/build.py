@@ -62,12 +62,14 @@ def init_adapter(
                 f"r={spec.r} exceeds min(d_in, d_out) of target(s) {sorted(too_big)}; lower r or leave them out"
             )
     modules = dict(model.named_modules())
-    quantized = {t.module: kind for t in targets if (kind := kind_of_tensor(modules[t.module].weight)) is not None}
+    # The target weights (an expert parameter is its module's attribute of that name).
+    weights = {t.module: getattr(modules[t.owner], t.weight_key.rpartition(".")[2]) for t in targets}
+    quantized = {t.module: kind for t in targets if (kind := kind_of_tensor(weights[t.module])) is not None}
     # Checked once here for every variant: integer weights of no registered quantized kind.
     non_float = sorted(
-        f"{t.weight_key} is {modules[t.module].weight.dtype}"
+        f"{t.weight_key} is {weights[t.module].dtype}"
         for t in targets
-        if t.module not in quantized and not modules[t.module].weight.is_floating_point()
+        if t.module not in quantized and not weights[t.module].is_floating_point()
     )
     if non_float:
         raise TypeError(  # error: init-non-float
@@ -95,14 +97,14 @@ def init_adapter(
         infos = {m: fitted[m][0] for m in infos if m in fitted}
         payloads = {m: fitted[m][1] for m in infos}
     # Tensors every layer reads (Variant.shared_init), drawn before the layers' own.
-    device = modules[targets[0].module].weight.device if targets else torch.device("cpu")
+    device = weights[targets[0].module].device if targets else torch.device("cpu")
     params, buffers, shared = shared_init(variant, spec, infos, device=device, generator=generator)
     layers = []
     for target in targets:
         # One target at a time: a sharded target's whole weight is gathered for its init only (a
         # collective: every rank runs this loop in the same order).
         info = infos[target.module]
-        init = variant_init(variant, spec, modules[target.module], target, info, generator=generator, calibration=payloads[target.module])
+        init = variant_init(variant, spec, modules[target.owner], target, info, generator=generator, calibration=payloads[target.module])
         layer, layer_params, layer_buffers = fresh_layer(variant, target, info, *init)
         params.update({f"{target.module}.{name}": tensor for name, tensor in layer_params.items()})
         buffers.update({f"{target.module}.{name}": tensor for name, tensor in layer_buffers.items()})

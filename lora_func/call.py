@@ -21,16 +21,16 @@ from torch import Tensor, nn
 from lora_func._application import Application, refuse_checkpointing_in_transform
 from lora_func._deprecated import renamed_keywords
 from lora_func._model import base_params, check_base_params
-from lora_func._routing import module_forward
+from lora_func._routing import module_forward, module_replay
 from lora_func._sharded import is_sharded, swapped_on
-from lora_func._layer_ops import LayerCall, LayerOp, merged_weight
+from lora_func._layer_ops import LayerCall, LayerOp, has_kind_form, merged_weight
 from lora_func.adapter import AdapterLike
 from lora_func.checks import check_base, check_model
 from lora_func.checks import check_finite as finite_or_raise
-from lora_func.overlay import check_adapter_finite, lazy_overlay, merged_overlay
+from lora_func.overlay import check_adapter_finite, lazy_overlay, merged_only_params, merged_overlay
 from lora_func.plan import Plan, Route, adapter_tensors, build_plan, cached_plan, check_plan_fits, detached_base, structure_key
 from lora_func.quantized import QuantizedKind, frozen_call, frozen_forwards, kind_of_tensor
-from lora_func.targeting import Target, canonical_weight
+from lora_func.targeting import MERGED_ONLY, Target, canonical_weight
 from lora_func.variants import BaseLayer
 
 __all__ = ["adapted", "adapted_call", "make_plan"]
@@ -66,7 +66,7 @@ def _module_call(target: Target, op: LayerOp, merged: bool) -> Any:
 
     def forward(module: Any, inner: Any, x: Tensor) -> Tensor:
         x_op, finish = layout.prepare(x, target.d_out)
-        bias = module.bias
+        bias = getattr(module, "bias", None)  # an nn.Embedding has none
         if is_sharded(module.weight):
             raise RuntimeError(  # error: fsdp-weight-still-sharded
                 f"{target.module} was called while its weight is still sharded (a DTensor): FSDP2 gathers a "
@@ -86,7 +86,8 @@ def _module_call(target: Target, op: LayerOp, merged: bool) -> Any:
         if merged:
             w_eff, b_eff = merged_weight(op, weight, bias, target.layout)
             return finish(layout.merged(x_op, w_eff, b_eff if op.changes_bias else bias))
-        return finish(op.activation(x_op, LayerCall(canonical_weight(weight, target.layout), bias, inner, module.training)))
+        base = LayerCall(canonical_weight(weight, target.layout), bias, inner, module.training, module_replay(module))
+        return finish(op.activation(x_op, base))
 
     return forward
 
@@ -105,8 +106,14 @@ def application(
     if plan.route == "overlay":
         params = merged_overlay(plan, base, adapter) if merged else lazy_overlay(plan, base, adapter, lazy_only=lazy_only, training=model.training)
     else:
-        params = dict(base)
-        forwards = {plan.targets[key].target.module: _module_call(plan.targets[key].target, op, merged) for key, op in plan.ops(adapter).items()}
+        # The kinds applied through their merged weight (embeddings, convs, norms, experts) go in
+        # the parameter dict on this route too; the module calls adapt Linear / Conv1D layers.
+        params = {**base, **merged_only_params(plan, base, adapter)}
+        forwards = {
+            t.module: _module_call(t, op, merged)
+            for key, op in plan.ops(adapter).items()
+            if (t := plan.targets[key].target).layout not in MERGED_ONLY or has_kind_form(op, t.layout)
+        }
     if not whole_base:
         params = {name: tensor for name, tensor in params.items() if tensor is not base[name]}
     params = swapped_on(params, modules, plan.fsdp, "adapted_call")

@@ -52,7 +52,7 @@ from lora_func.call import _call_plan, adapted_call
 from lora_func.checks import check_base, check_model
 from lora_func.plan import adapter_tensors, checked_index, detached_base
 from lora_func.quantized import frozen_call, frozen_forwards, kind_of_tensor
-from lora_func.targeting import canonical_weight
+from lora_func.targeting import MERGED_ONLY, canonical_weight
 from lora_func._vmapped import check_attention as _check_attention
 from lora_func._vmapped import drop_example_dim as _drop_example_dim
 from lora_func._vmapped import outputs_as_tensors as _outputs_as_tensors
@@ -268,6 +268,13 @@ def _mixed_application(
             f"{where}: targets {quantized[:4]} are quantized, and mixed adapters on quantized layers are supported for "
             f"the LoRA-form variants {gathered} only (variant {stacked.spec.variant!r} runs its activation form under "
             f"vmap, which the quantized op does not support); dequantize the base, or use lora_func.adapted per tenant"
+        )
+    merged_only = sorted(f"{layer.target.module} ({layer.target.layout})" for layer in stacked.layers if layer.target.layout in MERGED_ONLY)
+    if merged_only:
+        raise ValueError(  # error: mixed-route-kind
+            f"{where}: targets {merged_only[:4]} are embeddings, convolutions, norms or expert parameters, which the mixed "
+            f"route does not adapt per row, so one batch cannot hold rows of different adapters there; use "
+            f"lora_func.adapted_call per adapter, or leave those layers out of the targets"
         )
     refuse_checkpointing_in_transform(model)
     index = index.to(base[stacked.layers[0].target.weight_key].device) if stacked.layers else index

@@ -35,7 +35,7 @@ from lora_func._model import adapter_layer, layer_info
 from lora_func.adapter import Adapter, AdapterLike, leaf_adapters
 from lora_func.overlay import merge_overlay
 from lora_func.spec import AdapterSpec
-from lora_func.targeting import Target, canonical_weight
+from lora_func.targeting import Target, canonical_weight, stored_shape
 
 __all__ = ["LoraConversion", "disjoint_mean", "drop", "elect_sign", "merge_adapters", "to_lora", "trim"]
 
@@ -152,8 +152,7 @@ def _base_for(
         out: dict[str, Tensor] = {}
         device = next(iter(leaf_adapters(adapters[0])[0].params.values())).device
         for key, t in targets.items():
-            shape = (t.d_in, t.d_out) if t.layout == "conv1d" else (t.d_out, t.d_in)
-            out[key] = torch.zeros(shape, dtype=dtype, device=device)
+            out[key] = torch.zeros(stored_shape(t), dtype=dtype, device=device)
             if t.bias_key is not None:
                 out[t.bias_key] = torch.zeros(t.d_out, dtype=dtype, device=device)
         return out

@@ -15,14 +15,15 @@ from collections.abc import Mapping
 from torch import Tensor
 
 from lora_func._lazy import AdaptedBias, AdaptedCalls, AdaptedWeight, _BiasEntry, _ModeEntry
-from lora_func._layer_ops import merged_weight
+from lora_func._layer_ops import LayerOp, has_kind_form, merged_weight
 from lora_func.adapter import AdapterLike
 from lora_func._deprecated import renamed, renamed_keywords
 from lora_func.checks import check_base
 from lora_func.checks import check_finite as finite_or_raise
 from lora_func.plan import Plan, adapter_tensors, check_plan_fits, overlay_plan
+from lora_func.targeting import MERGED_ONLY, Target
 
-__all__ = ["merge_overlay", "overlay", "overlay_mode"]
+__all__ = ["merge_overlay", "merged_only_params", "overlay", "overlay_mode"]
 
 
 def checked_plan(base: Mapping[str, Tensor], adapter: AdapterLike, where: str, check_finite: bool, plan: Plan | None) -> Plan:
@@ -73,14 +74,18 @@ def merged_overlay(plan: Plan, base: Mapping[str, Tensor], adapter: AdapterLike)
     """:func:`merge_overlay` without its checks (``plan`` checked ``adapter`` on ``base``)."""
     out = dict(base)
     for key, op in plan.ops(adapter).items():
-        t = plan.targets[key].target
-        bias = base[t.bias_key] if t.bias_key is not None else None
-        w_eff, b_eff = merged_weight(op, base[key], bias, t.layout)
-        for name in (key, *t.tied_keys):
-            out[name] = w_eff
-        if op.changes_bias and t.bias_key is not None and b_eff is not None:
-            out[t.bias_key] = b_eff
+        _put_merged(out, plan.targets[key].target, op, base)
     return out
+
+
+def _put_merged(out: dict[str, Tensor], t: Target, op: LayerOp, base: Mapping[str, Tensor]) -> None:
+    """Put target ``t``'s merged weight (under every name of it) and changed bias into ``out``."""
+    bias = base[t.bias_key] if t.bias_key is not None else None
+    w_eff, b_eff = merged_weight(op, base[t.weight_key], bias, t.layout)
+    for name in (t.weight_key, *t.tied_keys):
+        out[name] = w_eff
+    if op.changes_bias and t.bias_key is not None and b_eff is not None:
+        out[t.bias_key] = b_eff
 
 
 @renamed_keywords("overlay", strict="lazy_only", safe="check_finite")
@@ -114,11 +119,28 @@ def lazy_overlay(plan: Plan, base: Mapping[str, Tensor], adapter: AdapterLike, *
     for key, op in plan.ops(adapter).items():
         t = targets[key].target
         bias = base[t.bias_key] if t.bias_key is not None else None
+        if t.layout in MERGED_ONLY and not has_kind_form(op, t.layout):
+            _put_merged(out, t, op, base)  # a convolution, a norm, experts: no low-rank path to intercept
+            continue
         standin = AdaptedWeight(base[key], bias, op, layout=t.layout, lazy_only=lazy_only, name=key, training=training)
         for name in (key, *t.tied_keys):
             out[name] = standin
         if op.changes_bias and bias is not None and t.bias_key is not None:
             out[t.bias_key] = AdaptedBias(bias, standin, lazy_only=lazy_only, name=t.bias_key)
+    return out
+
+
+def merged_only_params(plan: Plan, base: Mapping[str, Tensor], adapter: AdapterLike) -> dict[str, Tensor]:
+    """The merged weights (and changed biases) of the targets of a kind applied through the merged
+    weight (``lora_func.targeting.MERGED_ONLY``: convs, norms, experts, and embeddings but where
+    the variant has a gather form, ``Variant.kind_forms``), by name:
+    what the module route puts in the parameter dict. (Under :func:`overlay_mode` every op on
+    such a weight gets its merged weight.)"""
+    out: dict[str, Tensor] = {}
+    for key, op in plan.ops(adapter).items():
+        t = plan.targets[key].target
+        if t.layout in MERGED_ONLY and not has_kind_form(op, t.layout):
+            _put_merged(out, t, op, base)
     return out
 
 

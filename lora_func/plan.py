@@ -30,11 +30,11 @@ from torch import Tensor, nn
 from lora_func._deprecated import deprecated_method
 from lora_func._model import base_params, check_base_params
 from lora_func._sharded import is_fsdp_model, is_sharded
-from lora_func._layer_ops import LayerOp, VariantOp
+from lora_func._layer_ops import LayerOp, variant_op
 from lora_func.adapter import Adapter, AdapterLike, AdapterNode, walk
 from lora_func.checks import check_base, check_float_targets
 from lora_func.quantized import kind_of_tensor, logical_shape
-from lora_func.targeting import Target, close_names, layer_kind
+from lora_func.targeting import MERGED_ONLY, Target, close_names, module_kind, stored_shape
 from lora_func.variants import LayerInfo, Variant
 
 __all__ = [
@@ -139,12 +139,12 @@ class TargetPlan(NamedTuple):
 
 class _Leaf(NamedTuple):
     """How to build one leaf adapter's layer ops: per layer ``(weight key, info, ((short name, flat
-    key), ...) of params, the same of buffers)``; ``shared``: the leaf holds tensors every layer
-    reads (``Variant.shared_init``)."""
+    key), ...) of params, the same of buffers, the target's stored layout)``; ``shared``:
+    the leaf holds tensors every layer reads (``Variant.shared_init``)."""
 
     variant: Variant
     dtype: torch.dtype
-    layers: tuple[tuple[str, LayerInfo, tuple[tuple[str, str], ...], tuple[tuple[str, str], ...]], ...]
+    layers: tuple[tuple[str, LayerInfo, tuple[tuple[str, str], ...], tuple[tuple[str, str], ...], str], ...]
     shared: bool = False
 
 
@@ -162,14 +162,11 @@ def _ops(program: _Leaf | _Node, node: Any) -> dict[str, LayerOp]:
         # Tensors every layer reads (one leaf each, so their gradient sums over the layers).
         shared_params, shared_buffers = node.shared_tensors() if program.shared else ({}, {})
         return {
-            key: VariantOp(
-                program.variant,
-                shared_params | {n: params[k] for n, k in param_keys},
-                shared_buffers | {n: buffers[k] for n, k in buffer_keys},
-                info,
-                program.dtype,
+            key: variant_op(
+                program.variant, ({n: params[k] for n, k in p_keys}, {n: buffers[k] for n, k in b_keys}), (shared_params, shared_buffers),
+                info, program.dtype, layout=layout,
             )
-            for key, info, param_keys, buffer_keys in program.layers
+            for key, info, p_keys, b_keys, layout in program.layers
         }
     per_part = [_ops(sub, part) for sub, part in zip(program.parts, node.parts, strict=True)]
     return {key: node.layer_op([per_part[k][key] for k in present], present) for key, present in program.present}
@@ -377,9 +374,9 @@ def refuse_tied(targets: Mapping[str, TargetPlan], where: str) -> None:
 def _check_layouts(modules: Mapping[str, nn.Module], targets: Sequence[Target], where: str) -> None:
     wrong = []
     for t in targets:
-        module = modules.get(t.module)
-        if module is not None and layer_kind(module) != t.layout:
-            wrong.append(f"{t.module}: adapter built for a {t.layout} layer, the model's is {layer_kind(module) or type(module).__name__}")
+        module = modules.get(t.owner)
+        if module is not None and module_kind(modules, t) != t.layout:
+            wrong.append(f"{t.module}: adapter built for a {t.layout} layer, the model's is {module_kind(modules, t) or type(module).__name__}")
     if wrong:
         raise ValueError(  # error: adapter-layout
             f"{where}: {sorted(wrong)[:5]}; the stored weight layouts differ (Linear (out, in) vs Conv1D (in, out)), so "
@@ -456,7 +453,7 @@ def build_plan(
         )
     wrong = []
     for key, t in targets_in_order.items():
-        stored = (t.d_out, t.d_in) if t.layout == "linear" else (t.d_in, t.d_out)
+        stored = stored_shape(t)
         if logical_shape(base[key]) != stored:
             wrong.append(f"{key}: adapter built for {stored}, model has {logical_shape(base[key])}")
     if wrong:
@@ -477,6 +474,13 @@ def build_plan(
         if check.dtype is not None and tensor.dtype != check.dtype:
             _raise_tensor_problem(plan_checks, params, buffers, where)
     sharded = sorted(key for key in targets_in_order if is_sharded(base[key]))
+    special = sorted(key for key in {*quantized, *sharded} if targets_in_order[key].layout in MERGED_ONLY)
+    if special:
+        raise ValueError(  # error: kind-quantized-or-sharded
+            f"{where}: target(s) {special[:4]} are {', '.join(sorted({targets_in_order[k].layout for k in special}))} weights that "
+            f"are quantized or sharded by FSDP2; lora_func applies these kinds through their merged weight, which needs a "
+            f"plain tensor: leave them out of the targets, or dequantize / unshard those layers"
+        )
     if resolved == "overlay":
         if quantized:
             raise ValueError(  # error: quantized-overlay
@@ -520,6 +524,7 @@ def _program(node: Any, prefix: str) -> _Leaf | _Node:
                     layer.info,
                     tuple((name, f"{layer.target.module}.{name}") for name, _ in layer.param_shapes),
                     tuple((name, f"{layer.target.module}.{name}") for name, _ in layer.buffer_shapes),
+                    layer.target.layout,
                 )
                 for layer in node.layers
             ),

@@ -15,7 +15,7 @@ from lora_func.variants import get_variant
 
 __all__ = ["LAYER_TYPES", "TIED_POLICIES", "AdapterSpec"]
 
-LAYER_TYPES = ("conv1d", "linear")
+LAYER_TYPES = ("conv", "conv1d", "embedding", "linear", "norm")
 TIED_POLICIES = ("error", "both")
 # Options where an infinite value has a documented meaning (antipasto: no rotation clamp).
 _INFINITE_OPTIONS = {("antipasto", "max_rotation_angle")}
@@ -32,15 +32,20 @@ class AdapterSpec:
         against module names (``"model.layers.0.self_attn.q_proj"``); a list of strings
         selects modules whose name equals an entry or ends with ``"." + entry``.
         ``"all-linear"`` (peft's shorthand): every ``nn.Linear`` / GPT-2 ``Conv1D`` but the
-        output head.
+        output head. Modules of every kind of ``lora_func.targeting.KINDS`` can be named
+        (``["embed_tokens", "q_proj"]``); the variant must adapt their kind (``Variant.kinds``).
+        Empty (``[]``) only with ``target_parameters``.
       r: rank (``1 <= r <= min(d_in, d_out)`` of every target).
       alpha: scale numerator; ``None`` takes the variant's default (peft's, e.g. 8 for LoRA).
       dtype: dtype of the adapter tensors and of the low-rank computation (fp32 default on
         any base dtype; see docs/dtype.md).
-      layer_types: ``None`` (default) targets ``nn.Linear`` and GPT-2 ``Conv1D`` and raises
-        if a target matches any other module; a tuple from ``("linear", "conv1d")`` instead
+      layer_types: ``None`` (default) adapts every matched module and raises if one is of no
+        known kind; a tuple from ``("linear", "conv1d", "embedding", "conv", "norm")`` instead
         filters the matched modules to those kinds (``targets=".*", layer_types=("linear",)``
         is "every Linear").
+      target_parameters: names of 3-D MoE expert parameters to adapt, one low-rank update per
+        expert (peft's ``target_parameters``: a parameter's full name equal to an entry or
+        ending with ``"." + entry``, e.g. ``["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]``).
       tied: what to do when a target's weight is tied to another name (GPT-2 ``lm_head`` is
         ``transformer.wte``): ``"error"`` (default) refuses; ``"both"`` adapts the shared
         tensor under every name, so the tied module (the embedding) sees the adapted weight.
@@ -55,6 +60,7 @@ class AdapterSpec:
     layer_types: tuple[str, ...] | None
     tied: str
     options: tuple[tuple[str, Any], ...]
+    target_parameters: tuple[str, ...]
 
     def __init__(
         self,
@@ -66,10 +72,19 @@ class AdapterSpec:
         *,
         layer_types: Sequence[str] | None = None,
         tied: str = "error",
+        target_parameters: Sequence[str] = (),
         **options: Any,
     ) -> None:
         var = get_variant(variant)
-        targets = _normalise_targets(targets)
+        if isinstance(target_parameters, str) or not isinstance(target_parameters, Sequence) or not all(
+            isinstance(t, str) and t for t in target_parameters
+        ):
+            raise TypeError(  # error: spec-target-parameters
+                f"AdapterSpec target_parameters must be a list of parameter names, got {target_parameters!r}; "
+                f"e.g. target_parameters=['mlp.experts.gate_up_proj']"
+            )
+        target_parameters = tuple(target_parameters)
+        targets = () if target_parameters and not isinstance(targets, str) and len(targets) == 0 else _normalise_targets(targets)
         if isinstance(r, bool) or not isinstance(r, int) or r < 1:
             raise ValueError(f"AdapterSpec r must be an integer >= 1, got r={r!r}")  # error: spec-rank
         if alpha is None:
@@ -127,25 +142,26 @@ class AdapterSpec:
         set_(self, "layer_types", layer_types)
         set_(self, "tied", tied)
         set_(self, "options", tuple(sorted(resolved.items())))
+        set_(self, "target_parameters", target_parameters)
 
     def option(self, name: str) -> Any:
         return dict(self.options)[name]
 
     def to_json(self) -> str:
         """A JSON string from which :meth:`from_json` rebuilds an equal spec."""
-        return json.dumps(
-            {
-                "variant": self.variant,
-                "targets": self.targets if isinstance(self.targets, str) else list(self.targets),
-                "r": self.r,
-                "alpha": self.alpha,
-                "dtype": str(self.dtype).removeprefix("torch."),
-                "layer_types": None if self.layer_types is None else list(self.layer_types),
-                "tied": self.tied,
-                "options": dict(self.options),
-            },
-            sort_keys=True,
-        )
+        data = {
+            "variant": self.variant,
+            "targets": self.targets if isinstance(self.targets, str) else list(self.targets),
+            "r": self.r,
+            "alpha": self.alpha,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "layer_types": None if self.layer_types is None else list(self.layer_types),
+            "tied": self.tied,
+            "options": dict(self.options),
+        }
+        if self.target_parameters:  # written only when set: older files stay byte-identical
+            data["target_parameters"] = list(self.target_parameters)
+        return json.dumps(data, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> AdapterSpec:
@@ -158,6 +174,7 @@ class AdapterSpec:
             dtype=data["dtype"],
             layer_types=data["layer_types"],
             tied=data["tied"],
+            target_parameters=data.get("target_parameters", ()),
             **data["options"],
         )
 

@@ -95,7 +95,8 @@ def _stack_adapters(adapters: list[Adapter]) -> Adapter:
         p_shapes = tuple((n, tuple(max(s) for s in zip(*(dict(lay.param_shapes)[n] for lay in column), strict=True))) for n, _ in layer.param_shapes)
         b_shapes = tuple((n, tuple(max(s) for s in zip(*(dict(lay.buffer_shapes)[n] for lay in column), strict=True))) for n, _ in layer.buffer_shapes)
         for name, shape in p_shapes + b_shapes:
-            _check_rank_axes(variant, name, shape, [(lay.target.module, dict(lay.param_shapes + lay.buffer_shapes)[name]) for lay in column])
+            offset = 1 if layer.target.experts is not None else 0  # the expert axis comes first
+            _check_rank_axes(variant, name, shape, [(lay.target.module, dict(lay.param_shapes + lay.buffer_shapes)[name]) for lay in column], offset)
         module = layer.target.module
         for a, lay in zip(adapters, column, strict=True):
             for name, shape in p_shapes:
@@ -164,10 +165,13 @@ def _pad_shared(
     return SharedTensors(param_shapes=out[0], buffer_shapes=out[1])
 
 
-def _check_rank_axes(variant: Variant, name: str, padded: tuple[int, ...], shapes: Sequence[tuple[str, tuple[int, ...]]]) -> None:
-    """Raise unless each ``(where, shape)`` of tensor ``name`` differs from ``padded`` on rank axes only."""
+def _check_rank_axes(
+    variant: Variant, name: str, padded: tuple[int, ...], shapes: Sequence[tuple[str, tuple[int, ...]]], offset: int = 0
+) -> None:
+    """Raise unless each ``(where, shape)`` of tensor ``name`` differs from ``padded`` on rank axes
+    only; ``offset``: leading axes before the variant's own (an expert parameter's expert axis)."""
     bad = [where for where, shape in shapes if any(
-        have != want and not _is_rank_axis(variant, name, axis) for axis, (have, want) in enumerate(zip(shape, padded, strict=True))
+        have != want and not _is_rank_axis(variant, name, axis - offset) for axis, (have, want) in enumerate(zip(shape, padded, strict=True))
     )]
     if bad:
         raise ValueError(  # error: stack-not-rank-axis

@@ -1,24 +1,57 @@
-"""Which modules of a model are targets, their layout, and tied weights.
+"""Which modules (and parameters) of a model are targets, their kind and layout, and tied weights.
 
-``nn.Linear`` stores ``(d_out, d_in)`` and computes ``F.linear(x, W, b)``; transformers'
-GPT-2 ``Conv1D`` stores ``(d_in, d_out)`` and computes ``addmm(b, x, W)``. Variants only
-ever see the canonical ``(d_out, d_in)`` view; the layout is recorded per target here and
-never changes what the user asked for.
+The kinds table (:data:`KINDS`): what can be adapted, how its sizes are read and how its stored
+weight maps to the canonical ``(d_out, d_in)`` view that variants see:
+
+- ``"linear"``: ``nn.Linear``, stored ``(d_out, d_in)``, ``F.linear(x, W, b)``;
+- ``"conv1d"``: transformers' GPT-2 ``Conv1D``, stored ``(d_in, d_out)``, ``addmm(b, x, W)``;
+- ``"embedding"``: ``nn.Embedding``, stored ``(num_embeddings, dim)``: a lookup is a linear map of
+  one-hot inputs, so ``d_in = num_embeddings``, ``d_out = dim`` and the canonical view is ``Wᵀ``;
+- ``"conv"``: ``nn.Conv1d/2d/3d`` (``groups=1``), stored ``(out, in, *kernel)``: canonical
+  ``(out, in·prod(kernel))`` (peft's conv LoRA: ``A`` a conv with the base kernel to ``r``
+  channels, ``B`` a 1x1 conv, is ``B·A`` in this view);
+- ``"norm"``: ``nn.LayerNorm`` and ``*RMSNorm`` / ``*LayerNorm`` modules with a 1-D weight
+  ``(d,)``: ``d_in = d_out = d``, the canonical view is the weight itself;
+- ``"experts"``: a 3-D parameter of a MoE layer (``AdapterSpec(target_parameters=...)``), one
+  matrix per expert: stored ``(E, d_out, d_in)``, or ``(E, d_in, d_out)`` where the module says
+  ``is_transposed`` (layout ``"experts_t"``); canonical ``(E, d_out, d_in)``, a variant's forms
+  run per expert.
+
+Variants see only canonical views; the layout is recorded per target here and never changes
+what the user asked for. Which kinds a variant adapts is its ``Variant.kinds``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 
 from torch import Tensor, nn
 
 from lora_func.quantized import logical_shape
 from lora_func.spec import AdapterSpec
+from lora_func.variants import Variant, get_variant
 
-__all__ = ["ALL_LINEAR", "Target", "canonical_weight", "find_targets", "layer_kind", "output_head", "stored_weight", "tensor_names"]
+__all__ = [
+    "ALL_LINEAR",
+    "EXPERT_LAYOUTS",
+    "KINDS",
+    "MERGED_ONLY",
+    "Target",
+    "canonical_weight",
+    "check_kinds",
+    "find_targets",
+    "kind_of_layout",
+    "layer_kind",
+    "module_kind",
+    "output_head",
+    "stored_shape",
+    "stored_weight",
+    "tensor_names",
+]
 
 # peft's shorthand, with peft's meaning: every nn.Linear / GPT-2 Conv1D except the output head.
 ALL_LINEAR = "all-linear"
@@ -29,6 +62,28 @@ _HINT = (
 )
 
 
+# kind -> what it is, for messages (the kinds table of the module docstring).
+KINDS = {
+    "linear": "nn.Linear",
+    "conv1d": "transformers Conv1D",
+    "embedding": "nn.Embedding",
+    "conv": "nn.Conv1d/2d/3d",
+    "norm": "LayerNorm / RMSNorm",
+    "experts": "3-D MoE expert parameter",
+}
+# Layouts of the "experts" kind: (E, d_out, d_in) stored, or (E, d_in, d_out) (is_transposed).
+EXPERT_LAYOUTS = ("experts", "experts_t")
+# Layouts the overlays apply through the merged weight only (a parameter overlay of W_eff):
+# their layer op is not a matmul of x (a lookup, a convolution, a normalisation, a per-expert
+# loop or grouped_mm), so no lazy stand-in intercepts it.
+MERGED_ONLY = frozenset({"embedding", "conv", "norm", *EXPERT_LAYOUTS})
+
+
+def kind_of_layout(layout: str) -> str:
+    """The kind of a stored layout (``"experts_t"`` is of kind ``"experts"``)."""
+    return "experts" if layout in EXPERT_LAYOUTS else layout
+
+
 @dataclasses.dataclass(frozen=True)
 class Target:
     """One adapted layer (static data: part of an adapter's pytree context).
@@ -36,9 +91,15 @@ class Target:
     Attributes:
       module: the module's name in the model.
       weight_key / bias_key: the parameter names the overlays replace or read.
-      layout: ``"linear"`` (stored ``(d_out, d_in)``) or ``"conv1d"`` (stored ``(d_in, d_out)``).
-      d_in / d_out: feature sizes.
+      module: the module's name in the model; for an expert parameter the parameter's name
+        (``"model.layers.0.mlp.experts.gate_up_proj"``), as peft's ``target_parameters`` names it.
+      weight_key / bias_key: the parameter names the overlays replace or read.
+      layout: ``"linear"`` (stored ``(d_out, d_in)``), ``"conv1d"`` (stored ``(d_in, d_out)``), or
+        one of the other kinds' layouts (module docstring).
+      d_in / d_out: feature sizes (per expert for the experts kind).
       tied_keys: every other name of the same weight tensor (only with ``tied="both"``).
+      shape: the stored weight's shape, for the layouts whose canonical view is a reshape
+        (``"conv"``) or has an expert axis; ``()`` for the others.
     """
 
     module: str
@@ -48,19 +109,42 @@ class Target:
     d_in: int
     d_out: int
     tied_keys: tuple[str, ...] = ()
+    shape: tuple[int, ...] = ()
+
+    @property
+    def owner(self) -> str:
+        """The name of the module that holds the weight (``module`` itself but for expert parameters)."""
+        return self.weight_key.rpartition(".")[0]
+
+    @property
+    def experts(self) -> int | None:
+        """The number of experts of an expert parameter, else ``None``."""
+        return self.shape[0] if self.layout in EXPERT_LAYOUTS else None
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self) | {"tied_keys": list(self.tied_keys)}
+        out = dataclasses.asdict(self) | {"tied_keys": list(self.tied_keys), "shape": list(self.shape)}
+        if not self.shape:
+            del out["shape"]  # the files of linear / Conv1D targets stay as they were
+        return out
 
     @classmethod
     def from_dict(cls, data: dict) -> Target:
-        return cls(**(data | {"tied_keys": tuple(data["tied_keys"])}))
+        return cls(**(data | {"tied_keys": tuple(data["tied_keys"]), "shape": tuple(data.get("shape", ()))}))
 
 
 def layer_kind(module: nn.Module) -> str | None:
-    """``"linear"``, ``"conv1d"`` (transformers' GPT-2 Conv1D) or ``None``."""
+    """The kind of a module (:data:`KINDS`, but ``"experts"``, which is a parameter), or ``None``."""
     if isinstance(module, nn.Linear):
         return "linear"
+    if isinstance(module, nn.Embedding):
+        return "embedding"
+    if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+        return "conv" if module.groups == 1 else None
+    weight = getattr(module, "weight", None)
+    if isinstance(module, nn.LayerNorm) or (
+        type(module).__name__.endswith(("RMSNorm", "LayerNorm")) and isinstance(weight, Tensor) and weight.dim() == 1
+    ):
+        return "norm" if isinstance(weight, Tensor) else None
     try:
         from transformers.pytorch_utils import Conv1D
     except ImportError:  # pragma: no cover - transformers is a dependency
@@ -68,14 +152,54 @@ def layer_kind(module: nn.Module) -> str | None:
     return "conv1d" if isinstance(module, Conv1D) else None
 
 
+def stored_shape(target: Target) -> tuple[int, ...]:
+    """The shape of ``target``'s weight as the model stores it."""
+    if target.shape:
+        return target.shape
+    if target.layout == "linear":
+        return (target.d_out, target.d_in)
+    if target.layout == "norm":
+        return (target.d_out,)
+    return (target.d_in, target.d_out)  # conv1d, embedding
+
+
+def module_kind(modules: Mapping[str, nn.Module], target: Target) -> str | None:
+    """The layout ``target``'s weight has in a model with ``modules`` (``None``: no such weight
+    there, or of no kind), to compare with the layout it was built for."""
+    module = modules.get(target.owner)
+    if module is None:
+        return None
+    if target.layout in EXPERT_LAYOUTS:
+        param = getattr(module, target.weight_key.rpartition(".")[2], None)
+        if not isinstance(param, Tensor) or param.dim() != 3:
+            return None
+        return "experts_t" if getattr(module, "is_transposed", False) else "experts"
+    return layer_kind(module)
+
+
 def canonical_weight(weight: Tensor, layout: str) -> Tensor:
-    """The ``(d_out, d_in)`` view of a stored weight (no copy)."""
-    return weight.T if layout == "conv1d" else weight
+    """The canonical ``(d_out, d_in)`` view of a stored weight (no copy); ``(E, d_out, d_in)`` for
+    an expert parameter, the weight itself for a norm's ``(d,)``."""
+    if layout in ("conv1d", "embedding"):
+        return weight.T
+    if layout == "conv":
+        return weight.flatten(1)
+    if layout == "experts_t":
+        return weight.transpose(-1, -2)
+    return weight
 
 
-def stored_weight(weight: Tensor, layout: str) -> Tensor:
-    """Back from canonical ``(d_out, d_in)`` to the layout the model stores."""
-    return weight.T if layout == "conv1d" else weight
+def stored_weight(weight: Tensor, layout: str, shape: Sequence[int] | None = None) -> Tensor:
+    """Back from the canonical view to the layout the model stores; ``shape``: the stored
+    shape, needed for ``"conv"`` (the kernel's axes)."""
+    if layout in ("conv1d", "embedding"):
+        return weight.T
+    if layout == "conv":
+        assert shape is not None, "a conv weight's stored shape"
+        return weight.reshape(shape)
+    if layout == "experts_t":
+        return weight.transpose(-1, -2)
+    return weight
 
 
 def tensor_names(model: nn.Module) -> dict[int, list[str]]:
@@ -124,20 +248,82 @@ def _did_you_mean(wanted: list[str], modules: list[tuple[str, nn.Module]]) -> st
     close = close_names(wanted, _module_name_pool([name for name, _ in modules]))
     if close:
         return f"close module names: {close}"
-    adaptable = sorted({name.rsplit(".", 1)[-1] for name, module in modules if layer_kind(module) is not None})
+    adaptable = sorted({name.rsplit(".", 1)[-1] for name, module in modules if layer_kind(module) in ("linear", "conv1d")})
     shown = f"{adaptable[:20]}{' ...' if len(adaptable) > 20 else ''}" if adaptable else "none (no nn.Linear or Conv1D)"
     return f"no module name is close; the layers it can adapt are named {shown}"
 
 
-def find_targets(model: nn.Module, spec: AdapterSpec) -> list[Target]:
+def _sizes(kind: str, shape: Sequence[int]) -> tuple[int, int]:
+    """``(d_in, d_out)`` of a stored weight of ``kind`` (the kinds table)."""
+    if kind == "linear":
+        return shape[1], shape[0]
+    if kind in ("conv1d", "embedding"):
+        return shape[0], shape[1]
+    if kind == "conv":
+        return math.prod(shape[1:]), shape[0]
+    if kind == "norm":
+        return shape[0], shape[0]
+    if kind == "experts_t":
+        return shape[1], shape[2]
+    return shape[2], shape[1]  # experts: (E, d_out, d_in)
+
+
+def _expert_parameters(model: nn.Module, spec: AdapterSpec) -> list[tuple[str, str, Tensor, str]]:
+    """``(owner module, parameter name, parameter, layout)`` of every parameter ``spec.target_parameters``
+    selects (peft's matching: the full name equals an entry or ends with ``"." + entry``), in
+    module order and, within a module, in the order of its parameters (peft's nesting order)."""
+    wanted = spec.target_parameters
+    if not wanted:
+        return []
+    found, matched_entries = [], set()
+    for owner, module in model.named_modules():
+        for pname, param in module.named_parameters(recurse=False):
+            key = f"{owner}.{pname}" if owner else pname
+            hits = [t for t in wanted if key == t or key.endswith("." + t)]
+            if not hits:
+                continue
+            matched_entries.update(hits)
+            if param.dim() != 3:
+                raise ValueError(  # error: target-parameter-not-3d
+                    f"target_parameters selects {key} of shape {tuple(param.shape)}; lora_func adapts 3-D expert "
+                    f"parameters (num_experts, out, in) there: name 2-D weights' modules in `targets` instead"
+                )
+            layout = "experts_t" if getattr(module, "is_transposed", False) else "experts"
+            found.append((owner, pname, param, layout))
+    unmatched = sorted(set(wanted) - matched_entries)
+    if unmatched:
+        names = [n for n, p in model.named_parameters() if p.dim() == 3]
+        raise ValueError(  # error: target-parameters-unmatched
+            f"target_parameters {unmatched} match no parameter of {type(model).__name__}; its 3-D (expert) "
+            f"parameters are {names[:8]}{' ...' if len(names) > 8 else ''}"
+        )
+    return found
+
+
+def check_kinds(variant: Variant, targets: Sequence[Target], where: str) -> None:
+    """Raise unless ``variant`` adapts the kind of every target (``Variant.kinds``), naming the
+    variant, the targets and kinds it refuses, and the kinds it adapts."""
+    refused = sorted({f"{t.module} ({kind_of_layout(t.layout)})" for t in targets if kind_of_layout(t.layout) not in variant.kinds})
+    if refused:
+        supported = [f"{k} ({KINDS[k]})" for k in KINDS if k in variant.kinds]
+        raise ValueError(  # error: variant-kind-unsupported
+            f"{where}: variant {variant.name!r} cannot adapt {refused[:5]}{' ...' if len(refused) > 5 else ''}; "
+            f"{variant.name} adapts {', '.join(supported)}. Leave those out of the targets, or pick a variant that adapts "
+            f"them (lora adapts every kind but norms; ln_tuning adapts norms, Linear and Conv1D)"
+        )
+
+
+def find_targets(model: nn.Module, spec: AdapterSpec, where: str = "init_adapter") -> list[Target]:
     """The targets of ``spec`` in ``model``, in module order; raises before touching anything.
 
     ``spec.targets == "all-linear"`` is peft's shorthand: every ``nn.Linear`` and GPT-2
     ``Conv1D`` except the output head (:func:`output_head`); ``layer_types`` still filters.
+    ``spec.target_parameters`` adds 3-D expert parameters (after the modules).
 
     Raises ``ValueError`` when nothing matches (listing close module names), when a matched
-    module is neither ``nn.Linear`` nor GPT-2 ``Conv1D`` (unless ``layer_types`` filters),
-    when a list entry matches nothing, or when a target's weight is tied and ``tied="error"``.
+    module is of no kind of :data:`KINDS` (unless ``layer_types`` filters), when a list entry
+    matches nothing, when a target's weight is tied and ``tied="error"``, or when the spec's
+    variant does not adapt a target's kind (:func:`check_kinds`).
     """
     modules = [(name, module) for name, module in model.named_modules() if name]
     module_names = [name for name, _ in modules]
@@ -145,7 +331,7 @@ def find_targets(model: nn.Module, spec: AdapterSpec) -> list[Target]:
         # peft's "all-linear": the output head stays frozen (it is usually tied to the input
         # embedding, and adapting it is rarely wanted); modules of other kinds are not matched.
         head = output_head(model)
-        matched = [(n, m) for n, m in modules if n != head and layer_kind(m) is not None]
+        matched = [(n, m) for n, m in modules if n != head and layer_kind(m) in ("linear", "conv1d")]
         if not matched:
             raise ValueError(  # error: target-all-linear-none
                 f"targets={ALL_LINEAR!r} found no nn.Linear or transformers Conv1D in {type(model).__name__} "
@@ -160,7 +346,8 @@ def find_targets(model: nn.Module, spec: AdapterSpec) -> list[Target]:
                 f"target(s) {sorted(unmatched)} match no module of {type(model).__name__}; "
                 f"{_did_you_mean(unmatched, modules)}; {_HINT}"
             )
-    if not matched:
+    experts = _expert_parameters(model, spec)
+    if not matched and not experts:
         raise ValueError(  # error: target-pattern-unmatched
             f"target pattern {spec.targets!r} matches no module of {type(model).__name__} "
             f"(the pattern must match the whole name, e.g. r'.*\\.q_proj'); "
@@ -171,36 +358,42 @@ def find_targets(model: nn.Module, spec: AdapterSpec) -> list[Target]:
         unsupported = sorted(f"{name} ({type(module).__name__})" for name, module, kind in kinds if kind is None)
         if unsupported:
             raise ValueError(  # error: target-unsupported-kind
-                f"target(s) {unsupported} are neither nn.Linear nor transformers Conv1D; "
-                f"narrow `targets`, or pass layer_types=('linear', 'conv1d') to keep only those kinds"
+                f"target(s) {unsupported} are of no kind lora_func adapts ({', '.join(KINDS.values())}); narrow "
+                f"`targets`, or pass layer_types=('linear', 'conv1d') to keep only those kinds"
             )
     else:
         kinds = [k for k in kinds if k[2] in spec.layer_types]
-        if not kinds:
+        if not kinds and not experts:
             raise ValueError(  # error: target-layer-types-none
                 f"target pattern {spec.targets!r} matches modules, but none of layer_types {list(spec.layer_types)}"
             )
     names_of = tensor_names(model)
     targets = []
-    for name, module, kind in kinds:
-        weight = module.weight
+    pairs = [(name, "weight", module.weight, str(kind)) for name, module, kind in kinds]
+    for owner, pname, param, layout in [*pairs, *experts]:
+        weight = param
         shape = logical_shape(weight)  # a packed quantized weight reports its layer's shape
-        d_in, d_out = (shape[1], shape[0]) if kind == "linear" else (shape[0], shape[1])
-        others = tuple(sorted(n for n in names_of.get(id(weight), []) if n != f"{name}.weight"))
+        d_in, d_out = _sizes(layout, shape)
+        weight_key = f"{owner}.{pname}"
+        others = tuple(sorted(n for n in names_of.get(id(weight), []) if n != weight_key))
         if others and spec.tied == "error":
             raise ValueError(  # error: target-tied
-                f"target {name}.weight is tied to {list(others)}; adapting it would change those too. "
-                f"Pass tied='both' to adapt the shared tensor under every name, or leave {name} out of targets"
+                f"target {weight_key} is tied to {list(others)}; adapting it would change those too. "
+                f"Pass tied='both' to adapt the shared tensor under every name, or leave {owner} out of targets"
             )
+        module = model.get_submodule(owner)
+        has_bias = pname == "weight" and getattr(module, "bias", None) is not None
         targets.append(
             Target(
-                module=name,
-                weight_key=f"{name}.weight",
-                bias_key=f"{name}.bias" if getattr(module, "bias", None) is not None else None,
-                layout=str(kind),  # the unsupported (None) kinds were refused or filtered above
+                module=owner if pname == "weight" else weight_key,
+                weight_key=weight_key,
+                bias_key=f"{owner}.bias" if has_bias else None,
+                layout=layout,  # the unsupported (None) kinds were refused or filtered above
                 d_in=int(d_in),
                 d_out=int(d_out),
                 tied_keys=others,
+                shape=tuple(int(n) for n in shape) if layout in ("conv", *EXPERT_LAYOUTS) else (),
             )
         )
+    check_kinds(get_variant(spec.variant), targets, where)
     return targets

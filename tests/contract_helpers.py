@@ -8,7 +8,7 @@ from torch.func import functional_call
 
 import lora_func as lf
 from lora_func.targeting import canonical_weight, stored_weight
-from tests.models import DEFAULT_TARGETS, LAYER_KIND_MODEL, tiny_model, tokens
+from tests.models import DEFAULT_TARGETS, LAYER_KIND_MODEL, MODEL_SPEC, tiny_model, tokens
 from tests.variant_table import Row
 
 
@@ -23,8 +23,8 @@ def calibration_batches(n: int = 4, batch: int = 4, length: int = 16, seed: int 
 
 
 def spec_for(row: Row, model_kind: str, **overrides) -> lf.AdapterSpec:
-    targets = (row.targets or DEFAULT_TARGETS)[model_kind]
-    kwargs = {**row.spec_kwargs, **overrides}
+    targets = (row.targets or DEFAULT_TARGETS).get(model_kind, DEFAULT_TARGETS[model_kind])
+    kwargs = {**MODEL_SPEC.get(model_kind, {}), **row.spec_kwargs, **overrides}
     return lf.AdapterSpec(row.variant, targets=targets, **kwargs)
 
 
@@ -77,7 +77,7 @@ def oracle_params(base: dict[str, Tensor], adapter: lf.Adapter, row: Row) -> dic
         W = canonical_weight(base[t.weight_key], t.layout).double()
         bias = base[t.bias_key].double() if t.bias_key else None
         w_eff, b_eff = row.w_eff(p64, b64, W, bias, layer.info)
-        w_stored = stored_weight(w_eff, t.layout).to(base[t.weight_key].dtype)
+        w_stored = stored_weight(w_eff, t.layout, base[t.weight_key].shape).to(base[t.weight_key].dtype)
         for key in (t.weight_key, *t.tied_keys):
             out[key] = w_stored
         if t.bias_key is not None and b_eff is not None:

@@ -4,7 +4,17 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+from transformers.modeling_outputs import CausalLMOutput
 
 VOCAB = 61  # prime and small: logits differ per token, embeddings stay tiny
 # Weight std. The transformers default (0.02) is tuned for hidden sizes in the thousands; at
@@ -19,15 +29,60 @@ DEFAULT_TARGETS = {
     "qwen2": ["q_proj", "v_proj"],
     "gpt2": ["c_attn"],
 }
-# The contract suite's two layer kinds, each on a model that has it.
-LAYER_KIND_MODEL = {"linear": "llama", "conv1d": "gpt2"}
+# The other target kinds (lora_func.targeting.KINDS), each on a model that has it: the Llama's
+# embedding, GPT-2's LayerNorms (with a bias), a conv LM (Conv1d and Conv2d), a tiny Mixtral's
+# expert parameters.
+DEFAULT_TARGETS |= {
+    "llama_embedding": ["embed_tokens"],
+    "gpt2_norm": ["ln_1", "ln_f"],
+    "convlm": ["seq", "grid"],
+    "mixtral": [],
+}
+# Extra AdapterSpec arguments per model (expert parameters are named by target_parameters).
+MODEL_SPEC = {"mixtral": {"target_parameters": ["gate_up_proj", "down_proj"]}}
+# The contract suite's layer kinds, each on a model that has it.
+LAYER_KIND_MODEL = {
+    "linear": "llama",
+    "conv1d": "gpt2",
+    "embedding": "llama_embedding",
+    "conv": "convlm",
+    "norm": "gpt2_norm",
+    "experts": "mixtral",
+}
+
+
+class ConvLM(nn.Module):
+    """A tiny causal LM with convolutions: token embedding (dim 16), a causal ``nn.Conv1d`` over
+    the sequence (``seq``, kernel 3, bias), a ``nn.Conv2d`` over (4 channel groups x 4, time)
+    (``grid``, kernel (3, 2), no bias), a Linear head; returns ``.logits``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 16)
+        self.seq = nn.Conv1d(16, 16, 3, padding=2)
+        self.grid = nn.Conv2d(4, 4, (3, 2), padding=(1, 1), bias=False)
+        self.head = nn.Linear(16, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor) -> CausalLMOutput:
+        h = self.embed(input_ids).transpose(1, 2)  # (B, 16, T)
+        t = h.shape[-1]
+        h = torch.relu(self.seq(h)[..., :t])  # causal: the first t outputs of the padded conv
+        g = self.grid(h.reshape(h.shape[0], 4, 4, t))[..., :t]  # (B, 4, 4, T)
+        h = h + torch.tanh(g.reshape(h.shape[0], 16, t))
+        return CausalLMOutput(logits=self.head(h.transpose(1, 2)))
 
 
 def tiny_model(kind: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:
     """A 2-layer model with hidden size 32, random weights from ``seed``, eval mode, eager attention
     (SDPA has no vmap batching rule on CPU and warns)."""
     torch.manual_seed(seed)
-    if kind == "llama":
+    if kind == "convlm":
+        model = ConvLM()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0.0, INIT_RANGE)
+        return model.to(dtype).eval()
+    if kind in ("llama", "llama_embedding"):
         # attention_bias: q/k/v/o carry a bias (a variant that mishandles the bias shows);
         # the MLP has none (the bias-free path is exercised too).
         config = LlamaConfig(
@@ -44,7 +99,16 @@ def tiny_model(kind: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> 
             bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=INIT_RANGE,
         )
         model = Qwen2ForCausalLM(config)
-    elif kind == "gpt2":
+    elif kind == "mixtral":
+        # eager experts: a per-expert loop (torch.func transforms see through it; grouped_mm is
+        # covered by the peft oracle tests).
+        config = MixtralConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+            bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=INIT_RANGE, experts_implementation="eager",
+        )
+        model = MixtralForCausalLM(config)
+    elif kind in ("gpt2", "gpt2_norm"):
         config = GPT2Config(
             vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
             bos_token_id=1, eos_token_id=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,

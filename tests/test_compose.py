@@ -71,7 +71,7 @@ def test_compose_pair_on_one_layer_merged_lazy_oracle(setting, first, second):
     kind, model, base, ids = setting
     a = _adapter(model, first, [LAYER[kind]], seed=10)
     b = _adapter(model, second, [LAYER[kind]], seed=20)
-    if lf.get_variant(second).replaces_weight:  # pissa, olora, corda: a residual replaces W
+    if lf.get_variant(second).replaces_weight:  # pissa, olora, corda, ln_tuning: a residual replaces W
         with pytest.raises(ValueError, match=rf"part 1 \({second}\) replaces the base weight of .*Put part 1 first"):
             lf.compose(a, b)
         return
@@ -91,8 +91,9 @@ def test_compose_pair_on_one_layer_merged_lazy_oracle(setting, first, second):
 @pytest.mark.parametrize("variant", sorted(ROWS))
 def test_compose_gradients_lazy_equal_merged(setting, variant):
     kind, model, base, ids = setting
+    # A variant that replaces the base weight (pissa, olora, corda, ln_tuning) goes first; the others after pissa.
     replaces = lf.get_variant(variant).replaces_weight
-    first = "pissa" if not replaces else "lora"
+    first = "lora" if replaces else "pissa"
     parts = [_adapter(model, first, [LAYER[kind]], seed=1), _adapter(model, variant, [LAYER[kind]], seed=2)]
     if replaces:
         parts.reverse()

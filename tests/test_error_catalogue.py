@@ -540,7 +540,7 @@ CASES: dict[str, Case] = {
     # targeting and init
     "target-list-unmatched": Case(init("lora", ["q_prj", "v_proj"]), ("'q_prj'", "q_proj")),
     "target-pattern-unmatched": Case(init("lora", "q_proj"), ("'q_proj'", "q_proj")),
-    "target-unsupported-kind": Case(init("lora", ["embed_tokens"]), ("model.embed_tokens (Embedding)", "layer_types")),
+    "target-unsupported-kind": Case(init("lora", ["self_attn"]), ("model.layers.0.self_attn (LlamaAttention)", "layer_types")),
     "target-layer-types-none": Case(init("lora", ["c_attn"], kind="gpt2", layer_types=("linear",)), ("c_attn", "['linear']")),
     "target-tied": Case(init("lora", ["lm_head"], kind="gpt2"), ("lm_head.weight", "transformer.wte.weight", "tied='both'")),
     "init-not-spec": Case(on_model(lambda m, ctx: lf.init_adapter(m, {"variant": "lora"})), ("dict",)),
@@ -962,7 +962,7 @@ CASES.update(
         "peft-wrapped-model": Case(saved_peft(_wrapped_model), ("LlamaForCausalLM", "get_base_model")),
         "peft-missing-modules": Case(saved_peft(lambda d, ctx, m: _peft_on(d, ctx, m, onto=tiny_model("gpt2"))), ("GPT2LMHeadModel", Q)),
         "peft-tied-module": Case(saved_peft(_lm_head_checkpoint), ("['lm_head']", "merge_and_unload")),
-        "peft-layer-refused": Case(saved_peft(lambda d, ctx, m: _peft_on(d, ctx, m, tensors=_rename_module(Q, "model.layers.0.input_layernorm"))), ("model.layers.0.input_layernorm", "LlamaRMSNorm")),
+        "peft-layer-refused": Case(saved_peft(lambda d, ctx, m: _peft_on(d, ctx, m, tensors=_rename_module(Q, "model.layers.0.input_layernorm"))), ("model.layers.0.input_layernorm (norm)", "lora adapts")),
         "peft-shapes": Case(saved_peft(lambda d, ctx, m: _peft_on(d, ctx, m, onto=_wider_llama())), ("LlamaForCausalLM", Q)),
         "peft-unsupported-features": Case(saved_peft(lambda d, ctx, m: _peft_on(d, ctx, m, config={"bias": "all"})), ("LORA", "['bias']")),
         "peft-incomplete": Case(saved_peft(lambda d, ctx, m: _peft_on(d, ctx, m, tensors=lambda t: {k: v for k, v in t.items() if not (Q in k and "lora_B" in k)})), (Q, "['lora_A']", "['lora_A', 'lora_B']")),
@@ -1907,5 +1907,61 @@ CASES.update(
         # init_adapter refuses r > min(d_in, d_out) for every variant first; the variant's own init too.
         "mica-rank": Case(lambda ctx: lambda: lf.get_variant("mica").init(torch.eye(4), None, _info(r=8), dtype=torch.float32, generator=torch.Generator()), ("r=8", "= 4")),
         "lora-orthogonal-odd-r": Case(on_model(lambda m, ctx: lf.init_adapter(m, lf.AdapterSpec("lora", targets=["q_proj"], r=3, init="orthogonal"), generator=torch.Generator())), ("r=3",)),
+    }
+)
+
+
+# ----------------------------------------------------------------------------- target kinds
+
+
+def _quantized_embedding(ctx: Ctx) -> Callable[[], Any]:
+    """An adapter on the embedding of a model whose embedding weight reads as quantized."""
+    import lora_func.plan
+
+    model = ctx.model()
+    adapter = ctx.adapter(model, targets=["embed_tokens"])
+    weight = model.model.embed_tokens.weight
+    real = lora_func.plan.kind_of_tensor
+    ctx.monkeypatch.setattr(lora_func.plan, "kind_of_tensor", lambda t: object() if t.shape == weight.shape else real(t))
+    return lambda: lf.adapted_call(model, adapter, IDS)
+
+
+def _experts_checkpoint(edit: Callable[[Path, dict[str, Any]], None]) -> Callable[[Ctx], Callable[[], Any]]:
+    """save_peft of a LoRA on both expert parameters of a tiny Mixtral, edited by ``edit``."""
+    from lora_func.io import save_peft
+
+    def arrange(ctx: Ctx) -> Callable[[], Any]:
+        model = ctx.model("mixtral")
+        adapter = ctx.adapter(model, targets=[], target_parameters=["gate_up_proj", "down_proj"])
+        directory = save_peft(adapter, ctx.tmp / "ckpt", model=model)
+        edit(directory, json.loads((directory / "adapter_config.json").read_text()))
+        return _load_peft(directory, model)
+
+    return arrange
+
+
+CASES.update(
+    {
+        "variant-kind-unsupported": Case(init("dora", ["embed_tokens", "q_proj"]), ("'dora'", "model.embed_tokens (embedding)", "linear (nn.Linear)")),
+        "spec-target-parameters": Case(spec("lora", [], target_parameters="gate_up_proj"), ("'gate_up_proj'",)),
+        "target-parameters-unmatched": Case(init("lora", [], kind="mixtral", target_parameters=["gate_proj"]), ("['gate_proj']", "gate_up_proj")),
+        "target-parameter-not-3d": Case(init("lora", [], target_parameters=[f"{Q}.weight"]), (f"{Q}.weight", "(32, 32)")),
+        "kind-quantized-or-sharded": Case(_quantized_embedding, ("model.embed_tokens.weight", "embedding")),
+        "mixed-route-kind": Case(
+            lambda ctx: (lambda m, a: lambda: lf.mixed_adapted_call(m, [a, a], torch.tensor([0, 1]), IDS))(
+                m := ctx.model(), ctx.adapter(m, targets=["embed_tokens"])
+            ),
+            ("model.embed_tokens (embedding)", "adapted_call"),
+        ),
+        "peft-parameter-nesting": Case(
+            _experts_checkpoint(lambda d, config: _edit_config(d, target_parameters=["down_proj"])), ("model.layers.0.mlp.experts.base_layer", "['down_proj']")
+        ),
+        "peft-base-changed": Case(
+            saved_peft(
+                lambda d, ctx, m: _peft_on(d, ctx, m, tensors=lambda t: t | {"base_model.model.model.embed_tokens.base_layer.weight": torch.zeros(61, 32)}),
+                targets=("embed_tokens", "q_proj"),
+            ),
+            ("model.embed_tokens.weight",),
+        ),
     }
 )

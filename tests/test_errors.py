@@ -73,10 +73,10 @@ def test_overlay_key_that_is_not_a_model_tensor(llama):
             make(gpt2_base, adapter)
 
 
-def test_target_that_is_neither_linear_nor_conv1d(llama):
-    with pytest.raises(ValueError, match=r"model.embed_tokens \(Embedding\).*neither nn.Linear nor transformers Conv1D"):
-        lf.init_adapter(llama, lf.AdapterSpec("lora", targets=["embed_tokens"]))
-    with pytest.raises(ValueError, match=r"self_attn \(LlamaAttention\)"):
+def test_target_of_no_kind_or_of_a_kind_the_variant_refuses(llama):
+    with pytest.raises(ValueError, match=r"variant 'dora' cannot adapt \['model.embed_tokens \(embedding\)'\]; dora adapts linear"):
+        lf.init_adapter(llama, lf.AdapterSpec("dora", targets=["embed_tokens"]))
+    with pytest.raises(ValueError, match=r"self_attn \(LlamaAttention\)'\] are of no kind"):
         lf.init_adapter(llama, lf.AdapterSpec("lora", targets=r".*self_attn"))
     # an explicit layer_types filter keeps only those kinds instead
     adapter = lf.init_adapter(llama, lf.AdapterSpec("lora", targets=r"model\.layers\.0\..*", layer_types=("linear",), r=2))

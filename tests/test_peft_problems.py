@@ -179,9 +179,11 @@ def test_the_table_gives_each_peft_variant_its_keys_and_shapes():
 def test_io_peft_names_no_variant():
     """The peft reader/writer is generic: each variant's mapping is its own file's entry
     (``Variant(peft=...)``), so io/peft.py names none of them (code, messages or docs)."""
-    text = (Path(peft.__file__)).read_text()
-    named = sorted({v for v in lf.list_variants() if re.search(rf"\b{re.escape(v)}\b", text, re.IGNORECASE)})
-    assert named == [], f"lora_func/io/peft.py names the variants {named}"
+    for path in Path(peft.__file__).parent.glob("*peft*.py"):  # peft.py and its _peft_* modules
+        text = path.read_text()
+        named = sorted({v for v in lf.list_variants() if re.search(rf"\b{re.escape(v)}\b", text, re.IGNORECASE)})
+        assert named == [], f"lora_func/io/{path.name} names the variants {named}"
+    assert len(list(Path(peft.__file__).parent.glob("*peft*.py"))) >= 4
 
 
 def test_the_variants_of_one_peft_method_share_its_entry():

@@ -18,7 +18,9 @@ from tests.variant_table import ROWS
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning", "ignore::FutureWarning")
 
-VARIANTS = sorted(v for v in ROWS if not lf.get_variant(v).replaces_weight)  # PiSSA, OLoRA, CorDA are refused (test below)
+# The variants that replace the base weight (PiSSA's, OLoRA's and CorDA's residual, LN tuning's trained
+# copy) are refused on a quantized base (test below).
+VARIANTS = sorted(v for v in ROWS if not lf.get_variant(v).replaces_weight)
 ATOL = 1e-5
 # torchao's int8 weight-only op scales the int8 product after the matmul, not the weight before:
 # ~2e-6 per layer from the dequantized float model, ~7e-6 on the plain model's logits already.

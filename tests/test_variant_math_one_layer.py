@@ -303,6 +303,7 @@ DOCUMENTED = {
     "pissa": (8.0, {"use_rslora": False, "niter": 0, "dropout": 0.0}, True, False, True, {"lora_A": 0, "lora_B": 1}),
     "delora": (8.0, {"lambda0": 15.0}, True, False, False, {"delora_A": 0, "delora_B": 1}),
     "hra": (8.0, {"init": "paired"}, True, False, False, {"hra_u": 1}),
+    "ln_tuning": (1.0, {}, False, True, False, {}),
     "antipasto": (
         1.0,
         {"max_rotation_angle": math.pi / 3, "rotate_u": False, "steer": 1.0},
@@ -369,8 +370,9 @@ def test_documented_defaults_and_flags(variant):
     spec = lf.AdapterSpec(variant, targets=["proj"])
     assert spec.alpha == alpha and dict(spec.options) == options and spec.r == 8
     assert (v.uses_rank, v.changes_bias, v.records_base, dict(v.rank_axes)) == (uses_rank, changes_bias, records_base, rank_axes)
-    # only PiSSA's weight form discards W (W_res + s·BA), so only it must come first in compose()
-    assert v.replaces_weight == (variant == "pissa")
+    # PiSSA's weight form discards W (W_res + s·BA), LN tuning's too (its trained copy): only
+    # they must come first in compose()
+    assert v.replaces_weight == (variant in ("pissa", "ln_tuning"))
 
 
 @pytest.mark.parametrize("name", ["lora", "dora", "delora", "hra", "hra-random"])

@@ -59,7 +59,7 @@ from lora_func.checks import check_float_targets, check_model, check_path
 from lora_func.io._files import read_safetensors, safetensors_write, write_file
 from lora_func.quantized import logical_shape
 from lora_func.spec import LAYER_TYPES, AdapterSpec
-from lora_func.targeting import Target, layer_kind
+from lora_func.targeting import EXPERT_LAYOUTS, Target, check_kinds, module_kind, stored_shape
 from lora_func.variants import LayerInfo, get_variant
 
 __all__ = ["load", "save"]
@@ -315,8 +315,9 @@ def _sane_layer(layer: AdapterLayer) -> bool:
     sizes = (info.d_in, info.d_out, info.r, target.d_in, target.d_out)
     names = (target.module, target.weight_key, *target.tied_keys, *([] if target.bias_key is None else [target.bias_key]))
     return (
-        target.layout in LAYER_TYPES
+        target.layout in (*LAYER_TYPES, *EXPERT_LAYOUTS)
         and all(isinstance(n, str) for n in names)
+        and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in target.shape)
         and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in sizes)
         and isinstance(info.alpha, (int, float))
         and not isinstance(info.alpha, bool)
@@ -408,14 +409,14 @@ def _model_problems(model: nn.Module, base: Mapping[str, Tensor], layers: list[A
     modules = dict(model.named_modules())
     for layer in layers:
         t = layer.target
-        stored = (t.d_out, t.d_in) if t.layout == "linear" else (t.d_in, t.d_out)
-        kind = layer_kind(modules[t.module]) if t.module in modules else None
+        stored = stored_shape(t)
+        kind = module_kind(modules, t)
         if t.weight_key not in base:
             problems.append(f"{t.weight_key}: not in the model")
         elif kind != t.layout:
             # Same name and, for a square layer, same shape: an nn.Linear adapter on a GPT-2
             # Conv1D would run transposed and give wrong outputs without an error.
-            problems.append(f"{t.weight_key}: adapter built for a {t.layout} layer, the model's is {kind or type(modules.get(t.module)).__name__}")
+            problems.append(f"{t.weight_key}: adapter built for a {t.layout} layer, the model's is {kind or type(modules.get(t.owner)).__name__}")
         elif logical_shape(base[t.weight_key]) != stored:
             problems.append(f"{t.weight_key}: adapter built for {stored}, model has {logical_shape(base[t.weight_key])}")
         elif layer.base_fingerprint is not None and weight_fingerprint(base[t.weight_key]) != layer.base_fingerprint:
@@ -433,7 +434,7 @@ def _rebuild_buffers(
     # Buffers never depend on the random draws of the variants that have them at niter=0 /
     # full SVD; a variant whose buffers do (PiSSA's randomized SVD) fails the digest check below.
     _, buffers, _ = variant_init(
-        get_variant(spec.variant), spec, model.get_submodule(layer.target.module), layer.target, layer.info,
+        get_variant(spec.variant), spec, model.get_submodule(layer.target.owner), layer.target, layer.info,
         generator=torch.Generator().manual_seed(0),
     )
     buffers = {name: buffers[name].detach().contiguous() for name, _ in layer.buffer_shapes if name in buffers}
@@ -514,6 +515,8 @@ def load(path: str | os.PathLike, model: nn.Module | None = None) -> AdapterLike
             f"the API, not in the file)"
         )
     leaf_nodes = list(leaves(skeleton))
+    for _, leaf in leaf_nodes:  # a variant adapts the kinds it declares (a file from elsewhere may claim more)
+        check_kinds(get_variant(cast(AdapterSpec, leaf.spec).variant), [layer.target for layer in leaf.layers], f"load({path})")
     all_layers = [layer for _, leaf in leaf_nodes for layer in leaf.layers]
     with_buffers = sorted(layer.target.module for layer in all_layers if layer.buffer_shapes)
     with_buffers += [SHARED for _, leaf in leaf_nodes if leaf.shared is not None and leaf.shared.buffer_shapes][:1]

@@ -4,11 +4,13 @@ Adapters trained with peft load onto the untouched base model (:func:`load_peft`
 lora_func adapters are written in peft's format (:func:`save_peft`) for peft and the tools
 that read it (vLLM, TGI, LoRAX); :func:`peft_problems` says whether an adapter fits.
 
-This module is a generic reader/writer: how each variant is stored (its peft method, key
-names, shapes, config fields, how a checkpoint's layer reads as it, any conversion) is the
-variant's own ``Variant(peft=PeftFormat(...))`` entry, in its file (see
+The reader and writer are generic: how each variant is stored (its peft method, key
+names, shapes per target kind, config fields, how a checkpoint's layer reads as it, any
+conversion) is the variant's own ``Variant(peft=PeftFormat(...))`` entry, in its file (see
 :mod:`lora_func.variants`); docs/io.md has the table. A variant without an entry has no peft
-equivalent.
+equivalent. This module writes (:func:`save_peft`, :func:`peft_problems`); the others of one
+job each: ``_peft_keys`` (tensor names and shapes), ``_peft_config`` (the config, both ways),
+``_peft_read`` (:func:`load_peft`).
 """
 
 from __future__ import annotations
@@ -16,99 +18,41 @@ from __future__ import annotations
 import collections
 import json
 import os
-import pickle
-import re
-import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from lora_func._model import (
-    adapter_layer,
     base_params,
-    layer_info,
-    shared_init,
-    variant_init,
     weight_fingerprint,
 )
 from lora_func.adapter import (
-    SHARED,
     Adapter,
     AdapterLayer,
     AdapterLike,
     AdapterNode,
     Composed,
-    compose,
     leaves,
     walk,
 )
 from lora_func.checks import check_model, check_path
 from lora_func.io._files import replace_directory, safetensors_write
-from lora_func.quantized import kind_of_tensor
-from lora_func.spec import AdapterSpec
-from lora_func.targeting import Target, canonical_weight, find_targets, tensor_names
+from lora_func.io._peft_config import _peft_config
+from lora_func.io._peft_keys import CONFIG_NAME, PREFIX, WEIGHTS_NAME, _Out, _parameter_key, _stored
+from lora_func.io._peft_read import load_peft
+from lora_func.targeting import (
+    canonical_weight,
+)
 from lora_func.variants import (
     PeftFormat,
-    PeftMethod,
     get_variant,
-    is_finite_number,
-    list_variants,
 )
 
 __all__ = ["load_peft", "peft_problems", "save_peft"]
-
-CONFIG_NAME = "adapter_config.json"
-WEIGHTS_NAME = "adapter_model.safetensors"
-LEGACY_WEIGHTS_NAME = "adapter_model.bin"
-PREFIX = "base_model.model."
-
-# ============================================================ the variants' entries
-
-
-def _formats() -> dict[str, PeftFormat]:
-    """Every registered variant that peft can hold -> its entry, by name. The entries of one
-    method are tried in this order when reading (their ``reads`` exclude one another), and a
-    checkpoint with layers of several variants loads as their composition in this order."""
-    return {name: fmt for name in list_variants() if (fmt := get_variant(name).peft) is not None}
-
-
-def _methods() -> dict[str, PeftMethod]:
-    """peft_type -> its method, from the entries (variants of one method share it)."""
-    methods: dict[str, PeftMethod] = {}
-    for fmt in _formats().values():
-        methods.setdefault(fmt.method.peft_type, fmt.method)
-    return methods
-
-
-@dataclass(frozen=True)
-class _Out:
-    """One layer as peft stores it; ``tensors()`` (peft suffix -> tensor in peft's shape) is
-    computed only when the checkpoint is written (a conversion may run an SVD)."""
-
-    target: Target
-    tensors: Callable[[], dict[str, Tensor]]
-    r: int | None = None
-    alpha: float | None = None
-    feedforward: bool = False
-
-
-def _stored(fmt: PeftFormat, found: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """A layer's tensors (lora_func names) as peft stores them (peft suffixes and shapes)."""
-    out = {}
-    # A conversion may store a layer under the entry's other names (a top-k form, say).
-    names = [(n, s) for s, n in fmt.imported.items() if n in found] or list(fmt.keys.items())
-    for name, suffix in names:
-        if name not in found:
-            continue  # a tensor this layer does not have (PeftFormat.layer_shapes)
-        tensor = found[name]
-        out[suffix] = tensor.unsqueeze(fmt.matrix[name][0]) if name in fmt.matrix else tensor
-    return out
 
 
 def _out(fmt: PeftFormat, adapter: Adapter, layer: AdapterLayer, base: Mapping[str, Tensor] | None) -> _Out:
@@ -119,7 +63,7 @@ def _out(fmt: PeftFormat, adapter: Adapter, layer: AdapterLayer, base: Mapping[s
         method = fmt.method
         return _Out(
             t,
-            lambda: _stored(fmt, params | buffers),
+            lambda: _stored(fmt, params | buffers, t),
             r=layer.info.r if method.rank_of is not None or method.rank_in_config else None,
             alpha=layer.info.alpha if method.alpha else None,
             feedforward=fmt.feedforward,
@@ -138,477 +82,7 @@ def _out(fmt: PeftFormat, adapter: Adapter, layer: AdapterLayer, base: Mapping[s
             )
         weight = canonical_weight(weight, t.layout)
     converted = fmt.export(params, buffers, weight, layer.info)
-    return _Out(t, lambda: _stored(fmt, converted.tensors()), r=converted.r, alpha=converted.alpha, feedforward=fmt.feedforward)
-
-
-def _suffixes(peft_type: str) -> dict[str, str]:
-    """peft key suffix -> lora_func tensor name, for every variant stored as ``peft_type``."""
-    return {
-        suffix: name
-        for fmt in _formats().values()
-        if fmt.method.peft_type == peft_type
-        for suffix, name in [*((s, n) for n, s in fmt.keys.items()), *fmt.old_keys.items(), *fmt.imported.items()]
-    }
-
-
-# ===================================================================================== load
-
-
-def _read_config(directory: Path) -> dict[str, Any]:
-    path = directory / CONFIG_NAME
-    if not path.is_file():
-        raise FileNotFoundError(  # error: peft-no-config
-            f"no peft checkpoint at {directory}: {CONFIG_NAME} is missing; pass the directory that peft's "
-            f"save_pretrained (or lora_func.save_peft) wrote"
-        )
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError, RecursionError) as err:  # RecursionError: hostile deep nesting
-        config = err
-    if not isinstance(config, dict):
-        problem = config if isinstance(config, Exception) else f"a JSON {type(config).__name__}"
-        raise ValueError(f"{path} is not a peft config (a JSON object): {problem}; re-save the checkpoint")  # error: peft-bad-config
-    return config
-
-
-def _read_tensors(directory: Path, integer_suffixes: Iterable[str] = ()) -> dict[str, Tensor]:
-    """The checkpoint's tensors; integer ones only under ``integer_suffixes`` (an entry's
-    ``imported`` index tensors)."""
-    allowed = tuple(f".{suffix}" for suffix in integer_suffixes)
-    path = directory / WEIGHTS_NAME
-    legacy = directory / LEGACY_WEIGHTS_NAME
-    loaded: Any = None
-    problem = None
-    try:
-        if path.is_file():
-            loaded = load_file(str(path))
-        elif legacy.is_file():
-            # weights_only: a pickle from the internet must not run code (a hostile one raises
-            # UnpicklingError, nothing runs).
-            loaded = torch.load(legacy, map_location="cpu", weights_only=True)
-    except (SafetensorError, OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as err:
-        problem = f"{type(err).__name__}: {err}"
-    if problem is None and loaded is not None:
-        if not isinstance(loaded, Mapping):
-            problem = f"it holds a {type(loaded).__name__}, not a dict of named tensors"
-        elif not all(isinstance(k, str) and isinstance(v, Tensor) for k, v in loaded.items()):
-            problem = "it holds entries that are not named tensors"
-        elif any(not (v.is_floating_point() or _integer_key(k, v) or k.endswith(allowed)) for k, v in loaded.items()):
-            # An integer "adapter" would be cast to an integer spec dtype, or truncate the layer.
-            wrong = sorted(k for k, v in loaded.items() if not (v.is_floating_point() or _integer_key(k, v) or k.endswith(allowed)))
-            problem = f"tensors {wrong[:3]} are not floating-point"
-    if problem is not None:
-        raise ValueError(f"the weights in {directory} are not readable (truncated or corrupted?): {problem}; re-save the checkpoint")  # error: peft-unreadable-weights
-    if loaded is None:
-        raise FileNotFoundError(f"no peft checkpoint at {directory}: neither {WEIGHTS_NAME} nor {LEGACY_WEIGHTS_NAME} is there")  # error: peft-no-weights
-    return dict(loaded)
-
-
-def _integer_key(key: str, tensor: Tensor) -> bool:
-    """Whether ``key`` is an integer tensor that a variant stores as integers (``Variant.integer_buffers``)."""
-    if tensor.dtype not in (torch.int32, torch.int64):
-        return False
-    suffixes = {
-        fmt.keys[name] for variant in list_variants() if (fmt := get_variant(variant).peft) is not None
-        for name in get_variant(variant).integer_buffers if name in fmt.keys
-    }
-    return any(key.endswith("." + suffix) for suffix in suffixes)
-
-
-def _is_regex(pattern: Any) -> bool:
-    try:
-        re.compile(pattern)
-    except (re.error, TypeError, RecursionError, OverflowError):
-        return False
-    return True
-
-
-def _config_problems(config: Mapping[str, Any]) -> list[str]:
-    """Values of the config fields lora_func reads that have the wrong type or are not finite
-    (json reads ``NaN`` and ``1e999``): each would fail deep inside, or make every output NaN."""
-
-    number = is_finite_number
-
-    def rank(value: Any) -> bool:
-        return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-    def selector(value: Any) -> bool:
-        return value is None or (isinstance(value, str) and _is_regex(value)) or (
-            isinstance(value, list) and all(isinstance(v, str) for v in value)
-        )
-
-    checks: dict[str, Callable[[Any], bool]] = {
-        "r": rank,
-        "lora_alpha": number,
-        "target_modules": selector,
-        "feedforward_modules": selector,
-    }
-    # The fields the entries of the checkpoint's method read (a field can mean different things
-    # in different methods: init_weights is a bool in HRAConfig, a bool or a name in C3AConfig).
-    for fmt in _formats().values():
-        if fmt.method.peft_type == config.get("peft_type"):
-            checks |= {fmt.method.alpha_key: number, **fmt.method.checks, **fmt.checks}
-    problems = [f"{name}={config[name]!r}" for name, ok in checks.items() if name in config and not ok(config[name])]
-    for name, ok in (("rank_pattern", rank), ("alpha_pattern", number)):
-        patterns = config.get(name)
-        if patterns is None:
-            continue
-        if not isinstance(patterns, dict):
-            problems.append(f"{name}={patterns!r} (not an object)")
-            continue
-        # peft matches every key as the regex rf"(.*\.)?({key})$".
-        problems += [f"{name}[{key!r}]={value!r}" for key, value in patterns.items() if not (_is_regex(rf"(.*\.)?({key})$") and ok(value))]
-    return problems
-
-
-def _check_config(directory: Path, config: Mapping[str, Any]) -> None:
-    problems = _config_problems(config)
-    if problems:
-        raise ValueError(  # error: peft-config-values
-            f"{directory / CONFIG_NAME} has invalid values: {problems[:5]} (ranks are integers >= 1, alphas finite "
-            f"numbers, patterns valid regular expressions, flags true/false); re-save the checkpoint or fix the config"
-        )
-
-
-def _selects(selector: str | Sequence[str], module: str) -> bool:
-    """peft's ``target_modules`` matching: a regex matched in full, or names / name suffixes."""
-    if isinstance(selector, str):
-        return re.fullmatch(selector, module) is not None
-    return any(module == t or module.endswith("." + t) for t in selector)
-
-
-def _by_module(directory: Path, peft_type: str, tensors: Mapping[str, Tensor]) -> dict[str, dict[str, Tensor]]:
-    """``{module name: {lora_func short name: tensor}}`` from peft's flat keys."""
-    suffixes = _suffixes(peft_type)
-    out: dict[str, dict[str, Tensor]] = {}
-    unknown = []
-    for key, tensor in tensors.items():
-        rest = key.removeprefix(PREFIX)
-        match = next((s for s in sorted(suffixes, key=len, reverse=True) if rest.endswith("." + s)), None)
-        if not key.startswith(PREFIX) or match is None:
-            unknown.append(key)
-            continue
-        out.setdefault(rest[: -len(match) - 1], {})[suffixes[match]] = tensor
-    if unknown or not out:
-        raise ValueError(  # error: peft-unmapped-tensors
-            f"{directory} has tensors lora_func cannot map for peft_type {peft_type}: {sorted(unknown)[:5]} "
-            f"({len(unknown)} of {len(tensors)}); lora_func reads {sorted(set(suffixes))} under '{PREFIX}' (bias, "
-            f"modules_to_save and embedding layers are not supported)"
-        )
-    return out
-
-
-def _pattern_value(patterns: Mapping[str, Any] | None, module: str, default: Any) -> Any:
-    """peft's ``get_pattern_key``: the first key ``k`` with ``re.match(rf"(.*\\.)?({k})$", module)``."""
-    for key, value in (patterns or {}).items():
-        if re.match(rf"(.*\.)?({key})$", module):
-            return value
-    return default
-
-
-def _check_model(model: nn.Module, directory: Path, modules: Iterable[str]) -> None:
-    if hasattr(model, "peft_config"):
-        raise TypeError(  # error: peft-wrapped-model
-            f"load_peft({directory}) needs the untouched base model, got a peft-wrapped {type(model).__name__}; "
-            f"pass model.get_base_model() of a fresh model (lora_func never modifies it)"
-        )
-    names = {name for name, _ in model.named_modules()}
-    missing = sorted(set(modules) - names)
-    if missing:
-        raise ValueError(  # error: peft-missing-modules
-            f"{directory} adapts modules that {type(model).__name__} does not have: {missing[:5]} ({len(missing)} in "
-            f"all); load it onto the model it was trained for"
-        )
-    by_name = dict(model.named_modules())
-    weights = {m: getattr(by_name[m], "weight", None) for m in modules}
-    not_float = sorted(
-        f"{m}.weight ({w.dtype})"
-        for m, w in weights.items()
-        if isinstance(w, Tensor) and not w.is_floating_point() and kind_of_tensor(w) is None
-    )
-    if not_float:
-        raise TypeError(  # error: peft-non-float-base
-            f"load_peft({directory}): the target weights {not_float[:5]} of {type(model).__name__} are not floating-point "
-            f"(quantized or integer): the adapter's delta would be rounded away; dequantize those layers first (load the "
-            f"model without a quantization config)"
-        )
-
-
-@dataclass
-class _Layer:
-    """One layer read from a checkpoint, in lora_func shapes; ``r`` / ``alpha`` ``None`` where
-    the variant does not use them (the spec's values are recorded then)."""
-
-    params: dict[str, Tensor]
-    buffers: dict[str, Tensor] = field(default_factory=dict)
-    r: int | None = None
-    alpha: float | None = None
-
-
-def _assemble(
-    directory: Path,
-    model: nn.Module,
-    variant_name: str,
-    layers: Mapping[str, _Layer],
-    *,
-    r: int = 8,
-    alpha: float | None = None,
-    options: Mapping[str, Any],
-    stored_shared: Mapping[str, Tensor] | None = None,
-) -> Adapter:
-    """An :class:`Adapter` of ``variant_name`` on exactly ``layers``' modules, checked against the model."""
-    dtypes = {t.dtype for layer in layers.values() for t in (*layer.params.values(), *layer.buffers.values()) if t.is_floating_point()}
-    dtype = dtypes.pop()
-    for other in dtypes:
-        dtype = torch.promote_types(dtype, other)
-    spec = AdapterSpec(variant_name, targets=sorted(layers), r=r, alpha=alpha, dtype=dtype, **options)
-    modules = dict(model.named_modules())
-    names_of = tensor_names(model)
-    tied = sorted(m for m in layers if len(names_of.get(id(getattr(modules[m], "weight", None)), ())) > 1)
-    if tied:
-        raise ValueError(  # error: peft-tied-module
-            f"{directory} adapts {tied}, whose weight is tied to another name (e.g. GPT-2's lm_head and the token "
-            f"embedding): peft adapts only that module's output, lora_func adapts the shared tensor under every name "
-            f"(tied='both'), which also changes the embedding; merge the adapter in peft (merge_and_unload) instead"
-        )
-    try:
-        targets = find_targets(model, spec)
-    except ValueError as err:
-        raise ValueError(f"load_peft({directory}): {err}") from None  # error: peft-layer-refused
-    variant = get_variant(variant_name)
-    fmt = variant.peft
-    assert fmt is not None  # read by its entry
-    params: dict[str, Tensor] = {}
-    buffers: dict[str, Tensor] = {}
-    out_layers = []
-    wrong = []
-    for target in targets:
-        layer = layers[target.module]
-        rank = spec.r if layer.r is None else layer.r
-        layer_alpha = spec.alpha if layer.alpha is None else float(layer.alpha)
-        info = layer_info(spec, target, r=rank, alpha=layer_alpha)
-        expected = fmt.shapes_for(info)
-        # with layer_shapes the layer's own set of tensors: a missing or extra one is a mismatch
-        got = {k: tuple(v.shape) for k, v in (layer.params | layer.buffers).items() if k in expected or fmt.layer_shapes is not None}
-        if got != expected:
-            wrong.append(f"{target.module}: checkpoint has {got}, the model needs {expected}")
-            continue
-        module = modules[target.module]
-        weight = module.weight
-        layer_buffers = dict(layer.buffers)
-        if fmt.recompute_buffers:
-            # As peft does on load (e.g. a residual from the base): the variant's own init on the base.
-            layer_buffers = variant_init(variant, spec, module, target, info, generator=torch.Generator().manual_seed(0))[1]
-        for name, tensor in layer.params.items():
-            params[f"{target.module}.{name}"] = tensor.to(weight.device, dtype).contiguous().requires_grad_(True)
-        for name, tensor in layer_buffers.items():
-            # positions (Variant.integer_buffers) are int64 in lora_func; peft may write int32
-            buffers[f"{target.module}.{name}"] = tensor.to(weight.device, None if tensor.is_floating_point() else torch.int64).contiguous()
-        out_layers.append(
-            adapter_layer(target, info, layer.params, layer_buffers, weight_fingerprint(weight) if variant.records_base else None)
-        )
-    if wrong:
-        raise ValueError(  # error: peft-shapes
-            f"{directory} does not fit {type(model).__name__} (tensor shapes): {wrong[:3]}; load it onto the model "
-            f"it was trained for"
-        )
-    if variant.shared_init is None:
-        return Adapter(params, buffers, spec, out_layers)
-    device = next(iter(params.values())).device if params else torch.device("cpu")
-    infos = {layer.target.module: layer.info for layer in out_layers}
-    shared_params, shared_buffers, shared = shared_init(variant, spec, infos, device=device, generator=torch.Generator().manual_seed(0))
-    _shared_from_checkpoint(directory, fmt, spec, shared_params, stored_shared or {})
-    _shared_from_checkpoint(directory, fmt, spec, shared_buffers, stored_shared or {})
-    return Adapter(params | shared_params, buffers | shared_buffers, spec, out_layers, shared=shared)
-
-
-def _shared_from_checkpoint(directory: Path, fmt: PeftFormat, spec: AdapterSpec, built: dict[str, Tensor], stored: Mapping[str, Tensor]) -> None:
-    """Replace the shared tensors ``built`` by the variant's ``shared_init`` (keyed
-    ``"<shared>.<name>"``) by the checkpoint's, where it holds them; where it does not, the
-    built ones stand only if the config says the checkpoint leaves them out (``shared_saved``)."""
-    saved = fmt.shared_saved is None or fmt.shared_saved(dict(spec.options))
-    for key, tensor in built.items():
-        name = key.removeprefix(f"{SHARED}.")
-        whole = fmt.shared_keys.get(name)
-        if whole is None:
-            continue
-        if whole not in stored:
-            if saved:
-                raise ValueError(  # error: peft-shared-missing
-                    f"{directory} is incomplete: its config says it holds the shared {name} ({whole}), but it does not; "
-                    f"re-save the checkpoint, or set save_projection=false in its config if the basis comes from the seed"
-                )
-            continue
-        if tuple(stored[whole].shape) != tuple(tensor.shape):
-            raise ValueError(  # error: peft-shared-shape
-                f"{directory} does not fit {spec.variant} on these layers: the shared {whole} has shape "
-                f"{tuple(stored[whole].shape)}, the adapted layers need {tuple(tensor.shape)}; load it onto the model it was trained for"
-            )
-        built[key] = stored[whole].to(tensor.device, spec.dtype).contiguous().requires_grad_(tensor.requires_grad)
-
-
-def _warn_training_only(directory: Path, config: Mapping[str, Any]) -> None:
-    """Say so when a field that only acts in training is dropped (the loaded adapter computes
-    what peft computes at inference, but training it would differ)."""
-    method = _methods()[config["peft_type"]]
-    dropped = {k: config[k] for k in method.training_only if isinstance(config.get(k), (int, float)) and config[k] > 0}
-    if dropped:
-        warnings.warn(
-            f"{directory / CONFIG_NAME}: {dropped} not applied: {'; '.join(method.training_only[k] for k in dropped)}. The "
-            f"loaded adapter gives peft's outputs at inference; further training runs without it",
-            UserWarning,
-            stacklevel=3,
-        )
-
-
-def _refuse_unsupported(directory: Path, config: Mapping[str, Any]) -> None:
-    """Raise for config features that change the math and that lora_func does not have."""
-    bad = sorted(name for name in _methods()[config["peft_type"]].refused if config.get(name))
-    bad += ["bias"] if config.get("bias", "none") != "none" else []
-    if bad:
-        raise ValueError(  # error: peft-unsupported-features
-            f"{directory} uses {config.get('peft_type')} features lora_func does not support: {bad}; retrain without "
-            f"them, or merge the adapter in peft (merge_and_unload) and use the merged model"
-        )
-
-
-def _check_complete(directory: Path, module: str, found: Mapping[str, Tensor], needed: Iterable[str]) -> None:
-    if sorted(found) != sorted(needed):
-        raise ValueError(  # error: peft-incomplete
-            f"{directory} is incomplete at {module}: it has {sorted(found)}, the layer needs {sorted(needed)}; re-save the checkpoint"
-        )
-
-
-def _checked_rank(directory: Path, config: Mapping[str, Any], module: str, got: int) -> int:
-    """``got`` (the tensors' rank), after checking that peft's config gives the same: peft
-    computes the scale from the config's ``r`` / ``rank_pattern``, not from the tensors."""
-    expected = _pattern_value(config.get("rank_pattern"), module, config.get("r", 8))
-    if expected != got:
-        raise ValueError(  # error: peft-rank-mismatch
-            f"{directory} is inconsistent at {module}: its tensors have rank {got}, but the config (r / rank_pattern) "
-            f"says {expected}; re-save the checkpoint"
-        )
-    return got
-
-
-def _format_for(directory: Path, config: Mapping[str, Any], peft_type: str, module: str) -> tuple[str, dict[str, Any]]:
-    """The lora_func variant that reads the checkpoint's layer ``module``, and its spec options."""
-    for name, fmt in _formats().items():
-        if fmt.method.peft_type == peft_type and (options := fmt.reads(config, module)) is not None:
-            return name, options
-    unread = _methods()[peft_type].unread
-    why = unread(config) if unread is not None else f"no {peft_type} entry reads its config"
-    raise ValueError(f"{directory} cannot be read as a lora_func variant at {module}: {why}")  # error: peft-layer-unread
-
-
-def _layer_from_peft(directory: Path, config: Mapping[str, Any], module: str, fmt: PeftFormat, found: Mapping[str, Tensor]) -> _Layer:
-    """One layer's peft tensors in lora_func shapes, with its rank and alpha checked against the config."""
-    if fmt.convert_in is not None and any(name in fmt.imported.values() for name in found):
-        found = fmt.convert_in(dict(found), config)
-    if fmt.layer_shapes is None:  # else the layer's own set is checked against the model's sizes in _assemble
-        _check_complete(directory, module, found, fmt.keys)
-    tensors = dict(found)
-    for name, (axis, stored_as) in fmt.matrix.items():
-        t = tensors[name]
-        if t.dim() != 2 or t.shape[axis] != 1:
-            raise ValueError(f"{directory} is inconsistent at {module}: {name} has shape {tuple(t.shape)}, but {stored_as}")  # error: peft-vector-shape
-        tensors[name] = t.reshape(-1)
-    method = fmt.method
-    r = alpha = None
-    if method.rank_of is not None:
-        # peft computes the scale from the config's r / rank_pattern, not from the tensors.
-        name, axis = method.rank_of
-        if fmt.layer_shapes is None:
-            r = _checked_rank(directory, config, module, int(tensors[name].shape[axis]) // method.rank_multiple)
-        else:  # the config's, checked by the layer's own shapes in _assemble
-            r = int(_pattern_value(config.get("rank_pattern"), module, config.get("r", 8)))
-    elif method.rank_in_config:
-        # the shapes check in _assemble verifies the tensors
-        field, pattern = method.rank_fields
-        r = int(_pattern_value(config.get(pattern) if method.rank_pattern else None, module, config.get(field, 8)))
-    if method.alpha:
-        alpha = float(_pattern_value(config.get("alpha_pattern"), module, config.get(method.alpha_key, 8)))
-    params = {k: v for k, v in tensors.items() if k not in fmt.buffers}
-    return _Layer(params=params, buffers={k: v for k, v in tensors.items() if k in fmt.buffers}, r=r, alpha=alpha)
-
-
-def _read(
-    directory: Path,
-    config: Mapping[str, Any],
-    peft_type: str,
-    tensors: Mapping[str, dict[str, Tensor]],
-    model: nn.Module,
-    stored_shared: Mapping[str, Tensor],
-) -> AdapterLike:
-    """The adapter of a ``peft_type`` checkpoint: each layer read as the variant whose entry
-    reads it; layers of several variants (a method with ``feedforward_modules``) compose."""
-    groups: dict[str, tuple[dict[str, Any], dict[str, _Layer]]] = {}
-    formats = _formats()
-    for module, found in tensors.items():
-        name, options = _format_for(directory, config, peft_type, module)
-        groups.setdefault(name, (options, {}))[1][module] = _layer_from_peft(directory, config, module, formats[name], found)
-    method = _methods()[peft_type]
-    r = int(config.get(method.rank_fields[0], 8)) if method.rank_of is not None or method.rank_in_config else 8
-    alpha = float(config.get(method.alpha_key, 8)) if method.alpha else None
-    parts = [
-        _assemble(directory, model, name, groups[name][1], r=r, alpha=alpha, options=groups[name][0], stored_shared=stored_shared)
-        for name in formats
-        if name in groups
-    ]
-    return parts[0] if len(parts) == 1 else compose(*parts)
-
-
-def load_peft(directory: str | os.PathLike, model: nn.Module) -> AdapterLike:
-    """Read a peft checkpoint directory (``adapter_config.json`` + ``adapter_model.safetensors``,
-    or the older ``adapter_model.bin``) as a lora_func adapter on ``model``, the untouched base.
-
-    Each layer is read as the variant whose peft entry reads it (``Variant.peft.reads``: e.g. a
-    LoraConfig's ``use_dora`` / ``init_lora_weights`` pick among the variants stored as it),
-    with its rank and alpha from ``r`` / ``rank_pattern`` and ``lora_alpha`` (the method's
-    alpha field) / ``alpha_pattern``
-    as peft computes them; layers of several variants in one checkpoint (``feedforward_modules``)
-    load as their composition. Buffers the checkpoint does not hold are recomputed from
-    ``model`` as peft does. The adapted layers are exactly the modules that have
-    tensors in the file. Everything is checked (modules, shapes, config consistency) before
-    anything is returned; the model is only read.
-    """
-    check_path(directory, "load_peft", "directory")
-    directory = Path(directory)
-    check_model(model, "load_peft")
-    config = _read_config(directory)
-    peft_type = config.get("peft_type")
-    methods = _methods()
-    if not isinstance(peft_type, str) or peft_type not in methods:
-        read_as = "; ".join(
-            f"{t} as {', '.join(n for n, f in _formats().items() if f.method.peft_type == t)}" for t in sorted(methods)
-        )
-        raise ValueError(  # error: peft-unknown-type
-            f"{directory} is a peft {peft_type!r} checkpoint; lora_func reads peft_type {sorted(methods)} ({read_as})"
-        )
-    _check_config(directory, config)
-    _refuse_unsupported(directory, config)
-    _warn_training_only(directory, config)
-    read = _read_tensors(directory, [s for fmt in _formats().values() if fmt.method.peft_type == peft_type for s in fmt.imported])
-    # Tensors held once for every layer (a shared basis, a bank), under whole keys.
-    entries = [fmt for fmt in _formats().values() if fmt.method.peft_type == peft_type]
-    stored_shared = {key: read.pop(key) for fmt in entries for key in fmt.shared_keys.values() if key in read}
-    # peft's state dict may also hold a copy of them under every layer that reads them.
-    copies = {name for fmt in entries for name in fmt.shared_keys}
-    read = {key: tensor for key, tensor in read.items() if key.rsplit(".", 1)[-1] not in copies}
-    tensors = _by_module(directory, peft_type, read)
-    _check_model(model, directory, tensors)
-    selector = config.get("target_modules")
-    if selector and not any(_selects(selector, name) for name, _ in model.named_modules()):
-        # peft refuses such a config ("Target modules ... not found in the base model").
-        raise ValueError(  # error: peft-target-modules-unmatched
-            f"{directory / CONFIG_NAME}: target_modules={selector!r} matches no module of {type(model).__name__}; load "
-            f"it onto the model it was trained for, or fix target_modules"
-        )
-    return _read(directory, config, peft_type, tensors, model, stored_shared)
-
-
-# ===================================================================================== save
-
+    return _Out(t, lambda: _stored(fmt, converted.tensors(), t), r=converted.r, alpha=converted.alpha, feedforward=fmt.feedforward)
 
 @dataclass(frozen=True)
 class _Export:
@@ -620,7 +94,6 @@ class _Export:
     layers: tuple[_Out, ...]
     # The tensors held once for every layer, by whole key (Variant.shared_init; PeftFormat.shared_keys).
     whole: Mapping[str, Tensor] = field(default_factory=dict)
-
 
 def _export_leaf(adapter: Adapter, base: Mapping[str, Tensor] | None) -> _Export:
     """``adapter`` as peft stores it, after every check that peft can hold it (no tensor is
@@ -660,7 +133,6 @@ def _export_leaf(adapter: Adapter, base: Mapping[str, Tensor] | None) -> _Export
         whole = {key: (shared_params | shared_buffers)[name] for name, key in fmt.shared_keys.items()}
     return _Export(fmt.method.peft_type, tuple(sorted((k, json.dumps(v, sort_keys=True)) for k, v in shared.items())), tuple(layers), whole)
 
-
 def _leaves(adapter: AdapterLike) -> list[Adapter]:
     """The leaf adapters of ``adapter`` in order. peft applies its adapters in order, as
     :class:`Composed` does, and has no form for any other combinator."""
@@ -676,75 +148,6 @@ def _leaves(adapter: AdapterLike) -> list[Adapter]:
             )
     return [leaf for _, leaf in leaves(adapter)]
 
-
-def _most_common(values: Sequence[Any]) -> Any:
-    return collections.Counter(values).most_common(1)[0][0]
-
-
-def _module_selector(selected: Sequence[str], candidates: Sequence[str] | None, *, dotted: bool = True) -> list[str]:
-    """Names for peft's ``target_modules``-style list that select exactly ``selected``.
-
-    The short names (``["q_proj", "v_proj"]``), as people write them, when they select
-    exactly ``selected`` among ``candidates`` (peft's list matching: equal, or ending in
-    ``"." + name``; ``dotted=False`` is peft's ``feedforward_modules`` matching, a plain
-    ``endswith``); otherwise the full module names.
-    """
-    short = sorted({m.rsplit(".", 1)[-1] for m in selected})
-
-    def matches(module: str) -> bool:
-        return any(module == s or module.endswith(("." if dotted else "") + s) for s in short)
-
-    if candidates is not None and {m for m in candidates if matches(m)} == set(selected):
-        return short
-    return sorted(selected)
-
-
-def _peft_config(
-    peft_type: str, shared: Mapping[str, Any], layers: Sequence[_Out], model: nn.Module | None, task_type: str | None = None
-) -> dict[str, Any]:
-    modules = [o.target.module for o in layers]
-    all_modules = [n for n, _ in model.named_modules() if n] if model is not None else None
-    config: dict[str, Any] = {
-        "peft_type": peft_type,
-        "task_type": task_type,
-        "base_model_name_or_path": (getattr(model, "name_or_path", None) or None) if model is not None else None,
-        "inference_mode": True,
-        "target_modules": _module_selector(modules, all_modules),
-    }
-    if any(o.target.layout == "conv1d" for o in layers):
-        # GPT-2 Conv1D: peft needs fan_in_fan_out (it would set it itself, with a warning).
-        config["fan_in_fan_out"] = True
-    method = _methods()[peft_type]
-    config |= dict(method.fixed) | dict(shared)
-    if method.feedforward_modules:
-        ff = [o.target.module for o in layers if o.feedforward]
-        selector = _module_selector(ff, modules, dotted=False) if ff else []
-        # peft requires feedforward_modules ⊆ target_modules, name by name.
-        config["feedforward_modules"] = selector if set(selector) <= set(config["target_modules"]) else sorted(ff)
-    if method.rank_of is not None or method.rank_in_config:
-        field, pattern = method.rank_fields
-        config[field] = r = _most_common([o.r for o in layers])
-        rank_pattern = {o.target.module: o.r for o in layers if o.r != r}
-        if method.rank_pattern:
-            config[pattern] = rank_pattern
-        elif rank_pattern:
-            raise ValueError(  # error: save-peft-one-rank
-                f"save_peft: peft's {peft_type} has one rank for all layers, but these layers differ from r={r}: "
-                f"{sorted(rank_pattern)[:5]}; save the parts of different ranks separately"
-            )
-    if method.alpha:
-        config[method.alpha_key] = alpha = _most_common([o.alpha for o in layers])
-        alpha_pattern = {o.target.module: o.alpha for o in layers if o.alpha != alpha}
-        if method.rank_pattern:  # the methods with per-layer ranks have per-layer alphas too
-            config["alpha_pattern"] = alpha_pattern
-        elif alpha_pattern:
-            raise ValueError(  # error: save-peft-one-alpha
-                f"save_peft: peft's {peft_type} has one alpha for all layers, but these layers differ from "
-                f"{method.alpha_key}={alpha}: {sorted(alpha_pattern)[:5]}; save the parts of different alphas separately"
-            )
-    return config
-
-
 def _base_of(leaves: Sequence[Adapter], model: nn.Module | None) -> dict[str, Tensor] | None:
     """The model's parameters (``None`` without a model), after checking that it has every target."""
     base = base_params(model) if model is not None else None
@@ -753,7 +156,6 @@ def _base_of(leaves: Sequence[Adapter], model: nn.Module | None) -> dict[str, Te
         if missing:
             raise ValueError(f"save_peft: the adapter's targets {missing[:5]} are not in {type(model).__name__}; pass the model it was built on")  # error: save-peft-wrong-model
     return base
-
 
 def _one_checkpoint(
     exports: Sequence[_Export], model: nn.Module | None, task_type: str | None
@@ -784,7 +186,6 @@ def _one_checkpoint(
         )
     peft_type, shared = kinds[0][0], {k: json.loads(v) for k, v in kinds[0][1]}
     return _peft_config(peft_type, shared, layers, model, task_type), layers, dict(holding[0].whole) if holding else {}
-
 
 def peft_problems(adapter: AdapterLike, *, model: nn.Module | None = None) -> list[str]:
     """Why :func:`save_peft` would refuse to write ``adapter`` (with this ``model=``): the
@@ -821,10 +222,8 @@ def peft_problems(adapter: AdapterLike, *, model: nn.Module | None = None) -> li
             problems.append(str(err))
     return problems
 
-
 def _write_text(path: Path, text: str) -> None:
     path.write_text(text)
-
 
 def save_peft(
     adapter: AdapterLike, directory: str | os.PathLike, *, model: nn.Module | None = None, task_type: str | None = None
@@ -863,8 +262,9 @@ def save_peft(
         check_model(model, "save_peft")
     base = _base_of(leaves, model)
     config, layers, whole = _one_checkpoint([_export_leaf(leaf, base) for leaf in leaves], model, task_type)
+    stored_under = _parameter_key([o.target for o in layers])
     tensors = {
-        f"{PREFIX}{o.target.module}.{suffix}": tensor.detach().to("cpu").contiguous()
+        f"{PREFIX}{stored_under[o.target.module]}.{suffix}": tensor.detach().to("cpu").contiguous()
         for o in layers
         for suffix, tensor in o.tensors().items()
     } | {key: tensor.detach().to("cpu").contiguous() for key, tensor in whole.items()}

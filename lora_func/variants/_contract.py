@@ -172,6 +172,8 @@ class PeftMethod:
       rank_fields: the config fields that hold ``r`` and, with :attr:`rank_pattern`, the
         per-layer pattern (peft's ``get_pattern_key`` matching), where a method names them
         otherwise (FourierFT: ``n_frequency`` and ``n_frequency_pattern``).
+      fan_in_fan_out: the method's config has peft's ``fan_in_fan_out`` (written ``true`` for
+        GPT-2 ``Conv1D`` layers).
     """
 
     peft_type: str
@@ -188,6 +190,7 @@ class PeftMethod:
     unread: Callable[[Mapping[str, Any]], str] | None = None
     rank_in_config: bool = False
     rank_fields: tuple[str, str] = ("r", "rank_pattern")
+    fan_in_fan_out: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,6 +260,16 @@ class PeftFormat:
         layer under these names; on load ``convert_in`` turns them into ``keys``' tensors.
       convert_in: ``(the layer's tensors by name, config) -> {name in keys: tensor}``, applied
         on load to a layer that holds ``imported`` tensors.
+      keys_by_kind: target kind -> tensor name -> peft key suffix, where peft names a kind's
+        tensors otherwise (LoRA on ``nn.Embedding``: ``lora_embedding_A``); the other kinds use
+        :attr:`keys`.
+      to_peft / from_peft: ``(kind, name, tensor, stored weight shape) -> tensor``: a tensor
+        in peft's shape for a target of that kind and back (LoRA's conv tensors carry the
+        kernel's axes, its expert tensors are peft's ``(r·E, d_in)`` / ``(d_out, r·E)``);
+        ``None``: the same shapes for every kind.
+      optional: tensor names a layer may lack (a norm without a bias).
+      shapes_by_kind: target kind -> ``(r, d_in, d_out) -> {tensor name: shape}`` where a kind's
+        tensors have other shapes than :attr:`shapes` (a norm's ``(d,)`` weight).
     """
 
     method: PeftMethod
@@ -279,6 +292,11 @@ class PeftFormat:
     imported: Mapping[str, str] = dataclasses.field(default_factory=dict)
     convert_in: Callable[[TensorDict, Mapping[str, Any]], TensorDict] | None = None
     layer_shapes: Callable[[LayerInfo], dict[str, tuple[int, ...]]] | None = None
+    keys_by_kind: Mapping[str, Mapping[str, str]] = dataclasses.field(default_factory=dict)
+    to_peft: Callable[[str, str, Tensor, tuple[int, ...]], Tensor] | None = None
+    from_peft: Callable[[str, str, Tensor, tuple[int, ...]], Tensor] | None = None
+    optional: frozenset[str] = frozenset()
+    shapes_by_kind: Mapping[str, Callable[[int, int, int], dict[str, tuple[int, ...]]]] = dataclasses.field(default_factory=dict)
 
     def shapes_for(self, info: LayerInfo) -> dict[str, tuple[int, ...]]:
         """One layer's lora_func shapes, checked on load: :attr:`layer_shapes` or :attr:`info_shapes` where set, else
@@ -374,6 +392,18 @@ class Variant:
         themselves from the member's own ``info.r`` (a 0-d tensor in a rank-padded stack).
       integer_buffers: buffers that hold integer positions (int64: SHiRA's mask indices,
         FourierFT's frequencies), never cast to the adapter dtype, saved and loaded as integers.
+      kinds: the target kinds it adapts (``lora_func.targeting.KINDS``: ``"linear"``,
+        ``"conv1d"``, ``"embedding"``, ``"conv"``, ``"norm"``, ``"experts"``); a spec naming a
+        target of another kind is refused, naming the variant, the kind and these. Every kind's
+        weight arrives in its canonical view (``(d_out, d_in)``; ``(d,)`` for a norm; an expert
+        parameter's forms run once per expert, its tensors carry a leading expert axis); the
+        activation form is only called on ``"linear"`` and ``"conv1d"`` layers (the other
+        kinds apply through the merged weight, unless ``kind_forms`` has one).
+      kind_forms: activation forms for kinds whose layer op is not a matmul of ``x``, where
+        computing without the merged weight is cheaper: ``{"embedding": form}`` with ``form(params,
+        buffers, ids (...), base, info) -> (..., d_out)``, ``base(ids)`` the layer's lookup and
+        ``base.replay(ids, table)`` the same lookup (padding index and options) in another
+        ``(num_embeddings, k)`` table. Must equal the lookup in ``W_effᵀ``.
     """
 
     name: str
@@ -394,6 +424,8 @@ class Variant:
     low_rank: LowRank | None = None
     padded_axes: Mapping[str, int | tuple[int, ...]] = dataclasses.field(default_factory=dict)
     integer_buffers: frozenset[str] = frozenset()
+    kinds: frozenset[str] = frozenset({"linear", "conv1d"})
+    kind_forms: Mapping[str, ActivationFn] = dataclasses.field(default_factory=dict)
 
     def __repr__(self) -> str:
         # The functions' reprs would fill a screen; the name identifies the variant.

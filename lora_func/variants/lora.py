@@ -20,6 +20,7 @@ from lora_func._kernels import (
     kaiming_uniform,
     lora_activation_form,
     lora_scale,
+    lora_embedding_form,
     lora_weight_form,
 )
 from lora_func.variants import (
@@ -40,7 +41,7 @@ INITS = ("kaiming", "gaussian", "orthogonal")
 PEFT_PLAIN_INITS = (True, False, "gaussian", "orthogonal")
 # LoraConfig fields lora_func has no equivalent for: any truthy value is refused.
 PEFT_UNSUPPORTED_FIELDS = (
-    "lora_bias", "layer_replication", "target_parameters", "alora_invocation_tokens", "use_qalora", "use_bdlora",
+    "lora_bias", "layer_replication", "alora_invocation_tokens", "use_qalora", "use_bdlora",
     "arrow_config", "monteclora_config", "kasa_config", "velora_config", "trainable_token_indices", "modules_to_save",
     "megatron_config",
 )
@@ -108,7 +109,49 @@ def _reads(config: Mapping[str, Any], module: str) -> dict[str, Any] | None:
     return None if options is None else options | {"init": init if init in ("gaussian", "orthogonal") else "kaiming"}
 
 
-PEFT = PeftFormat(PEFT_METHOD, PEFT_KEYS, peft_shapes, peft_config, _reads)
+# LoRA on nn.Embedding: peft's lora.Embedding stores A (r, num_embeddings) and B (dim, r), the
+# lora_func shapes of the canonical view (d_in = num_embeddings), under other names.
+PEFT_KEYS_BY_KIND = {"embedding": {"lora_A": "lora_embedding_A", "lora_B": "lora_embedding_B"}}
+
+
+def peft_kind_shape(kind: str, name: str, tensor: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """A LoRA tensor in peft's shape on a target of ``kind`` with stored weight ``shape``: on a
+    conv, ``lora_A (r, in·prod(k)) -> (r, in, *k)`` (a conv with the base kernel) and ``lora_B
+    (out, r) -> (out, r, 1, ...)`` (a 1x1 conv); on an expert parameter ``(E, ·, ·)``, peft's
+    ``lora_A (r·E, d_in)`` (expert-major rows) and ``lora_B (d_out, r·E)`` (expert-minor columns)."""
+    if kind == "conv":
+        return tensor.reshape(tensor.shape[0], *shape[1:]) if name == "lora_A" else tensor.reshape(*tensor.shape, *[1] * (len(shape) - 2))
+    if kind == "experts":
+        return tensor.reshape(-1, tensor.shape[-1]) if name == "lora_A" else tensor.permute(1, 2, 0).reshape(tensor.shape[1], -1)
+    return tensor
+
+
+def lora_kind_shape(kind: str, name: str, tensor: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """The inverse of :func:`peft_kind_shape`; a tensor of another shape comes back unchanged
+    (the loader's shape check then names it)."""
+    if kind == "conv":
+        # A (r, in, *k) matches the base kernel's (in, *k), B (out, r, 1, ...) is a 1x1 conv.
+        fits = tuple(tensor.shape[1:]) == tuple(shape[1:]) if name == "lora_A" else tuple(tensor.shape[2:]) == (1,) * (len(shape) - 2)
+        return tensor.flatten(1) if fits else tensor
+    if kind == "experts" and tensor.dim() == 2:
+        experts = shape[0]
+        if name == "lora_A" and tensor.shape[0] % experts == 0:
+            return tensor.reshape(experts, -1, tensor.shape[-1])
+        if name == "lora_B" and tensor.shape[1] % experts == 0:
+            return tensor.reshape(tensor.shape[0], -1, experts).permute(2, 0, 1)
+    return tensor
+
+
+PEFT = PeftFormat(
+    PEFT_METHOD,
+    PEFT_KEYS,
+    peft_shapes,
+    peft_config,
+    _reads,
+    keys_by_kind=PEFT_KEYS_BY_KIND,
+    to_peft=peft_kind_shape,
+    from_peft=lora_kind_shape,
+)
 
 # The activation form is base(x) + s·(dropout(x) Aᵀ) Bᵀ (lora_activation_form): shared with eva.
 LOW_RANK = LowRank("lora_A", "lora_B", lora_scale)
@@ -165,4 +208,8 @@ VARIANT = Variant(
     check_options=check_options,
     peft=PEFT,
     low_rank=LOW_RANK,
+    # The merged path serves every kind; peft has LoRA on all of these (nn.Embedding, conv
+    # layers, target_parameters) but norms.
+    kinds=frozenset({"linear", "conv1d", "embedding", "conv", "experts"}),
+    kind_forms={"embedding": lora_embedding_form},  # a gather instead of a merged (V, d) table
 )

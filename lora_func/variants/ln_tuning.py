@@ -1,0 +1,83 @@
+"""LN tuning (Zhao et al. 2023, arXiv 2312.11420), following HF peft's ``tuners/ln_tuning``.
+
+peft's LN tuning trains a copy of each targeted layer: meant for norm layers (``LayerNorm``,
+Llama's ``RMSNorm``: weight ``(d,)``, bias ``(d,)``), it takes any layer (peft warns), and on a
+``nn.Linear`` / GPT-2 ``Conv1D`` it is full fine-tuning of that layer. Trainable ``ln_weight``
+(canonical view: ``(d,)`` on a norm, ``(d_out, d_in)`` on a matrix) and ``ln_bias`` (where the
+layer has a bias), copies of the base's values, so the adapted model starts as the base:
+
+    W_eff = ln_weight,   b_eff = ln_bias
+
+``r`` and ``alpha`` are not used. peft stores them as ``ln_tuning_layers.weight`` /
+``ln_tuning_layers.bias`` (``peft_type`` ``LN_TUNING``); a norm without a bias has only the
+weight.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from lora_func.variants import BaseLayer, LayerInfo, PeftFormat, PeftMethod, TensorDict, Variant
+
+
+def init(
+    weight: Tensor,
+    bias: Tensor | None,
+    info: LayerInfo,
+    *,
+    dtype: torch.dtype,
+    generator: torch.Generator,
+    calibration: Any = None,
+) -> tuple[TensorDict, TensorDict]:
+    # Copies: the trained tensors must never share storage with the frozen base.
+    params = {"ln_weight": weight.to(dtype, copy=True)}
+    if bias is not None:
+        params["ln_bias"] = bias.to(dtype, copy=True)
+    return params, {}
+
+
+def weight_form(params: TensorDict, buffers: TensorDict, weight: Tensor, bias: Tensor | None, info: LayerInfo) -> tuple[Tensor, Tensor | None]:
+    return params["ln_weight"], params.get("ln_bias", bias)
+
+
+def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: BaseLayer, info: LayerInfo) -> Tensor:
+    # The trained copy replaces the layer: its own weight and bias, in the adapter dtype, the
+    # output cast back to the layer's.
+    weight = params["ln_weight"]
+    return F.linear(x.to(weight.dtype), weight, params.get("ln_bias", None if base.bias is None else base.bias.to(weight.dtype))).to(x.dtype)
+
+
+def _stored_layout(kind: str, name: str, tensor: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """peft's copy of a GPT-2 Conv1D holds its weight ``(d_in, d_out)``: the transpose of the
+    canonical view, both ways."""
+    return tensor.T if kind == "conv1d" and name == "ln_weight" else tensor
+
+
+PEFT = PeftFormat(
+    PeftMethod("LN_TUNING", {}, ("modules_to_save",), fan_in_fan_out=False),
+    {"ln_weight": "ln_tuning_layers.weight", "ln_bias": "ln_tuning_layers.bias"},
+    lambda r, d_in, d_out: {"ln_weight": (d_out, d_in), "ln_bias": (d_out,)},
+    lambda options: {},
+    lambda config, module: {},
+    optional=frozenset({"ln_bias"}),
+    to_peft=_stored_layout,
+    from_peft=_stored_layout,
+    shapes_by_kind={"norm": lambda r, d_in, d_out: {"ln_weight": (d_out,), "ln_bias": (d_out,)}},
+)
+
+VARIANT = Variant(
+    name="ln_tuning",
+    init=init,
+    weight_form=weight_form,
+    activation_form=activation_form,
+    default_alpha=1.0,
+    uses_rank=False,
+    changes_bias=True,
+    replaces_weight=True,
+    peft=PEFT,
+    kinds=frozenset({"linear", "conv1d", "norm"}),
+)

@@ -1,0 +1,229 @@
+"""The target kinds beyond Linear / Conv1D (lora_func.targeting.KINDS): every registered variant
+either adapts a kind or refuses it naming the variant, the kind and what it adapts; the spec's
+``target_parameters``; targets of the new kinds in native files; LoRA's merged weights per kind
+against an explicit formula (the peft oracle is tests/test_kinds_peft.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import lora_func as lf
+from lora_func.targeting import KINDS, kind_of_layout
+from tests.contract_helpers import calibration_batches
+from tests.models import tiny_model, tokens
+
+# kind -> (tiny model, targets, extra spec arguments)
+NEW_KINDS = {
+    "embedding": ("llama", ["embed_tokens"], {}),
+    "conv": ("convlm", ["seq", "grid"], {}),
+    "norm": ("gpt2", ["ln_1", "ln_f"], {}),
+    "experts": ("mixtral", [], {"target_parameters": ["gate_up_proj", "down_proj"]}),
+}
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {name: tiny_model(name) for name in {m for m, _, _ in NEW_KINDS.values()}}
+
+
+@pytest.mark.parametrize("kind", sorted(NEW_KINDS))
+@pytest.mark.parametrize("variant", lf.list_variants())
+def test_every_variant_adapts_a_kind_or_refuses_it_clearly(variant, kind, models):
+    model_name, targets, extra = NEW_KINDS[kind]
+    model = models[model_name]
+    spec = lf.AdapterSpec(variant, targets=targets, r=2, **extra)
+    declared = lf.get_variant(variant).kinds
+    assert declared <= set(KINDS), f"{variant} declares unknown kinds {sorted(declared - set(KINDS))}"
+    calibration = calibration_batches(n=1) if lf.get_variant(variant).calibrate is not None else None
+    if kind in declared:
+        adapter = lf.init_adapter(model, spec, generator=torch.Generator().manual_seed(0), calibration=calibration)
+        assert {kind_of_layout(layer.target.layout) for layer in adapter.layers} == {kind}
+        return
+    with pytest.raises(ValueError) as err:
+        lf.init_adapter(model, spec, generator=torch.Generator().manual_seed(0), calibration=calibration)
+    message = str(err.value)
+    assert f"variant {variant!r} cannot adapt" in message and f"({kind})" in message
+    assert all(f"{k} ({KINDS[k]})" in message for k in declared), message
+
+
+def test_lora_and_ln_tuning_declare_their_kinds():
+    assert lf.get_variant("lora").kinds == {"linear", "conv1d", "embedding", "conv", "experts"}
+    assert lf.get_variant("ln_tuning").kinds == {"linear", "conv1d", "norm"}
+
+
+def _perturbed(adapter, scale=0.3, seed=4):
+    g = torch.Generator().manual_seed(seed)
+    return adapter.with_params({k: v.detach() + scale * torch.randn(v.shape, generator=g) for k, v in adapter.params.items()})
+
+
+def test_lora_merged_weights_per_kind_follow_the_formula(models):
+    """W_eff per kind from an explicit formula: the embedding's (V, d) table gains s·(BA)ᵀ, a
+    conv's kernel s·B·A reshaped to (out, in, *k), each expert e its own s·B_e A_e."""
+    s = 6.0 / 2
+    for kind, (model_name, targets, extra) in NEW_KINDS.items():
+        if kind == "norm":
+            continue
+        model = models[model_name]
+        adapter = _perturbed(lf.init_adapter(model, lf.AdapterSpec("lora", targets=targets, r=2, alpha=6.0, **extra)))
+        base = lf.base_params(model)
+        merged = lf.merge_overlay(base, adapter)
+        for layer in adapter.layers:
+            t = layer.target
+            a, b = adapter.params[f"{t.module}.lora_A"], adapter.params[f"{t.module}.lora_B"]
+            w = base[t.weight_key]
+            if kind == "embedding":
+                want = w + s * (b @ a).T
+            elif kind == "conv":
+                want = w + s * (b @ a).reshape(w.shape)
+            else:
+                want = w + s * torch.stack([b[e] @ a[e] for e in range(w.shape[0])])
+            torch.testing.assert_close(merged[t.weight_key], want, rtol=1e-6, atol=1e-6, msg=t.module)
+
+
+def test_ln_tuning_replaces_the_norm_weight_and_bias(models):
+    model = models["gpt2"]
+    adapter = _perturbed(lf.init_adapter(model, lf.AdapterSpec("ln_tuning", targets=["ln_f"])))
+    merged = lf.merge_overlay(lf.base_params(model), adapter)
+    assert torch.equal(merged["transformer.ln_f.weight"], adapter.params["transformer.ln_f.ln_weight"])
+    assert torch.equal(merged["transformer.ln_f.bias"], adapter.params["transformer.ln_f.ln_bias"])
+    # The logits are the head on ln_f with the trained copy, applied to the input ln_f receives.
+    captured = {}
+    hook = model.transformer.ln_f.register_forward_hook(lambda m, i, o: captured.update(x=i[0]))  # returns None: output kept
+    ids = tokens()
+    try:
+        out = lf.adapted_call(model, adapter, ids)
+    finally:
+        hook.remove()
+    weight, bias = adapter.params["transformer.ln_f.ln_weight"], adapter.params["transformer.ln_f.ln_bias"]
+    want = F.linear(F.layer_norm(captured["x"], (32,), weight, bias, 1e-5), model.lm_head.weight)
+    torch.testing.assert_close(out.logits, want)
+    assert not torch.allclose(out.logits, model(ids).logits)
+
+
+def test_ln_tuning_params_never_share_the_base_storage(models):
+    model = models["gpt2"]
+    adapter = lf.init_adapter(model, lf.AdapterSpec("ln_tuning", targets=["ln_f"]))
+    for key, tensor in adapter.params.items():
+        assert tensor.untyped_storage().data_ptr() != model.transformer.ln_f.weight.untyped_storage().data_ptr(), key
+        assert tensor.untyped_storage().data_ptr() != model.transformer.ln_f.bias.untyped_storage().data_ptr(), key
+
+
+def test_target_parameters_in_the_spec_round_trip_and_leave_old_json_alone():
+    spec = lf.AdapterSpec("lora", targets=[], target_parameters=["mlp.experts.gate_up_proj"], r=2)
+    assert lf.AdapterSpec.from_json(spec.to_json()) == spec
+    plain = lf.AdapterSpec("lora", targets=["q_proj"])
+    assert "target_parameters" not in plain.to_json()
+    with pytest.raises(ValueError, match="non-empty list"):
+        lf.AdapterSpec("lora", targets=[])
+
+
+@pytest.mark.parametrize("kind", ["embedding", "conv", "experts"])
+def test_native_save_load_per_kind(kind, models, tmp_path):
+    model_name, targets, extra = NEW_KINDS[kind]
+    model = models[model_name]
+    adapter = _perturbed(lf.init_adapter(model, lf.AdapterSpec("lora", targets=targets, r=2, **extra)))
+    loaded = lf.load(lf.save(adapter, tmp_path / "a.safetensors"), model=model)
+    assert loaded.layers == adapter.layers and loaded.spec == adapter.spec
+    ids = tokens()
+    assert torch.equal(lf.adapted_call(model, loaded, ids).logits, lf.adapted_call(model, adapter, ids).logits)
+    other = tiny_model("llama" if model_name != "llama" else "gpt2")
+    with pytest.raises((KeyError, ValueError)):
+        lf.load(tmp_path / "a.safetensors", model=other)
+
+
+def test_the_lazy_overlay_merges_the_new_kinds_once(models):
+    """The new kinds enter the parameter dict as merged tensors (no stand-in whose every use would
+    merge again: a MoE's eager loop reads its expert parameter once per expert)."""
+    model = models["mixtral"]
+    adapter = lf.init_adapter(model, lf.AdapterSpec("lora", targets=["q_proj"], target_parameters=["down_proj"], r=2))
+    params = lf.overlay(lf.base_params(model), adapter)
+    experts = "model.layers.0.mlp.experts.down_proj"
+    assert type(params[experts]) is torch.Tensor
+    assert type(params["model.layers.0.self_attn.q_proj.weight"]) is not torch.Tensor  # a lazy stand-in
+
+
+def test_the_mixed_route_refuses_merged_only_kinds(models):
+    model = models["llama"]
+    a = lf.init_adapter(model, lf.AdapterSpec("lora", targets=["embed_tokens"], r=2))
+    with pytest.raises(ValueError, match=r"model.embed_tokens \(embedding\)"):
+        lf.mixed_adapted_call(model, [a, a], torch.tensor([0, 1]), tokens())
+
+
+@pytest.mark.parametrize("kind", ["embedding", "conv", "experts"])
+def test_rank_padded_stacks_keep_each_member(kind, models):
+    """Adapters of ranks 2 and 3 stacked (zero-padded, masked): under vmap each member's merged
+    weight is its own, on an expert parameter too (the rank axis sits after the expert axis)."""
+    model_name, targets, extra = NEW_KINDS[kind]
+    model = models[model_name]
+    members = [
+        _perturbed(lf.init_adapter(model, lf.AdapterSpec("lora", targets=targets, r=r, **extra), generator=torch.Generator().manual_seed(r)), seed=r)
+        for r in (2, 3)
+    ]
+    stacked = lf.stack(members)
+    assert stacked.members is not None
+    base = lf.base_params(model)
+    keys = [layer.target.weight_key for layer in members[0].layers]
+    batched = torch.func.vmap(lambda a: [lf.merge_overlay(base, a)[k] for k in keys])(stacked)
+    for i, member in enumerate(members):
+        merged = lf.merge_overlay(base, member)
+        for j, key in enumerate(keys):
+            torch.testing.assert_close(batched[j][i], merged[key], rtol=1e-6, atol=1e-6, msg=f"{key} member {i}")
+    assert not torch.allclose(batched[0][0], batched[0][1])
+
+
+def test_lora_on_an_embedding_is_a_gather_on_both_lazy_routes(models):
+    """The lazy overlay (strict: any use of the table other than the lookup would raise) and the
+    module route compute LoRA on the embedding by its gather form, never a merged (V, d) table,
+    and equal the merged weight's outputs."""
+    model = models["llama"]
+    adapter = _perturbed(lf.init_adapter(model, lf.AdapterSpec("lora", targets=["embed_tokens"], r=2)))
+    base, ids = lf.base_params(model), tokens()
+    merged = torch.func.functional_call(model, lf.merge_overlay(base, adapter), (ids,)).logits
+    strict = torch.func.functional_call(model, lf.overlay(base, adapter, lazy_only=True), (ids,)).logits
+    torch.testing.assert_close(strict, merged, rtol=1e-5, atol=1e-5)
+    calls = []
+
+    class NoTable(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            # (detach: the call's base dict, the table itself and the head's weight, no new table)
+            if isinstance(out, torch.Tensor) and func is not torch.Tensor.detach and tuple(out.shape) == tuple(base["model.embed_tokens.weight"].shape):
+                calls.append(getattr(func, "__name__", func))
+            return out
+
+    with NoTable():
+        for route in ("overlay", "module"):
+            out = lf.adapted_call(model, adapter, ids, route=route).logits
+            torch.testing.assert_close(out, merged, rtol=1e-5, atol=1e-5)
+    assert calls == [], f"a (V, d) table was built: {calls}"
+
+
+@pytest.mark.parametrize("kind", ["embedding", "conv", "experts"])
+def test_export_and_merging_per_kind(kind, models):
+    """merged_state_dict loads into a fresh model with the adapted outputs; merge_adapters (SVD to
+    rank r) of an adapter with itself is that adapter, per expert too."""
+    model_name, targets, extra = NEW_KINDS[kind]
+    model = models[model_name]
+    adapter = _perturbed(lf.init_adapter(model, lf.AdapterSpec("lora", targets=targets, r=2, **extra)))
+    ids = tokens()
+    want = lf.adapted_call(model, adapter, ids).logits.detach()
+    fresh = tiny_model(model_name)
+    fresh.load_state_dict(lf.merged_state_dict(model, adapter))
+    torch.testing.assert_close(fresh(ids).logits, want, rtol=1e-5, atol=1e-5)
+    merged = lf.merge_adapters([adapter, adapter], weights=[0.5, 0.5], rank=2, method="svd")
+    torch.testing.assert_close(lf.adapted_call(model, merged, ids).logits, want, rtol=1e-4, atol=1e-4)
+
+
+def test_load_refuses_a_file_whose_variant_no_longer_adapts_a_kind(models, tmp_path, monkeypatch):
+    import dataclasses
+
+    import lora_func.io.native as native
+
+    model = models["llama"]
+    path = lf.save(lf.init_adapter(model, lf.AdapterSpec("lora", targets=["embed_tokens"], r=2)), tmp_path / "a.safetensors")
+    narrow = dataclasses.replace(lf.get_variant("lora"), kinds=frozenset({"linear"}))
+    monkeypatch.setattr(native, "get_variant", lambda name: narrow)
+    with pytest.raises(ValueError, match=r"load\(.*\): variant 'lora' cannot adapt \['model.embed_tokens \(embedding\)'\]"):
+        lf.load(path, model=model)

@@ -1,0 +1,248 @@
+"""The target kinds beyond Linear / Conv1D against HF peft 0.21: LoRA on ``nn.Embedding``
+(``embed_tokens``), on ``nn.Conv2d`` / ``nn.Conv1d``, on 3-D MoE expert parameters (tiny
+Mixtral, ``target_parameters``; eager expert loop and grouped_mm) and LN tuning (Llama's
+RMSNorm, GPT-2's LayerNorm with bias, a GPT-2 Conv1D).
+
+Each case: peft's trainable tensors perturbed at random and saved by peft; ``load_peft`` of
+that checkpoint gives peft's logits and every tensor's gradient (float64, relative 1e-9; the
+Mixtral cases fp32, relative 2e-5); and the ``save_peft`` of a lora_func adapter (perturbed on
+the lora_func side) loads in peft with lora_func's logits.
+"""
+
+from __future__ import annotations
+
+import types
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from peft import LNTuningConfig, LoraConfig, PeftModel, get_peft_model
+from torch import nn
+from torch.func import grad
+from transformers import MixtralConfig, MixtralForCausalLM
+
+import lora_func as lf
+from tests.models import tiny_model, tokens
+from tests.peft_helpers import ce_loss
+
+R, ALPHA = 4, 6.0
+
+
+def _rmsnorm_in_input_dtype(model: nn.Module) -> None:
+    """transformers' RMSNorm computes in fp32; in float64 oracle tests it computes in the input
+    dtype, on both sides (peft's LN tuning copies the patched module)."""
+
+    def forward(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+    for m in model.modules():
+        if type(m).__name__.endswith("RMSNorm"):
+            m.forward = types.MethodType(forward, m)
+
+
+def _llama64(seed: int = 0) -> nn.Module:
+    model = tiny_model("llama", seed=seed, dtype=torch.float64)
+    _rmsnorm_in_input_dtype(model)
+    return model
+
+
+class ConvNet(nn.Module):
+    """A Conv2d (stride, padding), a Conv2d with a non-square kernel, a Conv1d and a Linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, stride=2, padding=1)
+        self.conv2 = nn.Conv2d(8, 6, (3, 2), padding=1)
+        self.seq = nn.Conv1d(6, 5, 3)
+        self.head = nn.Linear(5 * 18, 7)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.conv2(F.relu(self.conv1(x))))
+        return self.head(F.relu(self.seq(h.flatten(2))).flatten(1))
+
+
+def _convnet(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return ConvNet().to(torch.float64).eval()
+
+
+def _mixtral(implementation: str, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    config = MixtralConfig(
+        vocab_size=61, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+        initializer_range=0.2, experts_implementation=implementation,
+    )
+    model = MixtralForCausalLM(config)
+    model.config._attn_implementation = "eager"
+    return model.eval()
+
+
+def _peft(model: nn.Module, config) -> nn.Module:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # peft 0.21 reads transformers 5's is_gradient_checkpointing
+        # peft's LN tuning warns "Unsupported layer type" for every norm class it does not list
+        warnings.filterwarnings("ignore", "Unsupported layer type", UserWarning)
+        out = get_peft_model(model, config)
+    return out.eval()
+
+
+def _perturb(model: nn.Module, seed: int = 5, scale: float = 0.1) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, p in sorted(model.named_parameters()):
+            if p.requires_grad:
+                p.add_(scale * torch.randn(p.shape, generator=g, dtype=p.dtype))
+
+
+def _save_pretrained(model: nn.Module, path) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "Setting save_embedding_layers to True ..."
+        model.save_pretrained(path)
+
+
+def _from_pretrained(base: nn.Module, path) -> nn.Module:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        warnings.filterwarnings("ignore", "Unsupported layer type", UserWarning)
+        return PeftModel.from_pretrained(base, path).eval()
+
+
+# (model builder, peft config, inputs, loss(output, inputs), relative tolerance)
+def _lm_loss(out, ids):
+    return ce_loss(out.logits, ids)
+
+
+def _conv_input():
+    return torch.randn(2, 3, 8, 7, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+
+
+def _tokens_with_padding():
+    """Token ids with the padding id (0, the embedding's padding_idx) in them: its row of the
+    embedding's lora_A must get no gradient, as in peft."""
+    ids = tokens()
+    ids[0, :2] = 0
+    return ids
+
+
+CASES = {
+    "embedding": (_llama64, lambda: LoraConfig(r=R, lora_alpha=ALPHA, target_modules=["embed_tokens", "q_proj"]), _tokens_with_padding, _lm_loss, 1e-9),
+    "conv": (_convnet, lambda: LoraConfig(r=R, lora_alpha=ALPHA, target_modules=["conv1", "conv2", "seq"]), _conv_input, lambda out, x: out.square().mean(), 1e-9),
+    "experts-eager": (
+        lambda seed=0: _mixtral("eager", seed),
+        lambda: LoraConfig(r=R, lora_alpha=ALPHA, target_modules=[], target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]),
+        tokens, _lm_loss, 2e-5,
+    ),
+    "experts-grouped_mm": (
+        lambda seed=0: _mixtral("grouped_mm", seed),
+        lambda: LoraConfig(r=R, lora_alpha=ALPHA, target_modules=["q_proj"], target_parameters=["1.mlp.experts.down_proj"]),
+        tokens, _lm_loss, 2e-5,
+    ),
+    "ln_tuning-rmsnorm": (_llama64, lambda: LNTuningConfig(target_modules=["input_layernorm", "norm"]), tokens, _lm_loss, 1e-9),
+    "ln_tuning-layernorm": (
+        lambda seed=0: tiny_model("gpt2", seed=seed, dtype=torch.float64),
+        lambda: LNTuningConfig(target_modules=["ln_1", "ln_f"]), tokens, _lm_loss, 1e-9,
+    ),
+    # peft's LN tuning copies any layer: a GPT-2 Conv1D's copy holds its (d_in, d_out) weight
+    "ln_tuning-conv1d": (
+        lambda seed=0: tiny_model("gpt2", seed=seed, dtype=torch.float64),
+        lambda: LNTuningConfig(target_modules=["c_fc"]), tokens, _lm_loss, 1e-9,
+    ),
+}
+
+
+def _peft_grads(peft_model, inputs, loss) -> dict[str, torch.Tensor]:
+    peft_model.zero_grad()
+    loss(peft_model(inputs), inputs).backward()
+    return {n: p.grad.detach().clone() for n, p in peft_model.named_parameters() if p.requires_grad}
+
+
+def _as_peft(adapter: lf.Adapter, tensors: dict[str, torch.Tensor], tmp_path) -> dict[str, torch.Tensor]:
+    """lora_func tensors (gradients) under peft's keys and shapes, by save_peft's own mapping
+    checked independently: every key/shape pair must be peft's."""
+    from safetensors.torch import load_file
+
+    lf.save_peft(adapter.with_params({k: v.detach() for k, v in tensors.items()}), tmp_path)
+    return load_file(str(tmp_path / "adapter_model.safetensors"))
+
+
+def _peft_key(name: str) -> str:
+    """peft's parameter name -> its key in the checkpoint (no adapter name)."""
+    return name.replace(".default", "")
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def case(request, tmp_path_factory):
+    build, config, inputs, loss, rtol = CASES[request.param]
+    peft_model = _peft(build(), config())
+    _perturb(peft_model)
+    path = tmp_path_factory.mktemp(request.param)
+    _save_pretrained(peft_model, path)
+    lf_model = build()
+    adapter = lf.load_peft(path, lf_model)
+    return types.SimpleNamespace(name=request.param, peft=peft_model, model=lf_model, adapter=adapter, x=inputs(), loss=loss, rtol=rtol, build=build)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, rtol: float, what: str) -> None:
+    got, want = got.detach(), want.detach()
+    scale = want.abs().max().clamp_min(1e-30)
+    assert (got - want).abs().max() <= rtol * scale, f"{what}: off by {float((got - want).abs().max() / scale):.2e} relative"
+
+
+def test_load_peft_gives_peft_outputs_on_every_route(case):
+    want = case.peft(case.x)
+    want = want.logits if hasattr(want, "logits") else want
+    base = case.model(case.x)
+    base = base.logits if hasattr(base, "logits") else base
+    assert (want - base).abs().max() > 1e-3 * base.abs().max(), "the perturbed adapter must change the output"
+    for route in ("overlay", "module"):
+        for merged in (False, True):
+            out = lf.adapted_call(case.model, case.adapter, case.x, route=route, merged=merged)
+            _close(out.logits if hasattr(out, "logits") else out, want.detach(), case.rtol, f"{route} merged={merged}")
+
+
+def test_load_peft_gives_peft_gradients_per_tensor(case, tmp_path):
+    want = _peft_grads(case.peft, case.x, case.loss)
+
+    def loss(params):
+        return case.loss(lf.adapted_call(case.model, case.adapter.with_params(params), case.x), case.x)
+
+    got = grad(loss)(dict(case.adapter.params))
+    as_peft = _as_peft(case.adapter, got, tmp_path)
+    want = {_peft_key(k): v for k, v in want.items()}
+    assert sorted(as_peft) == sorted(want)
+    for key, g in want.items():
+        assert g.abs().max() > 0, f"peft's {key} gets no gradient: the case cannot tell"
+        _close(as_peft[key].to(g.dtype), g, case.rtol, key)
+        if "lora_embedding_A" in key:  # the padding id's column: no gradient, as peft's
+            assert torch.count_nonzero(as_peft[key][:, 0]) == 0 and torch.count_nonzero(g[:, 0]) == 0
+    # Every route gives the same gradients: lazy (the embedding's gather) and merged, overlay and
+    # module. On ids without the padding id: a lookup in the merged table with padding_idx stops
+    # the padding rows' gradient to lora_B too, where peft's (and the lazy) form only stops lora_A's.
+    x = tokens() if case.name == "embedding" else case.x
+
+    def routed(params, route="overlay", merged=False):
+        return case.loss(lf.adapted_call(case.model, case.adapter.with_params(params), x, route=route, merged=merged), x)
+
+    reference = grad(routed)(dict(case.adapter.params))
+    for route in ("overlay", "module"):
+        for merged in (False, True):
+            other = grad(routed)(dict(case.adapter.params), route, merged)
+            for key, g in reference.items():
+                _close(other[key], g, case.rtol, f"{route} merged={merged} {key}")
+
+
+def test_save_peft_loads_in_peft_with_the_same_outputs(case, tmp_path):
+    g = torch.Generator().manual_seed(9)
+    adapter = case.adapter.with_params(
+        {k: (v.detach() + 0.05 * torch.randn(v.shape, generator=g, dtype=v.dtype)) for k, v in case.adapter.params.items()}
+    )
+    lf.save_peft(adapter, tmp_path, model=case.model)
+    peft_model = _from_pretrained(case.build(), tmp_path)
+    want = lf.adapted_call(case.model, adapter, case.x)
+    got = peft_model(case.x)
+    _close(got.logits if hasattr(got, "logits") else got, want.logits if hasattr(want, "logits") else want, case.rtol, "peft on save_peft")
+    again = lf.load_peft(tmp_path, case.build())
+    for key, tensor in adapter.params.items():
+        assert torch.equal(again.params[key], tensor.to(again.params[key].dtype)), key
