@@ -180,7 +180,7 @@ def _route(func: Any, args: tuple, kwargs: dict, find: Callable[[Any], Any]) -> 
     embedding, where the op has a form for it: ``Variant.kind_forms``); any other op gets the
     dense merged weight, or raises when the weight is lazy_only."""
     use = weight_use(func, args, kwargs, find)
-    if use is not None and (use.entry._layout in ("linear", "conv1d") or has_kind_form(use.entry._step, use.entry._layout)):
+    if use is not None and (use.entry._layout in ("linear", "conv1d") or has_kind_form(use.entry._op, use.entry._layout)):
         w = use.entry
         return w._adapted(use.x, use.bias, lambda x_: use.replay(x_, w._weight), use.replay)
     found = found_weights(args, kwargs, find)
