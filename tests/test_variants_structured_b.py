@@ -330,3 +330,33 @@ def test_init_distributions_are_peft_s(variant, options, stats):
             mean, std = want
             n = t.numel()  # within 4 standard errors; a mutant scale (2x, 1/r vs 1/r²) is far off
             assert abs(float(t.mean()) - mean) < 4 * std / n**0.5 and abs(float(t.std()) / std - 1) < 4 / (2 * n) ** 0.5, (name, float(t.mean()), float(t.std()))
+
+
+@pytest.mark.parametrize(
+    ("variant", "options", "peft_config"),
+    [
+        ("oft", {"oft_block_size": 0, "num_blocks": 4, "block_share": True, "coft": True, "eps": 1e-3, "use_cayley_neumann": False,
+                 "num_cayley_neumann_terms": 3, "module_dropout": 0.1, "init": "random"}, peft.OFTConfig),
+        ("oft", {}, peft.OFTConfig),
+        ("boft", {"boft_block_size": 0, "boft_block_num": 8, "boft_n_butterfly_factor": 2, "boft_dropout": 0.2, "init": "random"}, peft.BOFTConfig),
+        ("boft", {}, peft.BOFTConfig),
+        ("road", {"road_variant": "road_4", "group_size": 8, "init": "random"}, peft.RoadConfig),
+        ("road", {}, peft.RoadConfig),
+        ("hira", {"init": "gaussian", "dropout": 0.25}, peft.HiraConfig),
+        ("hira", {"init": "random"}, peft.HiraConfig),
+        ("hira", {}, peft.HiraConfig),
+    ],
+)
+def test_peft_config_fields_round_trip(variant, options, peft_config):
+    """Every option is written to the config field peft reads (peft's own config class takes the
+    fields and keeps their values) and read back to the same option; a config without the
+    fields reads as peft's defaults."""
+    fmt = get_variant(variant).peft
+    spec = lf.AdapterSpec(variant, targets=["x"], **options)
+    fields = {**fmt.method.fixed, **fmt.config(dict(spec.options))}
+    config = peft_config(target_modules=["x"], **fields)
+    for name, value in fields.items():
+        assert getattr(config, name) == value, name
+    assert all(check(fields[name]) for name, check in fmt.method.checks.items() if name in fields)
+    assert fmt.reads(fields, "x") == dict(spec.options)
+    assert fmt.reads({}, "x") == dict(lf.AdapterSpec(variant, targets=["x"]).options)
