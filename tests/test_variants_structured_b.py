@@ -360,3 +360,21 @@ def test_peft_config_fields_round_trip(variant, options, peft_config):
     assert all(check(fields[name]) for name, check in fmt.method.checks.items() if name in fields)
     assert fmt.reads(fields, "x") == dict(spec.options)
     assert fmt.reads({}, "x") == dict(lf.AdapterSpec(variant, targets=["x"]).options)
+
+
+def test_oft_block_size_adjustment_is_peft_s():
+    """A block size (or count) that does not divide d_in moves to the nearest divisor, as peft's
+    adjust_oft_parameters moves it, over every d_in <= 64 and request <= 70."""
+    from peft.tuners.oft.layer import OFTLayer
+
+    from lora_func.variants.oft import layer_blocks
+
+    for d_in in range(1, 65):
+        for wanted in range(1, 71):
+            # peft adjusts only a size (or count) that does not divide d_in or exceeds it
+            fits = d_in % wanted == 0 and wanted <= d_in
+            peft_s = wanted if fits else OFTLayer.adjust_oft_parameters(None, d_in, wanted)
+            by_size = layer_blocks(d_in, {"oft_block_size": wanted, "num_blocks": 0})
+            by_count = layer_blocks(d_in, {"oft_block_size": 0, "num_blocks": wanted})
+            assert by_size == (d_in // peft_s, peft_s) and by_count == (peft_s, d_in // peft_s), (d_in, wanted)
+            assert all(type(v) is int for v in (*by_size, *by_count))
