@@ -330,3 +330,51 @@ def test_init_distributions_are_peft_s(variant, options, stats):
             mean, std = want
             n = t.numel()  # within 4 standard errors; a mutant scale (2x, 1/r vs 1/r²) is far off
             assert abs(float(t.mean()) - mean) < 4 * std / n**0.5 and abs(float(t.std()) / std - 1) < 4 / (2 * n) ** 0.5, (name, float(t.mean()), float(t.std()))
+
+
+@pytest.mark.parametrize(
+    ("variant", "options", "peft_config"),
+    [
+        ("oft", {"oft_block_size": 0, "num_blocks": 4, "block_share": True, "coft": True, "eps": 1e-3, "use_cayley_neumann": False,
+                 "num_cayley_neumann_terms": 3, "module_dropout": 0.1, "init": "random"}, peft.OFTConfig),
+        ("oft", {}, peft.OFTConfig),
+        ("boft", {"boft_block_size": 0, "boft_block_num": 8, "boft_n_butterfly_factor": 2, "boft_dropout": 0.2, "init": "random"}, peft.BOFTConfig),
+        ("boft", {}, peft.BOFTConfig),
+        ("road", {"road_variant": "road_4", "group_size": 8, "init": "random"}, peft.RoadConfig),
+        ("road", {}, peft.RoadConfig),
+        ("hira", {"init": "gaussian", "dropout": 0.25}, peft.HiraConfig),
+        ("hira", {"init": "random"}, peft.HiraConfig),
+        ("hira", {}, peft.HiraConfig),
+    ],
+)
+def test_peft_config_fields_round_trip(variant, options, peft_config):
+    """Every option is written to the config field peft reads (peft's own config class takes the
+    fields and keeps their values) and read back to the same option; a config without the
+    fields reads as peft's defaults."""
+    fmt = get_variant(variant).peft
+    spec = lf.AdapterSpec(variant, targets=["x"], **options)
+    fields = {**fmt.method.fixed, **fmt.config(dict(spec.options))}
+    config = peft_config(target_modules=["x"], **fields)
+    for name, value in fields.items():
+        assert getattr(config, name) == value, name
+    assert all(check(fields[name]) for name, check in fmt.method.checks.items() if name in fields)
+    assert fmt.reads(fields, "x") == dict(spec.options)
+    assert fmt.reads({}, "x") == dict(lf.AdapterSpec(variant, targets=["x"]).options)
+
+
+def test_oft_block_size_adjustment_is_peft_s():
+    """A block size (or count) that does not divide d_in moves to the nearest divisor, as peft's
+    adjust_oft_parameters moves it, over every d_in <= 64 and request <= 70."""
+    from peft.tuners.oft.layer import OFTLayer
+
+    from lora_func.variants.oft import layer_blocks
+
+    for d_in in range(1, 65):
+        for wanted in range(1, 71):
+            # peft adjusts only a size (or count) that does not divide d_in or exceeds it
+            fits = d_in % wanted == 0 and wanted <= d_in
+            peft_s = wanted if fits else OFTLayer.adjust_oft_parameters(None, d_in, wanted)
+            by_size = layer_blocks(d_in, {"oft_block_size": wanted, "num_blocks": 0})
+            by_count = layer_blocks(d_in, {"oft_block_size": 0, "num_blocks": wanted})
+            assert by_size == (d_in // peft_s, peft_s) and by_count == (peft_s, d_in // peft_s), (d_in, wanted)
+            assert all(type(v) is int for v in (*by_size, *by_count))

@@ -62,8 +62,7 @@ class _SkewFromUpper(torch.autograd.Function):
 
     @staticmethod
     def forward(vec: Tensor, b: int) -> Tensor:
-        upper = vec.new_zeros(vec.shape[0], b * b).index_copy(1, _upper_index(b).to(vec.device), vec).view(-1, b, b)
-        return upper - upper.transpose(-1, -2)
+        return _skew_ops(vec, b)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Tensor) -> None:
@@ -77,10 +76,19 @@ class _SkewFromUpper(torch.autograd.Function):
         return both.index_select(1, _upper_index(b).to(grad.device)), None
 
 
+def _skew_ops(vec: Tensor, b: int) -> Tensor:
+    upper = vec.new_zeros(vec.shape[0], b * b).index_copy(1, _upper_index(b).to(vec.device), vec).view(-1, b, b)
+    return upper - upper.transpose(-1, -2)
+
+
 def skew_from_upper(vec: Tensor, b: int) -> Tensor:
     """``(k, b(b-1)/2) -> (k, b, b)``: the skew-symmetric matrices ``U − Uᵀ`` whose strict upper
     triangles ``U`` are the rows of ``vec`` in row-major order (peft's ``_pytorch_skew_symmetric``:
-    zeros, one out-of-place index write, one subtraction; :class:`_SkewFromUpper`)."""
+    zeros, one out-of-place index write, one subtraction; :class:`_SkewFromUpper`). Under a
+    trace the plain ops (dynamo does not trace this node; the compiled graph holds the constant
+    index itself)."""
+    if torch.compiler.is_compiling():
+        return _skew_ops(vec, b)
     return _SkewFromUpper.apply(vec, b)
 
 

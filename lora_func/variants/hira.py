@@ -113,7 +113,7 @@ VARIANT = Variant(
     peft=PeftFormat(
         PeftMethod(
             "HIRA",
-            {"bias": "none"},
+            {},  # hira's config has no `bias` field
             rank_of=("hira_A", 0),
             # peft 0.21's HiRA builds every layer with the config's r whatever its rank_pattern
             # says: one rank per checkpoint (save_peft refuses layers of different ranks).

@@ -19,6 +19,9 @@ def oft_blocks(vec, b, terms=5, neumann=True):
         if not neumann:
             out.append((eye - q) @ torch.linalg.inv(eye + q))
             continue
+        if terms <= 2:
+            out.append(eye + 2 * q if terms == 2 else eye)
+            continue
         m = max(terms - 1, 3)
         out.append(eye + sum(2 * torch.linalg.matrix_power(q, k) for k in range(1, m)) + torch.linalg.matrix_power(q, m))
     return out
@@ -26,9 +29,15 @@ def oft_blocks(vec, b, terms=5, neumann=True):
 
 def oft_w_eff(p, buffers, W, bias, info):
     # variants.md (oft): y = base(x R), R block diagonal, so W_eff = W Rᵀ; bias unchanged.
+    # COFT: each block's skew matrix scaled onto the ball of radius eps/√k (fp32 radius) outside it.
+    options = dict(info.options)
     vec = p["oft_R"]
     b = next(s for s in range(1, 64) if s * (s - 1) // 2 == vec.shape[1])
-    blocks = oft_blocks(vec, b, info.option("num_cayley_neumann_terms"), info.option("use_cayley_neumann"))
+    if options["coft"]:
+        radius = float(torch.tensor(options["eps"], dtype=torch.float32) / torch.tensor(float(vec.shape[0])).sqrt())
+        norms = (2 * (vec**2).sum(dim=1, keepdim=True)).sqrt()  # ‖U − Uᵀ‖_F = √2 ‖u‖
+        vec = torch.where(norms <= radius, vec, radius * vec / norms)
+    blocks = oft_blocks(vec, b, options["num_cayley_neumann_terms"], options["use_cayley_neumann"])
     R = torch.block_diag(*(blocks * (W.shape[1] // b) if len(blocks) == 1 else blocks))
     return W @ R.T, bias
 
