@@ -157,7 +157,8 @@ def test_combine_every_variant_weighted_sum_of_deltas(setting):
     g_merged = torch.func.grad(loss)(mix.params, True)
     assert g_lazy["weights"].abs().min() > 0
     for key in g_lazy:
-        torch.testing.assert_close(g_lazy[key], g_merged[key], atol=1e-5 * float(g_merged[key].detach().abs().max()) + 1e-7, rtol=1e-4)
+        # fp32 over every variant at once (29 parts): relative to the gradient's scale, as the logits above
+        torch.testing.assert_close(g_lazy[key], g_merged[key], atol=4e-5 * float(g_merged[key].detach().abs().max()), rtol=0)
 
 
 def test_combine_is_not_a_sum_of_factors(setting):

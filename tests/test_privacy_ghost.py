@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import lora_func as lf
-from lora_func import _steps
+from lora_func import _layer_ops
 from lora_func.privacy import clipped_sum, ghost, private_grads
 from lora_func.train import causal_lm_loss
 from tests.models import tiny_model, tokens
@@ -129,7 +129,7 @@ def test_the_tap_is_gone_after_a_call_and_after_one_that_raises():
     adapter = _adapter(model, "lora", ["q_proj"])
     ids = tokens(3, 6, seed=2)
     clipped_sum(functools.partial(_lm_loss, model), adapter, ids, max_grad_norm=1.0, clipping="ghost")
-    assert _steps._tap_users == 0 and getattr(_steps._tap_state, "tap", None) is None
+    assert _layer_ops._tap_users == 0 and getattr(_layer_ops._tap_state, "tap", None) is None
 
     def boom(a, ids):
         lf.adapted_call(model, a, ids)
@@ -137,7 +137,7 @@ def test_the_tap_is_gone_after_a_call_and_after_one_that_raises():
 
     with pytest.raises(KeyError, match="boom"):
         clipped_sum(boom, adapter, ids, max_grad_norm=1.0, clipping="ghost")
-    assert _steps._tap_users == 0 and getattr(_steps._tap_state, "tap", None) is None
+    assert _layer_ops._tap_users == 0 and getattr(_layer_ops._tap_state, "tap", None) is None
     # An adapted call outside private_grads runs no tap.
     calls = []
     original = ghost._Layer.record

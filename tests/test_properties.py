@@ -98,6 +98,8 @@ def _options(draw: st.DrawFn, variant: str, r: int) -> dict[str, Any]:
         return {"init": draw(st.sampled_from(["kaiming", "gaussian"]))}
     if variant == "shira":
         return {"random_seed": draw(st.sampled_from([None, 3]))}
+    if variant == "vblora":  # sub-vectors of length 1 divide every drawn size
+        return {"vector_length": 1, "num_vectors": 4}
     if variant == "gralora":  # one block: the drawn sizes and ranks are rarely multiples of k (k = 2 in the contract suite)
         return {"gralora_k": 1}
     if variant == "fourierft":  # init_weights=True: zeros, the identity (peft's default is a random spectrum)

@@ -362,6 +362,21 @@ DOCUMENTED.update(
 )
 
 
+# Issue 31: AdaLoRA, the init variants and the shared-basis family (pinned from docs/variants/*.md's defaults).
+DOCUMENTED.update(
+    {
+        "adalora": (8.0, {"beta1": 0.85, "beta2": 0.85, "deltaT": 1, "dropout": 0.0, "init_r": 8, "orth_reg_weight": 0.5, "target_r": 8, "tfinal": 0, "tinit": 0, "total_step": 1}, True, False, False, {"lora_A": 0, "lora_E": 0, "lora_B": 1}),
+        "corda": (8.0, {"corda_method": "ipm", "dropout": 0.0, "use_rslora": False}, True, False, True, {"lora_A": 0, "lora_B": 1}),
+        "mica": (8.0, {"dropout": 0.0, "use_rslora": False}, True, False, False, {"lora_A": 0, "lora_B": 1}),
+        "olora": (8.0, {"dropout": 0.0, "use_rslora": False}, True, False, True, {"lora_A": 0, "lora_B": 1}),
+        "pvera": (1.0, {"d_initial": 0.1, "dropout": 0.0, "init": "zero", "projection_prng_key": 0, "sample_at_inference": False, "save_projection": True}, True, False, False, {}),
+        "randlora": (1.0, {"dropout": 0.0, "init": "zero", "projection_prng_key": 0, "randlora_alpha": 640.0, "save_projection": True, "sparse": False, "very_sparse": False}, True, False, False, {}),
+        "vblora": (1.0, {"dropout": 0.0, "init_logits_std": 0.1, "init_vector_bank_bound": 0.02, "num_vectors": 256, "save_only_topk_weights": False, "topk": 2, "vector_length": 256}, True, False, False, {"vblora_logits_A": 0, "vblora_logits_B": 1}),
+        "vera": (1.0, {"d_initial": 0.1, "dropout": 0.0, "init": "zero", "projection_prng_key": 0, "save_projection": True}, True, False, False, {"vera_lambda_d": 0, "vera_A": 0, "vera_B": 1}),
+    }
+)
+
+
 @pytest.mark.parametrize("variant", sorted(DOCUMENTED))
 def test_documented_defaults_and_flags(variant):
     assert sorted(DOCUMENTED) == lf.list_variants()
@@ -372,7 +387,7 @@ def test_documented_defaults_and_flags(variant):
     assert (v.uses_rank, v.changes_bias, v.records_base, dict(v.rank_axes)) == (uses_rank, changes_bias, records_base, rank_axes)
     # PiSSA's weight form discards W (W_res + s·BA), LN tuning's too (its trained copy): only
     # they must come first in compose()
-    assert v.replaces_weight == (variant in ("pissa", "ln_tuning"))
+    assert v.replaces_weight == (variant in ("pissa", "olora", "corda", "ln_tuning"))
 
 
 @pytest.mark.parametrize("name", ["lora", "dora", "delora", "hra", "hra-random"])
