@@ -567,7 +567,10 @@ def _fill(skeleton: _Skeleton, prefix: str, tensors: Mapping[str, Tensor], devic
         return cast("type[Combinator]", skeleton.kind).from_json(skeleton.fields, parts, own)
     params, buffers = {}, {}
     first = skeleton.layers[0].target.module if skeleton.layers else SHARED
-    for module, param_shapes, buffer_shapes in skeleton.groups():
+    # The shared tensors first, as init_adapter orders them (code that matches an optimizer's
+    # state to the tensors by position must see the same order after a reload).
+    groups = sorted(skeleton.groups(), key=lambda group: group[0] != SHARED)
+    for module, param_shapes, buffer_shapes in groups:
         # The shared tensors go where the first layer goes (init_adapter puts them there).
         device = devices.get(first if module == SHARED else module, torch.device("cpu"))
         for name, _ in param_shapes:
