@@ -1740,39 +1740,6 @@ RNG_ADVANCES = RNG_ADVANCES | {"boft-blocks", "road-group-size"}  # init_adapter
 # --- issue 30: shira, fourierft, c3a ---------------------------------------------------------
 
 
-
-CASES.update(
-    {
-        "deprecated-keyword-twice": Case(
-            on_adapter(lambda a, ctx: lf.adapted_call(ctx.model(), a, IDS, safe=True, check_finite=True)), ("safe=", "check_finite=")
-        ),
-        "combine-no-weights": Case(on_adapter(lambda a, ctx: lf.combine(a, a)), ("combine(a, b, weights=",)),
-    }
-)
-# --- issue 30, structured family (b): oft, boft, road, hira -----------------------------------
-CASES.update(
-    {
-        "oft-blocks": Case(spec("oft", ["q_proj"], num_blocks=4), ("oft_block_size=32", "num_blocks=4")),
-        "oft-neumann-terms": Case(spec("oft", ["q_proj"], num_cayley_neumann_terms=0), ("num_cayley_neumann_terms=0",)),
-        "oft-module-dropout": Case(spec("oft", ["q_proj"], module_dropout=1.0), ("module_dropout=1.0",)),
-        "oft-eps": Case(spec("oft", ["q_proj"], eps=0.0), ("eps=0.0",)),
-        "oft-init": Case(spec("oft", ["q_proj"], init="zeros"), ("'zeros'", "identity")),
-        "boft-block-options": Case(spec("boft", ["q_proj"], boft_block_size=0), ("boft_block_size=0", "boft_block_num=0")),
-        "boft-factor": Case(spec("boft", ["q_proj"], boft_n_butterfly_factor=0), ("boft_n_butterfly_factor=0",)),
-        "boft-dropout": Case(spec("boft", ["q_proj"], boft_dropout=-0.1), ("boft_dropout=-0.1",)),
-        "boft-init": Case(spec("boft", ["q_proj"], init="zeros"), ("'zeros'",)),
-        "boft-blocks": Case(init("boft", ["q_proj"], boft_block_size=3), ("boft cannot adapt " + Q, "boft_block_size=3", "d_in=32")),
-        "road-variant": Case(spec("road", ["q_proj"], road_variant="road_3"), ("'road_3'", "road_4")),
-        "road-group-size-even": Case(spec("road", ["q_proj"], group_size=3), ("group_size=3",)),
-        "road-init": Case(spec("road", ["q_proj"], init="zeros"), ("'zeros'",)),
-        "road-group-size": Case(init("road", ["q_proj"]), ("road cannot adapt " + Q, "group_size=64", "d_out=32")),
-        "hira-init": Case(spec("hira", ["q_proj"], init="xavier"), ("'xavier'", "gaussian")),
-    }
-)
-RNG_ADVANCES = RNG_ADVANCES | {"boft-blocks", "road-group-size"}  # init_adapter without a generator
-# --- issue 30: shira, fourierft, c3a ---------------------------------------------------------
-
-
 def _init_seeded(variant: str, targets: Any, **kwargs: Any) -> Callable[[Ctx], Callable[[], Any]]:
     """init_adapter with its own generator: the refusal must not touch the global RNG."""
 
