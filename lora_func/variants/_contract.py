@@ -174,6 +174,10 @@ class PeftMethod:
         otherwise (FourierFT: ``n_frequency`` and ``n_frequency_pattern``).
       fan_in_fan_out: the method's config has peft's ``fan_in_fan_out`` (written ``true`` for
         GPT-2 ``Conv1D`` layers).
+      layer_ranks: ``(config, {module: d_in·d_out of every layer in the checkpoint}) -> {module:
+        r}`` where peft derives each layer's rank from all the layers' sizes (WaveFT's
+        ``proportional_parameters``), or ``None`` when the config does not ask for it; used on
+        load in place of :attr:`rank_fields` (the shapes check verifies the tensors).
     """
 
     peft_type: str
@@ -191,6 +195,7 @@ class PeftMethod:
     rank_in_config: bool = False
     rank_fields: tuple[str, str] = ("r", "rank_pattern")
     fan_in_fan_out: bool = True
+    layer_ranks: Callable[[Mapping[str, Any], Mapping[str, int]], dict[str, int] | None] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

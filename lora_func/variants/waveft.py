@@ -1,0 +1,183 @@
+"""WaveFT, Exploring Sparsity for Parameter Efficient Fine Tuning Using Wavelets (Bilican et al.,
+2025, arXiv 2505.12532), following HF peft 0.21's ``tuners/waveft/layer.py`` (``get_delta_weight``)
+and ``tuners/waveft/waverec2d.py`` (the inverse transform, ported in ``variants/_wavelet.py``).
+
+Trainable ``waveft_spectrum (n,)``: ``n`` wavelet coefficients at fixed positions
+``waveft_indices (2, n)`` (int64 row, column of the ``(d_out, d_in)`` matrix; a buffer);
+``n = r`` (lora_func's ``r`` is peft's ``n_frequency``, so peft's per-layer
+``n_frequency_pattern`` is the rank pattern):
+
+    C = the coefficients scattered into a (P_out, P_in) zero matrix, offset by ((P_out − d_out)/2, (P_in − d_in)/2)
+    ΔW = scaling · IDWT2(C)[:d_out, :d_in],   W_eff = W + ΔW,   bias unchanged
+
+``P = d + L − 2`` rounded up to even (``L`` the family's filter length, peft's
+``WAVELET_REDUCTIONS``), so that one level of the inverse transform (``C``'s quadrants
+``[[cA, cH], [cV, cD]]`` -> ``(P − L + 2)``) gives ``d`` or ``d + 1`` rows; peft's centred crop of
+the one extra row or column starts at 0. ``use_idwt=False``: ``ΔW = scaling · C`` unpadded (the
+coefficients used as the weight delta directly). Positions: the first ``n`` entries of
+``torch.randperm(d_out·d_in)`` from a CPU generator seeded with ``random_loc_seed`` (peft's default
+777), as (row, column) of the row-major index, the same seed on every layer, as peft; peft does
+not save them and neither does ``save_peft``: ``load_peft`` re-derives them
+(``recompute_buffers``). Init: ``init_weights=True`` (peft's default) zeros, the identity;
+``False``: ``0.01 · randn``, as peft.
+
+Both forms build the dense ``ΔW`` (a scatter and one stride-2 transposed convolution, in the
+adapter dtype, as peft computes it in its spectrum's dtype); the activation form adds it
+(rounded to the base dtype) to ``W`` and runs one product, where peft's forward runs
+``base(x) + x ΔWᵀ`` (two products: more writes and ops, docs/benchmarks.md). GPT-2 ``Conv1D``:
+peft and lora_func both adapt it (``ΔW`` is ``(d_out, d_in)`` on Conv1D too). peft's
+``proportional_parameters`` (``n`` per layer in proportion to ``d_in·d_out``) loads with
+``load_peft`` as per-layer ranks (``PeftMethod.layer_ranks``) and is saved as peft's
+``n_frequency_pattern``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lora_func.variants import (
+    BaseLayer,
+    LayerInfo,
+    PeftFormat,
+    PeftMethod,
+    TensorDict,
+    Variant,
+    is_finite_number,
+)
+from lora_func.variants._sparse import linear_plus_dense, own_values, peft_randperm_positions, scatter_dense
+from lora_func.variants._wavelet import FAMILIES, idwt2, reduction
+
+
+def init(
+    weight: Tensor,
+    bias: Tensor | None,
+    info: LayerInfo,
+    *,
+    dtype: torch.dtype,
+    generator: torch.Generator,
+    calibration: Any = None,
+) -> tuple[TensorDict, TensorDict]:
+    n = info.r
+    if n > info.d_in * info.d_out:
+        raise ValueError(  # error: waveft-too-many
+            f"waveft: r={n} coefficients (peft's n_frequency) exceed the layer's {info.d_out}×{info.d_in} = "
+            f"{info.d_in * info.d_out} weights; lower r to at most {info.d_in * info.d_out}"
+        )
+    positions = peft_randperm_positions(info.d_out, info.d_in, n, info.option("random_loc_seed"))
+    spectrum = torch.zeros(n) if info.option("init_weights") else 0.01 * torch.randn(n, generator=generator)
+    return {"waveft_spectrum": spectrum.to(weight.device, dtype)}, {"waveft_indices": positions.to(weight.device)}
+
+
+def _padded(d: int, family: str) -> int:
+    """peft's padded size of one axis: ``d`` plus the family's reduction, rounded up to even."""
+    size = d + reduction(family)
+    return size + size % 2
+
+
+def delta(params: TensorDict, buffers: TensorDict, info: LayerInfo) -> Tensor:
+    """``ΔW (d_out, d_in)`` in the adapter dtype."""
+    spectrum = params["waveft_spectrum"]
+    # In a stack of different r, info.r is the member's own (a tensor): its padding is masked.
+    values = own_values(spectrum, info.r)
+    rows, cols = buffers["waveft_indices"]
+    scaling = info.option("scaling")
+    if not info.option("use_idwt"):
+        return scatter_dense(values, buffers["waveft_indices"], (info.d_out, info.d_in)) * scaling
+    family = info.option("wavelet_family")
+    p_out, p_in = _padded(info.d_out, family), _padded(info.d_in, family)
+    shifted = torch.stack([rows + (p_out - info.d_out) // 2, cols + (p_in - info.d_in) // 2])
+    full = idwt2(scatter_dense(values, shifted, (p_out, p_in)), family)  # (d_out or d_out + 1, d_in or d_in + 1)
+    return full[: info.d_out, : info.d_in] * scaling
+
+
+def weight_form(
+    params: TensorDict, buffers: TensorDict, weight: Tensor, bias: Tensor | None, info: LayerInfo
+) -> tuple[Tensor, Tensor | None]:
+    return weight + delta(params, buffers, info).to(weight.dtype), bias
+
+
+def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: BaseLayer, info: LayerInfo) -> Tensor:
+    return linear_plus_dense(base, x, delta(params, buffers, info))
+
+
+def _seed(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def check_options(options: Mapping[str, Any]) -> None:
+    seed = options["random_loc_seed"]
+    if not _seed(seed):
+        raise ValueError(f"waveft option random_loc_seed={seed!r} must be an integer >= 0 (a torch.Generator seed)")  # error: waveft-seed
+    family = options["wavelet_family"]
+    if family not in FAMILIES:
+        raise ValueError(  # error: waveft-wavelet-family
+            f"waveft option wavelet_family={family!r} is not one of {list(FAMILIES)}: peft 0.21 has filters for these only "
+            f"(its config also lists db11-db38, sym11-sym20 and coif5-coif17, whose forward fails in peft itself)"
+        )
+
+
+def _size(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def proportional_ranks(config: Mapping[str, Any], sizes: Mapping[str, int]) -> dict[str, int] | None:
+    """peft's ``WaveFTModel._calculate_proportional_parameters``: with ``proportional_parameters``,
+    layer ``m`` of ``d_in·d_out = sizes[m]`` weights gets ``max(1, round(n_frequency · len(sizes) ·
+    sizes[m] / Σ sizes))`` coefficients (Python's round: half to even); ``None`` without it."""
+    if not config.get("proportional_parameters"):
+        return None
+    budget = int(config.get("n_frequency", 2592)) * len(sizes)
+    total = sum(sizes.values())
+    return {module: max(1, round(size / total * budget)) for module, size in sizes.items()}
+
+
+VARIANT = Variant(
+    name="waveft",
+    init=init,
+    weight_form=weight_form,
+    activation_form=activation_form,
+    options={"scaling": 25.0, "wavelet_family": "db1", "use_idwt": True, "random_loc_seed": 777, "init_weights": True},
+    default_alpha=1.0,  # not used: the scale is the scaling option
+    uses_rank=False,  # r is the number of coefficients, up to d_in·d_out (checked by init)
+    check_options=check_options,
+    padded_axes={"waveft_spectrum": 0, "waveft_indices": 1},
+    integer_buffers=frozenset({"waveft_indices"}),
+    # peft: WaveFTConfig; n_frequency / n_frequency_pattern are lora_func's r / rank pattern (and
+    # proportional_parameters per-layer ranks on load); the positions are not in the checkpoint.
+    peft=PeftFormat(
+        PeftMethod(
+            "WAVEFT",
+            {"bias": "none", "proportional_parameters": False},
+            rank_pattern=True,
+            rank_in_config=True,
+            rank_fields=("n_frequency", "n_frequency_pattern"),
+            layer_ranks=proportional_ranks,
+            checks={
+                "n_frequency": _size,
+                "n_frequency_pattern": lambda v: isinstance(v, dict) and all(_size(n) for n in v.values()),
+                "scaling": is_finite_number,
+                "wavelet_family": lambda v: v in FAMILIES,
+                "use_idwt": lambda v: isinstance(v, bool),
+                "random_loc_seed": _seed,
+                "init_weights": lambda v: isinstance(v, bool),
+                "proportional_parameters": lambda v: isinstance(v, bool),
+            },
+        ),
+        {"waveft_spectrum": "waveft_spectrum"},
+        lambda r, d_in, d_out: {"waveft_spectrum": (r,)},
+        lambda options: {k: options[k] for k in ("scaling", "wavelet_family", "use_idwt", "random_loc_seed", "init_weights")},
+        lambda config, module: {
+            "scaling": float(config.get("scaling", 25.0)),
+            "wavelet_family": str(config.get("wavelet_family", "db1")),
+            "use_idwt": bool(config.get("use_idwt", True)),
+            "random_loc_seed": int(config.get("random_loc_seed", 777)),
+            "init_weights": bool(config.get("init_weights", True)),
+        },
+        buffers=frozenset({"waveft_indices"}),
+        recompute_buffers=True,
+    ),
+)
