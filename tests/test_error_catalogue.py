@@ -1932,3 +1932,11 @@ CASES.update(
         ),
     }
 )
+# --- issue 30: waveft --------------------------------------------------------------------------
+CASES.update(
+    {
+        "waveft-too-many": Case(_init_seeded("waveft", ["v_proj"], r=513), ("model.layers.0.self_attn.v_proj", "r=513", "512")),
+        "waveft-seed": Case(spec("waveft", ["v_proj"], random_loc_seed=-3), ("random_loc_seed=-3",)),
+        "waveft-wavelet-family": Case(spec("waveft", ["v_proj"], wavelet_family="coif5"), ("wavelet_family='coif5'", "'coif4'")),
+    }
+)
