@@ -209,6 +209,8 @@ def _():
                  "high rank from d parameters per block", "docs/variants/c3a.md"),
         "fourierft": ("learned coefficients at fixed random 2-D frequencies, ΔW = their inverse DFT",
                  "the fewest parameters for a dense update", "docs/variants/fourierft.md"),
+        "waveft": ("learned wavelet coefficients at fixed random positions, ΔW = their inverse 2-D DWT",
+                 "few parameters for a locally structured dense update", "docs/variants/waveft.md"),
         "shira": ("sparse trainable values at fixed positions (r·(d_in + d_out) of them)",
                  "switch many adapters fast; sparse updates", "docs/variants/shira.md"),
         "vera": ("two scaling vectors per layer over one random basis shared by every layer",
