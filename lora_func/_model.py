@@ -9,6 +9,7 @@ writes to a model.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Mapping
 from typing import Any, cast
@@ -30,6 +31,7 @@ __all__ = [
     "check_base_params",
     "fresh_layer",
     "layer_info",
+    "layer_infos",
     "target_weight",
     "variant_init",
     "weight_fingerprint",
@@ -131,6 +133,15 @@ def layer_info(spec: AdapterSpec, target: Target, *, r: int | None = None, alpha
         has_bias=target.bias_key is not None,
         options=spec.options,
     )
+
+
+def layer_infos(variant: Variant, spec: AdapterSpec, infos: Mapping[str, LayerInfo]) -> dict[str, LayerInfo]:
+    """``infos`` (module name -> ``LayerInfo``) with each layer's rank from the variant's
+    ``layer_ranks`` (one budget spread over the layers), or unchanged without one."""
+    if variant.layer_ranks is None:
+        return dict(infos)
+    ranks = variant.layer_ranks(spec.r, infos)
+    return {module: dataclasses.replace(info, r=int(ranks[module])) for module, info in infos.items()}
 
 
 def adapter_layer(target: Target, info: LayerInfo, params: TensorDict, buffers: TensorDict, fingerprint: str | None) -> AdapterLayer:

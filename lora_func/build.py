@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lora_func._model import fresh_layer, layer_info, shared_init, variant_init
+from lora_func._model import fresh_layer, layer_info, layer_infos, shared_init, variant_init
 from lora_func.adapter import Adapter
 from lora_func.calibration import layer_input_batches
 from lora_func.checks import check_model
@@ -84,7 +84,7 @@ def init_adapter(
             f"quantize its residual (peft's practice for PiSSA with QLoRA), or pick a variant that keeps the base"
         )
     generator = _default_generator() if generator is None else generator
-    infos = {t.module: layer_info(spec, t) for t in targets}
+    infos = layer_infos(variant, spec, {t.module: layer_info(spec, t) for t in targets})
     payloads: dict[str, Any] = dict.fromkeys(infos, calibration)
     if variant.calibrate is not None:
         if calibration is None:

@@ -377,7 +377,14 @@ DOCUMENTED.update(
 )
 
 # Issue 30: WaveFT (r is peft's n_frequency; no rank axes), pinned from docs/variants/waveft.md.
-DOCUMENTED["waveft"] = (1.0, {"init_weights": True, "random_loc_seed": 777, "scaling": 25.0, "use_idwt": True, "wavelet_family": "db1"}, False, False, False, {})
+DOCUMENTED["waveft"] = (
+    1.0,
+    {"init_weights": True, "proportional_parameters": False, "random_loc_seed": 777, "scaling": 25.0, "use_idwt": True, "wavelet_family": "db1"},
+    False,
+    False,
+    False,
+    {},
+)
 
 
 @pytest.mark.parametrize("variant", sorted(DOCUMENTED))

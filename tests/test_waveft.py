@@ -75,17 +75,17 @@ def test_peft_checkpoint_loads_with_peft_logits_gradients_and_reloads(llama64, g
     perturb(pm, "waveft_spectrum")
     pm.save_pretrained(tmp_path / "peft")
     adapter, ids, want = check_against_peft(model, pm, tmp_path / "peft", "waveft_spectrum", "waveft_spectrum")
-    assert adapter.spec.options == lf.AdapterSpec("waveft", targets, scaling=3.0, random_loc_seed=5, **{
-        k: v for k, v in fields.items() if k in ("wavelet_family", "use_idwt")
-    }).options
+    options = {k: v for k, v in fields.items() if k != "n_frequency_pattern"}
+    assert adapter.spec.options == lf.AdapterSpec("waveft", targets, scaling=3.0, random_loc_seed=5, **options).options
     peft_sizes = {m: int(t.shape[1]) for m, t in _peft_indices(pm).items()}
     assert {layer.target.module: layer.info.r for layer in adapter.layers} == peft_sizes
     if "n_frequency_pattern" in fields or fields.get("proportional_parameters"):
         assert len(set(peft_sizes.values())) > 1
-    ours = lf.init_adapter(model, lf.AdapterSpec("waveft", targets, r=24, random_loc_seed=5, dtype=torch.float64))
+    # init_adapter draws peft's positions (and, with proportional_parameters, peft's sizes)
+    ours = lf.init_adapter(model, lf.AdapterSpec("waveft", targets, r=24, random_loc_seed=5, dtype=torch.float64, **options))
     for module, indices in _peft_indices(pm).items():
         assert torch.equal(adapter.buffers[f"{module}.waveft_indices"], indices), module
-        if peft_sizes[module] == 24:
+        if module not in fields.get("n_frequency_pattern", {}):
             assert torch.equal(ours.buffers[f"{module}.waveft_indices"], indices), module
     reloaded = check_reloads_in_peft(model, adapter, ids, want, tmp_path)
     assert reloaded.peft_config["default"].proportional_parameters is False
@@ -167,3 +167,15 @@ def test_refusals(tmp_path):
         (tmp_path / "adapter_config.json").write_text(json.dumps({**config, field: value}))
         with pytest.raises(ValueError, match=f"{field}="):
             lf.load_peft(tmp_path, model)
+
+
+def test_proportional_parameters_spreads_the_budget_and_survives_save_load(tmp_path):
+    """peft's rule by hand: budget 24 · 6 layers over q (32·32), v (16·32), down (32·48), twice."""
+    model = tiny_model("llama")
+    adapter = lf.init_adapter(model, lf.AdapterSpec("waveft", TARGETS, r=24, proportional_parameters=True))
+    sizes = {layer.target.module: layer.info.r for layer in adapter.layers}
+    assert sizes == {f"model.layers.{i}.{m}": n for i in (0, 1) for m, n in (("self_attn.q_proj", 24), ("self_attn.v_proj", 12), ("mlp.down_proj", 36))}
+    for trainable_only in (False, True):
+        again = lf.load(lf.save(adapter, tmp_path / f"native{trainable_only}", trainable_only=trainable_only), model=model)
+        assert {layer.target.module: layer.info.r for layer in again.layers} == sizes
+        assert all(torch.equal(again.buffers[k], v) for k, v in adapter.buffers.items())

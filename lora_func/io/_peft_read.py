@@ -5,7 +5,6 @@ Generic: it names no variant.
 
 from __future__ import annotations
 
-import math
 import os
 import pickle
 from collections.abc import Iterable, Mapping
@@ -21,6 +20,7 @@ from torch import Tensor, nn
 from lora_func._model import (
     adapter_layer,
     layer_info,
+    layer_infos,
     shared_init,
     variant_init,
     weight_fingerprint,
@@ -196,11 +196,17 @@ def _assemble(
     buffers: dict[str, Tensor] = {}
     out_layers = []
     wrong = []
+    infos = {}
     for target in targets:
         layer = layers[target.module]
         rank = spec.r if layer.r is None else layer.r
         layer_alpha = spec.alpha if layer.alpha is None else float(layer.alpha)
-        info = layer_info(spec, target, r=rank, alpha=layer_alpha)
+        infos[target.module] = layer_info(spec, target, r=rank, alpha=layer_alpha)
+    infos = layer_infos(variant, spec, infos)  # ranks peft derives from every layer (WaveFT's proportional_parameters)
+    for target in targets:
+        layer = layers[target.module]
+        info = infos[target.module]
+        rank = info.r
         by_kind = fmt.shapes_by_kind.get(kind_of_layout(target.layout))
         shapes = by_kind(rank, target.d_in, target.d_out) if by_kind is not None else fmt.shapes_for(info)
         expected = {k: (*target.shape[:1], *v) if target.experts is not None else v for k, v in shapes.items()}
@@ -279,17 +285,10 @@ def _format_for(directory: Path, config: Mapping[str, Any], peft_type: str, modu
     raise ValueError(f"{directory} cannot be read as a lora_func variant at {module}: {why}")  # error: peft-layer-unread
 
 def _layer_from_peft(
-    directory: Path,
-    config: Mapping[str, Any],
-    module: str,
-    fmt: PeftFormat,
-    found: Mapping[str, Tensor],
-    kind: tuple[str, tuple[int, ...]],
-    rank: int | None = None,
+    directory: Path, config: Mapping[str, Any], module: str, fmt: PeftFormat, found: Mapping[str, Tensor], kind: tuple[str, tuple[int, ...]]
 ) -> _Layer:
     """One layer's peft tensors in lora_func shapes, with its rank and alpha checked against the
-    config; ``kind``: the layer's kind and stored weight shape in the model; ``rank``: the
-    layer's rank where the method derives it from every layer (``PeftMethod.layer_ranks``)."""
+    config; ``kind``: the layer's kind and stored weight shape in the model."""
     if fmt.convert_in is not None and any(name in fmt.imported.values() for name in found):
         found = fmt.convert_in(dict(found), config)
     if fmt.layer_shapes is None:  # else the layer's own set is checked against the model's sizes in _assemble
@@ -315,21 +314,11 @@ def _layer_from_peft(
     elif method.rank_in_config:
         # the shapes check in _assemble verifies the tensors
         field_name, pattern = method.rank_fields
-        r = rank if rank is not None else int(_pattern_value(config.get(pattern) if method.rank_pattern else None, module, config.get(field_name, 8)))
+        r = int(_pattern_value(config.get(pattern) if method.rank_pattern else None, module, config.get(field_name, 8)))
     if method.alpha:
         alpha = float(_pattern_value(config.get("alpha_pattern"), module, config.get(method.alpha_key, 8)))
     params = {k: v for k, v in tensors.items() if k not in fmt.buffers}
     return _Layer(params=params, buffers={k: v for k, v in tensors.items() if k in fmt.buffers}, r=r, alpha=alpha)
-
-def _layer_size(model: nn.Module, module: str) -> int:
-    """``d_in·d_out`` of a checkpoint's layer, as peft counts it (``in_features·out_features`` of
-    a Linear, quantized ones too; the weight's size otherwise: GPT-2 ``Conv1D``)."""
-    found = model.get_submodule(module)
-    d_in, d_out = getattr(found, "in_features", None), getattr(found, "out_features", None)
-    if isinstance(d_in, int) and isinstance(d_out, int):
-        return d_in * d_out
-    return math.prod(_kind_of(model, module)[1])
-
 
 def _read(
     directory: Path,
@@ -343,13 +332,11 @@ def _read(
     reads it; layers of several variants (a method with ``feedforward_modules``) compose."""
     groups: dict[str, tuple[dict[str, Any], dict[str, _Layer]]] = {}
     formats = _formats()
-    method = _methods()[peft_type]
-    ranks = method.layer_ranks(config, {m: _layer_size(model, m) for m in tensors}) if method.layer_ranks is not None else None
     for module, found in tensors.items():
         name, options = _format_for(directory, config, peft_type, module)
-        rank = None if ranks is None else ranks[module]
-        layer = _layer_from_peft(directory, config, module, formats[name], found, _kind_of(model, module), rank)
+        layer = _layer_from_peft(directory, config, module, formats[name], found, _kind_of(model, module))
         groups.setdefault(name, (options, {}))[1][module] = layer
+    method = _methods()[peft_type]
     r = int(config.get(method.rank_fields[0], 8)) if method.rank_of is not None or method.rank_in_config else 8
     alpha = float(config.get(method.alpha_key, 8)) if method.alpha else None
     parts = [

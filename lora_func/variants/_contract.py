@@ -174,10 +174,6 @@ class PeftMethod:
         otherwise (FourierFT: ``n_frequency`` and ``n_frequency_pattern``).
       fan_in_fan_out: the method's config has peft's ``fan_in_fan_out`` (written ``true`` for
         GPT-2 ``Conv1D`` layers).
-      layer_ranks: ``(config, {module: d_in·d_out of every layer in the checkpoint}) -> {module:
-        r}`` where peft derives each layer's rank from all the layers' sizes (WaveFT's
-        ``proportional_parameters``), or ``None`` when the config does not ask for it; used on
-        load in place of :attr:`rank_fields` (the shapes check verifies the tensors).
     """
 
     peft_type: str
@@ -195,7 +191,6 @@ class PeftMethod:
     rank_in_config: bool = False
     rank_fields: tuple[str, str] = ("r", "rank_pattern")
     fan_in_fan_out: bool = True
-    layer_ranks: Callable[[Mapping[str, Any], Mapping[str, int]], dict[str, int] | None] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -409,6 +404,11 @@ class Variant:
         buffers, ids (...), base, info) -> (..., d_out)``, ``base(ids)`` the layer's lookup and
         ``base.replay(ids, table)`` the same lookup (padding index and options) in another
         ``(num_embeddings, k)`` table. Must equal the lookup in ``W_effᵀ``.
+      layer_ranks: ``(r, infos) -> {module name: r}``: each layer's rank derived from the spec's
+        ``r`` and every target's ``LayerInfo`` (module name -> info), where the variant's options
+        spread one budget over the layers (WaveFT's ``proportional_parameters``: in proportion to
+        ``d_in·d_out``). ``init_adapter`` and ``load_peft`` apply it before the layers' ``init``;
+        ``None``: the spec's ``r`` (or a checkpoint's rank pattern) on every layer.
     """
 
     name: str
@@ -431,6 +431,7 @@ class Variant:
     integer_buffers: frozenset[str] = frozenset()
     kinds: frozenset[str] = frozenset({"linear", "conv1d"})
     kind_forms: Mapping[str, ActivationFn] = dataclasses.field(default_factory=dict)
+    layer_ranks: Callable[[int, Mapping[str, LayerInfo]], Mapping[str, int]] | None = None
 
     def __repr__(self) -> str:
         # The functions' reprs would fill a screen; the name identifies the variant.

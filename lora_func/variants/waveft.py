@@ -25,10 +25,10 @@ Both forms build the dense ``ΔW`` (a scatter and one stride-2 transposed convol
 adapter dtype, as peft computes it in its spectrum's dtype); the activation form adds it
 (rounded to the base dtype) to ``W`` and runs one product, where peft's forward runs
 ``base(x) + x ΔWᵀ`` (two products: more writes and ops, docs/benchmarks.md). GPT-2 ``Conv1D``:
-peft and lora_func both adapt it (``ΔW`` is ``(d_out, d_in)`` on Conv1D too). peft's
-``proportional_parameters`` (``n`` per layer in proportion to ``d_in·d_out``) loads with
-``load_peft`` as per-layer ranks (``PeftMethod.layer_ranks``) and is saved as peft's
-``n_frequency_pattern``.
+peft and lora_func both adapt it (``ΔW`` is ``(d_out, d_in)`` on Conv1D too).
+``proportional_parameters=True`` spreads a budget of ``r`` per layer over the targets in
+proportion to their ``d_in·d_out``, as peft (``Variant.layer_ranks``, applied by ``init_adapter``
+and ``load_peft``); ``save_peft`` writes the resulting sizes as peft's ``n_frequency_pattern``.
 """
 
 from __future__ import annotations
@@ -124,15 +124,16 @@ def _size(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
-def proportional_ranks(config: Mapping[str, Any], sizes: Mapping[str, int]) -> dict[str, int] | None:
-    """peft's ``WaveFTModel._calculate_proportional_parameters``: with ``proportional_parameters``,
-    layer ``m`` of ``d_in·d_out = sizes[m]`` weights gets ``max(1, round(n_frequency · len(sizes) ·
-    sizes[m] / Σ sizes))`` coefficients (Python's round: half to even); ``None`` without it."""
-    if not config.get("proportional_parameters"):
-        return None
-    budget = int(config.get("n_frequency", 2592)) * len(sizes)
-    total = sum(sizes.values())
-    return {module: max(1, round(size / total * budget)) for module, size in sizes.items()}
+def layer_ranks(r: int, infos: Mapping[str, LayerInfo]) -> dict[str, int]:
+    """Each layer's ``n``: its own (the spec's ``r`` or a checkpoint's ``n_frequency_pattern``), or
+    with ``proportional_parameters`` peft's ``WaveFTModel._calculate_proportional_parameters``
+    (which then ignores the pattern), a budget of ``r`` per layer spread in proportion to the
+    layers' sizes: ``max(1, round(r · len(infos) · d_in·d_out / Σ d_in·d_out))`` (Python's round:
+    half to even)."""
+    if not any(info.option("proportional_parameters") for info in infos.values()):
+        return {module: info.r for module, info in infos.items()}
+    total = sum(info.d_in * info.d_out for info in infos.values())
+    return {module: max(1, round(info.d_in * info.d_out / total * (r * len(infos)))) for module, info in infos.items()}
 
 
 VARIANT = Variant(
@@ -140,14 +141,24 @@ VARIANT = Variant(
     init=init,
     weight_form=weight_form,
     activation_form=activation_form,
-    options={"scaling": 25.0, "wavelet_family": "db1", "use_idwt": True, "random_loc_seed": 777, "init_weights": True},
+    options={
+        "scaling": 25.0,
+        "wavelet_family": "db1",
+        "use_idwt": True,
+        "random_loc_seed": 777,
+        "init_weights": True,
+        "proportional_parameters": False,
+    },
     default_alpha=1.0,  # not used: the scale is the scaling option
     uses_rank=False,  # r is the number of coefficients, up to d_in·d_out (checked by init)
     check_options=check_options,
     padded_axes={"waveft_spectrum": 0, "waveft_indices": 1},
     integer_buffers=frozenset({"waveft_indices"}),
-    # peft: WaveFTConfig; n_frequency / n_frequency_pattern are lora_func's r / rank pattern (and
-    # proportional_parameters per-layer ranks on load); the positions are not in the checkpoint.
+    layer_ranks=layer_ranks,
+    # peft: WaveFTConfig; n_frequency / n_frequency_pattern are lora_func's r / rank pattern; the
+    # positions are not in the checkpoint. Per-layer sizes from proportional_parameters are
+    # written as n_frequency_pattern with proportional_parameters false (fixed): peft then builds
+    # the same layers whatever n_frequency the writer picks.
     peft=PeftFormat(
         PeftMethod(
             "WAVEFT",
@@ -155,7 +166,6 @@ VARIANT = Variant(
             rank_pattern=True,
             rank_in_config=True,
             rank_fields=("n_frequency", "n_frequency_pattern"),
-            layer_ranks=proportional_ranks,
             checks={
                 "n_frequency": _size,
                 "n_frequency_pattern": lambda v: isinstance(v, dict) and all(_size(n) for n in v.values()),
@@ -176,6 +186,7 @@ VARIANT = Variant(
             "use_idwt": bool(config.get("use_idwt", True)),
             "random_loc_seed": int(config.get("random_loc_seed", 777)),
             "init_weights": bool(config.get("init_weights", True)),
+            "proportional_parameters": bool(config.get("proportional_parameters", False)),
         },
         buffers=frozenset({"waveft_indices"}),
         recompute_buffers=True,
