@@ -202,7 +202,7 @@ def _assemble(
         rank = spec.r if layer.r is None else layer.r
         layer_alpha = spec.alpha if layer.alpha is None else float(layer.alpha)
         infos[target.module] = layer_info(spec, target, r=rank, alpha=layer_alpha)
-    infos = layer_infos(variant, spec, infos)  # ranks peft derives from every layer (WaveFT's proportional_parameters)
+    infos = layer_infos(variant, spec, infos)  # ranks a variant derives from every layer (Variant.layer_ranks)
     for target in targets:
         layer = layers[target.module]
         info = infos[target.module]
