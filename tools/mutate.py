@@ -92,6 +92,12 @@ TARGETS: dict[str, tuple[tuple[str, ...] | None, list[list[str]]]] = {
     "lora_func/variants/fourierft.py": (None, [[CONTRACT, "-k", "fourierft"], ["tests/test_variants_structured_c.py", "-k", "fourierft"], [CATALOGUE, "-k", "fourierft"]]),
     "lora_func/variants/c3a.py": (None, [[CONTRACT, "-k", "c3a"], ["tests/test_variants_structured_c.py", "-k", "c3a"], [CATALOGUE, "-k", "c3a"]]),
     "lora_func/variants/_sparse.py": (None, [[CONTRACT, "-k", "shira or fourierft"], ["tests/test_variants_structured_c.py"]]),
+    "lora_func/variants/waveft.py": (None, [["tests/test_waveft.py"], [CONTRACT, "-k", "waveft"], [CATALOGUE, "-k", "waveft"]]),
+    # the filter table (module level) is compared value for value with peft's by test_waveft.py
+    "lora_func/variants/_wavelet.py": (
+        ("reduction", "_filters", "idwt2"),
+        [["tests/test_waveft.py", "-k", "every_family or peft_checkpoint"], [CONTRACT, "-k", "waveft"]],
+    ),
     # The shared-basis variants (issue 31): their own oracle tests instead of the (slow) properties.
     **{
         f"lora_func/variants/{name}.py": (None, _variant_stages(name, f"tests/test_variant_{name}.py")[:-1])
