@@ -17,11 +17,12 @@ import pytest
 import torch
 from peft.tuners.waveft.constants import WAVELET_REDUCTIONS
 from peft.tuners.waveft.wavelet import Wavelet
+from peft.tuners.waveft.waverec2d import waverec2d
 from torch import nn
 from torch.func import grad
 
 import lora_func as lf
-from lora_func.variants._wavelet import _REC_LO, FAMILIES, reduction
+from lora_func.variants._wavelet import _REC_LO, FAMILIES, idwt2, reduction
 from tests.contract_helpers import loss_fn
 from tests.models import tiny_model, tokens
 from tests.test_variants_structured_c import (
@@ -97,9 +98,12 @@ def test_every_family_and_odd_sizes_give_peft_delta_weight():
     the centred offset, the crop of the extra row) equals peft's ``get_delta_weight``; the filters
     are peft's own values; peft's config lists families it has no filters for, refused here."""
     assert set(FAMILIES) == set(WAVELET_REDUCTIONS) & set(_REC_LO) and len(FAMILIES) == 23
+    coefficients = torch.randn(24, 36, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    quadrants = (coefficients[:12, :18], (coefficients[:12, 18:], coefficients[12:, :18], coefficients[12:, 18:]))
     for family in FAMILIES:
         assert _REC_LO[family] == tuple(Wavelet(family).rec_lo), family
         assert reduction(family) == WAVELET_REDUCTIONS[family][0], family
+        assert torch.equal(idwt2(coefficients, family), waverec2d(quadrants, family)), family  # (24 − L + 2, 36 − L + 2)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(15, 21), nn.Linear(21, 8)).double()
     base = lf.base_params(model)
@@ -154,16 +158,23 @@ def test_refusals(tmp_path):
     model = tiny_model("llama")
     with pytest.raises(ValueError, match=r"r=513 coefficients.*16×32 = 512.*at most 512"):
         lf.init_adapter(model, lf.AdapterSpec("waveft", ["v_proj"], r=513))
+    assert lf.init_adapter(model, lf.AdapterSpec("waveft", ["v_proj"], r=512)).buffers["model.layers.0.self_attn.v_proj.waveft_indices"].shape == (2, 512)
     with pytest.raises(ValueError, match="random_loc_seed=-3"):
         lf.AdapterSpec("waveft", ["v_proj"], random_loc_seed=-3)
     for family in ("coif5", "db11", "haar"):
         with pytest.raises(ValueError, match=f"wavelet_family='{family}' is not one of"):
             lf.AdapterSpec("waveft", ["v_proj"], wavelet_family=family)
-    adapter = lf.init_adapter(model, lf.AdapterSpec("waveft", ["v_proj"], r=8, random_loc_seed=0, wavelet_family="sym2"))
+    adapter = lf.init_adapter(model, lf.AdapterSpec("waveft", ["v_proj"], r=1, random_loc_seed=0, wavelet_family="sym2"))
     lf.save_peft(adapter, tmp_path, model=model)
     assert lf.load_peft(tmp_path, model).spec.options == adapter.spec.options
     config = json.loads((tmp_path / "adapter_config.json").read_text())
-    for field, value in (("wavelet_family", "coif5"), ("use_idwt", 1), ("proportional_parameters", "yes"), ("random_loc_seed", -1)):
+    # a config without the option fields reads peft's dataclass defaults, as peft does
+    fields = ("scaling", "wavelet_family", "use_idwt", "random_loc_seed", "init_weights", "proportional_parameters")
+    (tmp_path / "adapter_config.json").write_text(json.dumps({k: v for k, v in config.items() if k not in fields}))
+    assert lf.load_peft(tmp_path, model).spec.options == lf.AdapterSpec("waveft", ["v_proj"]).options
+    bad = [("wavelet_family", "coif5"), ("use_idwt", 1), ("proportional_parameters", "yes"), ("random_loc_seed", -1), ("n_frequency", 0)]
+    bad.append(("n_frequency_pattern", {"model.layers.0.self_attn.v_proj": 0}))
+    for field, value in bad:
         (tmp_path / "adapter_config.json").write_text(json.dumps({**config, field: value}))
         with pytest.raises(ValueError, match=f"{field}="):
             lf.load_peft(tmp_path, model)
@@ -175,6 +186,9 @@ def test_proportional_parameters_spreads_the_budget_and_survives_save_load(tmp_p
     adapter = lf.init_adapter(model, lf.AdapterSpec("waveft", TARGETS, r=24, proportional_parameters=True))
     sizes = {layer.target.module: layer.info.r for layer in adapter.layers}
     assert sizes == {f"model.layers.{i}.{m}": n for i in (0, 1) for m, n in (("self_attn.q_proj", 24), ("self_attn.v_proj", 12), ("mlp.down_proj", 36))}
+    # a budget of 1 per layer: v's share 0.5 rounds (half to even) to 0, raised to 1; down's 1.5 to 2
+    small = lf.init_adapter(model, lf.AdapterSpec("waveft", TARGETS, r=1, proportional_parameters=True))
+    assert [layer.info.r for layer in small.layers][:3] == [1, 1, 2]
     for trainable_only in (False, True):
         again = lf.load(lf.save(adapter, tmp_path / f"native{trainable_only}", trainable_only=trainable_only), model=model)
         assert {layer.target.module: layer.info.r for layer in again.layers} == sizes

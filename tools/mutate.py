@@ -92,7 +92,10 @@ TARGETS: dict[str, tuple[tuple[str, ...] | None, list[list[str]]]] = {
     "lora_func/variants/fourierft.py": (None, [[CONTRACT, "-k", "fourierft"], ["tests/test_variants_structured_c.py", "-k", "fourierft"], [CATALOGUE, "-k", "fourierft"]]),
     "lora_func/variants/c3a.py": (None, [[CONTRACT, "-k", "c3a"], ["tests/test_variants_structured_c.py", "-k", "c3a"], [CATALOGUE, "-k", "c3a"]]),
     "lora_func/variants/_sparse.py": (None, [[CONTRACT, "-k", "shira or fourierft"], ["tests/test_variants_structured_c.py"]]),
-    "lora_func/variants/waveft.py": (None, [["tests/test_waveft.py"], [CONTRACT, "-k", "waveft"], [CATALOGUE, "-k", "waveft"]]),
+    "lora_func/variants/waveft.py": (
+        None,
+        [["tests/test_waveft.py"], [CONTRACT, "-k", "waveft"], [CATALOGUE, "-k", "waveft"], [KILLERS, "-k", "documented_defaults and waveft"]],
+    ),
     # the filter table (module level) is compared value for value with peft's by test_waveft.py
     "lora_func/variants/_wavelet.py": (
         ("reduction", "_filters", "idwt2"),

@@ -176,7 +176,7 @@ def idwt2(coefficients: Tensor, family: str) -> Tensor:
     ``(H − L + 2, W − L + 2)`` in the coefficients' dtype (``L`` the filter length), as peft's
     ``waverec2d((cA, (cH, cV, cD)), family)``."""
     filters = _filters(family, coefficients.dtype, coefficients.device)
-    crop = filters.shape[-1] - 2  # peft's padl = padr = (2L − 3) // 2 for an even L
+    crop = reduction(family)  # L − 2: peft's padl = padr = (2L − 3) // 2 for an even L
     bands = rearrange(coefficients, "(p h) (q w) -> 1 (p q) h w", p=2, q=2)  # cA, cH, cV, cD
     full = F.conv_transpose2d(bands, filters, stride=2)[0, 0]  # (H + L − 2, W + L − 2)
     return full[crop : full.shape[0] - crop, crop : full.shape[1] - crop]

@@ -97,7 +97,7 @@ def delta(params: TensorDict, buffers: TensorDict, info: LayerInfo) -> Tensor:
 def weight_form(
     params: TensorDict, buffers: TensorDict, weight: Tensor, bias: Tensor | None, info: LayerInfo
 ) -> tuple[Tensor, Tensor | None]:
-    return weight + delta(params, buffers, info).to(weight.dtype), bias
+    return weight + delta(params, buffers, info), bias  # both in the adapter dtype
 
 
 def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: BaseLayer, info: LayerInfo) -> Tensor:
