@@ -269,22 +269,17 @@ def _convert_in(found: TensorDict, config: Mapping[str, Any]) -> TensorDict:
     """peft's per-subspace ``A_k (ρ_k, R)`` and ``B_k (|S_k|, ρ_k)`` as ``adamss_A (K, ρ, R)`` and
     ``adamss_B (d_out, ρ)``, zero-padded to ``ρ = subspace_rank``."""
     rho = int(config.get("subspace_rank", 1))
-    k = sum(1 for name in found if name.startswith("A."))
-    try:
-        pairs = [(found[f"A.{i}"], found[f"B.{i}"]) for i in range(k)]
-    except KeyError:
+    k = len({name.split(".")[1] for name in found if name.startswith(("A.", "B."))})
+    pairs = [(found.get(f"A.{i}"), found.get(f"B.{i}")) for i in range(k)]
+    if not all(a is not None and b is not None and a.dim() == b.dim() == 2 and a.shape[0] <= rho and b.shape[1] == a.shape[0] for a, b in pairs):
+        shapes = {name: tuple(t.shape) for name, t in sorted(found.items()) if name != "adamss_newB"}
         raise ValueError(  # error: adamss-peft-subspaces
-            f"this AdaMSS checkpoint's layer holds subspaces {sorted(found)}: it needs adamss_A.<k> and adamss_B.<k> for "
-            f"k = 0..K-1; re-save the checkpoint"
-        ) from None
-    if any(a.dim() != 2 or b.dim() != 2 or a.shape[0] > rho or b.shape[1] != a.shape[0] for a, b in pairs):
-        raise ValueError(  # error: adamss-peft-ranks
-            f"this AdaMSS checkpoint's subspaces have shapes {[(tuple(a.shape), tuple(b.shape)) for a, b in pairs]}; each "
-            f"adamss_A.<k> must be (rank_k, R) and adamss_B.<k> (rows_k, rank_k) with rank_k <= subspace_rank={rho}"
+            f"this AdaMSS checkpoint's layer holds the subspaces {shapes}; it needs adamss_A.<k> (rank_k, R) and adamss_B.<k> "
+            f"(rows_k, rank_k) for k = 0..K-1 with rank_k <= subspace_rank={rho}; re-save the checkpoint with peft"
         )
     out = {
-        "adamss_A": torch.stack([torch.nn.functional.pad(a, (0, 0, 0, rho - a.shape[0])) for a, _ in pairs]),
-        "adamss_B": torch.cat([torch.nn.functional.pad(b, (0, rho - b.shape[1])) for _, b in pairs]),
+        "adamss_A": torch.stack([torch.nn.functional.pad(a, (0, 0, 0, rho - a.shape[0])) for a, _ in pairs if a is not None]),
+        "adamss_B": torch.cat([torch.nn.functional.pad(b, (0, rho - b.shape[1])) for _, b in pairs if b is not None]),
     }
     return out | ({"adamss_newB": found["adamss_newB"]} if "adamss_newB" in found else {})
 
