@@ -241,15 +241,9 @@ def check_options(options: Mapping[str, Any]) -> None:
 
 
 def _shapes(info: LayerInfo) -> dict[str, tuple[int, ...]]:
+    """The stored tensors' shapes (the clustering's buffers are recomputed on load)."""
     rank, k, rho = svd_rank(info), subspaces(info), int(info.option("subspace_rank"))
-    return {
-        "adamss_A": (k, rho, rank),
-        "adamss_B": (info.d_out, rho),
-        "adamss_newB": (rank, info.d_in + int(info.has_bias)),
-        "scatter_index": (info.d_out,),
-        "subspace": (info.d_out,),
-        "subspace_ranks": (k,),
-    }
+    return {"adamss_A": (k, rho, rank), "adamss_B": (info.d_out, rho), "adamss_newB": (rank, info.d_in + int(info.has_bias))}
 
 
 def _peft_config(options: Mapping[str, Any]) -> dict[str, Any]:
@@ -348,6 +342,6 @@ VARIANT = Variant(
             **{f"adamss_{m}.{i}": f"{m}.{i}" for i in range(MAX_SUBSPACES) for m in ("A", "B")},
         },
         convert_in=_convert_in,
-        optional=frozenset({"adamss_newB", "scatter_index", "subspace", "subspace_ranks"}),
+        optional=frozenset({"adamss_newB"}),
     ),
 )
