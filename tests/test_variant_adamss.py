@@ -187,13 +187,23 @@ def test_asa_schedule_equals_peft_callback_step_by_step(model, tmp_path):
         optimizer.step()
         callback.on_optimizer_step(None, TrainerState(global_step=step), control, model=pm)
 
-        def loss(params, ids=ids):
+        def loss(params, ids=ids, adapter=adapter):
             return ce_loss(lf.adapted_call(model, adapter.with_params(params), ids, base=base).logits, ids)
 
         grads = torch.func.grad(loss)(dict(adapter.params))
         updated = adapter.with_params({k: v - 0.3 * grads[k] for k, v in adapter.params.items()})
         adapter = sb.keep_frozen(adapter, updated, state.active)
         state, mask = sb.asa_step(state, adapter, grads, step)
+        for key, layer in layers.items():  # the EMAs, subspace by subspace (peft's None: reset or pruned)
+            for k, (a, b, start) in enumerate(_subspaces(layer)):
+                own, rows = a.shape[0], b.shape[0]
+                for ema, name, mine in (("ipt", "A", (k, slice(0, own))), ("unc", "A", (k, slice(0, own))), ("ipt", "B", (slice(start, start + rows), slice(0, own))), ("unc", "B", (slice(start, start + rows), slice(0, own)))):
+                    want = getattr(layer, f"exp_avg_{ema}_{name}")["default"][k]
+                    have = getattr(state, f"exp_avg_{ema}")[f"{key}.adamss_{name}"][mine]
+                    if want is None:
+                        assert not have.any() or not state.active[key][k], (step, key, k)
+                    else:
+                        assert (have - want).abs().max() <= 1e-9 * want.abs().max(), (step, key, k, ema, name)
         peft_active = {key: [a.requires_grad for a in layer.adamss_A["default"]] for key, layer in layers.items()}
         assert {key: v.tolist() for key, v in state.active.items()} == peft_active, step
         if mask is not None:

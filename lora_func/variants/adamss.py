@@ -187,7 +187,8 @@ def _factors(params: TensorDict, buffers: TensorDict) -> tuple[Tensor, Tensor]:
     order = torch.argsort(buffers["scatter_index"])  # adamss_B's row of each row of W
     sub = buffers["subspace"][order]
     placed = torch.nn.functional.one_hot(sub, k).to(b.dtype)[:, :, None] * (b[order] * keep[sub])[:, None, :]  # (d_out, K, ρ)
-    return (a * keep[..., None]).reshape(k * rho, -1), placed.reshape(b.shape[-2], k * rho)
+    # A's padded rows meet only M's zero columns: masking B masks both (and both gradients).
+    return a.reshape(k * rho, -1), placed.reshape(b.shape[-2], k * rho)
 
 
 def weight_form(

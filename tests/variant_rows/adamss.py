@@ -9,7 +9,7 @@ def adamss_w_eff(p, b, W, bias, info):
     V = b["adamss_newB"]
     delta = torch.zeros(W.shape[0], V.shape[1], dtype=W.dtype)
     ranks, rows, sub = ([int(v) for v in b[n].tolist()] for n in ("subspace_ranks", "scatter_index", "subspace"))  # float64 here
-    for t, (row, k) in enumerate(zip(rows, sub)):
+    for t, (row, k) in enumerate(zip(rows, sub, strict=True)):
         delta[row] = p["adamss_B"][t, : ranks[k]] @ p["adamss_A"][k, : ranks[k]] @ V
     if bias is None:
         return W + delta, None
