@@ -229,3 +229,26 @@ def test_asa_refuses_and_schedule_values(model, loaded):
     assert [sb.asa_target(asa, s) for s in (1, 2, 8, 14, 15)] == [None, 6, int(4 + 2 * 0.5**3), 4, 4]
     with pytest.raises(ValueError, match="init_warmup=14 >= final_warmup=14"):
         lf.AdapterSpec("adamss", targets=["q_proj"], use_asa=True, init_warmup=14, final_warmup=14)
+
+
+def test_a_stack_of_different_ranks_equals_each_member_alone(model):
+    """Members of r = 4, 12, 7 (different SVDs, clusters and ranks) under one vmap: the SVD axis
+    zero-padded; each member's logits and per-tensor gradients equal it alone."""
+    ids, base = tokens(2, 8, seed=7), lf.base_params(model)
+    members = []
+    for i, r in enumerate((4, 12, 7)):
+        adapter = lf.init_adapter(model, lf.AdapterSpec("adamss", targets=TARGETS, dtype=F64, **(CONFIG | {"r": r})), generator=torch.Generator().manual_seed(i))
+        g = torch.Generator().manual_seed(20 + i)
+        members.append(adapter.with_params({k: v + 0.3 * torch.randn(v.shape, generator=g, dtype=F64) for k, v in adapter.params.items()}))
+
+    def loss(params, adapter):
+        return ce_loss(torch.func.functional_call(model, lf.overlay(base, adapter.with_params(params)), (ids,)).logits, ids)
+
+    stacked = lf.stack(members)
+    assert stacked.members is not None
+    grads, values = torch.func.vmap(lambda a: torch.func.grad_and_value(loss)(a.params, a))(stacked)
+    for k, (member, back) in enumerate(zip(members, lf.unstack(stacked.with_params(grads)), strict=True)):
+        g_alone, v_alone = torch.func.grad_and_value(loss)(member.params, member)
+        assert abs(values[k] - v_alone) <= 1e-12 * abs(v_alone), k
+        for key, want in g_alone.items():
+            assert want.abs().max() > 0 and (back.params[key] - want).abs().max() <= 1e-10 * want.abs().max(), (k, key)

@@ -186,7 +186,8 @@ def _factors(params: TensorDict, buffers: TensorDict) -> tuple[Tensor, Tensor]:
     keep = (torch.arange(rho, device=a.device) < buffers["subspace_ranks"][..., None]).to(a.dtype)  # (K, ρ)
     order = torch.argsort(buffers["scatter_index"])  # adamss_B's row of each row of W
     sub = buffers["subspace"][order]
-    placed = torch.nn.functional.one_hot(sub, k).to(b.dtype)[:, :, None] * (b[order] * keep[sub])[:, None, :]  # (d_out, K, ρ)
+    one_hot = (sub[:, None] == torch.arange(k, device=sub.device)).to(b.dtype)  # (d_out, K); F.one_hot reads max() (not under vmap)
+    placed = one_hot[:, :, None] * (b[order] * keep[sub])[:, None, :]  # (d_out, K, ρ)
     # A's padded rows meet only M's zero columns: masking B masks both (and both gradients).
     return a.reshape(k * rho, -1), placed.reshape(b.shape[-2], k * rho)
 
@@ -325,6 +326,9 @@ VARIANT = Variant(
     options=OPTIONS,
     default_alpha=1.0,  # not used: AdaMSS has no scale
     changes_bias=True,
+    # A stack of adapters of different r pads the SVD axis with zeros: V's padded rows are zero (a
+    # buffer), so the padding never acts and A's padded columns get exactly zero gradient.
+    padded_axes={"adamss_A": 2, "adamss_newB": 0},
     check_options=check_options,
     integer_buffers=frozenset({"scatter_index", "subspace", "subspace_ranks"}),
     peft=PeftFormat(
