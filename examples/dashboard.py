@@ -221,6 +221,8 @@ def _():
                  "the fewest stored bytes per adapter", "docs/variants/vblora.md"),
         "randlora": ("a sum of random full-rank bases, each with a learned diagonal",
                  "full-rank updates with few trainable numbers", "docs/variants/randlora.md"),
+        "adamss": ("small updates in subspaces of each weight's own SVD, output rows clustered by k-means (ASA prunes subspaces)",
+                   "very few numbers along the base's dominant directions; needs scikit-learn", "docs/variants/adamss.md"),
     }
     return (VARIANT_HELP,)
 

@@ -5,7 +5,7 @@ The names below are grouped as docs/api.md groups them. Namespaces for the rest:
 building blocks: trim, elect_sign, disjoint_mean, drop), ``lora_func.quantized`` (quantized
 weight kinds), ``lora_func.distributed`` (data-parallel helpers), ``lora_func.privacy`` (DP-SGD: the pieces
 behind ``private_grads``, the accountant), ``lora_func.optimizers`` (LoRA+, LoRA-FA, Riemannian:
-optimisers and pure transforms), ``lora_func.rank_budget`` (AdaLoRA's schedule), ``lora_func.train`` (training utilities).
+optimisers and pure transforms), ``lora_func.rank_budget`` (AdaLoRA's schedule), ``lora_func.subspace_budget`` (AdaMSS's ASA), ``lora_func.train`` (training utilities).
 """
 
 import importlib as _importlib
@@ -48,6 +48,7 @@ from lora_func.privacy import PoissonBatchSampler, epsilon, noise_for_epsilon, p
 from lora_func import optimizers, rank_budget  # (lora_func.optimizers.riemannian_precondition, ...)
 from lora_func.optimizers import lorafa_optimizer, loraplus_optimizer, riemannian_optimizer
 from lora_func.rank_budget import apply_mask, budget_init, budget_step, orth_penalty
+from lora_func import subspace_budget  # AdaMSS's subspace allocation (lora_func.subspace_budget.asa_step, ...)
 
 # Ecosystem: peft habits, optree/torchopt, nn.Module frameworks (Trainer, accelerate, DDP).
 from lora_func import _optree  # (registers the adapter types with optree, if installed)

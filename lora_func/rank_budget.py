@@ -169,12 +169,16 @@ def ranks(mask: Mapping[str, Tensor]) -> dict[str, int]:
 def orth_penalty(adapter: AdapterLike) -> Tensor:
     """peft's AdaLoRA regulariser, added to the loss: ``orth_reg_weight`` times the mean over the
     ``lora_A`` and ``lora_B`` tensors of ``‖A Aᵀ − I‖_F`` and ``‖Bᵀ B − I‖_F``; differentiable.
+    A triplet whose ``A`` row (or ``B`` column) is zero counts as absent (``I``'s entry 0): peft
+    penalises only the triplets its resized tensors hold.
     A stacked adapter gets one value per member."""
     layers, s = _layers(adapter, "orth_penalty(adapter)")
     terms = []
     for a_key, _, b_key in layers:
         for cov in (adapter.params[a_key] @ adapter.params[a_key].mT, adapter.params[b_key].mT @ adapter.params[b_key]):
-            eye = torch.eye(cov.shape[-1], dtype=cov.dtype, device=cov.device)
+            # I over the triplets that exist: a zero row of A (column of B) is a triplet that peft
+            # cut away (a rank_pattern checkpoint, padded on load), absent from peft's penalty.
+            eye = torch.diag_embed((cov.diagonal(dim1=-2, dim2=-1) != 0).to(cov.dtype))
             terms.append(torch.linalg.matrix_norm(cov - eye))
     return s["orth_reg_weight"] * (sum(terms[1:], terms[0]) / len(terms))
 

@@ -1940,3 +1940,47 @@ CASES.update(
         "waveft-wavelet-family": Case(spec("waveft", ["v_proj"], wavelet_family="coif5"), ("wavelet_family='coif5'", "'coif4'")),
     }
 )
+
+
+# ----------------------------------------------------------------------------- AdaMSS and ASA
+
+
+def _adamss_without_sklearn(ctx: Ctx) -> Callable[[], Any]:
+    import sys
+
+    model = ctx.model()
+    ctx.monkeypatch.setitem(sys.modules, "sklearn.cluster", None)  # import fails as without scikit-learn
+    return lambda: lf.init_adapter(model, lf.AdapterSpec("adamss", targets=["q_proj"], r=2), generator=torch.Generator())
+
+
+def _adamss_empty_cluster(ctx: Ctx) -> Callable[[], Any]:
+    import lora_func.variants.adamss as adamss
+
+    model = ctx.model()
+    ctx.monkeypatch.setattr(adamss, "_kmeans", lambda rows, k: torch.zeros(rows.shape[0], dtype=torch.long))  # every row in subspace 0
+    return lambda: lf.init_adapter(model, lf.AdapterSpec("adamss", targets=["q_proj"], r=2, num_subspaces=3), generator=torch.Generator())
+
+
+def _asa_on(ctx: Ctx, call: Callable[[Any], Any], **options: Any) -> Callable[[], Any]:
+    adapter = ctx.adapter(ctx.model(), "adamss", num_subspaces=2, **options)
+    return lambda: call(adapter)
+
+
+CASES.update(
+    {
+        "adamss-sklearn": Case(_adamss_without_sklearn, ("pip install scikit-learn",)),
+        "adamss-empty-subspace": Case(_adamss_empty_cluster, ("[1, 2]", "num_subspaces")),
+        "adamss-options": Case(spec("adamss", targets=["q_proj"], num_subspaces=0), ("num_subspaces=0",)),
+        "adamss-peft-subspaces": Case(
+            saved_peft(lambda d, ctx, m: _peft_on(d, ctx, m, tensors=lambda t: {k: v for k, v in t.items() if not k.endswith("q_proj.adamss_B.1")}), variant="adamss", targets=("q_proj",)),
+            ("adamss_B.<k>", "'A.1': (1, 2)"),
+        ),
+        "asa-no-adamss": Case(lambda ctx: (lambda a: lambda: __import__("lora_func.subspace_budget").subspace_budget.asa_init(a))(ctx.adapter(ctx.model())), ("asa_init", "use_asa=True")),
+        "asa-settings": Case(lambda ctx: _asa_on(ctx, lambda a: __import__("lora_func.subspace_budget").subspace_budget.asa_init(a)), ("use_asa=[False]",)),
+        "asa-stacked": Case(lambda ctx: _asa_on(ctx, lambda a: __import__("lora_func.subspace_budget").subspace_budget.asa_init(lf.stack([a, a])), use_asa=True), ("stack_shape (2,)", "unstack")),
+        "asa-missing-grads": Case(
+            lambda ctx: _asa_on(ctx, lambda a: (sb := __import__("lora_func.subspace_budget").subspace_budget).asa_step(sb.asa_init(a), a, {}, 1), use_asa=True),
+            ("adamss_A", "adapter.params"),
+        ),
+    }
+)

@@ -82,6 +82,7 @@ def test_the_answers_differ_where_peft_differs(tmp_path):
     expected |= {("gpt2", v, m) for v in ("hra", "delora") for m in (True, False)}
     expected |= {("gpt2", v, m) for v in ("loha", "lokr", "miss") for m in (True, False)}  # peft: nn.Linear only
     expected |= {("gpt2", v, m) for v in ("hra", "delora", "shira", "c3a") for m in (True, False)}
+    expected |= {("gpt2", "adamss", m) for m in (True, False)}  # peft: nn.Linear only
     expected |= {(k, v, False) for k in ("llama", "gpt2") for v in ("pissa", "olora", "corda")}  # converted on the base
     assert refused == expected
 

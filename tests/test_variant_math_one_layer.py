@@ -369,8 +369,9 @@ DOCUMENTED.update(
         "corda": (8.0, {"corda_method": "ipm", "dropout": 0.0, "use_rslora": False}, True, False, True, {"lora_A": 0, "lora_B": 1}),
         "mica": (8.0, {"dropout": 0.0, "use_rslora": False}, True, False, False, {"lora_A": 0, "lora_B": 1}),
         "olora": (8.0, {"dropout": 0.0, "use_rslora": False}, True, False, True, {"lora_A": 0, "lora_B": 1}),
-        "pvera": (1.0, {"d_initial": 0.1, "dropout": 0.0, "init": "zero", "projection_prng_key": 0, "sample_at_inference": False, "save_projection": True}, True, False, False, {}),
-        "randlora": (1.0, {"dropout": 0.0, "init": "zero", "projection_prng_key": 0, "randlora_alpha": 640.0, "save_projection": True, "sparse": False, "very_sparse": False}, True, False, False, {}),
+        "adamss": (1.0, {"num_subspaces": 5, "subspace_rank": 1, "init": "orthogonal", "use_dynamic_rank": False, "svd_threshold": 0.1, "random_seed": 0, "use_asa": False, "asa_target_subspaces": 50, "init_warmup": 50, "final_warmup": 1000, "mask_interval": 100, "asa_importance_beta": 0.85, "asa_uncertainty_beta": 0.85, "asa_schedule_exponent": 3.0}, True, True, False, {}),
+        "pvera": (1.0, {"d_initial": 0.1, "dropout": 0.0, "init": "zero", "projection_prng_key": 0, "sample_at_inference": False, "save_projection": True}, True, False, False, {"pvera_B": 1}),
+        "randlora": (1.0, {"dropout": 0.0, "init": "zero", "projection_prng_key": 0, "randlora_alpha": 640.0, "save_projection": True, "sparse": False, "very_sparse": False}, True, False, False, {"randlora_lambda": 0, "randlora_A": 0, "randlora_B": 2}),
         "vblora": (1.0, {"dropout": 0.0, "init_logits_std": 0.1, "init_vector_bank_bound": 0.02, "num_vectors": 256, "save_only_topk_weights": False, "topk": 2, "vector_length": 256}, True, False, False, {"vblora_logits_A": 0, "vblora_logits_B": 1}),
         "vera": (1.0, {"d_initial": 0.1, "dropout": 0.0, "init": "zero", "projection_prng_key": 0, "save_projection": True}, True, False, False, {"vera_lambda_d": 0, "vera_A": 0, "vera_B": 1}),
     }

@@ -1,8 +1,8 @@
 """PVeRA beyond the contract suite: the basis is peft's draw for draw; peft checkpoints (perturbed,
 with and without ``save_projection``, Llama and GPT-2 Conv1D) load with peft's logits and
 per-tensor gradients in float64, in eval mode and, under one global seed, in training mode (the
-Gaussian sample); ``save_peft`` loads in peft; ``init_adapter`` trains; a stack of different ranks
-is refused (RandLoRA's too)."""
+Gaussian sample); ``save_peft`` loads in peft; ``init_adapter`` trains. Stacks of different ranks:
+tests/test_bank_rank_stack.py."""
 
 from __future__ import annotations
 
@@ -84,12 +84,3 @@ def test_init_adapter_trains():
     model.eval()
     final = float(ce_loss(lf.adapted_call(model, adapter.with_params(params), ids).logits, ids).detach())
     assert final < 0.85 * losses[0], (losses, final)  # training steps are noisy (the sample)
-
-
-@pytest.mark.parametrize("variant", ["pvera", "randlora"])
-def test_a_stack_of_different_ranks_is_refused(variant):
-    model = tiny_model("llama")
-    members = [lf.init_adapter(model, lf.AdapterSpec(variant, targets=["q_proj"], r=r)) for r in (2, 4)]
-    with pytest.raises(ValueError, match=f"stack\\(\\): {variant} tensor .* differs in shape on an axis that is not a rank axis"):
-        lf.stack(members)
-    assert lf.stack([members[1], members[1]]).stack_shape == (2,)

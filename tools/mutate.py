@@ -113,6 +113,8 @@ TARGETS: dict[str, tuple[tuple[str, ...] | None, list[list[str]]]] = {
     "lora_func/variants/olora.py": (None, [["tests/test_inits.py", "-k", "olora"], [CONTRACT, "-k", "olora"]]),
     "lora_func/variants/corda.py": (None, [["tests/test_inits.py", "-k", "corda"], [CONTRACT, "-k", "corda"]]),
     "lora_func/rank_budget.py": (None, [["tests/test_variant_adalora.py"]]),
+    "lora_func/variants/adamss.py": (None, [[CONTRACT, "-k", "adamss"], ["tests/test_variant_adamss.py"], [CATALOGUE, "-k", "adamss"]]),
+    "lora_func/subspace_budget.py": (None, [["tests/test_variant_adamss.py"]]),
     "lora_func/optimizers.py": (None, [["tests/test_optimizers.py"]]),
     "lora_func/_kernels.py": (
         ("lora_scale", "add_low_rank", "_fresh_output_in_place", "base_plus_low_rank", "lora_weight_form", "lora_activation_form", "kaiming_uniform"),

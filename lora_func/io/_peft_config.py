@@ -78,7 +78,7 @@ def _config_problems(config: Mapping[str, Any]) -> list[str]:
     problems = [f"{name}={config[name]!r}" for name, ok in checks.items() if name in config and not ok(config[name])]
     for name, ok in (("rank_pattern", rank), ("alpha_pattern", number)):
         patterns = config.get(name)
-        if patterns is None:
+        if patterns is None or name in checks:  # the method's own check reads it (a pattern of booleans per triplet)
             continue
         if not isinstance(patterns, dict):
             problems.append(f"{name}={patterns!r} (not an object)")
@@ -131,13 +131,17 @@ def _warn_training_only(directory: Path, config: Mapping[str, Any]) -> None:
             stacklevel=3,
         )
 
-def _checked_rank(directory: Path, config: Mapping[str, Any], module: str, got: int) -> int:
+def _checked_rank(
+    directory: Path, config: Mapping[str, Any], module: str, got: int, fields: tuple[str, str | None] = ("r", "rank_pattern")
+) -> int:
     """``got`` (the tensors' rank), after checking that peft's config gives the same: peft
-    computes the scale from the config's ``r`` / ``rank_pattern``, not from the tensors."""
-    expected = _pattern_value(config.get("rank_pattern"), module, config.get("r", 8))
+    computes the scale from the config's ``r`` / ``rank_pattern`` (the method's ``rank_fields``),
+    not from the tensors."""
+    field, pattern = fields
+    expected = _pattern_value(config.get(pattern) if pattern else None, module, config.get(field, 8))
     if expected != got:
         raise ValueError(  # error: peft-rank-mismatch
-            f"{directory} is inconsistent at {module}: its tensors have rank {got}, but the config (r / rank_pattern) "
+            f"{directory} is inconsistent at {module}: its tensors have rank {got}, but the config ({field} / {pattern}) "
             f"says {expected}; re-save the checkpoint"
         )
     return got
@@ -192,7 +196,7 @@ def _peft_config(
         field_name, pattern = method.rank_fields
         config[field_name] = r = _most_common([o.r for o in layers])
         rank_pattern = {o.target.module: o.r for o in layers if o.r != r}
-        if method.rank_pattern:
+        if method.rank_pattern and pattern:
             config[pattern] = rank_pattern
         elif rank_pattern:
             raise ValueError(  # error: save-peft-one-rank

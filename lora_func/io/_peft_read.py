@@ -308,13 +308,13 @@ def _layer_from_peft(
         name, axis = method.rank_of
         axis += 1 if kind[0] == "experts" else 0  # the expert axis comes first
         if fmt.layer_shapes is None:
-            r = _checked_rank(directory, config, module, int(tensors[name].shape[axis]) // method.rank_multiple)
+            r = _checked_rank(directory, config, module, int(tensors[name].shape[axis]) // method.rank_multiple, method.rank_fields)
         else:  # the config's, checked by the layer's own shapes in _assemble
             r = int(_pattern_value(config.get("rank_pattern"), module, config.get("r", 8)))
     elif method.rank_in_config:
         # the shapes check in _assemble verifies the tensors
         field_name, pattern = method.rank_fields
-        r = int(_pattern_value(config.get(pattern) if method.rank_pattern else None, module, config.get(field_name, 8)))
+        r = int(_pattern_value(config.get(pattern) if method.rank_pattern and pattern else None, module, config.get(field_name, 8)))
     if method.alpha:
         alpha = float(_pattern_value(config.get("alpha_pattern"), module, config.get(method.alpha_key, 8)))
     params = {k: v for k, v in tensors.items() if k not in fmt.buffers}

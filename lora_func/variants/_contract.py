@@ -172,6 +172,8 @@ class PeftMethod:
       rank_fields: the config fields that hold ``r`` and, with :attr:`rank_pattern`, the
         per-layer pattern (peft's ``get_pattern_key`` matching), where a method names them
         otherwise (FourierFT: ``n_frequency`` and ``n_frequency_pattern``).
+        A pattern field ``None``: no per-layer integer ranks to check tensors against (AdaLoRA's
+        ``rank_pattern`` holds booleans per triplet, which its own entry reads).
       fan_in_fan_out: the method's config has peft's ``fan_in_fan_out`` (written ``true`` for
         GPT-2 ``Conv1D`` layers).
     """
@@ -189,7 +191,7 @@ class PeftMethod:
     training_only: Mapping[str, str] = dataclasses.field(default_factory=dict)
     unread: Callable[[Mapping[str, Any]], str] | None = None
     rank_in_config: bool = False
-    rank_fields: tuple[str, str] = ("r", "rank_pattern")
+    rank_fields: tuple[str, str | None] = ("r", "rank_pattern")
     fan_in_fan_out: bool = True
 
 

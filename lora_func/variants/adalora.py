@@ -14,10 +14,14 @@ training. The schedule's settings are options of the spec (``target_r``, ``tinit
 ``deltaT``, ``beta1``, ``beta2``, ``orth_reg_weight``, ``total_step``), so a saved adapter carries
 them and ``save_peft`` writes peft's ``AdaLoraConfig``.
 
-peft's format: ``AdaLoraConfig`` with ``init_r = r`` and ``r = init_r`` (peft ignores ``r``;
-lora_func's generic reader checks the tensors' rank against it, so a peft checkpoint loads when
-its ``r`` equals its ``init_r``); a checkpoint with a ``rank_pattern`` (saved after the schedule
-masked some triplets) is refused by the reader's config check (see docs/variants.md).
+peft's format: ``AdaLoraConfig`` with ``init_r = r`` (peft ignores its ``r``; the checkpoint's rank
+is ``init_r``, peft's defaults ``r=8``, ``init_r=12`` load). Once the schedule has masked, peft saves
+a ``rank_pattern`` (per layer, one boolean per triplet) and each layer's tensors cut to its kept
+triplets; ``load_peft`` pads them back to ``init_r`` with zero triplets (zero ``A`` row, ``E``, ``B``
+column: no output and exactly zero gradient, as the triplets peft dropped; the kept ones in their
+order, which the function does not depend on), so the scale stays peft's ``alpha / (init_r + 1e-5)``
+(peft keeps ``ranknum = init_r`` when it resizes). ``save_peft`` writes the ``init_r`` tensors
+without a ``rank_pattern``, which peft loads to the same function.
 """
 
 from __future__ import annotations
@@ -90,6 +94,13 @@ def check_options(options: Mapping[str, Any]) -> None:
 
 # --------------------------------------------------------------------- peft's AdaLoraConfig
 
+def _is_rank_pattern(value: Any) -> bool:
+    """peft's AdaLoRA ``rank_pattern``: ``None`` or ``{name: [bool per triplet]}``."""
+    return value is None or (
+        isinstance(value, dict) and all(isinstance(v, list) and all(isinstance(b, bool) for b in v) for v in value.values())
+    )
+
+
 PEFT_METHOD = PeftMethod(
     "ADALORA",
     {"bias": "none"},
@@ -99,13 +110,16 @@ PEFT_METHOD = PeftMethod(
     checks={
         "lora_dropout": lambda v: v is None or (is_finite_number(v) and 0 <= v < 1),
         "init_r": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
+        "rank_pattern": _is_rank_pattern,
         **{k: (lambda v: v is None or is_finite_number(v)) for k in SCHEDULE},
     },
+    # peft's rank is init_r (its r is ignored); its rank_pattern holds booleans, read by _pad_to_init_r
+    rank_fields=("init_r", None),
 )
 
 
 def _peft_config(options: Mapping[str, Any]) -> dict[str, Any]:
-    # init_r is the tensors' rank, which the writer stores as r (rank_of); peft reads init_r.
+    # init_r is the tensors' rank: the writer stores it (rank_fields) over this option, checked equal in _export.
     return {"lora_dropout": float(options.get("dropout", 0.0)), "init_r": int(options["init_r"])} | {k: options[k] for k in SCHEDULE}
 
 
@@ -113,6 +127,17 @@ def _peft_reads(config: Mapping[str, Any], module: str) -> dict[str, Any] | None
     read = {k: config.get(k, default) for k, default in SCHEDULE.items()}
     read["total_step"] = read["total_step"] or 1  # peft requires it > 0 when training; None in some saved configs
     return read | {"dropout": float(config.get("lora_dropout") or 0.0), "init_r": int(config.get("init_r", 12))}
+
+
+def _pad_to_init_r(found: TensorDict, config: Mapping[str, Any]) -> TensorDict:
+    """A layer that peft cut to its kept triplets (``rank_pattern``) back at ``init_r``: zero
+    triplets after the kept ones (no output, exactly zero gradient)."""
+    init_r = int(config.get("init_r", 12))
+    missing = init_r - found["lora_A"].shape[0] if "lora_A" in found else 0
+    if missing <= 0:
+        return dict(found)
+    pads = {"lora_A": (0, 0, 0, missing), "lora_E": (0, 0, 0, missing), "lora_B": (0, missing)}
+    return {name: torch.nn.functional.pad(t, pads[name]) if name in pads else t for name, t in found.items()}
 
 
 def _export(params: TensorDict, buffers: TensorDict, weight: Tensor | None, info: LayerInfo) -> PeftLayer:
@@ -141,5 +166,8 @@ VARIANT = Variant(
         _peft_config,
         _peft_reads,
         export=_export,
+        # every layer passes through _pad_to_init_r (the same names: a cut layer holds the same keys)
+        imported={"lora_A": "lora_A", "lora_E": "lora_E", "lora_B": "lora_B"},
+        convert_in=_pad_to_init_r,
     ),
 )

@@ -79,11 +79,28 @@ def init(
     return {"pvera_lambda_b": lambda_b.to(weight.device, dtype), "pvera_lambda_d": lambda_d.to(weight.device, dtype)}, {}
 
 
+def _halves(params: TensorDict, buffers: TensorDict, info: LayerInfo) -> tuple[Tensor, Tensor, Tensor | None]:
+    """``(positions of the μ half, of the log σ² half, 0/1 mask or None)`` in ``λ_d`` / ``pvera_A``,
+    each ``(r,)``. One adapter: ``[0, r)`` and ``[r, 2r)``. A member of a rank-padded stack (its
+    ``info.r`` a tensor) holds its own ``[μ (r) | log σ² (r)]`` then zeros, padded to ``2 r_max``:
+    its halves start at 0 and at its own ``r``, entries past ``r`` masked."""
+    r_max = buffers["pvera_B"].shape[-1]
+    idx = torch.arange(r_max, device=params["pvera_lambda_d"].device)
+    if not isinstance(info.r, Tensor):
+        return idx, idx + r_max, None
+    own = idx < info.r
+    return idx, torch.where(own, idx + info.r.long(), idx), own
+
+
 def weight_form(
     params: TensorDict, buffers: TensorDict, weight: Tensor, bias: Tensor | None, info: LayerInfo
 ) -> tuple[Tensor, Tensor | None]:
-    r = buffers["pvera_B"].shape[-1]
-    a = params["pvera_lambda_d"][:r].unsqueeze(-1) * buffers["pvera_A"][:r, : info.d_in]
+    mu_at, _, own = _halves(params, buffers, info)
+    lambda_mu = params["pvera_lambda_d"][..., mu_at]
+    a_mu = buffers["pvera_A"][mu_at, : info.d_in]
+    if own is not None:
+        lambda_mu = lambda_mu * own.to(lambda_mu.dtype)
+    a = lambda_mu.unsqueeze(-1) * a_mu
     b = params["pvera_lambda_b"].unsqueeze(-1) * buffers["pvera_B"][: info.d_out, :]
     return weight + b @ a, bias
 
@@ -92,7 +109,12 @@ def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: Ba
     a = buffers["pvera_A"][:, : info.d_in]
     b = params["pvera_lambda_b"].unsqueeze(-1) * buffers["pvera_B"][: info.d_out, :]
     h = (lowrank_input(x, base, info).to(a.dtype) @ a.transpose(-1, -2)) * params["pvera_lambda_d"]
-    mu, logvar = h.chunk(2, dim=-1)
+    mu_at, logvar_at, own = _halves(params, buffers, info)
+    if own is None:
+        mu, logvar = h.chunk(2, dim=-1)
+    else:  # a member of a rank-padded stack: its own halves, the padding masked
+        keep = own.to(h.dtype)
+        mu, logvar = h[..., mu_at] * keep, h[..., logvar_at] * keep
     if getattr(base, "training", False) or info.option("sample_at_inference"):
         mu = mu + torch.randn_like(mu) * torch.exp(0.5 * logvar)
     return base_plus_low_rank(base, x, mu, b)
@@ -153,8 +175,11 @@ VARIANT = Variant(
     activation_form=activation_form,
     options={"projection_prng_key": 0, "save_projection": True, "d_initial": 0.1, "dropout": 0.0, "init": "zero", "sample_at_inference": False},
     default_alpha=1.0,
-    # No rank axes: λ_d and pvera_A hold [μ-half | log σ²-half], split at r, so zero-padding the rank
-    # would move the split; adapters of different ranks cannot be stacked (stack() refuses).
+    # λ_d and pvera_A hold [μ half | log σ² half], split at r: a rank-padded stack pads them at the
+    # end (padded_axes) and the forms find each member's halves from its own r (_halves); pvera_B's
+    # rank axis is masked as usual (a padded μ entry meets only a zero column of B).
+    rank_axes={"pvera_B": 1},
+    padded_axes={"pvera_lambda_d": 0, "pvera_A": 0},
     check_options=check_options,
     shared_init=shared_init,
     peft=PeftFormat(

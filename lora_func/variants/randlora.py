@@ -116,9 +116,31 @@ def factors(params: TensorDict, buffers: TensorDict, info: LayerInfo) -> tuple[T
     lam, gamma = params["randlora_lambda"], params["randlora_gamma"]
     n, d = gamma.shape
     big = max(info.d_in, info.d_out)
-    u_a = (lam.unsqueeze(-1) * buffers["randlora_A"][:, :, :d] * gamma.unsqueeze(0)).flatten(0, 1)
+    u_a = lam.unsqueeze(-1) * buffers["randlora_A"][:, :, :d] * gamma.unsqueeze(0)  # (r, n_l, d)
+    if isinstance(info.r, Tensor):
+        return _padded_factors(u_a, buffers["randlora_B"][:big], info.r, d, info)
     u_b = buffers["randlora_B"][:big, :n, :].flatten(1)
-    return u_a, u_b * (info.option("randlora_alpha") / info.r)
+    return u_a.flatten(0, 1), u_b * (info.option("randlora_alpha") / info.r)
+
+
+def _padded_factors(u_a: Tensor, bases: Tensor, r: Tensor, d: int, info: LayerInfo) -> tuple[Tensor, Tensor]:
+    """:func:`factors` of a member of a rank-padded stack: its own ``r`` (a 0-d tensor) and
+    ``n_l = ⌈d / r⌉`` inside tensors padded to ``(r_max, n_max)``. U_A's row ``(ρ, b)`` is the
+    member's flat row ``k = ρ·n_l + b``, which pairs with its U_B column ``k = b′·r + ρ′``: that
+    column (basis ``k // r``, rank ``k % r`` of ``randlora_B``) is gathered to stand beside it, so
+    the pairing is the member's own; rows past ``(r, n_l)`` are masked."""
+    r_max, n_max = u_a.shape[0], u_a.shape[1]
+    rho = torch.arange(r_max, device=u_a.device).unsqueeze(-1)
+    basis = torch.arange(n_max, device=u_a.device)
+    own_r = r.long()
+    n_own = torch.div(d + own_r - 1, own_r, rounding_mode="floor")  # ⌈d / r⌉
+    own = (rho < own_r) & (basis < n_own)  # (r_max, n_max)
+    k = rho * n_own + basis
+    b_at = torch.where(own, torch.div(k, own_r, rounding_mode="floor"), 0)
+    r_at = torch.where(own, k % own_r, 0)
+    u_b = bases[:, b_at, r_at]  # (d', r_max, n_max): the member's U_B column of each U_A row
+    u_a = u_a * own.to(u_a.dtype).unsqueeze(-1)
+    return u_a.flatten(0, 1), u_b.flatten(1) * (info.option("randlora_alpha") / r)
 
 
 def weight_form(
@@ -209,8 +231,11 @@ VARIANT = Variant(
         "init": "zero",
     },
     default_alpha=1.0,
-    # No rank axes: the number of bases (⌈d/r⌉) and the pairing of U_A's rows with U_B's columns
-    # depend on r, so adapters of different ranks cannot be zero-padded to one stack (stack() refuses).
+    # A rank-padded stack pads the rank axes and the basis axes (⌈d/r⌉ and ⌈m/r⌉ bases: more for a
+    # smaller r); the forms rebuild each member's own pairing of U_A's rows with U_B's columns from
+    # its own r (_padded_factors).
+    rank_axes={"randlora_lambda": 0, "randlora_A": 0, "randlora_B": 2},
+    padded_axes={"randlora_lambda": 1, "randlora_gamma": 0, "randlora_B": 1},
     check_options=check_options,
     shared_init=shared_init,
     peft=PeftFormat(
