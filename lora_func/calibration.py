@@ -97,6 +97,30 @@ class _CallRecorder:
         return inner(x) if kind is None else frozen_call(module, kind)(x)
 
 
+class _GradRecorder:
+    """A module-call forward (FSDP) that gives ``∂loss/∂W`` of its layer: it keeps the layer's input
+    and, through a hook, its output's gradient (the output made to need one by adding ``0·probe``)."""
+
+    def __init__(self, d_in: int) -> None:
+        self.d_in = d_in
+        self.probe = torch.zeros((), requires_grad=True)
+        self.inputs: list[Tensor] = []
+        self.grads: dict[int, Tensor] = {}
+
+    def __call__(self, module: nn.Module, inner: Any, x: Tensor) -> Tensor:
+        y = inner(x) + 0 * self.probe
+        call = len(self.inputs)
+        self.inputs.append(x.detach().reshape(-1, self.d_in))
+        y.register_hook(lambda g: self.grads.__setitem__(call, g.reshape(-1, g.shape[-1])))
+        return y
+
+    def weight_grad(self) -> Tensor | None:
+        """``Σ_calls gᵀ x (d_out, d_in)``; ``None`` if the loss did not reach the layer."""
+        if not self.grads:
+            return None
+        return sum((self.grads[i].T.to(x.dtype) @ x for i, x in enumerate(self.inputs) if i in self.grads), torch.zeros(()))
+
+
 def _forward_keys(model: nn.Module) -> tuple[set[str], bool]:
     """Names ``model.forward`` accepts explicitly (never ``labels``), and whether it takes ``use_cache``."""
     params = inspect.signature(model.forward).parameters
@@ -294,6 +318,9 @@ def layer_gradient_batches(
     """
     targets = list(targets)
     base, accepted, takes_use_cache, vocab = _checked(model, targets)
+    # FSDP2 swaps its own parameters at each module's call: the gradient is taken there, from the
+    # layer's input and output gradient, not by reparametrizing the weight.
+    fsdp = is_fsdp_model(dict(model.named_modules()))
     quantized = sorted(t.module for t in targets if kind_of_tensor(base[t.weight_key]) is not None)
     if quantized:
         raise ValueError(  # error: calib-grad-quantized
@@ -310,27 +337,32 @@ def layer_gradient_batches(
             inputs["use_cache"] = False
         labels = batch.get("labels")
         inputs["labels"] = ids.masked_fill(~keep, IGNORE_INDEX) if labels is None else labels
-        weights = {t.module: base[t.weight_key].detach().requires_grad_(True) for t in targets}
-        params = dict(base)
-        for t in targets:
+        recorders = {t.module: _GradRecorder(t.d_in) for t in targets} if fsdp else {}
+        weights = {} if fsdp else {t.module: base[t.weight_key].detach().requires_grad_(True) for t in targets}
+        params = {} if fsdp else dict(base)
+        for t in targets if not fsdp else ():
             for key in (t.weight_key, *t.tied_keys):
                 params[key] = weights[t.module]
         with torch.enable_grad():
-            out = Application(model, params, frozen_forwards(model))(**inputs)
+            out = Application(model, params, {**frozen_forwards(model, exclude=recorders), **recorders})(**inputs)
             loss = getattr(out, "loss", None)
             if not isinstance(loss, Tensor) or loss.dim() != 0:
                 raise ValueError(  # error: calib-grad-no-loss
                     f"calibration batch {index}: the model returned no scalar .loss given labels=; calibration from "
                     f"gradients takes the model's own loss (a transformers model with labels, e.g. *ForCausalLM)"
                 )
-            grads = torch.autograd.grad(loss, list(weights.values()), allow_unused=True)
+            if fsdp:
+                torch.autograd.grad(loss, [r.probe for r in recorders.values()], allow_unused=True)
+                grads = tuple(r.weight_grad() for r in recorders.values())
+            else:
+                grads = torch.autograd.grad(loss, list(weights.values()), allow_unused=True)
         out = {}
         for t, grad in zip(targets, grads, strict=True):
             if grad is None:
                 raise ValueError(  # error: calib-grad-unused
                     f"calibration batch {index}: the loss does not depend on target {t.module}; leave it out of the targets"
                 )
-            out[t.module] = grad.T if t.layout == "conv1d" else grad
+            out[t.module] = grad.T if t.layout == "conv1d" and not fsdp else grad
         yield out
     if empty:
         raise ValueError("no calibration batch to take gradients on: pass at least one batch with 'input_ids'")  # error: calib-grad-empty

@@ -58,7 +58,7 @@ def trained(model, tmp_path_factory):
     pm = _peft(model, use_rslora=True)
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():
-        for n, p in sorted(pm.named_parameters()):
+        for _, p in sorted(pm.named_parameters()):
             if p.requires_grad:
                 p.add_(0.3 * torch.randn(p.shape, generator=g, dtype=p.dtype))
     path = tmp_path_factory.mktemp("kasa") / "peft"

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lora_func._kernels import check_dropout, lora_scale
+from lora_func._kernels import check_dropout
 from lora_func.variants import LayerInfo, PeftFormat, TensorDict, Variant
 from lora_func.variants.lora import PEFT_KEYS, PEFT_METHOD, peft_config, peft_reads, peft_shapes
 from lora_func.variants.pissa import activation_form, weight_form

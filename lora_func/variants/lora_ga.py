@@ -85,15 +85,18 @@ def init(
     u, sv, v = svd_lowrank(grad, min(4 * r, *grad.shape), NITER, generator)
     u, sv, vh = u[:, : 2 * r], sv[: 2 * r], v.T[: 2 * r]
     direction = info.option("direction")
+    # A's rows of Vᵀ and B's columns of U (peft's names: "ArB2r" is A from the first r, B from r..2r).
+    picks: tuple[Tensor | slice, Tensor | slice]
     if direction == "random":
-        a_rows = b_cols = torch.randperm(2 * r, generator=generator)[:r].to(weight.device)
+        indices = torch.randperm(2 * r, generator=generator)[:r].to(weight.device)
+        picks = (indices, indices)
     else:
-        # (A's rows of Vᵀ, B's columns of U); peft's names: A takes r, B takes 2r etc.
-        a_rows, b_cols = {
+        picks = {
             "ArBr": (slice(1, 2 * r, 2), slice(0, 2 * r, 2)),
             "A2rBr": (slice(r, 2 * r), slice(None, r)),
             "ArB2r": (slice(None, r), slice(r, 2 * r)),
         }[direction]
+    a_rows, b_cols = picks
     lora_a, s_b, lora_b = vh[a_rows], sv[b_cols], u[:, b_cols]
     lora_b = lora_b @ torch.diag(s_b)
     scale = info.option("scale")
