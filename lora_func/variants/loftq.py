@@ -24,7 +24,9 @@ peft writes ``Q`` into the base weight; lora_func keeps the base untouched and `
 quantization is a deterministic function of the base, so a LoftQ checkpoint is the factors and the
 config: ``save_peft`` writes them as they are, and peft loading them onto the untouched base runs
 ``loftq_init`` again and gets the same ``Q``, as ``load_peft`` does. On an already quantized base
-(QLoRA) the variant is refused (its dense ``Q`` would take full-precision memory).
+(QLoRA) the variant is refused (its dense ``Q`` would take full-precision memory). On GPT-2
+``Conv1D`` lora_func quantizes ``W (d_out, d_in)`` (blocks along its rows); peft quantizes the stored
+``(d_in, d_out)`` weight, so ``save_peft`` refuses such an adapter.
 """
 
 from __future__ import annotations
@@ -155,5 +157,8 @@ VARIANT = Variant(
         _peft_config,
         _peft_reads,
         recompute_buffers=True,  # peft runs loftq_init again on load; load_peft runs init
+        # peft quantizes a GPT-2 Conv1D weight in its stored (d_in, d_out) layout (and its factors then
+        # do not fit the layer); lora_func quantizes W (d_out, d_in): not peft's, so not written.
+        conv1d=False,
     ),
 )
