@@ -47,7 +47,7 @@ from lora_func.privacy import PoissonBatchSampler, epsilon, noise_for_epsilon, p
 # Optimiser methods (LoRA+, LoRA-FA, Riemannian) and AdaLoRA's rank budget, as pure functions.
 from lora_func import optimizers, rank_budget  # (lora_func.optimizers.riemannian_precondition, ...)
 from lora_func.optimizers import lorafa_optimizer, loraplus_optimizer, riemannian_optimizer
-from lora_func.rank_budget import apply_mask, budget_init, budget_step, orth_penalty
+from lora_func.rank_budget import apply_mask, budget_init, budget_step, kasa_penalty, orth_penalty
 from lora_func import subspace_budget  # AdaMSS's subspace allocation (lora_func.subspace_budget.asa_step, ...)
 
 # Ecosystem: peft habits, optree/torchopt, nn.Module frameworks (Trainer, accelerate, DDP).
@@ -62,7 +62,7 @@ MANY_ADAPTERS = ["ensemble_call", "mixed_adapted", "mixed_adapted_call", "mixed_
 FILES = ["load", "load_peft", "merged_state_dict", "save", "save_peft"]
 CHECKS = ["check_finite"]
 PRIVACY = ["PoissonBatchSampler", "epsilon", "noise_for_epsilon", "private_grads"]
-TRAINING_METHODS = ["apply_mask", "budget_init", "budget_step", "lorafa_optimizer", "loraplus_optimizer", "orth_penalty", "riemannian_optimizer"]
+TRAINING_METHODS = ["apply_mask", "budget_init", "budget_step", "kasa_penalty", "lorafa_optimizer", "loraplus_optimizer", "orth_penalty", "riemannian_optimizer"]
 ECOSYSTEM = ["AdaptedModule", "AdapterSummary", "adapter_summary", "as_module"]
 
 __all__ = [*BUILDING, *APPLYING, *COMBINING, *MANY_ADAPTERS, *FILES, *CHECKS, *PRIVACY, *TRAINING_METHODS, *ECOSYSTEM]

@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from lora_func._model import fresh_layer, layer_info, layer_infos, shared_init, variant_init
 from lora_func.adapter import Adapter
-from lora_func.calibration import layer_input_batches
+from lora_func.calibration import layer_gradient_batches, layer_input_batches
 from lora_func.checks import check_model
 from lora_func.quantized import kind_of_tensor
 from lora_func.spec import AdapterSpec
@@ -92,7 +92,8 @@ def init_adapter(
                 f"variant {spec.variant!r} is data-driven: pass calibration=<iterable of batches with "
                 f"'input_ids' and optionally 'attention_mask' and 'labels'>"
             )
-        fitted = variant.calibrate(layer_input_batches(model, targets, calibration), infos, generator=generator)
+        source = layer_gradient_batches if variant.calibrate_on == "gradients" else layer_input_batches
+        fitted = variant.calibrate(source(model, targets, calibration), infos, generator=generator)
         targets = [t for t in targets if t.module in fitted]
         infos = {m: fitted[m][0] for m in infos if m in fitted}
         payloads = {m: fitted[m][1] for m in infos}

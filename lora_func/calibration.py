@@ -27,7 +27,7 @@ from lora_func._model import base_params
 from lora_func.quantized import frozen_call, frozen_forwards, kind_of_tensor
 from lora_func.targeting import Target
 
-__all__ = ["IGNORE_INDEX", "RecordingWeight", "layer_input_batches"]
+__all__ = ["IGNORE_INDEX", "RecordingWeight", "layer_gradient_batches", "layer_input_batches"]
 
 IGNORE_INDEX = -100  # label value of positions that carry no loss (transformers' convention)
 
@@ -97,6 +97,30 @@ class _CallRecorder:
         return inner(x) if kind is None else frozen_call(module, kind)(x)
 
 
+class _GradRecorder:
+    """A module-call forward (FSDP) that gives ``∂loss/∂W`` of its layer: it keeps the layer's input
+    and, through a hook, its output's gradient (the output made to need one by adding ``0·probe``)."""
+
+    def __init__(self, d_in: int) -> None:
+        self.d_in = d_in
+        self.probe = torch.zeros((), requires_grad=True)
+        self.inputs: list[Tensor] = []
+        self.grads: dict[int, Tensor] = {}
+
+    def __call__(self, module: nn.Module, inner: Any, x: Tensor) -> Tensor:
+        y = inner(x) + 0 * self.probe
+        call = len(self.inputs)
+        self.inputs.append(x.detach().reshape(-1, self.d_in))
+        y.register_hook(lambda g: self.grads.__setitem__(call, g.reshape(-1, g.shape[-1])))
+        return y
+
+    def weight_grad(self) -> Tensor | None:
+        """``Σ_calls gᵀ x (d_out, d_in)``; ``None`` if the loss did not reach the layer."""
+        if not self.grads:
+            return None
+        return sum((self.grads[i].T.to(x.dtype) @ x for i, x in enumerate(self.inputs) if i in self.grads), torch.zeros(()))
+
+
 def _forward_keys(model: nn.Module) -> tuple[set[str], bool]:
     """Names ``model.forward`` accepts explicitly (never ``labels``), and whether it takes ``use_cache``."""
     params = inspect.signature(model.forward).parameters
@@ -162,6 +186,33 @@ def _cached(batches: Iterable[Mapping[str, Tensor]], cycle: bool) -> Iterator[tu
         yield from enumerate(seen)
 
 
+def _checked(model: nn.Module, targets: list[Target]) -> tuple[dict[str, Tensor], set[str], bool, int | None]:
+    """The checks every calibration pass makes before running the model; returns the base
+    parameters, the names ``model.forward`` accepts, whether it takes ``use_cache``, the vocabulary size."""
+    if not targets:
+        raise ValueError("layer_input_batches needs at least one target layer")  # error: calib-no-targets
+    training = sorted(n or "<root>" for n, m in model.named_modules() if m.training)
+    if training:
+        raise ValueError(  # error: calib-training-mode
+            f"calibration runs the model as it is, and modules {training[:5]}{' ...' if len(training) > 5 else ''} "
+            f"are in training mode (dropout would make the statistics random); call model.eval() first"
+        )
+    accepted, takes_use_cache = _forward_keys(model)
+    base = base_params(model)
+    meta = sorted(t.module for t in targets if base[t.weight_key].is_meta)
+    if meta:
+        raise ValueError(  # error: calib-meta-model
+            f"calibration runs the model on data, and targets {meta[:3]}{' ...' if len(meta) > 3 else ''} are on the meta "
+            f"device (shapes only, no values); materialise the model first (from_pretrained, or to_empty() and "
+            f"load_state_dict), then call init_adapter"
+        )
+    # The token embedding's size (transformers' accessor, else the model's first nn.Embedding).
+    accessor = getattr(model, "get_input_embeddings", None)
+    embeddings = accessor() if callable(accessor) else next((m for m in model.modules() if isinstance(m, torch.nn.Embedding)), None)
+    vocab = getattr(embeddings, "num_embeddings", None)
+    return base, accepted, takes_use_cache, vocab
+
+
 def layer_input_batches(
     model: nn.Module,
     targets: Sequence[Target],
@@ -192,29 +243,9 @@ def layer_input_batches(
         batch's tokens) during the forward pass.
     """
     targets = list(targets)
-    if not targets:
-        raise ValueError("layer_input_batches needs at least one target layer")  # error: calib-no-targets
-    training = sorted(n or "<root>" for n, m in model.named_modules() if m.training)
-    if training:
-        raise ValueError(  # error: calib-training-mode
-            f"calibration runs the model as it is, and modules {training[:5]}{' ...' if len(training) > 5 else ''} "
-            f"are in training mode (dropout would make the statistics random); call model.eval() first"
-        )
-    accepted, takes_use_cache = _forward_keys(model)
-    base = base_params(model)
-    meta = sorted(t.module for t in targets if base[t.weight_key].is_meta)
-    if meta:
-        raise ValueError(  # error: calib-meta-model
-            f"calibration runs the model on data, and targets {meta[:3]}{' ...' if len(meta) > 3 else ''} are on the meta "
-            f"device (shapes only, no values); materialise the model first (from_pretrained, or to_empty() and "
-            f"load_state_dict), then call init_adapter"
-        )
+    base, accepted, takes_use_cache, vocab = _checked(model, targets)
     # FSDP2 swaps its own parameters at each module's call: record there, reparametrize nothing.
     fsdp = is_fsdp_model(dict(model.named_modules()))
-    # The token embedding's size (transformers' accessor, else the model's first nn.Embedding).
-    accessor = getattr(model, "get_input_embeddings", None)
-    embeddings = accessor() if callable(accessor) else next((m for m in model.modules() if isinstance(m, torch.nn.Embedding)), None)
-    vocab = getattr(embeddings, "num_embeddings", None)
     empty = True
     for index, batch in _cached(batches, cycle):
         empty = False
@@ -265,3 +296,73 @@ def layer_input_batches(
         yield out
     if empty:
         raise ValueError("calibration data is empty: pass at least one batch with 'input_ids'")  # error: calib-empty
+
+
+def layer_gradient_batches(
+    model: nn.Module, targets: Sequence[Target], batches: Iterable[Mapping[str, Tensor]]
+) -> Iterator[dict[str, Tensor]]:
+    """Per calibration batch, the gradient of the model's own loss with respect to every target
+    weight: ``{module name: ∂loss/∂W (d_out, d_in)}`` (the canonical layout; transposed on GPT-2
+    ``Conv1D``), in the weight's dtype. One pass over ``batches`` (dicts as for
+    :func:`layer_input_batches`); each batch costs one forward and one backward pass.
+
+    The loss is ``model(**batch, labels=labels).loss``: ``labels`` the batch's, else its
+    ``input_ids`` with ``attention_mask == 0`` positions set to ``-100`` (a causal LM's loss on
+    its own tokens, as transformers' language-modelling collator makes it). The model runs as it
+    is (eval mode required, as for :func:`layer_input_batches`), its weights reparametrized by
+    copies that need gradients: nothing of the model changes, no ``.grad`` is written.
+
+    Raises:
+      ValueError: what :func:`layer_input_batches` raises; a quantized target (its packed weight
+        has no gradient); a model whose output has no ``loss``; a target the loss does not reach.
+    """
+    targets = list(targets)
+    base, accepted, takes_use_cache, vocab = _checked(model, targets)
+    # FSDP2 swaps its own parameters at each module's call: the gradient is taken there, from the
+    # layer's input and output gradient, not by reparametrizing the weight.
+    fsdp = is_fsdp_model(dict(model.named_modules()))
+    quantized = sorted(t.module for t in targets if kind_of_tensor(base[t.weight_key]) is not None)
+    if quantized:
+        raise ValueError(  # error: calib-grad-quantized
+            f"calibration from gradients needs float target weights, and {quantized[:3]}{' ...' if len(quantized) > 3 else ''} "
+            f"are quantized (a packed weight has no gradient); build the adapter on the float model (peft's LoRA-GA "
+            f"refuses quantized models too)"
+        )
+    empty = True
+    for index, batch in _cached(batches, cycle=False):
+        empty = False
+        ids, keep = _check_batch(batch, index, vocab)
+        inputs = {k: v for k, v in batch.items() if k in accepted}
+        if takes_use_cache:
+            inputs["use_cache"] = False
+        labels = batch.get("labels")
+        inputs["labels"] = ids.masked_fill(~keep, IGNORE_INDEX) if labels is None else labels
+        recorders = {t.module: _GradRecorder(t.d_in) for t in targets} if fsdp else {}
+        weights = {} if fsdp else {t.module: base[t.weight_key].detach().requires_grad_(True) for t in targets}
+        params = {} if fsdp else dict(base)
+        for t in targets if not fsdp else ():
+            for key in (t.weight_key, *t.tied_keys):
+                params[key] = weights[t.module]
+        with torch.enable_grad():
+            out = Application(model, params, {**frozen_forwards(model, exclude=recorders), **recorders})(**inputs)
+            loss = getattr(out, "loss", None)
+            if not isinstance(loss, Tensor) or loss.dim() != 0:
+                raise ValueError(  # error: calib-grad-no-loss
+                    f"calibration batch {index}: the model returned no scalar .loss given labels=; calibration from "
+                    f"gradients takes the model's own loss (a transformers model with labels, e.g. *ForCausalLM)"
+                )
+            if fsdp:
+                torch.autograd.grad(loss, [r.probe for r in recorders.values()], allow_unused=True)
+                grads = tuple(r.weight_grad() for r in recorders.values())
+            else:
+                grads = torch.autograd.grad(loss, list(weights.values()), allow_unused=True)
+        out = {}
+        for t, grad in zip(targets, grads, strict=True):
+            if grad is None:
+                raise ValueError(  # error: calib-grad-unused
+                    f"calibration batch {index}: the loss does not depend on target {t.module}; leave it out of the targets"
+                )
+            out[t.module] = grad.T if t.layout == "conv1d" and not fsdp else grad
+        yield out
+    if empty:
+        raise ValueError("no calibration batch to take gradients on: pass at least one batch with 'input_ids'")  # error: calib-grad-empty

@@ -1,4 +1,4 @@
-"""AdaLoRA's rank budget and orthogonality penalty as pure functions of an adapter.
+"""AdaLoRA's rank budget and orthogonality penalty, and KaSA's regulariser, as pure functions of an adapter.
 
 peft keeps AdaLoRA's allocator as state mutated inside the training loop
 (``model.base_model.update_and_allocate(step)`` after ``optimizer.step()``, masking the
@@ -37,7 +37,7 @@ from torch import Tensor
 
 from lora_func.adapter import AdapterLike, leaf_adapters, leaves
 
-__all__ = ["BudgetState", "apply_mask", "budget", "budget_init", "budget_step", "orth_penalty", "ranks"]
+__all__ = ["BudgetState", "apply_mask", "budget", "budget_init", "budget_step", "kasa_penalty", "orth_penalty", "ranks"]
 
 VARIANT = "adalora"
 
@@ -183,3 +183,27 @@ def orth_penalty(adapter: AdapterLike) -> Tensor:
     return s["orth_reg_weight"] * (sum(terms[1:], terms[0]) / len(terms))
 
 
+
+
+def kasa_penalty(adapter: AdapterLike) -> Tensor:
+    """peft's KaSA regulariser (``LoraModel._get_kasa_loss``), added to the loss: the sum over the
+    KaSA layers of ``beta·‖ΔΣ‖² + gamma·(‖BᵀB − I‖_F + ‖A Aᵀ − I‖_F)`` with ``ΔΣ = lora_diag``,
+    ``beta`` and ``gamma`` the spec's options; differentiable, in the adapter dtype (at least
+    fp32; peft computes in fp32). A stacked adapter gets one value per member."""
+    leaf_adapters(adapter, "kasa_penalty(adapter)")
+    terms = []
+    for prefix, leaf in leaves(adapter):
+        if leaf.spec.variant != "kasa":
+            continue
+        options = dict(leaf.spec.options)
+        for layer in leaf.layers:
+            key = f"{prefix}{layer.target.module}."
+            diag, a, b = (adapter.params[key + n] for n in ("lora_diag", "lora_A", "lora_B"))
+            compute = torch.promote_types(a.dtype, torch.float32)
+            diag, a, b = diag.to(compute), a.to(compute), b.to(compute)
+            eye = torch.eye(diag.shape[-1], dtype=compute, device=diag.device)
+            orth = torch.linalg.matrix_norm(b.mT @ b - eye) + torch.linalg.matrix_norm(a @ a.mT - eye)
+            terms.append(options["beta"] * diag.square().sum(-1) + options["gamma"] * orth)
+    if not terms:
+        raise ValueError("kasa_penalty(adapter): the adapter has no kasa part; build one with AdapterSpec('kasa', ...)")  # error: kasa-penalty-no-kasa
+    return sum(terms[1:], terms[0])

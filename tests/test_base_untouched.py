@@ -662,6 +662,8 @@ ROWS.update(
         "orth_penalty": [Call("backward", lambda w: lf.orth_penalty(w.adapter("adalora")).backward())],
     }
 )
+# Issue 31: KaSA's regulariser.
+ROWS.update({"kasa_penalty": [Call("backward", lambda w: lf.kasa_penalty(w.adapter("kasa")).backward())]})
 
 
 def test_every_public_name_has_a_row():

@@ -1966,6 +1966,52 @@ def _asa_on(ctx: Ctx, call: Callable[[Any], Any], **options: Any) -> Callable[[]
     return lambda: call(adapter)
 
 
+# ----------------------------------------------------------------------- issue 31: kasa, lora_ga, loftq
+
+
+def _gradients_on(ctx: Ctx, batches: Any, model: nn.Module | None = None, *, quantized: bool = False) -> Callable[[], Any]:
+    """``layer_gradient_batches`` (LoRA-GA's calibration) over q_proj of a tiny Llama (or ``model``)."""
+    import lora_func.calibration as calibration
+    from lora_func.targeting import find_targets
+
+    model = ctx.track(model.eval()) if model is not None else ctx.model()
+    targets = find_targets(model, lf.AdapterSpec("lora_ga", targets=["q_proj"], r=2))
+    if quantized:
+        ctx.monkeypatch.setattr(calibration, "kind_of_tensor", lambda t: object() if t.dim() == 2 and t.shape == (32, 32) else None)
+    return lambda: list(calibration.layer_gradient_batches(model, targets, batches))
+
+
+class _NoLoss(nn.Module):
+    """A Llama whose forward drops the loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from tests.models import tiny_model
+
+        self.inner = tiny_model("llama")
+
+    def forward(self, input_ids: torch.Tensor, labels: Any = None) -> Any:
+        return self.inner(input_ids=input_ids).logits
+
+
+class _Skips(nn.Module):
+    """A Llama with a q_proj-named layer the forward never calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from tests.models import tiny_model
+
+        self.inner = tiny_model("llama")
+        self.q_proj = nn.Linear(32, 32)
+
+    def forward(self, input_ids: torch.Tensor, labels: Any = None) -> Any:
+        return self.inner(input_ids=input_ids, labels=labels)
+
+
+def _lora_ga_info(r: int = 2) -> LayerInfo:
+    return _info(r=r, options=lf.AdapterSpec("lora_ga", targets=["x"], r=r).options)
+
+
 CASES.update(
     {
         "adamss-sklearn": Case(_adamss_without_sklearn, ("pip install scikit-learn",)),
@@ -1982,5 +2028,31 @@ CASES.update(
             lambda ctx: _asa_on(ctx, lambda a: (sb := __import__("lora_func.subspace_budget").subspace_budget).asa_step(sb.asa_init(a), a, {}, 1), use_asa=True),
             ("adamss_A", "adapter.params"),
         ),
+        "kasa-rank": Case(
+            lambda ctx: lambda: lf.get_variant("kasa").init(
+                torch.eye(4), None, _info(r=4, options=lf.AdapterSpec("kasa", targets=["x"], r=4).options), dtype=torch.float32, generator=torch.Generator()
+            ),
+            ("r=4", "= 4"),
+        ),
+        "kasa-coefficient": Case(spec("kasa", targets=["q_proj"], gamma=-1.0), ("gamma=-1.0",)),
+        "kasa-penalty-no-kasa": Case(lambda ctx: (lambda adapter: lambda: lf.kasa_penalty(adapter))(ctx.adapter(ctx.model())), ("kasa",)),
+        "lora-ga-needs-calibration": Case(
+            lambda ctx: lambda: lf.get_variant("lora_ga").init(torch.eye(4), None, _lora_ga_info(), dtype=torch.float32, generator=torch.Generator()),
+            ("calibration=",),
+        ),
+        "lora-ga-rank": Case(
+            lambda ctx: lambda: lf.get_variant("lora_ga").init(
+                torch.eye(4), None, _lora_ga_info(r=3), dtype=torch.float32, generator=torch.Generator(), calibration=torch.ones(4, 4)
+            ),
+            ("2r = 6", "= 4"),
+        ),
+        "lora-ga-choice": Case(spec("lora_ga", targets=["q_proj"], direction="BrAr"), ("direction='BrAr'", "ArB2r")),
+        "lora-ga-gamma": Case(spec("lora_ga", targets=["q_proj"], stable_gamma=0), ("stable_gamma=0",)),
+        "loftq-bits": Case(spec("loftq", targets=["q_proj"], loftq_bits=2), ("loftq_bits=2",)),
+        "loftq-iter": Case(spec("loftq", targets=["q_proj"], loftq_iter=0), ("loftq_iter=0",)),
+        "calib-grad-quantized": Case(lambda ctx: _gradients_on(ctx, [ids_batch()], quantized=True), ("model.layers.0.self_attn.q_proj",)),
+        "calib-grad-no-loss": Case(lambda ctx: _gradients_on(ctx, [ids_batch()], _NoLoss()), ("batch 0", "labels=")),
+        "calib-grad-unused": Case(lambda ctx: _gradients_on(ctx, [ids_batch()], _Skips()), ("q_proj",)),
+        "calib-grad-empty": Case(lambda ctx: _gradients_on(ctx, []), ()),
     }
 )

@@ -388,6 +388,17 @@ DOCUMENTED["waveft"] = (
 )
 
 
+# Issue 31: the inits kasa, lora_ga, loftq (pinned from docs/variants/*.md's defaults).
+DOCUMENTED.update(
+    {
+        "kasa": (8.0, {"beta": 1e-4, "dropout": 0.0, "gamma": 1e-3, "use_rslora": False}, True, False, True, {"lora_A": 0, "lora_B": 1, "lora_diag": 0}),
+        "lora_ga": (8.0, {"direction": "ArB2r", "dropout": 0.0, "scale": "stable", "stable_gamma": 16, "use_rslora": False}, True, False, True, {"lora_A": 0, "lora_B": 1}),
+        "loftq": (8.0, {"dropout": 0.0, "loftq_bits": 4, "loftq_iter": 1, "use_rslora": False}, True, False, True, {"lora_A": 0, "lora_B": 1}),
+    }
+)
+REPLACES_WEIGHT = ("pissa", "olora", "corda", "ln_tuning", "kasa", "lora_ga", "loftq")
+
+
 @pytest.mark.parametrize("variant", sorted(DOCUMENTED))
 def test_documented_defaults_and_flags(variant):
     assert sorted(DOCUMENTED) == lf.list_variants()
@@ -398,7 +409,7 @@ def test_documented_defaults_and_flags(variant):
     assert (v.uses_rank, v.changes_bias, v.records_base, dict(v.rank_axes)) == (uses_rank, changes_bias, records_base, rank_axes)
     # PiSSA's weight form discards W (W_res + s·BA), LN tuning's too (its trained copy): only
     # they must come first in compose()
-    assert v.replaces_weight == (variant in ("pissa", "olora", "corda", "ln_tuning"))
+    assert v.replaces_weight == (variant in REPLACES_WEIGHT)
 
 
 @pytest.mark.parametrize("name", ["lora", "dora", "delora", "hra", "hra-random"])

@@ -372,6 +372,11 @@ class Variant:
         ``infos`` maps module name to the spec's ``LayerInfo``. The returned ``LayerInfo``
         may change ``r`` and ``alpha`` per layer; a module left out gets no adapter;
         ``payload`` reaches that layer's ``init`` as ``calibration``.
+      calibrate_on: what ``calibrate``'s ``layer_inputs`` yields per calibration batch:
+        ``"inputs"`` (the default: the target layers' input rows, as above) or ``"gradients"``
+        (``{module name: ∂loss/∂W (d_out, d_in)}``, the gradient of the model's own loss on the
+        batch, ``labels`` the batch's or its ``input_ids``, in the weight's dtype: LoRA-GA), one
+        pass over the batches.
       shared_init: tensors the adapter holds once and every layer reads (a random basis, a
         bank, a seed-derived projection: VeRA, VB-LoRA, Tied-LoRA). ``(infos, *, dtype,
         device, generator) -> (params, buffers)``, called once before the layers' ``init``
@@ -426,6 +431,7 @@ class Variant:
     records_base: bool = False
     replaces_weight: bool = False
     calibrate: Callable[..., dict[str, tuple[LayerInfo, Any]]] | None = None
+    calibrate_on: str = "inputs"
     shared_init: Callable[..., tuple[TensorDict, TensorDict]] | None = None
     peft: PeftFormat | None = None
     low_rank: LowRank | None = None

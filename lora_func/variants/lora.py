@@ -42,7 +42,7 @@ PEFT_PLAIN_INITS = (True, False, "gaussian", "orthogonal")
 # LoraConfig fields lora_func has no equivalent for: any truthy value is refused.
 PEFT_UNSUPPORTED_FIELDS = (
     "lora_bias", "layer_replication", "alora_invocation_tokens", "use_qalora", "use_bdlora",
-    "arrow_config", "monteclora_config", "kasa_config", "velora_config", "trainable_token_indices", "modules_to_save",
+    "arrow_config", "monteclora_config", "velora_config", "trainable_token_indices", "modules_to_save",
     "megatron_config",
 )
 PEFT_KEYS = {"lora_A": "lora_A.weight", "lora_B": "lora_B.weight"}
@@ -94,10 +94,12 @@ def peft_config(
     }
 
 
-def peft_reads(config: Mapping[str, Any], *, use_dora: bool, inits: Sequence[Any]) -> dict[str, Any] | None:
-    """The options shared by the variants stored as LoRA, when the config's ``use_dora`` and
-    ``init_lora_weights`` are this variant's."""
+def peft_reads(config: Mapping[str, Any], *, use_dora: bool, inits: Sequence[Any], kasa: bool = False) -> dict[str, Any] | None:
+    """The options shared by the variants stored as LoRA, when the config's ``use_dora``,
+    ``init_lora_weights`` and ``kasa_config`` (set or not) are this variant's."""
     if bool(config.get("use_dora", False)) != use_dora or config.get("init_lora_weights", True) not in inits:
+        return None
+    if bool(config.get("kasa_config")) != kasa:
         return None
     # dropout is peft's lora_dropout: it acts in training steps only.
     return {"use_rslora": bool(config.get("use_rslora", False)), "dropout": float(config.get("lora_dropout") or 0.0)}
