@@ -198,8 +198,7 @@ def test_vmap_over_stacked_adapters_equals_loop(row, kind):
 def test_per_example_gradients_equal_loop(row, kind):
     model, adapter = build(row, kind)
     adapter = perturbed(adapter, row.perturb_scale)
-    # two examples: each one's gradient against its own loop run, and the two differ
-    base, ids = lf.base_params(model), tokens(batch=2)
+    base, ids = lf.base_params(model), tokens(batch=3)
     for name in PATHS:
 
         def example_loss(params, x, path=name):
