@@ -128,6 +128,13 @@ _MODELS: dict[tuple[str, str], nn.Module] = {}
 _ADAPTERS: dict[tuple[str, str, str], lf.Adapter] = {}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _drop_cached_models():
+    yield
+    _MODELS.clear()
+    _ADAPTERS.clear()
+
+
 def _take_model(kind: str, flavour: str) -> nn.Module:
     model = _MODELS.pop((kind, flavour), None) or checkpointed_model(kind, flavour)
     set_checkpointing(model, flavour, False)

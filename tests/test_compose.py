@@ -35,8 +35,15 @@ def setting(request):
 # per layer kind; they are built once per model and reused: nothing here writes into an adapter's
 # tensors (compose, combine, with_params and the overlays make new dicts), and the key holds the
 # model, so a rebuilt module fixture gets its own.
-_ADAPTERS: dict[tuple, lf.Adapter] = {}
-_ALONE: dict[tuple, torch.Tensor] = {}
+_ADAPTERS: dict[tuple, tuple[torch.nn.Module, lf.Adapter]] = {}
+_ALONE: dict[int, tuple[lf.Adapter, torch.Tensor]] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _drop_cached_adapters():
+    yield
+    _ADAPTERS.clear()
+    _ALONE.clear()
 
 
 def _adapter(model, variant: str, layers: list[str], seed: int) -> lf.Adapter:
