@@ -42,6 +42,37 @@ def build(row: Row, layer_kind: str, *, seed: int = 0, dtype: torch.dtype = torc
     return model, adapter
 
 
+_SHARED: dict[tuple, tuple] = {}
+
+
+def shared_build(row: Row, layer_kind: str, *, dtype: torch.dtype = torch.float32):
+    """``build(row, layer_kind, dtype=dtype)`` for checks that only read the model: one model per
+    (layer kind, dtype) and one ``init_adapter`` per (variant, layer kind, dtype) in the process;
+    each call gets new copies of the adapter's trainable tensors (a check may write into them)
+    and the global RNG state ``build`` leaves. ``clear_shared_builds()`` drops them."""
+    key = (row.variant, layer_kind, dtype)
+    if key not in _SHARED:
+        model_key = ("model", layer_kind, dtype)
+        if model_key not in _SHARED:
+            _SHARED[model_key] = (tiny_model(LAYER_KIND_MODEL[layer_kind], dtype=dtype), torch.get_rng_state())
+        model, rng = _SHARED[model_key]
+        torch.set_rng_state(rng)
+        adapter = lf.init_adapter(
+            model,
+            spec_for(row, LAYER_KIND_MODEL[layer_kind]),
+            generator=torch.Generator().manual_seed(100),
+            calibration=calibration_batches() if row.calibration else None,
+        )
+        _SHARED[key] = (model, adapter, torch.get_rng_state())
+    model, adapter, rng = _SHARED[key]
+    torch.set_rng_state(rng)
+    return model, adapter.with_params({k: v.detach().clone().requires_grad_(v.requires_grad) for k, v in adapter.params.items()})
+
+
+def clear_shared_builds() -> None:
+    _SHARED.clear()
+
+
 def perturbed(adapter: lf.Adapter, scale: float, seed: int = 3) -> lf.Adapter:
     """Every trainable tensor plus independent Gaussian noise (non-symmetric)."""
     g = torch.Generator().manual_seed(seed)
@@ -103,13 +134,16 @@ def run_path(model, base: dict[str, Tensor], adapter, ids: Tensor, path: str) ->
     return lf.adapted_call(model, adapter, ids, base=base, merged=path == "module-merged", route="module").logits
 
 
-def loss_fn(model, base, adapter: lf.Adapter, ids: Tensor, *, merged: bool = False, path: str | None = None):
-    """Next-token cross-entropy of the adapted model on ``ids``; a function of the params."""
+def loss_fn(model, base, adapter: lf.Adapter, ids: Tensor, *, merged: bool = False, path: str | None = None, with_output: bool = False):
+    """Next-token cross-entropy of the adapted model on ``ids``; a function of the params.
+    ``with_output``: it returns ``(loss, logits)``, for ``grad(..., has_aux=True)`` (one forward
+    gives both the gradients and the logits)."""
     path = path or ("merged" if merged else "lazy")
 
     def loss(params):
         out = run_path(model, base, adapter.with_params(params), ids, path)
-        return torch.nn.functional.cross_entropy(out[..., :-1, :].reshape(-1, out.shape[-1]), ids[..., 1:].reshape(-1))
+        value = torch.nn.functional.cross_entropy(out[..., :-1, :].reshape(-1, out.shape[-1]), ids[..., 1:].reshape(-1))
+        return (value, out) if with_output else value
 
     return loss
 

@@ -118,6 +118,29 @@ def assert_clean(model: nn.Module) -> None:
     assert not application.active_applications()
 
 
+# The big grid below reuses one model per (kind, flavour) and one adapter per (variant, kind,
+# flavour) across its paths and routes (building them was a third of its time). A test takes the
+# model out of the cache, starts from the state checkpointed_model() gives (training mode,
+# checkpointing off) and puts it back only once every check passed (the model left as it was
+# found): a failing test never hands a model it may have changed to the next one. Adapters are
+# never written to (loss_and_grads runs on fresh copies of their tensors).
+_MODELS: dict[tuple[str, str], nn.Module] = {}
+_ADAPTERS: dict[tuple[str, str, str], lf.Adapter] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _drop_cached_models():
+    yield
+    _MODELS.clear()
+    _ADAPTERS.clear()
+
+
+def _take_model(kind: str, flavour: str) -> nn.Module:
+    model = _MODELS.pop((kind, flavour), None) or checkpointed_model(kind, flavour)
+    set_checkpointing(model, flavour, False)
+    return model.train()
+
+
 @pytest.mark.parametrize("flavour", FLAVOURS)
 @pytest.mark.parametrize("route", ["overlay", "module"])
 @pytest.mark.parametrize("merged", [False, True], ids=["lazy", "merged"])
@@ -125,8 +148,10 @@ def assert_clean(model: nn.Module) -> None:
 @pytest.mark.parametrize("variant", sorted(ROWS))
 def test_gradients_with_checkpointing_equal_the_run_without(variant, kind, merged, route, flavour, recomputes):
     row = ROWS[variant]
-    model = checkpointed_model(kind, flavour)
-    adapter = build_adapter(model, row, kind)
+    model = _take_model(kind, flavour)
+    if (variant, kind, flavour) not in _ADAPTERS:
+        _ADAPTERS[variant, kind, flavour] = build_adapter(model, row, kind)
+    adapter = _ADAPTERS[variant, kind, flavour]
     snap = snapshot(model)
     ids = tokens(2, 8, seed=5)
     # One seed for both runs: a variant that samples in training steps (PVeRA) draws the same noise
@@ -146,6 +171,7 @@ def test_gradients_with_checkpointing_equal_the_run_without(variant, kind, merge
     assert any(g.abs().max() > 0 for g in got.values())
     assert_unchanged(model, snap)
     assert_clean(model)
+    _MODELS[kind, flavour] = model
 
 
 @pytest.mark.parametrize("flavour", FLAVOURS)

@@ -15,14 +15,15 @@ from torch.func import grad, vmap
 import lora_func as lf
 from tests.contract_helpers import (
     assert_unchanged,
-    build,
     calibration_batches,
+    clear_shared_builds,
     logits,
     PATHS,
     loss_fn,
     oracle_params,
     perturbed,
     run_path,
+    shared_build as build,
     snapshot,
     spec_for,
 )
@@ -36,6 +37,15 @@ CASES = [pytest.param(ROWS[v], kind, id=f"{v}-{kind}") for v in sorted(ROWS) for
 # torch.func.vmap cannot batch whatever the adapter: the vmap checks run on the other kinds.
 VMAP_CASES = [case for case in CASES if case.values[1] != "experts"]
 
+
+@pytest.fixture(scope="module", autouse=True)
+def _shared_builds():
+    # build() here is contract_helpers.shared_build: one model per layer kind and one
+    # init_adapter per case for the whole module (no check writes into the model; each gets its
+    # own copy of the adapter's tensors). test_base_model_never_changes builds its own model.
+    yield
+    clear_shared_builds()
+    _UPCAST.clear()
 
 
 def test_every_registered_variant_has_a_row():
@@ -151,11 +161,20 @@ def test_each_trainable_tensor_alone_changes_the_output(row, kind):
     g = torch.Generator().manual_seed(11)
     for name in PATHS:
         out = run_path(model, base, adapter, ids, name)
+        keys, variants = [], []
         for key, value in adapter.params.items():
             bumped = dict(adapter.params)
             bumped[key] = value.detach() + 0.5 * torch.randn(value.shape, generator=g)
-            moved = run_path(model, base, adapter.with_params(bumped), ids, name)
-            assert (moved - out).abs().max() > 1e-5, f"{name}: {key} does not affect the output"
+            keys.append(key)
+            variants.append(adapter.with_params(bumped))
+        if kind == "experts":  # (a MoE's routing cannot be vmapped: VMAP_CASES)
+            moved = torch.stack([run_path(model, base, a, ids, name) for a in variants])
+        else:
+            # One vmap over the bumped adapters instead of a call per tensor (vmap == a loop on
+            # every path: test_vmap_over_stacked_adapters_equals_loop).
+            moved = vmap(lambda a: run_path(model, base, a, ids, name))(lf.stack(variants))  # noqa: B023
+        for key, one in zip(keys, moved, strict=True):
+            assert (one - out).abs().max() > 1e-5, f"{name}: {key} does not affect the output"
 
 
 @pytest.mark.parametrize(("row", "kind"), VMAP_CASES)
@@ -218,7 +237,7 @@ def test_base_model_never_changes(row, kind, tmp_path):
     path = lf.save(adapter, tmp_path / "a.safetensors")
     lf.load(path, model=model)
     # Calls that raise midway must not leave anything behind either.
-    other = tiny_model("gpt2" if model_kind.startswith("llama") else "llama")
+    other = build(ROWS["lora"], "conv1d" if model_kind.startswith("llama") else "linear")[0]  # (a load that raises: read only)
     with pytest.raises((KeyError, ValueError)):
         lf.load(path, model=other)
     with pytest.raises(ValueError):
@@ -232,6 +251,18 @@ def test_base_model_never_changes(row, kind, tmp_path):
     assert_unchanged(model, snap)
 
 
+_UPCAST: dict[tuple[str, torch.dtype], torch.nn.Module] = {}
+
+
+def _upcast(kind: str, dtype: torch.dtype, model: torch.nn.Module) -> torch.nn.Module:
+    """An fp32 copy of the shared half-precision ``model`` (its rounded weights, upcast), once per kind."""
+    if (kind, dtype) not in _UPCAST:
+        model32 = tiny_model(LAYER_KIND_MODEL[kind]).float()
+        model32.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+        _UPCAST[kind, dtype] = model32
+    return _UPCAST[kind, dtype]
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize(("row", "kind"), CASES)
 def test_dtype_policy_fp32_adapter_on_half_base(row, kind, dtype):
@@ -242,18 +273,17 @@ def test_dtype_policy_fp32_adapter_on_half_base(row, kind, dtype):
     adapter = perturbed(adapter, row.perturb_scale)
     base, ids = lf.base_params(model), tokens()
     # fp32 reference: the same (already rounded) base weights, upcast, with the oracle W_eff.
-    model32 = tiny_model(LAYER_KIND_MODEL[kind]).float()
-    model32.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+    model32 = _upcast(kind, dtype, model)
     base32 = lf.base_params(model32)
     oracle = logits(model32, oracle_params(base32, adapter, row), ids)
     effect = (oracle - model32(ids).logits).abs().max()
     for name in PATHS:
-        out = run_path(model, base, adapter, ids, name)
+        # the logits of the forward the gradients are taken through (one forward for both)
+        grads, out = grad(loss_fn(model, base, adapter, ids, path=name, with_output=True), has_aux=True)(adapter.params)
         assert out.dtype == dtype, name
         assert torch.isfinite(out).all(), name
         # Worst case measured 0.040 of the effect (DoRA, bf16, lazy): a 10% loss of the adapter fails.
         assert (out.float() - oracle).abs().max() < 0.08 * effect, f"{name}: half-precision output far from the fp32 oracle"
-        grads = grad(loss_fn(model, base, adapter, ids, path=name))(adapter.params)
         for key, g in grads.items():
             assert g.dtype == torch.float32 and torch.isfinite(g).all(), f"{name} {key}"
 
