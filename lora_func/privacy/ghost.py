@@ -83,8 +83,8 @@ class _Layer:
 
     def __init__(self, a: Tensor, b: Tensor, scale: float, clipping: Clipping) -> None:
         self.dtype = torch.promote_types(a.dtype, torch.float32)
-        # The scale on the factors once, not on every call's (B, T, r) products.
-        self.a, self.b, self.clipping = a.to(self.dtype) * scale, b.to(self.dtype) * scale, clipping
+        self.a, self.b, self.scale, self.clipping = a, b, scale, clipping
+        self._scaled: tuple[Tensor, Tensor] | None = None
         self.inputs: list[Tensor | None] = []
         self.grads: dict[int, Tensor] = {}  # by call index (the backward meets the calls in reverse)
         self.gram: bool | None = None
@@ -113,13 +113,18 @@ class _Layer:
         self.grad_b = grad_b if self.grad_b is None else self.grad_b + grad_b
 
     def _lowrank(self, x: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
-        return x @ self.a.T, g @ self.b  # h = s·x Aᵀ, u = s·g B: (B, T, r) (self.a, self.b carry s)
+        if self._scaled is None:
+            # The scale on the factors once, not on every call's (B, T, r) products; made in the
+            # backward, not held through the forward's peak.
+            self._scaled = self.a.to(self.dtype) * self.scale, self.b.to(self.dtype) * self.scale
+        a, b = self._scaled
+        return x @ a.T, g @ b  # h = s·x Aᵀ, u = s·g B: (B, T, r)
 
     def finish(self, batch_size: int) -> tuple[Tensor, Callable[[Tensor], tuple[Tensor, Tensor]]]:
         """Per-example squared norms and the clipped-sum function ``c (B,) -> (ΣcA, ΣcB)``."""
         if not self.gram:
-            grad_a = self.grad_a if self.grad_a is not None else self.a.new_zeros(batch_size, *self.a.shape)
-            grad_b = self.grad_b if self.grad_b is not None else self.b.new_zeros(batch_size, *self.b.shape)
+            grad_a = self.grad_a if self.grad_a is not None else self.a.new_zeros(batch_size, *self.a.shape, dtype=self.dtype)
+            grad_b = self.grad_b if self.grad_b is not None else self.b.new_zeros(batch_size, *self.b.shape, dtype=self.dtype)
             squares = grad_a.pow(2).sum((1, 2)) + grad_b.pow(2).sum((1, 2))
             return squares, lambda c: (torch.einsum("b,bri->ri", c, grad_a), torch.einsum("b,bor->or", c, grad_b))
         # Several calls of one layer: their rows side by side (the gradient sums over all of them).
@@ -421,7 +426,7 @@ def check_batched_losses(losses: Any, batch_size: int) -> Tensor:
     if not isinstance(losses, Tensor) or tuple(losses.shape) != (batch_size,):
         got = f"a tensor of shape {tuple(losses.shape)}" if isinstance(losses, Tensor) else f"a {type(losses).__name__}"
         raise ValueError(  # error: privacy-batched-loss-shape
-            f"batched_loss: loss_fn returned {got} for a batch of {batch_size} examples; a batched loss returns one loss per "
+            f"batched_loss: loss_fn returned {got} for a batch of {batch_size} example{'s' * (batch_size != 1)}; a batched loss returns one loss per "
             f"example, shape ({batch_size},): reduce over each example's tokens only, not over the batch (e.g. "
             f"cross_entropy(..., reduction='none').view({batch_size}, -1).mean(1)); a loss of one example at a time goes to "
             f"private_grads without batched_loss"
