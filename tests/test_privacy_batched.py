@@ -125,6 +125,13 @@ def test_a_composition_with_another_variant_stays_batched(spy):
     assert spy.passes == [True] and sorted(spy.layers) == ["form"] * 4 + ["gram"] * 4
 
 
+def test_an_embedding_lora_stays_batched_per_example_from_its_own_form(spy):
+    # LoRA on embed_tokens gathers rows of A (no x Aᵀ product): no ghost form, its gradients from its form.
+    model = tiny_model("llama")
+    _equals_the_loop(model, _adapter(model, "lora", ["embed_tokens", "q_proj"]), tokens(4, 8, seed=2), "ghost")
+    assert spy.passes == [True] and sorted(spy.layers) == ["form", "gram", "gram"]
+
+
 @pytest.mark.parametrize(
     "case",
     ["combine", "merged", "weight-read", "per_example", "chunk_size"],

@@ -69,7 +69,9 @@ def ghost_layers(adapter: AdapterLike) -> dict[str, tuple[str, str]]:
             continue
         for layer in leaf.layers:
             names = {name for name, _ in layer.param_shapes}
-            if names == {"lora_A", "lora_B"} and not dict(layer.info.options).get("dropout", 0.0):
+            # Linear and Conv1D layers only (an embedding's LoRA gathers rows: another form).
+            linear = layer.target.layout in ("linear", "conv1d")
+            if names == {"lora_A", "lora_B"} and linear and not dict(layer.info.options).get("dropout", 0.0):
                 module = prefix + layer.target.module
                 out[module] = (f"{module}.lora_A", f"{module}.lora_B")
     return out
