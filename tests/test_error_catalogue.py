@@ -1932,3 +1932,24 @@ CASES.update(
         ),
     }
 )
+
+
+def _batched(model: nn.Module, adapter: lf.Adapter, ctx: Ctx) -> Any:
+    from lora_func.privacy import batched_loss, private_grads
+
+    # A loss summed over the batch (0-d) where one loss per example is due.
+    return private_grads(batched_loss(functools.partial(_logits_sum, model)), adapter, IDS, max_grad_norm=1.0, noise_multiplier=1.0)
+
+
+def _batched_of(fn: Any) -> Callable[[Ctx], Callable[[], Any]]:
+    from lora_func.privacy import batched_loss
+
+    return lambda ctx: lambda: batched_loss(fn)
+
+
+CASES.update(
+    {
+        "privacy-batched-loss-shape": Case(_privacy(_batched), ("a tensor of shape ()", f"shape ({IDS.shape[0]},)")),
+        "privacy-batched-loss-fn": Case(_batched_of("loss"), ("a str",)),
+    }
+)

@@ -195,7 +195,7 @@ def test_private_step_and_the_train_private_mode_take_the_batched_path(spy):
     from lora_func.privacy import DPSGD, private_step_
     from lora_func.train import TrainState, train_step
 
-    model, adapter, ids, loss_fn, c, want, _ = _case("lora-llama")
+    model, adapter, ids, _, c, want, _ = _case("lora-llama")
     leaves = adapter.with_params({k: v.detach().clone().requires_grad_(True) for k, v in adapter.params.items()})
     optimizer = torch.optim.SGD(leaves.params.values(), lr=1.0)
     before = {k: v.detach().clone() for k, v in leaves.params.items()}

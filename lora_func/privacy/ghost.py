@@ -24,6 +24,14 @@ Every other tensor of the adapter (another variant's, a LoRA layer with dropout)
 a per-example copy in the same forward and backward, and its per-example gradient joins the
 norm: the results equal the per-example path (tested).
 
+A batched loss (:func:`lora_func.privacy.batched_loss`, ``(B,)`` from one call) runs without
+``vmap`` (:func:`batched_pass`): the same tap records each ghost layer's input (batch on dim 0)
+and puts its output through :class:`_Grad`; every other adapted layer's call is recorded too
+(:class:`_FormCall`: its step, base layer, input and, in the backward, output gradient), and
+its per-example gradients come from its own form, ``vmap`` over the examples of that one
+layer's ``vjp``. The tap also sees every weight form: an adapter tensor that reaches the model
+through a merged weight (which neither recording would see) sends the call to the ``vmap`` path.
+
 Which tensors get ghost norms: ``lora_A``/``lora_B`` of every layer whose variant's activation
 form is a frozen part plus LoRA's product (``lora`` with or without rsLoRA, ``eva``: LoRA with a
 data-driven init, ``pissa``: a frozen residual instead of ``W``) and whose ``dropout`` is 0, alone or inside a composition or combination (the tap sees the layer's
@@ -179,7 +187,8 @@ class _FormCall:
             def form(p: dict[str, Tensor]) -> Tensor:
                 return step.form({**step.params, **p}, step.buffers, x, base, step.info)
 
-            out, pull = torch.func.vjp(form, own)
+            vjp = torch.func.vjp(form, own)
+            out, pull = vjp[0], vjp[1]
             grads: dict[str, Tensor] = pull(g.reshape(out.shape).to(out.dtype))[0]
             return grads
 
@@ -237,13 +246,14 @@ class _Recorder:
         if step.form not in LORA_FORMS or set(names) != {"lora_A", "lora_B"} or isinstance(scale, Tensor):
             self.invalid = f"ghost layer {module} ran another form"
             return y
-        if module not in self.layers:
+        layer = self.layers.get(module)
+        if not isinstance(layer, _Layer):
             key_a, key_b = self.keys[module]
-            self.layers[module] = _Layer(self.shared[key_a], self.shared[key_b], scale, self.clipping)
+            layer = self.layers[module] = _Layer(self.shared[key_a], self.shared[key_b], scale, self.clipping)
         if self.batch_size is None:
             out: Tensor = _Tap.apply(x, y, self, module)
             return out
-        index = self.layers[module].record(x.detach())
+        index = layer.record(x.detach())
         return _Grad.apply(y, self.anchor, self, module, index, 0)
 
 

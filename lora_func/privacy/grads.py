@@ -111,6 +111,10 @@ def clipped_sum(
     zero gradients and ``count=0``. For a stacked adapter (``stack_shape (K,)``) ``loss_fn``
     returns the sum of the members' losses and each member's gradient is clipped on its own.
 
+    ``loss_fn`` may instead be a :func:`lora_func.privacy.batched_loss` (one loss per example,
+    ``(B,)``, from one batched call): the same result without running the model under ``vmap``
+    where one batched call can give it exactly (:mod:`lora_func.privacy.batched`).
+
     ``clipping``: how the per-example norms are found; every choice gives the same result.
     ``"per_example"``: per-example gradients of every tensor (:func:`lora_func.per_example_grads`);
     ``"ghost"``: ghost norms and book-keeping (:mod:`lora_func.privacy.ghost`) for the LoRA-form
@@ -129,7 +133,7 @@ def clipped_sum(
         return ClippedSum(zeros, 0, norm, 0)
     recorded = None
     if isinstance(loss_fn, BatchedLoss):
-        if _batched_ready(adapter, clipping, chunk_size, randomness):
+        if size is not None and _batched_ready(adapter, clipping, chunk_size, randomness):
             recorded = batched_pass(loss_fn.fn, adapter, batch, size, ghost_layers(adapter), clipping=clipping)
         loss_fn = loss_fn.one_example  # the vmap paths: one example as a batch of one
     layers = ghost_layers(adapter) if clipping != "per_example" and (chunk_size is None or clipping == "ghost") else {}
