@@ -143,7 +143,20 @@ def section(model, adapter, ids, mask, r, alpha, rounds, clock, forced=False):
         if name is not None:
             out[f"opacus {mode} time"] = c.paired_ratio(times, name, PRIVATE)
             out[f"opacus {mode} memory"] = peaks[name] / peaks[PRIVATE]
+    vmap_name = next(n for n in methods if "vmap, clipping='auto'" in n)
+    out["vmap time"] = c.paired_ratio(times, vmap_name, reference)
+    spreads = {"time": (PRIVATE, reference), "vmap time": (vmap_name, reference)}
+    spreads |= {k: (n, PRIVATE) for k, n in (("opacus hooks time", next((n for n in methods if "hooks" in n), None)),
+                                              ("opacus functorch time", next((n for n in methods if "functorch" in n), None))) if n}
+    print("\nper-round ratios (min, quartiles, max): " + "; ".join(
+        f"{key} " + " ".join(f"{q:.3f}" for q in _quantiles([a / b for a, b in zip(times[n], times[ref], strict=True)]))
+        for key, (n, ref) in spreads.items()))
     return out
+
+
+def _quantiles(values: list[float]) -> list[float]:
+    ordered = sorted(values)
+    return [ordered[round(q * (len(ordered) - 1))] for q in (0, 0.25, 0.5, 0.75, 1)]
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -172,7 +185,7 @@ def main(argv: list[str] | None = None) -> dict:
     for batch in args.batches:
         ids, mask = c.left_padded_batch(batch, args.seq, args.vocab)
         results[batch] = section(model, adapter, ids, mask, r, alpha, args.rounds, clock, args.forced)
-    print(f"\nsummary (private_grads / non-private step): {json.dumps({b: {k: round(v, 3) for k, v in x.items()} for b, x in results.items()})}")
+    print(f"\nsummary (private_grads / non-private step; opacus: its time over private_grads's): {json.dumps({b: {k: round(v, 3) for k, v in x.items()} for b, x in results.items()})}")
     return results
 
 
