@@ -5,7 +5,10 @@ batch sizes 8 to 64, in one run; for each batch size:
 
 - non-private step (the reference): the batched loss, one backward to the adapter's tensors;
 - ``lora_func.private_grads``: per-example norms, clipped sum, noise (the whole DP-SGD
-  gradient), with ``clipping="auto"`` (the default) and each of the two ways it chooses between
+  gradient), ``clipping="auto"`` (the default), given a batched loss
+  (``lora_func.privacy.batched_loss``: one loss per example from one batched call, no
+  ``vmap``), and again given the loss of one example at a time (the model under ``vmap``);
+  ``--forced`` adds the vmap path with each of the two ways ``auto`` chooses between per layer
   forced: ``"ghost"`` (Gram norms and book-keeping for every LoRA layer) and ``"per_example"``
   (per-example gradients of every tensor); ``--seq``/``--rank`` move the choice (short
   sequences and large ranks: Gram products);
@@ -17,7 +20,7 @@ Time: interleaved rounds, median per-round ratio (bench/_common.py), this proces
 one thread by default. Memory: peak bytes allocated on the CPU during one call (torch profiler
 memory events), as a ratio to the non-private step's.
 
-Run: python bench/privacy.py [--batches 8 16 32 64] [--rounds 5] [--clock cpu|wall] [--quick]
+Run: python bench/privacy.py [--batches 8 16 32 64] [--rounds 5] [--clock cpu|wall] [--forced] [--quick]
 """
 
 from __future__ import annotations
@@ -36,10 +39,18 @@ import _common as c
 from functional import build, peak_allocated, perturbed, token_loss
 
 import lora_func as lf
+from lora_func.privacy import batched_loss
 
 TARGETS = ["q_proj", "v_proj"]
-PRIVATE = "lora_func private_grads (clip + noise)"
+PRIVATE = "lora_func private_grads, batched_loss (clip + noise)"
 C, SIGMA = 1.0, 1.0
+
+
+def token_losses(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Each example's mean next-token cross-entropy on its real tokens, shape (B,) (token_loss is their mean)."""
+    labels = ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
+    per_token = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels.flatten(), reduction="none").view(labels.shape)
+    return per_token.sum(1) / (labels != -100).sum(1)
 
 
 def opacus_clip_and_noise(gsm: torch.nn.Module, batch: int, generator: torch.Generator) -> list[torch.Tensor]:
@@ -50,7 +61,7 @@ def opacus_clip_and_noise(gsm: torch.nn.Module, batch: int, generator: torch.Gen
     return [(torch.einsum("b,b...->...", factor, p.grad_sample) + SIGMA * C * torch.randn(p.shape, generator=generator)) / batch for p in params]
 
 
-def section(model, adapter, ids, mask, r, alpha, rounds, clock):
+def section(model, adapter, ids, mask, r, alpha, rounds, clock, forced=False):
     batch = ids.shape[0]
     base = lf.base_params(model)
 
@@ -64,15 +75,22 @@ def section(model, adapter, ids, mask, r, alpha, rounds, clock):
     def non_private():
         return torch.autograd.grad(loss(live, ids, mask), list(leaves.values()))
 
-    def private(clipping="auto"):
-        return lf.private_grads(loss, live, ids, mask, max_grad_norm=C, noise_multiplier=SIGMA, generator=noise, clipping=clipping)
+    def example_losses(a, ids_, mask_):  # one loss per example from one batched call
+        return token_losses(lf.adapted_call(model, a, ids_, attention_mask=mask_, base=base).logits, ids_, mask_)
+
+    batched = batched_loss(example_losses)
+
+    def private(clipping="auto", fn=batched):
+        return lf.private_grads(fn, live, ids, mask, max_grad_norm=C, noise_multiplier=SIGMA, generator=noise, clipping=clipping)
 
     reference = "lora_func non-private step (batched backward)"
     methods = {reference: non_private, PRIVATE: private}
     references = {PRIVATE: reference}
-    for clipping in ("ghost", "per_example"):  # "auto" chooses per layer between these; each forced
-        name = f"lora_func private_grads clipping={clipping!r}"
-        methods[name] = functools.partial(private, clipping)
+    # The same with a loss of one example at a time (the model under vmap); with --forced also
+    # each of the two ways clipping="auto" chooses between per layer.
+    for clipping in ("auto", "ghost", "per_example") if forced else ("auto",):
+        name = f"lora_func private_grads, vmap, clipping={clipping!r}"
+        methods[name] = functools.partial(private, clipping, loss)
         references[name] = reference
     try:
         peft = c.peft_named_adapters(model, [adapter], r, alpha, TARGETS)
@@ -125,7 +143,20 @@ def section(model, adapter, ids, mask, r, alpha, rounds, clock):
         if name is not None:
             out[f"opacus {mode} time"] = c.paired_ratio(times, name, PRIVATE)
             out[f"opacus {mode} memory"] = peaks[name] / peaks[PRIVATE]
+    vmap_name = next(n for n in methods if "vmap, clipping='auto'" in n)
+    out["vmap time"] = c.paired_ratio(times, vmap_name, reference)
+    spreads = {"time": (PRIVATE, reference), "vmap time": (vmap_name, reference)}
+    spreads |= {k: (n, PRIVATE) for k, n in (("opacus hooks time", next((n for n in methods if "hooks" in n), None)),
+                                              ("opacus functorch time", next((n for n in methods if "functorch" in n), None))) if n}
+    print("\nper-round ratios (min, quartiles, max): " + "; ".join(
+        f"{key} " + " ".join(f"{q:.3f}" for q in _quantiles([a / b for a, b in zip(times[n], times[ref], strict=True)]))
+        for key, (n, ref) in spreads.items()))
     return out
+
+
+def _quantiles(values: list[float]) -> list[float]:
+    ordered = sorted(values)
+    return [ordered[round(q * (len(ordered) - 1))] for q in (0, 0.25, 0.5, 0.75, 1)]
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -137,6 +168,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--vocab", type=int, default=2048)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--rank", type=int, default=8)
+    parser.add_argument("--forced", action="store_true", help="also time clipping='ghost' and 'per_example' (vmap path)")
     args = parser.parse_args(argv)
     if args.quick:
         args.hidden, args.layers, args.vocab, args.seq, args.rounds = 32, 1, 64, 8, 1
@@ -152,8 +184,8 @@ def main(argv: list[str] | None = None) -> dict:
     results = {}
     for batch in args.batches:
         ids, mask = c.left_padded_batch(batch, args.seq, args.vocab)
-        results[batch] = section(model, adapter, ids, mask, r, alpha, args.rounds, clock)
-    print(f"\nsummary (private_grads / non-private step): {json.dumps({b: {k: round(v, 3) for k, v in x.items()} for b, x in results.items()})}")
+        results[batch] = section(model, adapter, ids, mask, r, alpha, args.rounds, clock, args.forced)
+    print(f"\nsummary (private_grads / non-private step; opacus: its time over private_grads's): {json.dumps({b: {k: round(v, 3) for k, v in x.items()} for b, x in results.items()})}")
     return results
 
 

@@ -23,21 +23,35 @@ from lora_func.targeting import EXPERT_LAYOUTS, canonical_weight, stored_weight
 from lora_func.variants import BaseLayer, LayerInfo, TensorDict, Variant
 from lora_func.variants._contract import RANK_ALPHA, RANK_MASK, padded_member
 
-__all__ = ["ChainOp", "ExpertsOp", "LayerCall", "LayerOp", "SumOp", "VariantOp", "activation_tap", "has_kind_form", "merged_weight", "variant_op"]
+__all__ = ["ActivationTap", "ChainOp", "ExpertsOp", "LayerCall", "LayerOp", "SumOp", "VariantOp", "activation_tap", "has_kind_form", "merged_weight", "variant_op"]
 
 # ------------------------------------------------------------------ the activation tap
-# lora_func.privacy's ghost clipping needs each low-rank layer's input and output gradient. A
-# tap, installed for one call in one thread by activation_tap, sees every VariantOp's
-# (step, x, y) and returns the y to use (an identity that records). Both routes (stand-ins and
-# module calls) reach a variant through VariantOp.activation, so this is the one place.
+# lora_func.privacy's ghost clipping needs each adapted layer's input and output gradient, and
+# to know when an adapter tensor reaches the model another way (a merged weight). A tap,
+# installed for one call in one thread by activation_tap, sees every VariantOp's activation
+# (step, x, base, y) and returns the y to use (an identity that records), and every weight form
+# (step). Both routes (stand-ins and module calls) and every merge reach a variant through
+# VariantOp.activation or VariantOp.weight, so these are the two places.
 _tap_state = threading.local()
 _tap_users = 0  # taps installed in any thread: a plain int, so that compiled code guards on 0
 
 
+class ActivationTap(Protocol):
+    """What :func:`activation_tap` installs."""
+
+    def activation(self, step: VariantOp, x: Tensor, base: BaseLayer, y: Tensor) -> Tensor:
+        """The ``y`` to use for ``step``'s activation ``y = form(x, base)``."""
+        ...
+
+    def weight(self, step: VariantOp) -> None:
+        """``step``'s weight form is running (its tensors reach the model through a merged weight)."""
+        ...
+
+
 @contextlib.contextmanager
-def activation_tap(tap: Callable[[VariantOp, Tensor, Tensor], Tensor]) -> Iterator[None]:
-    """Call ``tap(step, x, y)`` on every variant activation in this thread for the block (taken
-    off in ``finally``)."""
+def activation_tap(tap: ActivationTap) -> Iterator[None]:
+    """Show ``tap`` every variant activation and weight form in this thread for the block
+    (taken off in ``finally``)."""
     global _tap_users
     previous = getattr(_tap_state, "tap", None)
     _tap_state.tap = tap
@@ -113,6 +127,9 @@ class VariantOp:
         self.form = variant.kind_forms.get(kind, variant.activation_form)
 
     def weight(self, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        tap = getattr(_tap_state, "tap", None) if _tap_users else None
+        if tap is not None:
+            tap.weight(self)
         # Never below the base's precision: a bf16 adapter on an fp32 base would otherwise
         # round the frozen weight itself to bf16 (2.8e-2 off peft's merge, which adds the
         # delta to the fp32 weight). Above it (fp32 adapter, bf16 base) the adapter dtype.
@@ -127,7 +144,7 @@ class VariantOp:
     def activation(self, x: Tensor, base: BaseLayer) -> Tensor:
         y = self.form(self.params, self.buffers, x, base, self.info)
         tap = getattr(_tap_state, "tap", None) if _tap_users else None
-        return y if tap is None else tap(self, x, y)
+        return y if tap is None else tap.activation(self, x, base, y)
 
 
 class _OpBase:

@@ -2012,6 +2012,19 @@ def _lora_ga_info(r: int = 2) -> LayerInfo:
     return _info(r=r, options=lf.AdapterSpec("lora_ga", targets=["x"], r=r).options)
 
 
+def _batched(model: nn.Module, adapter: lf.Adapter, ctx: Ctx) -> Any:
+    from lora_func.privacy import batched_loss, private_grads
+
+    # A loss summed over the batch (0-d) where one loss per example is due.
+    return private_grads(batched_loss(functools.partial(_logits_sum, model)), adapter, IDS, max_grad_norm=1.0, noise_multiplier=1.0)
+
+
+def _batched_of(fn: Any) -> Callable[[Ctx], Callable[[], Any]]:
+    from lora_func.privacy import batched_loss
+
+    return lambda ctx: lambda: batched_loss(fn)
+
+
 CASES.update(
     {
         "adamss-sklearn": Case(_adamss_without_sklearn, ("pip install scikit-learn",)),
@@ -2054,5 +2067,7 @@ CASES.update(
         "calib-grad-no-loss": Case(lambda ctx: _gradients_on(ctx, [ids_batch()], _NoLoss()), ("batch 0", "labels=")),
         "calib-grad-unused": Case(lambda ctx: _gradients_on(ctx, [ids_batch()], _Skips()), ("q_proj",)),
         "calib-grad-empty": Case(lambda ctx: _gradients_on(ctx, []), ()),
+        "privacy-batched-loss-shape": Case(_privacy(_batched), ("a tensor of shape ()", f"shape ({IDS.shape[0]},)")),
+        "privacy-batched-loss-fn": Case(_batched_of("loss"), ("a str",)),
     }
 )

@@ -28,5 +28,5 @@ def test_privacy_bench_prints_time_and_memory_ratios_for_every_batch(capsys):
         random.setstate(state)
     out = capsys.readouterr().out
     assert set(results) == {3} and all(v > 0 for v in results[3].values())
-    assert "Batch 3 x 8 tokens" in out and "| lora_func private_grads (clip + noise)" in out
+    assert "Batch 3 x 8 tokens" in out and "| lora_func private_grads, batched_loss (clip + noise)" in out and "private_grads, vmap" in out
     assert out.count("GradSampleModule hooks") >= 2 and out.count("GradSampleModule functorch") >= 2

@@ -4,6 +4,8 @@
   ``max_grad_norm``, summed, Gaussian noise, divided by the batch size), and its two pieces
   :func:`clipped_sum` / :func:`noised_mean` for gradient accumulation (clip per example, noise
   once per logical batch); :func:`set_grads_` for a ``torch.optim`` optimiser.
+- :mod:`lora_func.privacy.batched`: :func:`batched_loss`, a loss that returns one value per
+  example from one batched call, run without ``vmap``.
 - :mod:`lora_func.privacy.ghost`: ghost clipping with book-keeping, the per-example norms and
   clipped sums of LoRA-form layers from their inputs and output gradients (``clipping=``).
 - :mod:`lora_func.privacy.accounting`: :func:`epsilon`, :func:`noise_for_epsilon` and
@@ -28,6 +30,7 @@ from lora_func.privacy.accounting import (
     noise_for_epsilon,
     rdp,
 )
+from lora_func.privacy.batched import BatchedLoss, batched_loss
 from lora_func.privacy.grads import (
     ClippedSum,
     clipped_sum,
@@ -43,9 +46,11 @@ __all__ = [
     "DEFAULT_ORDERS",
     "DPSGD",
     "Accountant",
+    "BatchedLoss",
     "ClippedSum",
     "PoissonBatchSampler",
     "PrivateStepStats",
+    "batched_loss",
     "clipped_sum",
     "epsilon",
     "noise_for_epsilon",

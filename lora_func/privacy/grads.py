@@ -32,6 +32,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
+from lora_func._tree import leaves
 from lora_func.adapter import AdapterLike, leaf_adapters
 from lora_func.many import Randomness, per_example_grads
 from lora_func.privacy._checks import (
@@ -41,7 +42,8 @@ from lora_func.privacy._checks import (
     check_noise,
     check_norm,
 )
-from lora_func.privacy.ghost import Clipping, ghost_layers, ghost_pass
+from lora_func.privacy.batched import BatchedLoss
+from lora_func.privacy.ghost import Clipping, batched_pass, ghost_layers, ghost_pass
 
 __all__ = ["ClippedSum", "clipped_sum", "noised_mean", "private_grads", "set_grads_"]
 
@@ -109,6 +111,10 @@ def clipped_sum(
     zero gradients and ``count=0``. For a stacked adapter (``stack_shape (K,)``) ``loss_fn``
     returns the sum of the members' losses and each member's gradient is clipped on its own.
 
+    ``loss_fn`` may instead be a :func:`lora_func.privacy.batched_loss` (one loss per example,
+    ``(B,)``, from one batched call): the same result without running the model under ``vmap``
+    where one batched call can give it exactly (:mod:`lora_func.privacy.batched`).
+
     ``clipping``: how the per-example norms are found; every choice gives the same result.
     ``"per_example"``: per-example gradients of every tensor (:func:`lora_func.per_example_grads`);
     ``"ghost"``: ghost norms and book-keeping (:mod:`lora_func.privacy.ghost`) for the LoRA-form
@@ -125,8 +131,14 @@ def clipped_sum(
     if size == 0:
         zeros = {k: torch.zeros_like(v, memory_format=torch.contiguous_format).detach() for k, v in params.items()}
         return ClippedSum(zeros, 0, norm, 0)
+    recorded = None
+    if isinstance(loss_fn, BatchedLoss):
+        if size is not None and _batched_ready(adapter, clipping, chunk_size, randomness):
+            recorded = batched_pass(loss_fn.fn, adapter, batch, size, ghost_layers(adapter), clipping=clipping)
+        loss_fn = loss_fn.one_example  # the vmap paths: one example as a batch of one
     layers = ghost_layers(adapter) if clipping != "per_example" and (chunk_size is None or clipping == "ghost") else {}
-    recorded = ghost_pass(loss_fn, adapter, batch, size, layers, clipping=clipping, randomness=randomness) if layers and size else None
+    if recorded is None and layers and size:
+        recorded = ghost_pass(loss_fn, adapter, batch, size, layers, clipping=clipping, randomness=randomness)
     if recorded is not None:
         norms = recorded.squares.sqrt()
         factor = (norm / (norms + _EPS)).clamp(max=1.0)
@@ -149,6 +161,19 @@ def clipped_sum(
         for key, g in grads.items()
     }
     return ClippedSum(sums, norms.shape[0], norm, int((norms > norm).sum()), float(losses.float().sum()))
+
+
+def _batched_ready(adapter: AdapterLike, clipping: Clipping, chunk_size: int | None, randomness: Randomness) -> bool:
+    """Whether a batched loss may try the pass without ``vmap``: every adapter tensor is some
+    layer's (not a combination's own weights, not a stack), no layer has dropout (its form run
+    again would draw another mask), and the call asks for no ``vmap`` feature (``chunk_size``,
+    ``randomness="same"``, ``clipping="per_example"``)."""
+    if clipping == "per_example" or chunk_size is not None or randomness == "same" or adapter.stack_shape:
+        return False
+    parts = list(leaves(adapter))
+    own = {prefix + key for prefix, leaf in parts for key in leaf.params}
+    dropout = any(dict(layer.info.options).get("dropout", 0.0) for _, leaf in parts for layer in leaf.layers)
+    return own == set(adapter.params) and not dropout
 
 
 def noised_mean(

@@ -19,6 +19,7 @@ import lora_func as lf
 from lora_func.adapter import leaf_adapters
 from lora_func.checks import check_base, check_finite, check_model
 from lora_func.plan import detached_base
+from lora_func.privacy.batched import batched_loss
 from lora_func.privacy.step import DPSGD, private_step_
 from lora_func.train.state import (
     IGNORE_INDEX,
@@ -55,6 +56,14 @@ def causal_lm_loss(logits: Tensor, labels: Tensor) -> Tensor:
     """
     shifted = logits[:, :-1].float()
     return F.cross_entropy(shifted.reshape(-1, shifted.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=IGNORE_INDEX)
+
+
+def _causal_lm_losses(logits: Tensor, labels: Tensor) -> Tensor:
+    """:func:`causal_lm_loss` of each example (row) of the batch: ``(batch,)``, each row's mean
+    over its own labelled tokens (what :func:`causal_lm_loss` gives on that row alone)."""
+    shifted, target = logits[:, :-1].float(), labels[:, 1:]
+    per_token = F.cross_entropy(shifted.reshape(-1, shifted.shape[-1]), target.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none")
+    return per_token.view(target.shape).sum(1) / (target != IGNORE_INDEX).sum(1)
 
 
 def adapter_loss(model: nn.Module, adapter: Any, batch: Batch, *, base: Mapping[str, Tensor] | None = None) -> Tensor:
@@ -245,8 +254,13 @@ def _private_step(
     _check_optimizer_state(state.optimizer, state.adapter.params)
     base = None if base is None else detached_base(base)
 
-    def loss_fn(adapter: Any, part: Batch) -> Tensor:
-        return adapter_loss(model, adapter, part, base=base)
+    def example_losses(adapter: Any, part: Batch) -> Tensor:
+        # adapter_loss of each row, from one batched call (no vmap where the adapter allows).
+        kwargs: dict[str, Any] = {"attention_mask": part["attention_mask"]} if "attention_mask" in part else {}
+        logits = lf.adapted_call(model, adapter, part["input_ids"], base=base, **kwargs).logits
+        return _causal_lm_losses(logits, part.get("labels", part["input_ids"]))
+
+    loss_fn = batched_loss(example_losses)
 
     parts = [({k: v[i : i + micro_batch_size] for k, v in batch.items()},) for i in range(0, max(rows, 1), micro_batch_size)]
     stats = private_step_(state.optimizer, state.adapter, loss_fn, parts, privacy, autocast_dtype=autocast_dtype,
