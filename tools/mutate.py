@@ -84,7 +84,21 @@ TARGETS: dict[str, tuple[tuple[str, ...] | None, list[list[str]]]] = {
             None,
             [["tests/test_variants_structured_a.py", "-k", name], [CONTRACT, "-k", name], [RANK_STACK, "-k", name]],
         )
-        for name in ("loha", "lokr", "gralora", "miss")
+        for name in ("loha", "lokr")
+    },
+    # + their init, config checks and documented defaults (tests/test_variant_<name>.py, the
+    # killers' rows), which the oracles (perturbed tensors) cannot see
+    **{
+        f"lora_func/variants/{name}.py": (
+            None,
+            [
+                ["tests/test_variants_structured_a.py", "-k", name],
+                [f"tests/test_variant_{name}.py", KILLERS, "-k", name],
+                [CONTRACT, "-k", name],
+                [RANK_STACK, "-k", name],
+            ],
+        )
+        for name in ("gralora", "miss")
     },
     "lora_func/variants/_lycoris.py": (None, [["tests/test_variants_structured_a.py", "-k", "loha or lokr"], [CONTRACT, "-k", "loha or lokr"]]),
     # issue 30: the contract rows and the float64 peft oracles first (fast, exact), no properties
