@@ -62,3 +62,28 @@ def assert_config_checks(variant: str, peft_config_cls, bad: dict[str, list], go
     for name, values in (good or {}).items():
         for value in values:
             assert _config_problems({**config, name: value}) == [], (name, value)
+
+
+def assert_other_adapter_dtype(variant: str, d_in: int, d_out: int, *, adapter_dtype: torch.dtype = torch.float64, seed: int = 0, w_eff_fn=None, **spec_kwargs) -> None:
+    """An adapter in another dtype than its float32 ``nn.Linear`` base (float64: wider; bf16:
+    narrower): both overlays run (no mixed-dtype product), give float32 outputs, and agree with
+    the contract row's ``W_eff`` (or ``w_eff_fn``, the row's signature) in float64 to the narrower dtype's round-off (relative to the
+    output's scale). Kills dropped casts in a form's branch that the contract row's options
+    do not reach."""
+    import lora_func as lf
+    from tests.one_layer import one_layer, oracle_forms, perturbed, run
+
+    model = one_layer("linear", d_in, d_out, True, torch.float32, seed)
+    spec = lf.AdapterSpec(variant, targets=["proj"], dtype=adapter_dtype, **spec_kwargs)
+    adapter = perturbed(lf.init_adapter(model, spec, generator=torch.Generator().manual_seed(seed + 1)), seed=seed + 2)
+    assert all(v.dtype == adapter_dtype for v in adapter.params.values())
+    x = torch.randn(3, d_in, generator=torch.Generator().manual_seed(seed + 3))
+    w_eff, b_eff = oracle_forms(model, adapter, w_eff_fn=w_eff_fn)
+    want = x.double() @ w_eff.T + b_eff
+    base = lf.base_params(model)
+    tol = (1e-5 if adapter_dtype == torch.float64 else 3e-2) * float(want.abs().max())
+    for make in (lf.overlay, lf.merge_overlay):
+        got = run(model, make(base, adapter), x).detach()
+        assert got.dtype == torch.float32, (make.__name__, got.dtype)
+        err = float((got.double() - want.detach()).abs().max())
+        assert err < tol, (make.__name__, err, tol)

@@ -73,7 +73,10 @@ TARGETS: dict[str, tuple[tuple[str, ...] | None, list[list[str]]]] = {
     # issue 30 (b): the peft oracle and the variant's own tests first (fast, exact), then the
     # contract rows and the catalogue; no hypothesis stage (it draws every variant: too slow per mutant).
     **{
-        f"lora_func/variants/{name}.py": (None, [["tests/test_variants_structured_b.py", "-k", select], [CONTRACT, "-k", select], [CATALOGUE, "-k", select]])
+        f"lora_func/variants/{name}.py": (
+            None,
+            [["tests/test_variants_structured_b.py", "-k", select], [KILLERS, "-k", select], [CONTRACT, "-k", select], [CATALOGUE, "-k", select]],
+        )
         for name, select in (("oft", "oft and not boft"), ("boft", "boft"), ("road", "road"), ("hira", "hira"))
     },
     "lora_func/variants/_orthogonal.py": (None, [["tests/test_variants_structured_b.py", "-k", "oft"], [CONTRACT, "-k", "oft"]]),
