@@ -64,7 +64,7 @@ def assert_config_checks(variant: str, peft_config_cls, bad: dict[str, list], go
             assert _config_problems({**config, name: value}) == [], (name, value)
 
 
-def assert_other_adapter_dtype(variant: str, d_in: int, d_out: int, *, adapter_dtype: torch.dtype = torch.float64, seed: int = 0, w_eff_fn=None, **spec_kwargs) -> None:
+def assert_other_adapter_dtype(variant: str, d_in: int, d_out: int, *, adapter_dtype: torch.dtype = torch.float64, seed: int = 0, w_eff_fn=None, rows: int = 3, **spec_kwargs) -> None:
     """An adapter in another dtype than its float32 ``nn.Linear`` base (float64: wider; bf16:
     narrower): both overlays run (no mixed-dtype product), give float32 outputs, and agree with
     the contract row's ``W_eff`` (or ``w_eff_fn``, the row's signature) in float64 to the narrower dtype's round-off (relative to the
@@ -77,7 +77,7 @@ def assert_other_adapter_dtype(variant: str, d_in: int, d_out: int, *, adapter_d
     spec = lf.AdapterSpec(variant, targets=["proj"], dtype=adapter_dtype, **spec_kwargs)
     adapter = perturbed(lf.init_adapter(model, spec, generator=torch.Generator().manual_seed(seed + 1)), seed=seed + 2)
     assert all(v.dtype == adapter_dtype for v in adapter.params.values())
-    x = torch.randn(3, d_in, generator=torch.Generator().manual_seed(seed + 3))
+    x = torch.randn(rows, d_in, generator=torch.Generator().manual_seed(seed + 3))
     w_eff, b_eff = oracle_forms(model, adapter, w_eff_fn=w_eff_fn)
     want = x.double() @ w_eff.T + b_eff
     base = lf.base_params(model)
