@@ -52,3 +52,20 @@ def test_peft_config_checks():
         "boft_block_size": [-1, 2.0, True], "boft_block_num": [-1, 1.5], "boft_n_butterfly_factor": [0, -1, 2.5],
         "boft_dropout": [1.0, -0.1, float("nan"), 2], "init_weights": [0, "x"],
     }, good={"boft_block_size": [0, 4], "boft_block_num": [0, 8], "boft_n_butterfly_factor": [1, 3], "boft_dropout": [0, 0.99]})
+
+
+def test_dropout_acts_in_training_steps_only():
+    """Outside a training op the lazy path equals the merged one (no blocks dropped); in one,
+    some draw differs."""
+    from tests.one_layer import one_layer, perturbed, run
+
+    model = one_layer("linear", 8, 12, True, torch.float64, 0)
+    spec = lf.AdapterSpec("boft", targets=["proj"], dtype=torch.float64, boft_block_size=2, boft_dropout=0.5)
+    adapter = perturbed(lf.init_adapter(model, spec, generator=torch.Generator().manual_seed(1)), seed=2)
+    x, base = torch.randn(3, 8, dtype=torch.float64), lf.base_params(model)
+    merged = run(model, lf.merge_overlay(base, adapter), x)
+    torch.manual_seed(0)
+    for _ in range(3):
+        assert torch.allclose(run(model, lf.overlay(base, adapter), x), merged, rtol=1e-12, atol=1e-12)
+    training = lf.overlay(base, adapter, training=True)
+    assert any(not torch.allclose(run(model, training, x), merged, rtol=1e-6, atol=1e-6) for _ in range(3))
