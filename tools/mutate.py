@@ -75,11 +75,20 @@ TARGETS: dict[str, tuple[tuple[str, ...] | None, list[list[str]]]] = {
     **{
         f"lora_func/variants/{name}.py": (
             None,
-            [["tests/test_variants_structured_b.py", "-k", select], [KILLERS, "-k", select], [CONTRACT, "-k", select], [CATALOGUE, "-k", select]],
+            [
+                ["tests/test_variants_structured_b.py", "-k", select],
+                *([[f"tests/test_variant_{name}.py"]] if (REPO / f"tests/test_variant_{name}.py").exists() else []),
+                [KILLERS, "-k", select],
+                [CONTRACT, "-k", select],
+                [CATALOGUE, "-k", select],
+            ],
         )
         for name, select in (("oft", "oft and not boft"), ("boft", "boft"), ("road", "road"), ("hira", "hira"))
     },
-    "lora_func/variants/_orthogonal.py": (None, [["tests/test_variants_structured_b.py", "-k", "oft"], [CONTRACT, "-k", "oft"]]),
+    "lora_func/variants/_orthogonal.py": (
+        None,
+        [["tests/test_variants_structured_b.py", "-k", "oft"], ["tests/test_variant_boft.py"], [CONTRACT, "-k", "oft"]],
+    ),
     # Issue 30, structured family (first part): the variant's own tests first (float64 peft
     # oracles and its structure), then its contract rows and rank stacks.
     **{
