@@ -114,10 +114,24 @@ TARGETS: dict[str, tuple[tuple[str, ...] | None, list[list[str]]]] = {
     },
     "lora_func/variants/_lycoris.py": (None, [["tests/test_variants_structured_a.py", "-k", "loha or lokr"], [CONTRACT, "-k", "loha or lokr"]]),
     # issue 30: the contract rows and the float64 peft oracles first (fast, exact), no properties
-    "lora_func/variants/shira.py": (None, [[CONTRACT, "-k", "shira"], ["tests/test_variants_structured_c.py", "-k", "shira"], [RANK_STACK, "-k", "shira"], [CATALOGUE, "-k", "shira"]]),
-    "lora_func/variants/fourierft.py": (None, [[CONTRACT, "-k", "fourierft"], ["tests/test_variants_structured_c.py", "-k", "fourierft"], [CATALOGUE, "-k", "fourierft"]]),
-    "lora_func/variants/c3a.py": (None, [[CONTRACT, "-k", "c3a"], ["tests/test_variants_structured_c.py", "-k", "c3a"], [CATALOGUE, "-k", "c3a"]]),
-    "lora_func/variants/_sparse.py": (None, [[CONTRACT, "-k", "shira or fourierft"], ["tests/test_variants_structured_c.py"]]),
+    **{
+        f"lora_func/variants/{name}.py": (
+            None,
+            [
+                [CONTRACT, "-k", name],
+                ["tests/test_variants_structured_c.py", "-k", name],
+                *([[f"tests/test_variant_{name}.py"]] if (REPO / f"tests/test_variant_{name}.py").exists() else []),
+                [KILLERS, "-k", name],
+                *([[RANK_STACK, "-k", name]] if name == "shira" else []),
+                [CATALOGUE, "-k", name],
+            ],
+        )
+        for name in ("shira", "fourierft", "c3a")
+    },
+    "lora_func/variants/_sparse.py": (
+        None,
+        [[CONTRACT, "-k", "shira or fourierft"], ["tests/test_variants_structured_c.py"], *[[f] for f in ("tests/test_variant_fourierft.py", "tests/test_variant_shira.py") if (REPO / f).exists()]],
+    ),
     # The shared-basis variants (issue 31): their own oracle tests instead of the (slow) properties.
     **{
         f"lora_func/variants/{name}.py": (None, _variant_stages(name, f"tests/test_variant_{name}.py")[:-1])
