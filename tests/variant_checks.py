@@ -40,12 +40,15 @@ def init_params(module, variant: str, r: int, d_in: int, d_out: int, *, seed: in
     return params, buffers
 
 
-def assert_config_checks(variant: str, peft_config_cls, bad: dict[str, list], good: dict[str, list] | None = None) -> None:
+def assert_config_checks(
+    variant: str, peft_config_cls, bad: dict[str, list], good: dict[str, list] | None = None, peft_defaults: dict | None = None
+) -> None:
     """The variant's peft config checks (``PeftMethod.checks`` and ``PeftFormat.checks``): peft's
     default config passes them and reads as lora_func's default options (a config without the
     fields too); each value in ``bad`` (one field wrong at a time, out of range, of the wrong
     type, not finite) is refused by the loader's check with the field's name; each value in
-    ``good`` (the edges of the valid range) passes."""
+    ``good`` (the edges of the valid range) passes. ``peft_defaults``: the options peft's default
+    config reads as, where they are not lora_func's defaults."""
     import lora_func as lf
     from lora_func.io._peft_config import _config_problems
 
@@ -54,7 +57,7 @@ def assert_config_checks(variant: str, peft_config_cls, bad: dict[str, list], go
     config = {"peft_type": fmt.method.peft_type, **defaults}
     assert _config_problems(config) == [], _config_problems(config)
     options = dict(lf.AdapterSpec(variant, targets=["x"]).options)
-    assert fmt.reads(config, "x") == options and fmt.reads({}, "x") == options
+    assert fmt.reads(config, "x") == (options if peft_defaults is None else peft_defaults) and fmt.reads({}, "x") == options
     for name, values in bad.items():
         for value in values:
             problems = _config_problems({**config, name: value})
