@@ -73,10 +73,22 @@ TARGETS: dict[str, tuple[tuple[str, ...] | None, list[list[str]]]] = {
     # issue 30 (b): the peft oracle and the variant's own tests first (fast, exact), then the
     # contract rows and the catalogue; no hypothesis stage (it draws every variant: too slow per mutant).
     **{
-        f"lora_func/variants/{name}.py": (None, [["tests/test_variants_structured_b.py", "-k", select], [CONTRACT, "-k", select], [CATALOGUE, "-k", select]])
+        f"lora_func/variants/{name}.py": (
+            None,
+            [
+                ["tests/test_variants_structured_b.py", "-k", select],
+                *([[f"tests/test_variant_{name}.py"]] if (REPO / f"tests/test_variant_{name}.py").exists() else []),
+                [KILLERS, "-k", select],
+                [CONTRACT, "-k", select],
+                [CATALOGUE, "-k", select],
+            ],
+        )
         for name, select in (("oft", "oft and not boft"), ("boft", "boft"), ("road", "road"), ("hira", "hira"))
     },
-    "lora_func/variants/_orthogonal.py": (None, [["tests/test_variants_structured_b.py", "-k", "oft"], [CONTRACT, "-k", "oft"]]),
+    "lora_func/variants/_orthogonal.py": (
+        None,
+        [["tests/test_variants_structured_b.py", "-k", "oft or cayley or dropout"], ["tests/test_orthogonal.py", "tests/test_variant_boft.py"], [CONTRACT, "-k", "oft"]],
+    ),
     # Issue 30, structured family (first part): the variant's own tests first (float64 peft
     # oracles and its structure), then its contract rows and rank stacks.
     **{
@@ -84,14 +96,42 @@ TARGETS: dict[str, tuple[tuple[str, ...] | None, list[list[str]]]] = {
             None,
             [["tests/test_variants_structured_a.py", "-k", name], [CONTRACT, "-k", name], [RANK_STACK, "-k", name]],
         )
-        for name in ("loha", "lokr", "gralora", "miss")
+        for name in ("loha", "lokr")
+    },
+    # + their init, config checks and documented defaults (tests/test_variant_<name>.py, the
+    # killers' rows), which the oracles (perturbed tensors) cannot see
+    **{
+        f"lora_func/variants/{name}.py": (
+            None,
+            [
+                ["tests/test_variants_structured_a.py", "-k", name],
+                [f"tests/test_variant_{name}.py", KILLERS, "-k", name],
+                [CONTRACT, "-k", name],
+                [RANK_STACK, "-k", name],
+            ],
+        )
+        for name in ("gralora", "miss")
     },
     "lora_func/variants/_lycoris.py": (None, [["tests/test_variants_structured_a.py", "-k", "loha or lokr"], [CONTRACT, "-k", "loha or lokr"]]),
     # issue 30: the contract rows and the float64 peft oracles first (fast, exact), no properties
-    "lora_func/variants/shira.py": (None, [[CONTRACT, "-k", "shira"], ["tests/test_variants_structured_c.py", "-k", "shira"], [RANK_STACK, "-k", "shira"], [CATALOGUE, "-k", "shira"]]),
-    "lora_func/variants/fourierft.py": (None, [[CONTRACT, "-k", "fourierft"], ["tests/test_variants_structured_c.py", "-k", "fourierft"], [CATALOGUE, "-k", "fourierft"]]),
-    "lora_func/variants/c3a.py": (None, [[CONTRACT, "-k", "c3a"], ["tests/test_variants_structured_c.py", "-k", "c3a"], [CATALOGUE, "-k", "c3a"]]),
-    "lora_func/variants/_sparse.py": (None, [[CONTRACT, "-k", "shira or fourierft"], ["tests/test_variants_structured_c.py"]]),
+    **{
+        f"lora_func/variants/{name}.py": (
+            None,
+            [
+                [CONTRACT, "-k", name],
+                ["tests/test_variants_structured_c.py", "-k", name],
+                *([[f"tests/test_variant_{name}.py"]] if (REPO / f"tests/test_variant_{name}.py").exists() else []),
+                [KILLERS, "-k", name],
+                *([[RANK_STACK, "-k", name]] if name == "shira" else []),
+                [CATALOGUE, "-k", name],
+            ],
+        )
+        for name in ("shira", "fourierft", "c3a")
+    },
+    "lora_func/variants/_sparse.py": (
+        None,
+        [[CONTRACT, "-k", "shira or fourierft"], ["tests/test_variants_structured_c.py"], *[[f] for f in ("tests/test_variant_fourierft.py", "tests/test_variant_shira.py") if (REPO / f).exists()]],
+    ),
     "lora_func/variants/waveft.py": (
         None,
         [["tests/test_waveft.py"], [CONTRACT, "-k", "waveft"], [CATALOGUE, "-k", "waveft"], [KILLERS, "-k", "documented_defaults and waveft"]],
