@@ -51,6 +51,8 @@ VS_PEFT_ROWS = ("lora", "dora", "delora", "hra", "ia3", "ia3_ff", "ia3_kv_down")
 VS_PEFT_ROWS += ("oft", "boft", "road", "hira")
 # Issue 30 (structured family): LoHa, LoKr, GraLoRA and MiSS lazy at most peft's on every count.
 VS_PEFT_ROWS += c.STRUCTURED_A
+# Issue 30 (part c): C3A's lazy FFT form at most peft's too.
+VS_PEFT_ROWS += ("c3a",)
 TARGET_DTYPE = "bfloat16"
 
 

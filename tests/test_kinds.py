@@ -311,3 +311,11 @@ def test_lycoris_conv_kernels_follow_peft_s_formula_train_and_reload(variant, ef
     loaded = lf.load(lf.save(adapter, tmp_path / "a.safetensors"), model=model)
     assert loaded.layers == adapter.layers and [layer.info.kernel for layer in loaded.layers] == [(2, 2, 2), (2, 1), (2,)]
     assert torch.equal(lf.adapted_call(model, loaded, x), lf.adapted_call(model, adapter, x))
+
+
+def test_a_grouped_conv_is_refused_naming_its_groups():
+    model = nn.Sequential()
+    model.add_module("depthwise", nn.Conv2d(4, 4, 3, groups=4))
+    for variant in ("lora", "loha", "lokr"):
+        with pytest.raises(ValueError, match=r"depthwise \(Conv2d with groups=4; conv layers are adapted with groups=1 only\)"):
+            lf.init_adapter(model, lf.AdapterSpec(variant, targets=["depthwise"], r=2))
