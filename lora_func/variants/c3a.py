@@ -146,8 +146,9 @@ def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: Ba
     # Under torch.compile, autograd through the FFTs (the compiler plans what to save itself;
     # dynamo's handling of a custom Function here warns about instantiating it).
     conv = circular_convolution if torch.compiler.is_compiling() else _CircularConvolution.apply
-    # 1/d_in on the (m, n, b) kernel, not on the (..., d_out) output: the same ops, far fewer bytes.
-    return y + cast(Tensor, conv(x.to(ct), kernel.to(ct) / info.d_in)).to(y.dtype)
+    # 1/d_in on the output, as peft: on the kernel it would write less, but the scaled kernel
+    # is a new tensor that backward keeps (more saved bytes than peft's).
+    return y + (cast(Tensor, conv(x.to(ct), kernel.to(ct))) / info.d_in).to(y.dtype)
 
 
 def check_options(options: Mapping[str, Any]) -> None:
