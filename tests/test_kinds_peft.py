@@ -316,3 +316,38 @@ def test_save_peft_loads_in_peft_with_the_same_outputs(case, tmp_path):
     again = lf.load_peft(tmp_path, case.build())
     for key, tensor in adapter.params.items():
         assert torch.equal(again.params[key], tensor.to(again.params[key].dtype)), key
+
+
+@pytest.mark.parametrize(
+    ("variant", "config"),
+    [
+        ("loha", lambda: LoHaConfig(r=2, alpha=ALPHA, target_modules=_LYC_CONVS, use_effective_conv2d=True, init_weights=False)),
+        ("loha", lambda: LoHaConfig(r=2, alpha=ALPHA, target_modules=_LYC_CONVS, use_effective_conv2d=True)),
+        ("lokr", lambda: LoKrConfig(r=1, alpha=ALPHA, target_modules=_LYC_CONVS, use_effective_conv2d=True, decompose_both=True, decompose_factor=4, init_weights=False)),
+        ("lokr", lambda: LoKrConfig(r=1, alpha=ALPHA, target_modules=_LYC_CONVS, init_weights="lycoris")),
+        ("lokr", lambda: LoKrConfig(r=R, alpha=ALPHA, target_modules=_LYC_CONVS, init_weights=False)),
+    ],
+    ids=["loha-cp-random", "loha-cp-default", "lokr-cp-random", "lokr-lycoris", "lokr-whole-random"],
+)
+def test_conv_inits_draw_peft_s_numbers(variant, config, tmp_path):
+    """On conv kernels ``init_adapter`` draws what peft draws, in its order and on its shapes (a
+    CP factor's fan-in is peft's ``(r, d)`` one): from the same seed, the same tensors exactly."""
+    cfg = config()
+    torch.manual_seed(11)
+    peft_model = _peft(_pointconvnet(), cfg)  # the base built first, then the adapters' draws
+    want = {_peft_key(n): p.detach() for n, p in peft_model.named_parameters() if p.requires_grad}
+    options = {"use_effective_conv2d": cfg.use_effective_conv2d}
+    options["init"] = {True: "default", False: "random", "lycoris": "lycoris"}[cfg.init_weights]
+    if variant == "lokr":
+        options |= {"decompose_both": cfg.decompose_both, "decompose_factor": cfg.decompose_factor}
+    model = _pointconvnet()
+    generator = torch.Generator().manual_seed(0)
+    torch.manual_seed(11)
+    _pointconvnet()  # the same global draws as peft's base build above
+    generator.set_state(torch.get_rng_state())
+    spec = lf.AdapterSpec(variant, targets=_LYC_CONVS, r=cfg.r, alpha=ALPHA, **options)
+    adapter = lf.init_adapter(model, spec, generator=generator)
+    got = _as_peft(adapter, dict(adapter.params), tmp_path)
+    assert sorted(got) == sorted(want)
+    for key, tensor in want.items():
+        assert torch.equal(got[key].to(tensor.dtype), tensor), key
