@@ -87,15 +87,15 @@ TARGETS: dict[str, tuple[tuple[str, ...] | None, list[list[str]]]] = {
         for name in ("loha", "lokr", "gralora", "miss")
     },
     # LoHa / LoKr with their conv kernels (issue 30 leftovers; these replace the entries above):
-    # the float64 peft oracles on conv kernels and the conv formula first, then the Linear oracles,
-    # the contract rows, rank stacks and the catalogue.
+    # the conv formula first (no peft model: fast), the Linear oracles, the float64 peft oracles
+    # on conv kernels, then the contract rows, rank stacks and the catalogue.
     **{
         f"lora_func/variants/{name}.py": (
             None,
             [
-                ["tests/test_kinds_peft.py", "-k", select],
                 ["tests/test_kinds.py", "-k", f"lycoris and {name}"],
                 ["tests/test_variants_structured_a.py", "-k", select],
+                ["tests/test_kinds_peft.py", "-k", select],
                 [CONTRACT, "-k", select],
                 [RANK_STACK, "-k", select],
                 [CATALOGUE, "-k", f"lycoris or {name}"],
