@@ -53,6 +53,8 @@ VS_PEFT_ROWS += ("oft", "boft", "road", "hira")
 VS_PEFT_ROWS += c.STRUCTURED_A
 # Issue 30: WaveFT lazy at most peft's on every count.
 VS_PEFT_ROWS += ("waveft",)
+# Issue 30 (part c): C3A's lazy FFT form at most peft's too.
+VS_PEFT_ROWS += ("c3a",)
 TARGET_DTYPE = "bfloat16"
 
 

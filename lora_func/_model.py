@@ -132,6 +132,7 @@ def layer_info(spec: AdapterSpec, target: Target, *, r: int | None = None, alpha
         alpha=spec.alpha if alpha is None else alpha,
         has_bias=target.bias_key is not None,
         options=spec.options,
+        kernel=target.shape[2:] if target.layout == "conv" else (),
     )
 
 

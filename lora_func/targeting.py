@@ -253,6 +253,14 @@ def _did_you_mean(wanted: list[str], modules: list[tuple[str, nn.Module]]) -> st
     return f"no module name is close; the layers it can adapt are named {shown}"
 
 
+def _no_kind(module: nn.Module) -> str:
+    """What a module of no kind is, for the refusal: its class, and a grouped conv's groups (the
+    conv kind's canonical view holds one kernel over all input channels)."""
+    if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+        return f"{type(module).__name__} with groups={module.groups}; conv layers are adapted with groups=1 only"
+    return type(module).__name__
+
+
 def _sizes(kind: str, shape: Sequence[int]) -> tuple[int, int]:
     """``(d_in, d_out)`` of a stored weight of ``kind`` (the kinds table)."""
     if kind == "linear":
@@ -355,7 +363,7 @@ def find_targets(model: nn.Module, spec: AdapterSpec, where: str = "init_adapter
         )
     kinds = [(name, module, layer_kind(module)) for name, module in matched]
     if spec.layer_types is None:
-        unsupported = sorted(f"{name} ({type(module).__name__})" for name, module, kind in kinds if kind is None)
+        unsupported = sorted(f"{name} ({_no_kind(module)})" for name, module, kind in kinds if kind is None)
         if unsupported:
             raise ValueError(  # error: target-unsupported-kind
                 f"target(s) {unsupported} are of no kind lora_func adapts ({', '.join(KINDS.values())}); narrow "

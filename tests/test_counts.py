@@ -65,6 +65,11 @@ PINNED["float32"] |= {
 PINNED["bfloat16"] |= {"oft": (393216, 3276288, 156), "boft": (242688, 662016, 120), "road": (530432, 4214784, 156), "hira": (327680, 2367488, 64)}
 PINNED["float32"] |= {"oft": (262144, 2489856, 140), "boft": (275456, 530944, 108), "road": (530432, 3428352, 140), "hira": (196608, 1581056, 44)}
 
+# issue 30 (c): C3A's lazy FFT form, measured at ARGS (peft's are the same on both dtypes).
+ROWS += ("c3a",)
+PINNED["bfloat16"] |= {"c3a": (262144, 5373952, 76)}
+PINNED["float32"] |= {"c3a": (131072, 4849664, 60)}
+
 
 @pytest.fixture(scope="module")
 def counts_script():

@@ -1265,6 +1265,24 @@ CASES.update(
 RNG_ADVANCES = RNG_ADVANCES | {"gralora-rank", "gralora-sizes", "miss-bat-sizes", "miss-mini-r"}
 
 
+# LoHa / LoKr on conv kernels (issue 30)
+
+
+def _loha_on_conv3d(ctx: Ctx) -> tuple[Any, nn.Module | None]:
+    model = nn.Sequential()
+    model.add_module("vol", nn.Conv3d(2, 3, 2))
+    return ctx.adapter(ctx.track(model), variant="loha", targets=["vol"]), None
+
+
+CASES.update(
+    {
+        "lycoris-conv-dropout": Case(init("lokr", ["grid"], kind="convlm", r=2, module_dropout=0.1), ("lokr", "grid", "kernel (3, 2)", "module_dropout=0.1")),
+        "save-peft-lycoris-conv3d": Case(save_peft_of(_loha_on_conv3d), ("loha", "(2, 2, 2)", "lora_func.save")),
+    }
+)
+RNG_ADVANCES = RNG_ADVANCES | {"lycoris-conv-dropout"}
+
+
 # Cases whose failing call leaves something under tmp_path (a known gap, reported): the
 # expected change, exactly. None at the moment (save_checkpoint used to create its directory
 # before refusing a foreign optimiser).

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 import lora_func as lf
 from lora_func.targeting import KINDS, kind_of_layout
@@ -227,3 +228,94 @@ def test_load_refuses_a_file_whose_variant_no_longer_adapts_a_kind(models, tmp_p
     monkeypatch.setattr(native, "get_variant", lambda name: narrow)
     with pytest.raises(ValueError, match=r"load\(.*\): variant 'lora' cannot adapt \['model.embed_tokens \(embedding\)'\]"):
         lf.load(path, model=model)
+
+
+# ------------------------------------------------ LoHa / LoKr on conv kernels (issue 30)
+
+
+class _Kernels(nn.Module):
+    """A Conv3d (peft has no LyCORIS form for it; lora_func does), a Conv2d with a non-square
+    kernel and a Conv1d, with channels that LoKr factors into W2's of more than 2r (W2 factored,
+    so ``use_effective_conv2d`` gives its CP form)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.vol = nn.Conv3d(24, 12, 2)
+        self.grid = nn.Conv2d(24, 12, (2, 1), bias=False)
+        self.seq = nn.Conv1d(12, 20, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.vol(x))  # (n, 12, 2, 2, 2)
+        h = torch.tanh(self.grid(h.reshape(h.shape[0], 24, 2, 2)))  # (n, 12, 1, 2)
+        return self.seq(h.flatten(2))  # (n, 20, 1)
+
+
+def _kernel_delta(variant: str, p: dict, shape: tuple[int, ...], s: float) -> torch.Tensor:
+    """peft's ΔW in the stored kernel's shape, written out from its layer code (a CP core's
+    factors are lora_func's (d, r): peft's transposed)."""
+    kernel = shape[2:]
+
+    def cp(core, w_a, w_b):
+        return torch.einsum("ij...,pi,jc->pc...", core.reshape(*core.shape[:2], *kernel), w_a, w_b)
+
+    if variant == "loha":
+        if "hada_t1" in p:
+            return s * cp(p["hada_t1"], p["hada_w1_a"], p["hada_w1_b"]) * cp(p["hada_t2"], p["hada_w2_a"], p["hada_w2_b"])
+        return s * ((p["hada_w1_a"] @ p["hada_w1_b"]) * (p["hada_w2_a"] @ p["hada_w2_b"])).reshape(shape)
+    w1 = p["lokr_w1"] if "lokr_w1" in p else p["lokr_w1_a"] @ p["lokr_w1_b"]
+    if "lokr_t2" in p:
+        w2 = cp(p["lokr_t2"], p["lokr_w2_a"], p["lokr_w2_b"])
+    else:
+        w2 = (p["lokr_w2"] if "lokr_w2" in p else p["lokr_w2_a"] @ p["lokr_w2_b"]).reshape(-1, shape[1] // w1.shape[1], *kernel)
+    # copies in plain strides: torch.kron cannot view an einsum's size-1 axis of another stride
+    plain = torch.contiguous_format
+    return s * torch.kron(w1.reshape(*w1.shape, *[1] * len(kernel)).clone(memory_format=plain), w2.clone(memory_format=plain))
+
+
+@pytest.mark.parametrize("effective", [False, True], ids=["flat", "cp"])
+@pytest.mark.parametrize("variant", ["loha", "lokr"])
+def test_lycoris_conv_kernels_follow_peft_s_formula_train_and_reload(variant, effective, tmp_path):
+    """LoHa / LoKr on Conv1d/2d/3d: identity at init; after a perturbation every route (lazy and
+    merged, overlay and module) gives the kernels of peft's formula, CP cores included; a few
+    steps lower the loss; a native file reloads the same adapter (its kernels from the targets)."""
+    torch.manual_seed(0)
+    model = _Kernels().to(torch.float64)
+    x = torch.randn(2, 24, 3, 3, 3, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    spec = lf.AdapterSpec(variant, targets=["vol", "grid", "seq"], r=2, alpha=3.0, dtype=torch.float64, use_effective_conv2d=effective)
+    adapter = lf.init_adapter(model, spec, generator=torch.Generator().manual_seed(0))
+    assert ("hada_t1" if variant == "loha" else "lokr_t2") in str(adapter.params.keys()) if effective else "_t" not in str(adapter.params.keys())
+    torch.testing.assert_close(lf.adapted_call(model, adapter, x), model(x), rtol=0, atol=1e-12)
+    adapter = _perturbed(adapter, scale=0.5)
+    base = lf.base_params(model)
+    oracle = dict(base)
+    for layer in adapter.layers:
+        t = layer.target
+        oracle[t.weight_key] = base[t.weight_key] + _kernel_delta(variant, adapter.layer_tensors(layer)[0], tuple(base[t.weight_key].shape), 1.5)
+    want = torch.func.functional_call(model, oracle, (x,))
+    assert (want - model(x)).abs().max() > 1e-2 * want.abs().max()
+    for route in ("overlay", "module"):
+        for merged in (False, True):
+            got = lf.adapted_call(model, adapter, x, route=route, merged=merged)
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12, msg=f"{route} merged={merged}")
+
+    def loss(params):
+        return lf.adapted_call(model, adapter.with_params(params), x).square().mean()
+
+    params = {k: v.detach() for k, v in adapter.params.items()}
+    start = float(loss(params))
+    for _ in range(5):
+        grads = torch.func.grad(loss)(params)
+        assert all(g.abs().max() > 0 for g in grads.values())
+        params = {k: v - 0.05 * grads[k] for k, v in params.items()}
+    assert float(loss(params)) < 0.9 * start
+    loaded = lf.load(lf.save(adapter, tmp_path / "a.safetensors"), model=model)
+    assert loaded.layers == adapter.layers and [layer.info.kernel for layer in loaded.layers] == [(2, 2, 2), (2, 1), (2,)]
+    assert torch.equal(lf.adapted_call(model, loaded, x), lf.adapted_call(model, adapter, x))
+
+
+def test_a_grouped_conv_is_refused_naming_its_groups():
+    model = nn.Sequential()
+    model.add_module("depthwise", nn.Conv2d(4, 4, 3, groups=4))
+    for variant in ("lora", "loha", "lokr"):
+        with pytest.raises(ValueError, match=r"depthwise \(Conv2d with groups=4; conv layers are adapted with groups=1 only\)"):
+            lf.init_adapter(model, lf.AdapterSpec(variant, targets=["depthwise"], r=2))

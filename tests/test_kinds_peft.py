@@ -17,7 +17,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from peft import LNTuningConfig, LoraConfig, PeftModel, get_peft_model
+from peft import LNTuningConfig, LoHaConfig, LoKrConfig, LoraConfig, PeftModel, get_peft_model
 from torch import nn
 from torch.func import grad
 from transformers import MixtralConfig, MixtralForCausalLM
@@ -65,6 +65,26 @@ class ConvNet(nn.Module):
 def _convnet(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     return ConvNet().to(torch.float64).eval()
+
+
+class PointConvNet(ConvNet):
+    """:class:`ConvNet` with a 1x1 Conv2d after ``conv2`` (peft's LyCORIS forms treat it as a Linear)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.point = nn.Conv2d(6, 6, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.point(F.relu(self.conv2(F.relu(self.conv1(x))))))
+        return self.head(F.relu(self.seq(h.flatten(2))).flatten(1))
+
+
+def _pointconvnet(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return PointConvNet().to(torch.float64).eval()
+
+
+_LYC_CONVS = ["conv1", "conv2", "point", "seq"]
 
 
 def _mixtral(implementation: str, seed: int = 0) -> nn.Module:
@@ -129,6 +149,23 @@ def _tokens_with_padding():
 CASES = {
     "embedding": (_llama64, lambda: LoraConfig(r=R, lora_alpha=ALPHA, target_modules=["embed_tokens", "q_proj"]), _tokens_with_padding, _lm_loss, 1e-9),
     "conv": (_convnet, lambda: LoraConfig(r=R, lora_alpha=ALPHA, target_modules=["conv1", "conv2", "seq"]), _conv_input, lambda out, x: out.square().mean(), 1e-9),
+    # LoHa / LoKr on conv kernels: the flattened forms (1x1 included); the CP forms of
+    # use_effective_conv2d (1x1 falls back, Conv1d's (r, r, k, 1) core); LoKr's whole W2 (peft's
+    # odd layout on the Conv1d), factored W2 (conv1 at r=1), decompose_both with decompose_factor.
+    "loha-conv": (_pointconvnet, lambda: LoHaConfig(r=R, alpha=ALPHA, target_modules=_LYC_CONVS), _conv_input, lambda out, x: out.square().mean(), 1e-9),
+    "loha-conv-cp": (
+        _pointconvnet, lambda: LoHaConfig(r=2, alpha=ALPHA, target_modules=_LYC_CONVS, use_effective_conv2d=True),
+        _conv_input, lambda out, x: out.square().mean(), 1e-9,
+    ),
+    "lokr-conv": (
+        _pointconvnet, lambda: LoKrConfig(r=R, alpha=ALPHA, target_modules=_LYC_CONVS, rank_pattern={"conv1": 1}),
+        _conv_input, lambda out, x: out.square().mean(), 1e-9,
+    ),
+    "lokr-conv-cp": (
+        _pointconvnet,
+        lambda: LoKrConfig(r=1, alpha=ALPHA, target_modules=_LYC_CONVS, use_effective_conv2d=True, decompose_both=True, decompose_factor=4),
+        _conv_input, lambda out, x: out.square().mean(), 1e-9,
+    ),
     "experts-eager": (
         lambda seed=0: _mixtral("eager", seed),
         lambda: LoraConfig(r=R, lora_alpha=ALPHA, target_modules=[], target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]),
@@ -172,16 +209,31 @@ def _peft_key(name: str) -> str:
     return name.replace(".default", "")
 
 
+def _make_kron_mended(w1, w2, scale=1.0):
+    """peft's LoKr ``make_kron`` on copies in plain strides: on a Conv1d's CP form peft's own
+    crashes in 0.21.2 (its einsum gives the ``(k, n, ks, 1)`` W2 a size-1 axis of stride
+    ``k·n·ks``, which ``torch.kron`` cannot view)."""
+    if len(w2.shape) == 4:
+        w1 = w1.unsqueeze(2).unsqueeze(2)
+    return torch.kron(w1.clone(memory_format=torch.contiguous_format), w2.clone(memory_format=torch.contiguous_format)) * scale
+
+
 @pytest.fixture(scope="module", params=sorted(CASES))
 def case(request, tmp_path_factory):
     build, config, inputs, loss, rtol = CASES[request.param]
+    mend = pytest.MonkeyPatch()
+    if request.param == "lokr-conv-cp":
+        import peft.tuners.lokr.layer as lokr_layer
+
+        mend.setattr(lokr_layer, "make_kron", _make_kron_mended)
     peft_model = _peft(build(), config())
     _perturb(peft_model)
     path = tmp_path_factory.mktemp(request.param)
     _save_pretrained(peft_model, path)
     lf_model = build()
     adapter = lf.load_peft(path, lf_model)
-    return types.SimpleNamespace(name=request.param, peft=peft_model, model=lf_model, adapter=adapter, x=inputs(), loss=loss, rtol=rtol, build=build)
+    yield types.SimpleNamespace(name=request.param, peft=peft_model, model=lf_model, adapter=adapter, x=inputs(), loss=loss, rtol=rtol, build=build)
+    mend.undo()
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, rtol: float, what: str) -> None:
@@ -202,8 +254,26 @@ def test_load_peft_gives_peft_outputs_on_every_route(case):
             _close(out.logits if hasattr(out, "logits") else out, want.detach(), case.rtol, f"{route} merged={merged}")
 
 
-def test_load_peft_gives_peft_gradients_per_tensor(case, tmp_path):
+def _make_weight_cp_by_autograd(t1, w1a, w1b, t2, w2a, w2b, scale):
+    """peft's LoHa ``make_weight_cp`` forward, differentiated by autograd: peft 0.21's
+    ``HadaWeightCP.backward`` swaps the two Hadamard factors in the ``hada_w1_a`` / ``hada_w2_a``
+    gradients (each uses the other factor's ``t·w_b``)."""
+    rebuild1 = torch.einsum("i j k l, j r, i p -> p r k l", t1, w1b, w1a)
+    return rebuild1 * torch.einsum("i j k l, j r, i p -> p r k l", t2, w2b, w2a) * scale
+
+
+def test_load_peft_gives_peft_gradients_per_tensor(case, tmp_path, monkeypatch):
     want = _peft_grads(case.peft, case.x, case.loss)
+    if case.name == "loha-conv-cp":
+        import peft.tuners.loha.layer as loha_layer
+
+        peft_own = want
+        monkeypatch.setattr(loha_layer, "make_weight_cp", _make_weight_cp_by_autograd)
+        want = _peft_grads(case.peft, case.x, case.loss)
+        off = {k: float((peft_own[k] - want[k]).abs().max() / want[k].abs().max()) for k in want}
+        # peft's own backward is wrong exactly for the CP layers' hada_w*_a (the others agree)
+        assert {k for k, v in off.items() if v > 0.1} == {k for k in want if "_a." in k and k.split(".")[2] != "point"}, off
+        assert all(v < case.rtol for k, v in off.items() if "_a." not in k or k.split(".")[2] == "point"), off
 
     def loss(params):
         return case.loss(lf.adapted_call(case.model, case.adapter.with_params(params), case.x), case.x)
@@ -246,3 +316,38 @@ def test_save_peft_loads_in_peft_with_the_same_outputs(case, tmp_path):
     again = lf.load_peft(tmp_path, case.build())
     for key, tensor in adapter.params.items():
         assert torch.equal(again.params[key], tensor.to(again.params[key].dtype)), key
+
+
+@pytest.mark.parametrize(
+    ("variant", "config"),
+    [
+        ("loha", lambda: LoHaConfig(r=2, alpha=ALPHA, target_modules=_LYC_CONVS, use_effective_conv2d=True, init_weights=False)),
+        ("loha", lambda: LoHaConfig(r=2, alpha=ALPHA, target_modules=_LYC_CONVS, use_effective_conv2d=True)),
+        ("lokr", lambda: LoKrConfig(r=1, alpha=ALPHA, target_modules=_LYC_CONVS, use_effective_conv2d=True, decompose_both=True, decompose_factor=4, init_weights=False)),
+        ("lokr", lambda: LoKrConfig(r=1, alpha=ALPHA, target_modules=_LYC_CONVS, init_weights="lycoris")),
+        ("lokr", lambda: LoKrConfig(r=R, alpha=ALPHA, target_modules=_LYC_CONVS, init_weights=False)),
+    ],
+    ids=["loha-cp-random", "loha-cp-default", "lokr-cp-random", "lokr-lycoris", "lokr-whole-random"],
+)
+def test_conv_inits_draw_peft_s_numbers(variant, config, tmp_path):
+    """On conv kernels ``init_adapter`` draws what peft draws, in its order and on its shapes (a
+    CP factor's fan-in is peft's ``(r, d)`` one): from the same seed, the same tensors exactly."""
+    cfg = config()
+    torch.manual_seed(11)
+    peft_model = _peft(_pointconvnet(), cfg)  # the base built first, then the adapters' draws
+    want = {_peft_key(n): p.detach() for n, p in peft_model.named_parameters() if p.requires_grad}
+    options = {"use_effective_conv2d": cfg.use_effective_conv2d}
+    options["init"] = {True: "default", False: "random", "lycoris": "lycoris"}[cfg.init_weights]
+    if variant == "lokr":
+        options |= {"decompose_both": cfg.decompose_both, "decompose_factor": cfg.decompose_factor}
+    model = _pointconvnet()
+    generator = torch.Generator().manual_seed(0)
+    torch.manual_seed(11)
+    _pointconvnet()  # the same global draws as peft's base build above
+    generator.set_state(torch.get_rng_state())
+    spec = lf.AdapterSpec(variant, targets=_LYC_CONVS, r=cfg.r, alpha=ALPHA, **options)
+    adapter = lf.init_adapter(model, spec, generator=generator)
+    got = _as_peft(adapter, dict(adapter.params), tmp_path)
+    assert sorted(got) == sorted(want)
+    for key, tensor in want.items():
+        assert torch.equal(got[key].to(tensor.dtype), tensor), key

@@ -112,7 +112,23 @@ TARGETS: dict[str, tuple[tuple[str, ...] | None, list[list[str]]]] = {
         )
         for name in ("gralora", "miss")
     },
-    "lora_func/variants/_lycoris.py": (None, [["tests/test_variants_structured_a.py", "-k", "loha or lokr"], [CONTRACT, "-k", "loha or lokr"]]),
+    # LoHa / LoKr with their conv kernels (issue 30 leftovers; these replace the entries above):
+    # the conv formula first (no peft model: fast), the Linear oracles, the float64 peft oracles
+    # on conv kernels, then the contract rows, rank stacks and the catalogue.
+    **{
+        f"lora_func/variants/{name}.py": (
+            None,
+            [
+                ["tests/test_kinds.py", "-k", f"lycoris and {name}"],
+                ["tests/test_variants_structured_a.py", "-k", select],
+                ["tests/test_kinds_peft.py", "-k", select],
+                [CONTRACT, "-k", select],
+                [RANK_STACK, "-k", select],
+                [CATALOGUE, "-k", f"lycoris or {name}"],
+            ],
+        )
+        for name, select in (("loha", "loha"), ("lokr", "lokr"), ("_lycoris", "loha or lokr"))
+    },
     # issue 30: the contract rows and the float64 peft oracles first (fast, exact), no properties
     **{
         f"lora_func/variants/{name}.py": (

@@ -65,8 +65,10 @@ def _stored(fmt: PeftFormat, found: Mapping[str, Tensor], target: Target) -> dic
     """A layer's tensors (lora_func names) as peft stores them (peft suffixes and shapes) on ``target``."""
     kind = kind_of_layout(target.layout)
     out = {}
-    # A conversion may store a layer under the entry's other names (a top-k form, say).
-    names = [(n, s) for s, n in fmt.imported.items() if n in found] or list(fmt.keys_by_kind.get(kind, fmt.keys).items())
+    # A conversion may store a layer under the entry's other names (a top-k form, say), besides
+    # or instead of its keys (a LyCORIS CP layer's cores).
+    names = [(n, s) for s, n in fmt.imported.items() if n in found]
+    names += [(n, s) for n, s in fmt.keys_by_kind.get(kind, fmt.keys).items() if n not in dict(names)]
     for name, suffix in names:
         if name not in found:
             continue  # a tensor this layer does not have (PeftFormat.optional, layer_shapes)

@@ -93,10 +93,12 @@ def _layer_to_json(layer: AdapterLayer) -> dict:
 
 
 def _layer_from_json(data: dict) -> AdapterLayer:
-    info = data["info"]
+    info, target = data["info"], Target.from_dict(data["target"])
+    # a conv target's kernel comes from its stored shape (layer_info's rule), not from the file
+    kernel = target.shape[2:] if target.layout == "conv" else ()
     return AdapterLayer(
-        target=Target.from_dict(data["target"]),
-        info=LayerInfo(**(info | {"options": tuple((k, v) for k, v in info["options"])})),
+        target=target,
+        info=LayerInfo(**(info | {"options": tuple((k, v) for k, v in info["options"]), "kernel": kernel})),
         param_shapes=tuple((n, tuple(s)) for n, s in data["param_shapes"]),
         buffer_shapes=tuple((n, tuple(s)) for n, s in data["buffer_shapes"]),
         base_fingerprint=data["base_fingerprint"],

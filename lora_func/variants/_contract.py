@@ -73,6 +73,9 @@ class LayerInfo:
         rank-padded stack, as ``r``.
       has_bias: whether the base layer has a bias.
       options: the variant's resolved options, as sorted ``(name, value)`` pairs.
+      kernel: a conv target's kernel size (``"conv"`` kind: the stored weight is ``(d_out,
+        d_in // prod(kernel), *kernel)``, the canonical view its ``(d_out, d_in)`` flattening);
+        ``()`` on every other kind.
     """
 
     d_in: int
@@ -81,6 +84,7 @@ class LayerInfo:
     alpha: float
     has_bias: bool
     options: tuple[tuple[str, Any], ...] = ()
+    kernel: tuple[int, ...] = ()
 
     def option(self, name: str) -> Any:
         """The resolved value of the variant option ``name``."""

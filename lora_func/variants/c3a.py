@@ -75,7 +75,8 @@ def init(
 
 
 def _compute_dtype(t: Tensor) -> torch.dtype:
-    return torch.promote_types(t.dtype, torch.float32)
+    # fp32 or fp64 (torch.promote_types would run as an op of the step)
+    return t.dtype if t.dtype in (torch.float32, torch.float64) else torch.float32
 
 
 def delta(kernel: Tensor, d_in: int) -> Tensor:
@@ -105,13 +106,16 @@ def circular_convolution(x: Tensor, kernel: Tensor) -> Tensor:
 class _CircularConvolution(torch.autograd.Function):
     """:func:`circular_convolution` saving only its real inputs for backward (autograd through the
     FFTs would keep the complex spectra of the input and of the intermediate: 2-4x the bytes),
-    with the gradients as FFTs too. With ``g_i`` the output gradient's blocks:
+    with the gradients as FFTs too. With ``g_i`` the output gradient's blocks and ``G_i = fft(g_i)``
+    (one spectrum for both):
 
-        ∂x_j = Re(fft(Σ_i ifft(g_i) ⊙ b·ifft(w_ij))),   ∂w_ij = Re(fft(Σ_rows fft(g_i) ⊙ ifft(x_j)))
+        ∂x_j = Re(ifft(Σ_i G_i ⊙ fft(w_ij))),   ∂w_ij = Re(fft(Σ_rows G_i ⊙ ifft(x_j)))
 
-    (peft 0.21's hand-written backward has ``fft(g_i)`` in the first, which is its conjugate
-    spectrum: a wrong input gradient.) ``generate_vmap_rule``: vmap and ``torch.func`` see
-    through it (torch.compile gets the plain FFTs, see ``activation_form``)."""
+    (the first is ``Re(fft(Σ_i ifft(g_i) ⊙ b·ifft(w_ij)))``, the adjoint of the forward, with
+    ``ifft(v) = conj(fft(v))/b`` for real ``v``; peft 0.21's hand-written backward has
+    ``Re(fft(Σ_i G_i ⊙ ifft(w_ij)))`` there, the conjugate spectrum: a wrong input gradient.)
+    ``generate_vmap_rule``: vmap and ``torch.func`` see through it (torch.compile gets the plain
+    FFTs, see ``activation_form``)."""
 
     generate_vmap_rule = True
 
@@ -129,8 +133,9 @@ class _CircularConvolution(torch.autograd.Function):
         m, n, b = kernel.shape
         g = grad_out.reshape(*grad_out.shape[:-1], m, b)
         x_blocks = x.reshape(*x.shape[:-1], n, b)
-        grad_x = torch.fft.fft(torch.einsum("...mb,mnb->...nb", torch.fft.ifft(g), torch.fft.ifft(kernel) * b)).real
-        grad_kernel = torch.fft.fft(torch.einsum("...mb,...nb->mnb", torch.fft.fft(g), torch.fft.ifft(x_blocks))).real
+        spectrum = torch.fft.fft(g)
+        grad_x = torch.fft.ifft(torch.einsum("...mb,mnb->...nb", spectrum, torch.fft.fft(kernel))).real
+        grad_kernel = torch.fft.fft(torch.einsum("...mb,...nb->mnb", spectrum, torch.fft.ifft(x_blocks))).real
         return grad_x.reshape(x.shape), grad_kernel
 
 
@@ -141,6 +146,8 @@ def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: Ba
     # Under torch.compile, autograd through the FFTs (the compiler plans what to save itself;
     # dynamo's handling of a custom Function here warns about instantiating it).
     conv = circular_convolution if torch.compiler.is_compiling() else _CircularConvolution.apply
+    # 1/d_in on the output, as peft: on the kernel it would write less, but the scaled kernel
+    # is a new tensor that backward keeps (more saved bytes than peft's).
     return y + (cast(Tensor, conv(x.to(ct), kernel.to(ct))) / info.d_in).to(y.dtype)
 
 

@@ -21,9 +21,21 @@ kaiming-uniform (``a = √5``), ``W2b = 0``, so ``ΔW = 0`` and the step-0 gradi
 Training only, as peft (lazy path; the merged path has no dropout, as peft's merged layers):
 ``module_dropout`` skips the whole update with that probability, ``rank_dropout`` zeroes
 output rows of the update and rescales the kept ones by the kept fraction (peft's draws, in
-its order: :func:`lora_func.variants._lycoris.output_keep`). ``use_effective_conv2d`` acts on
-conv kernels only: on Linear and Conv1D it is ignored, as in peft, and saved as it is. peft
-rounds the scale to fp32 (``torch.tensor(alpha / r)``); lora_func keeps it a Python float.
+its order: :func:`lora_func.variants._lycoris.output_keep`). peft rounds the scale to fp32
+(``torch.tensor(alpha / r)``); lora_func keeps it a Python float.
+
+Conv kernels (``nn.Conv1d/2d/3d``, the ``"conv"`` kind; peft's ``Conv1d`` / ``Conv2d`` layers):
+the kernel's canonical ``(d_out, c_in·K)`` view takes the Linear form as it is (``hada_w*_b``
+``(r, c_in·K)``), or, with ``use_effective_conv2d`` on a kernel of more than one position,
+peft's CP form: cores ``hada_t1``, ``hada_t2 (r, r, *kernel)`` (``(r, r, k, 1)`` on a Conv1d, as
+peft), ``hada_w*_a (d_out, r)`` (peft stores them ``(r, d_out)``), ``hada_w*_b (r, c_in)``:
+
+    ΔW[o, c, κ] = s · (Σ_ij T1[i,j,κ] W1a[o,i] W1b[j,c]) · (Σ_ij T2[i,j,κ] W2a[o,i] W2b[j,c])
+
+(cores kaiming-uniform in both inits). A conv applies through its merged kernel (one
+convolution with ``W + ΔW``: the update's activations would cost a second convolution), so the
+training-only dropouts are refused there. ``use_effective_conv2d`` is ignored on Linear, as in
+peft, and saved as it is.
 """
 
 from __future__ import annotations
@@ -49,6 +61,7 @@ from lora_func.variants import _lycoris
 
 INITS = ("default", "random")
 NAMES = ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b")
+CORES = ("hada_t1", "hada_t2")  # the CP form's, on conv kernels with use_effective_conv2d
 
 
 def init(
@@ -60,8 +73,11 @@ def init(
     generator: torch.Generator,
     calibration: Any = None,
 ) -> tuple[TensorDict, TensorDict]:
+    _lycoris.check_conv("loha", info)
     r, d_in, d_out = info.r, info.d_in, info.d_out
     a = math.sqrt(5)
+    if _lycoris.uses_cp(info):
+        return {k: v.to(weight.device, dtype) for k, v in _cp_init(info, generator).items()}, {}
     params = {
         "hada_w1_a": kaiming_uniform((d_out, r), a=a, generator=generator),
         "hada_w1_b": kaiming_uniform((r, d_in), a=a, generator=generator),
@@ -73,6 +89,25 @@ def init(
         ),
     }
     return {k: v.to(weight.device, dtype) for k, v in params.items()}, {}
+
+
+def _cp_init(info: LayerInfo, generator: torch.Generator) -> TensorDict:
+    """peft's CP-form draws in its order: kaiming-uniform on its own shapes (``(r, d_out)``
+    factors: fan-in ``d_out``), ``W2b`` zero by default, then both cores."""
+    r, c_in, a = info.r, info.d_in // math.prod(info.kernel), math.sqrt(5)
+    params = {
+        "hada_w1_a": kaiming_uniform((r, info.d_out), a=a, generator=generator).T,
+        "hada_w1_b": kaiming_uniform((r, c_in), a=a, generator=generator),
+        "hada_w2_a": kaiming_uniform((r, info.d_out), a=a, generator=generator).T,
+        "hada_w2_b": (
+            kaiming_uniform((r, c_in), a=a, generator=generator)
+            if info.option("init") == "random"
+            else torch.zeros((r, c_in), dtype=torch.float32)
+        ),
+    }
+    for core in ("hada_t1", "hada_t2"):
+        params[core] = kaiming_uniform(_lycoris.core_shape(r, info.kernel), a=a, generator=generator)
+    return {k: v.contiguous() for k, v in params.items()}
 
 
 def scale(info: LayerInfo) -> float | Tensor:
@@ -105,7 +140,11 @@ class _Hadamard(torch.autograd.Function):
 
 
 def delta_weight(params: TensorDict, info: LayerInfo) -> Tensor:
-    """``ΔW = s · (W1a W1b) ⊙ (W2a W2b)``, ``(d_out, d_in)``."""
+    """``ΔW = s · (W1a W1b) ⊙ (W2a W2b)``, ``(d_out, d_in)``; on a conv layer's CP form the two
+    rebuilt kernels instead (module docstring)."""
+    if "hada_t1" in params:
+        w1 = _lycoris.cp_rebuild(params["hada_t1"], params["hada_w1_a"], params["hada_w1_b"])
+        return w1 * _lycoris.cp_rebuild(params["hada_t2"], params["hada_w2_a"], params["hada_w2_b"]) * scale(info)
     factors = [params[n] for n in NAMES]
     if torch.compiler.is_compiling():
         # A trace plans its own saved tensors (and dynamo warns when it traces a custom Function).
@@ -165,6 +204,15 @@ def peft_shapes(r: int, d_in: int, d_out: int) -> dict[str, tuple[int, ...]]:
     return {"hada_w1_a": (d_out, r), "hada_w1_b": (r, d_in), "hada_w2_a": (d_out, r), "hada_w2_b": (r, d_in)}
 
 
+def layer_shapes(info: LayerInfo) -> dict[str, tuple[int, ...]]:
+    """One layer's tensors: :func:`peft_shapes`, or the CP form's on a conv kernel with ``use_effective_conv2d``."""
+    if not _lycoris.uses_cp(info):
+        return peft_shapes(info.r, info.d_in, info.d_out)
+    r, c_in = info.r, info.d_in // math.prod(info.kernel)
+    core = _lycoris.core_shape(r, info.kernel)
+    return {"hada_w1_a": (info.d_out, r), "hada_w1_b": (r, c_in), "hada_w2_a": (info.d_out, r), "hada_w2_b": (r, c_in), "hada_t1": core, "hada_t2": core}
+
+
 def _reads(config: Mapping[str, Any], module: str) -> dict[str, Any]:
     return _lycoris.peft_reads(config) | {"init": "default" if config.get("init_weights", True) else "random"}
 
@@ -179,12 +227,17 @@ PEFT = PeftFormat(
         alpha_key="alpha",
         checks=_lycoris.peft_checks() | {"init_weights": lambda v: isinstance(v, bool)},
     ),
-    {name: name for name in NAMES},
+    {name: name for name in (*NAMES, *CORES)},
     peft_shapes,
     lambda options: _lycoris.peft_config(options) | {"init_weights": options["init"] == "default"},
     _reads,
     # peft's LyCORIS tuners take nn.Linear / Conv1d / Conv2d only: GPT-2 Conv1D is refused.
     conv1d=False,
+    layer_shapes=layer_shapes,
+    # A CP layer (it holds the cores) stores its (d_out, r) factors as peft's (r, d_out).
+    export=_lycoris.cp_export("loha", ("hada_w1_a", "hada_w2_a"), "hada_t1"),
+    imported={core: core for core in CORES},
+    convert_in=_lycoris.cp_convert_in(("hada_w1_a", "hada_w2_a"), "hada_t1"),
 )
 
 
@@ -195,7 +248,9 @@ VARIANT = Variant(
     activation_form=activation_form,
     options={**_lycoris.OPTIONS, "init": "default"},
     default_alpha=8.0,
-    rank_axes={"hada_w1_a": 1, "hada_w1_b": 0, "hada_w2_a": 1, "hada_w2_b": 0},
+    rank_axes={"hada_w1_a": 1, "hada_w1_b": 0, "hada_w2_a": 1, "hada_w2_b": 0, "hada_t1": (0, 1), "hada_t2": (0, 1)},
     check_options=check_options,
     peft=PEFT,
+    # nn.Conv1d/2d/3d through the merged kernel (peft's LoHa takes Conv1d and Conv2d).
+    kinds=frozenset({"linear", "conv1d", "conv"}),
 )

@@ -27,6 +27,18 @@ Training only, as peft (lazy path): ``module_dropout`` skips the update, ``rank_
 zeroes output rows of it, rescaled by the kept fraction only with ``rank_dropout_scale``
 (:func:`lora_func.variants._lycoris.output_keep`). ``use_effective_conv2d`` (conv kernels
 only) is ignored on Linear and Conv1D, as in peft.
+
+Conv kernels (``nn.Conv1d/2d/3d``, the ``"conv"`` kind; peft's ``Conv1d`` / ``Conv2d`` layers):
+the channels are factored (``d_out = l·k``, ``c_in = m·n``) and ``W2`` carries the kernel's
+``K = prod(kernel)`` positions: ``W2 (k, n·K)`` in the canonical ``(d_out, c_in·K)`` view, so
+``ΔW = s · W1 ⊗ W2`` as on Linear. Whole, ``lokr_w2`` is peft's ``(k, n, *kernel)``; factored,
+``lokr_w2_b (r, n·K)``; with ``use_effective_conv2d`` (kernel of more than one position, ``W2``
+factored) peft's CP form ``W2[·, c, κ] = Σ_ij T2[i,j,κ] W2a[·,i] W2b[j,c]`` with ``lokr_t2 (r, r,
+*kernel)`` (``(r, r, k, 1)`` on a Conv1d), ``lokr_w2_a (k, r)`` (peft: ``(r, k)``), ``lokr_w2_b
+(r, n)``. On a Conv1d with a whole ``W2`` peft's ``torch.kron`` of a 2-D ``W1`` with the 3-D
+``W2`` lays the update out otherwise, ``ΔW[p·l + i, q·m·K + j·K + κ] = s · W1[i, j] W2[p, q, κ]``:
+lora_func computes that layout, so peft's checkpoints load exactly. A conv applies through its
+merged kernel; the training-only dropouts are refused there.
 """
 
 from __future__ import annotations
@@ -52,7 +64,7 @@ from lora_func.variants import (
 from lora_func.variants import _lycoris
 
 INITS = ("default", "lycoris", "random")
-NAMES = ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b")
+NAMES = ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b", "lokr_t2")
 
 
 def factorization(dimension: int, factor: int = -1) -> tuple[int, int]:
@@ -76,19 +88,25 @@ def factorization(dimension: int, factor: int = -1) -> tuple[int, int]:
     return (n, m) if m > n else (m, n)
 
 
-def layout(r: int, d_in: int, d_out: int, options: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
-    """The tensors of one layer and their shapes, as peft's ``update_layer`` decides them."""
+def layout(
+    r: int, d_in: int, d_out: int, options: Mapping[str, Any], kernel: tuple[int, ...] = ()
+) -> dict[str, tuple[int, ...]]:
+    """The tensors of one layer and their shapes, as peft's ``update_layer`` decides them; on a
+    conv ``kernel`` the channels ``d_in // prod(kernel)`` are factored (module docstring)."""
+    size = math.prod(kernel)
     out_l, out_k = factorization(d_out, options["decompose_factor"])
-    in_m, in_n = factorization(d_in, options["decompose_factor"])
+    in_m, in_n = factorization(d_in // size, options["decompose_factor"])
     shapes: dict[str, tuple[int, ...]] = {}
     if options["decompose_both"] and r < max(out_l, in_m) / 2:
         shapes |= {"lokr_w1_a": (out_l, r), "lokr_w1_b": (r, in_m)}
     else:
         shapes["lokr_w1"] = (out_l, in_m)
-    if r < max(out_k, in_n) / 2:
-        shapes |= {"lokr_w2_a": (out_k, r), "lokr_w2_b": (r, in_n)}
+    if r >= max(out_k, in_n) / 2:
+        shapes["lokr_w2"] = (out_k, in_n * size)
+    elif size > 1 and options["use_effective_conv2d"]:
+        shapes |= {"lokr_w2_a": (out_k, r), "lokr_w2_b": (r, in_n), "lokr_t2": _lycoris.core_shape(r, kernel)}
     else:
-        shapes["lokr_w2"] = (out_k, in_n)
+        shapes |= {"lokr_w2_a": (out_k, r), "lokr_w2_b": (r, in_n * size)}
     return shapes
 
 
@@ -101,23 +119,32 @@ def init(
     generator: torch.Generator,
     calibration: Any = None,
 ) -> tuple[TensorDict, TensorDict]:
+    _lycoris.check_conv("lokr", info)
     options = dict(info.options)
     how = options["init"]
     # peft's zero tensor: W1 (or W1a) by default, W2 (or W2b) the LyCORIS way, none at random.
     zero = {"default": ("lokr_w1", "lokr_w1_a"), "lycoris": ("lokr_w2", "lokr_w2_b"), "random": ()}[how]
     params = {}
-    for name, shape in layout(info.r, info.d_in, info.d_out, options).items():
+    shapes = layout(info.r, info.d_in, info.d_out, options, info.kernel)
+    for name, shape in shapes.items():  # peft's order: W1 (or W1a, W1b), W2 (or W2a, W2b), the core
         if name in zero:
             params[name] = torch.zeros(shape, dtype=torch.float32)
+        elif name == "lokr_w2_a" and "lokr_t2" in shapes:  # peft's (r, k): fan-in k
+            params[name] = kaiming_uniform(shape[::-1], a=math.sqrt(5), generator=generator).T.contiguous()
         else:
             params[name] = kaiming_uniform(shape, a=math.sqrt(5), generator=generator)
     return {k: v.to(weight.device, dtype) for k, v in params.items()}, {}
 
 
 def factor(params: TensorDict, which: str) -> Tensor:
-    """``W1`` or ``W2`` (``which`` is ``"w1"`` / ``"w2"``), whole: stored, or ``a @ b``."""
+    """``W1`` or ``W2`` (``which`` is ``"w1"`` / ``"w2"``), whole: stored, ``a @ b``, or the CP
+    form's ``W2 (k, n·K)`` on a conv kernel."""
     whole = params.get(f"lokr_{which}")
-    return whole if whole is not None else params[f"lokr_{which}_a"] @ params[f"lokr_{which}_b"]
+    if whole is not None:
+        return whole
+    if which == "w2" and "lokr_t2" in params:
+        return _lycoris.cp_rebuild(params["lokr_t2"], params["lokr_w2_a"], params["lokr_w2_b"])
+    return params[f"lokr_{which}_a"] @ params[f"lokr_{which}_b"]
 
 
 def w2_rows(params: TensorDict) -> int:
@@ -126,8 +153,15 @@ def w2_rows(params: TensorDict) -> int:
 
 
 def delta_weight(params: TensorDict, info: LayerInfo) -> Tensor:
-    """``ΔW = s · W1 ⊗ W2``, ``(d_out, d_in)``."""
-    return torch.kron(factor(params, "w1"), factor(params, "w2")) * (info.alpha / info.r)
+    """``ΔW = s · W1 ⊗ W2``, ``(d_out, d_in)``; peft's other layout on a Conv1d with a whole ``W2``
+    (module docstring)."""
+    w1, w2 = factor(params, "w1"), factor(params, "w2")
+    if len(info.kernel) == 1 and "lokr_w2" in params:
+        kernel_w2 = rearrange(w2, "p (q s) -> p q s", s=info.kernel[0])
+        delta = rearrange(torch.einsum("ij,pqs->piqjs", w1, kernel_w2), "p i q j s -> (p i) (q j s)")
+    else:
+        delta = torch.kron(w1, w2)
+    return delta * (info.alpha / info.r)
 
 
 def weight_form(
@@ -223,7 +257,13 @@ PEFT = PeftFormat(
     _peft_config,
     _reads,
     conv1d=False,  # peft's LyCORIS tuners take nn.Linear / Conv1d / Conv2d only
-    layer_shapes=lambda info: layout(info.r, info.d_in, info.d_out, dict(info.options)),
+    layer_shapes=lambda info: layout(info.r, info.d_in, info.d_out, dict(info.options), info.kernel),
+    # a whole W2 on a conv is peft's (k, n, *kernel); a CP layer's W2a is peft's (r, k)
+    to_peft=lambda kind, name, t, shape: t.reshape(t.shape[0], -1, *shape[2:]) if kind == "conv" and name == "lokr_w2" else t,
+    from_peft=lambda kind, name, t, shape: t.flatten(1) if kind == "conv" and name == "lokr_w2" else t,
+    export=_lycoris.cp_export("lokr", ("lokr_w2_a",), "lokr_t2"),
+    imported={"lokr_t2": "lokr_t2"},
+    convert_in=_lycoris.cp_convert_in(("lokr_w2_a",), "lokr_t2"),
 )
 
 
@@ -240,7 +280,9 @@ VARIANT = Variant(
         "rank_dropout_scale": False,
     },
     default_alpha=8.0,
-    rank_axes={"lokr_w1_a": 1, "lokr_w1_b": 0, "lokr_w2_a": 1, "lokr_w2_b": 0},
+    rank_axes={"lokr_w1_a": 1, "lokr_w1_b": 0, "lokr_w2_a": 1, "lokr_w2_b": 0, "lokr_t2": (0, 1)},
     check_options=check_options,
     peft=PEFT,
+    # nn.Conv1d/2d/3d through the merged kernel (peft's LoKr takes Conv1d and Conv2d).
+    kinds=frozenset({"linear", "conv1d", "conv"}),
 )

@@ -9,7 +9,14 @@ def _whole(p, which):
 
 def lokr_w_eff(p, b, W, bias, info):
     # ΔW = (alpha / r) · W1 ⊗ W2 (each whole or a product of two factors); bias unchanged.
-    return W + info.alpha / info.r * torch.kron(_whole(p, "w1"), _whole(p, "w2")), bias
+    w1, w2 = _whole(p, "w1"), _whole(p, "w2")
+    if info.kernel and "lokr_w2" in p:
+        # a conv's whole W2 as peft holds it, (k, n, *kernel), and peft's make_kron: torch.kron with
+        # W1 (l, m, 1, 1) on a 2-D kernel, with the 2-D W1 on a Conv1d's 3-D W2; then the kernel's reshape
+        w2 = w2.reshape(w2.shape[0], -1, *info.kernel)
+        w1 = w1[:, :, None, None] if w2.dim() == 4 else w1
+        return W + info.alpha / info.r * torch.kron(w1, w2).reshape(W.shape), bias
+    return W + info.alpha / info.r * torch.kron(w1, w2), bias
 
 
 ROWS = (
