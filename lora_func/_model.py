@@ -9,6 +9,7 @@ writes to a model.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Mapping
 from typing import Any, cast
@@ -30,6 +31,7 @@ __all__ = [
     "check_base_params",
     "fresh_layer",
     "layer_info",
+    "numbered_layers",
     "target_weight",
     "variant_init",
     "weight_fingerprint",
@@ -131,6 +133,13 @@ def layer_info(spec: AdapterSpec, target: Target, *, r: int | None = None, alpha
         has_bias=target.bias_key is not None,
         options=spec.options,
     )
+
+
+def numbered_layers(layers: tuple[AdapterLayer, ...]) -> tuple[AdapterLayer, ...]:
+    """``layers`` (one adapter's, in module order) with each info's position among them and the
+    adapter's layout set (:meth:`LayerInfo.numbered`), as :func:`lora_func.init_adapter` sets them."""
+    infos = LayerInfo.numbered({str(i): layer.info for i, layer in enumerate(layers)})
+    return tuple(dataclasses.replace(layer, info=info) for layer, info in zip(layers, infos.values(), strict=True))
 
 
 def adapter_layer(target: Target, info: LayerInfo, params: TensorDict, buffers: TensorDict, fingerprint: str | None) -> AdapterLayer:
