@@ -219,6 +219,10 @@ def _():
                  "the fewest stored bytes per adapter", "docs/variants/vblora.md"),
         "randlora": ("a sum of random full-rank bases, each with a learned diagonal",
                  "full-rank updates with few trainable numbers", "docs/variants/randlora.md"),
+        "tinylora": ("frozen SVD factors of W around a core projected from one tiny vector (shared by layer groups)",
+                 "the fewest trainable numbers: a whole model in tens", "docs/variants/tinylora.md"),
+        "unilora": ("every entry of every A and B is a scaled entry of one shared vector θ",
+                 "a fixed trainable budget whatever the model; layers share what they learn", "docs/variants/unilora.md"),
     }
     return (VARIANT_HELP,)
 

@@ -12,7 +12,8 @@ def unilora_w_eff(p, b, W, bias, info):
 
 TARGETS = {"llama": ["q_proj", "v_proj", "down_proj"], "qwen2": ["q_proj", "v_proj", "down_proj"], "gpt2": ["c_attn", "c_fc"]}
 
-# Not the identity at init (peft's init: θ ~ U(-0.02, 0.02), so ΔW = B A is O(1e-4)).
+# Not the identity at init (peft's init: θ ~ U(-0.02, 0.02)): measured max |Δlogit| / max |base logit|
+# at init 4.4e-5 to 2.2e-4 over seeds 0-2, both layer kinds.
 ROW = Row(
     variant="unilora",
     w_eff=unilora_w_eff,
