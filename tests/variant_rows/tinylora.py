@@ -1,5 +1,3 @@
-import torch
-
 from tests.variant_table import Row
 
 
