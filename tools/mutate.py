@@ -98,7 +98,7 @@ TARGETS: dict[str, tuple[tuple[str, ...] | None, list[list[str]]]] = {
         for name in ("vera", "vblora", "randlora", "pvera")
     },
     **{
-        f"lora_func/variants/{name}.py": (None, [[CONTRACT, "-k", name], [f"tests/test_variant_{name}.py"], [CATALOGUE, "-k", name]])
+        f"lora_func/variants/{name}.py": (None, [[f"tests/test_variant_{name}.py"], [CONTRACT, "-k", name], [CATALOGUE, "-k", name]])
         for name in ("tinylora", "unilora")
     },
     "lora_func/variants/_bank.py": (None, [[CONTRACT, "-k", "vera or randlora or pvera"], ["tests/test_variant_vera.py", "tests/test_variant_randlora.py"]]),
