@@ -173,3 +173,18 @@ def test_a_stack_of_128_members_holds_one_copy_of_the_frozen_tensors_and_trains_
     with torch.no_grad():
         after = losses({V: params[V] - 0.5 * params[V].grad})
     assert bool((after < before).all()), int((after < before).sum())
+
+
+def test_positions_come_from_the_layers_order_on_load_and_are_never_saved(tmp_path):
+    from safetensors import safe_open
+
+    model = tiny_model("llama")
+    adapter = lf.init_adapter(model, _spec(save_projection=False))
+    path = lf.save(adapter, tmp_path / "a.safetensors", trainable_only=True)  # P rebuilt from seed + position
+    with safe_open(str(path), "pt") as f:
+        saved = json.loads(f.metadata()["tree"])["layers"]
+    assert sorted(saved[0]["info"]) == ["alpha", "d_in", "d_out", "has_bias", "options", "r"]  # as before the fields existed
+    back = lf.load(path, model)
+    assert [layer.info for layer in back.layers] == [layer.info for layer in adapter.layers]
+    assert [layer.info.position for layer in back.layers] == list(range(6)) and back.layers[0].info.count == 6
+    assert all(torch.equal(back.buffers[k], adapter.buffers[k]) for k in adapter.buffers)

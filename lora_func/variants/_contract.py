@@ -412,7 +412,8 @@ class Variant:
       shared_init: tensors the adapter holds once and every layer reads (a random basis, a
         bank, a seed-derived projection: VeRA, VB-LoRA, Tied-LoRA). ``(infos, *, dtype,
         device, generator) -> (params, buffers)``, called once before the layers' ``init``
-        with ``infos`` (module name -> ``LayerInfo``) of every target; random draws from the
+        with ``infos`` (module name -> ``LayerInfo``) of every target, in module order (each
+        with its :attr:`LayerInfo.position` and the adapter's :attr:`LayerInfo.layout`); random draws from the
         given CPU ``generator``, outputs in ``dtype`` on ``device``. Each is one leaf of the
         adapter (keyed ``"<shared>.<name>"``), saved and stacked once; the forms of every layer
         see them in their ``params`` / ``buffers`` under their names (which must differ from
