@@ -229,6 +229,10 @@ def _():
                  "full-rank updates with few trainable numbers", "docs/variants/randlora.md"),
         "adamss": ("small updates in subspaces of each weight's own SVD, output rows clustered by k-means (ASA prunes subspaces)",
                    "very few numbers along the base's dominant directions; needs scikit-learn", "docs/variants/adamss.md"),
+        "tinylora": ("frozen SVD factors of W around a core projected from one tiny vector (shared by layer groups)",
+                 "the fewest trainable numbers: a whole model in tens", "docs/variants/tinylora.md"),
+        "unilora": ("every entry of every A and B is a scaled entry of one shared vector θ",
+                 "a fixed trainable budget whatever the model; layers share what they learn", "docs/variants/unilora.md"),
     }
     return (VARIANT_HELP,)
 

@@ -32,6 +32,7 @@ __all__ = [
     "fresh_layer",
     "layer_info",
     "layer_infos",
+    "numbered_layers",
     "target_weight",
     "variant_init",
     "weight_fingerprint",
@@ -143,6 +144,13 @@ def layer_infos(variant: Variant, spec: AdapterSpec, infos: Mapping[str, LayerIn
         return dict(infos)
     ranks = variant.layer_ranks(spec.r, infos)
     return {module: dataclasses.replace(info, r=int(ranks[module])) for module, info in infos.items()}
+
+
+def numbered_layers(layers: tuple[AdapterLayer, ...]) -> tuple[AdapterLayer, ...]:
+    """``layers`` (one adapter's, in module order) with each info's position among them and the
+    adapter's layout set (:meth:`LayerInfo.numbered`), as :func:`lora_func.init_adapter` sets them."""
+    infos = LayerInfo.numbered({str(i): layer.info for i, layer in enumerate(layers)})
+    return tuple(dataclasses.replace(layer, info=info) for layer, info in zip(layers, infos.values(), strict=True))
 
 
 def adapter_layer(target: Target, info: LayerInfo, params: TensorDict, buffers: TensorDict, fingerprint: str | None) -> AdapterLayer:

@@ -15,7 +15,7 @@ from lora_func.checks import check_model
 from lora_func.quantized import kind_of_tensor
 from lora_func.spec import AdapterSpec
 from lora_func.targeting import find_targets
-from lora_func.variants import get_variant
+from lora_func.variants import LayerInfo, get_variant
 
 __all__ = ["init_adapter"]
 
@@ -97,6 +97,8 @@ def init_adapter(
         targets = [t for t in targets if t.module in fitted]
         infos = {m: fitted[m][0] for m in infos if m in fitted}
         payloads = {m: fitted[m][1] for m in infos}
+    # Each layer's position among the targets and the adapter's layout (LayerInfo.numbered).
+    infos = LayerInfo.numbered(infos)
     # Tensors every layer reads (Variant.shared_init), drawn before the layers' own.
     device = weights[targets[0].module].device if targets else torch.device("cpu")
     params, buffers, shared = shared_init(variant, spec, infos, device=device, generator=generator)

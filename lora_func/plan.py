@@ -31,7 +31,7 @@ from lora_func._deprecated import deprecated_method
 from lora_func._model import base_params, check_base_params
 from lora_func._sharded import is_fsdp_model, is_sharded
 from lora_func._layer_ops import LayerOp, variant_op
-from lora_func.adapter import Adapter, AdapterLike, AdapterNode, walk
+from lora_func.adapter import SHARED, Adapter, AdapterLike, AdapterNode, walk
 from lora_func.checks import check_base, check_float_targets
 from lora_func.quantized import kind_of_tensor, logical_shape
 from lora_func.targeting import MERGED_ONLY, Target, close_names, module_kind, stored_shape
@@ -429,14 +429,12 @@ def build_plan(
             f"expected an Adapter, Composed or Combined, got {type(adapter).__name__}; build one with "
             f"lora_func.init_adapter(model, spec) (or lora_func.load)"
         )
-    if model is not None and modules is None:
-        modules = dict(model.named_modules())
+    modules = dict(model.named_modules()) if model is not None and modules is None else modules
     # The one walk of the adapter tree: collect each leaf's layers and each node's own tensors.
     own_checks: list[_TensorCheck] = []
     leaf_layers: list[tuple[str, Adapter]] = []
     for prefix, node in walk(adapter):
-        for name, shape in node.own_shapes().items():
-            own_checks.append(_TensorCheck(prefix + name, tuple(shape), None, True, own=(node.tag, name)))
+        own_checks += [_TensorCheck(prefix + name, tuple(shape), None, True, own=(node.tag, name)) for name, shape in node.own_shapes().items()]
         if not node.parts:
             leaf_layers.append((prefix, node))
     targets_in_order = {layer.target.weight_key: layer.target for _, leaf in leaf_layers for layer in leaf.layers}
@@ -465,6 +463,8 @@ def build_plan(
             module = layer.target.module
             checks += [_TensorCheck(f"{prefix}{module}.{name}", tuple(shape), device, True, dtype=leaf.spec.dtype) for name, shape in layer.param_shapes]
             checks += [_TensorCheck(f"{prefix}{module}.{name}", tuple(shape), device, False) for name, shape in layer.buffer_shapes]
+        for param, shapes in ((True, leaf.shared.param_shapes), (False, leaf.shared.buffer_shapes)) if leaf.shared is not None else ():
+            checks += [_TensorCheck(f"{prefix}{SHARED}.{n}", tuple(s), None, param, dtype=leaf.spec.dtype if param else None) for n, s in shapes]
     plan_checks = tuple(checks)
     params, buffers = adapter_tensors(adapter)
     for check in plan_checks:  # the adapter in hand (later ones: Plan.check_tensors)

@@ -115,6 +115,9 @@ def _stack_adapters(adapters: list[Adapter]) -> Adapter:
                 buffer_shapes=b_shapes + ((RANK_MASK, (r_max,)), (RANK_ALPHA, ())),
             )
         )
+    # The padded layers' layout holds r_max, as a reload of the stack numbers them (LayerInfo.numbered).
+    numbered = LayerInfo.numbered({str(j): layer.info for j, layer in enumerate(layers)}).values()
+    layers = [dataclasses.replace(layer, info=info) for layer, info in zip(layers, numbered, strict=True)]
     shared = None
     if first.shared is not None:
         # Shared tensors pad along their rank axes as the layers' do; each member's own shapes
@@ -132,11 +135,12 @@ def _stack_adapters(adapters: list[Adapter]) -> Adapter:
 
 
 def _stack_buffer(key: str, tensors: Sequence[Tensor]) -> Tensor:
-    """The members' buffer ``key`` stacked; a shared buffer that every member holds equal (a
-    basis drawn from one seed: VeRA's ``vera_A``) as an ``expand`` of the first, one copy for
+    """The members' buffer ``key`` stacked; a buffer that every member holds equal (a basis drawn
+    from one seed: VeRA's ``vera_A``; a layer's buffers derived from the base or a seed: TinyLoRA's
+    SVD factors and projections, UniLoRA's indices) as an ``expand`` of the first, one copy for
     all members (buffers are never written, so the stride-0 view is safe)."""
     first = tensors[0]
-    if key.startswith(f"{SHARED}.") and all(
+    if all(
         t is first or (t.shape == first.shape and t.dtype == first.dtype and t.device == first.device and torch.equal(t, first))
         for t in tensors[1:]
     ):

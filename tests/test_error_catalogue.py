@@ -2087,5 +2087,16 @@ CASES.update(
         "calib-grad-empty": Case(lambda ctx: _gradients_on(ctx, []), ()),
         "privacy-batched-loss-shape": Case(_privacy(_batched), ("a tensor of shape ()", f"shape ({IDS.shape[0]},)")),
         "privacy-batched-loss-fn": Case(_batched_of("loss"), ("a str",)),
+        "tinylora-u": Case(spec("tinylora", ["q_proj"], u=0), ("u=0",)),
+        "tinylora-weight-tying": Case(spec("tinylora", ["q_proj"], weight_tying=1.5), ("weight_tying=1.5",)),
+        "tinylora-init": Case(spec("tinylora", ["q_proj"], init="nope"), ("'nope'",)),
+        "tinylora-init-bound": Case(spec("tinylora", ["q_proj"], init_v_bound=-1.0), ("init_v_bound=-1.0",)),
+        "unilora-length": Case(spec("unilora", ["q_proj"], theta_d_length=0), ("theta_d_length=0",)),
+        "unilora-init": Case(spec("unilora", ["q_proj"], init="nope"), ("'nope'",)),
+        "unilora-init-bound": Case(spec("unilora", ["q_proj"], init_theta_d_bound=0.0), ("init_theta_d_bound=0.0",)),
+        "peft-layers-from-config": Case(
+            saved_peft(lambda d, ctx, m: (_edit_config(d, layers_to_transform=[0]), _load_peft(d, m))[1], variant="unilora"),
+            ("UNILORA", "layers_to_transform=[0]", "target_modules=["),
+        ),
     }
 )

@@ -399,6 +399,15 @@ DOCUMENTED.update(
 REPLACES_WEIGHT = ("pissa", "olora", "corda", "ln_tuning", "kasa", "lora_ga", "loftq")
 
 
+# Issue 31: TinyLoRA and Uni-LoRA (pinned from docs/variants/{tinylora,unilora}.md's defaults).
+DOCUMENTED.update(
+    {
+        "tinylora": (1.0, {"dropout": 0.0, "init": "zero", "init_v_bound": 0.02, "projection_seed": 42, "save_projection": True, "u": 64, "weight_tying": 0.0}, True, False, False, {"tinylora_A": 0, "tinylora_B": 1, "tinylora_P": (1, 2)}),
+        "unilora": (1.0, {"dropout": 0.0, "init": "uniform", "init_theta_d_bound": 0.02, "proj_seed": 42, "save_indices": False, "theta_d_length": 256}, True, False, False, {"unilora_indices_A": 0, "unilora_indices_B": 1, "unilora_scales_A": 0, "unilora_scales_B": 1}),
+    }
+)
+
+
 @pytest.mark.parametrize("variant", sorted(DOCUMENTED))
 def test_documented_defaults_and_flags(variant):
     assert sorted(DOCUMENTED) == lf.list_variants()

@@ -162,6 +162,10 @@ TARGETS: dict[str, tuple[tuple[str, ...] | None, list[list[str]]]] = {
         f"lora_func/variants/{name}.py": (None, _variant_stages(name, f"tests/test_variant_{name}.py")[:-1])
         for name in ("vera", "vblora", "randlora", "pvera")
     },
+    **{
+        f"lora_func/variants/{name}.py": (None, [[f"tests/test_variant_{name}.py"], [CONTRACT, "-k", name], [CATALOGUE, "-k", name]])
+        for name in ("tinylora", "unilora")
+    },
     "lora_func/variants/_bank.py": (None, [[CONTRACT, "-k", "vera or randlora or pvera"], ["tests/test_variant_vera.py", "tests/test_variant_randlora.py"]]),
     "lora_func/variants/_contract.py": (("layer_rank", "layer_alpha"), _ALL),
     # Issue 31 (no hypothesis stage: these tests compare against peft step by step).

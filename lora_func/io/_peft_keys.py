@@ -88,8 +88,9 @@ def _suffixes(peft_type: str) -> dict[str, str]:
         for suffix, name in [*((s, n) for n, s in keys.items()), *fmt.old_keys.items(), *fmt.imported.items()]
     }
 
-def _by_module(directory: Path, peft_type: str, tensors: Mapping[str, Tensor]) -> dict[str, dict[str, Tensor]]:
-    """``{module name: {lora_func short name: tensor}}`` from peft's flat keys."""
+def _by_module(directory: Path, peft_type: str, tensors: Mapping[str, Tensor], *, allow_none: bool = False) -> dict[str, dict[str, Tensor]]:
+    """``{module name: {lora_func short name: tensor}}`` from peft's flat keys; ``allow_none``:
+    a checkpoint may hold no layer's tensors (:attr:`PeftMethod.layers_from_config`)."""
     suffixes = _suffixes(peft_type)
     out: dict[str, dict[str, Tensor]] = {}
     unknown = []
@@ -100,7 +101,7 @@ def _by_module(directory: Path, peft_type: str, tensors: Mapping[str, Tensor]) -
             unknown.append(key)
             continue
         out.setdefault(rest[: -len(match) - 1], {})[suffixes[match]] = tensor
-    if unknown or not out:
+    if unknown or not (out or allow_none):
         raise ValueError(  # error: peft-unmapped-tensors
             f"{directory} has tensors lora_func cannot map for peft_type {peft_type}: {sorted(unknown)[:5]} "
             f"({len(unknown)} of {len(tensors)}); lora_func reads {sorted(set(suffixes))} under '{PREFIX}' (bias, "

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,9 +59,11 @@ from lora_func.spec import AdapterSpec
 from lora_func.targeting import (
     find_targets,
     kind_of_layout,
+    layer_kind,
     tensor_names,
 )
 from lora_func.variants import (
+    LayerInfo,
     PeftFormat,
     get_variant,
     list_variants,
@@ -163,6 +166,8 @@ def _assemble(
 ) -> Adapter:
     """An :class:`Adapter` of ``variant_name`` on exactly ``layers``' modules, checked against the model."""
     dtypes = {t.dtype for layer in layers.values() for t in (*layer.params.values(), *layer.buffers.values()) if t.is_floating_point()}
+    # a checkpoint may hold only shared tensors (PeftMethod.layers_from_config)
+    dtypes = dtypes or {t.dtype for t in (stored_shared or {}).values() if t.is_floating_point()} or {torch.float32}
     dtype = dtypes.pop()
     for other in dtypes:
         dtype = torch.promote_types(dtype, other)
@@ -196,6 +201,7 @@ def _assemble(
     buffers: dict[str, Tensor] = {}
     out_layers = []
     wrong = []
+    unsaved = fmt.unsaved_buffers(dict(spec.options))  # re-created by the variant's init (PeftFormat.saved_buffers)
     infos = {}
     for target in targets:
         layer = layers[target.module]
@@ -203,6 +209,8 @@ def _assemble(
         layer_alpha = spec.alpha if layer.alpha is None else float(layer.alpha)
         infos[target.module] = layer_info(spec, target, r=rank, alpha=layer_alpha)
     infos = layer_infos(variant, spec, infos)  # ranks a variant derives from every layer (Variant.layer_ranks)
+    # Each layer's position among the targets and the adapter's layout, as init_adapter sets them.
+    infos = LayerInfo.numbered(infos)
     for target in targets:
         layer = layers[target.module]
         info = infos[target.module]
@@ -212,16 +220,21 @@ def _assemble(
         expected = {k: (*target.shape[:1], *v) if target.experts is not None else v for k, v in shapes.items()}
         # with layer_shapes the layer's own set of tensors: a missing or extra one is a mismatch
         got = {k: tuple(v.shape) for k, v in (layer.params | layer.buffers).items() if k in expected or fmt.layer_shapes is not None}
-        expected = {k: v for k, v in expected.items() if k in got or k not in fmt.optional}
+        expected = {k: v for k, v in expected.items() if k in got or (k not in fmt.optional and k not in unsaved)}
         if got != expected:
             wrong.append(f"{target.module}: checkpoint has {got}, the model needs {expected}")
             continue
         module = modules[target.owner]
         weight = getattr(module, target.weight_key.rpartition(".")[2])
-        layer_buffers = dict(layer.buffers)
-        if fmt.recompute_buffers:
-            # As peft does on load (e.g. a residual from the base): the variant's own init on the base.
-            layer_buffers = variant_init(variant, spec, module, target, info, generator=torch.Generator().manual_seed(0))[1]
+        # Buffers the config says the checkpoint leaves out are re-created, as peft does (it
+        # never reads them from the file: they are not in its state dict then).
+        layer_buffers = {k: v for k, v in layer.buffers.items() if k not in unsaved}
+        missing = sorted(unsaved & set(shapes))
+        if fmt.recompute_buffers or missing:
+            # As peft does on load (e.g. a residual from the base, a projection from a seed): the
+            # variant's own init on the base.
+            recomputed = variant_init(variant, spec, module, target, info, generator=torch.Generator().manual_seed(0))[1]
+            layer_buffers = recomputed if fmt.recompute_buffers else layer_buffers | {k: recomputed[k] for k in missing}
         for name, tensor in layer.params.items():
             params[f"{target.module}.{name}"] = tensor.to(weight.device, dtype).contiguous().requires_grad_(True)
         for name, tensor in layer_buffers.items():
@@ -255,6 +268,9 @@ def _shared_from_checkpoint(directory: Path, fmt: PeftFormat, spec: AdapterSpec,
         whole = fmt.shared_keys.get(name)
         if whole is None:
             continue
+        if "{}" in whole:  # held row by row (PeftFormat.shared_keys)
+            rows = [stored[k] for i in range(len(stored)) if (k := whole.format(i)) in stored]
+            stored = {**stored, whole: torch.stack(rows)} if rows else stored
         if whole not in stored:
             if saved:
                 raise ValueError(  # error: peft-shared-missing
@@ -268,6 +284,26 @@ def _shared_from_checkpoint(directory: Path, fmt: PeftFormat, spec: AdapterSpec,
                 f"{tuple(stored[whole].shape)}, the adapted layers need {tuple(tensor.shape)}; load it onto the model it was trained for"
             )
         built[key] = stored[whole].to(tensor.device, spec.dtype).contiguous().requires_grad_(tensor.requires_grad)
+
+def _is_shared_key(fmt: PeftFormat, key: str) -> bool:
+    """Whether ``key`` holds a shared tensor of ``fmt`` (a whole key, or a row of one held row by row)."""
+    return any(
+        key == whole or ("{}" in whole and re.fullmatch(re.escape(whole).replace(r"\{\}", "[0-9]+"), key) is not None)
+        for whole in fmt.shared_keys.values()
+    )
+
+def _config_layers(directory: Path, config: Mapping[str, Any], model: nn.Module) -> dict[str, dict[str, Tensor]]:
+    """The modules of ``model`` the config's ``target_modules`` select (peft's matching), for a
+    method whose checkpoint may hold no tensor of a layer (:attr:`PeftMethod.layers_from_config`)."""
+    selector = config.get("target_modules")
+    if not selector or config.get("layers_to_transform") is not None or config.get("layers_pattern"):
+        raise ValueError(  # error: peft-layers-from-config
+            f"{directory}: a {config.get('peft_type')} checkpoint may hold no tensors per layer, so lora_func finds its layers "
+            f"from target_modules, and this config has target_modules={selector!r}, layers_to_transform="
+            f"{config.get('layers_to_transform')!r}, layers_pattern={config.get('layers_pattern')!r}; lora_func reads a list or "
+            f"regex of target_modules without layers_to_transform / layers_pattern: re-save the adapter with such a config"
+        )
+    return {name: {} for name, module in model.named_modules() if name and _selects(selector, name) and layer_kind(module) in ("linear", "conv1d")}
 
 def _check_complete(directory: Path, module: str, found: Mapping[str, Tensor], needed: Iterable[str], optional: Iterable[str] = ()) -> None:
     if not set(needed) - set(optional) <= set(found) <= set(needed):
@@ -292,7 +328,8 @@ def _layer_from_peft(
     if fmt.convert_in is not None and any(name in fmt.imported.values() for name in found):
         found = fmt.convert_in(dict(found), config)
     if fmt.layer_shapes is None:  # else the layer's own set is checked against the model's sizes in _assemble
-        _check_complete(directory, module, found, fmt.keys_by_kind.get(kind[0], fmt.keys), fmt.optional)
+        unsaved = fmt.unsaved_buffers(fmt.reads(config, module) or {})
+        _check_complete(directory, module, found, fmt.keys_by_kind.get(kind[0], fmt.keys), fmt.optional | unsaved)
     tensors = dict(found)
     if fmt.from_peft is not None:
         tensors = {name: fmt.from_peft(kind[0], name, t, kind[1]) for name, t in tensors.items()}
@@ -378,11 +415,14 @@ def load_peft(directory: str | os.PathLike, model: nn.Module) -> AdapterLike:
     read = _read_tensors(directory, [s for fmt in _formats().values() if fmt.method.peft_type == peft_type for s in fmt.imported])
     # Tensors held once for every layer (a shared basis, a bank), under whole keys.
     entries = [fmt for fmt in _formats().values() if fmt.method.peft_type == peft_type]
-    stored_shared = {key: read.pop(key) for fmt in entries for key in fmt.shared_keys.values() if key in read}
+    stored_shared = {key: read.pop(key) for fmt in entries for key in [*read] if _is_shared_key(fmt, key)}
     # peft's state dict may also hold a copy of them under every layer that reads them.
     copies = {name for fmt in entries for name in fmt.shared_keys}
     read = {key: tensor for key, tensor in read.items() if key.rsplit(".", 1)[-1] not in copies}
-    tensors = _by_module(directory, peft_type, _drop_saved_bases(directory, read, model))
+    method = methods[peft_type]
+    tensors = _by_module(directory, peft_type, _drop_saved_bases(directory, read, model), allow_none=method.layers_from_config)
+    if method.layers_from_config:
+        tensors = _config_layers(directory, config, model) | tensors
     tensors = _resolve_parameters(directory, config, tensors, model)
     _check_model(model, directory, tensors)
     selector = config.get("target_modules")

@@ -41,7 +41,7 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from lora_func._model import base_params, shared_init, variant_init, weight_fingerprint
+from lora_func._model import base_params, numbered_layers, shared_init, variant_init, weight_fingerprint
 from lora_func.adapter import (
     NODE_TYPES,
     SHARED,
@@ -173,13 +173,13 @@ def _skeleton(data: dict) -> _Skeleton:
         members = None
         if data["members"] is not None:
             members = tuple(
-                (AdapterSpec.from_json(json.dumps(spec)), tuple(_layer_from_json(layer) for layer in layers))
+                (AdapterSpec.from_json(json.dumps(spec)), numbered_layers(tuple(_layer_from_json(layer) for layer in layers)))
                 for spec, layers in data["members"]
             )
         spec = AdapterSpec.from_json(json.dumps(data["spec"]))
         shared = _shared_from_json(data.get("shared"))
         member_shared = None if data.get("member_shared") is None else tuple(_shared_from_json(s) for s in data["member_shared"])
-        layers = tuple(_layer_from_json(layer) for layer in data["layers"])
+        layers = numbered_layers(tuple(_layer_from_json(layer) for layer in data["layers"]))
         return _Skeleton(Adapter, spec=spec, layers=layers, members=members, shared=shared, member_shared=member_shared)
     # What Combinator.from_json reads, read here so that a missing field is metadata damage.
     fields = {key: data[key] for key in cast("type[Combinator]", kind).json_field_names()}

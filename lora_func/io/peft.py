@@ -58,6 +58,8 @@ __all__ = ["load_peft", "peft_problems", "save_peft"]
 def _out(fmt: PeftFormat, adapter: Adapter, layer: AdapterLayer, base: Mapping[str, Tensor] | None) -> _Out:
     """``layer`` of ``adapter`` as peft stores it, after checking that a conversion has the base it needs."""
     params, buffers = adapter.layer_tensors(layer)
+    unsaved = fmt.unsaved_buffers(dict(adapter.spec.options))  # re-created on load (PeftFormat.saved_buffers)
+    buffers = {k: v for k, v in buffers.items() if k not in unsaved}
     t, name = layer.target, adapter.spec.variant
     if fmt.export is None:
         method = fmt.method
@@ -130,7 +132,10 @@ def _export_leaf(adapter: Adapter, base: Mapping[str, Tensor] | None) -> _Export
     whole: dict[str, Tensor] = {}
     if fmt.shared_keys and (fmt.shared_saved is None or fmt.shared_saved(options)):
         shared_params, shared_buffers = adapter.shared_tensors()
-        whole = {key: (shared_params | shared_buffers)[name] for name, key in fmt.shared_keys.items()}
+        for name, key in fmt.shared_keys.items():
+            tensor = (shared_params | shared_buffers)[name]
+            # a key with "{}" holds the tensor row by row (PeftFormat.shared_keys)
+            whole |= {key.format(i): row for i, row in enumerate(tensor)} if "{}" in key else {key: tensor}
     return _Export(fmt.method.peft_type, tuple(sorted((k, json.dumps(v, sort_keys=True)) for k, v in shared.items())), tuple(layers), whole)
 
 def _leaves(adapter: AdapterLike) -> list[Adapter]:

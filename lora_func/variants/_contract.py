@@ -76,6 +76,15 @@ class LayerInfo:
       kernel: a conv target's kernel size (``"conv"`` kind: the stored weight is ``(d_out,
         d_in // prod(kernel), *kernel)``, the canonical view its ``(d_out, d_in)`` flattening);
         ``()`` on every other kind.
+      position: the layer's index among the adapter's targets, in the model's module order
+        (``named_modules``, peft's target order): which slice of a shared tensor a layer reads,
+        or a per-layer seed (TinyLoRA's ``projection_seed + position``).
+      layout: ``(d_in, d_out, r)`` of every target of the adapter, in that order (the same tuple
+        object in every layer's info): where a layer sits in a concatenation of all the layers'
+        tensors (UniLoRA's one index assignment over every layer). ``()`` for a layer built
+        alone (tests, one-layer tools): then the layer is the adapter's only one.
+        ``position`` and ``layout`` are set by whoever builds an adapter's infos
+        (:meth:`numbered`), are derived from the saved layers' order and never saved.
     """
 
     d_in: int
@@ -85,6 +94,20 @@ class LayerInfo:
     has_bias: bool
     options: tuple[tuple[str, Any], ...] = ()
     kernel: tuple[int, ...] = ()
+    position: int = 0
+    layout: tuple[tuple[int, int, int], ...] = ()
+
+    @property
+    def count(self) -> int:
+        """The number of the adapter's targets (1 for a layer built alone)."""
+        return max(1, len(self.layout))
+
+    @staticmethod
+    def numbered(infos: Mapping[str, LayerInfo]) -> dict[str, LayerInfo]:
+        """``infos`` (module name -> info, in the model's module order) with each one's
+        :attr:`position` and the shared :attr:`layout` set."""
+        layout = tuple((info.d_in, info.d_out, int(info.r)) for info in infos.values())
+        return {m: dataclasses.replace(info, position=i, layout=layout) for i, (m, info) in enumerate(infos.items())}
 
     def option(self, name: str) -> Any:
         """The resolved value of the variant option ``name``."""
@@ -180,6 +203,10 @@ class PeftMethod:
         ``rank_pattern`` holds booleans per triplet, which its own entry reads).
       fan_in_fan_out: the method's config has peft's ``fan_in_fan_out`` (written ``true`` for
         GPT-2 ``Conv1D`` layers).
+      layers_from_config: a checkpoint may hold no tensor of a layer (UniLoRA without
+        ``save_indices``: one shared vector, every layer's buffers re-created): the adapted
+        layers are then the model's modules that the config's ``target_modules`` select
+        (peft's matching), not only those with tensors in the file.
     """
 
     peft_type: str
@@ -197,6 +224,7 @@ class PeftMethod:
     rank_in_config: bool = False
     rank_fields: tuple[str, str | None] = ("r", "rank_pattern")
     fan_in_fan_out: bool = True
+    layers_from_config: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,7 +282,9 @@ class PeftFormat:
         ``rank_pattern``), checked by these shapes (:attr:`PeftMethod.rank_of` only says that
         the method has one). ``None``: :attr:`shapes`.
       shared_keys: a tensor of :attr:`Variant.shared_init` -> its whole key in the checkpoint
-        (``"base_model.vera_A"``): held once, not per layer.
+        (``"base_model.vera_A"``): held once, not per layer. A key with ``{}`` holds the
+        tensor row by row, ``{}`` the row's index (TinyLoRA's ``(groups, u)`` vectors as
+        ``base_model.tinylora_v.0``, ``.1``, ...).
       shared_saved: ``options -> whether the checkpoint holds the shared tensors`` (peft's
         ``save_projection``); ``None``: always. Where it does not, ``save_peft`` leaves them out
         and ``load_peft`` re-creates them with the variant's ``shared_init`` (a basis drawn
@@ -276,6 +306,10 @@ class PeftFormat:
       optional: tensor names a layer may lack (a norm without a bias).
       shapes_by_kind: target kind -> ``(r, d_in, d_out) -> {tensor name: shape}`` where a kind's
         tensors have other shapes than :attr:`shapes` (a norm's ``(d,)`` weight).
+      saved_buffers: ``options -> the buffers a checkpoint holds`` (peft's ``save_projection``,
+        ``save_indices``); ``save_peft`` leaves the others out and ``load_peft`` re-creates
+        those the checkpoint lacks with the variant's ``init`` on the base (a layer's
+        projection drawn from a seed and its position). ``None``: every buffer in :attr:`keys`.
     """
 
     method: PeftMethod
@@ -303,6 +337,11 @@ class PeftFormat:
     from_peft: Callable[[str, str, Tensor, tuple[int, ...]], Tensor] | None = None
     optional: frozenset[str] = frozenset()
     shapes_by_kind: Mapping[str, Callable[[int, int, int], dict[str, tuple[int, ...]]]] = dataclasses.field(default_factory=dict)
+    saved_buffers: Callable[[Mapping[str, Any]], frozenset[str]] | None = None
+
+    def unsaved_buffers(self, options: Mapping[str, Any]) -> frozenset[str]:
+        """The buffers a checkpoint with ``options`` leaves out (:attr:`saved_buffers`)."""
+        return frozenset() if self.saved_buffers is None else self.buffers - self.saved_buffers(options)
 
     def shapes_for(self, info: LayerInfo) -> dict[str, tuple[int, ...]]:
         """One layer's lora_func shapes, checked on load: :attr:`layer_shapes` or :attr:`info_shapes` where set, else
@@ -384,7 +423,8 @@ class Variant:
       shared_init: tensors the adapter holds once and every layer reads (a random basis, a
         bank, a seed-derived projection: VeRA, VB-LoRA, Tied-LoRA). ``(infos, *, dtype,
         device, generator) -> (params, buffers)``, called once before the layers' ``init``
-        with ``infos`` (module name -> ``LayerInfo``) of every target; random draws from the
+        with ``infos`` (module name -> ``LayerInfo``) of every target, in module order (each
+        with its :attr:`LayerInfo.position` and the adapter's :attr:`LayerInfo.layout`); random draws from the
         given CPU ``generator``, outputs in ``dtype`` on ``device``. Each is one leaf of the
         adapter (keyed ``"<shared>.<name>"``), saved and stacked once; the forms of every layer
         see them in their ``params`` / ``buffers`` under their names (which must differ from

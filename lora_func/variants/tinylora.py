@@ -1,0 +1,199 @@
+"""TinyLoRA (Morris et al. 2026, "Learning to Reason in 13 Parameters", arXiv 2602.04118),
+following HF peft's ``tuners/tinylora/{model,layer}.py``.
+
+LoRA-XS's frozen SVD factors of each layer's weight with the trainable ``r × r`` core replaced by
+a tiny vector ``v (u,)`` projected through frozen random tensors ``P (u, r, r)``:
+
+    W = U S Vᵀ (truncated to r),   A = √S_r V_rᵀ (r, d_in),   B = U_r √S_r (d_out, r)   (frozen)
+    R = Σ_i v_i P_i (r, r),   ΔW = B R A,   y = x Wᵀ + b + ((x Aᵀ) Rᵀ) Bᵀ
+
+no scale (``alpha`` is unused). ``P`` is drawn per layer, ``N(0, 1/r)``, from a CPU generator
+seeded with ``projection_seed + position`` (the layer's index among the targets in module order,
+:attr:`LayerInfo.position`), as peft draws it. The layers share their vectors by
+``weight_tying`` (0: a vector per layer, 1: one for all): of ``L`` targets, ``G = max(1,
+round(L (1 - weight_tying)))`` groups of ``max(1, L // G)`` consecutive layers (the last group
+takes the rest), peft's rule. The ``G`` vectors are one trainable leaf ``tinylora_v (G, u)`` of
+the adapter (``Variant.shared_init``): the whole adapter trains ``G · u`` numbers, and a stack of
+adapters holds one ``(G, u)`` per member; ``A``, ``B`` and ``P`` are layer buffers, equal in every
+member built on one base, which :func:`lora_func.stack` holds once.
+
+Init (peft's ``init_weights=True``): ``v = 0`` (ΔW = 0); ``init="uniform"``: ``v ~ U(-init_v_bound,
+init_v_bound)`` from the generator (peft draws from the global RNG). The SVD runs in fp32 on the
+base weight and is cast to the base dtype before the square roots, as peft does.
+
+peft format (``TinyLoraConfig``): per layer ``tinylora_A``, ``tinylora_B`` and, with
+``save_projection`` (default), ``tinylora_P``; ``base_model.tinylora_v.<g>`` once per group.
+Without ``save_projection`` the projections are re-drawn from the seed on load, as peft does.
+Differences from peft: ``nn.Embedding`` targets are not offered (linear and GPT-2 ``Conv1D``
+only); a rank above ``min(d_in, d_out)`` is refused (peft truncates it to that); ``init_weights
+=False`` (peft leaves ``v`` as uninitialised memory) reads as ``init="zero"``, which only acts at
+init (a checkpoint's ``v`` is its own).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lora_func._kernels import base_plus_low_rank, check_dropout, lowrank_input
+from lora_func.variants import (
+    BaseLayer,
+    LayerInfo,
+    PeftFormat,
+    PeftMethod,
+    TensorDict,
+    Variant,
+    is_finite_number,
+)
+from lora_func.variants._bank import check_seed
+
+INITS = ("zero", "uniform")
+
+
+def groups(info: LayerInfo) -> tuple[int, int]:
+    """``(G, g)``: the number of vectors and the one this layer reads (peft's ``weight_tying``
+    rule over the adapter's ``info.count`` targets)."""
+    count = info.count
+    num_groups = max(1, round(count * (1.0 - float(info.option("weight_tying")))))
+    size = max(1, count // num_groups)
+    return num_groups, min(info.position // size, num_groups - 1)
+
+
+def shared_init(infos: Mapping[str, LayerInfo], *, dtype: torch.dtype, device: torch.device, generator: torch.Generator) -> tuple[TensorDict, TensorDict]:
+    """``tinylora_v (G, u)``: zeros, or ``U(-init_v_bound, init_v_bound)``."""
+    first = next(iter(infos.values()))
+    num_groups, _ = groups(first)
+    u, bound = first.option("u"), float(first.option("init_v_bound"))
+    v = torch.zeros(num_groups, u)
+    if first.option("init") == "uniform":
+        v = v.uniform_(-bound, bound, generator=generator)
+    return {"tinylora_v": v.to(device, dtype)}, {}
+
+
+def init(
+    weight: Tensor,
+    bias: Tensor | None,
+    info: LayerInfo,
+    *,
+    dtype: torch.dtype,
+    generator: torch.Generator,
+    calibration: Any = None,
+) -> tuple[TensorDict, TensorDict]:
+    """The frozen SVD factors of ``weight`` and the layer's projections (peft's ``_init_svd``,
+    ``_init_projection``)."""
+    r = info.r
+    u, s, vh = torch.linalg.svd(weight.float(), full_matrices=False)
+    root = torch.sqrt(s[:r].to(weight.dtype))
+    a = root.unsqueeze(1) * vh[:r, :].to(weight.dtype)
+    b = u[:, :r].to(weight.dtype) * root.unsqueeze(0)
+    seeded = torch.Generator(device="cpu").manual_seed(int(info.option("projection_seed")) + info.position)
+    p = torch.normal(mean=0.0, std=1.0 / (r**0.5), size=(info.option("u"), r, r), generator=seeded)
+    return {}, {"tinylora_A": a.to(dtype).contiguous(), "tinylora_B": b.to(dtype).contiguous(), "tinylora_P": p.to(weight.device, dtype)}
+
+
+def core(params: TensorDict, buffers: TensorDict, info: LayerInfo) -> Tensor:
+    """``R = Σ_i v_i P_i (r, r)`` with the layer's group's vector."""
+    _, group = groups(info)
+    return torch.einsum("i,ijk->jk", params["tinylora_v"][group], buffers["tinylora_P"])
+
+
+def weight_form(
+    params: TensorDict, buffers: TensorDict, weight: Tensor, bias: Tensor | None, info: LayerInfo
+) -> tuple[Tensor, Tensor | None]:
+    return weight + buffers["tinylora_B"] @ core(params, buffers, info) @ buffers["tinylora_A"], bias
+
+
+def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: BaseLayer, info: LayerInfo) -> Tensor:
+    a = buffers["tinylora_A"]
+    # peft's order: (x Aᵀ) Rᵀ, then Bᵀ.
+    h = (lowrank_input(x, base, info).to(a.dtype) @ a.transpose(-1, -2)) @ core(params, buffers, info).transpose(-1, -2)
+    return base_plus_low_rank(base, x, h, buffers["tinylora_B"])
+
+
+def check_options(options: Mapping[str, Any]) -> None:
+    check_dropout("tinylora", options)
+    check_seed("tinylora", "projection_seed", options)
+    if options["u"] < 1:
+        raise ValueError(f"tinylora option u={options['u']!r} must be a positive integer (the length of each trainable vector)")  # error: tinylora-u
+    if not 0.0 <= options["weight_tying"] <= 1.0:
+        raise ValueError(  # error: tinylora-weight-tying
+            f"tinylora option weight_tying={options['weight_tying']!r} must be in [0, 1] (0: a vector per layer, 1: one for all)"
+        )
+    if options["init"] not in INITS:
+        raise ValueError(f"tinylora option init={options['init']!r} is not one of {list(INITS)}")  # error: tinylora-init
+    if not (is_finite_number(options["init_v_bound"]) and options["init_v_bound"] >= 0):
+        raise ValueError(f"tinylora option init_v_bound={options['init_v_bound']!r} must be a finite number >= 0")  # error: tinylora-init-bound
+
+
+def _peft_config(options: Mapping[str, Any]) -> dict[str, Any]:
+    return {
+        "u": options["u"],
+        "weight_tying": float(options["weight_tying"]),
+        "projection_seed": options["projection_seed"],
+        "save_projection": options["save_projection"],
+        "init_v_bound": float(options["init_v_bound"]),
+        "tinylora_dropout": float(options["dropout"]),
+        "init_weights": True if options["init"] == "zero" else "uniform",
+    }
+
+
+def _peft_reads(config: Mapping[str, Any], module: str) -> dict[str, Any]:
+    return {
+        "u": int(config.get("u", 64)),
+        "weight_tying": float(config.get("weight_tying", 0.0)),
+        "projection_seed": int(config.get("projection_seed", 42)),
+        "save_projection": bool(config.get("save_projection", True)),
+        "init_v_bound": float(config.get("init_v_bound", 0.02)),
+        "dropout": float(config.get("tinylora_dropout") or 0.0),
+        "init": "uniform" if config.get("init_weights", True) == "uniform" else "zero",
+    }
+
+
+def _peft_shapes(info: LayerInfo) -> dict[str, tuple[int, ...]]:
+    r = info.r
+    return {"tinylora_A": (r, info.d_in), "tinylora_B": (info.d_out, r), "tinylora_P": (info.option("u"), r, r)}
+
+
+PEFT_METHOD = PeftMethod(
+    "TINYLORA",
+    {"bias": "none"},
+    ("modules_to_save",),
+    rank_of=("tinylora_A", 0),
+    checks={
+        "u": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
+        "weight_tying": lambda v: is_finite_number(v) and 0 <= v <= 1,
+        "projection_seed": lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**63,
+        "save_projection": lambda v: isinstance(v, bool),
+        "init_v_bound": is_finite_number,
+        "tinylora_dropout": lambda v: v is None or (is_finite_number(v) and 0 <= v < 1),
+        "init_weights": lambda v: isinstance(v, bool) or v == "uniform",
+    },
+)
+
+_BUFFERS = ("tinylora_A", "tinylora_B", "tinylora_P")
+
+VARIANT = Variant(
+    name="tinylora",
+    init=init,
+    weight_form=weight_form,
+    activation_form=activation_form,
+    options={"u": 64, "weight_tying": 0.0, "projection_seed": 42, "save_projection": True, "init_v_bound": 0.02, "dropout": 0.0, "init": "zero"},
+    default_alpha=1.0,
+    rank_axes={"tinylora_A": 0, "tinylora_B": 1, "tinylora_P": (1, 2)},
+    check_options=check_options,
+    shared_init=shared_init,
+    peft=PeftFormat(
+        PEFT_METHOD,
+        {name: name for name in _BUFFERS},
+        lambda r, d_in, d_out: {},  # info_shapes: P's shape depends on u
+        _peft_config,
+        _peft_reads,
+        buffers=frozenset(_BUFFERS),
+        shared_keys={"tinylora_v": "base_model.tinylora_v.{}"},
+        info_shapes=_peft_shapes,
+        saved_buffers=lambda options: frozenset(_BUFFERS if options["save_projection"] else _BUFFERS[:2]),
+    ),
+)
