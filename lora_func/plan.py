@@ -35,7 +35,7 @@ from lora_func.adapter import SHARED, Adapter, AdapterLike, AdapterNode, walk
 from lora_func.checks import check_base, check_float_targets
 from lora_func.quantized import kind_of_tensor, logical_shape
 from lora_func.targeting import MERGED_ONLY, Target, close_names, module_kind, stored_shape
-from lora_func.variants import LayerInfo, Variant
+from lora_func.variants import LayerInfo, Variant, get_variant
 
 __all__ = [
     "ROUTES",
@@ -332,10 +332,11 @@ def check_plan_fits(plan: Any, adapter: AdapterLike, base: Mapping[str, Tensor],
 
 def structure_key(adapter: AdapterLike) -> tuple:
     """What a plan depends on in an adapter: the node types, each leaf's spec and layers, each
-    combinator's static configuration; no tensors (``with_params`` keeps it)."""
+    combinator's static configuration; no tensors (``with_params`` keeps it). A leaf's registered
+    variant object is part of it: a variant registered again under its name gets a new plan."""
     node: Any = adapter
     if not node.parts:
-        return (Adapter, node.spec, node.layers, node.members, node.shared, node.member_shared)
+        return (Adapter, node.spec, node.layers, node.members, node.shared, node.member_shared, get_variant(node.spec.variant))
     return (type(node), node.static(), tuple(structure_key(part) for part in node.parts))
 
 

@@ -51,7 +51,10 @@ def shared_build(row: Row, layer_kind: str, *, dtype: torch.dtype = torch.float3
     each call gets new copies of the adapter's trainable tensors (a check may write into them)
     and the global RNG state ``build`` leaves. ``clear_shared_builds()`` drops them."""
     key = (row.variant, layer_kind, dtype)
-    if key not in _SHARED:
+    # A test that registers a changed variant under the same name (test_variant_new_file) gets a
+    # fresh adapter built with it: the cache holds the variant object it built with and compares.
+    variant = lf.get_variant(row.variant)
+    if key not in _SHARED or _SHARED[key][3] is not variant:
         model_key = ("model", layer_kind, dtype)
         if model_key not in _SHARED:
             _SHARED[model_key] = (tiny_model(LAYER_KIND_MODEL[layer_kind], dtype=dtype), torch.get_rng_state())
@@ -63,8 +66,8 @@ def shared_build(row: Row, layer_kind: str, *, dtype: torch.dtype = torch.float3
             generator=torch.Generator().manual_seed(100),
             calibration=calibration_batches() if row.calibration else None,
         )
-        _SHARED[key] = (model, adapter, torch.get_rng_state())
-    model, adapter, rng = _SHARED[key]
+        _SHARED[key] = (model, adapter, torch.get_rng_state(), variant)
+    model, adapter, rng, _ = _SHARED[key]
     torch.set_rng_state(rng)
     return model, adapter.with_params({k: v.detach().clone().requires_grad_(v.requires_grad) for k, v in adapter.params.items()})
 

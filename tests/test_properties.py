@@ -116,10 +116,15 @@ def _sized_r(draw: st.DrawFn, variant: str, r: int, d_in: int, d_out: int) -> in
     return r
 
 
-# tinylora and unilora are checked by their own peft oracles and the contract suite, not drawn
-# here: any new name shifts every derandomized draw, and the shifted draws meet failures of
-# other variants these 25 examples never reached (adalora bf16, olora conv1d and dora fp64 at init).
-DRAWN = tuple(v for v in lf.list_variants() if v not in ("tinylora", "unilora"))
+# Not drawn here, each checked by its own peft oracle tests and the contract suite instead:
+# - kasa and loftq do not start equal to the base (they move W's truncated or quantized part into
+#   the adapter), and kasa's r must stay below min(d_in, d_out);
+# - lora_ga calibrates on the gradient of the model's own loss, which the one-layer model lacks;
+# - tinylora and unilora: any new name shifts every derandomized draw, and the shifted draws meet
+#   failures of other variants these 25 examples never reached (adalora bf16, olora conv1d and
+#   dora fp64 at init), noted for the next suite work.
+NOT_DRAWN = ("kasa", "loftq", "lora_ga", "tinylora", "unilora")
+DRAWN = tuple(v for v in lf.list_variants() if v not in NOT_DRAWN)
 
 
 @st.composite

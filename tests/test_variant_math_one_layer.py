@@ -340,14 +340,14 @@ DOCUMENTED = {
 # Issue 30, structured family (first part).
 _LYCORIS = {"rank_dropout": 0.0, "module_dropout": 0.0, "use_effective_conv2d": False}
 DOCUMENTED |= {
-    "loha": (8.0, {**_LYCORIS, "init": "default"}, True, False, False, {"hada_w1_a": 1, "hada_w1_b": 0, "hada_w2_a": 1, "hada_w2_b": 0}),
+    "loha": (8.0, {**_LYCORIS, "init": "default"}, True, False, False, {"hada_w1_a": 1, "hada_w1_b": 0, "hada_w2_a": 1, "hada_w2_b": 0, "hada_t1": (0, 1), "hada_t2": (0, 1)}),
     "lokr": (
         8.0,
         {**_LYCORIS, "init": "default", "decompose_both": False, "decompose_factor": -1, "rank_dropout_scale": False},
         True,
         False,
         False,
-        {"lokr_w1_a": 1, "lokr_w1_b": 0, "lokr_w2_a": 1, "lokr_w2_b": 0},
+        {"lokr_w1_a": 1, "lokr_w1_b": 0, "lokr_w2_a": 1, "lokr_w2_b": 0, "lokr_t2": (0, 1)},
     ),
     "gralora": (16.0, {"gralora_k": 2, "hybrid_r": 0, "dropout": 0.0, "init": "default"}, True, False, False, {"gralora_A": 2, "gralora_B": 1}),
     "miss": (8.0, {"init": "miss", "mini_r": 1, "dropout": 0.0}, True, False, False, {"miss_block": 0}),
