@@ -7,7 +7,6 @@ gradients (float64, relative 1e-9); save_peft output loads in peft with the same
 from __future__ import annotations
 
 import copy
-import types
 import warnings
 
 import pytest
@@ -20,6 +19,7 @@ from lora_func import rank_budget as rb
 from tests import peft_helpers
 from tests.models import tiny_model, tokens
 from tests.peft_helpers import ce_loss
+from tests.bank_oracle import rmsnorm_in_input_dtype
 
 F64 = torch.float64
 TARGETS = ["q_proj", "v_proj", "down_proj"]
@@ -28,19 +28,12 @@ NAMES = ("lora_A", "lora_E", "lora_B")
 CONFIG = {"init_r": 12, "target_r": 5, "tinit": 1, "tfinal": 3, "deltaT": 1, "total_step": 10, "lora_alpha": 6.0, "orth_reg_weight": 0.3}
 
 
-def _rmsnorm_in_input_dtype(model: torch.nn.Module) -> None:
-    def forward(self, x):
-        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
-
-    for m in model.modules():
-        if type(m).__name__ == "LlamaRMSNorm":
-            m.forward = types.MethodType(forward, m)
 
 
 @pytest.fixture(scope="module")
 def model():
     m = tiny_model("llama", dtype=F64)
-    _rmsnorm_in_input_dtype(m)
+    rmsnorm_in_input_dtype(m)
     return m
 
 

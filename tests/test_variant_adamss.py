@@ -8,7 +8,6 @@ its AdamssAsaCallback, prunes the same subspaces at every step and keeps the sam
 from __future__ import annotations
 
 import copy
-import types
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ import lora_func as lf
 from lora_func import subspace_budget as sb
 from tests.models import tiny_model, tokens
 from tests.peft_helpers import ce_loss
+from tests.bank_oracle import rmsnorm_in_input_dtype
 
 F64 = torch.float64
 TARGETS = ["q_proj", "v_proj", "down_proj"]  # q 32->32 and v 32->16 with a bias, down 48->32 without
@@ -27,19 +27,12 @@ CONFIG = {"r": 12, "num_subspaces": 3, "subspace_rank": 2}
 ASA = {"use_asa": True, "asa_target_subspaces": 4, "init_warmup": 2, "final_warmup": 14, "mask_interval": 3}
 
 
-def _rmsnorm_in_input_dtype(model: torch.nn.Module) -> None:
-    def forward(self, x):
-        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
-
-    for m in model.modules():
-        if type(m).__name__ == "LlamaRMSNorm":
-            m.forward = types.MethodType(forward, m)
 
 
 @pytest.fixture(scope="module")
 def model():
     m = tiny_model("llama", dtype=F64)
-    _rmsnorm_in_input_dtype(m)
+    rmsnorm_in_input_dtype(m)
     return m
 
 

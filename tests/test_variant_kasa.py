@@ -7,7 +7,6 @@ init_adapter's truncated base and first draws equal peft's."""
 from __future__ import annotations
 
 import copy
-import types
 
 import pytest
 import torch
@@ -19,6 +18,7 @@ from lora_func.variants import LayerInfo, get_variant
 from tests import peft_helpers
 from tests.models import tiny_model, tokens
 from tests.peft_helpers import ce_loss
+from tests.bank_oracle import rmsnorm_in_input_dtype
 
 F64 = torch.float64
 TARGETS = ["q_proj", "v_proj", "down_proj"]  # v_proj 32->16, down_proj 48->32
@@ -26,13 +26,6 @@ NAMES = ("lora_A", "lora_B", "lora_diag")
 BETA, GAMMA = 0.05, 0.02
 
 
-def _rmsnorm_in_input_dtype(model: torch.nn.Module) -> None:
-    def forward(self, x):
-        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
-
-    for m in model.modules():
-        if type(m).__name__ == "LlamaRMSNorm":
-            m.forward = types.MethodType(forward, m)
 
 
 def _rel(got, want) -> float:
@@ -42,7 +35,7 @@ def _rel(got, want) -> float:
 @pytest.fixture(scope="module")
 def model():
     m = tiny_model("llama", dtype=F64)
-    _rmsnorm_in_input_dtype(m)
+    rmsnorm_in_input_dtype(m)
     return m
 
 
