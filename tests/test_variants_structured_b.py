@@ -96,6 +96,8 @@ CASES = {
     "road_4": ("llama", peft.RoadConfig(target_modules=TARGETS, group_size=4, variant="road_4"), 1),
     "hira": ("llama", peft.HiraConfig(target_modules=TARGETS, r=3), 1),
     "hira-gpt2": ("gpt2", peft.HiraConfig(target_modules=["c_attn", "mlp.c_proj"], r=2), 1),
+    # peft 0.21's HiRA ignores rank_pattern (every layer gets r): the reader must too
+    "hira-rank-pattern": ("llama", peft.HiraConfig(target_modules=TARGETS, r=3, rank_pattern={"q_proj": 2}), 1),
 }
 
 

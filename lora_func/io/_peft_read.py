@@ -345,7 +345,9 @@ def _layer_from_peft(
         name, axis = method.rank_of
         axis += 1 if kind[0] == "experts" else 0  # the expert axis comes first
         if fmt.layer_shapes is None:
-            r = _checked_rank(directory, config, module, int(tensors[name].shape[axis]) // method.rank_multiple, method.rank_fields)
+            # a method without per-layer ranks in peft (rank_pattern=False) ignores the config's pattern
+            fields = method.rank_fields if method.rank_pattern else (method.rank_fields[0], None)
+            r = _checked_rank(directory, config, module, int(tensors[name].shape[axis]) // method.rank_multiple, fields)
         else:  # the config's, checked by the layer's own shapes in _assemble
             r = int(_pattern_value(config.get("rank_pattern"), module, config.get("r", 8)))
     elif method.rank_in_config:
