@@ -102,3 +102,10 @@ def peft_reload_logits(model: torch.nn.Module, directory: Path, ids: torch.Tenso
         loaded = peft.PeftModel.from_pretrained(copy.deepcopy(model), directory).eval()
     with torch.no_grad():
         return loaded(input_ids=ids).logits
+
+
+def storage_bytes(adapter: lf.Adapter) -> int:
+    """Bytes of the distinct storages the adapter's tensors live in (a stack's shared tensors,
+    held once by ``expand``, count once)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in [*adapter.params.values(), *adapter.buffers.values()]}
+    return sum(storages.values())

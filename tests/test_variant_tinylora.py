@@ -145,10 +145,6 @@ def test_init_adapter_trains():
     assert losses[-1] < 0.9 * losses[0], losses
 
 
-def _storage_bytes(adapter: lf.Adapter) -> int:
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in [*adapter.params.values(), *adapter.buffers.values()]}
-    return sum(storages.values())
-
 
 def test_a_stack_of_128_members_holds_one_copy_of_the_frozen_tensors_and_trains_in_one_ensemble_step():
     model = tiny_model("llama")
@@ -159,7 +155,7 @@ def test_a_stack_of_128_members_holds_one_copy_of_the_frozen_tensors_and_trains_
     vectors = sum(t.numel() * t.element_size() for t in one.params.values())
     # per layer A (2, d_in), B (d_out, 2), P (3, 2, 2); one (3 groups, u = 3) leaf of vectors
     assert frozen == 4 * 2 * (2 * (32 + 32) + 2 * (32 + 16) + 2 * (48 + 32) + 3 * 4 * 3) and vectors == 4 * 3 * 3
-    assert _storage_bytes(stacked) == frozen + 128 * vectors  # not 128 * (frozen + vectors)
+    assert bank_oracle.storage_bytes(stacked) == frozen + 128 * vectors  # not 128 * (frozen + vectors)
     ids = tokens(2, 9, seed=1)
     params = {V: stacked.params[V].detach().clone().requires_grad_(True)}
 

@@ -131,10 +131,6 @@ def test_init_adapter_trains():
     assert losses[-1] < 0.8 * losses[0], losses
 
 
-def _storage_bytes(adapter: lf.Adapter) -> int:
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in [*adapter.params.values(), *adapter.buffers.values()]}
-    return sum(storages.values())
-
 
 def test_a_stack_of_256_members_holds_one_copy_of_the_indices_and_trains_in_one_ensemble_step():
     model = tiny_model("llama")
@@ -144,7 +140,7 @@ def test_a_stack_of_256_members_holds_one_copy_of_the_indices_and_trains_in_one_
     frozen = sum(t.numel() * t.element_size() for t in one.buffers.values())
     vectors = sum(t.numel() * t.element_size() for t in one.params.values())
     assert frozen == 768 * (8 + 4) and vectors == 4 * 50  # int64 indices and fp32 scales; θ (50,)
-    assert _storage_bytes(stacked) == frozen + 256 * vectors  # not 256 * (frozen + vectors)
+    assert bank_oracle.storage_bytes(stacked) == frozen + 256 * vectors  # not 256 * (frozen + vectors)
     ids = tokens(2, 9, seed=1)
     params = {THETA: stacked.params[THETA].detach().clone().requires_grad_(True)}
 

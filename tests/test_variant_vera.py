@@ -114,11 +114,6 @@ def test_init_adapter_trains():
     assert losses[-1] < 0.8 * losses[0], losses
 
 
-def _storage_bytes(adapter: lf.Adapter) -> int:
-    """Bytes of the distinct storages the adapter's tensors live in."""
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in [*adapter.params.values(), *adapter.buffers.values()]}
-    return sum(storages.values())
-
 
 def test_a_stack_of_256_members_holds_one_basis_and_trains_in_one_ensemble_step():
     model = tiny_model("llama")
@@ -129,7 +124,7 @@ def test_a_stack_of_256_members_holds_one_basis_and_trains_in_one_ensemble_step(
     basis = sum(t.numel() * t.element_size() for t in one.buffers.values())
     vectors = sum(t.numel() * t.element_size() for t in one.params.values())
     assert basis == 4 * (16 * 48 + 32 * 16) and vectors == 4 * (2 * (32 + 16 + 32) + 6 * 16)
-    assert _storage_bytes(stacked) == basis + 256 * vectors  # not 256 * (basis + vectors)
+    assert bank_oracle.storage_bytes(stacked) == basis + 256 * vectors  # not 256 * (basis + vectors)
     assert torch.equal(lf.unstack(stacked)[200].buffers[f"{SHARED}.vera_A"], one.buffers[f"{SHARED}.vera_A"])
     ids = tokens(2, 9, seed=1)
     params = {k: v.detach().clone().requires_grad_(True) for k, v in stacked.params.items()}
