@@ -84,6 +84,21 @@ def _pointconvnet(seed: int = 0) -> nn.Module:
     return PointConvNet().to(torch.float64).eval()
 
 
+class TwoTapConvNet(PointConvNet):
+    """:class:`PointConvNet` whose Conv1d has a kernel of two taps: the smallest kernel on which
+    ``use_effective_conv2d`` takes the CP form."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seq = nn.Conv1d(6, 5, 2)
+        self.head = nn.Linear(5 * 19, 7)
+
+
+def _twotapconvnet(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return TwoTapConvNet().to(torch.float64).eval()
+
+
 _LYC_CONVS = ["conv1", "conv2", "point", "seq"]
 
 
@@ -166,6 +181,16 @@ CASES = {
         lambda: LoKrConfig(r=1, alpha=ALPHA, target_modules=_LYC_CONVS, use_effective_conv2d=True, decompose_both=True, decompose_factor=4),
         _conv_input, lambda out, x: out.square().mean(), 1e-9,
     ),
+    # the CP forms on a two-tap Conv1d kernel
+    "loha-conv-cp-two-taps": (
+        _twotapconvnet, lambda: LoHaConfig(r=2, alpha=ALPHA, target_modules=_LYC_CONVS, use_effective_conv2d=True),
+        _conv_input, lambda out, x: out.square().mean(), 1e-9,
+    ),
+    "lokr-conv-cp-two-taps": (
+        _twotapconvnet,
+        lambda: LoKrConfig(r=1, alpha=ALPHA, target_modules=_LYC_CONVS, use_effective_conv2d=True, decompose_both=True, decompose_factor=4),
+        _conv_input, lambda out, x: out.square().mean(), 1e-9,
+    ),
     "experts-eager": (
         lambda seed=0: _mixtral("eager", seed),
         lambda: LoraConfig(r=R, lora_alpha=ALPHA, target_modules=[], target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]),
@@ -222,7 +247,7 @@ def _make_kron_mended(w1, w2, scale=1.0):
 def case(request, tmp_path_factory):
     build, config, inputs, loss, rtol = CASES[request.param]
     mend = pytest.MonkeyPatch()
-    if request.param == "lokr-conv-cp":
+    if request.param.startswith("lokr-conv-cp"):
         import peft.tuners.lokr.layer as lokr_layer
 
         mend.setattr(lokr_layer, "make_kron", _make_kron_mended)
@@ -264,7 +289,7 @@ def _make_weight_cp_by_autograd(t1, w1a, w1b, t2, w2a, w2b, scale):
 
 def test_load_peft_gives_peft_gradients_per_tensor(case, tmp_path, monkeypatch):
     want = _peft_grads(case.peft, case.x, case.loss)
-    if case.name == "loha-conv-cp":
+    if case.name.startswith("loha-conv-cp"):
         import peft.tuners.loha.layer as loha_layer
 
         peft_own = want

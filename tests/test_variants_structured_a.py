@@ -409,7 +409,7 @@ def test_init_adapter_trains(variant, kwargs):
     check_trains(variant, **kwargs)
 
 
-def test_peft_refuses_gpt2_conv1d_lora_func_does_not():
+def test_peft_refuses_gpt2_conv1d_for_loha_and_lokr_lora_func_does_not():
     """Keeps docs/variants.md's table honest: peft's LyCORIS tuners refuse GPT-2 Conv1D."""
     for config in (peft.LoHaConfig(r=2, target_modules=["c_attn"]), peft.LoKrConfig(r=2, target_modules=["c_attn"])):
         with pytest.raises(TypeError, match="not supported"):

@@ -122,9 +122,16 @@ TARGETS: dict[str, tuple[tuple[str, ...] | None, list[list[str]]]] = {
                 ["tests/test_kinds.py", "-k", f"lycoris and {name}"],
                 ["tests/test_variants_structured_a.py", "-k", select],
                 ["tests/test_kinds_peft.py", "-k", select],
+                # the other dtypes on each activation form, rank dropout on each, config checks
+                [f"tests/test_variant_{v}.py" for v in ("loha", "lokr") if v in select],
                 [CONTRACT, "-k", select],
                 [RANK_STACK, "-k", select],
                 [CATALOGUE, "-k", f"lycoris or {name}"],
+                # which activation form a call takes changes no value, only the bytes it holds
+                ["tests/test_counts.py", "-k", select],
+                [KILLERS, "-k", f"documented_defaults and ({select})"],
+                # LoHa's traced branch (no custom Function under torch.compile)
+                [COMPILE, "-k", select],
             ],
         )
         for name, select in (("loha", "loha"), ("lokr", "lokr"), ("_lycoris", "loha or lokr"))
@@ -140,6 +147,8 @@ TARGETS: dict[str, tuple[tuple[str, ...] | None, list[list[str]]]] = {
                 [KILLERS, "-k", name],
                 *([[RANK_STACK, "-k", name]] if name == "shira" else []),
                 [CATALOGUE, "-k", name],
+                # C3A's eager FFT Function saves less than autograd through the FFTs: the counts see it
+                *([["tests/test_counts.py", "-k", name]] if name == "c3a" else []),
             ],
         )
         for name in ("shira", "fourierft", "c3a")
@@ -471,6 +480,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=None, help="write the raw results here")
     parser.add_argument("--timeout-factor", type=float, default=4.0, help="a mutant's timeout, in baseline run times")
     parser.add_argument("--no-copy", action="store_true", help="reuse an existing --copy-to tree")
+    parser.add_argument("--lines", nargs="*", type=int, default=None, help="only the mutants on these lines (a re-run of a report's survivors)")
     args = parser.parse_args(argv)
 
     files = args.only or list(TARGETS)
@@ -481,6 +491,8 @@ def main(argv: list[str] | None = None) -> int:
         copy_tree(args.copy_to)
     root = args.copy_to.resolve()
     all_mutants = {f: mutants_of(f, TARGETS[f][0], root) for f in files}
+    if args.lines is not None:
+        all_mutants = {f: [m for m in ms if m.line in args.lines] for f, ms in all_mutants.items()}
     if args.list:
         for f, ms in all_mutants.items():
             for m in ms:

@@ -73,8 +73,9 @@ def init(
         )
     size = _size(info.d_out, info.option("road_variant"))
     if info.option("init") == "random":
-        theta = torch.randn(size, generator=generator, dtype=torch.float32) * 0.5
-        alpha = 1.0 + torch.randn(size, generator=generator, dtype=torch.float32) * 0.5
+        # peft's nn.init.normal_ draws: one stream, theta first (bit-equal under one seed)
+        theta = torch.empty(size, dtype=torch.float32).normal_(0.0, 0.5, generator=generator)
+        alpha = torch.empty(size, dtype=torch.float32).normal_(1.0, 0.5, generator=generator)
     else:
         theta, alpha = torch.zeros(size, dtype=torch.float32), torch.ones(size, dtype=torch.float32)
     return {"road_theta": theta.to(weight.device, dtype), "road_alpha": alpha.to(weight.device, dtype)}, {}
