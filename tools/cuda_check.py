@@ -19,6 +19,9 @@ and layer kind (nn.Linear on a tiny Llama, Conv1D on a tiny GPT-2, where the var
   tenth of the adapter's effect of the float64 oracle (the row's W_eff on the rounded base).
 - ``many``: ``ensemble_call`` (both routes) of three stacked float64 members and
   ``per_example_grads`` on the GPU equal a Python loop of single calls (1e-9 of scale).
+- ``dropout`` (``--checks dropout``): every dropout option at 0.5, a training step on the GPU:
+  finite outputs and gradients, the dropout acts and draws anew per seed; where the masks come
+  from the CPU generator, as peft's (LoHa, LoKr), the GPU's step equals the CPU's.
 - ``compile`` (``--compile``, the variants named there): ``torch.compile(fullgraph=True)`` with
   inductor (Triton kernels, which the CPU suite's ``aot_eager`` never generates) of the lazy and
   the merged loss gives eager's value and gradients.
@@ -305,7 +308,52 @@ def _compile(row, kind, device):
     return {"ok": max(detail.values()) <= 1e-4, **detail}
 
 
-CHECKS = {"parity64": _parity64, "init": _init, "bf16": _bf16, "many": _many, "compile": _compile}
+def _dropout(row, kind, device):
+    import copy
+
+    import torch
+
+    import lora_func as lf
+    from tests.contract_helpers import calibration_batches, perturbed, spec_for
+    from tests.models import LAYER_KIND_MODEL, tiny_model, tokens
+
+    options = lf.get_variant(row.variant).options
+    rates = {k: 0.5 for k, v in options.items() if "dropout" in k and isinstance(v, float)}
+    if not rates:
+        return {"ok": True, "skipped": "no dropout option"}
+    model = tiny_model(LAYER_KIND_MODEL[kind])
+    spec = spec_for(row, LAYER_KIND_MODEL[kind], **rates)
+    adapter = perturbed(lf.init_adapter(model, spec, generator=torch.Generator().manual_seed(100), calibration=calibration_batches() if row.calibration else None), row.perturb_scale)
+    gpu_model = copy.deepcopy(model).to(device).train()
+    model.train()
+    gpu_adapter = _moved(adapter, device)
+    ids = tokens()
+    with torch.no_grad():
+        plain = lf.adapted_call(gpu_model.eval(), gpu_adapter, ids.to(device)).logits
+    gpu_model.train()
+    outs, same_as_cpu = [], []
+    for seed in range(4):
+        torch.manual_seed(seed)  # seeds the CPU and every CUDA generator
+        params = {k: v.detach().requires_grad_(True) for k, v in gpu_adapter.params.items()}
+        out = lf.adapted_call(gpu_model, gpu_adapter.with_params(params), ids.to(device)).logits
+        grads = torch.autograd.grad(out.square().mean(), list(params.values()), allow_unused=True)
+        assert out.device.type == torch.device(device).type and bool(out.isfinite().all())
+        assert all(g is None or bool(g.isfinite().all()) for g in grads)
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            cpu = lf.adapted_call(model, adapter, ids).logits
+        outs.append(out.detach())
+        same_as_cpu.append(_rel(out, cpu))
+    acts = max(_rel(o, plain) for o in outs)
+    draws = len({tuple(o.flatten().tolist()) for o in outs})
+    # LoHa/LoKr draw their masks on the CPU generator, as peft: the GPU's step is the CPU's (the
+    # others draw on the device, as torch's dropout does)
+    cpu_drawn = row.variant in ("loha", "lokr")
+    ok = acts > 1e-3 and draws > 1 and (max(same_as_cpu) <= 1e-4 if cpu_drawn else True)
+    return {"ok": ok, "rates": rates, "dropout_moves_logits": acts, "distinct_draws": draws, "vs_cpu_same_seed": max(same_as_cpu)}
+
+
+CHECKS = {"parity64": _parity64, "init": _init, "bf16": _bf16, "many": _many, "compile": _compile, "dropout": _dropout}
 
 
 def _job(args):
