@@ -15,7 +15,7 @@ import lora_func as lf
 from lora_func.variants._lycoris import output_keep
 from lora_func.variants.loha import uses_face_splitting
 from tests.one_layer import one_layer
-from tests.variant_checks import assert_config_checks, assert_other_adapter_dtype
+from tests.variant_checks import assert_config_checks, assert_other_adapter_dtype, saved_bytes
 
 
 @pytest.mark.parametrize(("r", "face_splitting"), [(1, True), (2, False)])
@@ -52,3 +52,16 @@ def test_rank_dropout_rescales_by_the_kept_fraction_and_an_all_dropped_draw_leav
         seen.add(min(int(rows.sum()), 2))
     assert seen == {0, 1, 2}, "the draws must cover no row, one row and several rows kept"
     assert output_keep(types.SimpleNamespace(training=False), info, dtype=torch.float64, device=torch.device("cpu"), rescale=True) is None
+
+
+def test_the_face_splitting_product_keeps_less_than_the_dense_update_where_it_is_taken():
+    # 64 -> 64: r=2 and 4 rows take U V (rank r² = 4), r=8 and 256 rows the dense update; over
+    # the base layer's own, the first keeps well under the 64 x 64 update, the second all of it
+    model = one_layer("linear", 64, 64, True, torch.float32, 0)
+    dense_update = 64 * 64 * 4
+    for r, rows, form_bytes in ((2, 4, lambda b: b < dense_update / 2), (8, 256, lambda b: b >= dense_update)):
+        assert uses_face_splitting(r, 64, 64, rows) is (rows == 4)
+        adapter = lf.init_adapter(model, lf.AdapterSpec("loha", targets=["proj"], r=r, init="random"))
+        x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(2)).requires_grad_(True)
+        saved = saved_bytes(lambda x=x, a=adapter: lf.adapted_call(model, a, x=x).sum()) - saved_bytes(lambda x=x: model(x=x).sum())
+        assert form_bytes(saved), (r, rows, saved)

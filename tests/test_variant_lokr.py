@@ -13,7 +13,7 @@ import torch
 
 import lora_func as lf
 from tests.one_layer import one_layer, perturbed, run
-from tests.variant_checks import assert_config_checks, assert_other_adapter_dtype
+from tests.variant_checks import assert_config_checks, assert_other_adapter_dtype, saved_bytes
 
 
 @pytest.mark.parametrize(("rows", "options"), [
@@ -98,20 +98,6 @@ def test_a_rank_padded_stack_with_both_factors_decomposed_equals_each_member_alo
     assert len({round(float(v), 6) for v in values}) == 3
 
 
-def _saved_bytes(call) -> int:
-    """Bytes autograd keeps for backward during ``call()``."""
-    total = 0
-
-    def pack(t):
-        nonlocal total
-        total += t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        call()
-    return total
-
-
 def test_few_rows_take_the_kronecker_form_and_keep_less_than_the_dense_update():
     # 64 -> 64 (8 x 8 Kronecker factors, W2 = W2a W2b at r=2): over the base layer's own, 4 rows
     # keep (4, 8, 8) intermediates where the dense update alone would keep 64 x 64 values; 256
@@ -123,5 +109,5 @@ def test_few_rows_take_the_kronecker_form_and_keep_less_than_the_dense_update():
         # x needs a gradient, as every layer's input past the first does: backward to x needs
         # the whole update on the dense form
         x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(2)).requires_grad_(True)
-        saved = _saved_bytes(lambda x=x: lf.adapted_call(model, adapter, x=x).sum()) - _saved_bytes(lambda x=x: model(x=x).sum())
+        saved = saved_bytes(lambda x=x: lf.adapted_call(model, adapter, x=x).sum()) - saved_bytes(lambda x=x: model(x=x).sum())
         assert form_bytes(saved), (rows, saved)

@@ -90,3 +90,18 @@ def assert_other_adapter_dtype(variant: str, d_in: int, d_out: int, *, adapter_d
         assert got.dtype == torch.float32, (make.__name__, got.dtype)
         err = float((got.double() - want.detach()).abs().max())
         assert err < tol, (make.__name__, err, tol)
+
+
+def saved_bytes(call) -> int:
+    """Bytes autograd keeps for backward during ``call()`` (which activation form a layer takes
+    shows here, where the outputs are equal)."""
+    total = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        call()
+    return total
