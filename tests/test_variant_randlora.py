@@ -1,7 +1,8 @@
 """RandLoRA beyond the contract suite: the bases are peft's draw for draw (dense bf16 kaiming,
 sparse, very sparse); peft checkpoints (perturbed λ and γ, with and without ``save_projection``,
 Llama and GPT-2 Conv1D) load with peft's logits and per-tensor gradients in float64; ``save_peft``
-loads in peft; ``init_adapter`` trains."""
+loads in peft; ``init_adapter`` trains; a random init draws peft's values; peft's config checks
+and a round trip of every option through its config."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from lora_func.adapter import SHARED
 from tests import bank_oracle
 from tests.models import tiny_model, tokens
 from tests.peft_helpers import ce_loss
+from tests.variant_checks import assert_config_checks, assert_peft_round_trip
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning"),
@@ -83,3 +85,32 @@ def test_init_adapter_trains():
         opt.step()
         losses.append(float(loss.detach()))
     assert losses[-1] < 0.8 * losses[0], losses
+
+
+def test_a_random_init_is_peft_s_init_weights_false_draw_for_draw():
+    # peft's init_weights=False keeps λ ~ N(0, 1) (global generator, layer by layer) and
+    # γ = 1 / max(d_in, d_out); the bases come from projection_prng_key either way
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        base = tiny_model("llama")
+        torch.manual_seed(11)
+        pm = peft.get_peft_model(base, peft.RandLoraConfig(r=4, target_modules=TARGETS["llama"], projection_prng_key=7, init_weights=False))
+    spec = lf.AdapterSpec("randlora", targets=TARGETS["llama"], r=4, projection_prng_key=7, init="random")
+    adapter = lf.init_adapter(tiny_model("llama"), spec, generator=torch.Generator().manual_seed(11))
+    compared = 0
+    for name, p in pm.named_parameters():
+        if p.requires_grad:
+            assert torch.equal(adapter.params[bank_oracle.lf_key(name)], p.detach()), name
+            compared += 1
+    assert compared == 2 * 2 * len(TARGETS["llama"])
+
+
+def test_peft_config_checks_and_round_trip():
+    assert_config_checks("randlora", peft.RandLoraConfig, {
+        "projection_prng_key": [-1, 2**63, 1.5, True], "save_projection": [1], "sparse": [0], "very_sparse": ["yes"],
+        "randlora_alpha": [float("nan"), float("inf"), "8"], "randlora_dropout": [-0.1, 1.0, float("nan")], "init_weights": [1],
+    }, good={"projection_prng_key": [0, 2**63 - 1], "randlora_dropout": [None, 0.0, 0.99], "randlora_alpha": [0.5, 640]})
+    assert_peft_round_trip("randlora", {
+        "projection_prng_key": 5, "save_projection": False, "sparse": True, "very_sparse": True,
+        "randlora_alpha": 20.0, "dropout": 0.3, "init": "random",
+    })

@@ -105,3 +105,15 @@ def saved_bytes(call) -> int:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         call()
     return total
+
+
+def assert_peft_round_trip(variant: str, options: dict) -> None:
+    """``options`` (every one away from its default) written to a peft config and read back
+    are the same options: each field is written and read, none swapped or dropped."""
+    import lora_func as lf
+
+    fmt = lf.get_variant(variant).peft
+    defaults = dict(lf.AdapterSpec(variant, targets=["x"]).options)
+    assert all(options[k] != defaults[k] for k in options), "each option must differ from its default"
+    read = fmt.reads(fmt.config({**defaults, **options}), "x")
+    assert {k: read[k] for k in options} == options, read

@@ -168,7 +168,10 @@ TARGETS: dict[str, tuple[tuple[str, ...] | None, list[list[str]]]] = {
     ),
     # The shared-basis variants (issue 31): their own oracle tests instead of the (slow) properties.
     **{
-        f"lora_func/variants/{name}.py": (None, _variant_stages(name, f"tests/test_variant_{name}.py")[:-1])
+        f"lora_func/variants/{name}.py": (
+            None,
+            [*_variant_stages(name, f"tests/test_variant_{name}.py")[:-1], ["tests/test_bank_rank_stack.py", "-k", name]],
+        )
         for name in ("vera", "vblora", "randlora", "pvera")
     },
     **{
