@@ -1,6 +1,7 @@
 """VB-LoRA beyond the contract suite: peft checkpoints (perturbed logits and bank, Llama and GPT-2
 Conv1D) load with peft's logits and per-tensor gradients in float64, the bank's gradient summed
-over the layers; ``save_peft`` loads in peft; ``init_adapter`` trains; the sizes are checked."""
+over the layers; ``save_peft`` loads in peft; ``init_adapter`` trains; the sizes are checked;
+peft's index types, config checks and a round trip of every option."""
 
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ from safetensors.torch import load_file
 
 import lora_func as lf
 from lora_func.adapter import SHARED
+from lora_func.variants.vblora import _index_dtype
 from tests import bank_oracle
 from tests.models import tiny_model, tokens
 from tests.peft_helpers import ce_loss
+from tests.variant_checks import assert_config_checks, assert_peft_round_trip
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
 
@@ -113,3 +116,21 @@ def test_init_draws_peft_s_distributions():
     for name in ("vblora_logits_A", "vblora_logits_B"):
         logits = torch.cat([adapter.params[f"{layer.target.module}.{name}"].detach().flatten() for layer in adapter.layers])
         assert abs(float(logits.std()) - 0.3) < 0.01 and abs(float(logits.mean())) < 0.01, name
+
+
+def test_top_k_indices_are_stored_in_peft_s_integer_type():
+    # peft's VBLoRAModel._get_adapter_state_dict: uint8 under 2**8 vectors, int16 under 2**15,
+    # int32 under 2**31, else int64 (each edge on both sides)
+    edges = {255: torch.uint8, 256: torch.int16, 2**15 - 1: torch.int16, 2**15: torch.int32, 2**31 - 1: torch.int32, 2**31: torch.int64}
+    assert {count: _index_dtype(count) for count in edges} == edges
+
+
+def test_peft_config_checks_and_round_trip():
+    assert_config_checks("vblora", peft.VBLoRAConfig, {
+        "num_vectors": [0, -1, 2.0, True], "vector_length": [0, 1.5], "topk": [0, False], "vblora_dropout": [-0.1, 1.0],
+        "init_vector_bank_bound": [float("nan"), "0.02"], "init_logits_std": [float("inf")], "save_only_topk_weights": [1],
+    }, good={"num_vectors": [1, 4096], "topk": [1], "vblora_dropout": [None, 0.0, 0.5]})
+    assert_peft_round_trip("vblora", {
+        "num_vectors": 64, "vector_length": 8, "topk": 3, "init_vector_bank_bound": 0.5, "init_logits_std": 0.3,
+        "save_only_topk_weights": True, "dropout": 0.2,
+    })

@@ -18,6 +18,7 @@ from lora_func.adapter import SHARED
 from tests import bank_oracle
 from tests.models import tiny_model, tokens
 from tests.peft_helpers import ce_loss
+from tests.variant_checks import assert_config_checks, assert_peft_round_trip
 
 # peft warns on every save_projection=False config, and reads transformers 5's deprecated attribute
 pytestmark = [
@@ -159,3 +160,11 @@ def test_a_config_without_the_seed_fields_reads_as_peft_s_defaults(llama64, tmp_
     save_file({k: v for k, v in load_file(path).items() if "vera_A" not in k and "vera_B" not in k}, path)
     with pytest.raises(ValueError, match="says it holds the shared vera_A"):
         lf.load_peft(tmp_path, llama64)  # save_projection defaults to True
+
+
+def test_peft_config_checks_and_round_trip():
+    assert_config_checks("vera", peft.VeraConfig, {
+        "projection_prng_key": [-1, 2**63, 1.5, True], "save_projection": [1], "vera_dropout": [-0.1, 1.0, float("nan")],
+        "d_initial": [float("inf"), "0.1"], "init_weights": [0],
+    }, good={"projection_prng_key": [0, 2**63 - 1], "vera_dropout": [None, 0.0, 0.99], "d_initial": [0.0, -1.0]})
+    assert_peft_round_trip("vera", {"projection_prng_key": 5, "save_projection": False, "dropout": 0.3, "d_initial": 0.5, "init": "random"})
