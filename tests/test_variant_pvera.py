@@ -18,6 +18,7 @@ from lora_func.adapter import SHARED
 from tests import bank_oracle
 from tests.models import tiny_model, tokens
 from tests.peft_helpers import ce_loss
+from tests.variant_checks import assert_config_checks, assert_peft_round_trip
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning"),
@@ -84,3 +85,13 @@ def test_init_adapter_trains():
     model.eval()
     final = float(ce_loss(lf.adapted_call(model, adapter.with_params(params), ids).logits, ids).detach())
     assert final < 0.85 * losses[0], (losses, final)  # training steps are noisy (the sample)
+
+
+def test_peft_config_checks_and_round_trip():
+    assert_config_checks("pvera", peft.PveraConfig, {
+        "projection_prng_key": [-1, 2**63, 1.5, True], "save_projection": [1], "pvera_dropout": [-0.1, 1.0, float("nan")],
+        "d_initial": [float("nan"), "0.1"], "init_weights": [0], "sample_at_inference": [1], "generator_seed": [1.5, True],
+    }, good={"projection_prng_key": [0, 2**63 - 1], "pvera_dropout": [None, 0.0, 0.99], "generator_seed": [None]})
+    assert_peft_round_trip("pvera", {
+        "projection_prng_key": 5, "save_projection": False, "dropout": 0.3, "d_initial": 0.5, "init": "random", "sample_at_inference": True,
+    })
