@@ -121,8 +121,18 @@ def _sized_r(draw: st.DrawFn, variant: str, r: int, d_in: int, d_out: int) -> in
 #   the adapter), and kasa's r must stay below min(d_in, d_out);
 # - lora_ga calibrates on the gradient of the model's own loss, which the one-layer model lacks;
 # - tinylora and unilora: any new name shifts every derandomized draw, and the shifted draws meet
-#   failures of other variants these 25 examples never reached (adalora bf16, olora conv1d and
-#   dora fp64 at init), noted for the next suite work.
+#   failures of other variants these 25 examples never reached. Drawn 120 times each
+#   (2026-11-26), these are the test's expectations, not the package:
+#   - olora (and corda) run PiSSA's forms, W − s·B₀A₀ + s·BA, so they belong in
+#     ROUND_OFF_AT_INIT with pissa (merged on Conv1D, fp32: not bit-exact at init);
+#   - their lazy path sums base(x) and two low-rank terms that cancel (each about |W|), where
+#     the oracle's bound is |x|·|W_eff|ᵀ: 1.58e-6 against a tolerance of 1.29e-6 on a 2x2 fp32
+#     layer, and the bf16 merged/lazy gradient check likewise; the bound needs those terms;
+#   - dora with an fp32 adapter on an fp64 base: the forms compute the norm in fp64 (the adapter
+#     is cast up), the magnitude was stored in fp32 at init, so k = m / ‖W‖ is 1 within fp32's
+#     round-off (weights off by 4e-8), not exactly;
+#   - adalora on a 2x2 bf16 base: the perturbation does not move the output past the bf16
+#     tolerance (the check's own precondition; a larger perturb scale for that row).
 NOT_DRAWN = ("kasa", "loftq", "lora_ga", "tinylora", "unilora")
 DRAWN = tuple(v for v in lf.list_variants() if v not in NOT_DRAWN)
 
