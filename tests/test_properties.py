@@ -130,7 +130,7 @@ def _sized_r(draw: st.DrawFn, variant: str, r: int, d_in: int, d_out: int) -> in
 #     layer, and the bf16 merged/lazy gradient check likewise; the bound needs those terms;
 #   - dora with an fp32 adapter on an fp64 base: the forms compute the norm in fp64 (the adapter
 #     is cast up), the magnitude was stored in fp32 at init, so k = m / ‖W‖ is 1 within fp32's
-#     round-off (weights off by 4e-8), not exactly;
+#     round-off (outputs off by 3.6e-8 on a 2x2 layer), not exactly;
 #   - adalora on a 2x2 bf16 base: the perturbation does not move the output past the bf16
 #     tolerance (the check's own precondition; a larger perturb scale for that row).
 NOT_DRAWN = ("kasa", "loftq", "lora_ga", "tinylora", "unilora")
