@@ -132,7 +132,12 @@ def _sized_r(draw: st.DrawFn, variant: str, r: int, d_in: int, d_out: int) -> in
 #     is cast up), the magnitude was stored in fp32 at init, so k = m / ‖W‖ is 1 within fp32's
 #     round-off (outputs off by 3.6e-8 on a 2x2 layer), not exactly;
 #   - adalora on a 2x2 bf16 base: the perturbation does not move the output past the bf16
-#     tolerance (the check's own precondition; a larger perturb scale for that row).
+#     tolerance (the check's own precondition; a larger perturb scale for that row);
+#   - tried and not landed: with |W_res| + s·|B||A| in the bound, pissa, olora and corda on 2x2
+#     bf16 layers then fail that same precondition (their perturbation needs scaling with the
+#     bound), and olora's bf16 gradient check has the same cancellation in its tolerance;
+#   - unilora's init is not the identity (its row's identity_rtol): test_identity_at_init must
+#     treat it as it treats antipasto and hra's random init before it is drawn.
 NOT_DRAWN = ("kasa", "loftq", "lora_ga", "tinylora", "unilora")
 DRAWN = tuple(v for v in lf.list_variants() if v not in NOT_DRAWN)
 
