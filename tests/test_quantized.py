@@ -292,18 +292,15 @@ def _nf4_in_plain_torch(weight: torch.Tensor, blocksize: int = 64) -> torch.Tens
     return (code[nearest] * absmax).view(weight.shape)
 
 
-@pytest.mark.parametrize(
-    "d_in",
-    [
-        128,
-        pytest.param(48, marks=pytest.mark.xfail(strict=True, reason="bitsandbytes 0.50.2's CPU dequantize_4bit is wrong when a row is not a whole number of 64-value blocks (docs/testing.md, known gaps)")),
-    ],
-)
-def test_bitsandbytes_cpu_4bit_weights_are_nf4_of_the_float_weights(d_in):
+@pytest.mark.parametrize("d_in", [128, 48])
+def test_bitsandbytes_cpu_4bit_weights_are_nf4_only_for_whole_64_value_blocks(d_in):
     # What a CPU QLoRA run computes with: bitsandbytes' own dequantization, the weight its forward
     # uses too (lora_func.quantized reads it the same way, so every path stays consistent with the
-    # plain quantized model). At 48 inputs it is 0.37 of scale off NF4; the tiny test models have
-    # such widths, so their quantized-base tests check the adapter math on those weights, not NF4.
+    # plain quantized model). bitsandbytes 0.50.2 gets it wrong when a row is not a whole number
+    # of 64-value blocks: at 48 inputs it is 0.37 of scale off NF4. The tiny test models have such
+    # widths, so their quantized-base tests check the adapter math on those weights, not NF4.
+    # Asserted as it is (docs/testing.md, known gaps): once bitsandbytes fixes it, the 48 case
+    # fails and its branch goes.
     import bitsandbytes as bnb
     import bitsandbytes.functional as bf
 
@@ -312,4 +309,8 @@ def test_bitsandbytes_cpu_4bit_weights_are_nf4_of_the_float_weights(d_in):
     got = bf.dequantize_4bit(packed.data, packed.quant_state).float()
     want = _nf4_in_plain_torch(weight)
     assert float((want - weight).abs().max()) < 0.2 * float(weight.abs().max())  # the reference is NF4
-    assert float((got - want).abs().max()) <= 1e-6 * float(want.abs().max())
+    off = float((got - want).abs().max()) / float(want.abs().max())
+    if d_in % 64 == 0:
+        assert off <= 1e-6, off
+    else:
+        assert off > 0.1, f"bitsandbytes' CPU dequantize_4bit is now NF4 at {d_in} inputs ({off:.1e} off): drop this branch and docs/testing.md's known gap"
