@@ -109,3 +109,22 @@ def storage_bytes(adapter: lf.Adapter) -> int:
     held once by ``expand``, count once)."""
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in [*adapter.params.values(), *adapter.buffers.values()]}
     return sum(storages.values())
+
+
+def adam_losses(model: torch.nn.Module, adapter, lr: float, steps: int = 15) -> list[float]:
+    """The next-token loss of ``adapter`` on ``model`` over ``steps`` Adam steps on one batch
+    (``tokens(4, 12, seed=5)``): each variant's "init_adapter trains" check."""
+    from tests.models import tokens
+    from tests.peft_helpers import ce_loss
+
+    ids = tokens(4, 12, seed=5)
+    params = dict(adapter.params)
+    opt = torch.optim.Adam(params.values(), lr=lr)
+    losses = []
+    for _ in range(steps):
+        loss = ce_loss(lf.adapted_call(model, adapter.with_params(params), ids).logits, ids)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses
