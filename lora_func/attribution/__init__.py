@@ -16,10 +16,10 @@ docs/attribution.md has the recipes, what each method assumes, and the oracles t
 against (traker, the LESS recipe, kronfluence).
 """
 
-from lora_func.attribution.ekfac import EKFAC, Factor, ekfac, influence
-from lora_func.attribution.features import feature_dim, features, write_features
+from lora_func.attribution.curvature import EKFAC, Factor, ekfac, influence
+from lora_func.attribution.featurize import feature_dim, features, write_features
 from lora_func.attribution.precondition import AdamPreconditioner, adam_preconditioner
-from lora_func.attribution.scores import METHODS, lds, scores
+from lora_func.attribution.scoring import METHODS, lds, scores
 
 __all__ = [
     "EKFAC",

@@ -6,7 +6,10 @@ rows are cut into blocks of :func:`block_rows` rows (a function of ``k`` only) a
 drawn from its own CPU generator seeded by ``(seed, j)``. A row's projection is the sum over the
 blocks of its slice times the block, in block order. So the matrix is a function of ``(seed, D,
 k)`` alone: the same for every batch, chunk size and device (the blocks are drawn on the CPU and
-moved), and the same seed gives bit-identical features.
+moved), and the same seed gives bit-identical features. The rows are multiplied in tiles of
+:data:`ROW_TILE` (zero rows pad the last), so a row's rounding does not depend on how many rows
+share its call: splitting a dataset into other batches or chunks gives the same bits (on the
+BLAS libraries tested; their kernels are chosen by the row count, not the values).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ __all__ = ["Projection", "block_rows"]
 
 # Elements of one generated block (4 Mi: 16 MiB in float32), the memory the projection adds.
 BLOCK_ELEMENTS = 1 << 22
+ROW_TILE = 8
 _GOLDEN = 0x9E3779B97F4A7C15  # the 64-bit golden ratio: consecutive blocks get unrelated seeds
 _SIGN_BIT = -(2**31)
 _ONE_BITS = 0x3F800000  # float32 1.0
@@ -69,7 +73,13 @@ class Projection:
         features in order (one per adapter tensor, never concatenated); returns ``(n, dim)``."""
         first = pieces[0]
         n, dtype, device = first.shape[0], first.dtype, first.device
-        out = torch.zeros(n, self.dim, dtype=dtype, device=device)
+        # Rows padded to a multiple of ROW_TILE: BLAS picks its kernels by the row count, so
+        # every call multiplying a whole number of tiles gives each row the same rounding
+        # whatever the other rows (the same features from any chunk_size or batch split).
+        pad = -n % ROW_TILE
+        if pad:
+            pieces = [torch.cat([piece, piece.new_zeros(pad, piece.shape[1])]) for piece in pieces]
+        out = torch.zeros(n + pad, self.dim, dtype=dtype, device=device)
         rows = block_rows(self.dim)
         bounds = []
         offset = 0
@@ -83,4 +93,4 @@ class Projection:
                 a, b = max(lo, start), min(hi, stop)
                 if a < b:
                     out.addmm_(piece[:, a - start : b - start], block[a - lo : b - lo])
-        return out.mul_(self.dim**-0.5)
+        return out[:n].mul_(self.dim**-0.5)

@@ -67,7 +67,7 @@ def _dtype(array: Array) -> torch.dtype:
 def _rows(array: Array, start: int, stop: int, dtype: torch.dtype, device: torch.device) -> Tensor:
     if isinstance(array, Tensor):
         return array[start:stop].to(device=device, dtype=dtype)
-    return torch.from_numpy(np.ascontiguousarray(array[start:stop])).to(device=device, dtype=dtype)
+    return torch.from_numpy(np.array(array[start:stop])).to(device=device, dtype=dtype)  # a copy: memory maps are read-only
 
 
 def _blocks(array: Array, dtype: torch.dtype, device: torch.device) -> Any:
@@ -197,6 +197,7 @@ def scores(
 
 def _average_ranks(values: Tensor) -> Tensor:
     """Ranks (1-based) of each row of ``values (rows, m)``, ties given their average rank."""
+    values = values.contiguous()
     ordered = values.sort(dim=1).values
     low = torch.searchsorted(ordered, values, right=False)
     high = torch.searchsorted(ordered, values, right=True)

@@ -42,8 +42,8 @@ from lora_func._layer_ops import VariantOp, activation_tap
 from lora_func._tree import leaves
 from lora_func.adapter import AdapterLike, leaf_adapters
 from lora_func.attribution._checks import batch_size, check_callable, check_chunk_size
-from lora_func.attribution.features import _batch_args, feature_dim
-from lora_func.attribution.scores import scores
+from lora_func.attribution.featurize import _batch_args, feature_dim
+from lora_func.attribution.scoring import scores
 from lora_func.many import Randomness, per_example_grads
 from lora_func.variants import BaseLayer, list_variants
 

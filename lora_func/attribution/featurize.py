@@ -57,16 +57,21 @@ class _Featurizer:
                 f"or one stack (K,) (an ensemble: one block of features per member)"
             )
         self.dim = feature_dim(adapter)
+        self.proj_dim, self.generator = proj_dim, generator
         self.projection: Projection | None = None
-        if proj_dim is not None:
-            device = generator.device if generator is not None else torch.device("cpu")
+
+    def start(self) -> _Featurizer:
+        """Draw the projection (after every check: a refused call leaves the generator as it was)."""
+        if self.proj_dim is not None:
+            device = self.generator.device if self.generator is not None else torch.device("cpu")
             # One draw from the caller's generator; the blocks come from (seed, block index).
-            seed = int(torch.randint(0, 2**62, (), generator=generator, device=device))
-            self.projection = Projection(seed, self.dim, proj_dim)
+            seed = int(torch.randint(0, 2**62, (), generator=self.generator, device=device))
+            self.projection = Projection(seed, self.dim, self.proj_dim)
+        return self
 
     @property
     def out_dim(self) -> int:
-        return self.dim if self.projection is None else self.projection.dim
+        return self.dim if self.proj_dim is None else self.proj_dim
 
     def rows(self, batch: tuple) -> Tensor:
         """The features of ``batch``: ``(B, out_dim)``, or ``(K, B, out_dim)`` for a stack."""
@@ -138,6 +143,7 @@ def features(
     """
     featurizer = _Featurizer(loss_fn, adapter, proj_dim, generator, chunk_size, preconditioner, randomness, "features")
     batch_size(batch, "features")
+    featurizer.start()
     with torch.no_grad():
         return featurizer.rows(batch)
 
@@ -181,11 +187,11 @@ def write_features(
     float64). Written beside ``path`` as the batches come and renamed into place at the end
     (``np.load(path, mmap_mode="r")`` reads it): a failure midway leaves no file behind.
     """
-    featurizer = _Featurizer(loss_fn, adapter, proj_dim, generator, chunk_size, preconditioner, randomness, "write_features")
     check_path(path, "write_features")
     target = Path(path)
     if target.is_dir():
         raise IsADirectoryError(f"write_features: path {str(target)!r} is a directory; pass a file name such as features.npy")  # error: attribution-path-dir
+    featurizer = _Featurizer(loss_fn, adapter, proj_dim, generator, chunk_size, preconditioner, randomness, "write_features").start()
     members = featurizer.stack
     width = featurizer.out_dim
     descr: str | None = None
@@ -196,17 +202,14 @@ def write_features(
     try:
         with open(partial, "wb") as handle:
             handle.write(_npy_header((0, *members, width), "<f4"))
-            for index, batch in enumerate(batches):
+            for batch in batches:
                 args = _batch_args(batch)
                 with torch.no_grad():
                     rows = featurizer.rows(args)
                 rows = rows.movedim(-2, 0) if members else rows  # (B, *stack, width): example-major on disk
-                kind = "<f8" if rows.dtype == torch.float64 else "<f4"
-                if descr is None:
-                    descr = kind
-                elif kind != descr:
-                    raise TypeError(f"write_features: batch {index} gave {rows.dtype} features after {descr} ones; keep one dtype")  # error: attribution-dtype-changed
-                array = rows.detach().to("cpu", torch.float64 if kind == "<f8" else torch.float32).contiguous().numpy()
+                if descr is None:  # the first batch's precision for the whole file
+                    descr = "<f8" if rows.dtype == torch.float64 else "<f4"
+                array = rows.detach().to("cpu", torch.float64 if descr == "<f8" else torch.float32).contiguous().numpy()
                 handle.write(array.tobytes())
                 count += array.shape[0]
             if count == 0:
