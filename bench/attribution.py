@@ -27,7 +27,6 @@ Run: python bench/attribution.py [--rounds 5] [--proj-dim 2048] [--quick]
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import logging
 import sys

@@ -17,7 +17,7 @@ answer ``what is 3 plus 4 ?`` from 70 training questions; 30 are held out. This 
    against a few target questions, and compare the held-out accuracy of an adapter trained on
    them with one trained on a random pick of the same size.
 
-Run: python examples/attribution.py           # small settings, about 20 s on one CPU core
+Run: python examples/attribution.py           # small settings, about 30 s on one CPU core
      python examples/attribution.py --full    # the numbers in docs/attribution.md
      python examples/attribution.py --select --seeds 0 1 2 3 4
 """
@@ -25,7 +25,6 @@ Run: python examples/attribution.py           # small settings, about 20 s on on
 from __future__ import annotations
 
 import argparse
-import random
 import time
 
 import torch

@@ -179,7 +179,7 @@ def _raw_and_model():
 
 
 def test_projection_is_the_exact_gradients_times_one_seeded_sign_matrix_built_block_by_block(small_blocks):
-    model, adapter, loss_fn, ids = _raw_and_model()
+    _, adapter, loss_fn, ids = _raw_and_model()
     k = 64
     raw = at.features(loss_fn, adapter, ids)
     dim = raw.shape[1]
@@ -390,7 +390,7 @@ def ekfac_oracle(pm, train_ids, train_mask, test_ids, test_mask, damping):
         _, q_a = torch.linalg.eigh(act / count)
         _, q_s = torch.linalg.eigh(grad / count)
 
-        def weight_grad(entry):
+        def weight_grad(entry, name=name):
             a, g, _ = entry[name]
             return g.T @ a  # (out, in)
 

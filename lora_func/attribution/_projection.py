@@ -22,8 +22,9 @@ from torch import Tensor
 
 __all__ = ["Projection", "block_rows"]
 
-# Elements of one generated block (4 Mi: 16 MiB in float32), the memory the projection adds.
-BLOCK_ELEMENTS = 1 << 22
+# Elements of one generated block (1 Mi: 4 MiB in float32), the memory the projection adds; the
+# draws cost the same per element down to blocks of this size.
+BLOCK_ELEMENTS = 1 << 20
 ROW_TILE = 8
 _GOLDEN = 0x9E3779B97F4A7C15  # the 64-bit golden ratio: consecutive blocks get unrelated seeds
 _SIGN_BIT = -(2**31)

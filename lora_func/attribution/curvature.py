@@ -243,12 +243,11 @@ class _Tap(torch.autograd.Function):
         x = _batch_first(x, in_dims[0], size).detach()
         x = x.reshape(size, -1, x.shape[-1])  # (B, rows, d_in): one example's tokens per row block
         mask = recorder.mask
-        if mask is not None:
-            if tuple(mask.shape) != tuple(x.shape[:2]):
-                raise ValueError(  # error: attribution-ekfac-mask
-                    f"{recorder.where}: token_mask gave shape {tuple(mask.shape)} but {module}'s input has {x.shape[1]} "
-                    f"tokens per example (batch of {size}); return one 0/1 entry per token, (B, T)"
-                )
+        if mask is not None and tuple(mask.shape) != tuple(x.shape[:2]):
+            raise ValueError(  # error: attribution-ekfac-mask
+                f"{recorder.where}: token_mask gave shape {tuple(mask.shape)} but {module}'s input has {x.shape[1]} "
+                f"tokens per example (batch of {size}); return one 0/1 entry per token, (B, T)"
+            )
         index = recorder.layers[module].record(x, mask)
         dim = in_dims[1]
         if dim is None:

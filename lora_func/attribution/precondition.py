@@ -148,7 +148,7 @@ def resolve(preconditioner: Any, adapter: AdapterLike, where: str) -> Preconditi
     if isinstance(preconditioner, (torch.optim.Optimizer, Mapping)):
         return adam_preconditioner(preconditioner, adapter)
     if callable(preconditioner):
-        return preconditioner  # type: ignore[no-any-return]
+        return preconditioner
     raise TypeError(  # error: attribution-preconditioner
         f"{where}: preconditioner must be None, a function grads -> grads, the Adam/AdamW optimiser that trained the "
         f"adapter, or a dict {{key: {{'exp_avg': m, 'exp_avg_sq': v}}}} (LESS), got {type(preconditioner).__name__}"
