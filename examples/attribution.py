@@ -17,7 +17,7 @@ answer ``what is 3 plus 4 ?`` from 70 training questions; 30 are held out. This 
    against a few target questions, and compare the held-out accuracy of an adapter trained on
    them with one trained on a random pick of the same size.
 
-Run: python examples/attribution.py           # small settings, about 30 s on one CPU core
+Run: python examples/attribution.py           # small settings (a smoke run: 4 subset models), about 15 s on one core
      python examples/attribution.py --full    # the numbers in docs/attribution.md
      python examples/attribution.py --select --seeds 0 1 2 3 4
 """
@@ -225,7 +225,7 @@ def run(args: argparse.Namespace) -> dict:
         print(f"mean over seeds {args.seeds}: accuracy LESS {mean['less']:.1%}, random {mean['random']:.1%}; answer loss LESS "
               f"{mean['less_loss']:.3f}, random {mean['random_loss']:.3f}")
         return rows
-    steps, stacks, per_stack = (120, 4, 8) if args.full else (40, 1, 6)
+    steps, stacks, per_stack = (120, 4, 8) if args.full else (30, 1, 4)
     start = time.perf_counter()
     adapter, _ = train_lora(model, train, steps=steps, seed=0)
     print(f"LoRA r=8 on {TARGETS}, {steps} steps on the 70 training questions: held-out accuracy {held_out_metrics(model, adapter, held_out)[0]:.0%}")
