@@ -45,7 +45,7 @@ from lora_func.attribution._checks import batch_size, check_callable, check_chun
 from lora_func.attribution.featurize import _batch_args, feature_dim
 from lora_func.attribution.scoring import scores
 from lora_func.many import Randomness, per_example_grads
-from lora_func.variants import BaseLayer, list_variants
+from lora_func.variants import BaseLayer, get_variant, list_variants
 
 __all__ = ["EKFAC", "Factor", "ekfac", "influence"]
 
@@ -300,19 +300,13 @@ def _lora_layers(adapter: AdapterLike, where: str) -> dict[str, _Layer]:
     covered = {key for layer in layers.values() for key in (layer.key_a, layer.key_b)}
     problems += [f"{key} (not a layer's tensor)" for key in params if key not in covered and key not in refused]
     if problems:
-        supported = sorted(name for name in list_variants() if _low_rank(name))
+        supported = sorted(name for name in list_variants() if get_variant(name).low_rank is not None)
         raise ValueError(  # error: attribution-ekfac-unsupported
             f"{where}: EK-FAC needs every trainable tensor to be a LoRA-form layer's A or B (variants {supported} on "
             f"nn.Linear / Conv1D layers, alone or composed), got {problems[:4]}; use scores(..., method='trak') or "
             f"'tracin' for other adapters"
         )
     return layers
-
-
-def _low_rank(name: str) -> bool:
-    from lora_func.variants import get_variant
-
-    return get_variant(name).low_rank is not None
 
 
 def _eigh(total: Tensor, count: float) -> tuple[Tensor, Tensor]:
