@@ -5,7 +5,9 @@ The names below are grouped as docs/api.md groups them. Namespaces for the rest:
 building blocks: trim, elect_sign, disjoint_mean, drop), ``lora_func.quantized`` (quantized
 weight kinds), ``lora_func.distributed`` (data-parallel helpers), ``lora_func.privacy`` (DP-SGD: the pieces
 behind ``private_grads``, the accountant), ``lora_func.optimizers`` (LoRA+, LoRA-FA, Riemannian:
-optimisers and pure transforms), ``lora_func.rank_budget`` (AdaLoRA's schedule), ``lora_func.subspace_budget`` (AdaMSS's ASA), ``lora_func.train`` (training utilities).
+optimisers and pure transforms), ``lora_func.rank_budget`` (AdaLoRA's schedule), ``lora_func.subspace_budget`` (AdaMSS's ASA), ``lora_func.train`` (training utilities),
+``lora_func.attribution`` (training-data attribution: features, TracIn/LESS/TRAK scores, EK-FAC
+influence, LDS).
 """
 
 import importlib as _importlib
@@ -49,6 +51,9 @@ from lora_func import optimizers, rank_budget  # (lora_func.optimizers.riemannia
 from lora_func.optimizers import lorafa_optimizer, loraplus_optimizer, riemannian_optimizer
 from lora_func.rank_budget import apply_mask, budget_init, budget_step, kasa_penalty, orth_penalty
 from lora_func import subspace_budget  # AdaMSS's subspace allocation (lora_func.subspace_budget.asa_step, ...)
+
+# Training-data attribution: per-example gradient features, TracIn/LESS/TRAK scores, EK-FAC influence, LDS.
+from lora_func import attribution  # (lora_func.attribution.features, scores, ekfac, influence, lds, ...)
 
 # Ecosystem: peft habits, optree/torchopt, nn.Module frameworks (Trainer, accelerate, DDP).
 from lora_func import _optree  # (registers the adapter types with optree, if installed)
