@@ -4,8 +4,8 @@ message, names, nothing touched, the global RNG left alone).
 
 The cases are added to that file's ``CASES`` when this module is imported (pytest imports every
 collected module before running any test), so the catalogue's coverage tests see them whenever
-this file is collected too. Until tests/test_error_catalogue.py imports them itself, running that
-file alone reports the attribution entries as without a case.
+this file is collected too; tests/test_error_catalogue.py imports this module at its end, so
+that file alone covers them too.
 """
 
 from __future__ import annotations

@@ -2100,3 +2100,9 @@ CASES.update(
         ),
     }
 )
+
+
+# lora_func.attribution's cases live beside its tests (tests/test_attribution_errors.py), which adds
+# them to CASES (and its RNG_ADVANCES) when imported: imported here, so this file alone covers the
+# whole catalogue.
+from tests import test_attribution_errors  # noqa: E402, F401
