@@ -268,3 +268,212 @@ def test_save_peft_loads_in_peft_and_lf_files_round_trip(name, kind, tmp_path):
     for flat, other in ((back.params, prompt.params), (back.buffers, prompt.buffers)):
         assert sorted(flat) == sorted(other) and all(torch.equal(flat[k], other[k].detach()) for k in flat)
     assert all(t.requires_grad for t in back.params.values())
+
+
+# ----------------------------------------------------------------------------- functional features
+
+
+def _pair(name: str) -> tuple[lf.Prompt, lf.Prompt]:
+    """Two different prompts of the row on the Llama (peft's perturbed values, and those doubled
+    and shifted)."""
+    _, _, a = peft_model(name, "llama")
+    b = a.with_params({k: (v.detach() * -1.5 + 0.1).requires_grad_(True) for k, v in a.params.items()})
+    return a, b
+
+
+def _call_kwargs(row: Row, rows: slice = slice(None)) -> dict[str, Tensor]:
+    extra = {"input_type_mask": TYPES[rows]} if row.cpt else {}
+    return {"attention_mask": RIGHT_PADDED[rows], **({"task_ids": TASKS[rows]} if row.tasks else {}), **extra}
+
+
+LLAMA_ROWS = [name for name, row in ROWS.items() if "llama" in row.kinds]
+
+
+@pytest.mark.parametrize("name", LLAMA_ROWS)
+def test_a_stack_under_vmap_and_ensemble_call_equal_a_loop(name):
+    row, model = ROWS[name], model64("llama")
+    a, b = _pair(name)
+    loop = torch.stack([lf.adapted_call(model, p, IDS, **_call_kwargs(row)).logits for p in (a, b)])
+    assert rel(loop[0], loop[1]) > 1e-3  # the two prompts differ
+    stacked = lf.stack([a, b])
+    vmapped = torch.func.vmap(lambda p: lf.adapted_call(model, p, IDS, use_cache=False, **_call_kwargs(row)).logits)(stacked)
+    assert rel(vmapped, loop) < RTOL
+    ensemble = lf.ensemble_call(model, stacked, IDS, **_call_kwargs(row)).logits
+    assert rel(ensemble, loop) < RTOL
+    assert [p.spec for p in lf.unstack(stacked)] == [a.spec, b.spec]
+    assert all(torch.equal(lf.take(stacked, 1).params[k], b.params[k].detach()) for k in b.params)
+
+
+@pytest.mark.parametrize("name", LLAMA_ROWS)
+def test_one_prompt_per_row_equals_each_alone_in_calls_and_generate(name):
+    row, model = ROWS[name], model64("llama")
+    a, b = _pair(name)
+    index = torch.tensor([1, 0])
+    alone = [lf.adapted_call(model, (a, b)[int(index[r])], IDS[r : r + 1], **_call_kwargs(row, slice(r, r + 1))).logits for r in range(2)]
+    mixed = lf.mixed_adapted_call(model, [a, b], index, IDS, **_call_kwargs(row)).logits
+    assert rel(mixed, torch.cat(alone)) < RTOL
+    both = lf.mixed_call(model, lf.stack([a, b]), index, IDS, use_cache=False, **_call_kwargs(row)).logits
+    assert rel(both, mixed) < RTOL
+    generate = dict(max_new_tokens=3, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    task = {"task_ids": TASKS} if row.tasks else {}
+    with torch.no_grad(), lf.mixed_adapted(model, lf.stack([a, b]), index):
+        together = model.generate(input_ids=IDS, attention_mask=torch.ones_like(IDS), **task, **generate)
+    for r in range(2):
+        with torch.no_grad(), lf.adapted(model, (a, b)[int(index[r])]):
+            one = model.generate(input_ids=IDS[r : r + 1], attention_mask=torch.ones_like(IDS[r : r + 1]),
+                                 **({"task_ids": TASKS[r : r + 1]} if row.tasks else {}), **generate)
+        assert torch.equal(together.sequences[r], one.sequences[0])
+        assert max(rel(x[r], y[0]) for x, y in zip(together.logits, one.logits, strict=True)) < RTOL
+    assert "prepare_inputs_for_generation" not in model.__dict__ and "forward" not in model.__dict__
+
+
+def _example_loss(model: torch.nn.Module, row: Row) -> Callable[..., Tensor]:
+    def loss(prompt: lf.Prompt, ids: Tensor, mask: Tensor, *rest: Tensor) -> Tensor:
+        extra = {"task_ids": rest[0]} if row.tasks else {}
+        return ce_of(lf.adapted_call(model, prompt, ids, attention_mask=mask, use_cache=False, **extra).logits, ids)
+
+    return loss
+
+
+def ce_of(logits: Tensor, ids: Tensor) -> Tensor:
+    logits = logits[:, logits.shape[1] - ids.shape[1] :]
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+
+@pytest.mark.parametrize("name", ["prompt_tuning", "prefix_tuning", "p_tuning-lstm", "multitask_prompt_tuning", "adaption_prompt"])
+def test_per_example_and_private_grads_equal_loops_of_grad(name):
+    row, model = ROWS[name], model64("llama")
+    prompt, _ = _pair(name)
+    loss = _example_loss(model, row)
+    batch = (IDS, RIGHT_PADDED, *((TASKS,) if row.tasks else ()))
+    grads = lf.per_example_grads(loss, prompt, *batch)
+    for r in range(2):
+        one = torch.func.grad(lambda p: loss(prompt.with_params(p), *(t[r : r + 1] for t in batch)))(prompt.params)
+        assert all(rel(grads[k][r], one[k]) < RTOL for k in one), k
+    private = lf.private_grads(loss, prompt, *batch, max_grad_norm=1e9, noise_multiplier=0.0)
+    assert all(rel(private[k], grads[k].mean(0)) < RTOL for k in grads)
+    clipped = lf.private_grads(loss, prompt, *batch, max_grad_norm=1e-3, noise_multiplier=0.0)
+    norms = torch.stack([g.flatten(1).pow(2).sum(1) for g in grads.values()]).sum(0).sqrt()
+    assert bool((norms > 1e-2).all())  # every example is clipped
+    # (clipped_sum takes the norms in float32: the clip factor is float32-exact)
+    assert all(rel(clipped[k], (grads[k] * (1e-3 / (norms + 1e-6)).view(-1, *[1] * (grads[k].dim() - 1))).mean(0)) < 1e-5 for k in grads)
+
+
+@pytest.mark.parametrize("name", ["prompt_tuning", "prefix_tuning", "adaption_prompt"])
+def test_a_prompt_composed_with_lora_is_lora_on_the_prompted_inputs(name):
+    """``compose(prompt, lora)``: the oracle applies the LoRA adapter alone, to inputs built by
+    hand (the prompt's embeddings in front, or its prefix cache), or to the peft model's own
+    adaption-prompt attention (peft cannot hold both in one model)."""
+    row, model = ROWS[name], model64("llama")
+    prompt, _ = _pair(name)
+    targets = ["q_proj", "v_proj", "embed_tokens"] if name == "prompt_tuning" else ["q_proj", "v_proj"]
+    lora = lf.init_adapter(model, lf.AdapterSpec("lora", targets=targets, r=2, dtype=F64), generator=torch.Generator().manual_seed(1))
+    lora = lora.with_params({k: (torch.randn_like(v) * 0.3).requires_grad_(True) for k, v in lora.params.items()})
+    both = lf.compose(prompt, lora)
+    out = lf.adapted_call(model, both, IDS, attention_mask=RIGHT_PADDED).logits
+    grads = torch.autograd.grad(ce(out), list(both.params.values()))
+    n = prompt.spec.num_virtual_tokens
+    mask = torch.cat([torch.ones(2, n, dtype=RIGHT_PADDED.dtype), RIGHT_PADDED], dim=1)
+    if name == "prompt_tuning":
+        def oracle(p: lf.Prompt, a: lf.Adapter) -> Tensor:
+            embed = F.embedding(IDS, lf.merge_overlay(lf.base_params(model), a)["model.embed_tokens.weight"])
+            inputs_embeds = torch.cat([p.params["embedding"].expand(2, -1, -1), embed], dim=1)
+            return lf.adapted_call(model, a, inputs_embeds=inputs_embeds, attention_mask=mask).logits
+    elif name == "prefix_tuning":
+        from transformers import DynamicCache
+
+        def oracle(p: lf.Prompt, a: lf.Adapter) -> Tensor:
+            g = p.geometry
+            flat = p.params["embedding"].expand(2, -1, -1).reshape(2, n, g.num_layers * 2, g.kv_heads, g.head_dim)
+            cache = DynamicCache(flat.permute(2, 0, 3, 1, 4).split(2))
+            return lf.adapted_call(model, a, IDS, attention_mask=mask, past_key_values=cache).logits
+    else:
+        # peft's model holds the same adaption prompts; the LoRA adapter goes on its wrapped
+        # attention's projections (renamed "self_attn.model.q_proj" there).
+        pm, _, _ = peft_model(name, "llama")
+        wrapped = pm.base_model.model
+        on_wrapped = lf.init_adapter(wrapped, lf.AdapterSpec("lora", targets=targets, r=2, dtype=F64))
+        on_wrapped = on_wrapped.with_params({k: lora.params[k.replace(".self_attn.model.", ".self_attn.")].detach().clone().requires_grad_(True) for k in on_wrapped.params})
+        base = lf.base_params(wrapped) | {n: p for n, p in wrapped.named_parameters() if ".adaption_" in n}  # peft's, live
+        want = torch.func.functional_call(wrapped, lf.overlay(base, on_wrapped), (IDS,), {"attention_mask": RIGHT_PADDED}).logits
+        theirs = prompt_tensors(pm)
+        want_grads = torch.autograd.grad(ce(want), [theirs[k] for k in prompt.params] + list(on_wrapped.params.values()))
+    if name != "adaption_prompt":
+        want = oracle(prompt, lora)
+        want_grads = torch.autograd.grad(ce(want), list(prompt.params.values()) + list(lora.params.values()))
+    assert rel(out, want) < RTOL
+    for key, got, expected in zip(both.params, grads, want_grads, strict=True):
+        assert expected.abs().max() > 0 and rel(got, expected) < RTOL, key
+    assert rel(out, lf.adapted_call(model, prompt, IDS, attention_mask=RIGHT_PADDED).logits) > 1e-3  # the LoRA part counts
+
+
+
+# ----------------------------------------------------------------------------- inits from text and from a source
+
+
+@functools.cache
+def demo() -> tuple[torch.nn.Module, Any]:
+    """The shipped pretrained tiny Llama and its tokenizer (text inits need real token ids)."""
+    from lora_func.demo.model import load_model
+
+    return load_model()
+
+
+TEXT = "what is 3 plus 4 ?"
+
+
+@pytest.mark.parametrize(
+    ("config", "spec"),
+    [
+        (lambda: peft.PromptTuningConfig(task_type=C, num_virtual_tokens=11, prompt_tuning_init="TEXT", prompt_tuning_init_text=TEXT, tokenizer_name_or_path=str(ASSETS)),
+         lambda: lf.PromptSpec("prompt_tuning", 11, init="text", init_text=TEXT)),
+        (lambda: peft.PromptTuningConfig(task_type=C, num_virtual_tokens=2, prompt_tuning_init="TEXT", prompt_tuning_init_text=TEXT, tokenizer_name_or_path=str(ASSETS)),
+         lambda: lf.PromptSpec("prompt_tuning", 2, init="text", init_text=TEXT)),
+        (lambda: peft.MultitaskPromptTuningConfig(task_type=C, num_virtual_tokens=4, num_tasks=2, prompt_tuning_init="TEXT", prompt_tuning_init_text=TEXT,
+                                                  tokenizer_name_or_path=str(ASSETS)),
+         lambda: lf.PromptSpec("multitask_prompt_tuning", 4, num_tasks=2, init="text", init_text=TEXT)),
+        (lambda: peft.CartridgeConfig(task_type=C, num_virtual_tokens=4, num_frozen_tokens=1),
+         lambda: lf.PromptSpec("cartridge", 4, num_frozen_tokens=1, init="text", init_text=TEXT)),
+    ],
+    ids=["prompt_tuning-repeated", "prompt_tuning-trimmed", "multitask", "cartridge"],
+)
+def test_text_inits_are_peft_s(config, spec):
+    """On the shipped tiny Llama with its tokenizer: the word embeddings of the text's tokens,
+    repeated or trimmed to n (a cartridge: the frozen model's first n cached keys and values, as
+    peft's ``initialize_kv_prefix_from_text(..., use_chat_template=False)``)."""
+    model, tokenizer = demo()
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = peft.get_peft_model(copy.deepcopy(model), config())
+    the_spec = spec()
+    if the_spec.method == "cartridge":
+        peft.initialize_kv_prefix_from_text(pm, tokenizer, text=TEXT, use_chat_template=False)
+    ours = lf.init_prompt(model, the_spec, generator=torch.Generator().manual_seed(0), tokenizer=tokenizer)
+    theirs = prompt_tensors(pm)
+    for key in theirs:
+        mine = ours.params[key] if key in ours.params else ours.buffers[key]
+        assert torch.equal(mine.detach(), theirs[key].detach()), key
+    assert ours.method.entry != "embeds" or torch.equal(ours.params["embedding"][0], model.get_input_embeddings().weight[tokenizer(TEXT)["input_ids"][0]])
+
+
+@pytest.mark.parametrize("init", ["average_source_tasks", "exact_source_task", "only_source_shared"])
+def test_multitask_inits_from_a_source_prompt_are_peft_s(init, tmp_path):
+    model = model64("llama")
+    _, _, source = peft_model("multitask_prompt_tuning", "llama")
+    lf.save_peft(source, tmp_path)  # peft reads the source's state dict from a file
+    tasks = 1 if init != "only_source_shared" else 3
+    torch.manual_seed(0)
+    with warnings.catch_warnings():  # (peft's encoder is float32: its draws, and the source rounded to float32)
+        warnings.simplefilter("ignore")
+        pm = peft.get_peft_model(copy.deepcopy(model), peft.MultitaskPromptTuningConfig(
+            task_type=C, num_virtual_tokens=3, num_tasks=tasks, num_ranks=2, prompt_tuning_init=init.upper(), prompt_tuning_init_task=2,
+            prompt_tuning_init_state_dict_path=str(tmp_path / "adapter_model.safetensors")))
+    spec = lf.PromptSpec("multitask_prompt_tuning", 3, dtype=F64, num_tasks=tasks, num_ranks=2, init=init, init_task=2)
+    ours = lf.init_prompt(model, spec, generator=torch.Generator().manual_seed(0), source=lf.load_peft(tmp_path, model))
+    theirs = prompt_tensors(pm)
+    for key, value in theirs.items():
+        assert torch.equal(ours.params[key].detach().to(value.dtype), value.detach()), key
+    assert torch.equal(ours.params["embedding"], source.params["embedding"])
+    if init == "exact_source_task":
+        assert torch.equal(ours.params["prefix_task_cols"][0], source.params["prefix_task_cols"][2])

@@ -119,17 +119,13 @@ class _State:
         def one(params: dict[str, Tensor], buffers: dict[str, Tensor], task: Tensor | None) -> Tensor:
             return method.form(params, buffers, n, options, geometry, task, training)
 
-        if self.rows:
-            rows = prompt.stack_shape[0]
-            if task_ids is not None:
-                # One task per index entry; generate repeats it per beam (repeat_interleave).
-                tasks = task_ids if task_ids.shape[0] == rows else task_ids[:: max(1, task_ids.shape[0] // rows)]
-                out = torch.vmap(one, in_dims=(0, 0, 0), randomness="different")(prompt.params, prompt.buffers, tasks)
-            else:
-                out = torch.vmap(lambda p, b: one(p, b, None), randomness="different")(prompt.params, prompt.buffers)
-            return _repeat_rows(out, batch, self.where)
         if task_ids is not None and task_ids.shape[0] != batch:
-            task_ids = _repeat_rows(task_ids, batch, self.where)
+            task_ids = _repeat_rows(task_ids, batch, self.where)  # generate's beams: one task per input row
+        if self.rows:
+            params, buffers = ({k: _repeat_rows(v, batch, self.where) for k, v in d.items()} for d in (prompt.params, prompt.buffers))
+            if task_ids is not None:
+                return torch.vmap(one, in_dims=(0, 0, 0), randomness="different")(params, buffers, task_ids)
+            return torch.vmap(lambda p, b: one(p, b, None), randomness="different")(params, buffers)
         out = one(prompt.params, prompt.buffers, task_ids)
         return out.expand(batch, *out.shape) if out.dim() == 2 else out
 
