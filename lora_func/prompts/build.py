@@ -39,6 +39,8 @@ def geometry_of(model: nn.Module, method: PromptMethod, options: dict[str, Any],
     problem = None
     if not isinstance(getattr(embeddings, "weight", None), Tensor) or None in (hidden, layers, heads):
         problem = "it is not a transformers model with a config (hidden size, layers, heads) and input embeddings"
+    elif getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        problem = "it is an encoder-decoder model (peft's two-submodule prompts are not supported: decoder-only models)"
     elif method.entry == "attention" and model_type not in MODEL_TYPES:
         problem = f"peft's adaption prompt supports the attention modules of {sorted(MODEL_TYPES)}, not model_type {model_type!r}"
     elif method.entry == "kv" and (model_type in ("bloom", "chatglm") or any(t != "full_attention" for t in getattr(config, "layer_types", None) or ())):
