@@ -246,7 +246,7 @@ def _mixed_application(
     """Every check at the boundary, then the Application that installs the per-row forwards."""
     check_model(model, where)
     if contains_prompt(adapters) or (isinstance(adapters, (list, tuple)) and any(contains_prompt(a) for a in adapters)):
-        return mixed_prompt_application(model, adapters, checked_index(index, _prompt_stack_size(adapters), where), base, where)
+        return mixed_prompt_application(model, adapters, index, base, where, checked_index)
     stacked = _stacked(adapters, where)
     size = stacked.stack_shape[0]
     index = checked_index(index, size, where)
@@ -287,10 +287,6 @@ def _mixed_application(
     trainable = tuple(t for a in members for t in adapter_tensors(a)[0].values()) if isinstance(adapters, (list, tuple)) else tuple(stacked.params.values())
     params = swapped_on(base, modules, plan.fsdp, where)
     return Application(model, params, forwards, trainable=trainable, modules=modules)
-
-
-def _prompt_stack_size(adapters: Any) -> int:
-    return len(adapters) if isinstance(adapters, (list, tuple)) else (adapters.stack_shape or (0,))[0]
 
 
 def mixed_adapted_call(

@@ -23,6 +23,6 @@ def cpt_projected(prompt: Prompt) -> Prompt:
     of either prompt is the same; call this after each optimiser step to follow peft's training
     trajectory exactly (a step then starts from the projected value, as in peft)."""
     if not isinstance(prompt, Prompt) or prompt.spec.method != "cpt":
-        raise TypeError(f"cpt_projected: expected a cpt Prompt, got {prompt!r}"[:200])  # error: prompt-cpt-projected
+        raise TypeError(f"cpt_projected: expected a cpt Prompt, got {repr(prompt)[:200]}")  # error: prompt-cpt-projected
     delta = prompt.params["delta_embedding"]
     return prompt.with_params({"delta_embedding": _cpt_projected(delta, prompt.options).requires_grad_(delta.requires_grad)})

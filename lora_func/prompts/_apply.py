@@ -361,11 +361,11 @@ def _check_call(model: nn.Module, prompt: Prompt, kwargs: Mapping[str, Any], whe
     elif task_ids is not None:
         tasks = spec.option("num_tasks")
         if not isinstance(task_ids, Tensor) or task_ids.dtype not in (torch.int64, torch.int32) or task_ids.dim() != 1:
-            problem = f"task_ids must be a 1-D int64/int32 tensor, got {task_ids!r}"[:200]
+            problem = f"task_ids must be a 1-D int64/int32 tensor, got {repr(task_ids)[:200]}"
         elif not torch._C._functorch.is_functorch_wrapped_tensor(task_ids) and bool(((task_ids < 0) | (task_ids >= tasks)).any()):
             problem = f"task_ids {sorted(set(task_ids.tolist()))} must be in [0, num_tasks={tasks})"
     if problem is not None:
-        raise ValueError(f"{where}: {problem}")  # error: prompt-task-ids
+        raise ValueError(f"{where}: {problem} (task_ids: one task per batch row, for multitask prompts)")  # error: prompt-task-ids
     unread = sorted(name for name in ("input_type_mask",) if kwargs.get(name) is not None and name not in method.extra_inputs)
     if unread:
         raise ValueError(f"{where}: {unread} are read by CPT prompts only; this prompt is {spec.method}")  # error: prompt-extra-input
@@ -429,21 +429,24 @@ def prompt_adapted(model: nn.Module, adapter: AdapterNode, weights_block: Callab
         yield model
 
 
-def mixed_prompt_application(model: nn.Module, adapters: Any, index: Any, base: Mapping[str, Tensor] | None, where: str) -> Application:
+def mixed_prompt_application(
+    model: nn.Module, adapters: Any, index: Any, base: Mapping[str, Tensor] | None, where: str, checked_index: Callable[[Any, int, str], Tensor]
+) -> Application:
     """One prompt per batch row: ``adapters`` a stack of prompts (or a list of prompts of one
-    spec), row ``b`` uses member ``index[b]``."""
-    from lora_func.stacking import stack, take
+    spec), row ``b`` uses member ``index[b]`` (checked by ``checked_index(index, K, where)``)."""
+    from lora_func.stacking import take
 
     if isinstance(adapters, (list, tuple)):
         if not all(isinstance(a, Prompt) for a in adapters):
             raise TypeError(f"{where}: a list of prompts must hold only lora_func Prompts, got {sorted({type(a).__name__ for a in adapters})}")  # error: prompt-mixed-list
-        adapters = stack(list(adapters)) if all(not a.stack_shape for a in adapters) else adapters
+        # Stacked with their history (not lora_func.stack's new leaves): gradients reach each listed prompt.
+        adapters = Prompt.stack_members(list(adapters), new_leaves=False) if adapters and all(not a.stack_shape for a in adapters) else adapters
     if not isinstance(adapters, Prompt) or len(adapters.stack_shape) != 1:
         raise ValueError(  # error: prompt-mixed-not-stacked
             f"{where}: per-row prompts need one stack of prompts (lora_func.stack([p0, p1, ...]), stack_shape (K,)) or a "
-            f"list of prompts of one spec, got {adapters!r}"[:300]
+            f"list of prompts of one spec, got {repr(adapters)[:200]}"
         )
-    rows = take(adapters, index if isinstance(index, Tensor) else torch.as_tensor(index))
+    rows = take(adapters, checked_index(index, adapters.stack_shape[0], where))
     if base is None:
         params = base_params(model)
     else:

@@ -134,9 +134,10 @@ class Prompt(AdapterNode, tag="prompt"):
         return ()
 
     @classmethod
-    def stack_members(cls, members: Sequence[Prompt]) -> Prompt:
+    def stack_members(cls, members: Sequence[Prompt], *, new_leaves: bool = True) -> Prompt:
         """The prompts ``members`` (one spec and geometry, unstacked) along a new leading axis
-        (:func:`lora_func.stack`); plain leaf params give new leaves that require grad."""
+        (:func:`lora_func.stack`); plain leaf params give new leaves that require grad unless
+        ``new_leaves=False`` (the stack then keeps the members' autograd history)."""
         first = members[0]
         odd = [i for i, m in enumerate(members) if (m.spec, m.geometry) != (first.spec, first.geometry) or m.stack_shape]
         if odd:
@@ -146,7 +147,7 @@ class Prompt(AdapterNode, tag="prompt"):
             )
         plain = all(t.is_leaf and not torch._C._functorch.is_functorch_wrapped_tensor(t) for m in members for t in m.params.values())
         params = {k: torch.stack([m.params[k] for m in members]) for k in first.params}
-        if plain:
+        if plain and new_leaves:
             params = {k: v.detach().requires_grad_(True) for k, v in params.items()}
         return first._rebuilt(params, {k: torch.stack([m.buffers[k] for m in members]) for k in first.buffers})
 

@@ -77,7 +77,7 @@ class PromptSpec:
         if not problems:
             problems = found.check(n, resolved)  # type: ignore[arg-type]
         if problems:
-            raise ValueError(f"PromptSpec({method!r}): {'; '.join(problems)}")  # error: prompt-spec-options
+            raise ValueError(f"PromptSpec({method!r}) options are invalid: {'; '.join(problems)}")  # error: prompt-spec-options
         set_ = object.__setattr__
         set_(self, "method", method)
         set_(self, "num_virtual_tokens", n)
