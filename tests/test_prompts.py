@@ -477,3 +477,19 @@ def test_multitask_inits_from_a_source_prompt_are_peft_s(init, tmp_path):
     assert torch.equal(ours.params["embedding"], source.params["embedding"])
     if init == "exact_source_task":
         assert torch.equal(ours.params["prefix_task_cols"][0], source.params["prefix_task_cols"][2])
+
+
+@pytest.mark.parametrize("name", ["prompt_tuning", "adaption_prompt"])
+def test_activation_checkpointing_recomputes_with_the_prompt(name):
+    """Backward recomputes each checkpointed decoder layer: with the prompt's attention (adaption
+    prompt) applied again there, the gradients equal the ones without checkpointing."""
+    _, _, prompt = peft_model(name, "llama")
+    plain = model64("llama")
+    checkpointed = copy.deepcopy(plain)
+    checkpointed.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    checkpointed.train()
+    grads = []
+    for model in (plain, checkpointed):
+        out = lf.adapted_call(model, prompt, IDS, attention_mask=RIGHT_PADDED)
+        grads.append(torch.autograd.grad(ce(out.logits), list(prompt.params.values())))
+    assert all(rel(a, b) < RTOL and b.abs().max() > 0 for a, b in zip(*grads, strict=True))
