@@ -692,7 +692,7 @@ def _every_prompt_through_every_call(w: World) -> None:
             lf.adapted_call(model, prompt, IDS, labels=IDS, **kwargs).loss.backward()
             lf.mixed_adapted_call(model, [prompt, other], torch.tensor([1, 0]), IDS, **kwargs).logits.sum().backward()
             lf.ensemble_call(model, lf.stack([prompt, other]), IDS, **kwargs).logits.sum().backward()
-            api("per_example_grads")(lambda p, ids, *t: lf.adapted_call(model, p, ids, use_cache=False, **({"task_ids": t[0]} if t else {})).logits.sum(),
+            api("per_example_grads")(lambda p, ids, *t, model=model: lf.adapted_call(model, p, ids, use_cache=False, **({"task_ids": t[0]} if t else {})).logits.sum(),
                                      prompt, IDS, *kwargs.values())
             with torch.no_grad(), lf.adapted(model, prompt):
                 model.generate(IDS, attention_mask=torch.ones_like(IDS), max_new_tokens=2, do_sample=False, pad_token_id=0, **kwargs)

@@ -11,7 +11,7 @@ import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from safetensors.torch import save_file
@@ -23,7 +23,7 @@ from lora_func.prompts._apply import split_prompt
 from lora_func.prompts._contract import Geometry
 from lora_func.prompts._methods import BY_PEFT_TYPE, get_method
 from lora_func.prompts._node import Prompt
-from lora_func.prompts.build import geometry_of
+from lora_func.prompts.build import embedding_weight, geometry_of
 from lora_func.prompts.spec import PromptSpec
 
 __all__ = ["PROMPT_PEFT_TYPES", "is_prompt_file", "load_prompt_file", "load_prompt_peft", "prompt_peft_problems", "save_prompt_file", "save_prompt_peft"]
@@ -91,7 +91,7 @@ def load_prompt_peft(directory: Path, config: Mapping[str, Any], tensors: Mappin
     found = {key.removeprefix(_PREFIX): t for key, t in tensors.items()}
     try:
         n, options = method.peft.read_config(config, geometry_of(model, method, {**method.options, **_options(method, config)}, "load_peft"))
-        dtype = next(iter(found.values())).dtype if found else None
+        dtype = next(iter(found.values())).dtype if found else torch.float32
         spec = PromptSpec(method.name, None if method.count is not None else n, dtype=dtype, **options)
         geometry = geometry_of(model, method, dict(spec.options), "load_peft")
         params, buffers = method.peft.from_peft(found, spec.num_virtual_tokens, dict(spec.options), geometry)
@@ -105,7 +105,7 @@ def load_prompt_peft(directory: Path, config: Mapping[str, Any], tensors: Mappin
             f"load_peft: the {config.get('peft_type')} checkpoint in {directory} does not fit {type(model).__name__}: {problem}; "
             f"load it onto the model it was trained on"
         )
-    device = model.get_input_embeddings().weight.device
+    device = embedding_weight(model).device
     return Prompt._unchecked({k: v.detach().to(device).requires_grad_(True) for k, v in prompt.params.items()},
                              {k: v.to(device) for k, v in prompt.buffers.items()}, prompt.spec, prompt.geometry,
                              prompt.param_shapes, prompt.buffer_shapes)
@@ -162,7 +162,7 @@ def load_prompt_file(path: Path, tensors: Mapping[str, Tensor], metadata: Mappin
     try:
         data = json.loads(metadata["prompt"])
         spec = PromptSpec.from_json(json.dumps(data["spec"]))
-        geometry = Geometry(**{k: tuple(v) if isinstance(v, list) else v for k, v in data["geometry"].items()})
+        geometry = Geometry(**cast(dict[str, Any], {k: tuple(v) if isinstance(v, list) else v for k, v in data["geometry"].items()}))
         if _digest(metadata, tensors) != metadata.get("digest"):
             problem = "its tensors or metadata do not match the checksum saved with them (damaged, or edited by hand)"
         else:
@@ -183,5 +183,5 @@ def load_prompt_file(path: Path, tensors: Mapping[str, Tensor], metadata: Mappin
         raise ValueError(f"load({path}): not a loadable prompt: {problem}; save the prompt again, and load it onto its model")  # error: load-prompt-file
     if model is None:
         return prompt
-    device = model.get_input_embeddings().weight.device
+    device = embedding_weight(model).device
     return prompt._rebuilt({k: v.detach().to(device).requires_grad_(True) for k, v in prompt.params.items()}, {k: v.to(device) for k, v in prompt.buffers.items()})

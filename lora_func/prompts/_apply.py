@@ -30,7 +30,7 @@ import contextlib
 import inspect
 import warnings
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -41,6 +41,7 @@ from lora_func._tree import AdapterNode, walk
 from lora_func.adapter import Combinator, Composed
 from lora_func.checks import check_base
 from lora_func.prompts._node import Prompt
+from lora_func.prompts.build import embedding_weight, input_embeddings
 from lora_func.quantized import frozen_forwards
 
 __all__ = [
@@ -193,14 +194,14 @@ def _root_forward(state: _State) -> Callable[..., Any]:
             if kw.get("position_ids") is not None:
                 kw["position_ids"] = kw["position_ids"] + n
             if not decoding:
-                dtype = module.get_input_embeddings().weight.dtype
+                dtype = embedding_weight(module).dtype
                 kw["past_key_values"] = _kv_cache(state.values(batch, None, module.training).to(dtype), state.prompt)
             return inner(input_ids=ids, inputs_embeds=embeds, **kw)
         _drop(kw, "position_ids", "Position ids are not supported for parameter efficient tuning. Ignoring position ids.")
         if decoding:  # the virtual tokens are in the cache already
             return inner(input_ids=ids, inputs_embeds=embeds, **kw)
         if embeds is None:
-            embeds = module.get_input_embeddings()(ids)
+            embeds = input_embeddings(module)(ids)
         prompts = state.values(batch, task_ids, module.training).to(embeds.dtype)
         labels = kw.pop("labels", None)
         if labels is not None and state.method.loss is None:
@@ -268,10 +269,10 @@ def _prepare(state: _State, model: nn.Module, inner: Callable[..., Any]) -> Call
         model_kwargs.pop("token_type_ids", None)
         if _cache_length(cache) == 0:  # prefill: the prompt goes in
             if kv:
-                dtype = model.get_input_embeddings().weight.dtype
+                dtype = embedding_weight(model).dtype
                 model_kwargs["past_key_values"] = _kv_cache(state.values(batch, None, model.training).to(dtype), state.prompt)
             else:
-                embeds = model.get_input_embeddings()(ids)
+                embeds = input_embeddings(model)(ids)
                 prompts = state.values(batch, task_ids, model.training).to(embeds.dtype)
                 model_kwargs["inputs_embeds"] = torch.cat([prompts, embeds], dim=1)
                 model_kwargs["input_ids"] = None
@@ -310,8 +311,7 @@ class PromptApplication(Application):
             if wrapped is not None:
                 # generate reads the forward's signature (it makes position ids from the mask when
                 # the forward takes them): the wrapper answers as the model's forward does.
-                own = self.model.__dict__.get("forward")
-                wrapped.__signature__ = inspect.signature(type(self.model).forward.__get__(self.model) if own is wrapped else own)
+                wrapped.__signature__ = inspect.signature(type(self.model).forward.__get__(self.model))
             yield
 
     @contextlib.contextmanager
@@ -321,7 +321,7 @@ class PromptApplication(Application):
             yield
             return
         own = model.__dict__.get("prepare_inputs_for_generation")
-        inner = model.prepare_inputs_for_generation
+        inner = cast(Callable[..., Any], model.prepare_inputs_for_generation)
         model.__dict__["prepare_inputs_for_generation"] = _prepare(self.state, model, inner)
         try:
             yield
@@ -446,7 +446,7 @@ def mixed_prompt_application(
             f"{where}: per-row prompts need one stack of prompts (lora_func.stack([p0, p1, ...]), stack_shape (K,)) or a "
             f"list of prompts of one spec, got {repr(adapters)[:200]}"
         )
-    rows = take(adapters, checked_index(index, adapters.stack_shape[0], where))
+    rows = cast(Prompt, take(adapters, checked_index(index, adapters.stack_shape[0], where)))
     if base is None:
         params = base_params(model)
     else:

@@ -53,7 +53,7 @@ class Prompt(AdapterNode, tag="prompt"):
     buffer_shapes: Shapes = static_field()
 
     def __init__(self, params: Mapping[str, Tensor], buffers: Mapping[str, Tensor], spec: PromptSpec, geometry: Geometry) -> None:
-        problems = [] if isinstance(spec, PromptSpec) and isinstance(geometry, Geometry) else ["spec must be a PromptSpec and geometry a Geometry"]
+        problems: list[str] = [] if isinstance(spec, PromptSpec) and isinstance(geometry, Geometry) else ["spec must be a PromptSpec and geometry a Geometry"]
         param_shapes: Shapes = ()
         buffer_shapes: Shapes = ()
         stacks = set()

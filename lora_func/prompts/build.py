@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -14,7 +14,17 @@ from lora_func.prompts._node import Prompt
 from lora_func.prompts.adaption_prompt import MODEL_TYPES
 from lora_func.prompts.spec import PromptSpec
 
-__all__ = ["geometry_of", "init_prompt"]
+__all__ = ["embedding_weight", "geometry_of", "init_prompt", "input_embeddings"]
+
+
+def input_embeddings(model: nn.Module) -> nn.Module:
+    """The model's input embedding module (transformers' ``get_input_embeddings()``)."""
+    return cast(Any, model).get_input_embeddings()
+
+
+def embedding_weight(model: nn.Module) -> Tensor:
+    """The model's input embedding weight ``(vocab, d)``."""
+    return cast(Tensor, input_embeddings(model).weight)
 
 
 def _config_value(config: Any, *names: str) -> Any:
@@ -31,7 +41,7 @@ def geometry_of(model: nn.Module, method: PromptMethod, options: dict[str, Any],
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "get_text_config"):
         config = config.get_text_config()
-    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    embeddings = input_embeddings(model) if hasattr(model, "get_input_embeddings") else None
     hidden = _config_value(config, "hidden_size", "n_embd", "d_model")
     layers = _config_value(config, "num_hidden_layers", "n_layer", "num_layers")
     heads = _config_value(config, "num_attention_heads", "n_head", "num_heads")
@@ -56,13 +66,13 @@ def geometry_of(model: nn.Module, method: PromptMethod, options: dict[str, Any],
     head_dim = _config_value(config, "head_dim") or hidden // heads
     return Geometry(
         model_type=str(model_type), token_dim=int(hidden), num_layers=int(layers), num_heads=int(heads), kv_heads=int(kv_heads),
-        head_dim=int(head_dim), vocab_size=int(embeddings.weight.shape[0]), modules=modules,  # type: ignore[union-attr]
+        head_dim=int(head_dim), vocab_size=int(embedding_weight(model).shape[0]), modules=modules,
     )
 
 
 def _prefill(model: nn.Module) -> Any:
     def prefill(ids: Tensor) -> list[tuple[Tensor, Tensor]]:
-        device = model.get_input_embeddings().weight.device
+        device = embedding_weight(model).device
         ids = ids.to(device)
         with torch.no_grad():
             cache = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True).past_key_values
@@ -124,7 +134,7 @@ def init_prompt(
                 f"init_prompt: init_task={options['init_task']} but the source prompt has "
                 f"{source.params['prefix_task_cols'].shape[0]} tasks; pass 0 <= init_task < that"
             )
-    words = model.get_input_embeddings().weight
+    words = embedding_weight(model)
     inputs = InitInputs(
         n=spec.num_virtual_tokens, options=options, geometry=geometry, generator=generator, dtype=spec.dtype,
         word_embeddings=words.detach(), tokenizer=tokenizer, source=source_tensors,

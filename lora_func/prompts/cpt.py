@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lora_func.prompts._contract import Geometry, InitInputs, PeftRecord, PromptMethod, TensorDict, word_rows
-from lora_func.prompts.prompt_tuning import prompt_config, read_n
+from lora_func.prompts.prompt_tuning import prompt_config
 
 _MIN_EPSILON = 1e-10
 

@@ -61,7 +61,7 @@ class PromptSpec:
                 f"{sorted(found.options) or 'no options'}"
             )
         if isinstance(dtype, str):
-            dtype = _FLOAT_DTYPES.get(dtype.removeprefix("torch."), dtype)  # type: ignore[arg-type]
+            dtype = _FLOAT_DTYPES.get(dtype.removeprefix("torch."), dtype)
         if dtype not in _FLOAT_DTYPES.values():
             raise TypeError(f"PromptSpec dtype must be a floating dtype ({', '.join(_FLOAT_DTYPES)}), got {dtype!r}")  # error: prompt-spec-dtype
         resolved = {**found.options, **{k: _frozen(v) for k, v in options.items()}}
