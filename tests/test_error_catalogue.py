@@ -2194,6 +2194,7 @@ CASES.update(
         "prompt-cpt-projected": Case(on_prompt(lambda m, p, ctx: lf.prompts.cpt_projected(p)), ("prompt_tuning",)),
         "prompt-save-composed": Case(on_prompt(lambda m, p, ctx: lf.save(lf.compose(p, ctx.adapter(m)), ctx.tmp / "both.safetensors")), ("composed with weight-level adapters",)),
         "load-peft-prompt-mismatch": Case(_prompt_peft_other_model, ("PREFIX_TUNING", "GPT2LMHeadModel")),
+        "prompt-weight-level": Case(on_prompt(lambda m, p, ctx: lf.merge_overlay(lf.base_params(m), p)), ("member_shared", "lora_func.adapted_call")),
         "load-prompt-file": Case(_prompt_file_other_model, ("prefix.safetensors", "model_type='gpt2'")),
     }
 )

@@ -495,3 +495,12 @@ def test_activation_checkpointing_recomputes_with_the_prompt(name):
         out = lf.adapted_call(model, prompt, IDS, attention_mask=RIGHT_PADDED)
         grads.append(torch.autograd.grad(ce(out.logits), list(prompt.params.values())))
     assert all(rel(a, b) < RTOL and b.abs().max() > 0 for a, b in zip(*grads, strict=True))
+
+
+@pytest.mark.parametrize("name", ["prompt_tuning", "prefix_tuning"])
+def test_inputs_embeds_instead_of_input_ids(name):
+    model = model64("llama")
+    prompt, _ = _pair(name)
+    embeds = model.get_input_embeddings()(IDS).detach()
+    want = lf.adapted_call(model, prompt, IDS, attention_mask=RIGHT_PADDED).logits
+    assert rel(lf.adapted_call(model, prompt, inputs_embeds=embeds, attention_mask=RIGHT_PADDED).logits, want) < RTOL

@@ -151,6 +151,15 @@ class Prompt(AdapterNode, tag="prompt"):
             params = {k: v.detach().requires_grad_(True) for k, v in params.items()}
         return first._rebuilt(params, {k: torch.stack([m.buffers[k] for m in members]) for k in first.buffers})
 
+    def __getattr__(self, name: str) -> Any:
+        # Only for names a Prompt lacks: code written for weight-level adapters (merge_overlay,
+        # merged_state_dict, adapter_summary, ...) reads variant, member_shared, spec.targets.
+        raise AttributeError(  # error: prompt-weight-level
+            f"Prompt has no {name!r}: a prompt is an input-level adapter and adapts no layer weight, so weight-level "
+            f"functions (merge_overlay, overlay, merged_state_dict, merge_adapters) do not take it; "
+            f"apply it with lora_func.adapted_call or lora_func.adapted (docs/prompts.md)"
+        )
+
     def __repr__(self) -> str:
         stacked = f", stack_shape={self.stack_shape}" if self.stack_shape else ""
         return f"Prompt(method={self.spec.method!r}, num_virtual_tokens={self.spec.num_virtual_tokens}, params={self.num_parameters()}{stacked})"
