@@ -94,7 +94,6 @@ class InitInputs:
     tokenizer: Any = None
     source: Mapping[str, Tensor] | None = None
     prefill: Callable[[Tensor], list[tuple[Tensor, Tensor]]] | None = None
-    modules: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
