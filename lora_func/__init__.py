@@ -1,7 +1,7 @@
 """lora_func: LoRA-family adapters as pure functions on torch.func.
 
 The names below are grouped as docs/api.md groups them. Namespaces for the rest:
-``lora_func.variants`` (the variant contract and registry), ``lora_func.merging`` (the merge
+``lora_func.variants`` (the variant contract and registry), ``lora_func.prompts`` (prompt methods), ``lora_func.merging`` (the merge
 building blocks: trim, elect_sign, disjoint_mean, drop), ``lora_func.quantized`` (quantized
 weight kinds), ``lora_func.distributed`` (data-parallel helpers), ``lora_func.privacy`` (DP-SGD: the pieces
 behind ``private_grads``, the accountant), ``lora_func.optimizers`` (LoRA+, LoRA-FA, Riemannian:
@@ -39,6 +39,9 @@ from lora_func.many import mixed_adapted, mixed_adapted_call
 from lora_func.export import merged_state_dict
 from lora_func.io import load, load_peft, save, save_peft
 
+# Input-level adapters (prompt learning): a prompt is applied by the same calls.
+from lora_func.prompts import Prompt, PromptSpec, init_prompt
+
 # Checks.
 from lora_func.checks import check_finite
 
@@ -65,12 +68,13 @@ APPLYING = ["Plan", "adapted", "adapted_call", "base_params", "check_base_params
 COMBINING = ["Combined", "Composed", "LoraConversion", "combine", "compose", "merge_adapters", "to_lora"]
 MANY_ADAPTERS = ["ensemble_call", "mixed_adapted", "mixed_adapted_call", "mixed_call", "per_example_grads", "stack", "take", "unstack"]
 FILES = ["load", "load_peft", "merged_state_dict", "save", "save_peft"]
+PROMPTS = ["Prompt", "PromptSpec", "init_prompt"]
 CHECKS = ["check_finite"]
 PRIVACY = ["PoissonBatchSampler", "epsilon", "noise_for_epsilon", "private_grads"]
 TRAINING_METHODS = ["apply_mask", "budget_init", "budget_step", "kasa_penalty", "lorafa_optimizer", "loraplus_optimizer", "orth_penalty", "riemannian_optimizer"]
 ECOSYSTEM = ["AdaptedModule", "AdapterSummary", "adapter_summary", "as_module"]
 
-__all__ = [*BUILDING, *APPLYING, *COMBINING, *MANY_ADAPTERS, *FILES, *CHECKS, *PRIVACY, *TRAINING_METHODS, *ECOSYSTEM]
+__all__ = [*BUILDING, *APPLYING, *COMBINING, *MANY_ADAPTERS, *FILES, *PROMPTS, *CHECKS, *PRIVACY, *TRAINING_METHODS, *ECOSYSTEM]
 
 __version__ = "0.1.0"
 

@@ -51,6 +51,7 @@ from lora_func.stacking import _member, _stack_adapters, take
 from lora_func.call import _call_plan, adapted_call
 from lora_func.checks import check_base, check_model
 from lora_func.plan import adapter_tensors, checked_index, detached_base
+from lora_func.prompts._apply import contains_prompt, mixed_prompt_application
 from lora_func.quantized import frozen_call, frozen_forwards, kind_of_tensor
 from lora_func.targeting import MERGED_ONLY, canonical_weight
 from lora_func._vmapped import check_attention as _check_attention
@@ -244,6 +245,8 @@ def _mixed_application(
 ) -> Application:
     """Every check at the boundary, then the Application that installs the per-row forwards."""
     check_model(model, where)
+    if contains_prompt(adapters) or (isinstance(adapters, (list, tuple)) and any(contains_prompt(a) for a in adapters)):
+        return mixed_prompt_application(model, adapters, index, base, where, checked_index)
     stacked = _stacked(adapters, where)
     size = stacked.stack_shape[0]
     index = checked_index(index, size, where)

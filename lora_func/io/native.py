@@ -57,6 +57,8 @@ from lora_func.adapter import (
 )
 from lora_func.checks import check_float_targets, check_model, check_path
 from lora_func.io._files import read_safetensors, safetensors_write, write_file
+from lora_func.io._prompt_files import is_prompt_file, load_prompt_file, save_prompt_file
+from lora_func.prompts._apply import contains_prompt
 from lora_func.quantized import logical_shape
 from lora_func.spec import LAYER_TYPES, AdapterSpec
 from lora_func.targeting import EXPERT_LAYOUTS, Target, check_kinds, module_kind, stored_shape
@@ -247,6 +249,8 @@ def save(adapter: AdapterLike, path: str | os.PathLike, *, trainable_only: bool 
             f"build one with lora_func.init_adapter(model, spec)"
         )
     check_path(path, "save")
+    if contains_prompt(adapter):  # an input-level adapter (lora_func.prompts): its buffers are always saved
+        return save_prompt_file(adapter, Path(path), {"format": FORMAT, "format_version": FORMAT_VERSION})
     tree = _tree_to_json(adapter)
     if trainable_only and adapter.stack_shape:
         raise ValueError(  # error: save-trainable-only-stacked
@@ -496,6 +500,8 @@ def load(path: str | os.PathLike, model: nn.Module | None = None) -> AdapterLike
             f"{path} has format_version {metadata.get('format_version')!r}; this lora_func reads "
             f"{list(READABLE_VERSIONS)}: load it with the (newer) lora_func that wrote it"
         )
+    if is_prompt_file(metadata):  # an input-level adapter (lora_func.prompts)
+        return load_prompt_file(path, tensors, metadata, model)
     skeleton, trainable_only, buffer_digests, digest = _parse(path, metadata)
     expected = _expected_tensors(skeleton, trainable_only)
     missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
