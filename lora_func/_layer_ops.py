@@ -74,7 +74,7 @@ class LayerCall:
     __slots__ = ("_call", "bias", "replay", "training", "weight")
 
     # Calling it is exactly ``x @ weight.T + bias`` on a plain weight: the base-dtype low-rank
-    # path (lora_func._kernels.base_plus_product) may compute the input gradient from ``weight``.
+    # path (lora_func.variants._kernels.base_plus_product) may compute the input gradient from ``weight``.
     replays_weight = True
 
     def __init__(

@@ -377,7 +377,7 @@ def test_a_low_rank_declaration_is_the_activation_form(name):
     form = variant.low_rank
     g = torch.Generator().manual_seed(3)
     d_in, d_out, r = 6, 5, 3
-    info = LayerInfo(d_in, d_out, r, 7.0, True, tuple(sorted(variant.options.items())))
+    info = LayerInfo(d_in, d_out, r, 7.0, True, tuple(sorted(variant.default_options.items())))
     params = {form.a: torch.randn(r, d_in, generator=g), form.b: torch.randn(d_out, r, generator=g)}
     weight, bias, x = torch.randn(d_out, d_in, generator=g), torch.randn(d_out, generator=g), torch.randn(2, 4, d_in, generator=g)
     base = LayerCall(weight, bias, lambda t: torch.nn.functional.linear(t, weight, bias))

@@ -161,7 +161,7 @@ def test_the_table_gives_each_peft_variant_its_keys_and_shapes():
     own tensor shapes (an entry with a wrong key or shape would refuse its own checkpoints)."""
     model = tiny_model("llama")
     for variant in lf.list_variants():
-        fmt = lf.get_variant(variant).peft
+        fmt = lf.variants.peft_format(variant)
         if fmt is None:
             assert peft_problems(_adapter(model, "llama", variant), model=model), variant
             continue
@@ -190,7 +190,7 @@ def test_io_peft_names_no_variant():
 
 def test_the_variants_of_one_peft_method_share_its_entry():
     """Variants stored as one peft_type share one PeftMethod (one set of config rules)."""
-    formats = {v: lf.get_variant(v).peft for v in lf.list_variants() if lf.get_variant(v).peft is not None}
+    formats = {v: lf.variants.peft_format(v) for v in lf.list_variants() if lf.variants.peft_format(v) is not None}
     by_type: dict = {}
     for fmt in formats.values():
         by_type.setdefault(fmt.method.peft_type, set()).add(id(fmt.method))

@@ -47,7 +47,7 @@ def test_a_seeded_init_draws_peft_kernel_bit_for_bit(init):
 
 
 def test_peft_init_weights_read_and_written_as_peft_means_them():
-    fmt = lf.get_variant("c3a").peft
+    fmt = lf.variants.peft_format("c3a")
     # peft: True keeps the zeros (the identity), False means xavier_uniform, a name that init
     assert fmt.reads({"init_weights": True}, "x") == {"init": "zeros"}
     assert fmt.reads({"init_weights": False}, "x") == {"init": "xavier_uniform"}
@@ -71,5 +71,5 @@ def test_peft_refuses_conv1d_lora_func_adapts_it_and_save_peft_says_so():
         peft.get_peft_model(tiny_model("gpt2"), peft.C3AConfig(target_modules=["c_attn"], block_size=4))
     adapter = lf.init_adapter(tiny_model("gpt2"), lf.AdapterSpec("c3a", targets=["c_attn"], r=4))
     assert {layer.target.layout for layer in adapter.layers} == {"conv1d"}
-    assert lf.get_variant("c3a").peft.conv1d is False
+    assert lf.variants.peft_format("c3a").conv1d is False
     assert any("Conv1D" in problem for problem in peft_problems(adapter))

@@ -275,7 +275,7 @@ def test_peft_refuses_conv1d_lora_func_adapts_it(variant, config, butterfly):
     options = {"oft": {"oft_block_size": 4}, "boft": {}, "road": {"group_size": 4}}[variant]
     adapter = lf.init_adapter(tiny_model("gpt2"), lf.AdapterSpec(variant, targets=["c_attn"], **options))
     assert {layer.target.layout for layer in adapter.layers} == {"conv1d"}
-    assert get_variant(variant).peft.conv1d is False
+    assert lf.variants.peft_format(variant).conv1d is False
     assert peft_problems(adapter)
 
 
@@ -353,7 +353,7 @@ def test_peft_config_fields_round_trip(variant, options, peft_config):
     """Every option is written to the config field peft reads (peft's own config class takes the
     fields and keeps their values) and read back to the same option; a config without the
     fields reads as peft's defaults."""
-    fmt = get_variant(variant).peft
+    fmt = lf.variants.peft_format(variant)
     spec = lf.AdapterSpec(variant, targets=["x"], **options)
     fields = {**fmt.method.fixed, **fmt.config(dict(spec.options))}
     config = peft_config(target_modules=["x"], **fields)

@@ -51,7 +51,7 @@ import torch
 from einops import rearrange
 from torch import Tensor
 
-from lora_func._kernels import kaiming_uniform
+from lora_func.variants._kernels import kaiming_uniform
 from lora_func.variants import (
     BaseLayer,
     LayerInfo,

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor
 
-from lora_func._kernels import check_dropout, kaiming_uniform, lowrank_input
+from lora_func.variants._kernels import check_dropout, kaiming_uniform, lowrank_input
 from lora_func.variants import (
     BaseLayer,
     LayerInfo,

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lora_func._kernels import (
+from lora_func.variants._kernels import (
     base_plus_low_rank,
     base_plus_product,
     half_product_applies,

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lora_func._kernels import base_plus_low_rank, check_dropout, lowrank_input
+from lora_func.variants._kernels import base_plus_low_rank, check_dropout, lowrank_input
 from lora_func.variants import (
     BaseLayer,
     LayerInfo,

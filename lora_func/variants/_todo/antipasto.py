@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lora_func._kernels import base_plus_low_rank
+from lora_func.variants._kernels import base_plus_low_rank
 from lora_func.variants import BaseLayer, LayerInfo, TensorDict, Variant
 
 __all__ = ["VARIANT", "rotation", "trunc_normal", "with_steering"]

@@ -48,7 +48,7 @@ import torch
 from einops import rearrange
 from torch import Tensor
 
-from lora_func._kernels import base_plus_low_rank, kaiming_uniform
+from lora_func.variants._kernels import base_plus_low_rank, kaiming_uniform
 from lora_func.variants import (
     BaseLayer,
     LayerInfo,

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lora_func._kernels import promoted
+from lora_func.variants._kernels import promoted
 from lora_func.variants import (
     BaseLayer,
     LayerInfo,

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lora_func._kernels import check_dropout, kaiming_uniform, lowrank_input
+from lora_func.variants._kernels import check_dropout, kaiming_uniform, lowrank_input
 from lora_func.variants import (
     BaseLayer,
     LayerInfo,

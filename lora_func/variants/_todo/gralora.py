@@ -38,7 +38,7 @@ import torch
 from einops import rearrange
 from torch import Tensor
 
-from lora_func._kernels import check_dropout, kaiming_uniform, lowrank_input
+from lora_func.variants._kernels import check_dropout, kaiming_uniform, lowrank_input
 from lora_func.variants import (
     BaseLayer,
     LayerInfo,
