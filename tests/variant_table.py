@@ -60,5 +60,3 @@ def _collect() -> dict[str, Row]:
 
 
 ROWS: dict[str, Row] = _collect()
-import lora_func as _lf  # TRANSITIONAL: only the converted variants
-ROWS = {k: v for k, v in ROWS.items() if k in _lf.list_variants()}

@@ -46,3 +46,10 @@ def check_seed(variant: str, name: str, options: Mapping[str, Any]) -> None:
     if not 0 <= seed < 2**63:
         raise ValueError(f"{variant} option {name}={seed!r} must be an integer in [0, 2**63) (the seed of the shared basis)")  # error: bank-seed
 
+
+
+def largest_of(info: LayerInfo) -> tuple[int, int]:
+    """:func:`largest` from one layer's info (the adapter's :attr:`LayerInfo.layout`): the size
+    of the shared basis, for the tensor schema's shapes."""
+    layout = info.layout or ((info.d_in, info.d_out, info.r),)
+    return max(d_out for _, d_out, _ in layout), max(d_in for d_in, _, _ in layout)

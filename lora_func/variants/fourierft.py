@@ -25,21 +25,12 @@ peft and lora_func both adapt it (peft's ``ΔW`` is ``(d_out, d_in)`` on Conv1D 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from lora_func.variants import (
-    BaseLayer,
-    LayerInfo,
-    PeftFormat,
-    PeftMethod,
-    TensorDict,
-    Variant,
-    is_finite_number,
-)
+from lora_func.variants import FLAG, SEED, BaseLayer, LayerInfo, Option, PeftFormat, PeftMethod, Slot, TensorDict, Variant, real
 from lora_func.variants._sparse import linear_plus_dense, own_values, peft_randperm_positions, scatter_dense
 
 
@@ -82,53 +73,23 @@ def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: Ba
     return linear_plus_dense(base, x, delta(params, buffers, info))
 
 
-def check_options(options: Mapping[str, Any]) -> None:
-    seed = options["random_loc_seed"]
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"fourierft option random_loc_seed={seed!r} must be an integer >= 0 (a torch.Generator seed)")  # error: fourierft-seed
-
-
-def _size(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-
 VARIANT = Variant(
     name="fourierft",
     init=init,
     weight_form=weight_form,
     activation_form=activation_form,
-    options={"scaling": 150.0, "random_loc_seed": 777, "init_weights": False},
+    # r is the number of frequencies, up to d_in·d_out (checked by init); the positions are not in
+    # the checkpoint (peft re-derives them from random_loc_seed).
+    tensors={
+        "fourierft_spectrum": Slot(lambda i: (i.r,), padded_axes=(0,), peft="fourierft_spectrum"),
+        "fourierft_indices": Slot(lambda i: (2, i.r), padded_axes=(1,), buffer=True, integer=True),
+    },
+    options={
+        "scaling": Option(150.0, real(), "scaling"),
+        "random_loc_seed": Option(777, SEED, "random_loc_seed"),
+        "init_weights": Option(False, FLAG, "init_weights"),
+    },
     default_alpha=1.0,  # not used: the scale is the scaling option
-    uses_rank=False,  # r is the number of frequencies, up to d_in·d_out (checked by init)
-    check_options=check_options,
-    padded_axes={"fourierft_spectrum": 0, "fourierft_indices": 1},
-    integer_buffers=frozenset({"fourierft_indices"}),
-    # peft: FourierFTConfig; n_frequency / n_frequency_pattern are lora_func's r / rank pattern;
-    # the positions are not in the checkpoint (peft re-derives them from random_loc_seed).
-    peft=PeftFormat(
-        PeftMethod(
-            "FOURIERFT",
-            {"bias": "none"},
-            rank_in_config=True,
-            rank_pattern=True,
-            rank_fields=("n_frequency", "n_frequency_pattern"),
-            checks={
-                "n_frequency": _size,
-                "n_frequency_pattern": lambda v: isinstance(v, dict) and all(_size(n) for n in v.values()),
-                "scaling": is_finite_number,
-                "random_loc_seed": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
-                "init_weights": lambda v: isinstance(v, bool),
-            },
-        ),
-        {"fourierft_spectrum": "fourierft_spectrum"},
-        lambda r, d_in, d_out: {"fourierft_spectrum": (r,)},
-        lambda options: {k: options[k] for k in ("scaling", "random_loc_seed", "init_weights")},
-        lambda config, module: {
-            "scaling": float(config.get("scaling", 150.0)),
-            "random_loc_seed": int(config.get("random_loc_seed", 777)),
-            "init_weights": bool(config.get("init_weights", False)),
-        },
-        buffers=frozenset({"fourierft_indices"}),
-        recompute_buffers=True,
-    ),
 )
+# peft: FourierFTConfig; n_frequency / n_frequency_pattern are lora_func's r / rank pattern.
+PEFT = PeftFormat(PeftMethod("FOURIERFT", rank=("n_frequency", "n_frequency_pattern")))

@@ -36,17 +36,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lora_func.variants._kernels import base_plus_low_rank, check_dropout, lowrank_input
-from lora_func.variants import (
-    BaseLayer,
-    LayerInfo,
-    PeftFormat,
-    PeftMethod,
-    TensorDict,
-    Variant,
-    is_finite_number,
-)
-from lora_func.variants._bank import check_seed, largest, one_rank, peft_kaiming
+from lora_func.variants._kernels import base_plus_low_rank, lowrank_input
+from lora_func.variants import FLAG, SEED, BaseLayer, LayerInfo, Option, PeftFormat, PeftMethod, Slot, TensorDict, Variant, mapped, one_of, real
+from lora_func.variants._bank import largest, largest_of, one_rank, peft_kaiming
+from lora_func.variants._options import dropout_option
 
 INITS = ("zero", "random")
 
@@ -102,68 +95,25 @@ def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: Ba
     return base_plus_low_rank(base, x, h, b)
 
 
-def check_options(options: Mapping[str, Any]) -> None:
-    check_dropout("vera", options)
-    check_seed("vera", "projection_prng_key", options)
-    if options["init"] not in INITS:
-        raise ValueError(f"vera option init={options['init']!r} is not one of {list(INITS)}")  # error: vera-init
-
-
-def _peft_config(options: Mapping[str, Any]) -> dict[str, Any]:
-    return {
-        "projection_prng_key": options["projection_prng_key"],
-        "save_projection": options["save_projection"],
-        "vera_dropout": float(options["dropout"]),
-        "d_initial": float(options["d_initial"]),
-        "init_weights": options["init"] == "zero",
-    }
-
-
-def _peft_reads(config: Mapping[str, Any], module: str) -> dict[str, Any]:
-    return {
-        "projection_prng_key": int(config.get("projection_prng_key", 0)),
-        "save_projection": bool(config.get("save_projection", True)),
-        "dropout": float(config.get("vera_dropout") or 0.0),
-        "d_initial": float(config.get("d_initial", 0.1)),
-        "init": "zero" if config.get("init_weights", True) else "random",
-    }
-
-
-def _is_seed(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63
-
-
-PEFT_METHOD = PeftMethod(
-    "VERA",
-    {"bias": "none"},
-    ("modules_to_save",),
-    rank_of=("vera_lambda_d", 0),
-    checks={
-        "projection_prng_key": _is_seed,
-        "save_projection": lambda v: isinstance(v, bool),
-        "vera_dropout": lambda v: v is None or (is_finite_number(v) and 0 <= v < 1),
-        "d_initial": is_finite_number,
-        "init_weights": lambda v: isinstance(v, bool),
-    },
-)
-
 VARIANT = Variant(
     name="vera",
     init=init,
     weight_form=weight_form,
     activation_form=activation_form,
-    options={"projection_prng_key": 0, "save_projection": True, "d_initial": 0.1, "dropout": 0.0, "init": "zero"},
+    tensors={
+        "vera_lambda_b": Slot(lambda i: (i.d_out,), peft="vera_lambda_b"),
+        "vera_lambda_d": Slot(lambda i: (i.r,), rank_axes=(0,), peft="vera_lambda_d"),
+        "vera_A": Slot(lambda i: (i.r, largest_of(i)[1]), rank_axes=(0,), buffer=True, shared=True, peft="base_model.vera_A", saved_if="save_projection"),
+        "vera_B": Slot(lambda i: (largest_of(i)[0], i.r), rank_axes=(1,), buffer=True, shared=True, peft="base_model.vera_B", saved_if="save_projection"),
+    },
+    options={
+        "projection_prng_key": Option(0, SEED, "projection_prng_key"),
+        "save_projection": Option(True, FLAG, "save_projection"),
+        "d_initial": Option(0.1, real(), "d_initial"),
+        "dropout": dropout_option("vera_dropout"),
+        "init": Option("zero", one_of(*INITS), "init_weights", mapped({"zero": True, "random": False})),
+    },
     default_alpha=1.0,
-    rank_axes={"vera_lambda_d": 0, "vera_A": 0, "vera_B": 1},
-    check_options=check_options,
     shared_init=shared_init,
-    peft=PeftFormat(
-        PEFT_METHOD,
-        {"vera_lambda_b": "vera_lambda_b", "vera_lambda_d": "vera_lambda_d"},
-        lambda r, d_in, d_out: {"vera_lambda_b": (d_out,), "vera_lambda_d": (r,)},
-        _peft_config,
-        _peft_reads,
-        shared_keys={"vera_A": "base_model.vera_A", "vera_B": "base_model.vera_B"},
-        shared_saved=lambda options: bool(options["save_projection"]),
-    ),
 )
+PEFT = PeftFormat(PeftMethod("VERA", rank=("r", None)))
