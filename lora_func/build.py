@@ -59,7 +59,8 @@ def init_adapter(
         too_big = [f"{t.module} (d_in={t.d_in}, d_out={t.d_out})" for t in targets if spec.r > min(t.d_in, t.d_out)]
         if too_big:
             raise ValueError(  # error: init-rank-too-big
-                f"r={spec.r} exceeds min(d_in, d_out) of target(s) {sorted(too_big)}; lower r or leave them out"
+                f"r={spec.r} exceeds min(d_in, d_out) of target(s) {sorted(too_big)}: {spec.variant} takes r directions of each "
+                f"target's weight; lower r or leave them out"
             )
     modules = dict(model.named_modules())
     # The target weights (an expert parameter is its module's attribute of that name).

@@ -397,6 +397,9 @@ DOCUMENTED.update(
     }
 )
 REPLACES_WEIGHT = ("pissa", "olora", "corda", "ln_tuning", "kasa", "lora_ga", "loftq")
+# The variants that take r directions of each target's weight: r <= min(d_in, d_out) is checked
+# before any init. The others take any r, as peft does (issue 48: VeRA's r=256 on a small model).
+RANK_WITHIN_LAYER = ("antipasto", "corda", "eva", "kasa", "loftq", "lora_ga", "mica", "olora", "pissa")
 
 
 # Issue 31: TinyLoRA and Uni-LoRA (pinned from docs/variants/{tinylora,unilora}.md's defaults).
@@ -415,7 +418,9 @@ def test_documented_defaults_and_flags(variant):
     v = lf.get_variant(variant)
     spec = lf.AdapterSpec(variant, targets=["proj"])
     assert spec.alpha == alpha and dict(spec.options) == options and spec.r == 8
-    assert (v.uses_rank, v.changes_bias, v.records_base, dict(v.rank_axes)) == (uses_rank, changes_bias, records_base, rank_axes)
+    axes = {name: (axis,) if isinstance(axis, int) else axis for name, axis in rank_axes.items()}
+    assert (v.changes_bias, v.records_base, dict(v.rank_axes)) == (changes_bias, records_base, axes)
+    assert ("rank_within_layer" in v.traits) == (variant in RANK_WITHIN_LAYER) and (uses_rank or variant not in RANK_WITHIN_LAYER)
     # PiSSA's weight form discards W (W_res + s·BA), LN tuning's too (its trained copy): only
     # they must come first in compose()
     assert v.replaces_weight == (variant in REPLACES_WEIGHT)

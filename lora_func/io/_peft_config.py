@@ -52,13 +52,12 @@ def _set_field(config: dict[str, Any], name: str, value: Any) -> None:
 
 
 def options_from(variant: Variant, config: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
-    """``variant``'s options as ``config`` holds them (a missing field: the option's default; a
-    ``null`` one: the default, or what the option's codec reads it as), and the fields whose
-    values the options' checks refuse (``["lora_dropout=1.5"]``)."""
+    """``variant``'s options as ``config`` holds them (a missing field: the option's default), and
+    the fields whose values the options' checks refuse (``["lora_dropout=1.5"]``)."""
     options, problems = {}, []
     for name, option in variant.options.items():
         raw = _MISSING if option.peft is None else _field(config, option.peft)
-        if raw is _MISSING or (raw is None and option.codec is None):
+        if raw is _MISSING:
             options[name] = option.default
             continue
         value = raw if option.codec is None else option.codec.from_peft(raw)
@@ -66,6 +65,13 @@ def options_from(variant: Variant, config: Mapping[str, Any]) -> tuple[dict[str,
             problems.append(f"{option.peft}={raw!r}")
             continue
         options[name] = option.normalised(value)
+    if not problems and variant.check is not None:
+        # Valid one by one but not together: the fields of the options the variant's check names.
+        try:
+            variant.check(options)
+        except ValueError as err:
+            named = [o.peft for n, o in variant.options.items() if o.peft and re.search(rf"\b{re.escape(n)}\b", str(err))]
+            problems += [f"{field}={_field(config, field)!r}" for field in named if _field(config, field) is not _MISSING] or [str(err)]
     return options, problems
 
 
@@ -167,7 +173,9 @@ def _config_problems(config: Mapping[str, Any]) -> list[str]:
     if method is None or method.rank is not None:
         checks["r" if method is None else method.rank[0]] = rank
     for field in method.training_only if method is not None else ():
-        checks[field] = lambda v: v is None or is_finite_number(v)
+        # a number >= 0 (an integer where the method's own value is not a float: a seed)
+        whole = not isinstance(method.fixed.get(field), float)
+        checks[field] = (lambda whole: lambda v: v is None or (is_finite_number(v) and v >= 0 and (isinstance(v, int) or not whole)))(whole)
     # A field that marks a variant (use_dora) holds a value of a type some variant reads.
     marks: dict[str, set[type]] = {}
     for fmt in formats(peft_type).values() if method is not None else ():
@@ -176,22 +184,27 @@ def _config_problems(config: Mapping[str, Any]) -> list[str]:
                 marks.setdefault(name, set()).update(type(v) for v in (allowed if isinstance(allowed, tuple) else (allowed,)))
     checks |= {name: _one_of_types(types) for name, types in marks.items()}
     problems = [f"{name}={config[name]!r}" for name, ok in checks.items() if name in config and not ok(config[name])]
-    # The options of the variants the config marks, each read and checked as the spec would.
+    # The options of the method's variants, each read and checked as the spec would: a field that
+    # marks a variant (init_lora_weights) only for the variants the config marks.
     for name, fmt in formats(peft_type).items() if method is not None else ():
-        if _marked(fmt, config):
-            problems += [p for p in options_from(get_variant(name), config)[1] if p not in problems]
-    # Per-layer patterns where the method has them (AdaLoRA's rank_pattern holds booleans per
-    # triplet that lora_func does not read: its layers are read at their tensors' rank).
-    patterned = method is None or (method.rank is not None and method.rank[1] == "rank_pattern")
-    for name, ok in (("rank_pattern", rank), ("alpha_pattern", number)):
-        patterns = config.get(name)
-        if patterns is None or not patterned:
+        marked = _marked(fmt, config)
+        for problem in options_from(get_variant(name), config)[1]:
+            if problem not in problems and (marked or problem.split("=")[0] not in marks):
+                problems.append(problem)
+    # Per-layer patterns where the method has them (a method whose rank has no pattern field may
+    # hold a rank_pattern of its own kind, booleans per triplet, that lora_func does not read).
+    pattern = "rank_pattern" if method is None else method.rank[1] if method.rank is not None else None
+    for name, ok in ((pattern, rank), ("alpha_pattern" if pattern else None, number)):
+        patterns = config.get(name) if name else None
+        if patterns is None:
             continue
         if not isinstance(patterns, dict):
             problems.append(f"{name}={patterns!r} (not an object)")
             continue
         # peft matches every key as the regex rf"(.*\.)?({key})$".
-        problems += [f"{name}[{key!r}]={value!r}" for key, value in patterns.items() if not (_is_regex(rf"(.*\.)?({key})$") and ok(value))]
+        bad = [f"{name}[{key!r}]={value!r}" for key, value in patterns.items() if not (_is_regex(rf"(.*\.)?({key})$") and ok(value))]
+        # a method's own pattern field (n_frequency_pattern) is named whole, as its other fields
+        problems += bad if name in ("rank_pattern", "alpha_pattern") or not bad else [f"{name}={patterns!r}"]
     return problems
 
 def check_config(directory: Path, config: Mapping[str, Any]) -> None:

@@ -340,7 +340,7 @@ def _rank_fields(name: str) -> tuple[str, str | None] | None:
 
 def _holds_no_layer_tensors(variant: Variant) -> bool:
     """Whether a checkpoint of ``variant`` may hold no tensor of a layer (every per-layer tensor
-    is one peft's file may leave out: UniLoRA without ``save_indices``): its layers are then the
+    is one peft's file may leave out, as an index buffer saved only on request): its layers are then the
     modules the config's ``target_modules`` selects."""
     slots = variant.layer_slots().values()
     return bool(slots) and all(slot.peft is None or slot.saved_if is not None for slot in slots)
@@ -387,8 +387,11 @@ def _layer_from_peft(
         if axis is None:
             continue
         if t.dim() != 2 or t.shape[axis] != 1:
-            shape = "one-column (n, 1)" if axis == 1 else "one-row (1, n)"
-            raise ValueError(f"{directory} is inconsistent at {module}: {n} has shape {tuple(t.shape)}, but peft stores it as a {shape} matrix here")  # error: peft-vector-shape
+            stored = (t.numel(), 1) if axis == 1 else (1, t.numel())
+            raise ValueError(  # error: peft-vector-shape
+                f"{directory} is inconsistent at {module}: {n} has shape {tuple(t.shape)}, but peft stores it as a {stored} matrix here "
+                f"(the config's feedforward_modules decides which); re-save the checkpoint"
+            )
         tensors[n] = t.reshape(-1)
     method = fmt.method
     r = config_rank(config, module, method.rank) if method.rank is not None else None

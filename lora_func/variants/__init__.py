@@ -60,14 +60,16 @@ from lora_func.variants._options import (
     FLAG,
     SEED,
     Check,
+    Codec,
     Option,
     is_finite_number,
+    mapped,
     one_of,
     real,
     resolve_options,
     whole,
 )
-from lora_func.variants._peft import Codec, PeftFormat, PeftLayer, PeftMethod, mapped
+from lora_func.variants._peft import PeftFormat, PeftLayer, PeftMethod
 
 __all__ = [
     "DROPOUT",

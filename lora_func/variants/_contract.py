@@ -174,8 +174,9 @@ class Slot:
 
     Attributes:
       shape: ``LayerInfo -> shape`` of the tensor on one layer (a shared tensor's from the
-        adapter's :attr:`LayerInfo.layout`, the same in every layer's info). An expert parameter
-        adds a leading expert axis.
+        adapter's :attr:`LayerInfo.layout`, the same in every layer's info), or ``None`` where the
+        layer does not hold it (a norm without a bias; LoKr's factored or whole factors, by the
+        layer's sizes). An expert parameter adds a leading expert axis.
       rank_axes: axes of size ``r``: :func:`lora_func.stack` zero-pads them to stack adapters of
         different ranks, and the forms then see each member through :func:`padded_member` (these
         axes masked, ``info.r`` / ``info.alpha`` the member's own).
@@ -194,20 +195,18 @@ class Slot:
         ``base_model.tinylora_v.{}``); ``None``: peft's file does not hold it, and ``load_peft``
         re-creates it with the variant's ``init`` on the base, as peft does (a residual, positions
         drawn from a seed).
-      optional: a layer may lack it (a norm without a bias); ``init`` then leaves it out.
       saved_if: an option whose value says whether peft's file holds it (``save_projection``);
         ``save_peft`` leaves it out when false and ``load_peft`` re-creates it.
       matrix: peft stores this vector as a matrix with a size-1 axis here (IA3's ``(d_out, 1)``).
     """
 
-    shape: Callable[[LayerInfo], tuple[int, ...]]
+    shape: Callable[[LayerInfo], tuple[int, ...] | None]
     rank_axes: tuple[int, ...] = ()
     padded_axes: tuple[int, ...] = ()
     buffer: bool = False
     integer: bool = False
     shared: bool = False
     peft: str | Mapping[str, str] | None = None
-    optional: bool = False
     saved_if: str | None = None
     matrix: int | None = None
 
@@ -301,7 +300,7 @@ class Variant:
       default_alpha: ``alpha`` when the spec leaves it ``None``.
       low_rank: a :class:`LowRank` when ``activation_form`` is exactly that scaled low-rank
         product (tests/test_mixed_route.py checks it); ``None`` otherwise.
-      kinds: the target kinds it adapts (``lora_func.targeting.KINDS``: ``"linear"``,
+      kind_forms: the target kinds it adapts (``lora_func.targeting.KINDS``: ``"linear"``,
         ``"conv1d"``, ``"embedding"``, ``"conv"``, ``"norm"``, ``"experts"``) -> an activation
         form for a kind whose layer op is not a matmul of ``x`` (``None``: the merged weight
         there; ``activation_form`` on ``"linear"`` / ``"conv1d"``). A spec naming a target of
@@ -338,7 +337,7 @@ class Variant:
     check: Callable[[Mapping[str, Any]], None] | None = None
     default_alpha: float = 8.0
     low_rank: LowRank | None = None
-    kinds: Mapping[str, ActivationFn | None] = dataclasses.field(default_factory=lambda: {"linear": None, "conv1d": None})
+    kind_forms: Mapping[str, ActivationFn | None] = dataclasses.field(default_factory=lambda: {"linear": None, "conv1d": None})
     shared_init: Callable[..., tuple[TensorDict, TensorDict]] | None = None
     calibration: Calibration | None = None
     layer_ranks: Callable[[int, Mapping[str, LayerInfo]], Mapping[str, int]] | None = None
@@ -370,9 +369,9 @@ class Variant:
         return frozenset(name for name, slot in self.tensors.items() if slot.integer)
 
     @functools.cached_property
-    def kind_forms(self) -> dict[str, ActivationFn]:
-        """Kind -> the activation form of a kind whose layer op is not a matmul of ``x``."""
-        return {kind: form for kind, form in self.kinds.items() if form is not None}
+    def kinds(self) -> frozenset[str]:
+        """The target kinds it adapts (:attr:`kind_forms`' keys)."""
+        return frozenset(self.kind_forms)
 
     @property
     def changes_bias(self) -> bool:
@@ -396,8 +395,9 @@ class Variant:
         return {name: slot for name, slot in self.tensors.items() if not slot.shared}
 
     def shapes(self, info: LayerInfo) -> dict[str, tuple[int, ...]]:
-        """The per-layer tensors' shapes on a layer (the optional ones included)."""
-        return {name: tuple(slot.shape(info)) for name, slot in self.layer_slots().items()}
+        """The per-layer tensors a layer holds and their shapes (a slot whose shape is ``None``
+        there is left out)."""
+        return {name: tuple(shape) for name, slot in self.layer_slots().items() if (shape := slot.shape(info)) is not None}
 
 
 def layer_rank(info: LayerInfo, buffers: TensorDict | None = None) -> int | Tensor:

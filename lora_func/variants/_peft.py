@@ -19,30 +19,7 @@ from torch import Tensor
 
 from lora_func.variants._contract import LayerInfo, TensorDict
 
-__all__ = ["Codec", "PeftFormat", "PeftLayer", "PeftMethod", "mapped"]
-
-
-@dataclasses.dataclass(frozen=True)
-class Codec:
-    """An option's value as peft's config writes it and back: ``to_peft(value)``, and
-    ``from_peft(config value)`` (``None`` when the config holds ``null``); a value it does not
-    know comes back unchanged, so the option's check names it."""
-
-    to_peft: Callable[[Any], Any]
-    from_peft: Callable[[Any], Any]
-
-
-def mapped(values: Mapping[Any, Any], *, also: Mapping[Any, Any] | None = None) -> Codec:
-    """A :class:`Codec` for an enumeration: ``values`` maps each of lora_func's values to peft's
-    (``{"identity": True, "random": False}``); ``also`` maps further peft values that read as one
-    of lora_func's (older spellings)."""
-    back = [(peft, ours) for ours, peft in values.items()] + list((also or {}).items())
-
-    def from_peft(value: Any) -> Any:
-        # by type too: peft's True is not lora_func's 1
-        return next((ours for peft, ours in back if type(peft) is type(value) and peft == value), value)
-
-    return Codec(lambda value: values.get(value, value), from_peft)
+__all__ = ["PeftFormat", "PeftLayer", "PeftMethod"]
 
 
 @dataclasses.dataclass(frozen=True)

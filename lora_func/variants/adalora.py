@@ -34,19 +34,19 @@ from torch import Tensor
 
 from lora_func.variants._kernels import base_plus_low_rank, lowrank_input
 from lora_func.variants import BaseLayer, LayerInfo, Option, PeftFormat, PeftLayer, PeftMethod, Slot, TensorDict, Variant, real, whole
-from lora_func.variants._options import dropout_option
+from lora_func.variants._options import dropout_option, nullable
 from lora_func.variants.lora import PEFT_UNSUPPORTED_FIELDS
 
 # The schedule's settings (peft's AdaLoraConfig fields and defaults), held as spec options.
 SCHEDULE = {
-    "target_r": Option(8, whole(0), "target_r"),
-    "tinit": Option(0, whole(0), "tinit"),
-    "tfinal": Option(0, whole(0), "tfinal"),
-    "deltaT": Option(1, whole(1), "deltaT"),
-    "beta1": Option(0.85, real(0, 1, closed="()"), "beta1"),
-    "beta2": Option(0.85, real(0, 1, closed="()"), "beta2"),
-    "orth_reg_weight": Option(0.5, real(0), "orth_reg_weight"),
-    "total_step": Option(1, whole(1), "total_step"),
+    "target_r": Option(8, whole(0), "target_r", nullable(8)),
+    "tinit": Option(0, whole(0), "tinit", nullable(0)),
+    "tfinal": Option(0, whole(0), "tfinal", nullable(0)),
+    "deltaT": Option(1, whole(1), "deltaT", nullable(1)),
+    "beta1": Option(0.85, real(0, 1, closed="()"), "beta1", nullable(0.85)),
+    "beta2": Option(0.85, real(0, 1, closed="()"), "beta2", nullable(0.85)),
+    "orth_reg_weight": Option(0.5, real(0), "orth_reg_weight", nullable(0.5)),
+    "total_step": Option(1, whole(1), "total_step", nullable(1)),
 }
 
 
@@ -126,7 +126,7 @@ VARIANT = Variant(
     },
     # init_r is the tensors' rank: the writer stores it over this option (PeftMethod.rank), checked
     # equal in _export.
-    options={"init_r": Option(8, whole(1), "init_r"), "dropout": dropout_option("lora_dropout")} | SCHEDULE,
+    options={"init_r": Option(8, whole(1), "init_r", nullable(8)), "dropout": dropout_option("lora_dropout")} | SCHEDULE,
     check=check_options,
     default_alpha=8.0,
 )

@@ -150,7 +150,7 @@ VARIANT = Variant(
     activation_form=activation_form,
     # r is the block size: it must divide d_in and d_out (checked by init)
     tensors={"c3a_kernel": Slot(lambda i: (i.d_out // i.r, i.d_in // i.r, i.r), peft="c3a_kernel")},
-    options={"init": Option("zeros", one_of(*INITS), "init_weights", mapped({"zeros": True}, also={False: "xavier_uniform"}))},
+    options={"init": Option("zeros", one_of(*INITS), "init_weights", mapped({"zeros": True, **{name: name for name in INITS[1:]}}, also={False: "xavier_uniform"}))},
     default_alpha=1.0,  # not used: the scale is 1/d_in
 )
 # peft: C3AConfig; block_size / block_size_pattern are lora_func's r / rank pattern.

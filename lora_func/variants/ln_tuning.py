@@ -68,7 +68,7 @@ VARIANT = Variant(
         "ln_bias": Slot(lambda i: (i.d_out,) if i.has_bias else None, peft="ln_tuning_layers.bias"),
     },
     default_alpha=1.0,
-    kinds={"linear": None, "conv1d": None, "norm": None},
+    kind_forms={"linear": None, "conv1d": None, "norm": None},
     traits=frozenset({"changes_bias", "replaces_weight"}),
 )
 PEFT = PeftFormat(PeftMethod("LN_TUNING", {}, fan_in_fan_out=False), reshape=_stored_layout)

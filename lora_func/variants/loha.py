@@ -210,7 +210,7 @@ VARIANT = Variant(
     options={**_lycoris.OPTIONS, "init": Option("default", one_of(*INITS), "init_weights", mapped({"default": True, "random": False}))},
     default_alpha=8.0,
     # nn.Conv1d/2d/3d through the merged kernel (peft's LoHa takes Conv1d and Conv2d).
-    kinds={"linear": None, "conv1d": None, "conv": None},
+    kind_forms={"linear": None, "conv1d": None, "conv": None},
 )
 # peft: LoHaConfig. Its LyCORIS tuners take nn.Linear / Conv1d / Conv2d only: GPT-2 Conv1D is
 # refused. A CP layer (it holds the cores) stores its (d_out, r) factors as peft's (r, d_out).

@@ -226,7 +226,7 @@ VARIANT = Variant(
     check=check_options,
     default_alpha=8.0,
     # nn.Conv1d/2d/3d through the merged kernel (peft's LoKr takes Conv1d and Conv2d).
-    kinds={"linear": None, "conv1d": None, "conv": None},
+    kind_forms={"linear": None, "conv1d": None, "conv": None},
 )
 # peft: LoKrConfig. Its LyCORIS tuners take nn.Linear / Conv1d / Conv2d only.
 PEFT = PeftFormat(

@@ -161,13 +161,13 @@ VARIANT = Variant(
     tensors=TENSORS,
     options={
         **OPTIONS,
-        "init": Option("kaiming", one_of(*INITS), "init_lora_weights", mapped({"kaiming": True}, also={False: "kaiming"})),
+        "init": Option("kaiming", one_of(*INITS), "init_lora_weights", mapped({"kaiming": True, "gaussian": "gaussian", "orthogonal": "orthogonal"}, also={False: "kaiming"})),
     },
     default_alpha=8.0,
     low_rank=LOW_RANK,
     # The merged path serves every kind; peft has LoRA on all of these (nn.Embedding, conv
     # layers, target_parameters) but norms. An embedding takes a gather, not a merged (V, d) table.
-    kinds={"linear": None, "conv1d": None, "embedding": lora_embedding_form, "conv": None, "experts": None},
+    kind_forms={"linear": None, "conv1d": None, "embedding": lora_embedding_form, "conv": None, "experts": None},
 )
 
 
@@ -175,4 +175,4 @@ def derived(name: str, init: Any, **changes: Any) -> Variant:
     """A LoRA-family variant: LoRA's forms, tensors and options on ``nn.Linear`` / GPT-2
     ``Conv1D``, with its own ``name`` and ``init`` and ``changes`` (more options, a residual
     buffer, its own forms and traits)."""
-    return dataclasses.replace(VARIANT, **{"name": name, "init": init, "options": OPTIONS, "kinds": {"linear": None, "conv1d": None}, **changes})
+    return dataclasses.replace(VARIANT, **{"name": name, "init": init, "options": OPTIONS, "kind_forms": {"linear": None, "conv1d": None}, **changes})

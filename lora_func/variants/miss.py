@@ -152,7 +152,7 @@ VARIANT = Variant(
     activation_form=activation_form,
     tensors={"miss_block": Slot(lambda i: block_shape(i.r, i.d_in, i.d_out, dict(i.options)), rank_axes=(0,), peft="miss_block")},
     options={
-        "init": Option("miss", one_of(*INITS), "init_weights", mapped({"miss": True, "random": False})),
+        "init": Option("miss", one_of(*INITS), "init_weights", mapped({"miss": True, "random": False, "bat": "bat", "mini": "mini"})),
         "mini_r": Option(1, whole(1), "mini_r"),
         "dropout": dropout_option("miss_dropout"),
     },

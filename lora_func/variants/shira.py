@@ -117,7 +117,7 @@ VARIANT = Variant(
         "mask_type": Option("random", one_of(*MASK_TYPES), "mask_type", Codec(lambda v: v, lambda v: "custom" if isinstance(v, str) and v != "random" else v)),
         "random_seed": Option(
             None,
-            Check(lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 0), "None or an integer >= 0 (a torch.Generator seed)"),
+            Check(lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 0), "must be None or an integer >= 0 (a torch.Generator seed)"),
             "random_seed",
             # peft may write a whole float
             Codec(lambda v: v, lambda v: int(v) if is_finite_number(v) and int(v) == v else v),
