@@ -518,7 +518,7 @@ CASES: dict[str, Case] = {
     "spec-tied": Case(spec("lora", ["q_proj"], tied="share"), ("'share'",)),
     "spec-unknown-option": Case(spec("lora", ["q_proj"], use_rs_lora=True), ("use_rs_lora", "use_rslora")),
     "spec-option-type": Case(spec("lora", ["q_proj"], use_rslora=1), ("use_rslora=1", "bool")),
-    "spec-option-value": Case(spec("road", ["q_proj"], group_size=4.0), ("road", "group_size=4.0", "an integer >= 2", "default 64")),
+    "spec-option-value": Case(spec("gralora", ["q_proj"], gralora_k=2.0), ("gralora", "gralora_k=2.0", "must be an integer >= 1", "default 2")),
     "spec-targets-regex": Case(spec("lora", "q_proj("), ("q_proj(",)),
     "spec-targets-type": Case(spec("lora", {"q_proj": 1}), ("dict",)),
     "spec-targets-empty": Case(spec("lora", ["q_proj", ""]), ("''",)),
@@ -1237,7 +1237,6 @@ def _lokr_layouts_stack(ctx: Ctx) -> Callable[[], Any]:
 
 CASES.update(
     {
-        "lokr-decompose-factor": Case(spec("lokr", ["q_proj"], decompose_factor=0), ("decompose_factor=0",)),
         "stack-tensor-sets": Case(_lokr_layouts_stack, ("lokr", "adapter 1", Q, "lokr_w2")),
         "gralora-rank": Case(init("gralora", ["q_proj"], r=3), (Q, "r=3", "gralora_k=2", "r=2 or r=4")),
         "gralora-sizes": Case(init("gralora", ["q_proj"], r=3, gralora_k=3), (Q, "d_in=32", "gralora_k=3")),
@@ -1727,7 +1726,6 @@ CASES.update(
         "oft-blocks": Case(spec("oft", ["q_proj"], num_blocks=4), ("oft_block_size=32", "num_blocks=4")),
         "boft-block-options": Case(spec("boft", ["q_proj"], boft_block_size=0), ("boft_block_size=0", "boft_block_num=0")),
         "boft-blocks": Case(init("boft", ["q_proj"], boft_block_size=3), ("boft cannot adapt " + Q, "boft_block_size=3", "d_in=32")),
-        "road-group-size-even": Case(spec("road", ["q_proj"], group_size=3), ("group_size=3",)),
         "road-group-size": Case(init("road", ["q_proj"]), ("road cannot adapt " + Q, "group_size=64", "d_out=32")),
     }
 )

@@ -65,13 +65,8 @@ def options_from(variant: Variant, config: Mapping[str, Any]) -> tuple[dict[str,
             problems.append(f"{option.peft}={raw!r}")
             continue
         options[name] = option.normalised(value)
-    if not problems and variant.check is not None:
-        # Valid one by one but not together: the fields of the options the variant's check names.
-        try:
-            variant.check(options)
-        except ValueError as err:
-            named = [o.peft for n, o in variant.options.items() if o.peft and re.search(rf"\b{re.escape(n)}\b", str(err))]
-            problems += [f"{field}={_field(config, field)!r}" for field in named if _field(config, field) is not _MISSING] or [str(err)]
+    # (options valid one by one but not together are refused by the variant's check when the
+    # loader builds the spec, with the variant's own message)
     return options, problems
 
 
@@ -142,6 +137,11 @@ def _is_regex(pattern: Any) -> bool:
         return False
     return True
 
+def _training_only_check(whole: bool) -> Callable[[Any], bool]:
+    """A training-only field: none, or a number >= 0 (an integer where ``whole``: a seed)."""
+    return lambda v: v is None or (is_finite_number(v) and v >= 0 and (isinstance(v, int) or not whole))
+
+
 def _one_of_types(types: set[type]) -> Callable[[Any], bool]:
     return lambda value: type(value) in types
 
@@ -170,12 +170,13 @@ def _config_problems(config: Mapping[str, Any]) -> list[str]:
     method = methods().get(peft_type) if isinstance(peft_type, str) else None
     if method is not None and method.alpha is not None:
         checks[method.alpha] = number
-    if method is None or method.rank is not None:
-        checks["r" if method is None else method.rank[0]] = rank
-    for field in method.training_only if method is not None else ():
-        # a number >= 0 (an integer where the method's own value is not a float: a seed)
-        whole = not isinstance(method.fixed.get(field), float)
-        checks[field] = (lambda whole: lambda v: v is None or (is_finite_number(v) and v >= 0 and (isinstance(v, int) or not whole)))(whole)
+    rank_fields = ("r", "rank_pattern") if method is None else method.rank
+    if rank_fields is not None:
+        checks[rank_fields[0]] = rank
+    if method is not None:
+        for field in method.training_only:
+            # a number >= 0 (an integer where the method's own value is not a float: a seed)
+            checks[field] = _training_only_check(not isinstance(method.fixed.get(field), float))
     # A field that marks a variant (use_dora) holds a value of a type some variant reads.
     marks: dict[str, set[type]] = {}
     for fmt in formats(peft_type).values() if method is not None else ():
@@ -186,25 +187,25 @@ def _config_problems(config: Mapping[str, Any]) -> list[str]:
     problems = [f"{name}={config[name]!r}" for name, ok in checks.items() if name in config and not ok(config[name])]
     # The options of the method's variants, each read and checked as the spec would: a field that
     # marks a variant (init_lora_weights) only for the variants the config marks.
-    for name, fmt in formats(peft_type).items() if method is not None else ():
+    for variant_name, fmt in formats(peft_type).items() if method is not None else ():
         marked = _marked(fmt, config)
-        for problem in options_from(get_variant(name), config)[1]:
+        for problem in options_from(get_variant(variant_name), config)[1]:
             if problem not in problems and (marked or problem.split("=")[0] not in marks):
                 problems.append(problem)
     # Per-layer patterns where the method has them (a method whose rank has no pattern field may
     # hold a rank_pattern of its own kind, booleans per triplet, that lora_func does not read).
-    pattern = "rank_pattern" if method is None else method.rank[1] if method.rank is not None else None
-    for name, ok in ((pattern, rank), ("alpha_pattern" if pattern else None, number)):
-        patterns = config.get(name) if name else None
-        if patterns is None:
+    pattern = rank_fields[1] if rank_fields is not None else None
+    for field, ok in ((pattern, rank), ("alpha_pattern" if pattern else None, number)):
+        patterns = config.get(field) if field else None
+        if field is None or patterns is None:
             continue
         if not isinstance(patterns, dict):
-            problems.append(f"{name}={patterns!r} (not an object)")
+            problems.append(f"{field}={patterns!r} (not an object)")
             continue
         # peft matches every key as the regex rf"(.*\.)?({key})$".
-        bad = [f"{name}[{key!r}]={value!r}" for key, value in patterns.items() if not (_is_regex(rf"(.*\.)?({key})$") and ok(value))]
+        bad = [f"{field}[{key!r}]={value!r}" for key, value in patterns.items() if not (_is_regex(rf"(.*\.)?({key})$") and ok(value))]
         # a method's own pattern field (n_frequency_pattern) is named whole, as its other fields
-        problems += bad if name in ("rank_pattern", "alpha_pattern") or not bad else [f"{name}={patterns!r}"]
+        problems += bad if field in ("rank_pattern", "alpha_pattern") or not bad else [f"{field}={patterns!r}"]
     return problems
 
 def check_config(directory: Path, config: Mapping[str, Any]) -> None:

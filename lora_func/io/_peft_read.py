@@ -228,10 +228,10 @@ def _assemble(
             raise ValueError(  # error: peft-incomplete
                 f"{directory} is incomplete at {module_name}: it has {sorted(got)}, the layer needs {sorted(expected)}; re-save the checkpoint"
             )
-        rank = _tensors_rank(variant, info, target, options, got)
+        found_rank = _tensors_rank(variant, info, target, options, got)
         fields = _rank_fields(variant_name)
-        if rank is not None and fields is not None and rank != info.r:
-            refuse_rank_mismatch(directory, module_name, rank, int(info.r), fields)
+        if found_rank is not None and fields is not None and found_rank != info.r:
+            refuse_rank_mismatch(directory, module_name, found_rank, int(info.r), fields)
         wrong.append(f"{module_name}: checkpoint has {got}, the model needs {expected}")
     if wrong:
         raise ValueError(  # error: peft-shapes

@@ -52,7 +52,7 @@ from einops import rearrange
 from torch import Tensor
 
 from lora_func.variants._kernels import kaiming_uniform
-from lora_func.variants import BaseLayer, LayerInfo, Option, PeftFormat, Slot, TensorDict, Variant, mapped, one_of, whole
+from lora_func.variants import BaseLayer, Check, LayerInfo, Option, PeftFormat, Slot, TensorDict, Variant, mapped, one_of
 from lora_func.variants import _lycoris
 
 INITS = ("default", "lycoris", "random")
@@ -198,12 +198,8 @@ def _reshape(kind: str, name: str, tensor: Tensor, shape: tuple[int, ...], to_pe
 
 _AXES = {"lokr_w1": (), "lokr_w1_a": (1,), "lokr_w1_b": (0,), "lokr_w2": (), "lokr_w2_a": (1,), "lokr_w2_b": (0,), "lokr_t2": (0, 1)}
 
-def check_options(options: Mapping[str, Any]) -> None:
-    if options["decompose_factor"] == 0:
-        raise ValueError(  # error: lokr-decompose-factor
-            f"lokr option decompose_factor={options['decompose_factor']!r} must be -1 (factor each size near its square root) or a "
-            f"positive integer (the preferred factor)"
-        )
+# -1: each size factored near its square root; else the preferred factor
+FACTOR = Check(lambda v: isinstance(v, int) and not isinstance(v, bool) and (v == -1 or v >= 1), "must be -1 (factor each size near its square root) or a positive integer (the preferred factor)")
 
 
 VARIANT = Variant(
@@ -220,10 +216,9 @@ VARIANT = Variant(
         **_lycoris.OPTIONS,
         "init": Option("default", one_of(*INITS), "init_weights", mapped({"default": True, "lycoris": "lycoris", "random": False})),
         "decompose_both": Option(False, peft="decompose_both"),
-        "decompose_factor": Option(-1, whole(-1, why="-1: each size factored near its square root; else the preferred factor"), "decompose_factor"),
+        "decompose_factor": Option(-1, FACTOR, "decompose_factor"),
         "rank_dropout_scale": Option(False, peft="rank_dropout_scale"),
     },
-    check=check_options,
     default_alpha=8.0,
     # nn.Conv1d/2d/3d through the merged kernel (peft's LoKr takes Conv1d and Conv2d).
     kind_forms={"linear": None, "conv1d": None, "conv": None},

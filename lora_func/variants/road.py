@@ -31,14 +31,13 @@ reshapes by ``group_size // 2`` and fails with a shape error on an odd one).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 from einops import rearrange
 from torch import Tensor
 
-from lora_func.variants import BaseLayer, LayerInfo, Option, PeftFormat, PeftMethod, Slot, TensorDict, Variant, mapped, one_of, whole
+from lora_func.variants import BaseLayer, Check, LayerInfo, Option, PeftFormat, PeftMethod, Slot, TensorDict, Variant, mapped, one_of
 
 ROAD_VARIANTS = ("road_1", "road_2", "road_4")
 INITS = ("identity", "random")
@@ -117,11 +116,8 @@ def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: Ba
     return rotate_pairs(y.to(c.dtype), c, s, info.option("group_size") // 2).to(y.dtype)
 
 
-def check_options(options: Mapping[str, Any]) -> None:
-    if options["group_size"] % 2:
-        raise ValueError(  # error: road-group-size-even
-            f"road option group_size={options['group_size']} must be an even number >= 2 (features j and j + group_size/2 of a group are rotated together)"
-        )
+# features j and j + group_size/2 of a group are rotated together
+EVEN = Check(lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 2 and v % 2 == 0, "must be an even number >= 2 (features j and j + group_size/2 of a group are rotated together)")
 
 
 VARIANT = Variant(
@@ -133,10 +129,9 @@ VARIANT = Variant(
     options={
         # peft's `variant`
         "road_variant": Option("road_1", one_of(*ROAD_VARIANTS), "variant"),
-        "group_size": Option(64, whole(2), "group_size"),
+        "group_size": Option(64, EVEN, "group_size"),
         "init": Option("identity", one_of(*INITS), "init_weights", mapped({"identity": True, "random": False})),
     },
-    check=check_options,
     default_alpha=1.0,
     traits=frozenset({"changes_bias"}),
 )
