@@ -195,17 +195,17 @@ def _config_problems(config: Mapping[str, Any]) -> list[str]:
     # Per-layer patterns where the method has them (a method whose rank has no pattern field may
     # hold a rank_pattern of its own kind, booleans per triplet, that lora_func does not read).
     pattern = rank_fields[1] if rank_fields is not None else None
-    for field, ok in ((pattern, rank), ("alpha_pattern" if pattern else None, number)):
-        patterns = config.get(field) if field else None
-        if field is None or patterns is None:
+    for pattern_field, ok in ((pattern, rank), ("alpha_pattern" if pattern else None, number)):
+        patterns = config.get(pattern_field) if pattern_field else None
+        if pattern_field is None or patterns is None:
             continue
         if not isinstance(patterns, dict):
-            problems.append(f"{field}={patterns!r} (not an object)")
+            problems.append(f"{pattern_field}={patterns!r} (not an object)")
             continue
         # peft matches every key as the regex rf"(.*\.)?({key})$".
-        bad = [f"{field}[{key!r}]={value!r}" for key, value in patterns.items() if not (_is_regex(rf"(.*\.)?({key})$") and ok(value))]
-        # a method's own pattern field (n_frequency_pattern) is named whole, as its other fields
-        problems += bad if field in ("rank_pattern", "alpha_pattern") or not bad else [f"{field}={patterns!r}"]
+        bad = [f"{pattern_field}[{key!r}]={value!r}" for key, value in patterns.items() if not (_is_regex(rf"(.*\.)?({key})$") and ok(value))]
+        # a method's own pattern pattern_field (n_frequency_pattern) is named whole, as its other pattern_fields
+        problems += bad if pattern_field in ("rank_pattern", "alpha_pattern") or not bad else [f"{pattern_field}={patterns!r}"]
     return problems
 
 def check_config(directory: Path, config: Mapping[str, Any]) -> None:
