@@ -39,7 +39,6 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
-from lora_func._deprecated import renamed_keywords
 from lora_func._application import Application, refuse_checkpointing_in_transform
 from lora_func.variants._kernels import lowrank_input
 from lora_func._model import base_params
@@ -394,7 +393,6 @@ def _reshaped_rows(out: Any, members: int, rows: int) -> Any:
     )
 
 
-@renamed_keywords("mixed_call", strict="lazy_only")
 def mixed_call(
     model: nn.Module,
     adapters: AdapterLike,
@@ -458,7 +456,6 @@ def mixed_call(
     return _vmapped(one, where, randomness=randomness)(per_example, *examples)
 
 
-@renamed_keywords("ensemble_call", strict="lazy_only")
 def ensemble_call(
     model: nn.Module,
     adapters: AdapterLike,

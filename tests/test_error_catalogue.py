@@ -1714,9 +1714,6 @@ CASES.update(
 
 CASES.update(
     {
-        "deprecated-keyword-twice": Case(
-            on_adapter(lambda a, ctx: lf.adapted_call(ctx.model(), a, IDS, safe=True, check_finite=True)), ("safe=", "check_finite=")
-        ),
         "combine-no-weights": Case(on_adapter(lambda a, ctx: lf.combine(a, a)), ("combine(a, b, weights=",)),
     }
 )
