@@ -1744,7 +1744,7 @@ CASES.update(
     {
         "shira-too-many": Case(_init_seeded("shira", ["v_proj"], r=12), ("model.layers.0.self_attn.v_proj", "r=12", "576", "at most 10")),
         "shira-custom-mask": Case(_init_seeded("shira", ["v_proj"], r=1, mask_type="custom"), ("shira_indices", "with_buffers")),
-        "fourierft-too-many": Case(_init_seeded("fourierft", ["v_proj"], r=513), ("model.layers.0.self_attn.v_proj", "r=513", "512")),
+        "spectrum-too-many": Case(_init_seeded("fourierft", ["v_proj"], r=513), ("model.layers.0.self_attn.v_proj", "fourierft", "r=513 frequencies", "512")),
         "c3a-block-size": Case(_init_seeded("c3a", ["v_proj"], r=12), ("model.layers.0.self_attn.v_proj", "r=12", "d_out=16", "r=16")),
     }
 )
@@ -1913,7 +1913,6 @@ CASES.update(
 # --- issue 30: waveft --------------------------------------------------------------------------
 CASES.update(
     {
-        "waveft-too-many": Case(_init_seeded("waveft", ["v_proj"], r=513), ("model.layers.0.self_attn.v_proj", "r=513", "512")),
     }
 )
 

@@ -173,7 +173,7 @@ def _assemble(
 ) -> Adapter:
     """An :class:`Adapter` of ``variant_name`` on exactly ``layers``' modules, checked against the model."""
     dtypes = {t.dtype for layer in layers.values() for t in (*layer.params.values(), *layer.buffers.values()) if t.is_floating_point()}
-    # a checkpoint may hold only shared tensors (PeftMethod.layers_from_config)
+    # a checkpoint may hold only shared tensors (no per-layer tensor in its file)
     dtypes = dtypes or {t.dtype for t in (stored_shared or {}).values() if t.is_floating_point()} or {torch.float32}
     dtype = dtypes.pop()
     for other in dtypes:

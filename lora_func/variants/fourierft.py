@@ -30,8 +30,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lora_func.variants import FLAG, SEED, BaseLayer, LayerInfo, Option, PeftFormat, PeftMethod, Slot, TensorDict, Variant, real
-from lora_func.variants._sparse import linear_plus_dense, own_values, peft_randperm_positions, scatter_dense
+from lora_func.variants import BaseLayer, LayerInfo, PeftFormat, PeftMethod, TensorDict, Variant
+from lora_func.variants._sparse import linear_plus_dense, own_values, scatter_dense, spectrum_init, spectrum_options, spectrum_tensors
 
 
 def init(
@@ -43,15 +43,7 @@ def init(
     generator: torch.Generator,
     calibration: Any = None,
 ) -> tuple[TensorDict, TensorDict]:
-    n = info.r
-    if n > info.d_in * info.d_out:
-        raise ValueError(  # error: fourierft-too-many
-            f"fourierft: r={n} frequencies (peft's n_frequency) exceed the layer's {info.d_out}×{info.d_in} = "
-            f"{info.d_in * info.d_out} spectrum entries; lower r to at most {info.d_in * info.d_out}"
-        )
-    positions = peft_randperm_positions(info.d_out, info.d_in, n, info.option("random_loc_seed"))
-    spectrum = torch.zeros(n) if info.option("init_weights") else torch.randn(n, generator=generator)
-    return {"fourierft_spectrum": spectrum.to(weight.device, dtype)}, {"fourierft_indices": positions.to(weight.device)}
+    return spectrum_init("fourierft", "frequencies", info, std=1.0, dtype=dtype, device=weight.device, generator=generator)
 
 
 def delta(params: TensorDict, buffers: TensorDict, info: LayerInfo) -> Tensor:
@@ -80,15 +72,8 @@ VARIANT = Variant(
     activation_form=activation_form,
     # r is the number of frequencies, up to d_in·d_out (checked by init); the positions are not in
     # the checkpoint (peft re-derives them from random_loc_seed).
-    tensors={
-        "fourierft_spectrum": Slot(lambda i: (i.r,), padded_axes=(0,), peft="fourierft_spectrum"),
-        "fourierft_indices": Slot(lambda i: (2, i.r), padded_axes=(1,), buffer=True, integer=True),
-    },
-    options={
-        "scaling": Option(150.0, real(), "scaling"),
-        "random_loc_seed": Option(777, SEED, "random_loc_seed"),
-        "init_weights": Option(False, FLAG, "init_weights"),
-    },
+    tensors=spectrum_tensors("fourierft"),
+    options=spectrum_options(scaling=150.0, init_weights=False),
     default_alpha=1.0,  # not used: the scale is the scaling option
 )
 # peft: FourierFTConfig; n_frequency / n_frequency_pattern are lora_func's r / rank pattern.

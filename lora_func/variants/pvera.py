@@ -36,12 +36,9 @@ import torch
 from torch import Tensor
 
 from lora_func.variants._kernels import base_plus_low_rank, lowrank_input
-from lora_func.variants import FLAG, SEED, BaseLayer, LayerInfo, Option, PeftFormat, PeftMethod, Slot, TensorDict, Variant, mapped, one_of, real
+from lora_func.variants import FLAG, BaseLayer, LayerInfo, Option, PeftFormat, PeftMethod, Slot, TensorDict, Variant
 from lora_func.variants._bank import largest, largest_of, one_rank
-from lora_func.variants._options import dropout_option
-
-INITS = ("zero", "random")
-
+from lora_func.variants.vera import basis_options, basis_slot, vectors
 
 def shared_init(infos: Mapping[str, LayerInfo], *, dtype: torch.dtype, device: torch.device, generator: torch.Generator) -> tuple[TensorDict, TensorDict]:
     """``pvera_A (2r, D_in)``, ``pvera_B (D_out, r)``: peft's draws from ``projection_prng_key``."""
@@ -63,13 +60,7 @@ def init(
     generator: torch.Generator,
     calibration: Any = None,
 ) -> tuple[TensorDict, TensorDict]:
-    if info.option("init") == "random":
-        lambda_b = torch.ones(info.d_out)
-        lambda_d = torch.randn(2 * info.r, generator=generator)
-    else:
-        lambda_b = torch.zeros(info.d_out)
-        lambda_d = torch.full((2 * info.r,), float(info.option("d_initial")))
-    return {"pvera_lambda_b": lambda_b.to(weight.device, dtype), "pvera_lambda_d": lambda_d.to(weight.device, dtype)}, {}
+    return vectors("pvera", info, 2 * info.r, dtype=dtype, device=weight.device, generator=generator), {}
 
 
 def _halves(params: TensorDict, buffers: TensorDict, info: LayerInfo) -> tuple[Tensor, Tensor, Tensor | None]:
@@ -124,17 +115,10 @@ VARIANT = Variant(
     tensors={
         "pvera_lambda_b": Slot(lambda i: (i.d_out,), peft="pvera_lambda_b"),
         "pvera_lambda_d": Slot(lambda i: (2 * i.r,), padded_axes=(0,), peft="pvera_lambda_d"),
-        "pvera_A": Slot(lambda i: (2 * i.r, largest_of(i)[1]), padded_axes=(0,), buffer=True, shared=True, peft="base_model.pvera_A", saved_if="save_projection"),
-        "pvera_B": Slot(lambda i: (largest_of(i)[0], i.r), rank_axes=(1,), buffer=True, shared=True, peft="base_model.pvera_B", saved_if="save_projection"),
+        "pvera_A": basis_slot("pvera", "A", lambda i: (2 * i.r, largest_of(i)[1]), padded_axes=(0,)),
+        "pvera_B": basis_slot("pvera", "B", lambda i: (largest_of(i)[0], i.r), rank_axes=(1,)),
     },
-    options={
-        "projection_prng_key": Option(0, SEED, "projection_prng_key"),
-        "save_projection": Option(True, FLAG, "save_projection"),
-        "d_initial": Option(0.1, real(), "d_initial"),
-        "dropout": dropout_option("pvera_dropout"),
-        "init": Option("zero", one_of(*INITS), "init_weights", mapped({"zero": True, "random": False})),
-        "sample_at_inference": Option(False, FLAG, "sample_at_inference"),
-    },
+    options=basis_options("pvera") | {"sample_at_inference": Option(False, FLAG, "sample_at_inference")},
     default_alpha=1.0,
     shared_init=shared_init,
 )

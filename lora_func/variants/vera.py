@@ -55,6 +55,17 @@ def shared_init(infos: Mapping[str, LayerInfo], *, dtype: torch.dtype, device: t
     return {}, {"vera_A": vera_a.to(device, dtype), "vera_B": vera_b.to(device, dtype)}
 
 
+def vectors(prefix: str, info: LayerInfo, d: int, *, dtype: torch.dtype, device: torch.device, generator: torch.Generator) -> TensorDict:
+    """``<prefix>_lambda_b (d_out,)`` and ``<prefix>_lambda_d (d,)``: peft's ``init_weights=True``
+    ``λ_b = 0``, ``λ_d = d_initial`` (ΔW = 0), or ``init="random"``: ``λ_b = 1``, ``λ_d ~ N(0, 1)``
+    (from the generator; peft draws from the global RNG)."""
+    if info.option("init") == "random":
+        lambda_b, lambda_d = torch.ones(info.d_out), torch.randn(d, generator=generator)
+    else:
+        lambda_b, lambda_d = torch.zeros(info.d_out), torch.full((d,), float(info.option("d_initial")))
+    return {f"{prefix}_lambda_b": lambda_b.to(device, dtype), f"{prefix}_lambda_d": lambda_d.to(device, dtype)}
+
+
 def init(
     weight: Tensor,
     bias: Tensor | None,
@@ -64,13 +75,7 @@ def init(
     generator: torch.Generator,
     calibration: Any = None,
 ) -> tuple[TensorDict, TensorDict]:
-    if info.option("init") == "random":
-        lambda_b = torch.ones(info.d_out)
-        lambda_d = torch.randn(info.r, generator=generator)
-    else:
-        lambda_b = torch.zeros(info.d_out)
-        lambda_d = torch.full((info.r,), float(info.option("d_initial")))
-    return {"vera_lambda_b": lambda_b.to(weight.device, dtype), "vera_lambda_d": lambda_d.to(weight.device, dtype)}, {}
+    return vectors("vera", info, info.r, dtype=dtype, device=weight.device, generator=generator), {}
 
 
 def factors(params: TensorDict, buffers: TensorDict, info: LayerInfo) -> tuple[Tensor, Tensor]:
@@ -95,6 +100,24 @@ def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: Ba
     return base_plus_low_rank(base, x, h, b)
 
 
+def basis_options(prefix: str) -> dict[str, Option]:
+    """The options VeRA and PVeRA share: the basis's seed and whether peft's file holds it, the
+    vectors' init, the dropout (peft's ``<prefix>_dropout``)."""
+    return {
+        "projection_prng_key": Option(0, SEED, "projection_prng_key"),
+        "save_projection": Option(True, FLAG, "save_projection"),
+        "d_initial": Option(0.1, real(), "d_initial"),
+        "dropout": dropout_option(f"{prefix}_dropout"),
+        "init": Option("zero", one_of(*INITS), "init_weights", mapped({"zero": True, "random": False})),
+    }
+
+
+def basis_slot(prefix: str, name: str, shape: Any, **axes: Any) -> Slot:
+    """A tensor of the frozen basis every layer slices, ``base_model.<prefix>_<name>`` in peft's
+    file with ``save_projection`` (re-drawn from the seed otherwise)."""
+    return Slot(shape, buffer=True, shared=True, peft=f"base_model.{prefix}_{name}", saved_if="save_projection", **axes)
+
+
 VARIANT = Variant(
     name="vera",
     init=init,
@@ -103,16 +126,10 @@ VARIANT = Variant(
     tensors={
         "vera_lambda_b": Slot(lambda i: (i.d_out,), peft="vera_lambda_b"),
         "vera_lambda_d": Slot(lambda i: (i.r,), rank_axes=(0,), peft="vera_lambda_d"),
-        "vera_A": Slot(lambda i: (i.r, largest_of(i)[1]), rank_axes=(0,), buffer=True, shared=True, peft="base_model.vera_A", saved_if="save_projection"),
-        "vera_B": Slot(lambda i: (largest_of(i)[0], i.r), rank_axes=(1,), buffer=True, shared=True, peft="base_model.vera_B", saved_if="save_projection"),
+        "vera_A": basis_slot("vera", "A", lambda i: (i.r, largest_of(i)[1]), rank_axes=(0,)),
+        "vera_B": basis_slot("vera", "B", lambda i: (largest_of(i)[0], i.r), rank_axes=(1,)),
     },
-    options={
-        "projection_prng_key": Option(0, SEED, "projection_prng_key"),
-        "save_projection": Option(True, FLAG, "save_projection"),
-        "d_initial": Option(0.1, real(), "d_initial"),
-        "dropout": dropout_option("vera_dropout"),
-        "init": Option("zero", one_of(*INITS), "init_weights", mapped({"zero": True, "random": False})),
-    },
+    options=basis_options("vera"),
     default_alpha=1.0,
     shared_init=shared_init,
 )

@@ -39,8 +39,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lora_func.variants import FLAG, SEED, BaseLayer, Codec, LayerInfo, Option, PeftFormat, PeftMethod, Slot, TensorDict, Variant, one_of, real
-from lora_func.variants._sparse import linear_plus_dense, own_values, peft_randperm_positions, scatter_dense
+from lora_func.variants import FLAG, BaseLayer, Codec, LayerInfo, Option, PeftFormat, PeftMethod, TensorDict, Variant, one_of
+from lora_func.variants._sparse import linear_plus_dense, own_values, scatter_dense, spectrum_init, spectrum_options, spectrum_tensors
 from lora_func.variants._wavelet import FAMILIES, idwt2, reduction
 
 
@@ -53,15 +53,7 @@ def init(
     generator: torch.Generator,
     calibration: Any = None,
 ) -> tuple[TensorDict, TensorDict]:
-    n = info.r
-    if n > info.d_in * info.d_out:
-        raise ValueError(  # error: waveft-too-many
-            f"waveft: r={n} coefficients (peft's n_frequency) exceed the layer's {info.d_out}×{info.d_in} = "
-            f"{info.d_in * info.d_out} weights; lower r to at most {info.d_in * info.d_out}"
-        )
-    positions = peft_randperm_positions(info.d_out, info.d_in, n, info.option("random_loc_seed"))
-    spectrum = torch.zeros(n) if info.option("init_weights") else 0.01 * torch.randn(n, generator=generator)
-    return {"waveft_spectrum": spectrum.to(weight.device, dtype)}, {"waveft_indices": positions.to(weight.device)}
+    return spectrum_init("waveft", "coefficients", info, std=0.01, dtype=dtype, device=weight.device, generator=generator)
 
 
 def _padded(d: int, family: str) -> int:
@@ -115,18 +107,13 @@ VARIANT = Variant(
     activation_form=activation_form,
     # r is the number of coefficients, up to d_in·d_out (checked by init); the positions are not in
     # the checkpoint (peft re-derives them from random_loc_seed).
-    tensors={
-        "waveft_spectrum": Slot(lambda i: (i.r,), padded_axes=(0,), peft="waveft_spectrum"),
-        "waveft_indices": Slot(lambda i: (2, i.r), padded_axes=(1,), buffer=True, integer=True),
-    },
-    options={
-        "scaling": Option(25.0, real(), "scaling"),
+    tensors=spectrum_tensors("waveft"),
+    options=spectrum_options(scaling=25.0, init_weights=True)
+    | {
         # peft 0.21 has filters for these only (its config also lists db11-db38, sym11-sym20 and
         # coif5-coif17, whose forward fails in peft itself)
         "wavelet_family": Option("db1", one_of(*FAMILIES), "wavelet_family"),
         "use_idwt": Option(True, FLAG, "use_idwt"),
-        "random_loc_seed": Option(777, SEED, "random_loc_seed"),
-        "init_weights": Option(True, FLAG, "init_weights"),
         # Per-layer sizes from proportional_parameters are written as n_frequency_pattern with
         # proportional_parameters false: peft then builds the same layers whatever n_frequency is.
         "proportional_parameters": Option(False, FLAG, "proportional_parameters", Codec(lambda v: False, lambda v: v)),
