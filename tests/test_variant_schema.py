@@ -132,3 +132,29 @@ def test_the_contract_stays_small():
 
     assert len(dataclasses.fields(Variant)) <= 14
     assert sum(len(dataclasses.fields(record)) for record in (PeftMethod, PeftFormat, PeftLayer, Codec)) <= 24
+
+
+def test_only_the_variants_that_take_r_directions_of_the_weight_bound_r():
+    """Issue 48: VeRA (and every method) takes the r peft takes. Only the variants whose init takes
+    r directions of each weight (the ``rank_within_layer`` trait: SVD/QR inits) refuse r above
+    min(d_in, d_out), before any init; VeRA r=256 on 32-wide layers builds and is the base at init."""
+    import torch
+
+    from tests.models import tiny_model, tokens
+
+    model = tiny_model("llama")
+    ids = tokens()
+    for variant in lf.list_variants():
+        bounded = "rank_within_layer" in lf.get_variant(variant).traits
+        try:
+            lf.init_adapter(model, lf.AdapterSpec(variant, targets=["q_proj"], r=33), generator=torch.Generator().manual_seed(0))
+        except (TypeError, ValueError) as err:
+            assert ("exceeds min(d_in, d_out)" in str(err)) == bounded, (variant, err)
+            continue
+        except RuntimeError:
+            assert not bounded, variant
+            continue
+        assert not bounded, variant
+    vera = lf.init_adapter(model, lf.AdapterSpec("vera", targets=["q_proj", "v_proj"], r=256), generator=torch.Generator().manual_seed(0))
+    assert vera.layers[0].info.r == 256
+    torch.testing.assert_close(lf.adapted_call(model, vera, ids).logits, model(ids).logits, rtol=0, atol=0)
