@@ -10,10 +10,6 @@ optimisers and pure transforms), ``lora_func.rank_budget`` (AdaLoRA's schedule),
 influence, LDS).
 """
 
-import importlib as _importlib
-
-from lora_func import _deprecated
-
 # Describing and building an adapter.
 from lora_func.adapter import Adapter, AdapterLayer
 from lora_func.build import init_adapter
@@ -78,18 +74,6 @@ __all__ = [*BUILDING, *APPLYING, *COMBINING, *MANY_ADAPTERS, *FILES, *PROMPTS, *
 
 __version__ = "0.1.0"
 
-# Old names, still answered with a DeprecationWarning until 0.2: name -> (module, its name there,
-# the new public spelling).
-_DEPRECATED = {
-    "merge": ("lora_func.export", "merged_state_dict", "lora_func.merged_state_dict"),
-    "all_reduce_mean": ("lora_func.distributed", "all_reduce_mean", "lora_func.distributed.all_reduce_mean"),
-    "all_reduce_mean_grads_": ("lora_func.distributed", "all_reduce_mean_grads_", "lora_func.distributed.all_reduce_mean_grads_"),
-    "broadcast_adapter": ("lora_func.distributed", "broadcast_adapter", "lora_func.distributed.broadcast_adapter"),
-    "check_params": ("lora_func._model", "check_base_params", "lora_func.check_base_params"),
-    "overlay_calls": ("lora_func.overlay", "overlay_mode", "lora_func.overlay_mode"),
-}
-
-
 def __getattr__(name: str):
     # The module bridge subclasses transformers' PreTrainedModel, whose import costs seconds:
     # loaded on first use only.
@@ -97,8 +81,4 @@ def __getattr__(name: str):
         from lora_func import bridge
 
         return getattr(bridge, name)
-    if name in _DEPRECATED:
-        module, new, public = _DEPRECATED[name]
-        _deprecated.warn_renamed(f"lora_func.{name}", public)
-        return getattr(_importlib.import_module(module), new)
     raise AttributeError(f"module 'lora_func' has no attribute {name!r}")  # error: unknown-attribute

@@ -27,7 +27,6 @@ from typing import Any, ClassVar, cast
 import torch
 from torch import Tensor
 
-from lora_func._deprecated import warn_renamed
 from lora_func._layer_ops import ChainOp, LayerOp, SumOp
 from lora_func._tree import (
     NODE_TYPES,
@@ -379,13 +378,6 @@ class Combinator(AdapterNode):
         built = self._build(parts=tuple(parts), **values)
         for name in self.fields:
             object.__setattr__(self, name, getattr(built, name))
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        if "layer_step" in vars(cls) and "layer_op" not in vars(cls):
-            # Defined under the old name (before 0.2): it serves as layer_op.
-            warn_renamed(f"{cls.__name__}.layer_step", f"{cls.__name__}.layer_op", stacklevel=3)
-            setattr(cls, "layer_op", vars(cls)["layer_step"])  # noqa: B010  (mypy: no assigning a method)
 
     @abc.abstractmethod
     def layer_op(self, ops: Sequence[LayerOp], present: Sequence[int]) -> LayerOp:

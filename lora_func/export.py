@@ -7,7 +7,6 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor, nn
 
-from lora_func._deprecated import renamed_keywords
 from lora_func.adapter import AdapterLike
 from lora_func.checks import check_base, check_float_targets
 from lora_func._model import base_params
@@ -17,7 +16,6 @@ from lora_func.quantized import kind_of_tensor
 __all__ = ["merged_state_dict"]
 
 
-@renamed_keywords("merged_state_dict", safe="check_finite")
 def merged_state_dict(
     model_or_base: nn.Module | Mapping[str, Tensor], adapter: AdapterLike, *, check_finite: bool = False, dtype: torch.dtype | None = None
 ) -> dict[str, Tensor]:

@@ -39,9 +39,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
-from lora_func._deprecated import renamed_keywords
 from lora_func._application import Application, refuse_checkpointing_in_transform
-from lora_func._kernels import lowrank_input
+from lora_func.variants._kernels import lowrank_input
 from lora_func._model import base_params
 from lora_func._routing import module_forward
 from lora_func._sharded import swapped_on
@@ -71,8 +70,10 @@ Randomness = Literal["error", "different", "same"]
 
 
 def _low_rank(variant: Variant | str) -> LowRank | None:
-    """The variant's low-rank declaration, when it takes the batched-``bmm`` path."""
-    return (get_variant(variant) if isinstance(variant, str) else variant).low_rank
+    """The variant's low-rank declaration, when it takes the batched-``bmm`` path: its product
+    added to the model's own layer (not to a residual that replaces the weight)."""
+    found = get_variant(variant) if isinstance(variant, str) else variant
+    return None if found.replaces_weight else found.low_rank
 
 
 def _stacked(adapters: Any, where: str) -> Adapter:
@@ -150,7 +151,8 @@ def _lora_factors(
     """Each row's ``s_b A_bᵀ (n, d_in, r)`` and ``B_bᵀ (n, r, d_out)`` from its gathered tensors
     (``A (n, r, d_in)``, ``B (n, d_out, r)``, named by ``form``); a rank-padded stack's padding
     masked out."""
-    lora_a, lora_b = params[form.a], params[form.b]
+    tensors = {**buffers, **params}  # a factor the variant freezes is a buffer (MiCA's B)
+    lora_a, lora_b = tensors[form.a], tensors[form.b]
     if RANK_MASK in buffers:  # rank-padded stack: padded rank entries never reach the output
         mask = buffers[RANK_MASK].to(lora_a.dtype)
         lora_a, lora_b = lora_a * mask[:, :, None], lora_b * mask[:, None, :]
@@ -191,7 +193,7 @@ def _target_forward(adapter: Adapter, layer: AdapterLayer, rows: _Rows) -> Any:
     """The replacement ``forward`` of one target module (an Application forward)."""
     target, info, variant, dtype = layer.target, layer.info, adapter.variant, adapter.spec.dtype
     params, buffers = adapter.layer_tensors(layer)
-    form = variant.low_rank
+    form = _low_rank(variant)
     layout = module_forward(target.layout)
     sources = (*params.values(), *buffers.values())
     # Inference only (no autograd, no transform): each row count's gathered factors, computed once
@@ -394,7 +396,6 @@ def _reshaped_rows(out: Any, members: int, rows: int) -> Any:
     )
 
 
-@renamed_keywords("mixed_call", strict="lazy_only")
 def mixed_call(
     model: nn.Module,
     adapters: AdapterLike,
@@ -458,7 +459,6 @@ def mixed_call(
     return _vmapped(one, where, randomness=randomness)(per_example, *examples)
 
 
-@renamed_keywords("ensemble_call", strict="lazy_only")
 def ensemble_call(
     model: nn.Module,
     adapters: AdapterLike,

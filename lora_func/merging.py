@@ -30,19 +30,28 @@ from typing import Literal, cast
 import torch
 from torch import Tensor
 
-from lora_func._kernels import lora_scale
 from lora_func._model import adapter_layer, layer_info
 from lora_func.adapter import Adapter, AdapterLike, leaf_adapters
 from lora_func.overlay import merge_overlay
 from lora_func.spec import AdapterSpec
 from lora_func.targeting import Target, canonical_weight, stored_shape
+from lora_func.variants import LowRank, Variant, get_variant, list_variants
 
 __all__ = ["LoraConversion", "disjoint_mean", "drop", "elect_sign", "merge_adapters", "to_lora", "trim"]
 
 METHODS = ("linear", "cat", "svd", "ties", "dare_linear", "dare_ties", "magnitude_prune")
 _NEEDS_DENSITY = ("ties", "dare_linear", "dare_ties", "magnitude_prune")
-# Variants whose ΔW does not read the base weight (W_eff = W + ΔW(params)): merged without `base`.
-_BASE_FREE = ("lora", "eva")
+
+
+def _plain_lora(variant: Variant) -> bool:
+    """Whether the variant's ΔW is a plain LoRA's ``s·B A`` on the model's weight (its
+    :class:`~lora_func.variants.LowRank` declaration, no residual replacing the weight): such
+    adapters merge without ``base`` and concatenate exactly (``method="cat"``)."""
+    return variant.low_rank is not None and not variant.replaces_weight
+
+
+def _plain_loras() -> list[str]:
+    return [name for name in list_variants() if _plain_lora(get_variant(name))]
 
 
 # ------------------------------------------------------------------ building blocks
@@ -144,7 +153,7 @@ def _base_for(
     """The target weights (and biases) the deltas are measured on, in ``dtype`` (at least fp32:
     ΔW of a bf16 base is not rounded to bf16)."""
     if base is None:
-        needing = sorted({leaf.variant.name for a in adapters for leaf in leaf_adapters(a)} - set(_BASE_FREE))
+        needing = sorted({leaf.variant.name for a in adapters for leaf in leaf_adapters(a) if not _plain_lora(leaf.variant)})
         if needing:
             raise ValueError(  # error: merge-needs-base
                 f"{where}: the delta of {needing} depends on the base weight; pass base=lora_func.base_params(model)"
@@ -295,22 +304,23 @@ def _check_merge_arguments(
 def _cat_factors(adapters: Sequence[AdapterLike], weights: Tensor, targets: Mapping[str, Target], dtype: torch.dtype) -> dict[str, tuple[Tensor, Tensor]]:
     """peft's ``cat``: per target ``A = [w_k s_k A_k]``, ``B = [B_k]`` over the adapters that adapt it."""
     for i, adapter in enumerate(adapters):
-        if not isinstance(adapter, Adapter) or adapter.variant.name not in _BASE_FREE:
+        if not isinstance(adapter, Adapter) or not _plain_lora(adapter.variant):
             raise ValueError(  # error: merge-cat-lora
                 f"merge_adapters(method='cat'): adapters[{i}] is {type(adapter).__name__} of "
-                f"{sorted({leaf.variant.name for leaf in leaf_adapters(adapter)})}, not a plain LoRA (lora, eva); 'cat' concatenates "
-                f"LoRA factors. Use method='linear' (exact for any variant) or lora_func.to_lora first"
+                f"{sorted({leaf.variant.name for leaf in leaf_adapters(adapter)})}, not a plain LoRA ({', '.join(_plain_loras())}); 'cat' "
+                f"concatenates LoRA factors. Use method='linear' (exact for any variant) or lora_func.to_lora first"
             )
     a_parts: dict[str, list[Tensor]] = {key: [] for key in targets}
     b_parts: dict[str, list[Tensor]] = {key: [] for key in targets}
     for k, adapter in enumerate(adapters):
         lora = cast(Adapter, adapter)  # a plain LoRA: checked above
+        form = cast(LowRank, lora.variant.low_rank)
         for layer in lora.layers:
             params, buffers = lora.layer_tensors(layer)
-            key = layer.target.weight_key
-            s = lora_scale(layer.info, buffers)
-            a_parts[key].append(params["lora_A"].to(dtype) * (weights[k].to(dtype) * s))
-            b_parts[key].append(params["lora_B"].to(dtype))
+            tensors, key = params | buffers, layer.target.weight_key
+            s = form.scale(layer.info, buffers)
+            a_parts[key].append(tensors[form.a].to(dtype) * (weights[k].to(dtype) * s))
+            b_parts[key].append(tensors[form.b].to(dtype))
     return {key: (torch.cat(a_parts[key], 0), torch.cat(b_parts[key], 1)) for key in targets}
 
 
@@ -372,7 +382,7 @@ def merge_adapters(
         if rank is None:
             return _lora(factors, targets, dtype)
         return _lora({key: _svd_factors(b @ a, rank) for key, (a, b) in factors.items()}, targets, dtype)
-    if method == "linear" and rank is None and all(isinstance(a, Adapter) and a.variant.name in _BASE_FREE for a in adapters):
+    if method == "linear" and rank is None and all(isinstance(a, Adapter) and _plain_lora(a.variant) for a in adapters):
         return merge_adapters(adapters, weights, method="cat", base=base)
     targets, deltas = _deltas(adapters, base, where)
     dtype = next(iter(deltas.values())).dtype

@@ -48,7 +48,7 @@ def main() -> None:
         for lr in lrs:
             bar.set_postfix(variant=variant, lr=f"{lr:g}")
             spec = lf.AdapterSpec(variant, targets=default_targets(model), r=args.r)
-            calib = calibration if lf.get_variant(variant).calibrate is not None else None
+            calib = calibration if lf.get_variant(variant).calibration is not None else None
             adapter = lf.init_adapter(model, spec, generator=torch.Generator().manual_seed(0), calibration=calib)
             state = TrainState(adapter, make_optimizer(adapter, lr))
             history = fit(model, state, batch_sampler(train, 16, 0), args.steps, progress=False)

@@ -159,7 +159,7 @@ def variant_functions_on_the_models_own_tensors(w: World) -> None:
     for name in lf.list_variants():
         variant = lf.get_variant(name)
         calibration = None
-        if variant.calibrate is not None:
+        if variant.calibration is not None:
             if name != "corda":
                 continue  # eva needs calibrate's output; its forms are LoRA's (covered by "lora")
             calibration = x.T @ x  # corda's payload: the layer inputs' covariance (d_in, d_in)

@@ -369,7 +369,9 @@ def test_the_built_in_low_rank_variants_declare_it():
 @pytest.mark.parametrize("name", _declaring_variants())
 def test_a_low_rank_declaration_is_the_activation_form(name):
     """``Variant.low_rank`` says the activation form is ``base(x) + s (x Aᵀ) Bᵀ``: check it on
-    random factors (B non-zero) against the declared names and scale."""
+    random factors (B non-zero) against the declared names and scale, each factor a param or a
+    buffer as the tensor schema says (MiCA's B is frozen); with the ``replaces_weight`` trait the
+    base is the variant's residual ``W_res`` (PiSSA's family), else the layer's own op."""
     from lora_func._layer_ops import LayerCall
     from lora_func.variants import LayerInfo
 
@@ -377,13 +379,19 @@ def test_a_low_rank_declaration_is_the_activation_form(name):
     form = variant.low_rank
     g = torch.Generator().manual_seed(3)
     d_in, d_out, r = 6, 5, 3
-    info = LayerInfo(d_in, d_out, r, 7.0, True, tuple(sorted(variant.options.items())))
-    params = {form.a: torch.randn(r, d_in, generator=g), form.b: torch.randn(d_out, r, generator=g)}
+    info = LayerInfo(d_in, d_out, r, 7.0, True, tuple(sorted(variant.default_options.items())))
+    factors = {form.a: torch.randn(r, d_in, generator=g), form.b: torch.randn(d_out, r, generator=g)}
+    params = {k: v for k, v in factors.items() if not variant.tensors[k].buffer}
+    buffers = {k: v for k, v in factors.items() if variant.tensors[k].buffer}
     weight, bias, x = torch.randn(d_out, d_in, generator=g), torch.randn(d_out, generator=g), torch.randn(2, 4, d_in, generator=g)
     base = LayerCall(weight, bias, lambda t: torch.nn.functional.linear(t, weight, bias))
-    got = variant.activation_form(params, {}, x, base, info)
+    frozen = base
+    if variant.replaces_weight:
+        buffers["W_res"] = w_res = torch.randn(d_out, d_in, generator=g)
+        frozen = LayerCall(w_res, bias, lambda t: torch.nn.functional.linear(t, w_res, bias))
+    got = variant.activation_form(params, buffers, x, base, info)
     scale = form.scale(info, None)
-    want = base(x) + scale * (x @ params[form.a].T) @ params[form.b].T
+    want = frozen(x) + scale * (x @ factors[form.a].T) @ factors[form.b].T
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     assert (got - base(x)).abs().max() > 0.1
 

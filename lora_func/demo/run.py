@@ -287,7 +287,7 @@ def run_variant(
         targets = list(config.targets) if config.targets else default_targets(model)
         spec = lf.AdapterSpec(variant, targets=targets, r=config.r)
         calibration = None
-        if lf.get_variant(variant).calibrate is not None:  # EVA: SVD of the layer inputs on training batches
+        if lf.get_variant(variant).calibration is not None:  # EVA: SVD of the layer inputs on training batches
             calibration = [
                 {"input_ids": train.input_ids[i : i + 16], "attention_mask": train.attention_mask[i : i + 16]}
                 for i in range(0, len(train.examples), 16)

@@ -61,7 +61,7 @@ from lora_func.io._prompt_files import is_prompt_file, load_prompt_file, save_pr
 from lora_func.prompts._apply import contains_prompt
 from lora_func.quantized import logical_shape
 from lora_func.spec import LAYER_TYPES, AdapterSpec
-from lora_func.targeting import EXPERT_LAYOUTS, Target, check_kinds, module_kind, stored_shape
+from lora_func.targeting import EXPERT_LAYOUTS, Target, check_kinds, kind_of_layout, module_kind, stored_shape
 from lora_func.variants import LayerInfo, get_variant
 
 __all__ = ["load", "save"]
@@ -100,7 +100,7 @@ def _layer_from_json(data: dict) -> AdapterLayer:
     kernel = target.shape[2:] if target.layout == "conv" else ()
     return AdapterLayer(
         target=target,
-        info=LayerInfo(**(info | {"options": tuple((k, v) for k, v in info["options"]), "kernel": kernel})),
+        info=LayerInfo(**(info | {"options": tuple((k, v) for k, v in info["options"]), "kernel": kernel, "kind": kind_of_layout(target.layout)})),
         param_shapes=tuple((n, tuple(s)) for n, s in data["param_shapes"]),
         buffer_shapes=tuple((n, tuple(s)) for n, s in data["buffer_shapes"]),
         base_fingerprint=data["base_fingerprint"],
