@@ -183,7 +183,7 @@ def test_the_checks_accept_and_refuse_what_their_words_say():
         (real(high=2, closed="[]"), [2], [2.5], "must be a finite number <= 2"),
         (real(), [-1e9, 0, 1.5], [math.nan, math.inf, -math.inf, None], "must be a finite number"),
         (real(finite=False), [math.inf, -math.inf], [math.nan], "must be a number (not NaN)"),
-        (DROPOUT, [0.0, 0.5], [1.0, -0.5], "must be in [0, 1)"),
+        (DROPOUT, [0.0, 0.5], [1.0, -0.5], "must be in [0, 1) (the probability of zeroing an input in a training step)"),
         (FLAG, [True, False], [0, 1, "true", None], "must be True or False"),
         (one_of("a", 1), ["a", 1], ["b", True, 1.0], "is not one of ['a', 1]"),
     ]
