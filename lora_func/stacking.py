@@ -223,7 +223,7 @@ def stack(*adapters: AdapterLike | Sequence[AdapterLike]) -> AdapterLike:
         raise TypeError(f"stack(): mixed kinds {shown}; stack adapters of one kind")  # error: stack-mixed-kinds
     first = members[0]
     if not isinstance(first, (Adapter, Combinator)):  # another leaf type (a prompt) stacks itself
-        return type(first).stack_members(members)  # type: ignore[attr-defined]
+        return type(first).stack_members(members)  # type: ignore[attr-defined]  # a leaf type outside the tree (a prompt) defines it
     if not isinstance(first, Combinator):
         leaves = cast("list[Adapter]", members)  # one kind: all Adapters
         return _as_leaves(_stack_adapters(leaves), leaves)

@@ -60,8 +60,11 @@ PREPARED = "_lora_func_prompt_prepared"
 
 
 def contains_prompt(adapter: Any) -> bool:
-    """Whether ``adapter`` (any adapter tree) holds a :class:`Prompt`."""
-    return isinstance(adapter, AdapterNode) and any(isinstance(node, Prompt) for _, node in walk(adapter))
+    """Whether ``adapter`` (any adapter tree) holds a :class:`Prompt`. Called on every adapted
+    call: a plain adapter answers at once (no parts), without a walk of the tree."""
+    if isinstance(adapter, Prompt):
+        return True
+    return isinstance(adapter, AdapterNode) and any(contains_prompt(part) for part in adapter.parts)
 
 
 def split_prompt(adapter: AdapterNode, where: str) -> tuple[Prompt, AdapterNode | None]:
@@ -285,7 +288,7 @@ def _prepare(state: _State, model: nn.Module, inner: Callable[..., Any]) -> Call
     # forward's, which the wrapped forward hides): name them all, as peft's wrapper meets them.
     names = {**inspect.signature(inner).parameters, **inspect.signature(type(model).forward).parameters}
     keyword = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None) for name in names if name not in ("self", "args", "kwargs")]
-    prepare.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+    prepare.__signature__ = inspect.Signature(  # type: ignore[attr-defined]  # a function object takes any attribute; mypy knows none
         [inspect.Parameter("args", inspect.Parameter.VAR_POSITIONAL), *keyword,
          *([] if "task_ids" in names else [inspect.Parameter("task_ids", inspect.Parameter.KEYWORD_ONLY, default=None)]),
          inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD)]

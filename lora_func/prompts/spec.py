@@ -75,7 +75,7 @@ class PromptSpec:
         elif isinstance(n, bool) or not isinstance(n, int) or n < 1:
             problems.append(f"num_virtual_tokens={n!r} must be an integer >= 1")
         if not problems:
-            problems = found.check(n, resolved)  # type: ignore[arg-type]
+            problems = found.check(n, resolved)  # type: ignore[arg-type]  # n is an int here: checked just above
         if problems:
             raise ValueError(f"PromptSpec({method!r}) options are invalid: {'; '.join(problems)}")  # error: prompt-spec-options
         set_ = object.__setattr__
