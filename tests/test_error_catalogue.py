@@ -941,7 +941,7 @@ CASES.update(
         "batch-not-stacked": Case(batching("ensemble_call", IDS, stacked=False), ("ensemble_call", "stack_shape ()", "lora_func.stack")),
         "batch-non-tensor-output": Case(batching("ensemble_call", IDS, use_cache=True, route="vmap"), ("ensemble_call", "DynamicCache", "use_cache=False")),
         "batch-vmap-failed": Case(_vmap_failed, ("ensemble_call", "data-dependent")),
-        "mixed-batch-size": Case(batching("mixed_call", torch.tensor([0, 1, 0]), IDS), ("len(index)=3",)),
+        "mixed-batch-size": Case(batching("mixed_call", torch.tensor([0, 1, 0]), past_key_values=None, attention_mask=torch.ones(2, 8)), ("len(index)=3",)),
         "many-route-unknown": Case(batching("ensemble_call", IDS, route="rows"), ("ensemble_call", "'rows'", "route='vmap'")),
         "per-example-batch": Case(_per_example(_logits_sum, IDS, IDS[:1]), ("[1, 2]",)),
         "per-example-loss": Case(_per_example(_logits_per_token, IDS), ("(1, 8)",)),
@@ -2098,5 +2098,31 @@ CASES.update(
             saved_peft(lambda d, ctx, m: (_edit_config(d, layers_to_transform=[0]), _load_peft(d, m))[1], variant="unilora"),
             ("UNILORA", "layers_to_transform=[0]", "target_modules=["),
         ),
+    }
+)
+
+
+# No silent wrong answer (issue 48): files with NaN/inf or without a targeted layer, index
+# lengths, chunk sizes.
+def _saved_non_finite(ctx: Ctx) -> Callable[[], Any]:
+    model = ctx.model()
+    adapter = ctx.adapter(model).detach()
+    nan = adapter.with_params({k: v.detach().clone().fill_(float("nan")) if k.endswith("lora_A") else v for k, v in adapter.params.items()})
+    path = lf.save(nan, ctx.tmp / "nan.safetensors")
+    return lambda: lf.load(path, model=model)
+
+
+def _peft_without_a_layer(directory: Path, ctx: Ctx, model: nn.Module) -> Callable[[], Any]:
+    return _peft_on(directory, ctx, model, tensors=lambda t: {k: v for k, v in t.items() if f"{Q}." not in k})
+
+
+CASES.update(
+    {
+        "load-non-finite": Case(_saved_non_finite, (f"params/{Q}.lora_A", "NaN", "check_finite=False")),
+        "peft-layer-missing": Case(saved_peft(_peft_without_a_layer, variant="oft"), (Q, "target_modules")),
+        "mixed-route-rows-per-index": Case(
+            on_two(lambda m, a, b, ctx: lf.mixed_adapted_call(m, [a, a], torch.tensor([0, 1]), IDS, rows_per_index=0)), ("rows_per_index=0",)
+        ),
+        "many-chunk-size": Case(on_two(lambda m, a, b, ctx: lf.ensemble_call(m, lf.stack([a, a]), IDS, chunk_size=1.5)), ("chunk_size=1.5",)),
     }
 )

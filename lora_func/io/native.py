@@ -57,6 +57,7 @@ from lora_func.adapter import (
 )
 from lora_func.checks import check_float_targets, check_model, check_path
 from lora_func.io._files import read_safetensors, safetensors_write, write_file
+from lora_func.io._validate import refuse_non_finite
 from lora_func.quantized import logical_shape
 from lora_func.spec import LAYER_TYPES, AdapterSpec
 from lora_func.targeting import EXPERT_LAYOUTS, Target, check_kinds, module_kind, stored_shape
@@ -470,7 +471,7 @@ def _rebuild_shared_buffers(
     return buffers
 
 
-def load(path: str | os.PathLike, model: nn.Module | None = None) -> AdapterLike:
+def load(path: str | os.PathLike, model: nn.Module | None = None, *, check_finite: bool = True) -> AdapterLike:
     """Read an adapter written by :func:`save` (an ``Adapter``, ``Composed`` or ``Combined``).
 
     Everything is checked before anything is returned: the file's checksum (a corrupted file
@@ -480,6 +481,9 @@ def load(path: str | os.PathLike, model: nn.Module | None = None) -> AdapterLike
     same (fingerprint). With ``model`` the tensors move to each target weight's device.
     A file saved with ``trainable_only=True`` needs ``model``: its buffers are rebuilt from
     it. Params come back as leaf tensors with ``requires_grad=True``.
+
+    A tensor holding a NaN or inf raises too, naming the keys (the adapter's every output would
+    be NaN); ``check_finite=False`` loads such a file as it is (e.g. to inspect a diverged run).
     """
     check_path(path, "load")
     path = Path(path)
@@ -516,6 +520,8 @@ def load(path: str | os.PathLike, model: nn.Module | None = None) -> AdapterLike
             f"disk or in transfer, or edited by hand); save the adapter again (change hyperparameters through "
             f"the API, not in the file)"
         )
+    if check_finite:
+        refuse_non_finite(tensors, path, "load(..., check_finite=False)")
     leaf_nodes = list(leaves(skeleton))
     for _, leaf in leaf_nodes:  # a variant adapts the kinds it declares (a file from elsewhere may claim more)
         check_kinds(get_variant(cast(AdapterSpec, leaf.spec).variant), [layer.target for layer in leaf.layers], f"load({path})")
