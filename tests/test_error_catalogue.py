@@ -2126,3 +2126,49 @@ CASES.update(
         "many-chunk-size": Case(on_two(lambda m, a, b, ctx: lf.ensemble_call(m, lf.stack([a, a]), IDS, chunk_size=1.5)), ("chunk_size=1.5",)),
     }
 )
+
+
+def _on_meta(adapter: lf.Adapter) -> lf.Adapter:
+    return adapter.with_params({k: v.detach().to("meta") for k, v in adapter.params.items()})
+
+
+def _with_nan(adapter: lf.Adapter) -> lf.Adapter:
+    return adapter.with_params({k: torch.full_like(v.detach(), float("nan")) if k.endswith("lora_B") else v for k, v in adapter.params.items()})
+
+
+def _merge_wider(ctx: Ctx) -> Callable[[], Any]:
+    a, b = ctx.adapter(ctx.model()), ctx.adapter(ctx.track(_wider_llama()))
+    return lambda: lf.merge_adapters([a, b], [1.0, 1.0], method="linear")
+
+
+def _nan_base(ctx: Ctx) -> Callable[[], Any]:
+    model = ctx.model()
+    adapter = ctx.adapter(model)
+    base = dict(lf.base_params(model))
+    base[f"{Q}.weight"] = torch.full_like(base[f"{Q}.weight"], float("inf"))
+    return lambda: lf.merge_adapters([adapter], [1.0], method="svd", rank=1, base=base)
+
+
+def _pissa_on_another(call: Callable[[lf.Adapter, nn.Module], Any]) -> Callable[[Ctx], Callable[[], Any]]:
+    def arrange(ctx: Ctx) -> Callable[[], Any]:
+        pissa = ctx.adapter(ctx.model(), variant="pissa")
+        other = ctx.track(tiny_model("llama", seed=1))
+        return lambda: call(pissa, other)
+
+    return arrange
+
+
+CASES.update(
+    {
+        "stack-devices": Case(on_two(lambda m, a, b, ctx: lf.stack([a, _on_meta(a)])), ("adapter 1", "['meta']", "['cpu']")),
+        "merge-devices": Case(on_two(lambda m, a, b, ctx: lf.merge_adapters([a, _on_meta(b)], [1.0, 1.0], method="linear")), ("adapters[1] on ['meta']",)),
+        "merge-non-finite": Case(on_two(lambda m, a, b, ctx: lf.merge_adapters([a, _with_nan(b)], [1.0, 1.0], method="svd", rank=2)), ("adapters[1]", "v_proj.lora_B")),
+        "merge-shapes": Case(_merge_wider, ("adapters[1]", Q, "(32, 48)", "(32, 32)")),
+        "merge-delta-non-finite": Case(_nan_base, ("adapters[0]", Q)),
+        "merge-base-fingerprint": Case(
+            _pissa_on_another(lambda pissa, other: lf.merge_adapters([pissa], [1.0], method="linear", base=lf.base_params(other))), ("adapters[0] (pissa)", Q)
+        ),
+        "merge-export-fingerprint": Case(_pissa_on_another(lambda pissa, other: lf.merged_state_dict(other, pissa)), (Q,)),
+        "privacy-noise-no-steps": Case(lambda ctx: lambda: lf.noise_for_epsilon(epsilon=1.0, sample_rate=0.01, steps=0, delta=1e-5), ("steps=0",)),
+    }
+)

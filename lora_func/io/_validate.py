@@ -14,6 +14,7 @@ base model's, with no hint where from.
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -23,10 +24,10 @@ from torch import Tensor, nn
 from lora_func.checks import MAX_LISTED, non_finite_keys
 from lora_func.targeting import layer_kind
 
-__all__ = ["config_targets", "refuse_missing_layers", "refuse_non_finite"]
+__all__ = ["config_targets", "refuse_missing_layers", "refuse_non_finite", "warn_full_rank_merge"]
 
 
-def refuse_non_finite(tensors: Mapping[str, Tensor], source: str, where: str) -> None:
+def refuse_non_finite(tensors: Mapping[str, Tensor], source: object, where: str) -> None:
     """Raise ``ValueError`` naming every key of ``tensors`` (a file's, as read) that holds a NaN
     or ±inf, with its counts. ``source``: the file or directory; ``where``: the call and the
     keyword that opts out (``"load_peft(..., check_finite=False)"``)."""
@@ -112,4 +113,40 @@ def refuse_missing_layers(directory: object, config: Mapping[str, Any], model: n
             f"({len(missing)} layer(s)) of {type(model).__name__}, but it holds no tensor for them (deleted keys, or a partial "
             f"copy); peft would load it with a warning and leave those layers at their initial values. Re-save the "
             f"checkpoint, or drop those layers from target_modules in its adapter_config.json"
+        )
+
+
+def warn_full_rank_merge(leaves: Sequence[Any]) -> None:
+    """Warn (``UserWarning``) when ``save_peft`` is about to write LoRA layers in the form of
+    ``merge_adapters``' exact merge (``rank=None``): rank ``min(d_out, d_in)`` with one factor the
+    identity, ``(d_out + d_in)·min(d_out, d_in)`` numbers per layer, more than the dense delta
+    and far more than LoRA inputs of small rank. ``leaves``: the adapters (leaf ``Adapter``)
+    being saved."""
+    full, numbers, dense = [], 0, 0
+    for leaf in leaves:
+        if leaf.spec.variant != "lora":
+            continue
+        for layer in leaf.layers:
+            info = layer.info
+            if info.r != min(info.d_in, info.d_out):
+                continue
+            params, _ = leaf.layer_tensors(layer)
+            a, b = params.get("lora_A"), params.get("lora_B")
+            if a is None or b is None or a.dim() != 2 or b.dim() != 2:
+                continue
+            identity = (a.shape[0] == a.shape[1] and torch.equal(a.detach(), torch.eye(a.shape[0], dtype=a.dtype, device=a.device))) or (
+                b.shape[0] == b.shape[1] and torch.equal(b.detach(), torch.eye(b.shape[0], dtype=b.dtype, device=b.device))
+            )
+            if identity:
+                full.append(layer.target.module)
+                numbers += a.numel() + b.numel()
+                dense += info.d_in * info.d_out
+    if full:
+        warnings.warn(
+            f"save_peft: {len(full)} layer(s) ({full[:3]}{' ...' if len(full) > 3 else ''}) hold an exact merge as a full-rank "
+            f"LoRA (rank min(d_out, d_in), one factor the identity): {numbers:,} numbers, {numbers / dense:.1f}x the dense "
+            f"weights they update, and usually far more than the adapters merged. For a small file, merge with "
+            f"merge_adapters(..., rank=k) or convert with lora_func.to_lora(adapter, rank=k) (it reports the error per layer)",
+            UserWarning,
+            stacklevel=3,
         )

@@ -44,6 +44,7 @@ from lora_func.io._files import replace_directory, safetensors_write
 from lora_func.io._peft_config import _peft_config
 from lora_func.io._peft_keys import CONFIG_NAME, PREFIX, WEIGHTS_NAME, _Out, _parameter_key, _stored
 from lora_func.io._peft_read import load_peft
+from lora_func.io._validate import warn_full_rank_merge
 from lora_func.targeting import (
     canonical_weight,
 )
@@ -267,6 +268,7 @@ def save_peft(
         check_model(model, "save_peft")
     base = _base_of(leaves, model)
     config, layers, whole = _one_checkpoint([_export_leaf(leaf, base) for leaf in leaves], model, task_type)
+    warn_full_rank_merge(leaves)
     stored_under = _parameter_key([o.target for o in layers])
     tensors = {
         f"{PREFIX}{stored_under[o.target.module]}.{suffix}": tensor.detach().to("cpu").contiguous()
