@@ -23,9 +23,12 @@ Two routes, one feature:
   batching rule, and with a mask they branch on its values; checked up front), and dropout in
   train mode needs ``randomness="different"`` or ``"same"``.
 
-The batch is dim 0 of every target layer's input (true of transformers' decoder layers). Inputs
-with ``n = m * len(index)`` rows (``generate`` with ``num_beams=m`` or
-``num_return_sequences=m``) use ``index.repeat_interleave(m)``. See docs/functional.md.
+The batch is dim 0 of every target layer's input (true of transformers' decoder layers), one
+row per index entry: any other row count raises (an index one entry short would run rows with
+other rows' adapters). Inputs with ``n = m * len(index)`` rows use ``index.repeat_interleave(m)``
+only where that is asked for: ``rows_per_index=m``, or the calls ``model.generate`` makes
+(``num_beams=m``, ``num_return_sequences=m``) inside a :func:`mixed_adapted` block. See
+docs/functional.md.
 """
 
 from __future__ import annotations
