@@ -474,7 +474,7 @@ class Composed(Combinator, tag="composed"):
         adapted: dict[str, int] = {}
         for i, part in enumerate(parts):
             for leaf in leaf_adapters(part):
-                if not leaf.variant.replaces_weight:
+                if not isinstance(leaf, Adapter) or not leaf.variant.replaces_weight:  # (a prompt adapts no weight)
                     continue
                 earlier = sorted(k for k in (layer.target.weight_key for layer in leaf.layers) if k in adapted)
                 if earlier:

@@ -55,6 +55,7 @@ from lora_func.stacking import _member, _stack_adapters, take
 from lora_func.call import _call_plan, adapted_call
 from lora_func.checks import check_base, check_model
 from lora_func.plan import adapter_tensors, checked_index, detached_base
+from lora_func.prompts._apply import contains_prompt, mixed_prompt_application
 from lora_func.quantized import frozen_call, frozen_forwards, kind_of_tensor
 from lora_func.targeting import MERGED_ONLY, canonical_weight
 from lora_func._vmapped import check_attention as _check_attention
@@ -290,10 +291,17 @@ def _target_forward(adapter: Adapter, layer: AdapterLayer, rows: _Rows) -> Any:
 def _mixed_application(
     model: nn.Module, adapters: Any, index: Any, base: Mapping[str, Tensor] | None, where: str, rows_per_index: int = 1,
     rows: int | None = None,
-) -> tuple[Application, _Rows]:
+) -> tuple[Application, _Rows | None]:
     """Every check at the boundary, then the Application that installs the per-row forwards and
-    the rows' index. ``rows``: the call's batch size where known (checked here, before any work)."""
+    the rows' index (``None`` for prompts, which index their rows themselves). ``rows``: the
+    call's batch size where known (checked here, before any work)."""
     check_model(model, where)
+    if contains_prompt(adapters) or (isinstance(adapters, (list, tuple)) and any(contains_prompt(a) for a in adapters)):
+        rows_per_index = check_rows_per_index(rows_per_index, where)
+        application = mixed_prompt_application(model, adapters, index, base, where, checked_index)  # checks index
+        if rows is not None:
+            check_rows(rows, len(index), rows_per_index, where)
+        return application, None
     stacked = _stacked(adapters, where)
     size = stacked.stack_shape[0]
     index = checked_index(index, size, where)
@@ -400,7 +408,7 @@ def mixed_adapted(
     route with this ``index``; serve concurrent requests by batching them into one block.
     """
     application, rows = _mixed_application(model, adapters, index, None, "mixed_adapted", rows_per_index)
-    with application.applied(), _expanding_generate(model, rows):
+    with application.applied(), (_expanding_generate(model, rows) if rows is not None else contextlib.nullcontext()):
         yield model
 
 

@@ -236,6 +236,8 @@ def stack(*adapters: AdapterLike | Sequence[AdapterLike]) -> AdapterLike:
         shown = sorted(f"{kind.__name__}{static if static else ''}" for kind, static in kinds)
         raise TypeError(f"stack(): mixed kinds {shown}; stack adapters of one kind")  # error: stack-mixed-kinds
     first = members[0]
+    if not isinstance(first, (Adapter, Combinator)):  # another leaf type (a prompt) stacks itself
+        return type(first).stack_members(members)  # type: ignore[attr-defined]
     if not isinstance(first, Combinator):
         leaves = cast("list[Adapter]", members)  # one kind: all Adapters
         return _as_leaves(_stack_adapters(leaves), leaves)
@@ -286,8 +288,7 @@ def _member(adapter: AdapterLike, index: int | Tensor) -> AdapterLike:
     if isinstance(adapter, Combinator):
         own = {name: t[index] for name, t in adapter.own_params().items()}
         return adapter.rebuild([_member(part, index) for part in adapter.parts], own)
-    assert isinstance(adapter, Adapter)  # a leaf
-    if adapter.members is None:
+    if not isinstance(adapter, Adapter) or adapter.members is None:  # (another leaf type: a prompt)
         return pytree.tree_map(lambda t: t[index], adapter)
     if isinstance(index, Tensor):
         taken = pytree.tree_map(lambda t: t[index], adapter)

@@ -969,7 +969,7 @@ CASES.update(
         "peft-rank-mismatch": Case(saved_peft(lambda d, ctx, m: _peft_on(d, ctx, m, config={"r": 3, "rank_pattern": {}})), ("rank 2", "says 3")),
         "peft-layer-unread": Case(saved_peft(lambda d, ctx, m: _peft_on(d, ctx, m, config={"init_lora_weights": "lora_ga"})), ("'lora_ga'", "path_initial_model_for_weight_conversion")),
         "peft-vector-shape": Case(saved_peft(lambda d, ctx, m: _peft_on(d, ctx, m, config={"feedforward_modules": ["q_proj"]}), variant="ia3", targets=("q_proj",)), (Q, "(32, 1)", "(1, d_in)")),
-        "peft-unknown-type": Case(saved_peft(lambda d, ctx, m: _peft_on(d, ctx, m, config={"peft_type": "PROMPT_TUNING"})), ("'PROMPT_TUNING'", "LORA")),
+        "peft-unknown-type": Case(saved_peft(lambda d, ctx, m: _peft_on(d, ctx, m, config={"peft_type": "TRAINABLE_TOKENS"})), ("'TRAINABLE_TOKENS'", "LORA")),
         "save-peft-needs-model": Case(save_peft_of(lambda ctx: (ctx.adapter(ctx.model(), variant="pissa"), None)), ("model=",)),
         "save-peft-other-base": Case(save_peft_of(lambda ctx: (ctx.adapter(ctx.model(), variant="pissa"), ctx.model(seed=1))), (Q,)),
         "save-peft-stacked": Case(save_peft_of(lambda ctx: (lf.stack([ctx.adapter(ctx.model())] * 2), None)), ("(2,)", "unstack")),
@@ -2102,6 +2102,19 @@ CASES.update(
 )
 
 
+# Input-level adapters (lora_func.prompts, issue 47).
+def _prompt(ctx: Ctx, method: str = "prompt_tuning", n: int | None = 3, *, kind: str = "llama", model: nn.Module | None = None, **options: Any) -> tuple[nn.Module, lf.Prompt]:
+    model = model or ctx.model(kind)
+    spec = lf.PromptSpec(method, n, **options)
+    return model, lf.init_prompt(model, spec, generator=torch.Generator().manual_seed(0))
+
+
+def on_prompt(call: Callable[[nn.Module, lf.Prompt, Ctx], Any], method: str = "prompt_tuning", n: int | None = 3, **options: Any) -> Callable[[Ctx], Callable[[], Any]]:
+    def arrange(ctx: Ctx) -> Callable[[], Any]:
+        model, prompt = _prompt(ctx, method, n, **options)
+        return functools.partial(call, model, prompt, ctx)
+
+
 # No silent wrong answer (issue 48): files with NaN/inf or without a targeted layer, index
 # lengths, chunk sizes.
 def _saved_non_finite(ctx: Ctx) -> Callable[[], Any]:
@@ -2156,6 +2169,95 @@ def _pissa_on_another(call: Callable[[lf.Adapter, nn.Module], Any]) -> Callable[
         return lambda: call(pissa, other)
 
     return arrange
+
+
+def _prompt_generate_4d(model: nn.Module, prompt: lf.Prompt, ctx: Ctx) -> Any:
+    with torch.no_grad(), lf.adapted(model, prompt):
+        return model.generate(IDS, attention_mask=torch.ones_like(IDS), max_new_tokens=2, do_sample=False, pad_token_id=0, cache_implementation="static")
+
+
+def _prompt_generate_embeds(model: nn.Module, prompt: lf.Prompt, ctx: Ctx) -> Any:
+    with torch.no_grad(), lf.adapted(model, prompt):
+        return model.generate(inputs_embeds=model.get_input_embeddings()(IDS).detach(), max_new_tokens=2, do_sample=False, pad_token_id=0)
+
+
+def _prompt_wrong_rows(model: nn.Module, prompt: lf.Prompt, ctx: Ctx) -> Any:
+    with lf.mixed_adapted(model, [prompt, prompt], torch.tensor([0, 1, 0])):
+        return model(IDS)  # 2 rows, 3 index entries
+
+
+def _prompt_checkpointing(ctx: Ctx) -> Callable[[], Any]:
+    model = tiny_model("llama")
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    model = ctx.track(model)
+    _, prompt = _prompt(ctx, "prefix_tuning", model=model)
+    return lambda: lf.adapted_call(model, prompt, IDS)
+
+
+def _prompt_source_task(ctx: Ctx) -> Callable[[], Any]:
+    model, source = _prompt(ctx, "multitask_prompt_tuning", num_tasks=3)
+    spec = lf.PromptSpec("multitask_prompt_tuning", 3, init="exact_source_task", init_task=5)
+    return lambda: lf.init_prompt(model, spec, source=source)
+
+
+def _prompt_peft_other_model(ctx: Ctx) -> Callable[[], Any]:
+    _, prompt = _prompt(ctx, "prefix_tuning")
+    directory = lf.save_peft(prompt, ctx.tmp / "prefix")
+    other = ctx.model("gpt2")
+    return lambda: lf.load_peft(directory, other)
+
+
+def _prompt_file_other_model(ctx: Ctx) -> Callable[[], Any]:
+    _, prompt = _prompt(ctx, "prefix_tuning")
+    path = lf.save(prompt, ctx.tmp / "prefix.safetensors")
+    other = ctx.model("gpt2")
+    return lambda: lf.load(path, model=other)
+
+
+def _prompt_tensors(ctx: Ctx) -> Callable[[], Any]:
+    _, prompt = _prompt(ctx)
+    return lambda: lf.Prompt({"embedding": torch.zeros(2, 5)}, {}, prompt.spec, prompt.geometry)
+
+
+CASES.update(
+    {
+        "prompt-method-unknown": Case(lambda ctx: lambda: lf.PromptSpec("prompt_tunning", 3), ("'prompt_tunning'", "prompt_tuning")),
+        "prompt-spec-unknown-option": Case(lambda ctx: lambda: lf.PromptSpec("prompt_tuning", 3, r=2), ("['r']", "'init'")),
+        "prompt-spec-dtype": Case(lambda ctx: lambda: lf.PromptSpec("prompt_tuning", 3, dtype=torch.int64), ("torch.int64",)),
+        "prompt-spec-options": Case(lambda ctx: lambda: lf.PromptSpec("p_tuning", 3, encoder="gru", encoder_num_layers=0), ("encoder='gru'", "'lstm'", "encoder_num_layers=0")),
+        "prompt-init-tensors": Case(_prompt_tensors, ("embedding", "(3, 32)", "(2, 5)")),
+        "prompt-keys": Case(on_prompt(lambda m, p, ctx: p.with_params({"embeddings": p.params["embedding"]})), ("embeddings", "'embedding'")),
+        "prompt-buffer-keys": Case(on_prompt(lambda m, p, ctx: p.with_buffers({}), "cpt", None, cpt_token_ids=[5, 6]), ("'embedding'",)),
+        "prompt-stack-mismatch": Case(lambda ctx: (lambda a, b: lambda: lf.stack([a, b]))(_prompt(ctx)[1], _prompt(ctx, n=4)[1]), ("[1]", "prompt_tuning")),
+        "prompt-model-unsupported": Case(lambda ctx: (lambda m: lambda: lf.init_prompt(m, lf.PromptSpec("adaption_prompt", 3)))(ctx.model("qwen2")), ("Qwen2ForCausalLM", "'qwen2'", "'adaption_prompt'")),
+        "prompt-init-spec": Case(lambda ctx: (lambda m: lambda: lf.init_prompt(m, lf.AdapterSpec("lora", targets=["q_proj"])))(ctx.model()), ("AdapterSpec", "PromptSpec(")),
+        "prompt-init-tokenizer": Case(lambda ctx: (lambda m: lambda: lf.init_prompt(m, lf.PromptSpec("prompt_tuning", 3, init="text", init_text="hi")))(ctx.model()), ("tokenizer=", "NoneType")),
+        "prompt-init-source": Case(lambda ctx: (lambda m: lambda: lf.init_prompt(m, lf.PromptSpec("multitask_prompt_tuning", 3, init="only_source_shared")))(ctx.model()), ("source=", "3 tokens")),
+        "prompt-init-source-task": Case(_prompt_source_task, ("init_task=5", "3 tasks")),
+        "prompt-composition": Case(on_prompt(lambda m, p, ctx: lf.adapted_call(m, lf.compose(p, p), IDS)), ("2 prompts", "mixed_adapted_call")),
+        "prompt-rows": Case(on_prompt(_prompt_wrong_rows), ("2 rows", "have 3")),
+        "prompt-generate-embeds": Case(on_prompt(_prompt_generate_embeds), ("prompt_tuning", "inputs_embeds")),
+        "prompt-generate-mask": Case(on_prompt(_prompt_generate_4d), ("2-D attention mask", "dynamic cache")),
+        "prompt-task-ids": Case(on_prompt(lambda m, p, ctx: lf.adapted_call(m, p, IDS), "multitask_prompt_tuning", num_tasks=2), ("multitask_prompt_tuning", "task_ids=")),
+        "prompt-extra-input": Case(on_prompt(lambda m, p, ctx: lf.adapted_call(m, p, IDS, input_type_mask=torch.ones_like(IDS))), ("['input_type_mask']", "prompt_tuning")),
+        "prompt-kv-checkpointing": Case(_prompt_checkpointing, ("prefix_tuning", "gradient_checkpointing_disable()")),
+        "prompt-stacked-call": Case(on_prompt(lambda m, p, ctx: lf.adapted_call(m, lf.stack([p, p]), IDS)), ("stack_shape (2,)", "mixed_adapted_call")),
+        "prompt-mixed-list": Case(on_prompt(lambda m, p, ctx: lf.mixed_adapted_call(m, [p, ctx.adapter(m)], torch.tensor([0, 1]), IDS)), ("'Adapter'", "'Prompt'")),
+        "prompt-mixed-not-stacked": Case(on_prompt(lambda m, p, ctx: lf.mixed_adapted_call(m, p, torch.tensor([0, 0]), IDS)), ("lora_func.stack", "num_virtual_tokens=3")),
+        "prompt-cpt-projected": Case(on_prompt(lambda m, p, ctx: lf.prompts.cpt_projected(p)), ("prompt_tuning",)),
+        "prompt-save-composed": Case(on_prompt(lambda m, p, ctx: lf.save(lf.compose(p, ctx.adapter(m)), ctx.tmp / "both.safetensors")), ("composed with weight-level adapters",)),
+        "load-peft-prompt-mismatch": Case(_prompt_peft_other_model, ("PREFIX_TUNING", "GPT2LMHeadModel")),
+        "prompt-weight-level": Case(on_prompt(lambda m, p, ctx: lf.merge_overlay(lf.base_params(m), p)), ("member_shared", "lora_func.adapted_call")),
+        "load-prompt-file": Case(_prompt_file_other_model, ("prefix.safetensors", "model_type='gpt2'")),
+    }
+)
+
+
+# lora_func.attribution's cases live beside its tests (tests/test_attribution_errors.py), which adds
+# them to CASES (and its RNG_ADVANCES) when imported: imported here, so this file alone covers the
+# whole catalogue.
+from tests import test_attribution_errors  # noqa: E402, F401
 
 
 CASES.update(

@@ -84,6 +84,19 @@ def test_load_refuses_non_finite_tensors_of_its_own_format(llama, tmp_path, valu
     lf.load(lf.save(adapter, tmp_path / "ok.safetensors"), model=llama)  # a finite file loads
 
 
+def test_a_prompt_file_with_nan_is_refused_in_both_formats(llama, tmp_path):
+    """The prompt family (lora_func.prompts) loads through the same two calls: the same check."""
+    prompt = lf.init_prompt(llama, lf.PromptSpec("prompt_tuning", 3), generator=torch.Generator().manual_seed(0))
+    prompt = prompt.with_params({k: v.detach().clone().fill_(float("nan")).requires_grad_() for k, v in prompt.params.items()})
+    path = lf.save(prompt, tmp_path / "prompt.safetensors")
+    with pytest.raises(ValueError, match="holds non-finite values"):
+        lf.load(path, model=llama)
+    assert not torch.isfinite(next(iter(lf.load(path, model=llama, check_finite=False).params.values()))).any()
+    directory = lf.save_peft(prompt, tmp_path / "peft")
+    with pytest.raises(ValueError, match="holds non-finite values"):
+        load_peft(directory, llama)
+
+
 # --------------------------------------------------------------- files: a layer with no tensor
 
 
@@ -193,6 +206,15 @@ def test_inside_mixed_adapted_only_generate_expands_the_index(llama, tenants):
         doubled = llama(ids.repeat_interleave(2, 0)).logits  # asked for: rows 0-1 with tenant 1
     for row, k in enumerate(index.repeat_interleave(2).tolist()):
         torch.testing.assert_close(doubled[row], lf.adapted_call(llama, tenants[k], ids[row // 2 : row // 2 + 1]).logits[0], rtol=1e-5, atol=1e-5)
+
+
+def test_per_row_prompts_refuse_an_index_shorter_than_the_batch_too(llama):
+    prompts = [lf.init_prompt(llama, lf.PromptSpec("prompt_tuning", 3), generator=torch.Generator().manual_seed(s)) for s in (0, 1)]
+    ids = tokens(4)
+    with pytest.raises(ValueError, match=r"the batch has 4 rows on dim 0, but len\(index\)=2"):
+        lf.mixed_adapted_call(llama, prompts, torch.tensor([0, 1]), ids)
+    got = lf.mixed_adapted_call(llama, prompts, torch.tensor([1, 0]), ids, rows_per_index=2).logits
+    torch.testing.assert_close(got, lf.mixed_adapted_call(llama, prompts, torch.tensor([1, 1, 0, 0]), ids).logits, rtol=0, atol=0)
 
 
 def test_mixed_call_needs_one_index_entry_per_example_on_both_routes(llama, tenants):

@@ -55,6 +55,7 @@ from lora_func.io._peft_keys import (
     _resolve_parameters,
     _targeted_parameters,
 )
+from lora_func.io._prompt_files import PROMPT_PEFT_TYPES, load_prompt_peft
 from lora_func.io._validate import refuse_missing_layers, refuse_non_finite
 from lora_func.quantized import kind_of_tensor
 from lora_func.spec import AdapterSpec
@@ -411,13 +412,19 @@ def load_peft(directory: str | os.PathLike, model: nn.Module, *, check_finite: b
     check_model(model, "load_peft")
     config = _read_config(directory)
     peft_type = config.get("peft_type")
+    if peft_type in PROMPT_PEFT_TYPES:  # an input-level adapter (lora_func.prompts)
+        prompt = _read_tensors(directory)
+        if check_finite:
+            refuse_non_finite(prompt, directory, "load_peft(..., check_finite=False)")
+        return load_prompt_peft(directory, config, prompt, model)
     methods = _methods()
     if not isinstance(peft_type, str) or peft_type not in methods:
         read_as = "; ".join(
             f"{t} as {', '.join(n for n, f in _formats().items() if f.method.peft_type == t)}" for t in sorted(methods)
         )
         raise ValueError(  # error: peft-unknown-type
-            f"{directory} is a peft {peft_type!r} checkpoint; lora_func reads peft_type {sorted(methods)} ({read_as})"
+            f"{directory} is a peft {peft_type!r} checkpoint; lora_func reads peft_type {sorted(methods)} ({read_as}) and the "
+            f"prompt methods' {list(PROMPT_PEFT_TYPES)}"
         )
     _check_config(directory, config)
     _refuse_unsupported(directory, config)

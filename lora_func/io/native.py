@@ -57,6 +57,8 @@ from lora_func.adapter import (
 )
 from lora_func.checks import check_float_targets, check_model, check_path
 from lora_func.io._files import read_safetensors, safetensors_write, write_file
+from lora_func.io._prompt_files import is_prompt_file, load_prompt_file, save_prompt_file
+from lora_func.prompts._apply import contains_prompt
 from lora_func.io._validate import refuse_non_finite
 from lora_func.quantized import logical_shape
 from lora_func.spec import LAYER_TYPES, AdapterSpec
@@ -248,6 +250,8 @@ def save(adapter: AdapterLike, path: str | os.PathLike, *, trainable_only: bool 
             f"build one with lora_func.init_adapter(model, spec)"
         )
     check_path(path, "save")
+    if contains_prompt(adapter):  # an input-level adapter (lora_func.prompts): its buffers are always saved
+        return save_prompt_file(adapter, Path(path), {"format": FORMAT, "format_version": FORMAT_VERSION})
     tree = _tree_to_json(adapter)
     if trainable_only and adapter.stack_shape:
         raise ValueError(  # error: save-trainable-only-stacked
@@ -500,6 +504,10 @@ def load(path: str | os.PathLike, model: nn.Module | None = None, *, check_finit
             f"{path} has format_version {metadata.get('format_version')!r}; this lora_func reads "
             f"{list(READABLE_VERSIONS)}: load it with the (newer) lora_func that wrote it"
         )
+    if is_prompt_file(metadata):  # an input-level adapter (lora_func.prompts)
+        if check_finite:
+            refuse_non_finite(tensors, path, "load(..., check_finite=False)")
+        return load_prompt_file(path, tensors, metadata, model)
     skeleton, trainable_only, buffer_digests, digest = _parse(path, metadata)
     expected = _expected_tensors(skeleton, trainable_only)
     missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
@@ -520,7 +528,7 @@ def load(path: str | os.PathLike, model: nn.Module | None = None, *, check_finit
             f"disk or in transfer, or edited by hand); save the adapter again (change hyperparameters through "
             f"the API, not in the file)"
         )
-    if check_finite:
+    if check_finite:  # (after the checksum: a damaged file says so first)
         refuse_non_finite(tensors, path, "load(..., check_finite=False)")
     leaf_nodes = list(leaves(skeleton))
     for _, leaf in leaf_nodes:  # a variant adapts the kinds it declares (a file from elsewhere may claim more)

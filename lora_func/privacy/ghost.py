@@ -53,7 +53,7 @@ from lora_func._kernels import lora_activation_form, lora_scale
 from lora_func._layer_ops import VariantOp, activation_tap
 from lora_func._tree import leaves
 from lora_func._vmapped import split_examples, vmapped
-from lora_func.adapter import AdapterLike
+from lora_func.adapter import Adapter, AdapterLike
 from lora_func.many import Randomness
 from lora_func.variants import BaseLayer, pissa
 
@@ -73,7 +73,7 @@ def ghost_layers(adapter: AdapterLike) -> dict[str, tuple[str, str]]:
         return {}
     out = {}
     for prefix, leaf in leaves(adapter):
-        if leaf.members is not None or leaf.variant.activation_form not in LORA_FORMS:
+        if not isinstance(leaf, Adapter) or leaf.members is not None or leaf.variant.activation_form not in LORA_FORMS:
             continue
         for layer in leaf.layers:
             names = {name for name, _ in layer.param_shapes}
