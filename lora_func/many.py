@@ -23,14 +23,18 @@ Two routes, one feature:
   batching rule, and with a mask they branch on its values; checked up front), and dropout in
   train mode needs ``randomness="different"`` or ``"same"``.
 
-The batch is dim 0 of every target layer's input (true of transformers' decoder layers). Inputs
-with ``n = m * len(index)`` rows (``generate`` with ``num_beams=m`` or
-``num_return_sequences=m``) use ``index.repeat_interleave(m)``. See docs/functional.md.
+The batch is dim 0 of every target layer's input (true of transformers' decoder layers), one
+row per index entry: any other row count raises (an index one entry short would run rows with
+other rows' adapters). Inputs with ``n = m * len(index)`` rows use ``index.repeat_interleave(m)``
+only where that is asked for: ``rows_per_index=m``, or the calls ``model.generate`` makes
+(``num_beams=m``, ``num_return_sequences=m``) inside a :func:`mixed_adapted` block. See
+docs/functional.md.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
@@ -110,10 +114,14 @@ def _stacked(adapters: Any, where: str) -> Adapter:
 
 class _Rows:
     """Which adapter each row of a target layer's input uses: ``index`` for ``len(index)`` rows,
-    ``index.repeat_interleave(m)`` for ``m * len(index)`` rows (beams, return sequences)."""
+    ``index.repeat_interleave(m)`` for ``m * len(index)`` rows (beams, return sequences), where
+    ``m`` is ``rows_per_index``, or any ``m`` while ``expanding`` (inside ``model.generate`` in a
+    :func:`mixed_adapted` block, which expands each sequence itself)."""
 
-    def __init__(self, index: Tensor) -> None:
+    def __init__(self, index: Tensor, rows_per_index: int = 1) -> None:
         self.index = index
+        self.rows_per_index = rows_per_index
+        self.expanding = False
         self._by_rows: dict[tuple[int, torch.device], Tensor] = {}
         # Consecutive members (an ensemble: index = arange(start, start + m), each over a block of
         # rows): (start, m), so the LoRA path multiplies each block by its member's factors as
@@ -122,19 +130,59 @@ class _Rows:
         self.span = (values[0], len(values)) if values == list(range(values[0], values[0] + len(values))) else None
 
     def __call__(self, rows: int, device: torch.device, module: str) -> Tensor:
+        size = self.index.shape[0]
+        per = rows // size if self.expanding and rows % size == 0 else self.rows_per_index
+        check_rows(rows, size, per, f"mixed adapters: target {module}")
         key = (rows, device)
         found = self._by_rows.get(key)
         if found is None:
-            size = self.index.shape[0]
-            if rows % size:
-                raise ValueError(  # error: mixed-route-batch-rows
-                    f"mixed adapters: target {module} got an input with {rows} rows on dim 0, which is not a multiple of "
-                    f"len(index)={size}; the batch must be dim 0 of every target's input, one index entry per sequence "
-                    f"(generate's num_beams / num_return_sequences expand rows by repeat_interleave, which is handled)"
-                )
-            found = self.index.to(device).repeat_interleave(rows // size)
+            found = self.index.to(device).repeat_interleave(per)
             self._by_rows[key] = found
         return found
+
+
+def check_rows(rows: int, size: int, rows_per_index: int, where: str, *, expandable: bool = True) -> None:
+    """Raise unless a batch of ``rows`` rows is ``rows_per_index`` rows per index entry (one by
+    default): an index of another length would silently run rows with other rows' adapters.
+    ``expandable``: the caller takes ``rows_per_index`` (say so in the fix)."""
+    if rows != size * rows_per_index:
+        expanded = f" x rows_per_index={rows_per_index} = {size * rows_per_index}" if rows_per_index != 1 else ""
+        fix = (
+            "For rows expanded from each sequence (beam search, num_return_sequences: index.repeat_interleave(m)) pass "
+            "rows_per_index=m, or call model.generate inside lora_func.mixed_adapted, which expands the index itself"
+            if expandable else "mixed_call runs each example alone: pass one index entry per example"
+        )
+        raise ValueError(  # error: mixed-route-batch-rows
+            f"{where}: the batch has {rows} rows on dim 0, but len(index)={size}{expanded}: index needs one entry per "
+            f"row of the batch. {fix}"
+        )
+
+
+def check_rows_per_index(rows_per_index: object, where: str) -> int:
+    if isinstance(rows_per_index, bool) or not isinstance(rows_per_index, int) or rows_per_index < 1:
+        raise ValueError(  # error: mixed-route-rows-per-index
+            f"{where}: rows_per_index={rows_per_index!r} must be an integer >= 1: how many consecutive rows of the batch "
+            f"each index entry covers (1, the default: one row per entry; m for m beams or return sequences per entry)"
+        )
+    return rows_per_index
+
+
+def check_chunk_size(chunk_size: object, where: str) -> int | None:
+    """``chunk_size`` after checking it is ``None`` or an integer >= 1 (0 or a fraction would
+    otherwise be rounded to some other number of members, or examples, per chunk)."""
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(  # error: many-chunk-size
+            f"{where}: chunk_size={chunk_size!r} must be None (all at once) or an integer >= 1: how many members or "
+            f"examples run at a time"
+        )
+    return chunk_size
+
+
+def _input_rows(args: tuple, kwargs: Mapping[str, Any]) -> int | None:
+    """The batch size of a model call's main input (the first positional tensor, or ``input_ids``
+    / ``inputs_embeds``), or ``None`` where there is none to read."""
+    first = args[0] if args else next((kwargs[k] for k in ("input_ids", "inputs_embeds") if kwargs.get(k) is not None), None)
+    return first.shape[0] if isinstance(first, Tensor) and first.dim() >= 1 else None
 
 
 def _gather(tensors: Mapping[str, Tensor], rows: Tensor) -> dict[str, Tensor]:
@@ -202,13 +250,13 @@ def _target_forward(adapter: Adapter, layer: AdapterLayer, rows: _Rows) -> Any:
     factors: dict[tuple[int, torch.device], tuple[tuple[int, ...], tuple[Tensor, Tensor]]] = {}
 
     def lora_factors(form: LowRank, n: int, device: torch.device) -> tuple[Tensor, Tensor]:
+        index = rows(n, device, target.module)  # checks the row count, on every call (before the cache)
         cacheable = not torch.is_grad_enabled() and torch._C._functorch.peek_interpreter_stack() is None
         versions = tuple(t._version for t in sources) if cacheable else ()
         if cacheable:
             found = factors.get((n, device))
             if found is not None and found[0] == versions:
                 return found[1]
-        index = rows(n, device, target.module)  # (checks the row count)
         if rows.span is not None:
             start, members = rows.span
             out = _lora_factors(
@@ -243,15 +291,25 @@ def _target_forward(adapter: Adapter, layer: AdapterLayer, rows: _Rows) -> Any:
 
 
 def _mixed_application(
-    model: nn.Module, adapters: Any, index: Any, base: Mapping[str, Tensor] | None, where: str
-) -> Application:
-    """Every check at the boundary, then the Application that installs the per-row forwards."""
+    model: nn.Module, adapters: Any, index: Any, base: Mapping[str, Tensor] | None, where: str, rows_per_index: int = 1,
+    rows: int | None = None,
+) -> tuple[Application, _Rows | None]:
+    """Every check at the boundary, then the Application that installs the per-row forwards and
+    the rows' index (``None`` for prompts, which index their rows themselves). ``rows``: the
+    call's batch size where known (checked here, before any work)."""
     check_model(model, where)
     if contains_prompt(adapters) or (isinstance(adapters, (list, tuple)) and any(contains_prompt(a) for a in adapters)):
-        return mixed_prompt_application(model, adapters, index, base, where, checked_index)
+        rows_per_index = check_rows_per_index(rows_per_index, where)
+        application = mixed_prompt_application(model, adapters, index, base, where, checked_index)  # checks index
+        if rows is not None:
+            check_rows(rows, len(index), rows_per_index, where)
+        return application, None
     stacked = _stacked(adapters, where)
     size = stacked.stack_shape[0]
     index = checked_index(index, size, where)
+    rows_per_index = check_rows_per_index(rows_per_index, where)
+    if rows is not None:
+        check_rows(rows, index.shape[0], rows_per_index, where)
     given = base is not None
     if base is None:
         base = base_params(model)
@@ -283,12 +341,12 @@ def _mixed_application(
         )
     refuse_checkpointing_in_transform(model)
     index = index.to(base[stacked.layers[0].target.weight_key].device) if stacked.layers else index
-    rows = _Rows(index)
-    forwards = {layer.target.module: _target_forward(stacked, layer, rows) for layer in stacked.layers}
+    row_index = _Rows(index, rows_per_index)
+    forwards = {layer.target.module: _target_forward(stacked, layer, row_index) for layer in stacked.layers}
     forwards = {**frozen_forwards(model, exclude=forwards, modules=modules), **forwards}
     trainable = tuple(t for a in members for t in adapter_tensors(a)[0].values()) if isinstance(adapters, (list, tuple)) else tuple(stacked.params.values())
     params = swapped_on(base, modules, plan.fsdp, where)
-    return Application(model, params, forwards, trainable=trainable, modules=modules)
+    return Application(model, params, forwards, trainable=trainable, modules=modules), row_index
 
 
 def mixed_adapted_call(
@@ -297,6 +355,7 @@ def mixed_adapted_call(
     index: Tensor,
     *args: Any,
     base: Mapping[str, Tensor] | None = None,
+    rows_per_index: int = 1,
     **kwargs: Any,
 ) -> Any:
     """``model(*args, **kwargs)`` where batch row ``b`` uses adapter ``index[b]``; the model untouched.
@@ -308,6 +367,12 @@ def mixed_adapted_call(
         repeats are fine, unused members get zero gradient.
       args, kwargs: the model's inputs, batched as usual (``input_ids (B, T)``,
         ``attention_mask (B, T)`` with left or right padding, ``labels``).
+      rows_per_index: how many consecutive rows of the batch each index entry covers: the
+        batch must have exactly ``rows_per_index * len(index)`` rows (``m`` for a batch whose
+        sequences were each expanded into ``m`` rows, as beam search does: the rows use
+        ``index.repeat_interleave(m)``). The default, 1, refuses a batch of any other size
+        than ``len(index)`` (``ValueError``, before the model runs): an index one entry short
+        would otherwise run rows with other rows' adapters.
 
     Returns the model's output as is (``logits (B, T, V)``; a loss from ``labels`` is the model's
     own batch loss). Works with any attention implementation and ``use_cache=True``, since only
@@ -317,12 +382,14 @@ def mixed_adapted_call(
     likewise. Activation checkpointing recomputes with the same adapters. ``base``: as in
     :func:`lora_func.adapted_call`. See :func:`mixed_adapted` for generation.
     """
-    return _mixed_application(model, adapters, index, base, "mixed_adapted_call")(*args, **kwargs)
+    where = "mixed_adapted_call"
+    application, _ = _mixed_application(model, adapters, index, base, where, rows_per_index, _input_rows(args, kwargs))
+    return application(*args, **kwargs)
 
 
 @contextlib.contextmanager
 def mixed_adapted(
-    model: nn.Module, adapters: Sequence[Adapter] | AdapterLike, index: Tensor
+    model: nn.Module, adapters: Sequence[Adapter] | AdapterLike, index: Tensor, *, rows_per_index: int = 1
 ) -> Iterator[nn.Module]:
     """Within the ``with`` block, batch row ``b`` of every call of ``model`` uses adapter
     ``index[b]``; on exit (also on error) the model is as it was. For ``model.generate``::
@@ -330,18 +397,53 @@ def mixed_adapted(
         with torch.no_grad(), lora_func.mixed_adapted(model, [tenant_a, tenant_b], torch.tensor([1, 0, 1])):
             tokens = model.generate(input_ids, attention_mask=mask, max_new_tokens=20)
 
-    ``adapters`` and ``index``: as in :func:`mixed_adapted_call`. Each call's batch must have
-    ``len(index)`` rows, or a multiple ``m * len(index)`` laid out as ``repeat_interleave(m)``
-    (``num_beams``, ``num_return_sequences``). The base weights are never written (the block
+    ``adapters``, ``index`` and ``rows_per_index``: as in :func:`mixed_adapted_call`: each call's
+    batch must have ``rows_per_index * len(index)`` rows (``len(index)`` by default), except the
+    calls ``model.generate`` makes, which may have any multiple ``m * len(index)``, laid out as
+    ``repeat_interleave(m)`` (``num_beams``, ``num_return_sequences``: generate expands each
+    sequence itself). For that the block also sets ``model.generate`` (an instance attribute, removed
+    on exit) to the model's own ``generate`` marked as expanding. The base weights are never written (the block
     reparametrizes the model with detached views and swaps the target modules' ``forward``).
     A list of adapters is stacked once, on entering the block (its values then are used); a
     stack passed as such is read in place (an in-place update inside the block is seen).
     Not thread-safe: while the block runs, every caller of ``model`` goes through the mixed
     route with this ``index``; serve concurrent requests by batching them into one block.
     """
-    application = _mixed_application(model, adapters, index, None, "mixed_adapted")
-    with application.applied():
+    application, rows = _mixed_application(model, adapters, index, None, "mixed_adapted", rows_per_index)
+    with application.applied(), (_expanding_generate(model, rows) if rows is not None else contextlib.nullcontext()):
         yield model
+
+
+@contextlib.contextmanager
+def _expanding_generate(model: nn.Module, rows: _Rows) -> Iterator[None]:
+    """For the block, ``model.generate`` (when the model has one) runs with ``rows`` expanding:
+    the calls it makes may have any multiple of ``len(index)`` rows (its beams and return
+    sequences). An instance attribute, as the target modules' ``forward``; the previous one (if
+    any) is put back on exit."""
+    generate = getattr(model, "generate", None)
+    if not callable(generate):
+        yield
+        return
+    missing = object()
+    own = model.__dict__.get("generate", missing)
+
+    @functools.wraps(generate)
+    def expanding(*args: Any, **kwargs: Any) -> Any:
+        before = rows.expanding
+        rows.expanding = True
+        try:
+            return generate(*args, **kwargs)
+        finally:
+            rows.expanding = before
+
+    model.__dict__["generate"] = expanding
+    try:
+        yield
+    finally:
+        if own is missing:
+            model.__dict__.pop("generate", None)
+        else:
+            model.__dict__["generate"] = own
 
 
 # ----------------------------------------------------------------------------- vmap over the model
@@ -438,6 +540,9 @@ def mixed_call(
     size = _stack_size(adapters, where)
     index = checked_index(index, size, where)
     batch_size = index.shape[0]
+    rows = _input_rows(args, kwargs)
+    if rows is not None:
+        check_rows(rows, batch_size, 1, where, expandable=False)
     examples, rebuild = _split_examples(args, kwargs, batch_size)
     if not examples:
         raise ValueError(  # error: mixed-batch-size
@@ -489,11 +594,12 @@ def ensemble_call(
     where = "ensemble_call"
     _check_arguments(where, model, adapters, base)
     size = _stack_size(adapters, where)
+    check_chunk_size(chunk_size, where)
     if _in_layers(model, adapters, route, merged, randomness, kwargs, where):
         leaves, spec = pytree.tree_flatten((args, dict(kwargs)))
         rows = next((leaf.shape[0] for leaf in leaves if isinstance(leaf, Tensor) and leaf.dim() >= 1), None)
         if rows is not None:
-            step = size if chunk_size is None else max(1, int(chunk_size))
+            step = size if chunk_size is None else chunk_size
             outs = []
             for start in range(0, size, step):
                 members = min(step, size - start)
@@ -503,7 +609,7 @@ def ensemble_call(
                     for leaf in leaves
                 ]
                 call_args, call_kwargs = pytree.tree_unflatten(repeated, spec)
-                out = mixed_adapted_call(model, adapters, index, *call_args, base=base, **call_kwargs)
+                out = mixed_adapted_call(model, adapters, index, *call_args, base=base, rows_per_index=rows, **call_kwargs)
                 outs.append(_reshaped_rows(out, members, rows))
             if len(outs) == 1:
                 return outs[0]
@@ -552,6 +658,7 @@ def per_example_grads(
     dropout in train mode needs ``randomness="different"``.
     """
     where = "per_example_grads"
+    check_chunk_size(chunk_size, where)
     if not callable(loss_fn):
         raise TypeError(  # error: per-example-not-callable
             f"per_example_grads: loss_fn must be a function loss_fn(adapter, *example) -> 0-d loss, got "

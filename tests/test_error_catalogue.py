@@ -936,7 +936,7 @@ CASES.update(
         "batch-not-stacked": Case(batching("ensemble_call", IDS, stacked=False), ("ensemble_call", "stack_shape ()", "lora_func.stack")),
         "batch-non-tensor-output": Case(batching("ensemble_call", IDS, use_cache=True, route="vmap"), ("ensemble_call", "DynamicCache", "use_cache=False")),
         "batch-vmap-failed": Case(_vmap_failed, ("ensemble_call", "data-dependent")),
-        "mixed-batch-size": Case(batching("mixed_call", torch.tensor([0, 1, 0]), IDS), ("len(index)=3",)),
+        "mixed-batch-size": Case(batching("mixed_call", torch.tensor([0, 1, 0]), past_key_values=None, attention_mask=torch.ones(2, 8)), ("len(index)=3",)),
         "many-route-unknown": Case(batching("ensemble_call", IDS, route="rows"), ("ensemble_call", "'rows'", "route='vmap'")),
         "per-example-batch": Case(_per_example(_logits_sum, IDS, IDS[:1]), ("[1, 2]",)),
         "per-example-loss": Case(_per_example(_logits_per_token, IDS), ("(1, 8)",)),
@@ -2150,3 +2150,75 @@ CASES.update(
 # them to CASES (and its RNG_ADVANCES) when imported: imported here, so this file alone covers the
 # whole catalogue.
 from tests import test_attribution_errors  # noqa: E402, F401
+
+
+# No silent wrong answer (issue 48): files with NaN/inf or without a targeted layer, index
+# lengths, chunk sizes.
+def _saved_non_finite(ctx: Ctx) -> Callable[[], Any]:
+    model = ctx.model()
+    adapter = ctx.adapter(model).detach()
+    nan = adapter.with_params({k: v.detach().clone().fill_(float("nan")) if k.endswith("lora_A") else v for k, v in adapter.params.items()})
+    path = lf.save(nan, ctx.tmp / "nan.safetensors")
+    return lambda: lf.load(path, model=model)
+
+
+def _peft_without_a_layer(directory: Path, ctx: Ctx, model: nn.Module) -> Callable[[], Any]:
+    return _peft_on(directory, ctx, model, tensors=lambda t: {k: v for k, v in t.items() if f"{Q}." not in k})
+
+
+CASES.update(
+    {
+        "load-non-finite": Case(_saved_non_finite, (f"params/{Q}.lora_A", "NaN", "check_finite=False")),
+        "peft-layer-missing": Case(saved_peft(_peft_without_a_layer, variant="oft"), (Q, "target_modules")),
+        "mixed-route-rows-per-index": Case(
+            on_two(lambda m, a, b, ctx: lf.mixed_adapted_call(m, [a, a], torch.tensor([0, 1]), IDS, rows_per_index=0)), ("rows_per_index=0",)
+        ),
+        "many-chunk-size": Case(on_two(lambda m, a, b, ctx: lf.ensemble_call(m, lf.stack([a, a]), IDS, chunk_size=1.5)), ("chunk_size=1.5",)),
+    }
+)
+
+
+def _on_meta(adapter: lf.Adapter) -> lf.Adapter:
+    return adapter.with_params({k: v.detach().to("meta") for k, v in adapter.params.items()})
+
+
+def _with_nan(adapter: lf.Adapter) -> lf.Adapter:
+    return adapter.with_params({k: torch.full_like(v.detach(), float("nan")) if k.endswith("lora_B") else v for k, v in adapter.params.items()})
+
+
+def _merge_wider(ctx: Ctx) -> Callable[[], Any]:
+    a, b = ctx.adapter(ctx.model()), ctx.adapter(ctx.track(_wider_llama()))
+    return lambda: lf.merge_adapters([a, b], [1.0, 1.0], method="linear")
+
+
+def _nan_base(ctx: Ctx) -> Callable[[], Any]:
+    model = ctx.model()
+    adapter = ctx.adapter(model)
+    base = dict(lf.base_params(model))
+    base[f"{Q}.weight"] = torch.full_like(base[f"{Q}.weight"], float("inf"))
+    return lambda: lf.merge_adapters([adapter], [1.0], method="svd", rank=1, base=base)
+
+
+def _pissa_on_another(call: Callable[[lf.Adapter, nn.Module], Any]) -> Callable[[Ctx], Callable[[], Any]]:
+    def arrange(ctx: Ctx) -> Callable[[], Any]:
+        pissa = ctx.adapter(ctx.model(), variant="pissa")
+        other = ctx.track(tiny_model("llama", seed=1))
+        return lambda: call(pissa, other)
+
+    return arrange
+
+
+CASES.update(
+    {
+        "stack-devices": Case(on_two(lambda m, a, b, ctx: lf.stack([a, _on_meta(a)])), ("adapter 1", "['meta']", "['cpu']")),
+        "merge-devices": Case(on_two(lambda m, a, b, ctx: lf.merge_adapters([a, _on_meta(b)], [1.0, 1.0], method="linear")), ("adapters[1] on ['meta']",)),
+        "merge-non-finite": Case(on_two(lambda m, a, b, ctx: lf.merge_adapters([a, _with_nan(b)], [1.0, 1.0], method="svd", rank=2)), ("adapters[1]", "v_proj.lora_B")),
+        "merge-shapes": Case(_merge_wider, ("adapters[1]", Q, "(32, 48)", "(32, 32)")),
+        "merge-delta-non-finite": Case(_nan_base, ("adapters[0]", Q)),
+        "merge-base-fingerprint": Case(
+            _pissa_on_another(lambda pissa, other: lf.merge_adapters([pissa], [1.0], method="linear", base=lf.base_params(other))), ("adapters[0] (pissa)", Q)
+        ),
+        "merge-export-fingerprint": Case(_pissa_on_another(lambda pissa, other: lf.merged_state_dict(other, pissa)), (Q,)),
+        "privacy-noise-no-steps": Case(lambda ctx: lambda: lf.noise_for_epsilon(epsilon=1.0, sample_rate=0.01, steps=0, delta=1e-5), ("steps=0",)),
+    }
+)

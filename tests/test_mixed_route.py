@@ -225,7 +225,7 @@ def test_beam_search_and_return_sequences_expand_the_index_per_sequence():
 
 def test_a_batch_that_is_not_a_multiple_of_the_index_is_refused_and_the_model_restored():
     model, adapters, index, ids, mask = _generation_setup("llama")
-    with pytest.raises(ValueError, match="not a multiple of len\\(index\\)=6"):
+    with pytest.raises(ValueError, match="the batch has 4 rows on dim 0, but len\\(index\\)=6"):
         with lf.mixed_adapted(model, adapters, index):
             model(ids[:4], attention_mask=mask[:4])
     assert "forward" not in vars(model.model.layers[0].self_attn.q_proj)

@@ -125,7 +125,7 @@ def expert_params(model: nn.Module) -> dict[str, Tensor]:
     """The model's 3-D parameters (MoE experts) by name: what ``target_parameters`` can name."""
     return {name: p for name, p in model.named_parameters(remove_duplicate=False) if p.dim() == 3}
 
-def _targeted_parameters(model: nn.Module, selector: Sequence[str]) -> dict[str, list[str]]:
+def targeted_parameters(model: nn.Module, selector: Sequence[str]) -> dict[str, list[str]]:
     """owner module -> the names of its parameters peft's ``target_parameters`` selects, in the
     module's order (peft wraps them in this order: the first one innermost)."""
     out: dict[str, list[str]] = {}
@@ -143,7 +143,7 @@ def resolve_parameters(directory: Path, config: Mapping[str, Any], tensors: dict
     selector = config.get("target_parameters") or []
     if not selector:
         return tensors
-    targeted = _targeted_parameters(model, selector)
+    targeted = targeted_parameters(model, selector)
     out: dict[str, dict[str, Tensor]] = {}
     for module, found in tensors.items():
         owner, depth = module, 0

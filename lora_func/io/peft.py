@@ -46,6 +46,7 @@ from lora_func.io._peft_keys import CONFIG_NAME, PREFIX, WEIGHTS_NAME, Out, para
 from lora_func.io._peft_read import load_peft
 from lora_func.io._prompt_files import prompt_peft_problems, save_prompt_peft
 from lora_func.prompts._apply import contains_prompt
+from lora_func.io._validate import warn_full_rank_merge
 from lora_func.targeting import (
     canonical_weight,
 )
@@ -277,6 +278,7 @@ def save_peft(
         check_model(model, "save_peft")
     base = _base_of(leaves, model)
     config, layers, whole = _one_checkpoint([_export_leaf(leaf, base) for leaf in leaves], model, task_type)
+    warn_full_rank_merge(leaves)
     stored_under = parameter_key([o.target for o in layers])
     tensors = {
         f"{PREFIX}{stored_under[o.target.module]}.{suffix}": tensor.detach().to("cpu").contiguous()
