@@ -2,7 +2,7 @@
 
 `stack` gives the K adapters a leading axis; `ensemble_call` runs the model once on the batch
 repeated K times, each member applied inside the target layers to its own block of rows (any
-attention implementation: this model keeps transformers' default, SDPA; `route="vmap"` would
+attention implementation: this model keeps transformers' default, SDPA; `batching="vmap"` would
 run it under `torch.func.vmap` over the members instead, with eager attention). The frozen
 weights are shared by all members (no merged weight is built, so memory grows with K only
 through the small adapters and the activations), and `torch.func.grad` through it trains all K

@@ -29,7 +29,7 @@ from lora_func.merging import LoraConversion, merge_adapters, to_lora
 # Many adapters at once: a stack under torch.func.vmap, or one adapter per row inside the layers.
 from lora_func.stacking import stack, take, unstack
 from lora_func.many import ensemble_call, mixed_call, per_example_grads
-from lora_func.many import mixed_adapted, mixed_adapted_call
+from lora_func.many import mixed_adapted
 
 # Saving, loading, exporting.
 from lora_func.export import merged_state_dict
@@ -62,7 +62,7 @@ from lora_func.summary import AdapterSummary, adapter_summary
 BUILDING = ["Adapter", "AdapterLayer", "AdapterSpec", "get_variant", "init_adapter", "list_variants"]
 APPLYING = ["Plan", "adapted", "adapted_call", "base_params", "check_base_params", "make_plan", "merge_overlay", "overlay", "overlay_mode"]
 COMBINING = ["Combined", "Composed", "LoraConversion", "combine", "compose", "merge_adapters", "to_lora"]
-MANY_ADAPTERS = ["ensemble_call", "mixed_adapted", "mixed_adapted_call", "mixed_call", "per_example_grads", "stack", "take", "unstack"]
+MANY_ADAPTERS = ["ensemble_call", "mixed_adapted", "mixed_call", "per_example_grads", "stack", "take", "unstack"]
 FILES = ["load", "load_peft", "merged_state_dict", "save", "save_peft"]
 PROMPTS = ["Prompt", "PromptSpec", "init_prompt"]
 CHECKS = ["check_finite"]

@@ -1,9 +1,9 @@
 """Many adapters per batch: a different adapter per row, an ensemble, per-example gradients.
 
-Two routes, one feature:
+Two batchings, one feature (``batching=`` of :func:`mixed_call` and :func:`ensemble_call`):
 
-- **In the target layers** (:func:`mixed_adapted_call`, :func:`mixed_adapted`, and by default
-  :func:`ensemble_call`): each target module's ``forward`` is replaced, for the duration of a call
+- **In the target layers** (``batching="layers"``, the default's choice, and :func:`mixed_adapted`):
+  each target module's ``forward`` is replaced, for the duration of a call
   or a ``with`` block (the module-call route, through the same
   :class:`lora_func._application.Application`, so activation checkpointing recomputes with the
   adapters too), by one that computes the frozen layer once for the whole batch and the adapter
@@ -11,13 +11,14 @@ Two routes, one feature:
   ``model.generate`` and everything else stay the model's own: any attention implementation
   (SDPA, flash, eager), ``use_cache=True``, quantized bases. An ensemble repeats the batch's rows
   once per member. Two per-row paths: a variant that declares its activation form a scaled
-  low-rank product (``Variant.low_rank``: ``lora``, ``eva``) takes two batched products with
+  low-rank product on the model's own layer (``Variant.low_rank``: ``lora``, the LoRA inits,
+  ``mica``) takes two batched products with
   each row's gathered ``A`` and ``B`` (``bmm``, as S-LoRA/punica's gathered kernels; an ensemble's
   member-major blocks of rows read the stacked factors as they are, no gather); every other
   variant runs its own activation form under ``torch.vmap`` over the rows, the base weight
   unbatched.
-- **``torch.func.vmap`` over the whole model** (:func:`mixed_call`, :func:`per_example_grads`,
-  ``ensemble_call(..., route="vmap")``): pure functions of the adapter tensors, so they compose
+- **``torch.func.vmap`` over the whole model** (``batching="vmap"``, :func:`per_example_grads`):
+  pure functions of the adapter tensors, so they compose
   with ``torch.func.grad`` and with each other, and each example runs as a batch of one (a
   per-example loss). Attention must be ``"eager"`` (SDPA and flash attention have no ``vmap``
   batching rule, and with a mask they branch on its values; checked up front), and dropout in
@@ -37,7 +38,7 @@ import contextlib
 import functools
 import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 import torch.utils._pytree as pytree
@@ -65,7 +66,7 @@ from lora_func._vmapped import vmapped as _vmapped
 from lora_func.variants import LayerInfo, Variant, get_variant, list_variants
 from lora_func.variants._contract import RANK_MASK, LowRank
 
-__all__ = ["ensemble_call", "mixed_adapted", "mixed_adapted_call", "mixed_call", "per_example_grads"]
+__all__ = ["ensemble_call", "mixed_adapted", "mixed_call", "per_example_grads"]
 
 Randomness = Literal["error", "different", "same"]
 
@@ -335,8 +336,8 @@ def _mixed_application(
     merged_only = sorted(f"{layer.target.module} ({layer.target.layout})" for layer in stacked.layers if layer.target.layout in MERGED_ONLY)
     if merged_only:
         raise ValueError(  # error: mixed-route-kind
-            f"{where}: targets {merged_only[:4]} are embeddings, convolutions, norms or expert parameters, which the mixed "
-            f"route does not adapt per row, so one batch cannot hold rows of different adapters there; use "
+            f"{where}: targets {merged_only[:4]} are embeddings, convolutions, norms or expert parameters, which the "
+            f"layers batching does not adapt per row, so one batch cannot hold rows of different adapters there; use "
             f"lora_func.adapted_call per adapter, or leave those layers out of the targets"
         )
     refuse_checkpointing_in_transform(model)
@@ -349,41 +350,9 @@ def _mixed_application(
     return Application(model, params, forwards, trainable=trainable, modules=modules), row_index
 
 
-def mixed_adapted_call(
-    model: nn.Module,
-    adapters: Sequence[Adapter] | AdapterLike,
-    index: Tensor,
-    *args: Any,
-    base: Mapping[str, Tensor] | None = None,
-    rows_per_index: int = 1,
-    **kwargs: Any,
-) -> Any:
-    """``model(*args, **kwargs)`` where batch row ``b`` uses adapter ``index[b]``; the model untouched.
-
-    Args:
-      adapters: ``K`` adapters of one variant, targets and options (ranks and alphas may differ):
-        a list, or one stacked adapter (:func:`lora_func.stack`, ``stack_shape (K,)``).
-      index: ``(B,)`` int64 (or int32) tensor, values in ``[0, K)``, one per row of the batch;
-        repeats are fine, unused members get zero gradient.
-      args, kwargs: the model's inputs, batched as usual (``input_ids (B, T)``,
-        ``attention_mask (B, T)`` with left or right padding, ``labels``).
-      rows_per_index: how many consecutive rows of the batch each index entry covers: the
-        batch must have exactly ``rows_per_index * len(index)`` rows (``m`` for a batch whose
-        sequences were each expanded into ``m`` rows, as beam search does: the rows use
-        ``index.repeat_interleave(m)``). The default, 1, refuses a batch of any other size
-        than ``len(index)`` (``ValueError``, before the model runs): an index one entry short
-        would otherwise run rows with other rows' adapters.
-
-    Returns the model's output as is (``logits (B, T, V)``; a loss from ``labels`` is the model's
-    own batch loss). Works with any attention implementation and ``use_cache=True``, since only
-    the target layers change. Differentiable: with a list of adapters whose params require grad,
-    ``loss.backward()`` fills each one's ``.grad`` with the gradient of the loss through its own
-    rows; under ``torch.func.grad`` over a stack's params (``adapters=stack.with_params(p)``)
-    likewise. Activation checkpointing recomputes with the same adapters. ``base``: as in
-    :func:`lora_func.adapted_call`. See :func:`mixed_adapted` for generation.
-    """
-    where = "mixed_adapted_call"
-    application, _ = _mixed_application(model, adapters, index, base, where, rows_per_index, _input_rows(args, kwargs))
+def _mixed_layers(model: nn.Module, adapters: Any, index: Any, base: Any, rows_per_index: int, args: Any, kwargs: Any) -> Any:
+    """:func:`mixed_call` inside the target layers (``batching="layers"``)."""
+    application, _ = _mixed_application(model, adapters, index, base, "mixed_call", rows_per_index, _input_rows(args, kwargs))
     return application(*args, **kwargs)
 
 
@@ -397,7 +366,7 @@ def mixed_adapted(
         with torch.no_grad(), lora_func.mixed_adapted(model, [tenant_a, tenant_b], torch.tensor([1, 0, 1])):
             tokens = model.generate(input_ids, attention_mask=mask, max_new_tokens=20)
 
-    ``adapters``, ``index`` and ``rows_per_index``: as in :func:`mixed_adapted_call`: each call's
+    ``adapters``, ``index`` and ``rows_per_index``: as in :func:`mixed_call`: each call's
     batch must have ``rows_per_index * len(index)`` rows (``len(index)`` by default), except the
     calls ``model.generate`` makes, which may have any multiple ``m * len(index)``, laid out as
     ``repeat_interleave(m)`` (``num_beams``, ``num_return_sequences``: generate expands each
@@ -406,8 +375,8 @@ def mixed_adapted(
     reparametrizes the model with detached views and swaps the target modules' ``forward``).
     A list of adapters is stacked once, on entering the block (its values then are used); a
     stack passed as such is read in place (an in-place update inside the block is seen).
-    Not thread-safe: while the block runs, every caller of ``model`` goes through the mixed
-    route with this ``index``; serve concurrent requests by batching them into one block.
+    Not thread-safe: while the block runs, every caller of ``model`` goes through the per-row
+    layers with this ``index``; serve concurrent requests by batching them into one block.
     """
     application, rows = _mixed_application(model, adapters, index, None, "mixed_adapted", rows_per_index)
     with application.applied(), (_expanding_generate(model, rows) if rows is not None else contextlib.nullcontext()):
@@ -466,29 +435,30 @@ def _stack_size(adapters: Any, where: str) -> int:
     return shape[0]
 
 
-ManyRoute = Literal["layers", "vmap"]
-MANY_ROUTES: tuple[str, ...] = ("layers", "vmap")
+Batching = Literal["auto", "layers", "vmap"]
+BATCHINGS: tuple[str, ...] = ("auto", "layers", "vmap")
 
 
-def _in_layers(model: nn.Module, adapters: Any, route: Any, merged: bool, randomness: str, kwargs: Mapping[str, Any], where: str) -> bool:
+def _in_layers(model: nn.Module, adapters: Any, batching: Any, merged: bool, randomness: str, kwargs: Mapping[str, Any], where: str) -> bool:
     """Whether a call of :func:`mixed_call` / :func:`ensemble_call` runs inside the target layers
-    (the default) or under ``vmap`` over the whole model: the latter when asked (``route="vmap"``),
-    and for what only it gives: merged weights per member, composed/combined stacks, a loss the
-    model computes from ``labels`` (one per member or example), and ``randomness`` other than
-    ``"different"`` in train mode (the in-layer route draws every row's dropout independently)."""
-    if route not in MANY_ROUTES:
-        raise ValueError(  # error: many-route-unknown
-            f"{where}: route={route!r} is not one of {list(MANY_ROUTES)}; route='layers' (default) applies each member "
-            f"inside the target layers (any attention, KV cache, quantized bases), route='vmap' runs the whole model "
-            f"under torch.func.vmap (eager attention)"
+    or under ``vmap`` over the whole model. ``"auto"`` takes the layers but for what only ``vmap``
+    gives: merged weights per member, composed/combined stacks, a loss the model computes from
+    ``labels`` (one per member or example), and ``randomness`` other than ``"different"`` in train
+    mode (the in-layer batching draws every row's dropout independently)."""
+    if batching not in BATCHINGS:
+        raise ValueError(  # error: many-batching-unknown
+            f"{where}: batching={batching!r} is not one of {list(BATCHINGS)}; batching='layers' applies each member inside "
+            f"the target layers (any attention, KV cache, quantized bases), batching='vmap' runs the whole model under "
+            f"torch.func.vmap (eager attention), 'auto' (default) the layers unless only vmap can do the call"
         )
-    return (
-        route == "layers"
-        and not merged
-        and not isinstance(adapters, Combinator)
-        and "labels" not in kwargs
-        and (not model.training or randomness == "different")
-    )
+    if batching == "layers" and merged:
+        raise ValueError(  # error: many-layers-merged
+            f"{where}: merged=True with batching='layers': inside the target layers each row runs its adapter's activation "
+            f"form; merged weights per row need batching='vmap' (or leave merged=False)"
+        )
+    if batching != "auto":
+        return batching == "layers"
+    return not merged and not isinstance(adapters, Combinator) and "labels" not in kwargs and (not model.training or randomness == "different")
 
 
 def _reshaped_rows(out: Any, members: int, rows: int) -> Any:
@@ -500,44 +470,66 @@ def _reshaped_rows(out: Any, members: int, rows: int) -> Any:
 
 def mixed_call(
     model: nn.Module,
-    adapters: AdapterLike,
+    adapters: Sequence[Adapter] | AdapterLike,
     index: Tensor,
     *args: Any,
     merged: bool = False,
     base: Mapping[str, Tensor] | None = None,
     lazy_only: bool = False,
     randomness: Randomness = "error",
-    route: ManyRoute = "layers",
+    batching: Batching = "auto",
+    rows_per_index: int = 1,
     **kwargs: Any,
 ) -> Any:
-    """``model(*args, **kwargs)`` where example ``i`` uses adapter ``index[i]`` of ``adapters``.
+    """``model(*args, **kwargs)`` where batch row ``b`` uses adapter ``index[b]``; the model untouched.
 
     Args:
-      adapters: a stack of ``K`` adapters (:func:`lora_func.stack`, ``stack_shape (K,)``).
-      index: ``(B,)`` int64 (or int32) tensor, values in ``[0, K)``; repeats are fine.
+      adapters: ``K`` adapters of one variant, targets and options (ranks and alphas may differ):
+        a list, or one stacked adapter (:func:`lora_func.stack`, ``stack_shape (K,)``).
+      index: ``(B,)`` int64 (or int32) tensor, values in ``[0, K)``, one per row of the batch;
+        repeats are fine, unused members get zero gradient.
       args, kwargs: the model's inputs, the batch on dim 0 (``input_ids (B, T)``,
-        ``attention_mask (B, T)``, ``labels (B, T)``); other arguments (non-tensors,
-        ``position_ids (1, T)``) are shared by every example.
-      route: ``"layers"`` (default) applies each example's adapter inside the target layers, as
-        :func:`mixed_adapted_call` does (any attention implementation, quantized bases, the model
-        called once on the batch); ``"vmap"`` runs the model under ``torch.func.vmap``, each
-        example as a batch of one with its own attention-mask row, exactly as in a per-example
-        loop (needs eager attention, checked). The vmap route is taken by itself for
-        ``merged=True``, composed/combined stacks, ``labels`` (the model's loss comes back per
-        example, ``(B,)``) and, in train mode, ``randomness`` other than ``"different"``.
+        ``attention_mask (B, T)`` with left or right padding, ``labels (B, T)``); other
+        arguments (non-tensors, ``position_ids (1, T)``) are shared by every row.
+      batching: ``"layers"`` applies each row's adapter inside the target layers (the model is
+        called once on the batch; any attention implementation, ``use_cache=True``, quantized
+        bases, activation checkpointing; a loss from ``labels`` is the model's own batch loss);
+        ``"vmap"`` runs the model under ``torch.func.vmap``, each row as a batch of one with its
+        own attention-mask row, exactly as in a per-example loop (eager attention, checked; a
+        loss from ``labels`` per row, ``(B,)``; outputs must be tensors: pass
+        ``use_cache=False``). ``"auto"`` (default): the layers, but vmap for what only it gives:
+        ``merged=True``, composed/combined stacks, ``labels``, and in train mode ``randomness``
+        other than ``"different"``.
+      rows_per_index: (layers) how many consecutive rows of the batch each index entry covers:
+        the batch must have exactly ``rows_per_index * len(index)`` rows (``m`` for sequences
+        each expanded into ``m`` rows, as beam search does: ``index.repeat_interleave(m)``). The
+        default, 1, refuses a batch of any other size than ``len(index)`` (``ValueError``, before
+        the model runs): an index one entry short would otherwise run rows with other rows'
+        adapters. :func:`mixed_adapted` expands it for ``model.generate`` by itself.
 
-    Returns the model's output batched on dim 0, e.g. ``logits (B, T, V)``. On the vmap route
-    outputs must be tensors: pass ``use_cache=False`` to transformers models.
+    Returns the model's output batched on dim 0, e.g. ``logits (B, T, V)``.
 
-    Pure: ``torch.func.grad(lambda p: loss(mixed_call(model, adapters.with_params(p), index,
-    ids)))(adapters.params)`` gives each stack member the gradient of the examples that used it
-    (zero for members no example used). A model with dropout in train mode needs
-    ``randomness="different"`` (an independent mask per example, both routes). ``merged=True``
-    builds every example's merged weights (``B`` dense copies per target): keep the default.
+    Pure and differentiable: ``torch.func.grad(lambda p: loss(mixed_call(model,
+    adapters.with_params(p), index, ids)))(adapters.params)`` gives each stack member the gradient
+    of the rows that used it (zero for members no row used); with a list of adapters whose params
+    require grad, ``loss.backward()`` fills each one's ``.grad``. A model with dropout in train
+    mode needs ``randomness="different"`` (an independent mask per row, both batchings).
+    ``merged=True`` builds every row's merged weights (``B`` dense copies per target): keep the
+    default. ``base``: as in :func:`lora_func.adapted_call`. See :func:`mixed_adapted` for
+    generation.
     """
     where = "mixed_call"
-    _check_arguments(where, model, adapters, base)
-    size = _stack_size(adapters, where)
+    check_model(model, where)
+    if _in_layers(model, adapters, batching, merged, randomness, kwargs, where):
+        return _mixed_layers(model, adapters, index, base, rows_per_index, args, kwargs)
+    if check_rows_per_index(rows_per_index, where) != 1:
+        raise ValueError(  # error: many-vmap-rows-per-index
+            f"{where}: rows_per_index={rows_per_index} needs batching='layers': under vmap every row is one example of "
+            f"its own index entry; repeat the index (index.repeat_interleave(m)) instead"
+        )
+    stacked: AdapterLike = _stacked(adapters, where) if isinstance(adapters, (list, tuple)) else cast(AdapterLike, adapters)
+    _check_arguments(where, model, stacked, base)
+    size = _stack_size(stacked, where)
     index = checked_index(index, size, where)
     batch_size = index.shape[0]
     rows = _input_rows(args, kwargs)
@@ -549,12 +541,10 @@ def mixed_call(
             f"mixed_call: no tensor argument has the batch size len(index)={batch_size} on dim 0; index needs one "
             f"entry per example of the batch"
         )
-    if _in_layers(model, adapters, route, merged, randomness, kwargs, where):
-        return mixed_adapted_call(model, adapters, index, *args, base=base, **kwargs)
     # A base from named_parameters() would give the model .grad in a training step.
     base = None if base is None else detached_base(base)
     _check_attention(model, where)
-    per_example = take(adapters, index)
+    per_example = take(stacked, index)
 
     def one(adapter: AdapterLike, *example: Tensor) -> Any:
         example_args, example_kwargs = rebuild(example)
@@ -573,19 +563,19 @@ def ensemble_call(
     lazy_only: bool = False,
     randomness: Randomness = "error",
     chunk_size: int | None = None,
-    route: ManyRoute = "layers",
+    batching: Batching = "auto",
     **kwargs: Any,
 ) -> Any:
     """``model(*args, **kwargs)`` through each of the ``K`` stacked ``adapters``, in one call.
 
     The inputs are shared (not split); every output gets a leading ``K`` axis, e.g. ``logits
     (K, B, T, V)``. Composes with ``grad`` and ``loss.backward()``: train ``K`` adapters at once
-    on one frozen base. ``route="layers"`` (default): the batch's rows are repeated once per
-    member (``K * B`` rows) and each member is applied inside the target layers
-    (:func:`mixed_adapted_call`), so any attention implementation (SDPA, flash), the KV cache
-    (returned as the model returns it, for ``K * B`` rows) and quantized bases work.
-    ``route="vmap"`` runs the model under ``torch.func.vmap`` over the members (eager attention,
-    checked; pass ``use_cache=False``); it is taken by itself for ``merged=True``,
+    on one frozen base. ``batching="layers"``: the batch's rows are repeated once per member
+    (``K * B`` rows) and each member is applied inside the target layers (as
+    :func:`mixed_call`), so any attention implementation (SDPA, flash), the KV cache (returned as
+    the model returns it, for ``K * B`` rows) and quantized bases work. ``batching="vmap"`` runs
+    the model under ``torch.func.vmap`` over the members (eager attention, checked; pass
+    ``use_cache=False``). ``"auto"`` (default) takes the layers, but vmap for ``merged=True``,
     composed/combined stacks, ``labels`` (a loss per member, ``(K,)``) and, in train mode,
     ``randomness`` other than ``"different"``. ``chunk_size`` runs the members that many at a
     time, bounding the activations' memory. The lazy path shares the frozen weights across
@@ -595,7 +585,7 @@ def ensemble_call(
     _check_arguments(where, model, adapters, base)
     size = _stack_size(adapters, where)
     check_chunk_size(chunk_size, where)
-    if _in_layers(model, adapters, route, merged, randomness, kwargs, where):
+    if _in_layers(model, adapters, batching, merged, randomness, kwargs, where):
         leaves, spec = pytree.tree_flatten((args, dict(kwargs)))
         rows = next((leaf.shape[0] for leaf in leaves if isinstance(leaf, Tensor) and leaf.dim() >= 1), None)
         if rows is not None:
@@ -609,7 +599,7 @@ def ensemble_call(
                     for leaf in leaves
                 ]
                 call_args, call_kwargs = pytree.tree_unflatten(repeated, spec)
-                out = mixed_adapted_call(model, adapters, index, *call_args, base=base, rows_per_index=rows, **call_kwargs)
+                out = _mixed_layers(model, adapters, index, base, rows, call_args, call_kwargs)
                 outs.append(_reshaped_rows(out, members, rows))
             if len(outs) == 1:
                 return outs[0]

@@ -601,7 +601,7 @@ def _mixed_train_and_generate(w: World) -> None:
     leaves = [a.with_params({k: v.detach().clone().requires_grad_(True) for k, v in a.params.items()}) for a in adapters]
     model.train()
     try:
-        lf.mixed_adapted_call(model, leaves, torch.tensor([1, 0]), IDS).logits.sum().backward()
+        lf.mixed_call(model, leaves, torch.tensor([1, 0]), IDS, batching="layers").logits.sum().backward()
     finally:
         model.eval()
     with torch.no_grad(), lf.mixed_adapted(model, adapters, torch.tensor([0, 1])):
@@ -616,9 +616,9 @@ def _mixed_wrong_batch(w: World) -> None:
 
 ROWS.update(
     {
-        "mixed_adapted_call": [
-            Call("training step, per-row adapters (dora on llama)", lambda w: lf.mixed_adapted_call(w.model("llama"), [w.adapter("dora"), w.adapter("dora", seed=2)], torch.tensor([1, 0]), IDS).logits.sum().backward()),
-            Call("index out of range", lambda w: lf.mixed_adapted_call(w.model("llama"), [w.adapter(), w.adapter(seed=2)], torch.tensor([2, 0]), IDS), IndexError),
+        "mixed_call": [
+            Call("training step, per-row adapters (dora on llama)", lambda w: lf.mixed_call(w.model("llama"), [w.adapter("dora"), w.adapter("dora", seed=2)], torch.tensor([1, 0]), IDS, batching="layers").logits.sum().backward()),
+            Call("index out of range", lambda w: lf.mixed_call(w.model("llama"), [w.adapter(), w.adapter(seed=2)], torch.tensor([2, 0]), IDS, batching="layers"), IndexError),
         ],
         "mixed_adapted": [
             Call("train, then generate with beams", _mixed_train_and_generate),
@@ -690,7 +690,7 @@ def _every_prompt_through_every_call(w: World) -> None:
             prompt, other = _prompt(w, method, kind), _prompt(w, method, kind, seed=1)
             kwargs = _prompt_kwargs(method)
             lf.adapted_call(model, prompt, IDS, labels=IDS, **kwargs).loss.backward()
-            lf.mixed_adapted_call(model, [prompt, other], torch.tensor([1, 0]), IDS, **kwargs).logits.sum().backward()
+            lf.mixed_call(model, [prompt, other], torch.tensor([1, 0]), IDS, **kwargs, batching="layers").logits.sum().backward()
             lf.ensemble_call(model, lf.stack([prompt, other]), IDS, **kwargs).logits.sum().backward()
             api("per_example_grads")(lambda p, ids, *t, model=model: lf.adapted_call(model, p, ids, use_cache=False, **({"task_ids": t[0]} if t else {})).logits.sum(),
                                      prompt, IDS, *kwargs.values())

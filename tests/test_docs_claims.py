@@ -52,7 +52,7 @@ def test_ensemble_and_mixed_calls_work_on_sdpa_by_default_and_the_vmap_route_nee
         "docs/functional.md",
         "so any attention implementation works, SDPA (the transformers default, below) and flash included",
         "(checked: it raises `ValueError` on SDPA)",
-        "Their default route (`route=\"layers\"`, the adapters inside the target layers, as `mixed_adapted_call`) runs on any attention implementation, SDPA included.",
+        "Their default batching otherwise (`batching=\"layers\"`, the adapters inside the target layers) runs on any attention implementation, SDPA included.",
     )
     model = sdpa_llama
     members = [_lora(model, s) for s in range(3)]
@@ -67,8 +67,8 @@ def test_ensemble_and_mixed_calls_work_on_sdpa_by_default_and_the_vmap_route_nee
             alone = lf.adapted_call(model, member, ids, attention_mask=mask).logits
             torch.testing.assert_close(logits[k], alone, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(mixed[0], lf.adapted_call(model, members[2], ids[:1], attention_mask=mask[:1]).logits[0], rtol=1e-5, atol=1e-5)
-    for call in (lambda: lf.ensemble_call(model, stacked, ids, route="vmap", use_cache=False),
-                 lambda: lf.mixed_call(model, stacked, torch.tensor([2, 0]), ids, route="vmap", use_cache=False)):
+    for call in (lambda: lf.ensemble_call(model, stacked, ids, batching="vmap", use_cache=False),
+                 lambda: lf.mixed_call(model, stacked, torch.tensor([2, 0]), ids, batching="vmap", use_cache=False)):
         with pytest.raises(ValueError, match="eager attention"):
             call()
 
@@ -127,7 +127,7 @@ def _io_table() -> dict[str, str]:
 def test_the_io_table_has_a_row_for_every_variant_generated_from_the_registry():
     from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING
 
-    from lora_func.io._peft_keys import _formats
+    from lora_func.io._peft_keys import formats as _formats
 
     _says("docs/io.md", "Every registered variant has a row: tests/test_docs_claims.py reads this table")
     rows, formats = _io_table(), _formats()
@@ -153,7 +153,7 @@ def test_the_api_page_says_every_variant_with_a_peft_entry_exports_not_a_short_l
     save_row = next(line for line in text.split(" | ") if "save_peft(adapter, directory" in line)
     assert "lora/eva, dora, pissa" not in save_row
     from lora_func.io import peft_problems
-    from lora_func.io._peft_keys import _formats
+    from lora_func.io._peft_keys import formats as _formats
 
     model = tiny_model("llama")
     writable = []

@@ -696,7 +696,7 @@ def _vmap_failed(ctx: Ctx) -> Callable[[], Any]:
 
     model = ctx.track(BranchingModel().eval())
     a = ctx.adapter(model, targets=["proj"])
-    return lambda: ensemble_call(model, lf.stack([a, a]), torch.ones(2, 4), route="vmap")
+    return lambda: ensemble_call(model, lf.stack([a, a]), torch.ones(2, 4), batching="vmap")
 
 
 def _per_example(loss_fn: Callable[..., Any], *batch: Any) -> Callable[[Ctx], Callable[[], Any]]:
@@ -932,12 +932,17 @@ CASES.update(
         "stack-mixed-kinds": Case(on_two(lambda m, a, b, ctx: lf.stack([a, lf.compose(a, b)])), ("Adapter", "Composed")),
         "stack-parts": Case(on_two(lambda m, a, b, ctx: lf.stack([lf.compose(a), lf.compose(a, b)])), ("Composed", "[1, 2]")),
         # batching under vmap
-        "batch-eager-attention": Case(batching("ensemble_call", IDS, sdpa=True, route="vmap"), ("ensemble_call", "LlamaForCausalLM", "'sdpa'", "eager")),
+        "batch-eager-attention": Case(batching("ensemble_call", IDS, sdpa=True, batching="vmap"), ("ensemble_call", "LlamaForCausalLM", "'sdpa'", "eager")),
         "batch-not-stacked": Case(batching("ensemble_call", IDS, stacked=False), ("ensemble_call", "stack_shape ()", "lora_func.stack")),
-        "batch-non-tensor-output": Case(batching("ensemble_call", IDS, use_cache=True, route="vmap"), ("ensemble_call", "DynamicCache", "use_cache=False")),
+        "batch-non-tensor-output": Case(batching("ensemble_call", IDS, use_cache=True, batching="vmap"), ("ensemble_call", "DynamicCache", "use_cache=False")),
         "batch-vmap-failed": Case(_vmap_failed, ("ensemble_call", "data-dependent")),
-        "mixed-batch-size": Case(batching("mixed_call", torch.tensor([0, 1, 0]), past_key_values=None, attention_mask=torch.ones(2, 8)), ("len(index)=3",)),
-        "many-route-unknown": Case(batching("ensemble_call", IDS, route="rows"), ("ensemble_call", "'rows'", "route='vmap'")),
+        "mixed-batch-size": Case(batching("mixed_call", torch.tensor([0, 1, 0]), past_key_values=None, attention_mask=torch.ones(2, 8), batching="vmap"), ("len(index)=3",)),
+        "many-batching-unknown": Case(batching("ensemble_call", IDS, batching="rows"), ("ensemble_call", "'rows'", "batching='vmap'")),
+        "many-layers-merged": Case(batching("ensemble_call", IDS, batching="layers", merged=True), ("ensemble_call", "batching='vmap'", "merged=False")),
+        "many-vmap-rows-per-index": Case(
+            on_two(lambda m, a, b, ctx: lf.mixed_call(m, [a, a], torch.tensor([0, 1]), IDS, batching="vmap", rows_per_index=2)),
+            ("rows_per_index=2", "repeat_interleave"),
+        ),
         "per-example-batch": Case(_per_example(_logits_sum, IDS, IDS[:1]), ("[1, 2]",)),
         "per-example-loss": Case(_per_example(_logits_per_token, IDS), ("(1, 8)",)),
         # export
@@ -1616,17 +1621,17 @@ def _mixed_wrong_rows(ctx: Ctx) -> Callable[[], Any]:
 def _mixed_dora_on_quantized(ctx: Ctx) -> Callable[[], Any]:
     model = _quantized(ctx)
     adapter = lf.init_adapter(model, lf.AdapterSpec("dora", targets=["q_proj"], r=2), generator=torch.Generator().manual_seed(0))
-    return lambda: lf.mixed_adapted_call(model, [adapter, adapter], torch.tensor([0, 1]), IDS)
+    return lambda: lf.mixed_call(model, [adapter, adapter], torch.tensor([0, 1]), IDS, batching="layers")
 
 
 CASES.update(
     {
-        "mixed-route-composite": Case(on_two(lambda m, a, b, ctx: lf.mixed_adapted_call(m, [lf.compose(a, b)], torch.tensor([0, 0]), IDS)), ("Composed/Combined", "lora_func.adapted")),
-        "mixed-route-list": Case(on_two(lambda m, a, b, ctx: lf.mixed_adapted_call(m, [a, a.params], torch.tensor([0, 1]), IDS)), ("['Adapter', 'dict']",)),
-        "mixed-route-adapters-type": Case(on_two(lambda m, a, b, ctx: lf.mixed_adapted_call(m, a.params, torch.tensor([0, 1]), IDS)), ("dict", "lora_func.stack")),
-        "mixed-route-not-stacked": Case(on_two(lambda m, a, b, ctx: lf.mixed_adapted_call(m, a, torch.tensor([0, 0]), IDS)), ("stack_shape ()", "[adapter_0, adapter_1")),
-        "mixed-route-index-type": Case(on_two(lambda m, a, b, ctx: lf.mixed_adapted_call(m, [a, a], [0.5, 1], IDS)), ("list", "torch.tensor([2, 0, 1, 0])")),
-        "mixed-route-index-range": Case(on_two(lambda m, a, b, ctx: lf.mixed_adapted_call(m, [a, a], torch.tensor([0, -1]), IDS)), ("[0, 2)", "-1")),
+        "mixed-route-composite": Case(on_two(lambda m, a, b, ctx: lf.mixed_call(m, [lf.compose(a, b)], torch.tensor([0, 0]), IDS, batching="layers")), ("Composed/Combined", "lora_func.adapted")),
+        "mixed-route-list": Case(on_two(lambda m, a, b, ctx: lf.mixed_call(m, [a, a.params], torch.tensor([0, 1]), IDS, batching="layers")), ("['Adapter', 'dict']",)),
+        "mixed-route-adapters-type": Case(on_two(lambda m, a, b, ctx: lf.mixed_call(m, a.params, torch.tensor([0, 1]), IDS, batching="layers")), ("dict", "lora_func.stack")),
+        "mixed-route-not-stacked": Case(on_two(lambda m, a, b, ctx: lf.mixed_call(m, a, torch.tensor([0, 0]), IDS, batching="layers")), ("stack_shape ()", "[adapter_0, adapter_1")),
+        "mixed-route-index-type": Case(on_two(lambda m, a, b, ctx: lf.mixed_call(m, [a, a], [0.5, 1], IDS, batching="layers")), ("list", "torch.tensor([2, 0, 1, 0])")),
+        "mixed-route-index-range": Case(on_two(lambda m, a, b, ctx: lf.mixed_call(m, [a, a], torch.tensor([0, -1]), IDS, batching="layers")), ("[0, 2)", "-1")),
         "mixed-route-batch-rows": Case(_mixed_wrong_rows, ("2 rows", "len(index)=3", "q_proj")),
         "mixed-route-quantized": Case(_mixed_dora_on_quantized, ("'dora'", "['eva', 'lora', 'mica']", "q_proj")),
     }
@@ -1894,7 +1899,7 @@ CASES.update(
         "target-parameter-not-3d": Case(init("lora", [], target_parameters=[f"{Q}.weight"]), (f"{Q}.weight", "(32, 32)")),
         "kind-quantized-or-sharded": Case(_quantized_embedding, ("model.embed_tokens.weight", "embedding")),
         "mixed-route-kind": Case(
-            lambda ctx: (lambda m, a: lambda: lf.mixed_adapted_call(m, [a, a], torch.tensor([0, 1]), IDS))(
+            lambda ctx: (lambda m, a: lambda: lf.mixed_call(m, [a, a], torch.tensor([0, 1]), IDS, batching="layers"))(
                 m := ctx.model(), ctx.adapter(m, targets=["embed_tokens"])
             ),
             ("model.embed_tokens (embedding)", "adapted_call"),
@@ -2127,16 +2132,16 @@ CASES.update(
         "prompt-init-tokenizer": Case(lambda ctx: (lambda m: lambda: lf.init_prompt(m, lf.PromptSpec("prompt_tuning", 3, init="text", init_text="hi")))(ctx.model()), ("tokenizer=", "NoneType")),
         "prompt-init-source": Case(lambda ctx: (lambda m: lambda: lf.init_prompt(m, lf.PromptSpec("multitask_prompt_tuning", 3, init="only_source_shared")))(ctx.model()), ("source=", "3 tokens")),
         "prompt-init-source-task": Case(_prompt_source_task, ("init_task=5", "3 tasks")),
-        "prompt-composition": Case(on_prompt(lambda m, p, ctx: lf.adapted_call(m, lf.compose(p, p), IDS)), ("2 prompts", "mixed_adapted_call")),
+        "prompt-composition": Case(on_prompt(lambda m, p, ctx: lf.adapted_call(m, lf.compose(p, p), IDS)), ("2 prompts", "mixed_call")),
         "prompt-rows": Case(on_prompt(_prompt_wrong_rows), ("2 rows", "have 3")),
         "prompt-generate-embeds": Case(on_prompt(_prompt_generate_embeds), ("prompt_tuning", "inputs_embeds")),
         "prompt-generate-mask": Case(on_prompt(_prompt_generate_4d), ("2-D attention mask", "dynamic cache")),
         "prompt-task-ids": Case(on_prompt(lambda m, p, ctx: lf.adapted_call(m, p, IDS), "multitask_prompt_tuning", num_tasks=2), ("multitask_prompt_tuning", "task_ids=")),
         "prompt-extra-input": Case(on_prompt(lambda m, p, ctx: lf.adapted_call(m, p, IDS, input_type_mask=torch.ones_like(IDS))), ("['input_type_mask']", "prompt_tuning")),
         "prompt-kv-checkpointing": Case(_prompt_checkpointing, ("prefix_tuning", "gradient_checkpointing_disable()")),
-        "prompt-stacked-call": Case(on_prompt(lambda m, p, ctx: lf.adapted_call(m, lf.stack([p, p]), IDS)), ("stack_shape (2,)", "mixed_adapted_call")),
-        "prompt-mixed-list": Case(on_prompt(lambda m, p, ctx: lf.mixed_adapted_call(m, [p, ctx.adapter(m)], torch.tensor([0, 1]), IDS)), ("'Adapter'", "'Prompt'")),
-        "prompt-mixed-not-stacked": Case(on_prompt(lambda m, p, ctx: lf.mixed_adapted_call(m, p, torch.tensor([0, 0]), IDS)), ("lora_func.stack", "num_virtual_tokens=3")),
+        "prompt-stacked-call": Case(on_prompt(lambda m, p, ctx: lf.adapted_call(m, lf.stack([p, p]), IDS)), ("stack_shape (2,)", "mixed_call")),
+        "prompt-mixed-list": Case(on_prompt(lambda m, p, ctx: lf.mixed_call(m, [p, ctx.adapter(m)], torch.tensor([0, 1]), IDS, batching="layers")), ("'Adapter'", "'Prompt'")),
+        "prompt-mixed-not-stacked": Case(on_prompt(lambda m, p, ctx: lf.mixed_call(m, p, torch.tensor([0, 0]), IDS, batching="layers")), ("lora_func.stack", "num_virtual_tokens=3")),
         "prompt-cpt-projected": Case(on_prompt(lambda m, p, ctx: lf.prompts.cpt_projected(p)), ("prompt_tuning",)),
         "prompt-save-composed": Case(on_prompt(lambda m, p, ctx: lf.save(lf.compose(p, ctx.adapter(m)), ctx.tmp / "both.safetensors")), ("composed with weight-level adapters",)),
         "load-peft-prompt-mismatch": Case(_prompt_peft_other_model, ("PREFIX_TUNING", "GPT2LMHeadModel")),
@@ -2171,7 +2176,7 @@ CASES.update(
         "load-non-finite": Case(_saved_non_finite, (f"params/{Q}.lora_A", "NaN", "check_finite=False")),
         "peft-layer-missing": Case(saved_peft(_peft_without_a_layer, variant="oft"), (Q, "target_modules")),
         "mixed-route-rows-per-index": Case(
-            on_two(lambda m, a, b, ctx: lf.mixed_adapted_call(m, [a, a], torch.tensor([0, 1]), IDS, rows_per_index=0)), ("rows_per_index=0",)
+            on_two(lambda m, a, b, ctx: lf.mixed_call(m, [a, a], torch.tensor([0, 1]), IDS, rows_per_index=0, batching="layers")), ("rows_per_index=0",)
         ),
         "many-chunk-size": Case(on_two(lambda m, a, b, ctx: lf.ensemble_call(m, lf.stack([a, a]), IDS, chunk_size=1.5)), ("chunk_size=1.5",)),
     }

@@ -77,10 +77,10 @@ CALLS = {
     "adapted_call module": lambda model, a, b, ids: lf.adapted_call(model, a, ids, route="module").logits.sum().backward(),
     "adapted_call merged": lambda model, a, b, ids: lf.adapted_call(model, a, ids, merged=True),
     "adapted (generate)": _generate,
-    "mixed_adapted_call": lambda model, a, b, ids: lf.mixed_adapted_call(model, [a, b], [0, 1], ids[:2]).logits.sum().backward(),
+    "mixed_call": lambda model, a, b, ids: lf.mixed_call(model, [a, b], [0, 1], ids[:2], batching="layers").logits.sum().backward(),
     "mixed_adapted (generate)": _mixed_generate,
     "ensemble_call": lambda model, a, b, ids: lf.ensemble_call(model, lf.stack([a, b]), ids, randomness="different").logits.sum().backward(),
-    "ensemble_call vmap": lambda model, a, b, ids: lf.ensemble_call(model, lf.stack([a, b]), ids, route="vmap", use_cache=False),
+    "ensemble_call vmap": lambda model, a, b, ids: lf.ensemble_call(model, lf.stack([a, b]), ids, batching="vmap", use_cache=False),
     "mixed_call": lambda model, a, b, ids: lf.mixed_call(model, lf.stack([a, b]), [0, 1], ids[:2]),
     "train_step": _train_step,
     "prompt adapted_call": lambda model, a, b, ids: lf.adapted_call(model, _prompt(model), ids, labels=ids).loss.backward(),
@@ -141,7 +141,7 @@ def test_a_call_that_raises_inside_the_model_leaves_nothing_behind(route):
     try:
         with pytest.raises(Boom):
             if route == "mixed":
-                lf.mixed_adapted_call(model, [a, b], [0, 1], tokens()[:2])
+                lf.mixed_call(model, [a, b], [0, 1], tokens()[:2], batching="layers")
             else:
                 lf.adapted_call(model, a, tokens(), route=route)
     finally:

@@ -14,7 +14,7 @@ One table over the methods (and their encoders and inits). Per row and model:
   ``lf.load`` give the prompt back exactly.
 
 Then the functional features over the same rows: a stack under ``vmap`` equals a loop, one prompt
-per row (``mixed_adapted_call``, ``mixed_adapted`` + ``generate``) equals each prompt alone,
+per row (``mixed_call``, ``mixed_adapted`` + ``generate``) equals each prompt alone,
 ``per_example_grads`` and ``private_grads`` equal loops of ``torch.func.grad``, a prompt composed
 with LoRA equals the LoRA adapter on hand-built input embeddings; the inits from text and from a
 source prompt; the errors of the new public functions are in tests/test_error_catalogue.py.
@@ -310,7 +310,7 @@ def test_one_prompt_per_row_equals_each_alone_in_calls_and_generate(name):
     a, b = _pair(name)
     index = torch.tensor([1, 0])
     alone = [lf.adapted_call(model, (a, b)[int(index[r])], IDS[r : r + 1], **_call_kwargs(row, slice(r, r + 1))).logits for r in range(2)]
-    mixed = lf.mixed_adapted_call(model, [a, b], index, IDS, **_call_kwargs(row)).logits
+    mixed = lf.mixed_call(model, [a, b], index, IDS, **_call_kwargs(row), batching="layers").logits
     assert rel(mixed, torch.cat(alone)) < RTOL
     both = lf.mixed_call(model, lf.stack([a, b]), index, IDS, use_cache=False, **_call_kwargs(row)).logits
     assert rel(both, mixed) < RTOL

@@ -167,25 +167,25 @@ def tenants(llama):
     return [_trained(llama, "lora", ("q_proj", "v_proj"), seed=s) for s in range(2)]
 
 
-def test_mixed_adapted_call_refuses_an_index_shorter_than_the_batch(llama, tenants):
+def test_mixed_call_refuses_an_index_shorter_than_the_batch(llama, tenants):
     ids = tokens(4)
     with pytest.raises(ValueError, match=r"the batch has 4 rows on dim 0, but len\(index\)=2"):
-        lf.mixed_adapted_call(llama, tenants, torch.tensor([0, 1]), ids)
+        lf.mixed_call(llama, tenants, torch.tensor([0, 1]), ids, batching="layers")
     with pytest.raises(ValueError, match=r"len\(index\)=3"):
-        lf.mixed_adapted_call(llama, tenants, torch.tensor([0, 1, 1]), ids)
+        lf.mixed_call(llama, tenants, torch.tensor([0, 1, 1]), ids, batching="layers")
     assert all("forward" not in vars(m) for m in llama.modules())
 
 
 def test_rows_per_index_asks_for_the_beam_expansion_explicitly(llama, tenants):
     ids, index = tokens(4), torch.tensor([1, 0])
-    got = lf.mixed_adapted_call(llama, tenants, index, ids, rows_per_index=2).logits
+    got = lf.mixed_call(llama, tenants, index, ids, rows_per_index=2, batching="layers").logits
     expanded = index.repeat_interleave(2)  # the oracle: one entry per row, rows 0-1 on tenant 1
-    torch.testing.assert_close(got, lf.mixed_adapted_call(llama, tenants, expanded, ids).logits, rtol=0, atol=0)
+    torch.testing.assert_close(got, lf.mixed_call(llama, tenants, expanded, ids, batching="layers").logits, rtol=0, atol=0)
     for row, k in enumerate(expanded.tolist()):
         alone = lf.adapted_call(llama, tenants[k], ids[row : row + 1]).logits[0]
         torch.testing.assert_close(got[row], alone, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match=r"rows_per_index=3 = 6"):
-        lf.mixed_adapted_call(llama, tenants, index, ids, rows_per_index=3)
+        lf.mixed_call(llama, tenants, index, ids, rows_per_index=3, batching="layers")
 
 
 def test_inside_mixed_adapted_only_generate_expands_the_index(llama, tenants):
@@ -212,9 +212,9 @@ def test_per_row_prompts_refuse_an_index_shorter_than_the_batch_too(llama):
     prompts = [lf.init_prompt(llama, lf.PromptSpec("prompt_tuning", 3), generator=torch.Generator().manual_seed(s)) for s in (0, 1)]
     ids = tokens(4)
     with pytest.raises(ValueError, match=r"the batch has 4 rows on dim 0, but len\(index\)=2"):
-        lf.mixed_adapted_call(llama, prompts, torch.tensor([0, 1]), ids)
-    got = lf.mixed_adapted_call(llama, prompts, torch.tensor([1, 0]), ids, rows_per_index=2).logits
-    torch.testing.assert_close(got, lf.mixed_adapted_call(llama, prompts, torch.tensor([1, 1, 0, 0]), ids).logits, rtol=0, atol=0)
+        lf.mixed_call(llama, prompts, torch.tensor([0, 1]), ids, batching="layers")
+    got = lf.mixed_call(llama, prompts, torch.tensor([1, 0]), ids, rows_per_index=2, batching="layers").logits
+    torch.testing.assert_close(got, lf.mixed_call(llama, prompts, torch.tensor([1, 1, 0, 0]), ids, batching="layers").logits, rtol=0, atol=0)
 
 
 def test_mixed_call_needs_one_index_entry_per_example_on_both_routes(llama, tenants):

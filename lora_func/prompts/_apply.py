@@ -19,7 +19,7 @@ when activation checkpointing recomputes), by its method's ``entry``:
 peft's ``PeftModelForCausalLM.prepare_inputs_for_generation`` does, so ``model.generate`` puts the
 virtual tokens in the KV cache once (prefill) and extends the mask at every step.
 
-One prompt per batch row (``mixed_adapted_call`` / ``mixed_adapted`` / ``mixed_call`` /
+One prompt per batch row (``mixed_call`` / ``mixed_adapted`` / ``mixed_call`` /
 ``ensemble_call`` with a stack of prompts): each row's prompt is computed from that row's member
 (``vmap`` over the rows) and put in that row only.
 """
@@ -76,7 +76,7 @@ def split_prompt(adapter: AdapterNode, where: str) -> tuple[Prompt, AdapterNode 
         raise ValueError(  # error: prompt-composition
             f"{where}: an adapter may hold one prompt, composed (lora_func.compose) with weight-level adapters; got "
             f"{len(prompts)} prompts{' inside ' + ', '.join(sorted(set(bad))) if bad else ''}. Apply one prompt per call "
-            f"(several prompts per batch: lora_func.mixed_adapted_call with a stack of prompts)"
+            f"(several prompts per batch: lora_func.mixed_call with a stack of prompts)"
         )
     return prompts[0], _without(adapter, prompts[0])
 
@@ -383,7 +383,7 @@ def _check_unstacked(prompt: Prompt, where: str) -> None:
     if prompt.stack_shape:
         raise ValueError(  # error: prompt-stacked-call
             f"{where}: the prompt is stacked (stack_shape {prompt.stack_shape}); one call applies one prompt. Run a stack "
-            f"under torch.func.vmap (or lora_func.ensemble_call), or one prompt per row with lora_func.mixed_adapted_call"
+            f"under torch.func.vmap (or lora_func.ensemble_call), or one prompt per row with lora_func.mixed_call"
         )
 
 
