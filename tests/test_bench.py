@@ -242,6 +242,8 @@ def test_gpu_smoke_runs_every_section_on_the_cpu_and_writes_its_tables(bench_mod
     private = _table(text, "## 3. The private step")
     assert len(private) == 2 and all(_ratio(cell) > 0 for row in private for cell in row[1:5])
     serve = {row[0]: row for row in _table(text, "## 4. Serving")}
+    check = serve.pop("(check) lora_func per-row vs peft adapter_names, prompt logits")
+    assert float(check[1].rsplit(" ", 1)[1]) < 1e-2  # both sides serve each row with its own adapter
     assert set(serve) == {"one adapter, lazy", "one adapter, merged", "per-row (mixed_adapted)", "peft one adapter", "peft per-row (adapter_names)"}
     assert all(float(row[1]) > 0 for row in serve.values())
     (pretrained,) = _table(text, "## 5. The project's pretrained model")
