@@ -124,3 +124,67 @@ def test_the_lazy_lora_path_keeps_no_fp32_copy_of_its_inputs(measured):
     peft = counts["lora/peft"][0] - counts["base"][0]
     assert lazy <= 1.2 * saved_limit < peft / 2.5
     assert counts["lora/lazy"][1] - counts["base"][1] <= 2 * written_limit
+
+
+# Issue 46: every other method peft has, on the bf16 base (the targets' dtype), measured at ARGS
+# (peft's in the comment). OLoRA, CorDA, LoRA-GA and LoftQ run PiSSA's activation form (the same
+# counts, checked by bench/counts.py's default run), so PiSSA stands for them here.
+LATER_ROWS = ("pissa", "eva", "adalora", "adamss", "kasa", "ln_tuning", "mica", "pvera", "randlora", "tinylora", "unilora", "vblora", "vera")
+LATER_PINNED = {
+    "pissa": (315392, 1568768, 64),  # peft (278528, 2678784, 68)
+    "eva": (77824, 204800, 48),  # peft (73728, 946176, 48)
+    "adalora": (286720, 1548352, 76),  # peft (544784, 3870816, 108)
+    "adamss": (50176, 1981284, 136),  # peft (23200, 1305216, 296)
+    "kasa": (331776, 1617984, 80),  # peft (294912, 2728000, 84)
+    "ln_tuning": (131584, 134144, 24),  # peft (131072, 131584, 8)
+    "mica": (266240, 1531904, 56),  # peft (262144, 2674688, 64)
+    "pvera": (69632, 1688960, 92),  # peft (327680, 3228800, 120)
+    "randlora": (458752, 2769920, 80),  # peft (327680, 3752960, 88)
+    "tinylora": (20736, 1552896, 75),  # peft (16640, 2196992, 76)
+    "unilora": (286720, 1551360, 99),  # peft (286720, 2202624, 107)
+    "vblora": (304640, 2472960, 171),  # peft (304640, 3125252, 191)
+    "vera": (36864, 1557568, 76),  # peft (278528, 2982976, 84)
+}
+# The counts where lazy is above peft today, each diagnosed in docs/benchmarks.md ("Every method
+# peft has"), with the fix proposed there. Asserted as they are: a fix makes this test fail,
+# and the entry goes (the row then holds the target like the others).
+KNOWN_ABOVE_PEFT = {
+    ("pissa", "saved"),  # fp32 copy of x kept (no bf16 product path) + W_res cast + contiguous Bᵀ
+    ("eva", "saved"),  # the two (r, d) bf16 factor casts the bf16 product node keeps; peft's EVA adapter is bf16
+    ("adamss", "saved"), ("adamss", "written"),  # fp32 activations and an fp32 copy of x; peft computes in bf16
+    ("kasa", "saved"),  # as PiSSA
+    ("ln_tuning", "saved"), ("ln_tuning", "written"), ("ln_tuning", "ops"),  # fp32 copy of a bf16 norm weight, cast per step
+    ("mica", "saved"),  # contiguous copy of the frozen Bᵀ
+    ("randlora", "saved"),  # λ ⊙ A kept for γ's gradient, contiguous copy of U_Bᵀ
+    ("tinylora", "saved"),  # contiguous copy of the frozen Bᵀ
+}
+
+
+@pytest.fixture(scope="module")
+def measured_later(counts_script):
+    import torch
+
+    threads = torch.get_num_threads()
+    args = counts_script["parse_args"](ARGS)
+    try:
+        with torch.random.fork_rng():
+            counts_script["c"].setup(args)
+            return counts_script["measure"](args, "bfloat16", LATER_ROWS)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("row", LATER_ROWS)
+def test_every_other_peft_method_stays_within_its_pinned_counts(measured_later, row):
+    over = tuple(v - b for v, b in zip(measured_later[f"{row}/lazy"], measured_later["base"], strict=True))
+    for what, got, pinned in zip(("saved", "written", "ops"), over, LATER_PINNED[row], strict=True):
+        assert got <= pinned * 1.02 + 64, f"bfloat16 {row} lazy {what}: {got} over the frozen base, pinned at {pinned}"
+
+
+def test_every_other_peft_method_is_at_most_peft_but_for_the_known_gaps(counts_script, measured_later):
+    """bench/counts.py's target for every row peft has: lazy <= peft on saved bytes, written
+    bytes and ops; the counts above peft today are exactly the diagnosed ones."""
+    results = counts_script["check_targets"](measured_later, LATER_ROWS)
+    assert {what.split(" lazy")[0] for what, *_ in results} == set(LATER_ROWS)
+    above = {(what.split(" lazy ")[0], what.split(" lazy ")[1].split(" /")[0]) for what, _value, _limit, holds in results if not holds}
+    assert above == KNOWN_ABOVE_PEFT
