@@ -64,7 +64,8 @@ _ALL = [[KILLERS], [CONTRACT], ["tests/test_compose.py", "tests/test_rank_stack.
 TARGETS: dict[str, tuple[tuple[str, ...] | None, list[list[str]]]] = {
     "lora_func/variants/lora.py": (None, _variant_stages("lora and not delora", "tests/test_peft_oracle_lora.py")),
     "lora_func/variants/dora.py": (None, _variant_stages("dora", "tests/test_variant_dora.py")),
-    "lora_func/variants/ia3.py": (None, _variant_stages("ia3", "tests/test_variant_ia3.py")),
+    # ia3: its peft storage (ia3_ff's (1, d_in) matrix and feedforward flag) is checked in test_io_peft.
+    "lora_func/variants/ia3.py": (None, [*_variant_stages("ia3", "tests/test_variant_ia3.py")[:-1], ["tests/test_io_peft.py", "-k", "ia3"], [PROPERTIES]]),
     "lora_func/variants/delora.py": (None, _variant_stages("delora", "tests/test_variant_delora.py")),
     "lora_func/variants/pissa.py": (None, _variant_stages("pissa", "tests/test_variant_pissa.py")),
     "lora_func/variants/hra.py": (None, _variant_stages("hra", "tests/test_variant_hra.py")),
@@ -181,7 +182,7 @@ TARGETS: dict[str, tuple[tuple[str, ...] | None, list[list[str]]]] = {
     "lora_func/variants/_bank.py": (None, [[CONTRACT, "-k", "vera or randlora or pvera"], ["tests/test_variant_vera.py", "tests/test_variant_randlora.py"]]),
     "lora_func/variants/_contract.py": (
         ("layer_rank", "layer_alpha", "Slot.peft_key", "Slot.saved", "Variant.rank_axes", "Variant.padded_axes", "Variant.integer_buffers", "Variant.kinds", "Variant.shapes", "Variant.layer_slots", "_mask_rank_axes", "padded_member"),
-        [[CONTRACT, "-k", "schema or rank or identity"], ["tests/test_variant_schema.py", "tests/test_peft_problems.py", "tests/test_rank_stack.py", "tests/test_kinds.py"], ["tests/test_io_peft.py"], _ALL[0]],
+        [[CONTRACT, "-k", "schema or rank or identity"], ["tests/test_variant_schema.py", "tests/test_peft_problems.py", "tests/test_rank_stack.py", "tests/test_kinds.py"], ["tests/test_io_peft.py"], ["tests/test_mixed_route.py"], _ALL[0]],
     ),
     # issue 42: the option schema (one check for AdapterSpec and peft configs) and its codecs
     "lora_func/variants/_options.py": (
