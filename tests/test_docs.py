@@ -24,6 +24,18 @@ def _blocks(path: Path, lang: str) -> list[str]:
     return [body for tag, body in FENCE.findall(path.read_text()) if tag == lang]
 
 
+def readme_families() -> dict[str, list[str]]:
+    """The README's list of variants by family (``- the LoRA family: `lora`, ...``; a bullet may
+    hold two families, ``scaling vectors: ...; norm and layer copies: ...``): family -> names."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("authors' formulas otherwise):") : text.index("Their math")]
+    label = r"[a-z][a-zA-Z' ]*?"
+    return {
+        family: re.findall(r"`(\w+)`", body)
+        for family, body in re.findall(rf"(?:^- |; )({label}): (.*?)(?=; {label}: |\n- |\Z)", section, re.S | re.M)
+    }
+
+
 DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 PY_BLOCKS = [
     pytest.param(block, id=f"{path.relative_to(ROOT)}#{i}")
@@ -84,7 +96,7 @@ def test_readme_demo_command_learns_every_variant_and_writes_its_report(tmp_path
     printed = capsys.readouterr().out
     out = tmp_path / "lora-func-demo"
     rows = json.loads((out / "results.json").read_text())
-    assert len(rows) >= 3 and "| variant | lr | trainable params |" in printed
+    assert len(rows) >= 3 and "| variant | lr | settings | trainable params |" in printed
     for row in rows:
         assert row["acc_after"] >= row["acc_before"] + 0.3, (row["variant"], row["acc_before"], row["acc_after"])
         assert row["reload_identical"] and "peft format" in row["saved_as"], row["variant"]
@@ -104,13 +116,47 @@ def test_cli_entry_point_rejects_unknown_variants():
 
 
 def test_cli_reports_a_diverged_run_with_the_variant_and_step_and_exits_1(tmp_path, capsys):
+    """The diverged method's line names its step and tensors; the run goes on, the results of the
+    others are written, and the exit status says something failed."""
     from lora_func.cli import main
 
-    code = main(["demo", "--variants", "lora", "--lr", "1e8", "--steps", "20", "--no-progress", "--out", str(tmp_path)])
-    err = capsys.readouterr().err
-    assert code == 1, err
-    assert re.search(r"^lora-func demo: training lora at lr 1e\+08 diverged: .*at step \d+: non-finite values in", err, re.M), err[:500]
-    assert "Traceback" not in err and "Try a lower --lr" in err
+    # HRA's update is a product of reflections: at any learning rate it stays finite (and trains on).
+    code = main(["demo", "--variants", "lora,hra", "--lr", "1e8", "--steps", "20", "--no-progress", "--out", str(tmp_path)])
+    captured = capsys.readouterr()
+    assert code == 1, captured.err
+    assert re.search(r"^lora .*: failed: training lora at lr 1e\+08 diverged: .*at step \d+: non-finite values in", captured.out, re.M), captured.out[-2000:]
+    assert re.search(r"^lora-func demo: training diverged \(non-finite loss\) for \['lora'\]", captured.err, re.M), captured.err
+    assert "Traceback" not in captured.err and "Try a lower --lr" in captured.err
+    rows = json.loads((tmp_path / "results.json").read_text())
+    assert [(r["variant"], r["status"]) for r in rows] == [("lora", "failed"), ("hra", "trained")]
+    assert "| failed: training lora" in (tmp_path / "results.md").read_text() and (tmp_path / "loss_curves.png").is_file()
+
+
+def test_readme_counts_are_the_registry_s():
+    """The README states the number of variants once, in words, and lists them by family: both
+    are the registry's (a new variant fails here until the README names it). Its suite size and
+    duration are docs/testing.md's latest measurement, which must be of the registered variants
+    (a new variant fails here until the suite is measured again and both pages say so)."""
+    import lora_func as lf
+
+    readme = (ROOT / "README.md").read_text()
+    words = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
+    tens = {"twenty": 20, "thirty": 30, "forty": 40, "fifty": 50}
+    (count,) = re.findall(r"\b((?:Twenty|Thirty|Forty|Fifty)-\w+) variants", readme)
+    tens_word, unit = count.lower().split("-")
+    assert tens[tens_word] + words.index(unit) == len(lf.list_variants()), count
+    assert not re.search(r"\b\d+ variants\b", readme), "state the variant count once, in words, at the top"
+    families = readme_families()
+    names = [name for members in families.values() for name in members]
+    assert sorted(names) == lf.list_variants() and len(families) == 6, families
+    testing = (ROOT / "docs" / "testing.md").read_text()
+    section = testing[testing.index("## How long the suite takes") :]
+    latest = re.search(r"^- ([\d,]+) tests \((\d+) variants\) passed in \d+ s \((\d+ min \d+ s)\)", section, re.M)
+    assert latest and int(latest[2]) == len(lf.list_variants()), "measure the suite again (docs/testing.md) after adding a variant"
+    setup = readme[readme.index("## Set-up") : readme.index("## Quickstart")]
+    assert re.findall(r"([\d,]+) tests\b", setup) == [latest[1]] and re.findall(r"\d+ min \d+ s", setup) == [latest[3]], (
+        "the README's suite size and duration are docs/testing.md's latest measurement"
+    )
 
 
 def test_readme_says_what_the_demo_numbers_and_the_suite_duration_depend_on():
