@@ -40,7 +40,8 @@ COARSE_LRS = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0)
 # (FourierFT's and WaveFT's number of coefficients, VeRA's shared rank).
 COARSE_SETTINGS: dict[str, list[dict[str, Any]]] = {
     "lora": [{}, {"alpha": 16.0}],
-    "fourierft": [{}, {"scaling": 300.0}, {"r": 1000}, {"r": 1000, "scaling": 300.0}],
+    "fourierft": [{}, {"scaling": 300.0}, {"r": 1000}, {"r": 1000, "scaling": 300.0}, {"init_weights": True},
+                  {"r": 1000, "init_weights": True}],
     "waveft": [{}, {"scaling": 100.0}, {"r": 1000}, {"r": 1000, "scaling": 100.0}],
     "vera": [{}, {"r": 64}, {"r": 64, "d_initial": 1.0}],
     "pvera": [{}, {"r": 64}, {"r": 64, "d_initial": 1.0}],
@@ -51,21 +52,26 @@ COARSE_SETTINGS: dict[str, list[dict[str, Any]]] = {
 SEEDS = (0, 1, 2)
 
 
-def fine_grid(coarse: Iterable[dict[str, Any]]) -> dict[str, tuple[list[dict[str, Any]], tuple[float, ...]]]:
+FineGrid = dict[str, list[tuple[dict[str, Any], tuple[float, ...]]]]
+
+
+def fine_grid(coarse: Iterable[dict[str, Any]]) -> FineGrid:
     """The fine grid from the coarse sweep's records: per method, the settings of its best coarse
-    run (held-out accuracy on the demo task, ties to the lower held-out loss) and three learning
-    rates, that run's and its neighbours on the coarse grid, to be run on both tasks over three
-    seeds."""
-    best: dict[str, dict[str, Any]] = {}
+    run (held-out accuracy on the demo task, ties to the lower held-out loss) and, when those are
+    not the method's own defaults, the defaults too; for each, three learning rates: its best
+    coarse run's and that rate's neighbours on the coarse grid. Run on both tasks, three seeds."""
+    best: dict[tuple[str, str], dict[str, Any]] = {}
     for r in coarse:
-        rank = (r["acc"], -r["held_out_loss"])
-        if r["variant"] not in best or rank > (best[r["variant"]]["acc"], -best[r["variant"]]["held_out_loss"]):
-            best[r["variant"]] = r
-    grid = {}
-    for variant, r in best.items():
-        i = min(range(len(COARSE_LRS)), key=lambda k: abs(math.log(COARSE_LRS[k] / r["lr"])))
-        lrs = COARSE_LRS[max(0, i - 1) : i + 2]
-        grid[variant] = ([r["settings"]], tuple(lrs))
+        key = (r["variant"], json.dumps(r["settings"], sort_keys=True))
+        if key not in best or (r["acc"], -r["held_out_loss"]) > (best[key]["acc"], -best[key]["held_out_loss"]):
+            best[key] = r
+    grid: FineGrid = {}
+    for variant in sorted({v for v, _ in best}):
+        runs = [r for (v, _), r in best.items() if v == variant]
+        top = max(runs, key=lambda r: (r["acc"], -r["held_out_loss"]))
+        for r in [top, *[r for r in runs if not r["settings"] and r is not top]]:
+            i = min(range(len(COARSE_LRS)), key=lambda k: abs(math.log(COARSE_LRS[k] / r["lr"])))
+            grid.setdefault(variant, []).append((r["settings"], tuple(COARSE_LRS[max(0, i - 1) : i + 2])))
     return grid
 
 
@@ -89,22 +95,20 @@ def _settings(d: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
 
 def grid_points(
     grid: str, variants: Sequence[str], lrs: Sequence[float] | None, tasks: Sequence[str], seeds: Sequence[int],
-    fine: dict[str, tuple[list[dict[str, Any]], tuple[float, ...]]] | None = None,
+    fine: FineGrid | None = None,
 ) -> list[Point]:
     """The runs of ``grid`` (``"coarse"``, ``"fine"``: ``fine``'s settings and rates, or
     ``"lrs"``: ``lrs`` with each method's own defaults) for ``variants``."""
     points = []
     for variant in variants:
         if grid == "fine":
-            settings, fine_lrs = (fine or {})[variant]
-            chosen_lrs: Sequence[float] = fine_lrs
+            pairs = (fine or {})[variant]
         else:
-            settings = COARSE_SETTINGS.get(variant, [{}]) if grid == "coarse" else [{}]
-            chosen_lrs = lrs if lrs is not None else COARSE_LRS
+            pairs = [(s, tuple(lrs if lrs is not None else COARSE_LRS)) for s in (COARSE_SETTINGS.get(variant, [{}]) if grid == "coarse" else [{}])]
         for task in tasks:
-            for s in settings:
+            for settings, chosen_lrs in pairs:
                 for lr in chosen_lrs:
-                    points.extend(Point(variant, task, seed, lr, _settings(s)) for seed in seeds)
+                    points.extend(Point(variant, task, seed, lr, _settings(settings)) for seed in seeds)
     return points
 
 
@@ -256,13 +260,14 @@ def report(records: list[dict[str, Any]]) -> str:
             lines.append(f"| {variant} | {label} | {lr:g} | {_cell(cells[variant, 'sums', label, lr])} | "
                          f"{_cell(cells[variant, 'worked_sums', label, lr])} |")
     seconds = sum(r["seconds"] for r in records)
-    lines += ["", f"{len(records)} runs, {seconds / 3600:.2f} h of training and scoring in all."]
+    lines += ["", f"{len(records)} runs, {seconds / 3600:.2f} h wall-clock in all (one thread each, on a shared machine)."]
     return "\n".join(lines) + "\n"
 
 
-def plot(records: list[dict[str, Any]], path: Path) -> Path:
+def plot(records: list[dict[str, Any]], path: Path, coarse: Sequence[dict[str, Any]] = ()) -> Path:
     """Small multiples, one panel per method: mean held-out accuracy against the learning rate
-    (log axis), per task and settings, the seeds' range shaded; a ring on the chosen default."""
+    (log axis), per task and settings, the seeds' range shaded; a ring on the chosen default;
+    the coarse sweep's runs of the chosen settings (seed 0, demo task) in grey."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -290,6 +295,9 @@ def plot(records: list[dict[str, Any]], path: Path) -> Path:
                     for lr, v in points:
                         if lr == choice[1]:
                             ax.plot([lr], [sum(v) / len(v)], "o", markersize=7, markerfacecolor="none", color="k")
+        if choice is not None:
+            wide = sorted((r["lr"], r["acc"]) for r in coarse if r["variant"] == variant and settings_label(r["settings"]) == choice[0])
+            ax.plot([x for x, _ in wide], [y for _, y in wide], color="0.6", linewidth=0.8, zorder=0)
         ax.set_xscale("log")
         ax.set_title(variant, fontsize=9)
         ax.axhline(0.6, color="grey", linewidth=0.5, linestyle=":")
@@ -300,7 +308,8 @@ def plot(records: list[dict[str, Any]], path: Path) -> Path:
         ax.axis("off")
     fig.supxlabel("learning rate (log)", fontsize=9)
     fig.supylabel("held-out accuracy (mean over seeds)", fontsize=9)
-    fig.suptitle("solid: demo task (sums), dashed: worked sums; shaded: the seeds' range; ring: the default; dotted: 60 %", fontsize=9)
+    fig.suptitle("solid: demo task (sums), dashed: worked sums, 3 seeds (shaded: their range); grey: the coarse sweep (demo task, "
+                 "seed 0); ring: the default; dotted: 60 %", fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
@@ -313,7 +322,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--grid", choices=("coarse", "fine", "lrs"), default="lrs",
                         help="coarse: seed 0, the demo task, COARSE_LRS x COARSE_SETTINGS; fine: fine_grid(--coarse) on both "
                         "tasks, three seeds; lrs: --lrs with each method's own defaults")
-    parser.add_argument("--coarse", type=Path, default=None, help="--grid fine: the coarse sweep's JSON-lines file")
+    parser.add_argument("--coarse", type=Path, default=None,
+                        help="the coarse sweep's JSON-lines file: --grid fine's grid comes from it; with --report, its table is printed "
+                        "and its curves drawn in grey")
     parser.add_argument("--variants", default="all", help="comma-separated, or 'all'")
     parser.add_argument("--lrs", default=None, help="comma-separated learning rates (--grid lrs, coarse)")
     parser.add_argument("--tasks", default=None, help=f"comma-separated from {TASKS} (default: sums for coarse, both otherwise)")
@@ -326,9 +337,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.report is not None:
         records = read_records(args.report)
+        coarse = read_records(args.coarse) if args.coarse is not None else []
+        if coarse:
+            print("## coarse sweep (seed 0)\n\n" + report(coarse).split("### chosen")[0], end="")
+            print("## fine sweep\n")
         print(report(records), end="")
         if args.plot is not None:
-            plot(records, args.plot)
+            plot(records, args.plot, coarse)
         return 0
 
     import torch

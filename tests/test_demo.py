@@ -248,6 +248,20 @@ def test_lr_sweep_runs_resumes_and_reports(tmp_path, capsys, monkeypatch):
     assert sweep.grid_points("lrs", ["ia3"], [0.1], ["sums"], [0]) == [sweep.Point("ia3", "sums", 0, 0.1, ())]
     done = {sweep.record_key(r) for r in records}  # what a rerun skips: every point of the same grid
     assert {p.key() for p in sweep.grid_points("lrs", ["ia3", "vblora"], [0.1, 0.3], list(sweep.TASKS), [0])} == done
+    # The fine grid: the best coarse settings (ties to the lower held-out loss) and the method's own
+    # defaults, each at its best coarse rate and that rate's neighbours.
+    coarse = [{"variant": "vera", "settings": s, "lr": lr, "acc": acc, "held_out_loss": loss}
+              for s, lr, acc, loss in [({}, 0.1, 0.5, 1.0), ({}, 1.0, 0.5, 2.0), ({"r": 64}, 0.01, 0.9, 1.0), ({"r": 64}, 0.03, 0.9, 0.5)]]
+    coarse.append({"variant": "ia3", "settings": {}, "lr": 1e-4, "acc": 0.9, "held_out_loss": 0.1})
+    grid = sweep.fine_grid(coarse)
+    assert grid == {"vera": [({"r": 64}, (0.01, 0.03, 0.1)), ({}, (0.03, 0.1, 0.3))], "ia3": [({}, (0.0001, 0.0003))]}
+    fine = sweep.grid_points("fine", ["ia3"], None, ["sums"], [0, 1], grid)
+    assert [(p.lr, p.seed) for p in fine] == [(1e-4, 0), (1e-4, 1), (3e-4, 0), (3e-4, 1)]
+    # The default: within 10 points of the best demo mean, the best on the worked sums.
+    cells = {("m", "sums", "a", 0.1): [0.9, 0.9], ("m", "worked_sums", "a", 0.1): [0.1],
+             ("m", "sums", "b", 0.3): [0.85], ("m", "worked_sums", "b", 0.3): [0.5],
+             ("m", "sums", "c", 1.0): [0.5], ("m", "worked_sums", "c", 1.0): [0.9]}
+    assert sweep.choose(cells, "m") == ("b", 0.3) and sweep.choose(cells, "other") is None
 
 
 def test_gradient_checkpointing_flag_trains_exactly_as_without_and_restores_the_model(tmp_path, monkeypatch):
