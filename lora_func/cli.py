@@ -36,9 +36,9 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__.split("\n\n")[1], formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     demo.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help="comma-separated names, or 'all'")
-    demo.add_argument("--r", type=int, default=None, help="adapter rank for every variant (default: per variant, 8 for most; lora_func/demo/defaults.py)")
+    demo.add_argument("--r", type=int, default=None, help="adapter rank for every variant; unset: each variant's own (8 for most; lora_func/demo/defaults.py)")
     demo.add_argument("--steps", type=int, default=DemoConfig.steps, help="training steps per variant")
-    demo.add_argument("--lr", type=float, default=None, help="learning rate for every variant (default: per variant, lora_func/demo/defaults.py)")
+    demo.add_argument("--lr", type=float, default=None, help="learning rate for every variant; unset: each variant's own (lora_func/demo/defaults.py)")
     demo.add_argument("--batch-size", type=int, default=DemoConfig.batch_size)
     demo.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="the base model's dtype (adapters stay float32)")
     demo.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, mps ...")

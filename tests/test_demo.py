@@ -262,6 +262,8 @@ def test_lr_sweep_runs_resumes_and_reports(tmp_path, capsys, monkeypatch):
              ("m", "sums", "b", 0.3): [0.85], ("m", "worked_sums", "b", 0.3): [0.5],
              ("m", "sums", "c", 1.0): [0.5], ("m", "worked_sums", "c", 1.0): [0.9]}
     assert sweep.choose(cells, "m") == ("b", 0.3) and sweep.choose(cells, "other") is None
+    cells[("m", "sums", "a", 0.1)], cells[("m", "sums", "b", 0.3)] = [0.65], [0.56]  # b: within 10 points, under 60 %
+    assert sweep.choose(cells, "m") == ("a", 0.1)
 
 
 def test_gradient_checkpointing_flag_trains_exactly_as_without_and_restores_the_model(tmp_path, monkeypatch):
