@@ -74,7 +74,7 @@ class LayerCall:
     __slots__ = ("_call", "bias", "replay", "training", "weight")
 
     # Calling it is exactly ``x @ weight.T + bias`` on a plain weight: the base-dtype low-rank
-    # path (lora_func._kernels.base_plus_product) may compute the input gradient from ``weight``.
+    # path (lora_func.variants._kernels.base_plus_product) may compute the input gradient from ``weight``.
     replays_weight = True
 
     def __init__(
@@ -124,7 +124,7 @@ class VariantOp:
         self.variant, self.params, self.buffers, self.info, self.dtype = variant, params, buffers, info, dtype
         self.changes_bias = variant.changes_bias
         # The activation form of the target's kind (an embedding's gather: Variant.kind_forms).
-        self.form = variant.kind_forms.get(kind, variant.activation_form)
+        self.form = variant.kind_forms.get(kind) or variant.activation_form
 
     def weight(self, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor | None]:
         tap = getattr(_tap_state, "tap", None) if _tap_users else None
@@ -331,7 +331,7 @@ def has_kind_form(op: LayerOp, kind: str) -> bool:
     """Whether ``op`` computes on a target of ``kind`` without its merged weight: every variant
     in it has an activation form for the kind (``Variant.kind_forms``)."""
     if isinstance(op, VariantOp):
-        return kind in op.variant.kind_forms
+        return op.variant.kind_forms.get(kind) is not None
     if isinstance(op, (ChainOp, SumOp)):
         return all(has_kind_form(part, kind) for part in op.ops)
     return False

@@ -22,7 +22,7 @@ from lora_func.adapter import AdapterLayer, SharedTensors
 from lora_func.checks import check_model
 from lora_func.quantized import kind_of_tensor
 from lora_func.spec import AdapterSpec
-from lora_func.targeting import Target, canonical_weight, close_names
+from lora_func.targeting import Target, canonical_weight, close_names, kind_of_layout
 from lora_func.variants import LayerInfo, TensorDict, Variant
 
 __all__ = [
@@ -134,6 +134,7 @@ def layer_info(spec: AdapterSpec, target: Target, *, r: int | None = None, alpha
         has_bias=target.bias_key is not None,
         options=spec.options,
         kernel=target.shape[2:] if target.layout == "conv" else (),
+        kind=kind_of_layout(target.layout),
     )
 
 
@@ -179,7 +180,7 @@ def variant_init(
     ``TypeError``/``ValueError`` comes back naming the variant and the module."""
     with torch.no_grad():
         weight, bias, stored = target_weight(module, target)
-        if weight.is_meta and (variant.records_base or variant.calibrate is not None):
+        if weight.is_meta and (variant.records_base or variant.calibration is not None):
             # On the meta device every adapter is shapes only (LoRA's, DoRA's); one derived from
             # the weight's exact values (a residual, a fingerprint) or from data cannot be.
             _check_weight_values(spec, target, weight)

@@ -27,7 +27,6 @@ from typing import Any, ClassVar, cast
 import torch
 from torch import Tensor
 
-from lora_func._deprecated import warn_renamed
 from lora_func._layer_ops import ChainOp, LayerOp, SumOp
 from lora_func._tree import (
     NODE_TYPES,
@@ -380,13 +379,6 @@ class Combinator(AdapterNode):
         for name in self.fields:
             object.__setattr__(self, name, getattr(built, name))
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        if "layer_step" in vars(cls) and "layer_op" not in vars(cls):
-            # Defined under the old name (before 0.2): it serves as layer_op.
-            warn_renamed(f"{cls.__name__}.layer_step", f"{cls.__name__}.layer_op", stacklevel=3)
-            setattr(cls, "layer_op", vars(cls)["layer_step"])  # noqa: B010  (mypy: no assigning a method)
-
     @abc.abstractmethod
     def layer_op(self, ops: Sequence[LayerOp], present: Sequence[int]) -> LayerOp:
         """How the layer ops of the parts that adapt one layer combine there."""
@@ -474,7 +466,7 @@ class Composed(Combinator, tag="composed"):
         adapted: dict[str, int] = {}
         for i, part in enumerate(parts):
             for leaf in leaf_adapters(part):
-                if not leaf.variant.replaces_weight:
+                if not isinstance(leaf, Adapter) or not leaf.variant.replaces_weight:  # (a prompt adapts no weight)
                     continue
                 earlier = sorted(k for k in (layer.target.weight_key for layer in leaf.layers) if k in adapted)
                 if earlier:
@@ -520,7 +512,9 @@ class Combined(Combinator, tag="combined"):
         given = weights
         if not isinstance(weights, Tensor):
             try:
-                weights = torch.as_tensor(weights)
+                # a list holding tensors (learned weights that require grad) is stacked: graph kept
+                is_list = isinstance(weights, Sequence) and any(isinstance(w, Tensor) for w in weights)
+                weights = torch.stack([torch.as_tensor(w) for w in weights]) if is_list else torch.as_tensor(weights)
             except (TypeError, ValueError, RuntimeError):
                 weights = torch.tensor([])  # not numbers: reported below with the expected form
         if not weights.is_floating_point() or weights.dim() != 1 or weights.shape[0] != len(parts):

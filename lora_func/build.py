@@ -46,7 +46,7 @@ def init_adapter(
     if not isinstance(spec, AdapterSpec):
         raise TypeError(f"init_adapter expects an AdapterSpec, got {type(spec).__name__}")  # error: init-not-spec
     variant = get_variant(spec.variant)
-    if variant.calibrate is not None and calibration is not None and (
+    if variant.calibration is not None and calibration is not None and (
         isinstance(calibration, (str, bytes, Mapping, Tensor)) or not isinstance(calibration, Iterable)
     ):
         # Before the generator draws its seed: a refused call leaves the global RNG alone.
@@ -55,11 +55,12 @@ def init_adapter(
             f"{type(calibration).__name__}; e.g. calibration=[{{'input_ids': ids}}] or a DataLoader"
         )
     targets = find_targets(model, spec)
-    if variant.uses_rank:
+    if "rank_within_layer" in variant.traits:
         too_big = [f"{t.module} (d_in={t.d_in}, d_out={t.d_out})" for t in targets if spec.r > min(t.d_in, t.d_out)]
         if too_big:
             raise ValueError(  # error: init-rank-too-big
-                f"r={spec.r} exceeds min(d_in, d_out) of target(s) {sorted(too_big)}; lower r or leave them out"
+                f"r={spec.r} exceeds min(d_in, d_out) of target(s) {sorted(too_big)}: {spec.variant} takes r directions of each "
+                f"target's weight; lower r or leave them out"
             )
     modules = dict(model.named_modules())
     # The target weights (an expert parameter is its module's attribute of that name).
@@ -86,14 +87,14 @@ def init_adapter(
     generator = _default_generator() if generator is None else generator
     infos = layer_infos(variant, spec, {t.module: layer_info(spec, t) for t in targets})
     payloads: dict[str, Any] = dict.fromkeys(infos, calibration)
-    if variant.calibrate is not None:
+    if variant.calibration is not None:
         if calibration is None:
             raise ValueError(  # error: init-needs-calibration
                 f"variant {spec.variant!r} is data-driven: pass calibration=<iterable of batches with "
                 f"'input_ids' and optionally 'attention_mask' and 'labels'>"
             )
-        source = layer_gradient_batches if variant.calibrate_on == "gradients" else layer_input_batches
-        fitted = variant.calibrate(source(model, targets, calibration), infos, generator=generator)
+        source = layer_gradient_batches if variant.calibration.on == "gradients" else layer_input_batches
+        fitted = variant.calibration.fit(source(model, targets, calibration), infos, generator=generator)
         targets = [t for t in targets if t.module in fitted]
         infos = {m: fitted[m][0] for m in infos if m in fitted}
         payloads = {m: fitted[m][1] for m in infos}

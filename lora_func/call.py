@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
+import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any, cast
 
@@ -19,7 +20,6 @@ import torch
 from torch import Tensor, nn
 
 from lora_func._application import Application, refuse_checkpointing_in_transform
-from lora_func._deprecated import renamed_keywords
 from lora_func._model import base_params, check_base_params
 from lora_func._routing import module_forward, module_replay
 from lora_func._sharded import is_sharded, swapped_on
@@ -28,7 +28,8 @@ from lora_func.adapter import AdapterLike
 from lora_func.checks import check_base, check_model
 from lora_func.checks import check_finite as finite_or_raise
 from lora_func.overlay import check_adapter_finite, lazy_overlay, merged_only_params, merged_overlay
-from lora_func.plan import Plan, Route, adapter_tensors, build_plan, cached_plan, check_plan_fits, detached_base, structure_key
+from lora_func.plan import Plan, Route, adapter_tensors, build_plan, cached_plan, check_plan_fits, detached_base, plans_for, structure_key
+from lora_func.prompts._apply import contains_prompt, prompt_adapted, prompt_call
 from lora_func.quantized import QuantizedKind, frozen_call, frozen_forwards, kind_of_tensor
 from lora_func.targeting import MERGED_ONLY, Target, canonical_weight
 from lora_func.variants import BaseLayer
@@ -176,8 +177,8 @@ def _call_plan(
 class _Memo:
     """A plan's last lazy application, kept for the next inference call with the same base dict,
     adapter tensors and options: valid while the dict holds the same names and tensor objects,
-    and the adapter the same tensors at the same versions (no in-place write since). Held by the
-    plan, which the model holds weakly."""
+    and the adapter the same tensors at the same versions (no in-place write since). Kept beside
+    the plan (:data:`_LAST`), never in it: a plan is an immutable description."""
 
     __slots__ = ("key", "keys", "parts", "tensors", "values", "versions")
 
@@ -198,6 +199,11 @@ class _Memo:
             and _same_objects(self.tensors, tensors)
             and [t._version for t in tensors] == self.versions
         )
+
+
+# plan -> its last lazy application; the plans are held weakly by their models, so each memo goes
+# with its plan.
+_LAST: weakref.WeakKeyDictionary[Plan, _Memo] = weakref.WeakKeyDictionary()
 
 
 def _tensors(adapter: AdapterLike) -> tuple[Tensor, ...]:
@@ -221,15 +227,9 @@ def _memo_key(model: nn.Module, base: Any, merged: bool, lazy_only: bool, check_
 
 
 def _memoised(model: nn.Module, key: tuple, base: Mapping[str, Tensor], adapter: AdapterLike, plan: Plan | None) -> Application | None:
-    from lora_func.plan import _PLANS
-
-    if plan is not None:
-        candidates = [plan]
-    else:
-        entry = _PLANS.get(model)
-        candidates = [p for _, p in reversed(entry)] if entry is not None else []
+    candidates = [plan] if plan is not None else plans_for(model)
     for candidate in candidates:
-        memo = candidate.last
+        memo = _LAST.get(candidate)
         if (
             memo is not None
             and memo.valid(key, base, adapter)
@@ -244,7 +244,6 @@ def _memoised(model: nn.Module, key: tuple, base: Mapping[str, Tensor], adapter:
 # ----------------------------------------------------------------------------- the public calls
 
 
-@renamed_keywords("adapted_call", strict="lazy_only", safe="check_finite")
 def adapted_call(
     model: nn.Module,
     adapter: AdapterLike,
@@ -295,6 +294,9 @@ def adapted_call(
     """
     where = "adapted_call"
     check_model(model, where)
+    if contains_prompt(adapter):  # an input-level adapter (lora_func.prompts), alone or composed with weight-level ones
+        return prompt_call(model, adapter, args, kwargs, base=base, call_weights=lambda weights, *a, **k: adapted_call(
+            model, weights, *a, merged=merged, base=base, lazy_only=lazy_only, check_finite=check_finite, route=route, plan=plan, **k))
     memo_key = _memo_key(model, base, merged, lazy_only, check_finite, route)
     if memo_key is not None and base is not None:
         reused = _memoised(model, memo_key, base, adapter, plan)
@@ -328,11 +330,10 @@ def adapted_call(
     if check_finite and merged and plan.route == "overlay":
         finite_or_raise({k: v for k, v in applied.params.items() if v is not base[k]}, "merge_overlay(check_finite=True): merged weights")
     if memo_key is not None and given is not None:
-        plan.last = _Memo(memo_key, given, adapter, applied)
+        _LAST[plan] = _Memo(memo_key, given, adapter, applied)
     return applied(*args, **kwargs)
 
 
-@renamed_keywords("adapted", strict="lazy_only")
 @contextlib.contextmanager
 def adapted(
     model: nn.Module, adapter: AdapterLike, *, merged: bool = True, lazy_only: bool = False, route: Route = "auto"
@@ -353,6 +354,10 @@ def adapted(
     ``model`` see the adapter while the block runs.
     """
     where = "adapted"
+    if contains_prompt(adapter):  # an input-level adapter (lora_func.prompts), alone or composed with weight-level ones
+        with prompt_adapted(model, adapter, lambda weights: adapted(model, weights, merged=merged, lazy_only=lazy_only, route=route)):
+            yield model
+        return
     base = base_params(model)
     plan = _call_plan(model, base, False, adapter, route, where, None)
     applied = application(model, plan, base, adapter, merged=merged, lazy_only=lazy_only, whole_base=False)

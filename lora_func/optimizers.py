@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lora_func._kernels import lora_scale
+from lora_func.variants._kernels import lora_scale
 from lora_func.adapter import SHARED, AdapterLike, leaf_adapters, leaves, walk
 
 __all__ = [
@@ -73,8 +73,8 @@ def factor_pairs(adapter: AdapterLike) -> list[FactorPair]:
         axes = leaf.variant.rank_axes
         for layer in leaf.layers:
             info, module = layer.info, layer.target.module
-            a_like = [n for n, shape in layer.param_shapes if len(shape) == 2 and axes.get(n) == 0 and shape[1] == info.d_in]
-            b_like = [n for n, shape in layer.param_shapes if len(shape) == 2 and axes.get(n) == 1 and shape[0] == info.d_out]
+            a_like = [n for n, shape in layer.param_shapes if len(shape) == 2 and axes.get(n) == (0,) and shape[1] == info.d_in]
+            b_like = [n for n, shape in layer.param_shapes if len(shape) == 2 and axes.get(n) == (1,) and shape[0] == info.d_out]
             if len(a_like) != 1 or len(b_like) != 1:
                 continue
             _, buffers = leaf.layer_tensors(layer)

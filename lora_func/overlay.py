@@ -17,7 +17,6 @@ from torch import Tensor
 from lora_func._lazy import AdaptedBias, AdaptedCalls, AdaptedWeight, _BiasEntry, _ModeEntry
 from lora_func._layer_ops import LayerOp, has_kind_form, merged_weight
 from lora_func.adapter import AdapterLike
-from lora_func._deprecated import renamed, renamed_keywords
 from lora_func.checks import check_base
 from lora_func.checks import check_finite as finite_or_raise
 from lora_func.plan import Plan, adapter_tensors, check_plan_fits, overlay_plan
@@ -47,7 +46,6 @@ def check_adapter_finite(adapter: AdapterLike, where: str) -> None:
     finite_or_raise({**params, **buffers}, f"{where}(check_finite=True): adapter tensors")
 
 
-@renamed_keywords("merge_overlay", safe="check_finite")
 def merge_overlay(
     base: Mapping[str, Tensor], adapter: AdapterLike, *, check_finite: bool = False, plan: Plan | None = None
 ) -> dict[str, Tensor]:
@@ -88,7 +86,6 @@ def _put_merged(out: dict[str, Tensor], t: Target, op: LayerOp, base: Mapping[st
         out[t.bias_key] = b_eff
 
 
-@renamed_keywords("overlay", strict="lazy_only", safe="check_finite")
 def overlay(
     base: Mapping[str, Tensor],
     adapter: AdapterLike,
@@ -144,7 +141,6 @@ def merged_only_params(plan: Plan, base: Mapping[str, Tensor], adapter: AdapterL
     return out
 
 
-@renamed_keywords("overlay_mode", strict="lazy_only", safe="check_finite")
 def overlay_mode(
     base: Mapping[str, Tensor],
     adapter: AdapterLike,
@@ -181,5 +177,4 @@ def overlay_mode(
     return AdaptedCalls(entries)
 
 
-overlay_calls = renamed(overlay_mode, "lora_func.overlay_calls", "lora_func.overlay_mode")
 """Deprecated (removed in 0.2): :func:`overlay_mode` under its old name."""

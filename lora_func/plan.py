@@ -27,7 +27,6 @@ from typing import Any, Literal, NamedTuple, get_args
 import torch
 from torch import Tensor, nn
 
-from lora_func._deprecated import deprecated_method
 from lora_func._model import base_params, check_base_params
 from lora_func._sharded import is_fsdp_model, is_sharded
 from lora_func._layer_ops import LayerOp, variant_op
@@ -195,7 +194,7 @@ class Plan:
       fsdp: the model has a ``fully_shard``-ed module.
     """
 
-    __slots__ = ("_checks", "_modules", "_program", "_tree", "_weights", "base_keys", "fsdp", "last", "route", "structure", "targets")
+    __slots__ = ("__weakref__", "_checks", "_modules", "_program", "_tree", "_weights", "base_keys", "fsdp", "route", "structure", "targets")
 
     route: ResolvedRoute
     targets: dict[str, TargetPlan]
@@ -218,7 +217,6 @@ class Plan:
     ) -> None:
         self.route, self.targets, self._program, self._checks = route, targets, program, checks
         self.base_keys, self.structure, self.fsdp, self._modules, self._tree = base_keys, structure, fsdp, modules, tree
-        self.last = None  # the runner's memo of its last application (lora_func.call)
         self._weights: tuple[tuple[str, type, torch.Size, torch.dtype, torch.device], ...] = ()
 
     def _record_weights(self, base: Mapping[str, Tensor]) -> Plan:
@@ -237,8 +235,6 @@ class Plan:
         """Per target weight key, the layer op that applies ``adapter`` there (an adapter of the
         plan's structure: checked by :meth:`check_tensors`)."""
         return _ops(self._program, adapter)
-
-    steps = deprecated_method("ops", "steps", "Plan")
 
     def check_tensors(self, adapter: AdapterLike, where: str) -> None:
         """Raise unless every tensor of ``adapter`` has its unstacked shape, sits on its target
@@ -546,6 +542,12 @@ def _program_keys(program: _Leaf | _Node) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- the cache
+
+
+def plans_for(model: nn.Module) -> list[Plan]:
+    """The plans built for ``model`` (by :func:`cached_plan`), the latest first."""
+    entry = _PLANS.get(model)
+    return [plan for _, plan in reversed(entry)] if entry is not None else []
 
 
 # model -> the plans built for it, with the route each was asked for, the latest last; held

@@ -11,14 +11,12 @@ from typing import Any
 
 import torch
 
-from lora_func.variants import get_variant
+from lora_func.variants import get_variant, resolve_options
 
 __all__ = ["LAYER_TYPES", "TIED_POLICIES", "AdapterSpec"]
 
 LAYER_TYPES = ("conv", "conv1d", "embedding", "linear", "norm")
 TIED_POLICIES = ("error", "both")
-# Options where an infinite value has a documented meaning (antipasto: no rotation clamp).
-_INFINITE_OPTIONS = {("antipasto", "max_rotation_angle")}
 _FLOAT_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.float64, torch.bfloat16, torch.float16)}
 
 
@@ -110,29 +108,8 @@ class AdapterSpec:
                 raise ValueError(f"AdapterSpec layer_types {bad or list(layer_types)} invalid; choose from {list(LAYER_TYPES)}")  # error: spec-layer-types
         if tied not in TIED_POLICIES:
             raise ValueError(f"AdapterSpec tied={tied!r} is not one of {list(TIED_POLICIES)}")  # error: spec-tied
-        unknown = sorted(set(options) - set(var.options))
-        if unknown:
-            raise TypeError(  # error: spec-unknown-option
-                f"unknown option(s) {unknown} for variant {variant!r}; "
-                f"it accepts {sorted(var.options) or 'no options'}"
-            )
-        resolved = {**var.options, **options}
-        for name, default in var.options.items():
-            value = resolved[name]
-            if default is not None and not _same_kind(value, default):
-                raise TypeError(  # error: spec-option-type
-                    f"option {name}={value!r} for variant {variant!r} must be a {type(default).__name__}"
-                )
-        if var.check_options is not None:
-            var.check_options(resolved)
-        # After the variant's own checks (their messages are more specific), for the options
-        # they leave unchecked (eva's rho=nan passes `rho < 1`).
-        for name, value in resolved.items():
-            if isinstance(value, float) and not math.isfinite(value) and (math.isnan(value) or (variant, name) not in _INFINITE_OPTIONS):
-                raise ValueError(  # error: spec-option-finite
-                    f"option {name}={value!r} for variant {variant!r} must be a finite number (the outputs would be "
-                    f"NaN or silently wrong); leave it out for the default {var.options[name]!r}"
-                )
+        # One place validates the options (the variant's option schema), as for peft configs.
+        resolved = resolve_options(variant, var.options, options, var.check)
         set_ = object.__setattr__
         set_(self, "variant", variant)
         set_(self, "targets", targets)
@@ -177,14 +154,6 @@ class AdapterSpec:
             target_parameters=data.get("target_parameters", ()),
             **data["options"],
         )
-
-
-def _same_kind(value: Any, default: Any) -> bool:
-    if isinstance(default, bool):
-        return isinstance(value, bool)
-    if isinstance(default, (int, float)):
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    return isinstance(value, type(default))
 
 
 def _normalise_targets(targets: str | Sequence[str] | Mapping[str, Any]) -> str | tuple[str, ...]:

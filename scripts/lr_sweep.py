@@ -146,7 +146,7 @@ class Runner:
         options = {k: v for k, v in settings.items() if k not in ("r", "alpha")}
         spec = lf.AdapterSpec(point.variant, targets=self.targets, r=settings.get("r", 8), alpha=settings.get("alpha"), **options)
         calibration = None
-        if lf.get_variant(point.variant).calibrate is not None:
+        if lf.get_variant(point.variant).calibration is not None:
             calibration = [
                 {"input_ids": train.input_ids[i : i + 16], "attention_mask": train.attention_mask[i : i + 16]}
                 for i in range(0, min(len(train.examples), 80), 16)

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from lora_func import variants
-from lora_func.variants import BaseLayer, LayerInfo, TensorDict, Variant
+from lora_func.variants import BaseLayer, LayerInfo, Slot, TensorDict, Variant
 
 NAME = "tied_lora"
 
@@ -51,8 +51,11 @@ TIED = Variant(
     init=init,
     weight_form=weight_form,
     activation_form=activation_form,
+    tensors={
+        "tied_B": Slot(lambda i: (i.d_out, i.r), rank_axes=(1,)),
+        "tied_A": Slot(lambda i: (i.r, max(d_in for d_in, _, _ in i.layout or ((i.d_in, 0, 0),))), rank_axes=(0,), shared=True),
+    },
     shared_init=shared_init,
-    rank_axes={"tied_A": 0, "tied_B": 1},
 )
 
 
@@ -62,7 +65,9 @@ def _frozen_shared_init(infos: Mapping[str, LayerInfo], **kwargs) -> tuple[Tenso
 
 
 # The same with A frozen: a shared buffer (rebuilt by shared_init on a trainable_only load).
-FROZEN = dataclasses.replace(TIED, name="tied_frozen", shared_init=_frozen_shared_init)
+FROZEN = dataclasses.replace(
+    TIED, name="tied_frozen", shared_init=_frozen_shared_init, tensors={**TIED.tensors, "tied_A": dataclasses.replace(TIED.tensors["tied_A"], buffer=True)}
+)
 
 
 def tied_w_eff(p, buffers, W, bias, info):

@@ -133,7 +133,7 @@ def test_merged_and_lazy_paths_match_the_hand_computed_w_eff(setting):
 
 
 def test_grad_reaches_the_own_tensor_and_the_parts(setting):
-    model, node, x = setting
+    model, node, _x = setting
     base = lf.base_params(model)
     cotangent = torch.randn(5, 6, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
 
@@ -148,7 +148,7 @@ def test_grad_reaches_the_own_tensor_and_the_parts(setting):
 
 
 def test_pytree_flatten_unflatten_and_tree_map(setting):
-    model, node, _x = setting
+    _model, node, _x = setting
     leaves_, spec = pytree.tree_flatten(node)
     assert leaves_[0] is node.gate and len(leaves_) == 1 + len(node.parts[0].params) + len(node.parts[1].params)
     rebuilt = pytree.tree_unflatten(leaves_, spec)
@@ -201,7 +201,7 @@ def test_stack_take_unstack_and_vmap(setting):
 
 
 def test_construction_validates_and_rebuilds_do_not(setting):
-    model, node, _x = setting
+    _model, node, _x = setting
     lora = node.parts[0]
     with pytest.raises(ValueError, match="one entry per adapter"):
         lf.Combined([lora, lora], torch.ones(3))  # combine()'s checks run in the constructor
@@ -254,28 +254,3 @@ def test_a_combinator_without_layer_op_cannot_be_built():
 
     with pytest.raises(TypeError, match="layer_op"):
         Incomplete._build(parts=())
-
-
-def test_a_combinator_defining_the_old_name_layer_step_warns_and_works_alike():
-    """Until 0.2 a subclass written against the old interface (``layer_step``) still builds, with a
-    DeprecationWarning naming ``layer_op``, and gives the same outputs as the new spelling."""
-    with pytest.warns(DeprecationWarning, match="layer_step is deprecated.*layer_op"):
-
-        class OldGated(Combinator, tag="test_gated_old_name"):
-            gate: Tensor = own_tensor(shape=lambda node: (len(node.parts),))
-            gain: float = static_field()
-
-            def __init__(self, parts: Sequence[lf.Adapter], gate: Tensor, gain: float) -> None:
-                self._init(parts, gate=gate, gain=float(gain))
-
-            def layer_step(self, steps: Sequence[LayerOp], present: Sequence[int]) -> LayerOp:
-                return SumOp(steps, self.gain * self.gate[..., list(present)])
-
-    model = Net()
-    parts = [_lora(model, ["fc1"], 0), _lora(model, ["fc1", "fc2"], 1)]
-    gate = torch.tensor([0.7, -0.4])
-    x = torch.randn(3, 6, generator=torch.Generator().manual_seed(2))
-    new = lf.adapted_call(model, Gated(parts, gate, 1.5), x)
-    old = lf.adapted_call(model, OldGated(parts, gate, 1.5), x)
-    torch.testing.assert_close(old, new, rtol=0, atol=0)
-    assert (new - model(x)).abs().max() > 1e-3

@@ -190,3 +190,24 @@ def test_overhead_adapted_call_section_compares_with_peft(bench_module, capsys):
     assert "2 layers x 7 targets = 14 targets" in out
     assert "adapted_call overhead <= peft's forward overhead" in out
     assert "UNRESOLVED" in out  # two rounds bound no median
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning", "ignore::FutureWarning")
+def test_attribution_prints_both_sizes_with_the_floor_target_and_the_oracles_rows(bench_module, capsys):
+    """bench/attribution.py at tiny sizes: both sections, the FLOP-floor verdict, traker's row
+    (traker is a test dependency) and kronfluence's float64 agreement where it is installed (it
+    cannot be a test dependency: docs/attribution.md; its timing rows are left out at --quick)."""
+    script = bench_module("attribution.py")
+    results = script["main"](["--quick"])
+    out = capsys.readouterr().out
+    assert set(results) >= {"32x1", "64x1"}
+    for size in ("32x1", "64x1"):
+        assert results[size]["features"] > 0 and results[size]["projected_over_floor"] > 0 and results[size]["traker_over_ours"] > 0
+    assert out.count("the FLOP floor)") >= 4 and out.count("-> HOLDS") + out.count("-> FAILS") == 2
+    assert out.count("| traker 0.3.2 featurize") == 4
+    try:
+        import kronfluence  # noqa: F401
+    except ImportError:
+        assert "kronfluence not installed: no agreement check" in out
+    else:
+        assert results["kronfluence_float64_difference"] < 1e-10

@@ -338,7 +338,7 @@ def test_every_method_builds_on_the_shipped_model_with_its_demo_defaults(shipped
     for name in lf.list_variants():
         spec = config.spec_for(name, default_targets(model))
         calibration = [{"input_ids": train.input_ids[:16], "attention_mask": train.attention_mask[:16]}]
-        fitted = fit_and_init(model, spec, lambda s: lf.init_adapter(model, s, calibration=calibration if lf.get_variant(s.variant).calibrate else None))
+        fitted = fit_and_init(model, spec, lambda s: lf.init_adapter(model, s, calibration=calibration if lf.get_variant(s.variant).calibration else None))
         assert fitted.adapter.spec == fitted.spec and fitted.adapter.num_parameters() > 0, name
         changed.update({name: [(c.option, c.asked, c.used) for c in fitted.changes]} if fitted.changes else {})
     assert changed == {"vblora": [("vector_length", 256, 64)]}, changed

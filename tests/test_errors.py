@@ -90,11 +90,14 @@ def test_rank_below_one_or_not_an_integer(r):
 
 
 def test_rank_above_min_dims_names_the_layers(llama):
-    # q_proj is 32 x 32; k_proj is 32 -> 16 (2 kv heads of 8)
+    # q_proj is 32 x 32; k_proj is 32 -> 16 (2 kv heads of 8). PiSSA takes r singular directions
+    # of each weight (the rank_within_layer trait); LoRA has no such limit, as in peft (issue 48).
     with pytest.raises(ValueError, match=r"r=17 exceeds min\(d_in, d_out\).*k_proj \(d_in=32, d_out=16\)") as err:
-        lf.init_adapter(llama, lf.AdapterSpec("lora", targets=["q_proj", "k_proj"], r=17))
+        lf.init_adapter(llama, lf.AdapterSpec("pissa", targets=["q_proj", "k_proj"], r=17))
     assert "q_proj" not in str(err.value)
-    lf.init_adapter(llama, lf.AdapterSpec("lora", targets=["k_proj"], r=16))
+    lf.init_adapter(llama, lf.AdapterSpec("pissa", targets=["k_proj"], r=16))
+    lora = lf.init_adapter(llama, lf.AdapterSpec("lora", targets=["q_proj", "k_proj"], r=17))
+    assert dict(lora.layers[1].param_shapes) == {"lora_A": (17, 32), "lora_B": (16, 17)}
 
 
 def test_unknown_and_mistyped_options():

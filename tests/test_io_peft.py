@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import lora_func as lf
-from lora_func._kernels import lora_scale
+from lora_func.variants._kernels import lora_scale
 from lora_func.export import merged_state_dict
 from lora_func.io import load_peft, save_peft
 from lora_func.variants import get_variant, list_variants
@@ -333,7 +333,7 @@ def test_load_peft_errors_name_the_problem(lora_dir, tmp_path):
         load_peft(lora_dir, llama)
     # a peft method no variant stores (the list read from the registry: new variants extend it)
     _edit_config(lora_dir, lora_bias=False, peft_type="POLY")
-    known = sorted({fmt.method.peft_type for v in lf.list_variants() if (fmt := lf.get_variant(v).peft) is not None})
+    known = sorted({fmt.method.peft_type for v in lf.list_variants() if (fmt := lf.variants.peft_format(v)) is not None})
     assert {"DELORA", "HRA", "IA3", "LORA"} <= set(known)
     with pytest.raises(ValueError, match=re.escape(f"peft 'POLY' checkpoint; lora_func reads peft_type {known}")):
         load_peft(lora_dir, llama)

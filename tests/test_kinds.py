@@ -37,7 +37,7 @@ def test_every_variant_adapts_a_kind_or_refuses_it_clearly(variant, kind, models
     spec = lf.AdapterSpec(variant, targets=targets, r=2, **extra)
     declared = lf.get_variant(variant).kinds
     assert declared <= set(KINDS), f"{variant} declares unknown kinds {sorted(declared - set(KINDS))}"
-    calibration = calibration_batches(n=1) if lf.get_variant(variant).calibrate is not None else None
+    calibration = calibration_batches(n=1) if lf.get_variant(variant).calibration is not None else None
     if kind in declared:
         adapter = lf.init_adapter(model, spec, generator=torch.Generator().manual_seed(0), calibration=calibration)
         assert {kind_of_layout(layer.target.layout) for layer in adapter.layers} == {kind}
@@ -149,7 +149,7 @@ def test_the_mixed_route_refuses_merged_only_kinds(models):
     model = models["llama"]
     a = lf.init_adapter(model, lf.AdapterSpec("lora", targets=["embed_tokens"], r=2))
     with pytest.raises(ValueError, match=r"model.embed_tokens \(embedding\)"):
-        lf.mixed_adapted_call(model, [a, a], torch.tensor([0, 1]), tokens())
+        lf.mixed_call(model, [a, a], torch.tensor([0, 1]), tokens(), batching="layers")
 
 
 @pytest.mark.parametrize("kind", ["embedding", "conv", "experts"])
@@ -224,7 +224,7 @@ def test_load_refuses_a_file_whose_variant_no_longer_adapts_a_kind(models, tmp_p
 
     model = models["llama"]
     path = lf.save(lf.init_adapter(model, lf.AdapterSpec("lora", targets=["embed_tokens"], r=2)), tmp_path / "a.safetensors")
-    narrow = dataclasses.replace(lf.get_variant("lora"), kinds=frozenset({"linear"}))
+    narrow = dataclasses.replace(lf.get_variant("lora"), kind_forms={"linear": None})
     monkeypatch.setattr(native, "get_variant", lambda name: narrow)
     with pytest.raises(ValueError, match=r"load\(.*\): variant 'lora' cannot adapt \['model.embed_tokens \(embedding\)'\]"):
         lf.load(path, model=model)

@@ -1,4 +1,4 @@
-"""The base-dtype low-rank node (lora_func._kernels._BasePlusProduct / base_plus_product): its
+"""The base-dtype low-rank node (lora_func.variants._kernels._BasePlusProduct / base_plus_product): its
 backward formulas (gradcheck in fp64), its bf16 results against an fp64 oracle, torch.func
 support, when it applies, and that the targets reading one input keep one copy of it."""
 
@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import lora_func as lf
 from lora_func._layer_ops import LayerCall
-from lora_func._kernels import _BasePlusProduct, base_plus_product, half_product_applies
+from lora_func.variants._kernels import _BasePlusProduct, base_plus_product, half_product_applies
 from tests.models import tiny_model
 
 N, D_IN, D_OUT, R = 12, 10, 7, 3

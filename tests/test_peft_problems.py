@@ -32,7 +32,7 @@ def _adapter(model, kind: str, variant: str, **kwargs) -> lf.Adapter:
     # adalora: peft's config stores the rank as init_r, an option that must equal r.
     extra = {"init_r": kwargs.get("r", 2), "total_step": 10} if variant == "adalora" else {}
     spec = lf.AdapterSpec(variant, targets=kwargs.pop("targets", TARGETS[kind]), **({"r": 2} | SMALL_MODEL_OPTIONS.get(variant, {}) | OPTIONS.get(variant, {}) | extra | kwargs))
-    calibration = calibration_batches() if lf.get_variant(variant).calibrate is not None else None
+    calibration = calibration_batches() if lf.get_variant(variant).calibration is not None else None
     adapter = lf.init_adapter(model, spec, generator=torch.Generator().manual_seed(1), calibration=calibration)
     return perturbed(adapter, 0.1)
 
@@ -157,30 +157,31 @@ def test_only_a_non_adapter_raises():
 
 
 def test_the_table_gives_each_peft_variant_its_keys_and_shapes():
-    """One entry per variant that peft holds: the shapes it checks on load are the adapter's
-    own tensor shapes (an entry with a wrong key or shape would refuse its own checkpoints)."""
+    """Every variant's tensor schema gives the adapter's own tensors, shapes and buffers on each
+    layer (the shapes the loader checks a checkpoint against); a variant that peft holds stores
+    each of its saved per-layer tensors under its own key (a schema with a wrong key or shape
+    would refuse its own checkpoints)."""
     model = tiny_model("llama")
     for variant in lf.list_variants():
-        fmt = lf.get_variant(variant).peft
+        fmt = lf.variants.peft_format(variant)
         if fmt is None:
             assert peft_problems(_adapter(model, "llama", variant), model=model), variant
-            continue
+        declared = lf.get_variant(variant)
         adapter = _adapter(model, "llama", variant)
         for layer in adapter.layers:
-            params, buffers = adapter.layer_tensors(layer)
-            stored = {k: tuple(v.shape) for k, v in (params | buffers).items() if k in fmt.keys}
-            if fmt.layer_shapes is not None:  # the layer holds exactly its own subset of the keys
-                want = fmt.shapes_for(layer.info)
-                assert stored == want and set(want) <= set(fmt.keys) and set(params) | set(buffers) == set(want), variant
-                continue
-            assert set(fmt.keys) <= set(params) | set(buffers), variant
-            assert stored == fmt.shapes_for(layer.info), variant
-            assert set(fmt.buffers) <= set(buffers), variant
+            # (a layer's forms see the shared tensors too; the schema holds them apart)
+            params, buffers = ({k: v for k, v in t.items() if not declared.tensors[k].shared} for t in adapter.layer_tensors(layer))
+            want = declared.shapes(layer.info)
+            assert {k: tuple(v.shape) for k, v in (params | buffers).items()} == want, variant
+            assert set(buffers) == {k for k in want if declared.tensors[k].buffer}, variant
+        if fmt is not None:
+            keys = [slot.peft_key("") for slot in declared.layer_slots().values() if slot.peft is not None]
+            assert len(keys) == len(set(keys)), variant
 
 
 def test_io_peft_names_no_variant():
     """The peft reader/writer is generic: each variant's mapping is its own file's entry
-    (``Variant(peft=...)``), so io/peft.py names none of them (code, messages or docs)."""
+    (its file's ``PEFT`` and schemas), so io/peft.py names none of them (code, messages or docs)."""
     for path in Path(peft.__file__).parent.glob("*peft*.py"):  # peft.py and its _peft_* modules
         text = path.read_text()
         named = sorted({v for v in lf.list_variants() if re.search(rf"\b{re.escape(v)}\b", text, re.IGNORECASE)})
@@ -190,7 +191,7 @@ def test_io_peft_names_no_variant():
 
 def test_the_variants_of_one_peft_method_share_its_entry():
     """Variants stored as one peft_type share one PeftMethod (one set of config rules)."""
-    formats = {v: lf.get_variant(v).peft for v in lf.list_variants() if lf.get_variant(v).peft is not None}
+    formats = {v: lf.variants.peft_format(v) for v in lf.list_variants() if lf.variants.peft_format(v) is not None}
     by_type: dict = {}
     for fmt in formats.values():
         by_type.setdefault(fmt.method.peft_type, set()).add(id(fmt.method))

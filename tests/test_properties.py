@@ -173,7 +173,7 @@ def build(case: Case) -> tuple[OneLayer, lf.Adapter]:
         model,
         case.spec(),
         generator=torch.Generator().manual_seed(case.seed + 1),
-        calibration=calibration(case.seed) if lf.get_variant(case.variant).calibrate is not None else None,
+        calibration=calibration(case.seed) if lf.get_variant(case.variant).calibration is not None else None,
     )
     return model, adapter
 
@@ -352,7 +352,7 @@ def test_compositions_merged_equals_lazy_equals_oracle(composition):
     parts = []
     for case in cases:
         adapter = lf.init_adapter(
-            model, case.spec(), generator=torch.Generator().manual_seed(case.seed + 1), calibration=calibration(case.seed) if lf.get_variant(case.variant).calibrate is not None else None
+            model, case.spec(), generator=torch.Generator().manual_seed(case.seed + 1), calibration=calibration(case.seed) if lf.get_variant(case.variant).calibration is not None else None
         )
         parts.append(perturbed(adapter, case.seed + 3))
     (layer,) = parts[0].layers

@@ -1,5 +1,5 @@
-"""The public surface: ``lora_func.__all__`` grouped as docs/api.md groups it, and the old
-names that still answer with a ``DeprecationWarning``."""
+"""The public surface: ``lora_func.__all__`` grouped as docs/api.md groups it; no rename shims
+(nothing has been released: a renamed function is gone under its old name)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import re
 from pathlib import Path
 
 import pytest
-import torch
 
 import lora_func as lf
 import lora_func.distributed
@@ -22,6 +21,7 @@ SECTIONS = {
     "COMBINING": "Combining adapters",
     "MANY_ADAPTERS": ("Many adapters at once", "Many adapters in one batch"),
     "FILES": "Saving, loading, exporting",
+    "PROMPTS": "Input-level adapters: prompt learning",
     "CHECKS": "Checks and data-parallel training",
     "PRIVACY": "Private training (DP-SGD)",
     "TRAINING_METHODS": "Optimiser methods and AdaLoRA's rank budget",
@@ -51,39 +51,11 @@ def test_all_is_exactly_the_groups_without_repeats():
         assert getattr(lf, name) is not None
 
 
-@pytest.mark.parametrize(
-    ("old", "new"),
-    [
-        ("merge", lora_func.export.merged_state_dict),
-        ("all_reduce_mean", lora_func.distributed.all_reduce_mean),
-        ("all_reduce_mean_grads_", lora_func.distributed.all_reduce_mean_grads_),
-        ("broadcast_adapter", lora_func.distributed.broadcast_adapter),
-        ("check_params", lf.check_base_params),
-        ("overlay_calls", lf.overlay_mode),
-    ],
-)
-def test_old_names_warn_and_are_the_new_functions(old, new):
-    assert old not in lf.__all__
-    with pytest.warns(DeprecationWarning, match=rf"lora_func\.{old} is deprecated.*{new.__name__}"):
-        got = getattr(lf, old)
-    assert got is new
-
-
-def test_the_merge_alias_still_exports_the_same_state_dict():
-    from tests.models import tiny_model
-
-    model = tiny_model("llama")
-    adapter = lf.init_adapter(model, lf.AdapterSpec("lora", targets=["q_proj"], r=2), generator=torch.Generator().manual_seed(0))
-    adapter = adapter.with_params({k: torch.randn_like(v) for k, v in adapter.params.items()})
-    with pytest.warns(DeprecationWarning):
-        old = lf.merge(model, adapter)
-    new = lf.merged_state_dict(model, adapter)
-    assert old.keys() == new.keys()
-    assert all(torch.equal(old[k], new[k]) for k in new)
-    key = "model.layers.0.self_attn.q_proj.weight"
-    assert not torch.equal(new[key], model.state_dict()[key])
-
-
 def test_unknown_names_still_raise_attribute_error():
     with pytest.raises(AttributeError, match="no attribute 'merge_state'"):
         lf.merge_state  # noqa: B018
+
+
+@pytest.mark.parametrize("old", ["merge", "all_reduce_mean", "all_reduce_mean_grads_", "broadcast_adapter", "check_params", "overlay_calls"])
+def test_old_names_are_gone(old):
+    assert not hasattr(lf, old) and old not in lf.__all__

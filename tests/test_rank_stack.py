@@ -17,7 +17,7 @@ from tests.variant_table import ROWS
 RANKS = {"hra": (2, 4, 6), "antipasto": (1, 3, 6), "eva": (2, 4), "lokr": (1, 2, 3), "gralora": (2, 4, 6)}  # lokr: r=4 makes the 32x32 W2 whole; gralora: r a multiple of gralora_k=2
 # Variants without rank axes (RandLoRA, PVeRA: their structure depends on r) refuse rank-padded
 # stacks; their refusal is tested with them.
-RANKED = sorted(v for v in ROWS if lf.get_variant(v).uses_rank and lf.get_variant(v).rank_axes)
+RANKED = sorted(v for v in ROWS if lf.get_variant(v).rank_axes)
 
 
 def _members(variant: str, kind: str):

@@ -47,14 +47,17 @@ def test_a_seeded_init_draws_peft_kernel_bit_for_bit(init):
 
 
 def test_peft_init_weights_read_and_written_as_peft_means_them():
-    fmt = lf.get_variant("c3a").peft
+    from lora_func.io._peft_config import config_of
+    from tests.variant_checks import read_options
+
+    fmt = lf.variants.peft_format("c3a")
     # peft: True keeps the zeros (the identity), False means xavier_uniform, a name that init
-    assert fmt.reads({"init_weights": True}, "x") == {"init": "zeros"}
-    assert fmt.reads({"init_weights": False}, "x") == {"init": "xavier_uniform"}
+    assert read_options("c3a", {"init_weights": True}) == {"init": "zeros"}
+    assert read_options("c3a", {"init_weights": False}) == {"init": "xavier_uniform"}
     for init in ("zeros", "xavier_uniform", "kaiming_uniform", "gaussian"):
-        written = fmt.config({"init": init})
-        assert written == {"init_weights": True if init == "zeros" else init}
-        assert fmt.reads(written, "x") == {"init": init}
+        written = config_of(lf.get_variant("c3a"), fmt, {"init": init})
+        assert written == {**fmt.method.fixed, "init_weights": True if init == "zeros" else init}
+        assert read_options("c3a", written) == {"init": init}
 
 
 @pytest.mark.parametrize(("d_in", "d_out", "r", "largest"), [(32, 48, 5, 16), (32, 48, 32, 16), (48, 32, 3, 16), (5, 7, 2, 1)])
@@ -71,5 +74,5 @@ def test_peft_refuses_conv1d_lora_func_adapts_it_and_save_peft_says_so():
         peft.get_peft_model(tiny_model("gpt2"), peft.C3AConfig(target_modules=["c_attn"], block_size=4))
     adapter = lf.init_adapter(tiny_model("gpt2"), lf.AdapterSpec("c3a", targets=["c_attn"], r=4))
     assert {layer.target.layout for layer in adapter.layers} == {"conv1d"}
-    assert lf.get_variant("c3a").peft.conv1d is False
+    assert lf.variants.peft_format("c3a").conv1d is False
     assert any("Conv1D" in problem for problem in peft_problems(adapter))

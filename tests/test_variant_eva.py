@@ -17,7 +17,7 @@ from peft.utils.incremental_pca import IncrementalPCA
 from torch.func import functional_call, grad
 
 import lora_func as lf
-from lora_func._kernels import lora_scale
+from lora_func.variants._kernels import lora_scale
 from lora_func.variants import LayerInfo
 from lora_func.variants import eva
 from tests.contract_helpers import calibration_batches
@@ -244,7 +244,7 @@ def test_redistribution_and_dropping_on_synthetic_inputs():
 
 
 def _options(**overrides):
-    return tuple(sorted({**eva.VARIANT.options, **overrides}.items()))
+    return tuple(sorted({**eva.VARIANT.default_options, **overrides}.items()))
 
 
 def test_dropped_layer_gets_no_adapter_and_save_load_keeps_ranks(peft_full_svd, tmp_path):

@@ -397,6 +397,9 @@ DOCUMENTED.update(
     }
 )
 REPLACES_WEIGHT = ("pissa", "olora", "corda", "ln_tuning", "kasa", "lora_ga", "loftq")
+# The variants that take r directions of each target's weight: r <= min(d_in, d_out) is checked
+# before any init. The others take any r, as peft does (issue 48: VeRA's r=256 on a small model).
+RANK_WITHIN_LAYER = ("antipasto", "corda", "eva", "kasa", "loftq", "lora_ga", "mica", "olora", "pissa")
 
 
 # Issue 31: TinyLoRA and Uni-LoRA (pinned from docs/variants/{tinylora,unilora}.md's defaults).
@@ -415,7 +418,9 @@ def test_documented_defaults_and_flags(variant):
     v = lf.get_variant(variant)
     spec = lf.AdapterSpec(variant, targets=["proj"])
     assert spec.alpha == alpha and dict(spec.options) == options and spec.r == 8
-    assert (v.uses_rank, v.changes_bias, v.records_base, dict(v.rank_axes)) == (uses_rank, changes_bias, records_base, rank_axes)
+    axes = {name: (axis,) if isinstance(axis, int) else axis for name, axis in rank_axes.items()}
+    assert (v.changes_bias, v.records_base, dict(v.rank_axes)) == (changes_bias, records_base, axes)
+    assert ("rank_within_layer" in v.traits) == (variant in RANK_WITHIN_LAYER) and (uses_rank or variant not in RANK_WITHIN_LAYER)
     # PiSSA's weight form discards W (W_res + s·BA), LN tuning's too (its trained copy): only
     # they must come first in compose()
     assert v.replaces_weight == (variant in REPLACES_WEIGHT)
@@ -590,7 +595,7 @@ def test_eva_alpha_follows_a_redistributed_rank_only_when_asked(adjust):
     for _ in range(3):
         low = (torch.randn(48, 4, generator=g) * torch.tensor([2.4, 2.2, 2.0, 1.8])) @ basis.T + 0.01 * torch.randn(48, d, generator=g)
         batches.append({"low": low, "iso": torch.randn(48, d, generator=g)})
-    options = tuple(sorted({**eva.VARIANT.options, "adjust_scaling_factors": adjust}.items()))
+    options = tuple(sorted({**eva.VARIANT.default_options, "adjust_scaling_factors": adjust}.items()))
     infos = {m: LayerInfo(d_in=d, d_out=8, r=2, alpha=6.0, has_bias=False, options=options) for m in ("iso", "low")}
     out = eva.calibrate(iter(batches * 20), infos, generator=torch.Generator().manual_seed(1))
     assert list(out) == ["low"]
@@ -862,7 +867,7 @@ def test_base_plus_low_rank_updates_the_fresh_base_output_in_place_in_eager_auto
     """The eager path accumulates ``h bᵀ`` into the base layer's own output (no copy of it) and
     keeps values and every gradient of ``base(x) + h bᵀ``; a mutant that drops the term, adds
     it twice, uses ``b`` untransposed or writes into a tensor autograd still needs fails."""
-    from lora_func._kernels import base_plus_low_rank
+    from lora_func.variants._kernels import base_plus_low_rank
 
     x, w, bias, h, b = (t.requires_grad_(True) for t in _low_rank_case())
     outputs = []
@@ -886,7 +891,7 @@ def test_base_plus_low_rank_under_vmap_with_an_unbatched_base_output():
     """Under ``vmap`` over adapters sharing one input, the base output is unbatched while ``h``
     and ``b`` are batched: an in-place update is impossible there (vmap raises), so the path
     must fall back. Oracle: a Python loop over the members."""
-    from lora_func._kernels import base_plus_low_rank
+    from lora_func.variants._kernels import base_plus_low_rank
 
     x, w, bias, _, _ = _low_rank_case()
     g = torch.Generator().manual_seed(2)
@@ -907,7 +912,7 @@ def test_base_plus_low_rank_under_vmap_with_an_unbatched_base_output():
 def test_base_plus_low_rank_on_a_bf16_base_adds_the_fp32_product_once_rounded():
     """A bf16 base output with an fp32 low-rank path: the product is computed in fp32 and
     rounded once into the base dtype, as ``add_low_rank`` (and peft) do."""
-    from lora_func._kernels import add_low_rank, base_plus_low_rank
+    from lora_func.variants._kernels import add_low_rank, base_plus_low_rank
 
     x, w, bias, h, b = _low_rank_case(3)
     xb, wb, bb = x.bfloat16(), w.bfloat16(), bias.bfloat16()

@@ -14,7 +14,7 @@ from lora_func.io.peft import peft_problems
 
 from lora_func.variants import miss
 from tests.models import tiny_model
-from tests.variant_checks import assert_config_checks, assert_kaiming, assert_other_adapter_dtype, init_params
+from tests.variant_checks import assert_config_checks, assert_kaiming, assert_other_adapter_dtype, init_params, read_options
 
 
 def test_init_is_peft_s():
@@ -59,7 +59,7 @@ def test_peft_config_checks():
     assert_config_checks("miss", peft.MissConfig, {
         "init_weights": [1, "lora", None], "mini_r": [0, 1.5, True], "miss_dropout": [1.0, -0.1, float("inf"), 3],
     }, good={"init_weights": [True, False, "bat", "mini"], "mini_r": [1, 4], "miss_dropout": [0, 0.99]})
-    assert lf.get_variant("miss").peft.reads({"init_weights": False, "mini_r": 3}, "x") == {"init": "random", "mini_r": 3, "dropout": 0.0}
+    assert read_options("miss", {"init_weights": False, "mini_r": 3}) == {"init": "random", "mini_r": 3, "dropout": 0.0}
 
 
 def test_peft_refuses_gpt2_conv1d_and_peft_problems_says_so():

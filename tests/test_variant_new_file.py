@@ -74,7 +74,7 @@ def test_every_contract_check_is_run_here():
     """A new check in test_contract.py is picked up by name; only the registry-wide one is
     not per row (it runs in the first test above)."""
     every = {name for name in vars(test_contract) if name.startswith("test_")}
-    assert every - set(CHECKS) == {"test_every_registered_variant_has_a_row"} and len(CHECKS) == 12
+    assert every - set(CHECKS) == {"test_every_registered_variant_has_a_row"} and len(CHECKS) == 13
 
 
 @pytest.mark.parametrize("kind", ["linear", "conv1d"])
@@ -85,6 +85,39 @@ def test_the_contract_suite_passes_over_the_new_variant(check, kind, registered,
     dtypes = [torch.bfloat16, torch.float16] if "dtype" in inspect.signature(function).parameters else [None]
     for dtype in dtypes:
         function(row=ROW, kind=kind, **extra, **({} if dtype is None else {"dtype": dtype}))
+
+
+@pytest.mark.parametrize("kind", ["linear", "conv1d"])
+def test_the_new_variant_is_written_and_read_in_its_peft_style_storage(kind, registered, tmp_path):
+    """The guide's ``PEFT`` record is all its peft storage needs: ``save_peft`` writes its tensors
+    under the schema's keys and its option under its config field, per-layer ranks and alphas as
+    peft's patterns; ``load_peft`` reads it back to the same adapter (spec, tensors, outputs), and
+    an invalid option value in the file is refused naming the field."""
+    import json
+
+    model = test_contract.tiny_model(test_contract.LAYER_KIND_MODEL[kind])
+    first = lf.init_adapter(model, lf.AdapterSpec(NAME, targets=test_contract.spec_for(ROW, test_contract.LAYER_KIND_MODEL[kind]).targets, r=4, alpha=6.0, gain_init=0.25), generator=torch.Generator().manual_seed(0))
+    adapter = test_contract.perturbed(first, 0.2)
+    lf.save_peft(adapter, tmp_path / "ckpt", model=model)
+    config = json.loads((tmp_path / "ckpt" / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA_GAIN" and config["gain_init"] == 0.25 and config["r"] == 4 and config["lora_alpha"] == 6.0
+    again = lf.load_peft(tmp_path / "ckpt", model)
+    # (load_peft names each adapted module: the spec's targets are the full names)
+    assert again.spec.options == adapter.spec.options and again.layers == adapter.layers
+    assert all(torch.equal(again.params[k], v) for k, v in adapter.params.items())
+    ids = test_contract.tokens()
+    assert torch.equal(lf.adapted_call(model, again, ids).logits, lf.adapted_call(model, adapter, ids).logits)
+    (tmp_path / "ckpt" / "adapter_config.json").write_text(json.dumps({**config, "gain_init": -2.0}))
+    with pytest.raises(ValueError, match=r"gain_init=-2\.0"):
+        lf.load_peft(tmp_path / "ckpt", model)
+
+
+def test_the_new_method_costs_one_small_file():
+    """The guide's whole method, with its peft storage, is one short file that imports only the
+    public contract."""
+    text = _guide_variant_file()
+    assert len(text.splitlines()) <= 100
+    assert {line.split()[1] for line in text.splitlines() if line.startswith(("from ", "import "))} <= {"math", "torch", "lora_func.variants"}
 
 
 def test_a_wrong_form_fails_the_contract(registered, monkeypatch):

@@ -125,7 +125,7 @@ def check_trains(variant: str, kind: str = "llama", steps: int = 10, lr: float =
 
 
 def info(variant, r, d_in, d_out, alpha=6.0, **options) -> LayerInfo:
-    opts = {**lf.get_variant(variant).options, **options}
+    opts = {**lf.get_variant(variant).default_options, **options}
     return LayerInfo(d_in=d_in, d_out=d_out, r=r, alpha=alpha, has_bias=False, options=tuple(sorted(opts.items())))
 
 

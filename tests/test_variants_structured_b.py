@@ -275,7 +275,7 @@ def test_peft_refuses_conv1d_lora_func_adapts_it(variant, config, butterfly):
     options = {"oft": {"oft_block_size": 4}, "boft": {}, "road": {"group_size": 4}}[variant]
     adapter = lf.init_adapter(tiny_model("gpt2"), lf.AdapterSpec(variant, targets=["c_attn"], **options))
     assert {layer.target.layout for layer in adapter.layers} == {"conv1d"}
-    assert get_variant(variant).peft.conv1d is False
+    assert lf.variants.peft_format(variant).conv1d is False
     assert peft_problems(adapter)
 
 
@@ -353,15 +353,18 @@ def test_peft_config_fields_round_trip(variant, options, peft_config):
     """Every option is written to the config field peft reads (peft's own config class takes the
     fields and keeps their values) and read back to the same option; a config without the
     fields reads as peft's defaults."""
-    fmt = get_variant(variant).peft
+    from lora_func.io._peft_config import _config_problems, config_of
+    from tests.variant_checks import read_options
+
+    fmt = lf.variants.peft_format(variant)
     spec = lf.AdapterSpec(variant, targets=["x"], **options)
-    fields = {**fmt.method.fixed, **fmt.config(dict(spec.options))}
+    fields = config_of(lf.get_variant(variant), fmt, dict(spec.options))
     config = peft_config(target_modules=["x"], **fields)
     for name, value in fields.items():
         assert getattr(config, name) == value, name
-    assert all(check(fields[name]) for name, check in fmt.method.checks.items() if name in fields)
-    assert fmt.reads(fields, "x") == dict(spec.options)
-    assert fmt.reads({}, "x") == dict(lf.AdapterSpec(variant, targets=["x"]).options)
+    assert _config_problems({"peft_type": fmt.method.peft_type, **fields}) == []
+    assert read_options(variant, fields) == dict(spec.options)
+    assert read_options(variant, {}) == dict(lf.AdapterSpec(variant, targets=["x"]).options)
 
 
 def test_oft_block_size_adjustment_is_peft_s():

@@ -14,7 +14,7 @@ from lora_func.variants import LayerInfo
 def layer_info(variant: str, r: int, d_in: int, d_out: int, alpha: float = 6.0, **options) -> LayerInfo:
     import lora_func as lf
 
-    opts = {**lf.get_variant(variant).options, **options}
+    opts = {**lf.get_variant(variant).default_options, **options}
     return LayerInfo(d_in=d_in, d_out=d_out, r=r, alpha=alpha, has_bias=False, options=tuple(sorted(opts.items())))
 
 
@@ -52,12 +52,12 @@ def assert_config_checks(
     import lora_func as lf
     from lora_func.io._peft_config import _config_problems
 
-    fmt = lf.get_variant(variant).peft
-    defaults = {k: v for k, v in peft_config_cls(target_modules=["x"]).to_dict().items() if k in fmt.method.checks or k in fmt.checks}
+    fmt = lf.variants.peft_format(variant)
+    defaults = {k: v for k, v in peft_config_cls(target_modules=["x"]).to_dict().items() if k in read_fields(variant)}
     config = {"peft_type": fmt.method.peft_type, **defaults}
     assert _config_problems(config) == [], _config_problems(config)
     options = dict(lf.AdapterSpec(variant, targets=["x"]).options)
-    assert fmt.reads(config, "x") == (options if peft_defaults is None else peft_defaults) and fmt.reads({}, "x") == options
+    assert read_options(variant, config) == (options if peft_defaults is None else peft_defaults) and read_options(variant, {}) == options
     for name, values in bad.items():
         for value in values:
             problems = _config_problems({**config, name: value})
@@ -111,9 +111,32 @@ def assert_peft_round_trip(variant: str, options: dict) -> None:
     """``options`` (every one away from its default) written to a peft config and read back
     are the same options: each field is written and read, none swapped or dropped."""
     import lora_func as lf
+    from lora_func.io._peft_config import config_of
 
-    fmt = lf.get_variant(variant).peft
+    fmt = lf.variants.peft_format(variant)
     defaults = dict(lf.AdapterSpec(variant, targets=["x"]).options)
     assert all(options[k] != defaults[k] for k in options), "each option must differ from its default"
-    read = fmt.reads(fmt.config({**defaults, **options}), "x")
-    assert {k: read[k] for k in options} == options, read
+    read = read_options(variant, config_of(lf.get_variant(variant), fmt, {**defaults, **options}))
+    assert read is not None and {k: read[k] for k in options} == options, read
+
+
+def read_fields(variant: str) -> set[str]:
+    """The top-level peft config fields the variant's format reads: its options' and the fields
+    that mark it, with the method's rank and alpha fields."""
+    import lora_func as lf
+
+    fmt = lf.variants.peft_format(variant)
+    method = fmt.method
+    fields = {o.peft.split(".")[0] for o in lf.get_variant(variant).options.values() if o.peft} | set(fmt.reads or {})
+    return fields | ({method.rank[0]} if method.rank else set()) | ({method.alpha} if method.alpha else set())
+
+
+def read_options(variant: str, config: dict, module: str = "x") -> dict | None:
+    """The options a peft ``config``'s layer ``module`` reads as for ``variant``, or ``None`` when the
+    config is not one of ``variant`` (what the loader does to pick a layer's variant)."""
+    import lora_func as lf
+    from lora_func.io._peft_config import options_from, reads_as
+
+    if not reads_as(lf.variants.peft_format(variant), config, module):
+        return None
+    return options_from(lf.get_variant(variant), config)[0]

@@ -317,7 +317,7 @@ def _dropout(row, kind, device):
     from tests.contract_helpers import calibration_batches, perturbed, spec_for
     from tests.models import LAYER_KIND_MODEL, tiny_model, tokens
 
-    options = lf.get_variant(row.variant).options
+    options = lf.get_variant(row.variant).default_options
     rates = {k: 0.5 for k, v in options.items() if "dropout" in k and isinstance(v, float)}
     if not rates:
         return {"ok": True, "skipped": "no dropout option"}

@@ -179,7 +179,15 @@ TARGETS: dict[str, tuple[tuple[str, ...] | None, list[list[str]]]] = {
         for name in ("tinylora", "unilora")
     },
     "lora_func/variants/_bank.py": (None, [[CONTRACT, "-k", "vera or randlora or pvera"], ["tests/test_variant_vera.py", "tests/test_variant_randlora.py"]]),
-    "lora_func/variants/_contract.py": (("layer_rank", "layer_alpha"), _ALL),
+    "lora_func/variants/_contract.py": (
+        ("layer_rank", "layer_alpha", "Slot.peft_key", "Slot.saved", "Variant.rank_axes", "Variant.padded_axes", "Variant.integer_buffers", "Variant.kinds", "Variant.shapes", "Variant.layer_slots", "_mask_rank_axes", "padded_member"),
+        [[CONTRACT, "-k", "schema or rank or identity"], ["tests/test_variant_schema.py", "tests/test_peft_problems.py", "tests/test_rank_stack.py", "tests/test_kinds.py"], ["tests/test_io_peft.py"], _ALL[0]],
+    ),
+    # issue 42: the option schema (one check for AdapterSpec and peft configs) and its codecs
+    "lora_func/variants/_options.py": (
+        None,
+        [["tests/test_variant_schema.py"], [CATALOGUE, "-k", "spec"], ["tests/test_errors.py", "tests/test_bad_inputs_and_files.py", "tests/test_variants_structured_b.py"], ["tests/test_io_peft.py"]],
+    ),
     # Issue 31 (no hypothesis stage: these tests compare against peft step by step).
     "lora_func/variants/adalora.py": (None, [[CONTRACT, "-k", "adalora"], ["tests/test_variant_adalora.py"]]),
     "lora_func/variants/olora.py": (None, [["tests/test_inits.py", "-k", "olora"], [CONTRACT, "-k", "olora"]]),
@@ -188,7 +196,7 @@ TARGETS: dict[str, tuple[tuple[str, ...] | None, list[list[str]]]] = {
     "lora_func/variants/adamss.py": (None, [[CONTRACT, "-k", "adamss"], ["tests/test_variant_adamss.py"], [CATALOGUE, "-k", "adamss"]]),
     "lora_func/subspace_budget.py": (None, [["tests/test_variant_adamss.py"]]),
     "lora_func/optimizers.py": (None, [["tests/test_optimizers.py"]]),
-    "lora_func/_kernels.py": (
+    "lora_func/variants/_kernels.py": (
         ("lora_scale", "add_low_rank", "_fresh_output_in_place", "base_plus_low_rank", "lora_weight_form", "lora_activation_form", "kaiming_uniform"),
         _ALL,
     ),

@@ -298,7 +298,7 @@ class _CannotRun(Exception):
 
 def _init_for_demo(model: nn.Module, spec: lf.AdapterSpec, config: DemoConfig, train: TaskData) -> Any:
     calibration = None
-    if lf.get_variant(spec.variant).calibrate is not None:  # EVA: SVD of the layer inputs on training batches
+    if lf.get_variant(spec.variant).calibration is not None:  # EVA: SVD of the layer inputs on training batches
         calibration = [
             {"input_ids": train.input_ids[i : i + 16], "attention_mask": train.attention_mask[i : i + 16]}
             for i in range(0, len(train.examples), 16)

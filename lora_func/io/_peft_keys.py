@@ -1,8 +1,8 @@
 """HF peft's checkpoint format: how peft names and shapes one layer's tensors.
 
-The file names, the key prefix, the variants' entries (``Variant(peft=PeftFormat(...))``) by
-name and by peft method, a layer's tensors in peft's suffixes and shapes (per target kind:
-``PeftFormat.keys_by_kind``, ``to_peft`` / ``from_peft``) and back, peft's nesting of
+The file names, the key prefix, the variants' peft formats (each variant file's ``PEFT``) by
+name and by peft method, a layer's tensors in peft's suffixes and shapes (per target kind: the
+tensor schema's keys, ``PeftFormat.reshape``) and back, peft's nesting of
 ``target_parameters`` layers (``<module>.base_layer...``), and the base weights peft saves
 beside an adapted embedding. Generic: it names no variant.
 """
@@ -27,8 +27,10 @@ from lora_func.targeting import (
 from lora_func.variants import (
     PeftFormat,
     PeftMethod,
+    Variant,
     get_variant,
     list_variants,
+    peft_format,
 )
 
 CONFIG_NAME = "adapter_config.json"
@@ -37,21 +39,30 @@ LEGACY_WEIGHTS_NAME = "adapter_model.bin"
 PREFIX = "base_model.model."
 
 
-def _formats() -> dict[str, PeftFormat]:
-    """Every registered variant that peft can hold -> its entry, by name. The entries of one
-    method are tried in this order when reading (their ``reads`` exclude one another), and a
-    checkpoint with layers of several variants loads as their composition in this order."""
-    return {name: fmt for name in list_variants() if (fmt := get_variant(name).peft) is not None}
+def formats(peft_type: str | None = None) -> dict[str, PeftFormat]:
+    """Every registered variant that peft can hold -> its format, by name (those stored as
+    ``peft_type`` only, where given). The formats of one method are tried in this order when
+    reading (their ``reads`` exclude one another), and a checkpoint with layers of several
+    variants loads as their composition in this order."""
+    return {
+        name: fmt
+        for name in list_variants()
+        if (fmt := peft_format(name)) is not None and peft_type in (None, fmt.method.peft_type)
+    }
 
-def _methods() -> dict[str, PeftMethod]:
-    """peft_type -> its method, from the entries (variants of one method share it)."""
-    methods: dict[str, PeftMethod] = {}
-    for fmt in _formats().values():
-        methods.setdefault(fmt.method.peft_type, fmt.method)
-    return methods
+def methods() -> dict[str, PeftMethod]:
+    """peft_type -> its method, from the formats (variants of one method share it)."""
+    found: dict[str, PeftMethod] = {}
+    for fmt in formats().values():
+        found.setdefault(fmt.method.peft_type, fmt.method)
+    return found
+
+def saved_names(variant: Variant, options: Mapping[str, object]) -> set[str]:
+    """The per-layer tensors a checkpoint with ``options`` holds (the tensor schema's saved slots)."""
+    return {name for name, slot in variant.layer_slots().items() if slot.saved(options)}
 
 @dataclass(frozen=True)
-class _Out:
+class Out:
     """One layer as peft stores it; ``tensors()`` (peft suffix -> tensor in peft's shape) is
     computed only when the checkpoint is written (a conversion may run an SVD)."""
 
@@ -61,59 +72,60 @@ class _Out:
     alpha: float | None = None
     feedforward: bool = False
 
-def _stored(fmt: PeftFormat, found: Mapping[str, Tensor], target: Target) -> dict[str, Tensor]:
-    """A layer's tensors (lora_func names) as peft stores them (peft suffixes and shapes) on ``target``."""
+def stored(variant: Variant, fmt: PeftFormat, found: Mapping[str, Tensor], target: Target) -> dict[str, Tensor]:
+    """A layer's tensors (lora_func names) as peft stores them (peft suffixes and shapes) on
+    ``target``: a tensor of the schema under its slot's key, another one (a conversion's: a
+    top-k form) under its :attr:`PeftFormat.imported` suffix."""
     kind = kind_of_layout(target.layout)
+    slots = variant.layer_slots()
+    imported = {name: suffix for suffix, name in fmt.imported.items()}
     out = {}
-    # A conversion may store a layer under the entry's other names (a top-k form, say), besides
-    # or instead of its keys (a LyCORIS CP layer's cores).
-    names = [(n, s) for s, n in fmt.imported.items() if n in found]
-    names += [(n, s) for n, s in fmt.keys_by_kind.get(kind, fmt.keys).items() if n not in dict(names)]
-    for name, suffix in names:
-        if name not in found:
-            continue  # a tensor this layer does not have (PeftFormat.optional, layer_shapes)
-        tensor = found[name]
-        if fmt.to_peft is not None:
-            tensor = fmt.to_peft(kind, name, tensor, stored_shape(target))
-        out[suffix] = tensor.unsqueeze(fmt.matrix[name][0]) if name in fmt.matrix else tensor
+    for name, tensor in found.items():
+        slot = slots.get(name)
+        suffix = slot.peft_key(kind) if slot is not None else imported.get(name)
+        if suffix is None:
+            continue  # a tensor peft's file does not hold (re-created on load)
+        if fmt.reshape is not None:
+            tensor = fmt.reshape(kind, name, tensor, stored_shape(target), True)
+        out[suffix] = tensor.unsqueeze(slot.matrix) if slot is not None and slot.matrix is not None else tensor
     return out
 
-def _suffixes(peft_type: str) -> dict[str, str]:
+def suffixes(peft_type: str) -> dict[str, str]:
     """peft key suffix -> lora_func tensor name, for every variant stored as ``peft_type``."""
-    return {
-        suffix: name
-        for fmt in _formats().values()
-        if fmt.method.peft_type == peft_type
-        for keys in (fmt.keys, *fmt.keys_by_kind.values())
-        for suffix, name in [*((s, n) for n, s in keys.items()), *fmt.old_keys.items(), *fmt.imported.items()]
-    }
+    out: dict[str, str] = {}
+    for name, fmt in formats(peft_type).items():
+        for tensor, slot in get_variant(name).layer_slots().items():
+            keys = slot.peft.values() if isinstance(slot.peft, Mapping) else [slot.peft]
+            out |= {key: tensor for key in keys if key is not None}
+        out |= dict(fmt.imported)
+    return out
 
-def _by_module(directory: Path, peft_type: str, tensors: Mapping[str, Tensor], *, allow_none: bool = False) -> dict[str, dict[str, Tensor]]:
+def by_module(directory: Path, peft_type: str, tensors: Mapping[str, Tensor], *, allow_none: bool = False) -> dict[str, dict[str, Tensor]]:
     """``{module name: {lora_func short name: tensor}}`` from peft's flat keys; ``allow_none``:
-    a checkpoint may hold no layer's tensors (:attr:`PeftMethod.layers_from_config`)."""
-    suffixes = _suffixes(peft_type)
+    a checkpoint may hold no layer's tensors (every per-layer tensor of the method is optional in its files)."""
+    by_suffix = suffixes(peft_type)
     out: dict[str, dict[str, Tensor]] = {}
     unknown = []
     for key, tensor in tensors.items():
         rest = key.removeprefix(PREFIX)
-        match = next((s for s in sorted(suffixes, key=len, reverse=True) if rest.endswith("." + s)), None)
+        match = next((s for s in sorted(by_suffix, key=len, reverse=True) if rest.endswith("." + s)), None)
         if not key.startswith(PREFIX) or match is None:
             unknown.append(key)
             continue
-        out.setdefault(rest[: -len(match) - 1], {})[suffixes[match]] = tensor
+        out.setdefault(rest[: -len(match) - 1], {})[by_suffix[match]] = tensor
     if unknown or not (out or allow_none):
         raise ValueError(  # error: peft-unmapped-tensors
             f"{directory} has tensors lora_func cannot map for peft_type {peft_type}: {sorted(unknown)[:5]} "
-            f"({len(unknown)} of {len(tensors)}); lora_func reads {sorted(set(suffixes))} under '{PREFIX}' (bias, "
+            f"({len(unknown)} of {len(tensors)}); lora_func reads {sorted(set(by_suffix))} under '{PREFIX}' (bias, "
             f"modules_to_save and embedding layers are not supported)"
         )
     return out
 
-def _expert_params(model: nn.Module) -> dict[str, Tensor]:
+def expert_params(model: nn.Module) -> dict[str, Tensor]:
     """The model's 3-D parameters (MoE experts) by name: what ``target_parameters`` can name."""
     return {name: p for name, p in model.named_parameters(remove_duplicate=False) if p.dim() == 3}
 
-def _targeted_parameters(model: nn.Module, selector: Sequence[str]) -> dict[str, list[str]]:
+def targeted_parameters(model: nn.Module, selector: Sequence[str]) -> dict[str, list[str]]:
     """owner module -> the names of its parameters peft's ``target_parameters`` selects, in the
     module's order (peft wraps them in this order: the first one innermost)."""
     out: dict[str, list[str]] = {}
@@ -124,14 +136,14 @@ def _targeted_parameters(model: nn.Module, selector: Sequence[str]) -> dict[str,
                 out.setdefault(owner, []).append(pname)
     return out
 
-def _resolve_parameters(directory: Path, config: Mapping[str, Any], tensors: dict[str, dict[str, Tensor]], model: nn.Module) -> dict[str, dict[str, Tensor]]:
+def resolve_parameters(directory: Path, config: Mapping[str, Any], tensors: dict[str, dict[str, Tensor]], model: nn.Module) -> dict[str, dict[str, Tensor]]:
     """peft's keys of ``target_parameters`` layers under their parameters' names. peft wraps each
     targeted parameter of a module in its own ``ParamWrapper``, nested in the module's parameter
     order: with n of them, the i-th one's tensors are under ``<module>`` + ``.base_layer`` × (n-1-i)."""
     selector = config.get("target_parameters") or []
     if not selector:
         return tensors
-    targeted = _targeted_parameters(model, selector)
+    targeted = targeted_parameters(model, selector)
     out: dict[str, dict[str, Tensor]] = {}
     for module, found in tensors.items():
         owner, depth = module, 0
@@ -149,10 +161,10 @@ def _resolve_parameters(directory: Path, config: Mapping[str, Any], tensors: dic
         out[f"{owner}.{names[len(names) - 1 - depth]}"] = found
     return out
 
-def _parameter_key(layers: Sequence[Target]) -> dict[str, str]:
+def parameter_key(layers: Sequence[Target]) -> dict[str, str]:
     """Target module -> the module path peft stores its tensors under: an expert parameter's
     owner with ``.base_layer`` once for every targeted parameter of that owner after it
-    (:func:`_resolve_parameters` reads it back)."""
+    (:func:`resolve_parameters` reads it back)."""
     by_owner: dict[str, list[str]] = {}
     for t in layers:
         if t.layout in EXPERT_LAYOUTS:
@@ -163,7 +175,7 @@ def _parameter_key(layers: Sequence[Target]) -> dict[str, str]:
             out[name] = owner + ".base_layer" * (len(params) - 1 - i)
     return out
 
-def _drop_saved_bases(directory: Path, tensors: Mapping[str, Tensor], model: nn.Module) -> dict[str, Tensor]:
+def drop_saved_bases(directory: Path, tensors: Mapping[str, Tensor], model: nn.Module) -> dict[str, Tensor]:
     """The tensors without the base weights peft saves beside an adapted embedding
     (``save_embedding_layers``: ``<module>.base_layer.weight``), after checking that each equals
     the model's: lora_func never changes the base, so a checkpoint that changed it (a resized
@@ -187,9 +199,9 @@ def _drop_saved_bases(directory: Path, tensors: Mapping[str, Tensor], model: nn.
         )
     return out
 
-def _kind_of(model: nn.Module, module: str) -> tuple[str, tuple[int, ...]]:
+def kind_of(model: nn.Module, module: str) -> tuple[str, tuple[int, ...]]:
     """``(kind, stored weight shape)`` of a checkpoint's layer ``module`` in ``model``."""
-    experts = _expert_params(model)
+    experts = expert_params(model)
     if module in experts:
         return "experts", tuple(experts[module].shape)
     found = model.get_submodule(module)

@@ -4,11 +4,11 @@ Adapters trained with peft load onto the untouched base model (:func:`load_peft`
 lora_func adapters are written in peft's format (:func:`save_peft`) for peft and the tools
 that read it (vLLM, TGI, LoRAX); :func:`peft_problems` says whether an adapter fits.
 
-The reader and writer are generic: how each variant is stored (its peft method, key
-names, shapes per target kind, config fields, how a checkpoint's layer reads as it, any
-conversion) is the variant's own ``Variant(peft=PeftFormat(...))`` entry, in its file (see
-:mod:`lora_func.variants`); docs/io.md has the table. A variant without an entry has no peft
-equivalent. This module writes (:func:`save_peft`, :func:`peft_problems`); the others of one
+The reader and writer are generic: how each variant is stored is declared in its file, beside
+its math: the tensor schema holds each tensor's peft key and shape, the option schema each
+option's config field, and the file's ``PEFT`` (a :class:`~lora_func.variants.PeftFormat`) the
+peft method, which config marks the variant and any conversion (see :mod:`lora_func.variants`);
+docs/io.md has the table. A variant without a ``PEFT`` has no peft equivalent. This module writes (:func:`save_peft`, :func:`peft_problems`); the others of one
 job each: ``_peft_keys`` (tensor names and shapes), ``_peft_config`` (the config, both ways),
 ``_peft_read`` (:func:`load_peft`).
 """
@@ -41,33 +41,37 @@ from lora_func.adapter import (
 )
 from lora_func.checks import check_model, check_path
 from lora_func.io._files import replace_directory, safetensors_write
-from lora_func.io._peft_config import _peft_config
-from lora_func.io._peft_keys import CONFIG_NAME, PREFIX, WEIGHTS_NAME, _Out, _parameter_key, _stored
+from lora_func.io._peft_config import config_of, written_config
+from lora_func.io._peft_keys import CONFIG_NAME, PREFIX, WEIGHTS_NAME, Out, parameter_key, saved_names, stored
 from lora_func.io._peft_read import load_peft
+from lora_func.io._prompt_files import prompt_peft_problems, save_prompt_peft
+from lora_func.prompts._apply import contains_prompt
+from lora_func.io._validate import warn_full_rank_merge
 from lora_func.targeting import (
     canonical_weight,
 )
 from lora_func.variants import (
     PeftFormat,
-    get_variant,
+    peft_format,
 )
 
 __all__ = ["load_peft", "peft_problems", "save_peft"]
 
 
-def _out(fmt: PeftFormat, adapter: Adapter, layer: AdapterLayer, base: Mapping[str, Tensor] | None) -> _Out:
+def _out(fmt: PeftFormat, adapter: Adapter, layer: AdapterLayer, base: Mapping[str, Tensor] | None) -> Out:
     """``layer`` of ``adapter`` as peft stores it, after checking that a conversion has the base it needs."""
     params, buffers = adapter.layer_tensors(layer)
-    unsaved = fmt.unsaved_buffers(dict(adapter.spec.options))  # re-created on load (PeftFormat.saved_buffers)
-    buffers = {k: v for k, v in buffers.items() if k not in unsaved}
+    variant = adapter.variant
+    saved = saved_names(variant, dict(adapter.spec.options))  # the others are re-created on load
     t, name = layer.target, adapter.spec.variant
     if fmt.export is None:
         method = fmt.method
-        return _Out(
+        kept = {k: v for k, v in buffers.items() if k in saved}
+        return Out(
             t,
-            lambda: _stored(fmt, params | buffers, t),
-            r=layer.info.r if method.rank_of is not None or method.rank_in_config else None,
-            alpha=layer.info.alpha if method.alpha else None,
+            lambda: stored(variant, fmt, params | kept, t),
+            r=layer.info.r if method.rank is not None else None,
+            alpha=layer.info.alpha if method.alpha is not None else None,
             feedforward=fmt.feedforward,
         )
     weight = None
@@ -84,7 +88,7 @@ def _out(fmt: PeftFormat, adapter: Adapter, layer: AdapterLayer, base: Mapping[s
             )
         weight = canonical_weight(weight, t.layout)
     converted = fmt.export(params, buffers, weight, layer.info)
-    return _Out(t, lambda: _stored(fmt, converted.tensors(), t), r=converted.r, alpha=converted.alpha, feedforward=fmt.feedforward)
+    return Out(t, lambda: stored(variant, fmt, converted.tensors(), t), r=converted.r, alpha=converted.alpha, feedforward=fmt.feedforward)
 
 @dataclass(frozen=True)
 class _Export:
@@ -93,20 +97,20 @@ class _Export:
 
     peft_type: str
     shared: tuple[tuple[str, Any], ...]
-    layers: tuple[_Out, ...]
-    # The tensors held once for every layer, by whole key (Variant.shared_init; PeftFormat.shared_keys).
+    layers: tuple[Out, ...]
+    # The tensors held once for every layer, by whole key (the tensor schema's shared slots).
     whole: Mapping[str, Tensor] = field(default_factory=dict)
 
 def _export_leaf(adapter: Adapter, base: Mapping[str, Tensor] | None) -> _Export:
     """``adapter`` as peft stores it, after every check that peft can hold it (no tensor is
-    computed yet: see :class:`_Out`)."""
+    computed yet: see :class:`Out`)."""
     name = adapter.spec.variant
     if adapter.stack_shape or adapter.members is not None:
         raise ValueError(  # error: save-peft-stacked
             f"save_peft: this {name} adapter is stacked (stack_shape {adapter.stack_shape}); a peft checkpoint holds one "
             f"adapter: save each of lora_func.unstack(adapter)"
         )
-    fmt = get_variant(name).peft
+    fmt = peft_format(name)
     layers = []
     for layer in adapter.layers:
         if layer.target.tied_keys:
@@ -128,13 +132,15 @@ def _export_leaf(adapter: Adapter, base: Mapping[str, Tensor] | None) -> _Export
         layers.append(_out(fmt, adapter, layer, base))
     assert fmt is not None  # an adapter has layers
     options = dict(adapter.spec.options)
-    shared = fmt.config(options)
+    shared = config_of(adapter.variant, fmt, options)
     whole: dict[str, Tensor] = {}
-    if fmt.shared_keys and (fmt.shared_saved is None or fmt.shared_saved(options)):
+    slots = {name: slot for name, slot in adapter.variant.tensors.items() if slot.shared and slot.saved(options)}
+    if slots:
         shared_params, shared_buffers = adapter.shared_tensors()
-        for name, key in fmt.shared_keys.items():
-            tensor = (shared_params | shared_buffers)[name]
-            # a key with "{}" holds the tensor row by row (PeftFormat.shared_keys)
+        for name, slot in slots.items():
+            tensor, key = (shared_params | shared_buffers)[name], slot.peft_key("")
+            assert key is not None  # a saved slot has a key
+            # a key with "{}" holds the tensor row by row (Slot.peft)
             whole |= {key.format(i): row for i, row in enumerate(tensor)} if "{}" in key else {key: tensor}
     return _Export(fmt.method.peft_type, tuple(sorted((k, json.dumps(v, sort_keys=True)) for k, v in shared.items())), tuple(layers), whole)
 
@@ -164,7 +170,7 @@ def _base_of(leaves: Sequence[Adapter], model: nn.Module | None) -> dict[str, Te
 
 def _one_checkpoint(
     exports: Sequence[_Export], model: nn.Module | None, task_type: str | None
-) -> tuple[dict[str, Any], list[_Out], dict[str, Tensor]]:
+) -> tuple[dict[str, Any], list[Out], dict[str, Tensor]]:
     """The config and the layers of the one checkpoint that holds every part, after checking
     that the parts fit in one: one peft method and one set of options, each layer once."""
     kinds = sorted({(e.peft_type, e.shared) for e in exports})
@@ -190,7 +196,7 @@ def _one_checkpoint(
             f"save_peft to its own directory"
         )
     peft_type, shared = kinds[0][0], {k: json.loads(v) for k, v in kinds[0][1]}
-    return _peft_config(peft_type, shared, layers, model, task_type), layers, dict(holding[0].whole) if holding else {}
+    return written_config(peft_type, shared, layers, model, task_type), layers, dict(holding[0].whole) if holding else {}
 
 def peft_problems(adapter: AdapterLike, *, model: nn.Module | None = None) -> list[str]:
     """Why :func:`save_peft` would refuse to write ``adapter`` (with this ``model=``): the
@@ -209,6 +215,8 @@ def peft_problems(adapter: AdapterLike, *, model: nn.Module | None = None) -> li
         raise TypeError(f"peft_problems expects an adapter (Adapter, Composed, Combined, ...), got {type(adapter).__name__}")  # error: peft-problems-not-adapter
     if model is not None:
         check_model(model, "peft_problems")
+    if contains_prompt(adapter):  # an input-level adapter (lora_func.prompts)
+        return prompt_peft_problems(adapter)
     try:
         leaves = _leaves(adapter)
         base = _base_of(leaves, model)
@@ -259,6 +267,9 @@ def save_peft(
     renamed into place one after the other (each file whole; the pair best effort). See
     docs/io.md.
     """
+    if contains_prompt(adapter):  # an input-level adapter (lora_func.prompts)
+        check_path(directory, "save_peft", "directory")
+        return save_prompt_peft(adapter, directory, model=model, task_type=task_type)
     leaves = _leaves(adapter)
     check_path(directory, "save_peft", "directory")
     if task_type is not None and not isinstance(task_type, str):
@@ -267,7 +278,8 @@ def save_peft(
         check_model(model, "save_peft")
     base = _base_of(leaves, model)
     config, layers, whole = _one_checkpoint([_export_leaf(leaf, base) for leaf in leaves], model, task_type)
-    stored_under = _parameter_key([o.target for o in layers])
+    warn_full_rank_merge(leaves)
+    stored_under = parameter_key([o.target for o in layers])
     tensors = {
         f"{PREFIX}{stored_under[o.target.module]}.{suffix}": tensor.detach().to("cpu").contiguous()
         for o in layers

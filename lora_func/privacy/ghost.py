@@ -33,8 +33,9 @@ layer's ``vjp``. The tap also sees every weight form: an adapter tensor that rea
 through a merged weight (which neither recording would see) sends the call to the ``vmap`` path.
 
 Which tensors get ghost norms: ``lora_A``/``lora_B`` of every layer whose variant's activation
-form is a frozen part plus LoRA's product (``lora`` with or without rsLoRA, ``eva``: LoRA with a
-data-driven init, ``pissa``: a frozen residual instead of ``W``) and whose ``dropout`` is 0, alone or inside a composition or combination (the tap sees the layer's
+form is a frozen part plus LoRA's product (the variant's ``LowRank`` declaration: ``lora`` with or
+without rsLoRA, the LoRA inits, ``pissa`` and the other residual inits: a frozen residual instead
+of ``W``) and whose ``dropout`` is 0, alone or inside a composition or combination (the tap sees the layer's
 own input and output there too); not in a stack. Everything else takes the per-example path in
 the same pass: DoRA's tensors (its norm term makes the gradient no outer product of ``x`` and
 ``g``), every other variant, a combination's own weights, LoRA with dropout; and stacks and ``chunk_size`` run per example
@@ -49,19 +50,14 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from lora_func._kernels import lora_activation_form, lora_scale
 from lora_func._layer_ops import VariantOp, activation_tap
 from lora_func._tree import leaves
 from lora_func._vmapped import split_examples, vmapped
-from lora_func.adapter import AdapterLike
+from lora_func.adapter import Adapter, AdapterLike
 from lora_func.many import Randomness
-from lora_func.variants import BaseLayer, pissa
+from lora_func.variants import BaseLayer
 
-# Activation forms that are "a frozen part + s · (x Aᵀ) Bᵀ" in lora_A/lora_B: LoRA's, and
-# PiSSA's (its frozen part is the residual W_res instead of W). Their gradients are the same.
-LORA_FORMS = frozenset({lora_activation_form, pissa.activation_form})
-
-__all__ = ["Clipping", "GhostPass", "batched_pass", "check_batched_losses", "ghost_layers", "ghost_pass"]
+__all__ = ["Clipping", "GhostPass", "batched_pass", "check_batched_losses", "ghost_layers", "ghost_pass", "kept_rows"]
 
 Clipping = Literal["auto", "ghost", "per_example"]
 
@@ -73,15 +69,19 @@ def ghost_layers(adapter: AdapterLike) -> dict[str, tuple[str, str]]:
         return {}
     out = {}
     for prefix, leaf in leaves(adapter):
-        if leaf.members is not None or leaf.variant.activation_form not in LORA_FORMS:
+        # A variant that declares its form "a frozen part + s · (x Aᵀ) Bᵀ" (Variant.low_rank;
+        # the frozen part is W, or a residual replacing it): its gradients are LoRA's. (A prompt
+        # leaf is no weight-level Adapter: none.)
+        form = leaf.variant.low_rank if isinstance(leaf, Adapter) else None
+        if leaf.members is not None or form is None:
             continue
         for layer in leaf.layers:
             names = {name for name, _ in layer.param_shapes}
             # Linear and Conv1D layers only (an embedding's LoRA gathers rows: another form).
             linear = layer.target.layout in ("linear", "conv1d")
-            if names == {"lora_A", "lora_B"} and linear and not dict(layer.info.options).get("dropout", 0.0):
+            if names == {form.a, form.b} and linear and not dict(layer.info.options).get("dropout", 0.0):
                 module = prefix + layer.target.module
-                out[module] = (f"{module}.lora_A", f"{module}.lora_B")
+                out[module] = (f"{module}.{form.a}", f"{module}.{form.b}")
     return out
 
 
@@ -136,7 +136,7 @@ class _Layer:
             grad_a = self.grad_a if self.grad_a is not None else self.a.new_zeros(batch_size, *self.a.shape, dtype=self.dtype)
             grad_b = self.grad_b if self.grad_b is not None else self.b.new_zeros(batch_size, *self.b.shape, dtype=self.dtype)
             squares = grad_a.pow(2).sum((1, 2)) + grad_b.pow(2).sum((1, 2))
-            return squares, lambda c: (torch.einsum("b,bri->ri", c, grad_a), torch.einsum("b,bor->or", c, grad_b))
+            return squares, lambda c: (torch.einsum("b,bri->ri", c, kept_rows(grad_a, c)), torch.einsum("b,bor->or", c, kept_rows(grad_b, c)))
         # Several calls of one layer: their rows side by side (the gradient sums over all of them).
         xs = [_rows(t, self.dtype) for t in self.inputs if t is not None]
         # A call whose output did not reach the loss has g = 0.
@@ -146,10 +146,21 @@ class _Layer:
         squares = ((g @ g.mT) * (h @ h.mT)).sum((1, 2)) + ((u @ u.mT) * (x @ x.mT)).sum((1, 2))
 
         def sums(c: Tensor) -> tuple[Tensor, Tensor]:
+            u_, x_, g_, h_ = (kept_rows(t, c) for t in (u, x, g, h))
             c = c[:, None, None]
-            return (u * c).flatten(0, 1).T @ x.flatten(0, 1), g.flatten(0, 1).T @ (h * c).flatten(0, 1)
+            return (u_ * c).flatten(0, 1).T @ x_.flatten(0, 1), g_.flatten(0, 1).T @ (h_ * c).flatten(0, 1)
 
         return squares, sums
+
+
+def kept_rows(t: Tensor, factor: Tensor) -> Tensor:
+    """``t (B, ...)`` with the rows of examples whose clip factor is 0 set to 0: a skipped example
+    (a NaN or inf loss or gradient, :func:`lora_func.privacy.clipped_sum`) contributes nothing,
+    where ``0 · NaN`` would be NaN. ``t`` itself (no copy) when no example is skipped."""
+    skipped = factor == 0
+    if not bool(skipped.any()):
+        return t
+    return torch.where(skipped.reshape(-1, *([1] * (t.dim() - 1))), torch.zeros((), dtype=t.dtype, device=t.device), t)
 
 
 def _rows(t: Tensor, dtype: torch.dtype) -> Tensor:
@@ -234,7 +245,8 @@ class _Recorder:
                 self.invalid = f"the input {tuple(x.shape)} of {sorted(names.values())[0]} has no batch of {self.batch_size} on dim 0"
                 return y
             x = rows
-        module = self.ghost.get(names.get("lora_A", ""))
+        form = step.variant.low_rank
+        module = self.ghost.get(names.get(form.a, "")) if form is not None else None
         if module is None:
             if self.batch_size is None or any(key in self.ghost for key in names.values()):
                 self.invalid = f"{sorted(names.values())} mix a ghost layer's tensors into another form"
@@ -242,8 +254,9 @@ class _Recorder:
             name = f"call {len(self.layers)}"
             self.layers[name] = _FormCall(step, base, x.detach(), names, flat=x is not given)
             return _Grad.apply(y, self.anchor, self, name, 0, 0)
-        scale = lora_scale(step.info, step.buffers)
-        if step.form not in LORA_FORMS or set(names) != {"lora_A", "lora_B"} or isinstance(scale, Tensor):
+        assert form is not None  # a ghost layer's variant declares it
+        scale = form.scale(step.info, step.buffers)
+        if step.form is not step.variant.activation_form or set(names) != {form.a, form.b} or isinstance(scale, Tensor):
             self.invalid = f"ghost layer {module} ran another form"
             return y
         layer = self.layers.get(module)
@@ -461,7 +474,7 @@ def _assemble(losses: Tensor, per_example: dict[str, Tensor], recorder: _Recorde
         out = {}
         with torch.no_grad(), torch.autocast(device_type, enabled=False):
             for key, g in per_example.items():
-                out[key] = torch.einsum("b,b...->...", factor.to(g.dtype), g)
+                out[key] = torch.einsum("b,b...->...", factor.to(g.dtype), kept_rows(g, factor))
             for module, (_, layer_sums) in finished.items():
                 key_a, key_b = recorder.keys[module]
                 grad_a, grad_b = layer_sums(factor.to(ghost_layers[module].dtype))

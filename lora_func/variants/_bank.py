@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -40,9 +39,8 @@ def largest(infos: Mapping[str, LayerInfo]) -> tuple[int, int]:
     return max(info.d_out for info in infos.values()), max(info.d_in for info in infos.values())
 
 
-def check_seed(variant: str, name: str, options: Mapping[str, Any]) -> None:
-    """A seed option (peft's ``projection_prng_key``): an integer ``torch.Generator`` accepts."""
-    seed = options[name]
-    if not 0 <= seed < 2**63:
-        raise ValueError(f"{variant} option {name}={seed!r} must be an integer in [0, 2**63) (the seed of the shared basis)")  # error: bank-seed
-
+def largest_of(info: LayerInfo) -> tuple[int, int]:
+    """:func:`largest` from one layer's info (the adapter's :attr:`LayerInfo.layout`): the size
+    of the shared basis, for the tensor schema's shapes."""
+    layout = info.layout or ((info.d_in, info.d_out, info.r),)
+    return max(d_out for _, d_out, _ in layout), max(d_in for d_in, _, _ in layout)

@@ -1,6 +1,6 @@
 """What LoHa and LoKr share (HF peft's ``tuners/lycoris_utils.py`` and their layers): the
-LyCORIS options, their checks and peft config fields, the two training-only dropouts, and the
-conv kernels' CP (Tucker) form of ``use_effective_conv2d``.
+LyCORIS options (with their peft config fields), the two training-only dropouts, and the conv
+kernels' CP (Tucker) form of ``use_effective_conv2d``.
 
 Not a variant (the name starts with ``_``). Shapes: ``d_out`` is the layer's output size; on a
 conv target (``info.kernel`` non-empty) ``d_in = c_in · K`` with ``K = prod(kernel)``, the
@@ -16,50 +16,21 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lora_func.variants._contract import BaseLayer, LayerInfo, PeftLayer, TensorDict, is_finite_number
+from lora_func.variants._contract import BaseLayer, LayerInfo, TensorDict
+from lora_func.variants._options import FLAG, Option, real
+from lora_func.variants._peft import PeftLayer, PeftMethod
 
-# The options both variants take, with peft's defaults.
-OPTIONS: dict[str, Any] = {"rank_dropout": 0.0, "module_dropout": 0.0, "use_effective_conv2d": False}
-
-
-def check_options(variant: str, options: Mapping[str, Any], inits: tuple[str, ...]) -> None:
-    """The dropout probabilities in ``[0, 1)`` and ``init`` one of ``inits``."""
-    for name in ("rank_dropout", "module_dropout"):
-        p = options[name]
-        if not 0.0 <= p < 1.0:
-            raise ValueError(  # error: lycoris-dropout
-                f"{variant} option {name}={p!r} must be in [0, 1) (peft's {name}: the probability of dropping "
-                f"{'an output row of the update' if name == 'rank_dropout' else 'the whole update'} in a training step)"
-            )
-    if options["init"] not in inits:
-        raise ValueError(f"{variant} option init={options['init']!r} is not one of {list(inits)}")  # error: lycoris-init
+# The options both variants take, with peft's defaults and names.
+OPTIONS = {
+    "rank_dropout": Option(0.0, real(0, 1, why="the probability of dropping an output row of the update in a training step"), "rank_dropout"),
+    "module_dropout": Option(0.0, real(0, 1, why="the probability of dropping the whole update in a training step"), "module_dropout"),
+    "use_effective_conv2d": Option(False, FLAG, "use_effective_conv2d"),
+}
 
 
-def peft_checks() -> dict[str, Any]:
-    """Validity of the LyCORIS config fields the entries read."""
-    return {
-        "rank_dropout": lambda v: is_finite_number(v) and 0 <= v < 1,
-        "module_dropout": lambda v: is_finite_number(v) and 0 <= v < 1,
-        "use_effective_conv2d": lambda v: isinstance(v, bool),
-    }
-
-
-def peft_config(options: Mapping[str, Any]) -> dict[str, Any]:
-    """The config fields both write."""
-    return {
-        "rank_dropout": float(options["rank_dropout"]),
-        "module_dropout": float(options["module_dropout"]),
-        "use_effective_conv2d": bool(options["use_effective_conv2d"]),
-    }
-
-
-def peft_reads(config: Mapping[str, Any]) -> dict[str, Any]:
-    """The options both read."""
-    return {
-        "rank_dropout": float(config.get("rank_dropout") or 0.0),
-        "module_dropout": float(config.get("module_dropout") or 0.0),
-        "use_effective_conv2d": bool(config.get("use_effective_conv2d", False)),
-    }
+def method(peft_type: str) -> PeftMethod:
+    """peft's LoHa or LoKr: per-layer ranks and alphas (``alpha``), no bias field."""
+    return PeftMethod(peft_type, {}, rank=("r", "rank_pattern"), alpha="alpha")
 
 
 def output_keep(
@@ -148,7 +119,7 @@ def cp_convert_in(factors: tuple[str, ...], core: str) -> Any:
     """``PeftFormat.convert_in``: a peft CP layer's ``(r, d)`` factors to lora_func's ``(d, r)``
     (the loader calls it on the layers that hold the core, the entry's ``imported`` name)."""
 
-    def convert_in(found: TensorDict, config: Mapping[str, Any]) -> TensorDict:
+    def convert_in(found: TensorDict, options: Mapping[str, Any]) -> TensorDict:
         return {n: t.transpose(0, 1) if core in found and n in factors and t.dim() == 2 else t for n, t in found.items()}
 
     return convert_in

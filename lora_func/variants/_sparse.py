@@ -11,9 +11,46 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lora_func.variants._contract import BaseLayer
+from lora_func.variants._contract import BaseLayer, LayerInfo, Slot, TensorDict
+from lora_func.variants._options import FLAG, SEED, Option, real
 
-__all__ = ["linear_plus_dense", "own_values", "peft_randperm_positions", "scatter_dense"]
+__all__ = ["linear_plus_dense", "own_values", "peft_randperm_positions", "scatter_dense", "spectrum_init", "spectrum_options", "spectrum_tensors"]
+
+
+def spectrum_tensors(prefix: str) -> dict[str, Slot]:
+    """``<prefix>_spectrum (n,)`` trainable values and ``<prefix>_indices (2, n)`` their fixed
+    positions, ``n = r`` (peft's ``n_frequency``): a rank-padded stack pads both, each member
+    masks its own. peft's file holds the values only: the positions come from the seed."""
+    return {
+        f"{prefix}_spectrum": Slot(lambda i: (i.r,), padded_axes=(0,), peft=f"{prefix}_spectrum"),
+        f"{prefix}_indices": Slot(lambda i: (2, i.r), padded_axes=(1,), buffer=True, integer=True),
+    }
+
+
+def spectrum_options(scaling: float, init_weights: bool) -> dict[str, Option]:
+    """FourierFT's and WaveFT's options (peft's names and defaults): the scale, the positions'
+    seed, and whether the values start at zero."""
+    return {
+        "scaling": Option(scaling, real(), "scaling"),
+        "random_loc_seed": Option(777, SEED, "random_loc_seed"),
+        "init_weights": Option(init_weights, FLAG, "init_weights"),
+    }
+
+
+def spectrum_init(
+    prefix: str, what: str, info: LayerInfo, *, std: float, dtype: torch.dtype, device: torch.device, generator: torch.Generator
+) -> tuple[TensorDict, TensorDict]:
+    """``n = r`` values at positions peft draws from ``random_loc_seed``: zeros (``init_weights``)
+    or ``N(0, std²)`` from the generator; ``what`` names the values in the refusal."""
+    n = info.r
+    if n > info.d_in * info.d_out:
+        raise ValueError(  # error: spectrum-too-many
+            f"{prefix}: r={n} {what} (peft's n_frequency) exceed the layer's {info.d_out}×{info.d_in} = "
+            f"{info.d_in * info.d_out} entries; lower r to at most {info.d_in * info.d_out}"
+        )
+    positions = peft_randperm_positions(info.d_out, info.d_in, n, info.option("random_loc_seed"))
+    values = torch.zeros(n) if info.option("init_weights") else std * torch.randn(n, generator=generator)
+    return {f"{prefix}_spectrum": values.to(device, dtype)}, {f"{prefix}_indices": positions.to(device)}
 
 
 def peft_randperm_positions(d_out: int, d_in: int, n: int, seed: int | None) -> Tensor:

@@ -32,12 +32,22 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lora_func._kernels import base_plus_low_rank, check_dropout, lowrank_input
-from lora_func.variants import BaseLayer, LayerInfo, PeftFormat, PeftLayer, PeftMethod, TensorDict, Variant, is_finite_number
+from lora_func.variants._kernels import base_plus_low_rank, lowrank_input
+from lora_func.variants import BaseLayer, LayerInfo, Option, PeftFormat, PeftLayer, PeftMethod, Slot, TensorDict, Variant, real, whole
+from lora_func.variants._options import dropout_option, nullable
 from lora_func.variants.lora import PEFT_UNSUPPORTED_FIELDS
 
 # The schedule's settings (peft's AdaLoraConfig fields and defaults), held as spec options.
-SCHEDULE = {"target_r": 8, "tinit": 0, "tfinal": 0, "deltaT": 1, "beta1": 0.85, "beta2": 0.85, "orth_reg_weight": 0.5, "total_step": 1}
+SCHEDULE = {
+    "target_r": Option(8, whole(0), "target_r", nullable(8)),
+    "tinit": Option(0, whole(0), "tinit", nullable(0)),
+    "tfinal": Option(0, whole(0), "tfinal", nullable(0)),
+    "deltaT": Option(1, whole(1), "deltaT", nullable(1)),
+    "beta1": Option(0.85, real(0, 1, closed="()"), "beta1", nullable(0.85)),
+    "beta2": Option(0.85, real(0, 1, closed="()"), "beta2", nullable(0.85)),
+    "orth_reg_weight": Option(0.5, real(0), "orth_reg_weight", nullable(0.5)),
+    "total_step": Option(1, whole(1), "total_step", nullable(1)),
+}
 
 
 def scale(info: LayerInfo) -> float | Tensor:
@@ -76,63 +86,17 @@ def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: Ba
 
 
 def check_options(options: Mapping[str, Any]) -> None:
-    check_dropout("adalora", options)
-    ints = ("init_r", "target_r", "tinit", "tfinal", "deltaT", "total_step")
-    bad = [f"{k}={options[k]!r}" for k in ints if isinstance(options[k], bool) or not isinstance(options[k], int) or options[k] < 0]
-    bad += [f"{k}={options[k]!r}" for k in ("beta1", "beta2") if not (is_finite_number(options[k]) and 0 < options[k] < 1)]
-    if not (is_finite_number(options["orth_reg_weight"]) and options["orth_reg_weight"] >= 0):
-        bad.append(f"orth_reg_weight={options['orth_reg_weight']!r}")
-    bad += [f"{k}={options[k]!r}" for k in ("init_r", "deltaT", "total_step") if not bad and options[k] == 0]
-    if not bad and options["tinit"] >= options["total_step"] - options["tfinal"]:
-        bad.append(f"tinit={options['tinit']} >= total_step - tfinal = {options['total_step'] - options['tfinal']} (no budget phase)")
-    if bad:
+    if options["tinit"] >= options["total_step"] - options["tfinal"]:
         raise ValueError(  # error: adalora-options
-            f"adalora options {bad} are invalid: target_r, tinit, tfinal are ints >= 0, init_r, deltaT and total_step ints >= 1 "
-            f"with tinit < total_step - tfinal, beta1/beta2 in (0, 1), orth_reg_weight >= 0 (peft's AdaLoraConfig)"
+            f"adalora options tinit={options['tinit']} >= total_step - tfinal = {options['total_step'] - options['tfinal']}: the "
+            f"schedule has no budget phase; lower tinit or tfinal or raise total_step (peft's AdaLoraConfig)"
         )
 
 
-# --------------------------------------------------------------------- peft's AdaLoraConfig
-
-def _is_rank_pattern(value: Any) -> bool:
-    """peft's AdaLoRA ``rank_pattern``: ``None`` or ``{name: [bool per triplet]}``."""
-    return value is None or (
-        isinstance(value, dict) and all(isinstance(v, list) and all(isinstance(b, bool) for b in v) for v in value.values())
-    )
-
-
-PEFT_METHOD = PeftMethod(
-    "ADALORA",
-    {"bias": "none"},
-    (*PEFT_UNSUPPORTED_FIELDS, "use_dora", "loftq_config"),
-    rank_of=("lora_A", 0),
-    alpha=True,
-    checks={
-        "lora_dropout": lambda v: v is None or (is_finite_number(v) and 0 <= v < 1),
-        "init_r": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
-        "rank_pattern": _is_rank_pattern,
-        **{k: (lambda v: v is None or is_finite_number(v)) for k in SCHEDULE},
-    },
-    # peft's rank is init_r (its r is ignored); its rank_pattern holds booleans, read by _pad_to_init_r
-    rank_fields=("init_r", None),
-)
-
-
-def _peft_config(options: Mapping[str, Any]) -> dict[str, Any]:
-    # init_r is the tensors' rank: the writer stores it (rank_fields) over this option, checked equal in _export.
-    return {"lora_dropout": float(options.get("dropout", 0.0)), "init_r": int(options["init_r"])} | {k: options[k] for k in SCHEDULE}
-
-
-def _peft_reads(config: Mapping[str, Any], module: str) -> dict[str, Any] | None:
-    read = {k: config.get(k, default) for k, default in SCHEDULE.items()}
-    read["total_step"] = read["total_step"] or 1  # peft requires it > 0 when training; None in some saved configs
-    return read | {"dropout": float(config.get("lora_dropout") or 0.0), "init_r": int(config.get("init_r", 12))}
-
-
-def _pad_to_init_r(found: TensorDict, config: Mapping[str, Any]) -> TensorDict:
+def _pad_to_init_r(found: TensorDict, options: Mapping[str, Any]) -> TensorDict:
     """A layer that peft cut to its kept triplets (``rank_pattern``) back at ``init_r``: zero
     triplets after the kept ones (no output, exactly zero gradient)."""
-    init_r = int(config.get("init_r", 12))
+    init_r = int(options["init_r"])
     missing = init_r - found["lora_A"].shape[0] if "lora_A" in found else 0
     if missing <= 0:
         return dict(found)
@@ -155,19 +119,22 @@ VARIANT = Variant(
     init=init,
     weight_form=weight_form,
     activation_form=activation_form,
-    options={"init_r": 8, "dropout": 0.0} | SCHEDULE,
+    tensors={
+        "lora_A": Slot(lambda i: (i.r, i.d_in), rank_axes=(0,), peft="lora_A"),
+        "lora_E": Slot(lambda i: (i.r, 1), rank_axes=(0,), peft="lora_E"),
+        "lora_B": Slot(lambda i: (i.d_out, i.r), rank_axes=(1,), peft="lora_B"),
+    },
+    # init_r is the tensors' rank: the writer stores it over this option (PeftMethod.rank), checked
+    # equal in _export.
+    options={"init_r": Option(8, whole(1), "init_r", nullable(8)), "dropout": dropout_option("lora_dropout")} | SCHEDULE,
+    check=check_options,
     default_alpha=8.0,
-    rank_axes={"lora_A": 0, "lora_E": 0, "lora_B": 1},
-    check_options=check_options,
-    peft=PeftFormat(
-        PEFT_METHOD,
-        {"lora_A": "lora_A", "lora_E": "lora_E", "lora_B": "lora_B"},
-        lambda r, d_in, d_out: {"lora_A": (r, d_in), "lora_E": (r, 1), "lora_B": (d_out, r)},
-        _peft_config,
-        _peft_reads,
-        export=_export,
-        # every layer passes through _pad_to_init_r (the same names: a cut layer holds the same keys)
-        imported={"lora_A": "lora_A", "lora_E": "lora_E", "lora_B": "lora_B"},
-        convert_in=_pad_to_init_r,
-    ),
+)
+# peft: AdaLoraConfig; its rank is init_r (its r is ignored) and its rank_pattern holds booleans
+# per triplet: every layer passes through _pad_to_init_r (a cut layer holds the same keys).
+PEFT = PeftFormat(
+    PeftMethod("ADALORA", refused=(*PEFT_UNSUPPORTED_FIELDS, "use_dora", "loftq_config"), rank=("init_r", None), alpha="lora_alpha"),
+    export=_export,
+    imported={"lora_A": "lora_A", "lora_E": "lora_E", "lora_B": "lora_B"},
+    convert_in=_pad_to_init_r,
 )

@@ -51,38 +51,30 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lora_func.variants import (
-    BaseLayer,
-    LayerInfo,
-    PeftFormat,
-    PeftLayer,
-    PeftMethod,
-    TensorDict,
-    Variant,
-    is_finite_number,
-)
+from lora_func.variants import FLAG, BaseLayer, Codec, LayerInfo, Option, PeftFormat, PeftLayer, PeftMethod, Slot, TensorDict, Variant, one_of, real, whole
 
 INITS = ("orthogonal", "random")
 # The ASA schedule's settings (peft's AdamssConfig fields and defaults), held as spec options.
 ASA = {
-    "use_asa": False,
-    "asa_target_subspaces": 50,
-    "init_warmup": 50,
-    "final_warmup": 1000,
-    "mask_interval": 100,
-    "asa_importance_beta": 0.85,
-    "asa_uncertainty_beta": 0.85,
-    "asa_schedule_exponent": 3.0,
+    "use_asa": Option(False, FLAG, "use_asa"),
+    "asa_target_subspaces": Option(50, whole(0), "asa_target_subspaces"),
+    "init_warmup": Option(50, whole(0), "init_warmup"),
+    "final_warmup": Option(1000, whole(0), "final_warmup"),
+    "mask_interval": Option(100, whole(0), "mask_interval"),
+    "asa_importance_beta": Option(0.85, real(0, 1), "asa_importance_beta"),
+    "asa_uncertainty_beta": Option(0.85, real(0, 1), "asa_uncertainty_beta"),
+    "asa_schedule_exponent": Option(3.0, real(), "asa_schedule_exponent"),
 }
 OPTIONS = {
-    "num_subspaces": 5,
-    "subspace_rank": 1,
-    "init": "orthogonal",
-    "use_dynamic_rank": False,
-    "svd_threshold": 0.1,
-    "random_seed": 0,
+    "num_subspaces": Option(5, whole(1), "num_subspaces"),
+    "subspace_rank": Option(1, whole(1), "subspace_rank"),
+    # peft's init_weights: "orthogonal", or None / False for a random init
+    "init": Option("orthogonal", one_of(*INITS), "init_weights", Codec(lambda v: v if v == "orthogonal" else None, lambda v: "random" if v in (None, False) else v)),
+    "use_dynamic_rank": Option(False, FLAG, "use_dynamic_rank"),
+    "svd_threshold": Option(0.1, real(0, 1), "svd_threshold"),
+    "random_seed": Option(0, whole(0), "random_seed"),
 } | ASA
-# The most subspaces a peft checkpoint's layer may hold (its keys are adamss_A.<k>, one per k).
+
 MAX_SUBSPACES = 256
 
 
@@ -217,25 +209,17 @@ def _is_int(value: Any, low: int) -> bool:
 
 
 def check_options(options: Mapping[str, Any]) -> None:
-    bad = [f"{k}={options[k]!r}" for k in ("num_subspaces", "subspace_rank") if not _is_int(options[k], 1)]
-    bad += [f"{k}={options[k]!r}" for k in ("random_seed", "init_warmup", "final_warmup") if not _is_int(options[k], 0)]
-    if options["init"] not in INITS:
-        bad.append(f"init={options['init']!r} (one of {list(INITS)})")
-    if not (is_finite_number(options["svd_threshold"]) and 0 <= options["svd_threshold"] < 1):
-        bad.append(f"svd_threshold={options['svd_threshold']!r}")
-    bad += [f"{k}={options[k]!r}" for k in ("asa_importance_beta", "asa_uncertainty_beta") if not (is_finite_number(options[k]) and 0 <= options[k] < 1)]
+    bad = []
     if options["use_asa"]:  # peft's AdamssConfig checks these only with use_asa
-        bad += [f"{k}={options[k]!r}" for k in ("asa_target_subspaces", "mask_interval") if not _is_int(options[k], 1)]
-        if not (is_finite_number(options["asa_schedule_exponent"]) and options["asa_schedule_exponent"] > 0):
+        bad += [f"{k}={options[k]!r}" for k in ("asa_target_subspaces", "mask_interval") if options[k] < 1]
+        if not options["asa_schedule_exponent"] > 0:
             bad.append(f"asa_schedule_exponent={options['asa_schedule_exponent']!r}")
         if not bad and options["init_warmup"] >= options["final_warmup"]:
             bad.append(f"init_warmup={options['init_warmup']} >= final_warmup={options['final_warmup']} (no pruning ramp)")
     if bad:
         raise ValueError(  # error: adamss-options
-            f"adamss options {bad} are invalid: num_subspaces and subspace_rank are ints >= 1, random_seed, init_warmup and "
-            f"final_warmup ints >= 0, init one of {list(INITS)}, svd_threshold and the ASA betas in [0, 1); with use_asa, "
-            f"asa_target_subspaces and mask_interval ints >= 1, asa_schedule_exponent > 0 and init_warmup < final_warmup "
-            f"(peft's AdamssConfig)"
+            f"adamss options {bad} are invalid: with use_asa, asa_target_subspaces and mask_interval are ints >= 1, "
+            f"asa_schedule_exponent > 0 and init_warmup < final_warmup (peft's AdamssConfig)"
         )
 
 
@@ -248,23 +232,10 @@ def _shapes(info: LayerInfo) -> dict[str, tuple[int, ...]]:
     return {"adamss_A": (k, rho, rank), "adamss_B": (info.d_out, rho), "adamss_newB": (rank, info.d_in + int(info.has_bias))}
 
 
-def _peft_config(options: Mapping[str, Any]) -> dict[str, Any]:
-    fields = ("num_subspaces", "subspace_rank", "use_dynamic_rank", "svd_threshold", "random_seed", *ASA)
-    return {k: options[k] for k in fields} | {"init_weights": "orthogonal" if options["init"] == "orthogonal" else None}
-
-
-def _peft_reads(config: Mapping[str, Any], module: str) -> dict[str, Any]:
-    read = {k: config.get(k, default) for k, default in OPTIONS.items() if k != "init"}
-    read["init"] = "orthogonal" if config.get("init_weights", "orthogonal") == "orthogonal" else "random"
-    for k in ("svd_threshold", "asa_importance_beta", "asa_uncertainty_beta", "asa_schedule_exponent"):
-        read[k] = float(read[k])
-    return read
-
-
-def _convert_in(found: TensorDict, config: Mapping[str, Any]) -> TensorDict:
+def _convert_in(found: TensorDict, options: Mapping[str, Any]) -> TensorDict:
     """peft's per-subspace ``A_k (ρ_k, R)`` and ``B_k (|S_k|, ρ_k)`` as ``adamss_A (K, ρ, R)`` and
     ``adamss_B (d_out, ρ)``, zero-padded to ``ρ = subspace_rank``."""
-    rho = int(config.get("subspace_rank", 1))
+    rho = int(options["subspace_rank"])
     k = len({name.split(".")[1] for name in found if name.startswith(("A.", "B."))})
     pairs = [(found.get(f"A.{i}"), found.get(f"B.{i}")) for i in range(k)]
     if not all(a is not None and b is not None and a.dim() == b.dim() == 2 and a.shape[0] <= rho and b.shape[1] == a.shape[0] for a, b in pairs):
@@ -294,59 +265,36 @@ def _export(params: TensorDict, buffers: TensorDict, weight: Tensor | None, info
     return PeftLayer(tensors, r=info.r)
 
 
-def _is_flag(value: Any) -> bool:
-    return isinstance(value, bool)
+def _slot(name: str, **declared: Any) -> Slot:
+    return Slot(lambda i: _shapes(i)[name], peft=name, **declared)
 
-
-def _is_number(value: Any) -> bool:
-    return is_finite_number(value)
-
-
-PEFT_METHOD = PeftMethod(
-    "ADAMSS",
-    {},  # AdamssConfig has no bias field
-    rank_in_config=True,
-    checks={
-        "num_subspaces": lambda v: _is_int(v, 1),
-        "subspace_rank": lambda v: _is_int(v, 1),
-        "random_seed": lambda v: _is_int(v, 0),
-        "init_weights": lambda v: v in ("orthogonal", None, False),
-        "use_dynamic_rank": _is_flag,
-        "svd_threshold": _is_number,
-        "use_asa": _is_flag,
-        **{k: _is_number for k in ASA if k != "use_asa"},
-    },
-)
 
 VARIANT = Variant(
     name="adamss",
     init=init,
     weight_form=weight_form,
     activation_form=activation_form,
-    options=OPTIONS,
-    default_alpha=1.0,  # not used: AdaMSS has no scale
-    changes_bias=True,
     # A stack of adapters of different r pads the SVD axis with zeros: V's padded rows are zero (a
-    # buffer), so the padding never acts and A's padded columns get exactly zero gradient.
-    padded_axes={"adamss_A": 2, "adamss_newB": 0},
-    check_options=check_options,
-    integer_buffers=frozenset({"scatter_index", "subspace", "subspace_ranks"}),
-    peft=PeftFormat(
-        PEFT_METHOD,
-        {"adamss_A": "adamss_A", "adamss_B": "adamss_B", "adamss_newB": "adamss_newB"},
-        lambda r, d_in, d_out: {},  # unused: info_shapes
-        _peft_config,
-        _peft_reads,
-        buffers=frozenset({"adamss_newB", "scatter_index", "subspace", "subspace_ranks"}),
-        conv1d=False,
-        export=_export,
-        recompute_buffers=True,
-        info_shapes=_shapes,
-        imported={
-            "adamss_newB": "adamss_newB",
-            **{f"adamss_{m}.{i}": f"{m}.{i}" for i in range(MAX_SUBSPACES) for m in ("A", "B")},
-        },
-        convert_in=_convert_in,
-        optional=frozenset({"adamss_newB"}),
-    ),
+    # buffer), so the padding never acts and A's padded columns get exactly zero gradient. The
+    # clustering's buffers are not in peft's file: recomputed on load (k-means from random_seed).
+    tensors={
+        "adamss_A": _slot("adamss_A", padded_axes=(2,)),
+        "adamss_B": _slot("adamss_B"),
+        "adamss_newB": _slot("adamss_newB", padded_axes=(0,), buffer=True),
+        "scatter_index": Slot(lambda i: (i.d_out,), buffer=True, integer=True),
+        "subspace": Slot(lambda i: (i.d_out,), buffer=True, integer=True),
+        "subspace_ranks": Slot(lambda i: (subspaces(i),), buffer=True, integer=True),
+    },
+    options=OPTIONS,
+    check=check_options,
+    default_alpha=1.0,  # not used: AdaMSS has no scale
+    traits=frozenset({"changes_bias"}),
+)
+# peft: AdamssConfig (no bias field); r in the config. Each subspace's A_k, B_k are stored apart.
+PEFT = PeftFormat(
+    PeftMethod("ADAMSS", {}, rank=("r", None)),
+    conv1d=False,
+    export=_export,
+    imported={f"adamss_{m}.{i}": f"{m}.{i}" for i in range(MAX_SUBSPACES) for m in ("A", "B")},
+    convert_in=_convert_in,
 )

@@ -32,8 +32,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lora_func._kernels import base_plus_low_rank
-from lora_func.variants import BaseLayer, LayerInfo, TensorDict, Variant
+from lora_func.variants._kernels import base_plus_low_rank
+from lora_func.variants import FLAG, BaseLayer, LayerInfo, Option, Slot, TensorDict, Variant, real
 
 __all__ = ["VARIANT", "rotation", "trunc_normal", "with_steering"]
 
@@ -192,26 +192,27 @@ def with_steering(adapter_buffers: Mapping[str, Tensor], alpha: Tensor | float) 
     return {key: (steer(value) if key.rsplit(".", 1)[-1] == "steer" else value) for key, value in adapter_buffers.items()}
 
 
-def check_options(options: Mapping[str, Any]) -> None:
-    angle = options["max_rotation_angle"]
-    if not angle > 0:
-        raise ValueError(  # error: antipasto-angle
-            f"antipasto option max_rotation_angle={angle!r} must be > 0 (radians; >= pi, e.g. math.inf, disables the clamp)"
-        )
-    if not math.isfinite(options["steer"]):
-        raise ValueError(f"antipasto option steer={options['steer']!r} must be finite")  # error: antipasto-steer
-
-
 VARIANT = Variant(
     name="antipasto",
     init=init,
     weight_form=weight_form,
     activation_form=activation_form,
-    options={"max_rotation_angle": math.pi / 3, "rotate_u": False, "steer": 1.0},
-    default_alpha=1.0,
     # P and P_u carry the rank on both axes: zero-padding both is exact, since the Cayley
     # transform of a block-diagonal skew matrix is block-diagonal with an identity block.
-    rank_axes={"delta_s": 0, "P": (0, 1), "P_u": (0, 1), "U": 1, "S": 0, "V": 1},
-    check_options=check_options,
-    records_base=True,
+    tensors={
+        "delta_s": Slot(lambda i: (i.r,), rank_axes=(0,)),
+        "P": Slot(lambda i: (i.r, i.r), rank_axes=(0, 1)),
+        "P_u": Slot(lambda i: (i.r, i.r) if i.option("rotate_u") else None, rank_axes=(0, 1)),
+        "U": Slot(lambda i: (i.d_out, i.r), rank_axes=(1,), buffer=True),
+        "S": Slot(lambda i: (i.r,), rank_axes=(0,), buffer=True),
+        "V": Slot(lambda i: (i.d_in, i.r), rank_axes=(1,), buffer=True),
+        "steer": Slot(lambda i: (), buffer=True),
+    },
+    options={
+        "max_rotation_angle": Option(math.pi / 3, real(0, closed="()", finite=False, why="radians; >= pi, e.g. math.inf, disables the clamp")),
+        "rotate_u": Option(False, FLAG),
+        "steer": Option(1.0, real()),
+    },
+    default_alpha=1.0,
+    traits=frozenset({"records_base", "rank_within_layer"}),
 )

@@ -44,15 +44,7 @@ import torch
 from einops import rearrange
 from torch import Tensor
 
-from lora_func.variants import (
-    BaseLayer,
-    LayerInfo,
-    PeftFormat,
-    PeftMethod,
-    TensorDict,
-    Variant,
-    is_finite_number,
-)
+from lora_func.variants import BaseLayer, LayerInfo, Option, PeftFormat, PeftMethod, Slot, TensorDict, Variant, mapped, one_of, real, whole
 from lora_func.variants._orthogonal import cayley, rotate_blocks
 
 INITS = ("identity", "random")
@@ -172,22 +164,6 @@ def check_options(options: Mapping[str, Any]) -> None:
             f"boft options boft_block_size={size} and boft_block_num={num}: give exactly one of them > 0 (the other 0), "
             f"as peft: e.g. boft_block_size=4 (default) or boft_block_num=8, boft_block_size=0"
         )
-    if options["boft_n_butterfly_factor"] < 1:
-        raise ValueError(f"boft option boft_n_butterfly_factor={options['boft_n_butterfly_factor']} must be >= 1 (1: plain block-diagonal OFT)")  # error: boft-factor
-    if not 0.0 <= options["boft_dropout"] < 1.0:
-        raise ValueError(f"boft option boft_dropout={options['boft_dropout']!r} must be in [0, 1)")  # error: boft-dropout
-    if options["init"] not in INITS:
-        raise ValueError(f"boft option init={options['init']!r} is not one of {list(INITS)}")  # error: boft-init
-
-
-def _peft_reads(config: Mapping[str, Any], module: str) -> dict[str, Any]:
-    return {
-        "boft_block_size": int(config.get("boft_block_size", 4)),
-        "boft_block_num": int(config.get("boft_block_num", 0)),
-        "boft_n_butterfly_factor": int(config.get("boft_n_butterfly_factor", 1)),
-        "boft_dropout": float(config.get("boft_dropout") or 0.0),
-        "init": "identity" if config.get("init_weights", True) else "random",
-    }
 
 
 def _layer_shapes(info: LayerInfo) -> dict[str, tuple[int, ...]]:
@@ -195,46 +171,24 @@ def _layer_shapes(info: LayerInfo) -> dict[str, tuple[int, ...]]:
     return {"boft_R": (m, k, b, b), "boft_s": (info.d_out,)}
 
 
-def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-_DEFAULTS = {"boft_block_size": 4, "boft_block_num": 0, "boft_n_butterfly_factor": 1, "boft_dropout": 0.0, "init": "identity"}
-
 VARIANT = Variant(
     name="boft",
     init=init,
     weight_form=weight_form,
     activation_form=activation_form,
-    options=_DEFAULTS,
+    # boft_s is stored as (d_out, 1)
+    tensors={
+        "boft_R": Slot(lambda i: _layer_shapes(i)["boft_R"], peft="boft_R"),
+        "boft_s": Slot(lambda i: (i.d_out,), peft="boft_s", matrix=1),
+    },
+    options={
+        "boft_block_size": Option(4, whole(0), "boft_block_size"),
+        "boft_block_num": Option(0, whole(0), "boft_block_num"),
+        "boft_n_butterfly_factor": Option(1, whole(1, why="1: plain block-diagonal OFT"), "boft_n_butterfly_factor"),
+        "boft_dropout": Option(0.0, real(0, 1), "boft_dropout"),
+        "init": Option("identity", one_of(*INITS), "init_weights", mapped({"identity": True, "random": False})),
+    },
+    check=check_options,
     default_alpha=1.0,
-    uses_rank=False,
-    check_options=check_options,
-    # peft: BOFTConfig; boft_s is stored as (d_out, 1).
-    peft=PeftFormat(
-        PeftMethod(
-            "BOFT",
-            {"bias": "none"},
-            checks={
-                "boft_block_size": _is_count,
-                "boft_block_num": _is_count,
-                "boft_n_butterfly_factor": lambda v: _is_count(v) and v >= 1,
-                "boft_dropout": lambda v: is_finite_number(v) and 0 <= v < 1,
-                "init_weights": lambda v: isinstance(v, bool),
-            },
-        ),
-        {"boft_R": "boft_R", "boft_s": "boft_s"},
-        lambda r, d_in, d_out: _layer_shapes(LayerInfo(d_in, d_out, r, 1.0, False, tuple(_DEFAULTS.items()))),
-        lambda options: {
-            "boft_block_size": options["boft_block_size"],
-            "boft_block_num": options["boft_block_num"],
-            "boft_n_butterfly_factor": options["boft_n_butterfly_factor"],
-            "boft_dropout": options["boft_dropout"],
-            "init_weights": options["init"] == "identity",
-        },
-        _peft_reads,
-        matrix={"boft_s": (1, "peft stores boft_s as (d_out, 1)")},
-        conv1d=False,
-        layer_shapes=_layer_shapes,
-    ),
 )
+PEFT = PeftFormat(PeftMethod("BOFT"), conv1d=False)

@@ -28,20 +28,12 @@ canonical ``(d_out, d_in)`` weight).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from typing import Any, cast
 
 import torch
 from torch import Tensor
 
-from lora_func.variants import (
-    BaseLayer,
-    LayerInfo,
-    PeftFormat,
-    PeftMethod,
-    TensorDict,
-    Variant,
-)
+from lora_func.variants import BaseLayer, LayerInfo, Option, PeftFormat, PeftMethod, Slot, TensorDict, Variant, mapped, one_of
 
 INITS = ("zeros", "xavier_uniform", "kaiming_uniform", "gaussian")
 
@@ -151,47 +143,15 @@ def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: Ba
     return y + (cast(Tensor, conv(x.to(ct), kernel.to(ct))) / info.d_in).to(y.dtype)
 
 
-def check_options(options: Mapping[str, Any]) -> None:
-    if options["init"] not in INITS:
-        raise ValueError(f"c3a option init={options['init']!r} is not one of {list(INITS)}")  # error: c3a-init
-
-
-def _block_size(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-
-def _peft_init(config: Mapping[str, Any]) -> str:
-    value = config.get("init_weights", True)
-    return "zeros" if value is True else "xavier_uniform" if value is False else str(value)
-
-
 VARIANT = Variant(
     name="c3a",
     init=init,
     weight_form=weight_form,
     activation_form=activation_form,
-    options={"init": "zeros"},
+    # r is the block size: it must divide d_in and d_out (checked by init)
+    tensors={"c3a_kernel": Slot(lambda i: (i.d_out // i.r, i.d_in // i.r, i.r), peft="c3a_kernel")},
+    options={"init": Option("zeros", one_of(*INITS), "init_weights", mapped({"zeros": True, **{name: name for name in INITS[1:]}}, also={False: "xavier_uniform"}))},
     default_alpha=1.0,  # not used: the scale is 1/d_in
-    uses_rank=False,  # r is the block size: it must divide d_in and d_out (checked by init)
-    check_options=check_options,
-    # peft: C3AConfig; block_size / block_size_pattern are lora_func's r / rank pattern.
-    peft=PeftFormat(
-        PeftMethod(
-            "C3A",
-            {"bias": "none"},
-            rank_in_config=True,
-            rank_pattern=True,
-            rank_fields=("block_size", "block_size_pattern"),
-            checks={
-                "block_size": _block_size,
-                "block_size_pattern": lambda v: isinstance(v, dict) and all(_block_size(n) for n in v.values()),
-                "init_weights": lambda v: isinstance(v, bool) or v in INITS[1:],
-            },
-        ),
-        {"c3a_kernel": "c3a_kernel"},
-        lambda r, d_in, d_out: {"c3a_kernel": (d_out // r, d_in // r, r)},
-        lambda options: {"init_weights": True if options["init"] == "zeros" else options["init"]},
-        lambda config, module: {"init": _peft_init(config)},
-        conv1d=False,
-    ),
 )
+# peft: C3AConfig; block_size / block_size_pattern are lora_func's r / rank pattern.
+PEFT = PeftFormat(PeftMethod("C3A", rank=("block_size", "block_size_pattern")), conv1d=False)

@@ -30,10 +30,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lora_func._kernels import check_dropout, lora_scale
-from lora_func.variants import LayerInfo, PeftFormat, TensorDict, Variant
-from lora_func.variants.lora import PEFT_KEYS, PEFT_METHOD, peft_config, peft_shapes
-from lora_func.variants.pissa import activation_form, as_peft_lora, weight_form
+from lora_func.variants import Calibration, LayerInfo, Option, TensorDict, lora, one_of
+from lora_func.variants._kernels import lora_scale
+from lora_func.variants.pissa import residual_variant, stored_converted
 
 METHODS = ("ipm", "kpm")
 
@@ -106,34 +105,8 @@ def init(
     return params, {"W_res": w_res.to(weight.device, res_dtype).contiguous()}
 
 
-def check_options(options: Mapping[str, Any]) -> None:
-    check_dropout("corda", options)
-    if options["corda_method"] not in METHODS:
-        raise ValueError(f"corda option corda_method={options['corda_method']!r} is not one of {list(METHODS)}")  # error: corda-method
-
-
-VARIANT = Variant(
-    name="corda",
-    init=init,
-    weight_form=weight_form,
-    activation_form=activation_form,
-    options={"use_rslora": False, "dropout": 0.0, "corda_method": "ipm"},
-    default_alpha=8.0,
-    rank_axes={"lora_A": 0, "lora_B": 1},
-    check_options=check_options,
-    records_base=True,
-    replaces_weight=True,
-    calibrate=calibrate,
-    peft=PeftFormat(
-        PEFT_METHOD,
-        PEFT_KEYS,
-        peft_shapes,
-        peft_config,
-        lambda config, module: None,  # unconverted CorDA checkpoints: see the module docstring
-        export=as_peft_lora,
-        export_needs_base=(
-            "peft's format stores CorDA as a LoRA relative to the untouched base, and its initial factors are "
-            "recovered from W − W_res"
-        ),
-    ),
+VARIANT = residual_variant(
+    "corda", init, options=lora.OPTIONS | {"corda_method": Option("ipm", one_of(*METHODS))}, calibration=Calibration(calibrate)
 )
+# Unconverted CorDA checkpoints are not read: see the module docstring.
+PEFT = stored_converted("CorDA")

@@ -17,29 +17,19 @@ Unlike peft, GPT-2 ``Conv1D`` layers are supported (same math on the canonical v
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from lora_func._kernels import (
+from lora_func.variants._kernels import (
     base_plus_low_rank,
     base_plus_product,
     half_product_applies,
     kaiming_uniform,
     promoted,
 )
-from lora_func.variants import (
-    BaseLayer,
-    LayerInfo,
-    PeftFormat,
-    PeftMethod,
-    TensorDict,
-    Variant,
-    is_finite_number,
-    layer_rank,
-)
+from lora_func.variants import BaseLayer, LayerInfo, Option, PeftFormat, PeftMethod, Slot, TensorDict, Variant, layer_rank, real
 
 NORM_CLAMP = 1e-4  # peft's clamp on the per-rank norms of A and B
 
@@ -107,37 +97,28 @@ def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: Ba
     return base_plus_low_rank(base, x, h, b.to(ct))
 
 
-def check_options(options: Mapping[str, Any]) -> None:
-    lam = options["lambda0"]
-    if not math.isfinite(lam):
-        raise ValueError(f"delora option lambda0={lam!r} must be a finite number")  # error: delora-lambda0
-
-
 VARIANT = Variant(
     name="delora",
     init=init,
     weight_form=weight_form,
     activation_form=activation_form,
-    options={"lambda0": 15.0},
+    # the column norms travel as peft's delora_w_norm buffer
+    tensors={
+        "delora_A": Slot(lambda i: (i.r, i.d_in), rank_axes=(0,), peft="delora_A"),
+        "delora_B": Slot(lambda i: (i.d_out, i.r), rank_axes=(1,), peft="delora_B"),
+        "delora_lambda": Slot(lambda i: (1,), peft="delora_lambda"),
+        "delora_w_norm": Slot(lambda i: (i.d_in,), buffer=True, peft="delora_w_norm"),
+    },
+    options={"lambda0": Option(15.0, real(), "delora_lambda")},
     default_alpha=8.0,
-    rank_axes={"delora_A": 0, "delora_B": 1},
-    check_options=check_options,
-    # peft: DeloraConfig; the column norms travel as peft's delora_w_norm buffer; peft refuses
-    # DeLoRA on GPT-2 Conv1D.
-    peft=PeftFormat(
-        PeftMethod(
-            "DELORA",
-            {"bias": "none", "lambda_pattern": {}, "module_dropout": 0.0},
-            rank_of=("delora_A", 0),
-            rank_pattern=True,
-            checks={"delora_lambda": is_finite_number},
-            training_only={"module_dropout": "lora_func's DeLoRA has no module dropout"},
-        ),
-        {name: name for name in ("delora_A", "delora_B", "delora_lambda", "delora_w_norm")},
-        lambda r, d_in, d_out: {"delora_A": (r, d_in), "delora_B": (d_out, r), "delora_lambda": (1,), "delora_w_norm": (d_in,)},
-        lambda options: {"delora_lambda": float(options["lambda0"])},
-        lambda config, module: {"lambda0": float(config.get("delora_lambda", 15.0))},
-        buffers=frozenset({"delora_w_norm"}),
-        conv1d=False,
+)
+# peft: DeloraConfig; peft refuses DeLoRA on GPT-2 Conv1D.
+PEFT = PeftFormat(
+    PeftMethod(
+        "DELORA",
+        {"bias": "none", "lambda_pattern": {}, "module_dropout": 0.0},
+        rank=("r", "rank_pattern"),
+        training_only={"module_dropout": "lora_func's DeLoRA has no module dropout"},
     ),
+    conv1d=False,
 )

@@ -19,22 +19,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lora_func._kernels import (
-    add_low_rank,
-    check_dropout,
-    kaiming_uniform,
-    lora_scale,
-    lowrank_input,
-)
-from lora_func.variants import BaseLayer, LayerInfo, PeftFormat, TensorDict, Variant
-from lora_func.variants.lora import (
-    PEFT_KEYS,
-    PEFT_METHOD,
-    PEFT_PLAIN_INITS,
-    peft_config,
-    peft_reads,
-    peft_shapes,
-)
+from lora_func.variants import BaseLayer, LayerInfo, Slot, TensorDict, lora
+from lora_func.variants._kernels import add_low_rank, kaiming_uniform, lora_scale, lowrank_input
 
 MAGNITUDE = "lora_magnitude_vector"
 
@@ -98,22 +84,17 @@ def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: Ba
     return torch.addcmul((1 - k) * base.bias.to(t.dtype), t, k).to(y.dtype)
 
 
-VARIANT = Variant(
-    name="dora",
-    init=init,
+# peft: LoraConfig(use_dora=True), plus lora_magnitude_vector (d_out,) (".weight" in older peft).
+VARIANT = lora.derived(
+    "dora",
+    init,
     weight_form=weight_form,
     activation_form=activation_form,
-    options={"use_rslora": False, "dropout": 0.0},
-    check_options=lambda options: check_dropout("dora", options),
-    default_alpha=8.0,
-    rank_axes={"lora_A": 0, "lora_B": 1},
-    # peft: LoraConfig(use_dora=True), plus lora_magnitude_vector (d_out,).
-    peft=PeftFormat(
-        PEFT_METHOD,
-        PEFT_KEYS | {"lora_magnitude_vector": "lora_magnitude_vector"},
-        lambda r, d_in, d_out: peft_shapes(r, d_in, d_out) | {"lora_magnitude_vector": (d_out,)},
-        lambda options: peft_config(options, use_dora=True),
-        lambda config, module: peft_reads(config, use_dora=True, inits=PEFT_PLAIN_INITS),
-        old_keys={"lora_magnitude_vector.weight": "lora_magnitude_vector"},
-    ),
+    tensors=lora.TENSORS | {MAGNITUDE: Slot(lambda i: (i.d_out,), peft=MAGNITUDE)},
+    low_rank=None,
+)
+PEFT = lora.stored_as_lora(
+    reads={"use_dora": True, "init_lora_weights": lora.PLAIN_INITS, "kasa_config": lambda v: not v},
+    writes={"use_dora": True},
+    imported={f"{MAGNITUDE}.weight": MAGNITUDE},
 )

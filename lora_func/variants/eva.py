@@ -24,6 +24,7 @@ with ``use_rslora``). See docs/variants/eva.md for where lora_func differs from 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Mapping
 from typing import Any, NoReturn
@@ -31,22 +32,7 @@ from typing import Any, NoReturn
 import torch
 from torch import Tensor
 
-from lora_func._kernels import check_dropout, lora_activation_form, lora_weight_form
-from lora_func.variants import (
-    LayerInfo,
-    PeftFormat,
-    TensorDict,
-    Variant,
-    is_finite_number,
-)
-from lora_func.variants.lora import (
-    LOW_RANK,
-    PEFT_KEYS,
-    PEFT_METHOD,
-    peft_config,
-    peft_reads,
-    peft_shapes,
-)
+from lora_func.variants import FLAG, Calibration, LayerInfo, Option, TensorDict, lora, one_of, real, whole
 
 SVD_METHODS = ("lowrank", "full")
 LOWRANK_NITER = 4  # peft IncrementalPCA(lowrank=True) default: lowrank_q = 2·n_components, niter = 4
@@ -273,7 +259,7 @@ def calibrate(
         alpha = info.alpha
         if rank != info.r and opts["adjust_scaling_factors"]:
             alpha = info.alpha * (rank / info.r)
-        new = LayerInfo(d_in=info.d_in, d_out=info.d_out, r=rank, alpha=alpha, has_bias=info.has_bias, options=info.options)
+        new = dataclasses.replace(info, r=rank, alpha=alpha)
         out[m] = (new, directions)
     return out
 
@@ -305,59 +291,21 @@ def _not_converged(
     )
 
 
-def check_options(options: Mapping[str, Any]) -> None:
-    check_dropout("eva", options)
-    if options["rho"] < 1.0:
-        raise ValueError(f"eva option rho={options['rho']!r} must be >= 1.0 (a layer's rank is at most round(r·rho))")  # error: eva-rho
-    if not 0.0 <= options["tau"] <= 1.0:
-        raise ValueError(f"eva option tau={options['tau']!r} must be in [0, 1] (a cosine similarity threshold)")  # error: eva-tau
-    if options["svd"] not in SVD_METHODS:
-        raise ValueError(f"eva option svd={options['svd']!r} is not one of {list(SVD_METHODS)}")  # error: eva-svd
-    if isinstance(options["max_batches"], bool) or not isinstance(options["max_batches"], int) or options["max_batches"] < 1:
-        raise ValueError(f"eva option max_batches={options['max_batches']!r} must be an integer >= 1")  # error: eva-max-batches
-
-
-# The eva options peft keeps in LoraConfig.eva_config.
-PEFT_EVA_FIELDS = ("rho", "tau", "whiten", "adjust_scaling_factors")
-
-
-def _peft_reads(config: Mapping[str, Any], module: str) -> dict[str, Any] | None:
-    options = peft_reads(config, use_dora=False, inits=("eva",))
-    eva = config.get("eva_config") or {}
-    return None if options is None else options | {k: eva[k] for k in PEFT_EVA_FIELDS if k in eva}
-
-
-PEFT = PeftFormat(
-    PEFT_METHOD,
-    PEFT_KEYS,
-    peft_shapes,
-    lambda options: peft_config(options, init="eva", eva_config={k: options[k] for k in PEFT_EVA_FIELDS}),
-    _peft_reads,
-    checks={
-        "eva_config": lambda v: v is None or (isinstance(v, dict) and all(is_finite_number(v[k]) for k in ("rho", "tau") if k in v)),
+# The options peft keeps in LoraConfig.eva_config are stored there; svd and max_batches are
+# lora_func's (how the decomposition is computed and how long it may take).
+VARIANT = lora.derived(
+    "eva",
+    init,
+    options=lora.OPTIONS
+    | {
+        "rho": Option(2.0, real(1, why="a layer's rank is at most round(r·rho)"), "eva_config.rho"),
+        "tau": Option(0.99, real(0, 1, closed="[]", why="a cosine similarity threshold"), "eva_config.tau"),
+        "whiten": Option(False, FLAG, "eva_config.whiten"),
+        "adjust_scaling_factors": Option(True, FLAG, "eva_config.adjust_scaling_factors"),
+        "svd": Option("lowrank", one_of(*SVD_METHODS)),
+        "max_batches": Option(1000, whole(1)),
     },
+    calibration=Calibration(calibrate),
+    traits=frozenset({"rank_within_layer"}),
 )
-
-
-VARIANT = Variant(
-    name="eva",
-    init=init,
-    weight_form=lora_weight_form,
-    activation_form=lora_activation_form,
-    options={
-        "rho": 2.0,
-        "tau": 0.99,
-        "whiten": False,
-        "use_rslora": False,
-        "adjust_scaling_factors": True,
-        "svd": "lowrank",
-        "max_batches": 1000,
-        "dropout": 0.0,
-    },
-    default_alpha=8.0,
-    rank_axes={"lora_A": 0, "lora_B": 1},
-    check_options=check_options,
-    calibrate=calibrate,
-    peft=PEFT,
-    low_rank=LOW_RANK,
-)
+PEFT = lora.stored_as_lora(reads={"use_dora": False, "init_lora_weights": "eva"}, writes={"init_lora_weights": "eva"})

@@ -25,22 +25,13 @@ peft and lora_func both adapt it (peft's ``ΔW`` is ``(d_out, d_in)`` on Conv1D 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from lora_func.variants import (
-    BaseLayer,
-    LayerInfo,
-    PeftFormat,
-    PeftMethod,
-    TensorDict,
-    Variant,
-    is_finite_number,
-)
-from lora_func.variants._sparse import linear_plus_dense, own_values, peft_randperm_positions, scatter_dense
+from lora_func.variants import BaseLayer, LayerInfo, PeftFormat, PeftMethod, TensorDict, Variant
+from lora_func.variants._sparse import linear_plus_dense, own_values, scatter_dense, spectrum_init, spectrum_options, spectrum_tensors
 
 
 def init(
@@ -52,15 +43,7 @@ def init(
     generator: torch.Generator,
     calibration: Any = None,
 ) -> tuple[TensorDict, TensorDict]:
-    n = info.r
-    if n > info.d_in * info.d_out:
-        raise ValueError(  # error: fourierft-too-many
-            f"fourierft: r={n} frequencies (peft's n_frequency) exceed the layer's {info.d_out}×{info.d_in} = "
-            f"{info.d_in * info.d_out} spectrum entries; lower r to at most {info.d_in * info.d_out}"
-        )
-    positions = peft_randperm_positions(info.d_out, info.d_in, n, info.option("random_loc_seed"))
-    spectrum = torch.zeros(n) if info.option("init_weights") else torch.randn(n, generator=generator)
-    return {"fourierft_spectrum": spectrum.to(weight.device, dtype)}, {"fourierft_indices": positions.to(weight.device)}
+    return spectrum_init("fourierft", "frequencies", info, std=1.0, dtype=dtype, device=weight.device, generator=generator)
 
 
 def delta(params: TensorDict, buffers: TensorDict, info: LayerInfo) -> Tensor:
@@ -82,53 +65,16 @@ def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: Ba
     return linear_plus_dense(base, x, delta(params, buffers, info))
 
 
-def check_options(options: Mapping[str, Any]) -> None:
-    seed = options["random_loc_seed"]
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"fourierft option random_loc_seed={seed!r} must be an integer >= 0 (a torch.Generator seed)")  # error: fourierft-seed
-
-
-def _size(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-
 VARIANT = Variant(
     name="fourierft",
     init=init,
     weight_form=weight_form,
     activation_form=activation_form,
-    options={"scaling": 150.0, "random_loc_seed": 777, "init_weights": False},
+    # r is the number of frequencies, up to d_in·d_out (checked by init); the positions are not in
+    # the checkpoint (peft re-derives them from random_loc_seed).
+    tensors=spectrum_tensors("fourierft"),
+    options=spectrum_options(scaling=150.0, init_weights=False),
     default_alpha=1.0,  # not used: the scale is the scaling option
-    uses_rank=False,  # r is the number of frequencies, up to d_in·d_out (checked by init)
-    check_options=check_options,
-    padded_axes={"fourierft_spectrum": 0, "fourierft_indices": 1},
-    integer_buffers=frozenset({"fourierft_indices"}),
-    # peft: FourierFTConfig; n_frequency / n_frequency_pattern are lora_func's r / rank pattern;
-    # the positions are not in the checkpoint (peft re-derives them from random_loc_seed).
-    peft=PeftFormat(
-        PeftMethod(
-            "FOURIERFT",
-            {"bias": "none"},
-            rank_in_config=True,
-            rank_pattern=True,
-            rank_fields=("n_frequency", "n_frequency_pattern"),
-            checks={
-                "n_frequency": _size,
-                "n_frequency_pattern": lambda v: isinstance(v, dict) and all(_size(n) for n in v.values()),
-                "scaling": is_finite_number,
-                "random_loc_seed": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
-                "init_weights": lambda v: isinstance(v, bool),
-            },
-        ),
-        {"fourierft_spectrum": "fourierft_spectrum"},
-        lambda r, d_in, d_out: {"fourierft_spectrum": (r,)},
-        lambda options: {k: options[k] for k in ("scaling", "random_loc_seed", "init_weights")},
-        lambda config, module: {
-            "scaling": float(config.get("scaling", 150.0)),
-            "random_loc_seed": int(config.get("random_loc_seed", 777)),
-            "init_weights": bool(config.get("init_weights", False)),
-        },
-        buffers=frozenset({"fourierft_indices"}),
-        recompute_buffers=True,
-    ),
 )
+# peft: FourierFTConfig; n_frequency / n_frequency_pattern are lora_func's r / rank pattern.
+PEFT = PeftFormat(PeftMethod("FOURIERFT", rank=("n_frequency", "n_frequency_pattern")))

@@ -38,16 +38,9 @@ import torch
 from einops import rearrange
 from torch import Tensor
 
-from lora_func._kernels import check_dropout, kaiming_uniform, lowrank_input
-from lora_func.variants import (
-    BaseLayer,
-    LayerInfo,
-    PeftFormat,
-    PeftMethod,
-    TensorDict,
-    Variant,
-    is_finite_number,
-)
+from lora_func.variants._kernels import kaiming_uniform, lowrank_input
+from lora_func.variants._options import dropout_option
+from lora_func.variants import BaseLayer, LayerInfo, Option, PeftFormat, PeftMethod, Slot, TensorDict, Variant, mapped, one_of, whole
 
 INITS = ("default", "random")
 HYBRID = ("gralora_A_general", "gralora_B_general")
@@ -164,19 +157,8 @@ def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: Ba
     return y + delta.to(y.dtype)
 
 
-def check_options(options: Mapping[str, Any]) -> None:
-    check_dropout("gralora", options)
-    if options["init"] not in INITS:
-        raise ValueError(f"gralora option init={options['init']!r} is not one of {list(INITS)}")  # error: gralora-init
-    for name, low in (("gralora_k", 1), ("hybrid_r", 0)):
-        if options[name] < low:
-            raise ValueError(f"gralora option {name}={options[name]!r} must be an integer >= {low}")  # error: gralora-option
-
-
-# ------------------------------------------------------------------ peft's format (GraloraConfig)
-
-
 def peft_shapes(r: int, d_in: int, d_out: int, options: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+    """The layer's tensors and their shapes (the hybrid part only with ``hybrid_r``)."""
     k, hybrid_r = options["gralora_k"], options["hybrid_r"]
     shapes: dict[str, tuple[int, ...]] = {"gralora_A": (k, d_in // k, r), "gralora_B": (k, r, d_out // k)}
     if hybrid_r:
@@ -184,45 +166,8 @@ def peft_shapes(r: int, d_in: int, d_out: int, options: Mapping[str, Any]) -> di
     return shapes
 
 
-def _reads(config: Mapping[str, Any], module: str) -> dict[str, Any]:
-    return {
-        "gralora_k": int(config.get("gralora_k", 2)),
-        "hybrid_r": int(config.get("hybrid_r", 0)),
-        "dropout": float(config.get("gralora_dropout") or 0.0),
-        "init": "default" if config.get("init_weights", True) else "random",
-    }
-
-
-def _is_int(low: int) -> Any:
-    return lambda v: is_finite_number(v) and isinstance(v, int) and v >= low
-
-
-PEFT = PeftFormat(
-    PeftMethod(
-        "GRALORA",
-        {"bias": "none"},
-        rank_of=("gralora_A", 2),
-        alpha=True,  # one alpha for all layers: GraloraConfig has no alpha_pattern
-        alpha_key="alpha",
-        checks={
-            "gralora_k": _is_int(1),
-            "hybrid_r": _is_int(0),
-            "gralora_dropout": lambda v: is_finite_number(v) and 0 <= v < 1,
-            "init_weights": lambda v: isinstance(v, bool),
-        },
-    ),
-    {"gralora_A": "gralora_A", "gralora_B": "gralora_B", "gralora_A_general": "gralora_A_general.weight",
-     "gralora_B_general": "gralora_B_general.weight"},
-    lambda r, d_in, d_out: peft_shapes(r, d_in, d_out, {"gralora_k": 2, "hybrid_r": 0}),
-    lambda options: {
-        "gralora_k": int(options["gralora_k"]),
-        "hybrid_r": int(options["hybrid_r"]),
-        "gralora_dropout": float(options["dropout"]),
-        "init_weights": options["init"] == "default",
-    },
-    _reads,
-    layer_shapes=lambda info: peft_shapes(info.r, info.d_in, info.d_out, dict(info.options)),
-)
+def _slot(name: str, **declared: Any) -> Slot:
+    return Slot(lambda i: peft_shapes(i.r, i.d_in, i.d_out, dict(i.options)).get(name), **declared)
 
 
 VARIANT = Variant(
@@ -230,9 +175,19 @@ VARIANT = Variant(
     init=init,
     weight_form=weight_form,
     activation_form=activation_form,
-    options={"gralora_k": 2, "hybrid_r": 0, "dropout": 0.0, "init": "default"},
+    tensors={
+        "gralora_A": _slot("gralora_A", rank_axes=(2,), peft="gralora_A"),
+        "gralora_B": _slot("gralora_B", rank_axes=(1,), peft="gralora_B"),
+        "gralora_A_general": _slot("gralora_A_general", peft="gralora_A_general.weight"),
+        "gralora_B_general": _slot("gralora_B_general", peft="gralora_B_general.weight"),
+    },
+    options={
+        "gralora_k": Option(2, whole(1), "gralora_k"),
+        "hybrid_r": Option(0, whole(0), "hybrid_r"),
+        "dropout": dropout_option("gralora_dropout"),
+        "init": Option("default", one_of(*INITS), "init_weights", mapped({"default": True, "random": False})),
+    },
     default_alpha=16.0,  # peft's default scale: alpha / r = 64 / 32
-    rank_axes={"gralora_A": 2, "gralora_B": 1},
-    check_options=check_options,
-    peft=PEFT,
 )
+# peft: GraloraConfig; one alpha for all layers (no alpha_pattern).
+PEFT = PeftFormat(PeftMethod("GRALORA", rank=("r", None), alpha="alpha"))

@@ -23,22 +23,14 @@ Differences from peft: none in the math. GPT-2 ``Conv1D`` is supported as in pef
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from lora_func._kernels import check_dropout, kaiming_uniform, lowrank_input
-from lora_func.variants import (
-    BaseLayer,
-    LayerInfo,
-    PeftFormat,
-    PeftMethod,
-    TensorDict,
-    Variant,
-    is_finite_number,
-)
+from lora_func.variants._kernels import kaiming_uniform, lowrank_input
+from lora_func.variants._options import dropout_option
+from lora_func.variants import BaseLayer, LayerInfo, Option, PeftFormat, PeftMethod, Slot, TensorDict, Variant, mapped, one_of
 
 INITS = ("kaiming", "gaussian", "random")
 
@@ -88,47 +80,21 @@ def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: Ba
     return (y + update).to(y.dtype)
 
 
-def check_options(options: Mapping[str, Any]) -> None:
-    if options["init"] not in INITS:
-        raise ValueError(f"hira option init={options['init']!r} is not one of {list(INITS)}")  # error: hira-init
-    check_dropout("hira", options)
-
-
-def _peft_reads(config: Mapping[str, Any], module: str) -> dict[str, Any]:
-    init_weights = config.get("init_weights", True)
-    how = "gaussian" if init_weights == "gaussian" else ("kaiming" if init_weights else "random")
-    return {"init": how, "dropout": float(config.get("hira_dropout") or 0.0)}
-
-
 VARIANT = Variant(
     name="hira",
     init=init,
     weight_form=weight_form,
     activation_form=activation_form,
-    options={"init": "kaiming", "dropout": 0.0},
+    tensors={
+        "hira_A": Slot(lambda i: (i.r, i.d_in), rank_axes=(0,), peft="hira_A"),
+        "hira_B": Slot(lambda i: (i.d_out, i.r), rank_axes=(1,), peft="hira_B"),
+    },
+    options={
+        "init": Option("kaiming", one_of(*INITS), "init_weights", mapped({"kaiming": True, "gaussian": "gaussian", "random": False})),
+        "dropout": dropout_option("hira_dropout"),
+    },
     default_alpha=1.0,
-    rank_axes={"hira_A": 0, "hira_B": 1},
-    check_options=check_options,
-    # peft: HiraConfig (peft_type HIRA); no alpha.
-    peft=PeftFormat(
-        PeftMethod(
-            "HIRA",
-            {},  # hira's config has no `bias` field
-            rank_of=("hira_A", 0),
-            # peft 0.21's HiRA builds every layer with the config's r whatever its rank_pattern
-            # says: one rank per checkpoint (save_peft refuses layers of different ranks).
-            rank_pattern=False,
-            checks={
-                "hira_dropout": lambda v: v is None or (is_finite_number(v) and 0 <= v < 1),
-                "init_weights": lambda v: isinstance(v, bool) or v == "gaussian",
-            },
-        ),
-        {"hira_A": "hira_A", "hira_B": "hira_B"},
-        lambda r, d_in, d_out: {"hira_A": (r, d_in), "hira_B": (d_out, r)},
-        lambda options: {
-            "hira_dropout": float(options["dropout"]),
-            "init_weights": {"kaiming": True, "gaussian": "gaussian", "random": False}[options["init"]],
-        },
-        _peft_reads,
-    ),
 )
+# peft: HiraConfig, no alpha and no `bias` field. peft 0.21's HiRA builds every layer with the
+# config's r whatever its rank_pattern says: one rank per checkpoint.
+PEFT = PeftFormat(PeftMethod("HIRA", {}, rank=("r", None)))

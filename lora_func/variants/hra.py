@@ -29,26 +29,18 @@ Gram-Schmidt (peft ``apply_GS=True``) is not offered.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from lora_func._kernels import (
+from lora_func.variants._kernels import (
     base_plus_low_rank,
     base_plus_product,
     half_product_applies,
     kaiming_uniform,
 )
-from lora_func.variants import (
-    BaseLayer,
-    LayerInfo,
-    PeftFormat,
-    PeftMethod,
-    TensorDict,
-    Variant,
-)
+from lora_func.variants import BaseLayer, LayerInfo, Option, PeftFormat, PeftMethod, Slot, TensorDict, Variant, mapped, one_of
 
 INITS = ("paired", "random")
 _MIN_NORM = 1e-30
@@ -133,33 +125,14 @@ def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: Ba
     return base_plus_low_rank(base, x, h, minus_weight_u)
 
 
-def check_options(options: Mapping[str, Any]) -> None:
-    if options["init"] not in INITS:
-        raise ValueError(f"hra option init={options['init']!r} is not one of {list(INITS)}")  # error: hra-init
-
-
 VARIANT = Variant(
     name="hra",
     init=init,
     weight_form=weight_form,
     activation_form=activation_form,
-    options={"init": "paired"},
+    tensors={"hra_u": Slot(lambda i: (i.d_in, i.r), rank_axes=(1,), peft="hra_u")},
+    options={"init": Option("paired", one_of(*INITS), "init_weights", mapped({"paired": True, "random": False}))},
     default_alpha=8.0,
-    rank_axes={"hra_u": 1},
-    check_options=check_options,
-    # peft: HRAConfig(apply_GS=False), one rank for all layers; peft refuses HRA on GPT-2 Conv1D.
-    peft=PeftFormat(
-        PeftMethod(
-            "HRA",
-            {"bias": "none", "apply_GS": False},
-            ("modules_to_save", "apply_GS"),
-            rank_of=("hra_u", -1),
-            checks={"init_weights": lambda v: isinstance(v, bool)},
-        ),
-        {"hra_u": "hra_u"},
-        lambda r, d_in, d_out: {"hra_u": (d_in, r)},
-        lambda options: {"init_weights": options["init"] == "paired"},
-        lambda config, module: {"init": "paired" if config.get("init_weights", True) else "random"},
-        conv1d=False,
-    ),
 )
+# peft: HRAConfig(apply_GS=False), one rank for all layers; peft refuses HRA on GPT-2 Conv1D.
+PEFT = PeftFormat(PeftMethod("HRA", {"bias": "none", "apply_GS": False}, ("modules_to_save", "apply_GS"), rank=("r", None)), conv1d=False)

@@ -17,22 +17,13 @@ Neither activation form builds ``W_eff``. peft stores ``ia3_l`` as ``(d_out, 1)`
 
 from __future__ import annotations
 
-import re
-from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from lora_func._kernels import promoted
-from lora_func.variants import (
-    BaseLayer,
-    LayerInfo,
-    PeftFormat,
-    PeftMethod,
-    TensorDict,
-    Variant,
-)
+from lora_func.variants._kernels import promoted
+from lora_func.variants import BaseLayer, LayerInfo, PeftFormat, PeftMethod, Slot, TensorDict, Variant
 
 
 def _init_out(
@@ -95,41 +86,16 @@ def _promotes_to(t: Tensor, g: Tensor) -> bool:
 
 # peft: IA3Config; ia3 layers store ia3_l as (d_out, 1), ia3_ff layers (the config's
 # feedforward_modules) as (1, d_in). A checkpoint with both loads as compose(ia3, ia3_ff).
-PEFT_METHOD = PeftMethod("IA3", {"init_ia3_weights": True}, feedforward_modules=True)
-
-
-def _is_feedforward(feedforward_modules: str | Sequence[str] | None, module: str) -> bool:
-    """peft's ``IA3Model._check_target_module_feedforward`` (note: ``endswith`` without a dot)."""
-    if not feedforward_modules:
-        return False
-    if isinstance(feedforward_modules, str):
-        return re.fullmatch(feedforward_modules, module) is not None
-    return any(module.endswith(t) for t in feedforward_modules)
-
-
-def _reads(feedforward: bool):
-    def reads(config: Mapping[str, Any], module: str) -> dict[str, Any] | None:
-        return {} if _is_feedforward(config.get("feedforward_modules"), module) == feedforward else None
-
-    return reads
-
+PEFT_METHOD = PeftMethod("IA3", {"init_ia3_weights": True})
 
 IA3 = Variant(
     name="ia3",
     init=_init_out,
     weight_form=_weight_out,
     activation_form=_activation_out,
+    tensors={"ia3_l": Slot(lambda i: (i.d_out,), peft="ia3_l", matrix=1)},
     default_alpha=1.0,
-    uses_rank=False,
-    changes_bias=True,
-    peft=PeftFormat(
-        PEFT_METHOD,
-        {"ia3_l": "ia3_l"},
-        lambda r, d_in, d_out: {"ia3_l": (d_out,)},
-        lambda options: {},
-        _reads(False),
-        matrix={"ia3_l": (1, "a non-feed-forward IA3 layer has (d_out, 1)")},
-    ),
+    traits=frozenset({"changes_bias"}),
 )
 
 IA3_FF = Variant(
@@ -137,18 +103,9 @@ IA3_FF = Variant(
     init=_init_in,
     weight_form=_weight_in,
     activation_form=_activation_in,
+    tensors={"ia3_l": Slot(lambda i: (i.d_in,), peft="ia3_l", matrix=0)},
     default_alpha=1.0,
-    uses_rank=False,
-    changes_bias=False,
-    peft=PeftFormat(
-        PEFT_METHOD,
-        {"ia3_l": "ia3_l"},
-        lambda r, d_in, d_out: {"ia3_l": (d_in,)},
-        lambda options: {},
-        _reads(True),
-        matrix={"ia3_l": (0, "a feed-forward IA3 layer has (1, d_in)")},
-        feedforward=True,
-    ),
 )
 
 VARIANTS = (IA3, IA3_FF)
+PEFT = {"ia3": PeftFormat(PEFT_METHOD), "ia3_ff": PeftFormat(PEFT_METHOD, feedforward=True)}

@@ -24,16 +24,15 @@ peft truncates the base again on load, so ``save_peft`` writes the adapter as it
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lora_func._kernels import base_plus_low_rank, check_dropout, kaiming_uniform, lora_scale, lowrank_input
-from lora_func.variants import BaseLayer, LayerInfo, PeftFormat, TensorDict, Variant, is_finite_number
-from lora_func.variants.lora import PEFT_KEYS, PEFT_METHOD, PEFT_PLAIN_INITS, peft_config, peft_reads, peft_shapes
+from lora_func.variants import BaseLayer, LayerInfo, Option, Slot, TensorDict, lora, real
+from lora_func.variants._kernels import base_plus_low_rank, kaiming_uniform, lora_scale, lowrank_input
+from lora_func.variants.pissa import RESIDUAL, RESIDUAL_TRAITS
 
 
 def truncated_base(weight: Tensor, r: int) -> Tensor:
@@ -88,46 +87,20 @@ def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: Ba
     return base_plus_low_rank(lambda x_: F.linear(x_, w_res, base.bias), x, h, params["lora_B"])
 
 
-def check_options(options: Mapping[str, Any]) -> None:
-    check_dropout("kasa", options)
-    for name in ("beta", "gamma"):
-        if not is_finite_number(options[name]) or options[name] < 0:
-            raise ValueError(  # error: kasa-coefficient
-                f"kasa option {name}={options[name]!r} must be a finite number >= 0 (peft's KasaConfig: the weight of "
-                f"{'the singular-value penalty' if name == 'beta' else 'the orthogonality penalty'} in kasa_penalty)"
-            )
-
-
-def _peft_config(options: Mapping[str, Any]) -> dict[str, Any]:
-    return peft_config(options) | {"kasa_config": {"beta": float(options["beta"]), "gamma": float(options["gamma"])}}
-
-
-def _peft_reads(config: Mapping[str, Any], module: str) -> dict[str, Any] | None:
-    options = peft_reads(config, use_dora=False, inits=PEFT_PLAIN_INITS, kasa=True)
-    if options is None:
-        return None
-    kasa = config["kasa_config"]
-    return options | {"beta": float(kasa.get("beta", 1e-4)), "gamma": float(kasa.get("gamma", 1e-3))}
-
-
-VARIANT = Variant(
-    name="kasa",
-    init=init,
+VARIANT = lora.derived(
+    "kasa",
+    init,
     weight_form=weight_form,
     activation_form=activation_form,
-    options={"use_rslora": False, "dropout": 0.0, "beta": 1e-4, "gamma": 1e-3},
-    default_alpha=8.0,
-    rank_axes={"lora_A": 0, "lora_B": 1, "lora_diag": 0},
-    check_options=check_options,
-    records_base=True,
-    replaces_weight=True,
-    peft=PeftFormat(
-        PEFT_METHOD,
-        PEFT_KEYS | {"lora_diag": "lora_diag"},
-        lambda r, d_in, d_out: peft_shapes(r, d_in, d_out) | {"lora_diag": (r,)},
-        _peft_config,
-        _peft_reads,
-        recompute_buffers=True,  # peft truncates the base again on load; so does load_peft
-        conv1d=False,
-    ),
+    tensors=lora.TENSORS | RESIDUAL | {"lora_diag": Slot(lambda i: (i.r,), rank_axes=(0,), peft="lora_diag")},
+    # peft's KasaConfig: the weights of the singular-value and orthogonality penalties (kasa_penalty)
+    options=lora.OPTIONS
+    | {
+        "beta": Option(1e-4, real(0, why="the weight of the singular-value penalty in kasa_penalty"), "kasa_config.beta"),
+        "gamma": Option(1e-3, real(0, why="the weight of the orthogonality penalty in kasa_penalty"), "kasa_config.gamma"),
+    },
+    low_rank=None,
+    traits=RESIDUAL_TRAITS,
 )
+# peft truncates the base again on load, and so does load_peft (W_res is not in the file).
+PEFT = lora.stored_as_lora(reads={"use_dora": False, "init_lora_weights": lora.PLAIN_INITS, "kasa_config": bool}, conv1d=False)

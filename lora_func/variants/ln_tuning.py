@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lora_func.variants import BaseLayer, LayerInfo, PeftFormat, PeftMethod, TensorDict, Variant
+from lora_func.variants import BaseLayer, LayerInfo, PeftFormat, PeftMethod, Slot, TensorDict, Variant
 
 
 def init(
@@ -51,33 +51,24 @@ def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: Ba
     return F.linear(x.to(weight.dtype), weight, params.get("ln_bias", None if base.bias is None else base.bias.to(weight.dtype))).to(x.dtype)
 
 
-def _stored_layout(kind: str, name: str, tensor: Tensor, shape: tuple[int, ...]) -> Tensor:
+def _stored_layout(kind: str, name: str, tensor: Tensor, shape: tuple[int, ...], to_peft: bool) -> Tensor:
     """peft's copy of a GPT-2 Conv1D holds its weight ``(d_in, d_out)``: the transpose of the
     canonical view, both ways."""
     return tensor.T if kind == "conv1d" and name == "ln_weight" else tensor
 
-
-PEFT = PeftFormat(
-    PeftMethod("LN_TUNING", {}, ("modules_to_save",), fan_in_fan_out=False),
-    {"ln_weight": "ln_tuning_layers.weight", "ln_bias": "ln_tuning_layers.bias"},
-    lambda r, d_in, d_out: {"ln_weight": (d_out, d_in), "ln_bias": (d_out,)},
-    lambda options: {},
-    lambda config, module: {},
-    optional=frozenset({"ln_bias"}),
-    to_peft=_stored_layout,
-    from_peft=_stored_layout,
-    shapes_by_kind={"norm": lambda r, d_in, d_out: {"ln_weight": (d_out,), "ln_bias": (d_out,)}},
-)
 
 VARIANT = Variant(
     name="ln_tuning",
     init=init,
     weight_form=weight_form,
     activation_form=activation_form,
+    tensors={
+        # a norm's weight is (d,); a matrix layer's its canonical view
+        "ln_weight": Slot(lambda i: (i.d_out,) if i.kind == "norm" else (i.d_out, i.d_in), peft="ln_tuning_layers.weight"),
+        "ln_bias": Slot(lambda i: (i.d_out,) if i.has_bias else None, peft="ln_tuning_layers.bias"),
+    },
     default_alpha=1.0,
-    uses_rank=False,
-    changes_bias=True,
-    replaces_weight=True,
-    peft=PEFT,
-    kinds=frozenset({"linear", "conv1d", "norm"}),
+    kind_forms={"linear": None, "conv1d": None, "norm": None},
+    traits=frozenset({"changes_bias", "replaces_weight"}),
 )
+PEFT = PeftFormat(PeftMethod("LN_TUNING", {}, fan_in_fan_out=False), reshape=_stored_layout)

@@ -31,16 +31,13 @@ config: ``save_peft`` writes them as they are, and peft loading them onto the un
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from lora_func._kernels import check_dropout
-from lora_func.variants import LayerInfo, PeftFormat, TensorDict, Variant
-from lora_func.variants.lora import PEFT_KEYS, PEFT_METHOD, peft_config, peft_reads, peft_shapes
-from lora_func.variants.pissa import activation_form, weight_form
+from lora_func.variants import LayerInfo, Option, TensorDict, lora, one_of, whole
+from lora_func.variants.pissa import residual_variant
 
 BLOCKSIZE = 64  # bitsandbytes' Params4bit default
 # bitsandbytes' NF4 levels (functional.get_4bit_type("nf4")), sorted.
@@ -112,53 +109,17 @@ def init(
     return params, {"W_res": quantized.to(weight.dtype).to(weight.device, res_dtype).contiguous()}
 
 
-def check_options(options: Mapping[str, Any]) -> None:
-    check_dropout("loftq", options)
-    if options["loftq_bits"] not in (4, 8) or isinstance(options["loftq_bits"], bool):
-        raise ValueError(  # error: loftq-bits
-            f"loftq option loftq_bits={options['loftq_bits']!r} must be 4 (NF4, bitsandbytes' 4-bit) or 8 (LLM.int8), "
-            f"the quantizations peft's LoftQ supports"
-        )
-    iters = options["loftq_iter"]
-    if isinstance(iters, bool) or not isinstance(iters, int) or iters < 1:
-        raise ValueError(f"loftq option loftq_iter={iters!r} must be an int >= 1 (alternating quantize/SVD rounds)")  # error: loftq-iter
-
-
-def _peft_config(options: Mapping[str, Any]) -> dict[str, Any]:
-    return peft_config(options, init="loftq") | {
-        "loftq_config": {"loftq_bits": int(options["loftq_bits"]), "loftq_iter": int(options["loftq_iter"])}
-    }
-
-
-def _peft_reads(config: Mapping[str, Any], module: str) -> dict[str, Any] | None:
-    """A peft LoftQ checkpoint: the quantized base recomputed from the untouched base, as peft does on load."""
-    options = peft_reads(config, use_dora=False, inits=("loftq",))
-    if options is None:
-        return None
-    loftq = config.get("loftq_config") or {}
-    return options | {"loftq_bits": int(loftq.get("loftq_bits", 4)), "loftq_iter": int(loftq.get("loftq_iter", 1))}
-
-
-VARIANT = Variant(
-    name="loftq",
-    init=init,
-    weight_form=weight_form,
-    activation_form=activation_form,
-    options={"use_rslora": False, "dropout": 0.0, "loftq_bits": 4, "loftq_iter": 1},
-    default_alpha=8.0,
-    rank_axes={"lora_A": 0, "lora_B": 1},
-    check_options=check_options,
-    records_base=True,
-    replaces_weight=True,
-    peft=PeftFormat(
-        PEFT_METHOD,
-        PEFT_KEYS,
-        peft_shapes,
-        _peft_config,
-        _peft_reads,
-        recompute_buffers=True,  # peft runs loftq_init again on load; load_peft runs init
-        # peft quantizes a GPT-2 Conv1D weight in its stored (d_in, d_out) layout (and its factors then
-        # do not fit the layer); lora_func quantizes W (d_out, d_in): not peft's, so not written.
-        conv1d=False,
-    ),
+VARIANT = residual_variant(
+    "loftq",
+    init,
+    options=lora.OPTIONS
+    | {
+        # NF4 (bitsandbytes' 4-bit) or LLM.int8: the quantizations peft's LoftQ supports
+        "loftq_bits": Option(4, one_of(4, 8), "loftq_config.loftq_bits"),
+        "loftq_iter": Option(1, whole(1, why="alternating quantize/SVD rounds"), "loftq_config.loftq_iter"),
+    },
 )
+# A peft LoftQ checkpoint: the quantized base recomputed from the untouched base, as peft does on
+# load. peft quantizes a GPT-2 Conv1D weight in its stored (d_in, d_out) layout (and its factors
+# then do not fit the layer); lora_func quantizes W (d_out, d_in): not peft's, so not written.
+PEFT = lora.stored_as_lora(reads={"use_dora": False, "init_lora_weights": "loftq"}, writes={"init_lora_weights": "loftq"}, conv1d=False)

@@ -41,22 +41,14 @@ peft, and saved as it is.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 from einops import rearrange
 from torch import Tensor
 
-from lora_func._kernels import base_plus_low_rank, kaiming_uniform
-from lora_func.variants import (
-    BaseLayer,
-    LayerInfo,
-    PeftFormat,
-    PeftMethod,
-    TensorDict,
-    Variant,
-)
+from lora_func.variants._kernels import base_plus_low_rank, kaiming_uniform
+from lora_func.variants import BaseLayer, LayerInfo, Option, PeftFormat, Slot, TensorDict, Variant, mapped, one_of
 from lora_func.variants import _lycoris
 
 INITS = ("default", "random")
@@ -192,13 +184,6 @@ def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: Ba
     return base_plus_low_rank(base, x, xa, delta)
 
 
-def check_options(options: Mapping[str, Any]) -> None:
-    _lycoris.check_options("loha", options, INITS)
-
-
-# ------------------------------------------------------------------ peft's format (LoHaConfig)
-
-
 def peft_shapes(r: int, d_in: int, d_out: int) -> dict[str, tuple[int, ...]]:
     """``hada_w1_a (d_out, r)``, ``hada_w1_b (r, d_in)``, the same for ``w2``."""
     return {"hada_w1_a": (d_out, r), "hada_w1_b": (r, d_in), "hada_w2_a": (d_out, r), "hada_w2_b": (r, d_in)}
@@ -213,44 +198,26 @@ def layer_shapes(info: LayerInfo) -> dict[str, tuple[int, ...]]:
     return {"hada_w1_a": (info.d_out, r), "hada_w1_b": (r, c_in), "hada_w2_a": (info.d_out, r), "hada_w2_b": (r, c_in), "hada_t1": core, "hada_t2": core}
 
 
-def _reads(config: Mapping[str, Any], module: str) -> dict[str, Any]:
-    return _lycoris.peft_reads(config) | {"init": "default" if config.get("init_weights", True) else "random"}
-
-
-PEFT = PeftFormat(
-    PeftMethod(
-        "LOHA",
-        {},
-        rank_of=("hada_w1_b", 0),
-        rank_pattern=True,
-        alpha=True,
-        alpha_key="alpha",
-        checks=_lycoris.peft_checks() | {"init_weights": lambda v: isinstance(v, bool)},
-    ),
-    {name: name for name in (*NAMES, *CORES)},
-    peft_shapes,
-    lambda options: _lycoris.peft_config(options) | {"init_weights": options["init"] == "default"},
-    _reads,
-    # peft's LyCORIS tuners take nn.Linear / Conv1d / Conv2d only: GPT-2 Conv1D is refused.
-    conv1d=False,
-    layer_shapes=layer_shapes,
-    # A CP layer (it holds the cores) stores its (d_out, r) factors as peft's (r, d_out).
-    export=_lycoris.cp_export("loha", ("hada_w1_a", "hada_w2_a"), "hada_t1"),
-    imported={core: core for core in CORES},
-    convert_in=_lycoris.cp_convert_in(("hada_w1_a", "hada_w2_a"), "hada_t1"),
-)
-
+# The factors' rank axes: w*_a (d_out, r), w*_b (r, d_in), the CP cores (r, r, *kernel).
+_AXES = {"hada_w1_a": (1,), "hada_w1_b": (0,), "hada_w2_a": (1,), "hada_w2_b": (0,), "hada_t1": (0, 1), "hada_t2": (0, 1)}
 
 VARIANT = Variant(
     name="loha",
     init=init,
     weight_form=weight_form,
     activation_form=activation_form,
-    options={**_lycoris.OPTIONS, "init": "default"},
+    tensors={name: Slot((lambda n: lambda i: layer_shapes(i).get(n))(name), rank_axes=axes, peft=name) for name, axes in _AXES.items()},
+    options={**_lycoris.OPTIONS, "init": Option("default", one_of(*INITS), "init_weights", mapped({"default": True, "random": False}))},
     default_alpha=8.0,
-    rank_axes={"hada_w1_a": 1, "hada_w1_b": 0, "hada_w2_a": 1, "hada_w2_b": 0, "hada_t1": (0, 1), "hada_t2": (0, 1)},
-    check_options=check_options,
-    peft=PEFT,
     # nn.Conv1d/2d/3d through the merged kernel (peft's LoHa takes Conv1d and Conv2d).
-    kinds=frozenset({"linear", "conv1d", "conv"}),
+    kind_forms={"linear": None, "conv1d": None, "conv": None},
+)
+# peft: LoHaConfig. Its LyCORIS tuners take nn.Linear / Conv1d / Conv2d only: GPT-2 Conv1D is
+# refused. A CP layer (it holds the cores) stores its (d_out, r) factors as peft's (r, d_out).
+PEFT = PeftFormat(
+    _lycoris.method("LOHA"),
+    conv1d=False,
+    export=_lycoris.cp_export("loha", ("hada_w1_a", "hada_w2_a"), "hada_t1"),
+    imported={core: core for core in CORES},
+    convert_in=_lycoris.cp_convert_in(("hada_w1_a", "hada_w2_a"), "hada_t1"),
 )

@@ -51,16 +51,8 @@ import torch
 from einops import rearrange
 from torch import Tensor
 
-from lora_func._kernels import kaiming_uniform
-from lora_func.variants import (
-    BaseLayer,
-    LayerInfo,
-    PeftFormat,
-    PeftMethod,
-    TensorDict,
-    Variant,
-    is_finite_number,
-)
+from lora_func.variants._kernels import kaiming_uniform
+from lora_func.variants import BaseLayer, Check, LayerInfo, Option, PeftFormat, Slot, TensorDict, Variant, mapped, one_of
 from lora_func.variants import _lycoris
 
 INITS = ("default", "lycoris", "random")
@@ -197,74 +189,17 @@ def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: Ba
     return y + delta.to(y.dtype)
 
 
-def check_options(options: Mapping[str, Any]) -> None:
-    _lycoris.check_options("lokr", options, INITS)
-    f = options["decompose_factor"]
-    if f != -1 and f < 1:
-        raise ValueError(  # error: lokr-decompose-factor
-            f"lokr option decompose_factor={f!r} must be -1 (factor each size near its square root) or a positive "
-            f"integer (the preferred factor)"
-        )
+def _reshape(kind: str, name: str, tensor: Tensor, shape: tuple[int, ...], to_peft: bool) -> Tensor:
+    """A whole ``W2`` on a conv is peft's ``(k, n, *kernel)``."""
+    if kind != "conv" or name != "lokr_w2":
+        return tensor
+    return tensor.reshape(tensor.shape[0], -1, *shape[2:]) if to_peft else tensor.flatten(1)
 
 
-# ------------------------------------------------------------------ peft's format (LoKrConfig)
+_AXES = {"lokr_w1": (), "lokr_w1_a": (1,), "lokr_w1_b": (0,), "lokr_w2": (), "lokr_w2_a": (1,), "lokr_w2_b": (0,), "lokr_t2": (0, 1)}
 
-
-def _peft_config(options: Mapping[str, Any]) -> dict[str, Any]:
-    peft_inits: dict[str, bool | str] = {"default": True, "lycoris": "lycoris", "random": False}
-    init_weights = peft_inits[options["init"]]
-    return _lycoris.peft_config(options) | {
-        "init_weights": init_weights,
-        "decompose_both": bool(options["decompose_both"]),
-        "decompose_factor": int(options["decompose_factor"]),
-        "rank_dropout_scale": bool(options["rank_dropout_scale"]),
-    }
-
-
-def _reads(config: Mapping[str, Any], module: str) -> dict[str, Any]:
-    init_weights = config.get("init_weights", True)
-    how = "lycoris" if init_weights == "lycoris" else "default" if init_weights else "random"
-    return _lycoris.peft_reads(config) | {
-        "init": how,
-        "decompose_both": bool(config.get("decompose_both", False)),
-        "decompose_factor": int(config.get("decompose_factor", -1)),
-        "rank_dropout_scale": bool(config.get("rank_dropout_scale", False)),
-    }
-
-
-def _is_int(value: Any) -> bool:
-    return is_finite_number(value) and isinstance(value, int)
-
-
-PEFT = PeftFormat(
-    PeftMethod(
-        "LOKR",
-        {},
-        rank_of=("lokr_w2_a", 1),  # with layer_shapes: the config's r, checked by the layer's shapes
-        rank_pattern=True,
-        alpha=True,
-        alpha_key="alpha",
-        checks=_lycoris.peft_checks()
-        | {
-            "init_weights": lambda v: isinstance(v, bool) or v == "lycoris",
-            "decompose_both": lambda v: isinstance(v, bool),
-            "decompose_factor": lambda v: _is_int(v) and (v == -1 or v >= 1),
-            "rank_dropout_scale": lambda v: isinstance(v, bool),
-        },
-    ),
-    {name: name for name in NAMES},
-    lambda r, d_in, d_out: layout(r, d_in, d_out, {"decompose_both": False, "decompose_factor": -1}),
-    _peft_config,
-    _reads,
-    conv1d=False,  # peft's LyCORIS tuners take nn.Linear / Conv1d / Conv2d only
-    layer_shapes=lambda info: layout(info.r, info.d_in, info.d_out, dict(info.options), info.kernel),
-    # a whole W2 on a conv is peft's (k, n, *kernel); a CP layer's W2a is peft's (r, k)
-    to_peft=lambda kind, name, t, shape: t.reshape(t.shape[0], -1, *shape[2:]) if kind == "conv" and name == "lokr_w2" else t,
-    from_peft=lambda kind, name, t, shape: t.flatten(1) if kind == "conv" and name == "lokr_w2" else t,
-    export=_lycoris.cp_export("lokr", ("lokr_w2_a",), "lokr_t2"),
-    imported={"lokr_t2": "lokr_t2"},
-    convert_in=_lycoris.cp_convert_in(("lokr_w2_a",), "lokr_t2"),
-)
+# -1: each size factored near its square root; else the preferred factor
+FACTOR = Check(lambda v: isinstance(v, int) and not isinstance(v, bool) and (v == -1 or v >= 1), "must be -1 (factor each size near its square root) or a positive integer (the preferred factor)")
 
 
 VARIANT = Variant(
@@ -272,17 +207,28 @@ VARIANT = Variant(
     init=init,
     weight_form=weight_form,
     activation_form=activation_form,
+    # a layer holds the factors its sizes and rank call for (layout)
+    tensors={
+        name: Slot((lambda n: lambda i: layout(i.r, i.d_in, i.d_out, dict(i.options), i.kernel).get(n))(name), rank_axes=axes, peft=name)
+        for name, axes in _AXES.items()
+    },
     options={
         **_lycoris.OPTIONS,
-        "init": "default",
-        "decompose_both": False,
-        "decompose_factor": -1,
-        "rank_dropout_scale": False,
+        "init": Option("default", one_of(*INITS), "init_weights", mapped({"default": True, "lycoris": "lycoris", "random": False})),
+        "decompose_both": Option(False, peft="decompose_both"),
+        "decompose_factor": Option(-1, FACTOR, "decompose_factor"),
+        "rank_dropout_scale": Option(False, peft="rank_dropout_scale"),
     },
     default_alpha=8.0,
-    rank_axes={"lokr_w1_a": 1, "lokr_w1_b": 0, "lokr_w2_a": 1, "lokr_w2_b": 0, "lokr_t2": (0, 1)},
-    check_options=check_options,
-    peft=PEFT,
     # nn.Conv1d/2d/3d through the merged kernel (peft's LoKr takes Conv1d and Conv2d).
-    kinds=frozenset({"linear", "conv1d", "conv"}),
+    kind_forms={"linear": None, "conv1d": None, "conv": None},
+)
+# peft: LoKrConfig. Its LyCORIS tuners take nn.Linear / Conv1d / Conv2d only.
+PEFT = PeftFormat(
+    _lycoris.method("LOKR"),
+    conv1d=False,
+    export=_lycoris.cp_export("lokr", ("lokr_w2_a",), "lokr_t2"),
+    imported={"lokr_t2": "lokr_t2"},
+    convert_in=_lycoris.cp_convert_in(("lokr_w2_a",), "lokr_t2"),
+    reshape=_reshape,
 )

@@ -4,48 +4,58 @@ Trainable ``lora_A (r, d_in)`` and ``lora_B (d_out, r)``;
 ``y = x Wᵀ + b + s · (x Aᵀ) Bᵀ``, ``W_eff = W + s·B A``, ``s = alpha/r`` (or
 ``alpha/sqrt(r)`` with ``use_rslora``). Init as peft: ``A ~ kaiming_uniform(a=√5)``
 (or ``N(0, 1/r²)`` with ``init="gaussian"``), ``B = 0``.
+
+The LoRA family derives from this file (:func:`derived`): PiSSA, OLoRA, CorDA, LoftQ, LoRA-GA,
+MiCA, EVA and KaSA are LoRA with their own init (and, where they keep a residual, its buffer),
+stored in peft's format as a ``LoraConfig`` marked by their ``init_lora_weights``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from lora_func._kernels import (
-    check_dropout,
-    kaiming_uniform,
-    lora_activation_form,
-    lora_scale,
-    lora_embedding_form,
-    lora_weight_form,
-)
 from lora_func.variants import (
     LayerInfo,
+    LowRank,
+    Option,
     PeftFormat,
     PeftMethod,
+    Slot,
     TensorDict,
     Variant,
-    is_finite_number,
+    mapped,
+    one_of,
 )
-from lora_func.variants._contract import LowRank
+from lora_func.variants._kernels import kaiming_uniform, lora_activation_form, lora_embedding_form, lora_scale, lora_weight_form
+from lora_func.variants._options import dropout_option
 
 INITS = ("kaiming", "gaussian", "orthogonal")
 
+# The options every variant of the family has, under peft's LoraConfig names.
+OPTIONS = {"use_rslora": Option(False, peft="use_rslora"), "dropout": dropout_option("lora_dropout")}
+
+# lora_A (r, d_in), lora_B (d_out, r); peft's lora.Embedding names them lora_embedding_A / _B.
+TENSORS = {
+    "lora_A": Slot(lambda i: (i.r, i.d_in), rank_axes=(0,), peft={"": "lora_A.weight", "embedding": "lora_embedding_A"}),
+    "lora_B": Slot(lambda i: (i.d_out, i.r), rank_axes=(1,), peft={"": "lora_B.weight", "embedding": "lora_embedding_B"}),
+}
+
 # ------------------------------------------------------------------ peft's format (LoraConfig)
 
-# LoRA inits that leave the base untouched: the checkpoint is a plain LoRA on the original base.
-PEFT_PLAIN_INITS = (True, False, "gaussian", "orthogonal")
 # LoraConfig fields lora_func has no equivalent for: any truthy value is refused.
 PEFT_UNSUPPORTED_FIELDS = (
     "lora_bias", "layer_replication", "alora_invocation_tokens", "use_qalora", "use_bdlora",
     "arrow_config", "monteclora_config", "velora_config", "trainable_token_indices", "modules_to_save",
     "megatron_config",
 )
-PEFT_KEYS = {"lora_A": "lora_A.weight", "lora_B": "lora_B.weight"}
+# LoRA inits that leave the base untouched: the checkpoint is a plain LoRA on the original base.
+PLAIN_INITS = (True, False, "gaussian", "orthogonal")
 
 
 def _converted_init(config: Mapping[str, Any]) -> str:
@@ -58,104 +68,54 @@ def _converted_init(config: Mapping[str, Any]) -> str:
     )
 
 
-# Every variant that peft stores as a LoraConfig (lora, dora, pissa, eva) shares this method.
+# Every variant that peft stores as a LoraConfig shares this method; the fixed fields are what a
+# plain LoRA writes, and what a config that lacks them means.
 PEFT_METHOD = PeftMethod(
     "LORA",
-    {"bias": "none"},
+    {"bias": "none", "use_dora": False, "init_lora_weights": True, "eva_config": None},
     PEFT_UNSUPPORTED_FIELDS,
-    rank_of=("lora_A", 0),
-    rank_pattern=True,
-    alpha=True,
-    checks={
-        "lora_dropout": lambda v: v is None or (is_finite_number(v) and 0 <= v < 1),
-        "use_rslora": lambda v: isinstance(v, bool),
-        "use_dora": lambda v: isinstance(v, bool),
-        "init_lora_weights": lambda v: isinstance(v, (bool, str)),
-    },
+    rank=("r", "rank_pattern"),
+    alpha="lora_alpha",
     unread=_converted_init,
 )
 
 
-def peft_shapes(r: int, d_in: int, d_out: int) -> dict[str, tuple[int, ...]]:
-    """``lora_A (r, d_in)``, ``lora_B (d_out, r)``."""
-    return {"lora_A": (r, d_in), "lora_B": (d_out, r)}
-
-
-def peft_config(
-    options: Mapping[str, Any], *, use_dora: bool = False, init: str | bool = True, eva_config: dict[str, Any] | None = None
-) -> dict[str, Any]:
-    """The LoraConfig fields a variant stored as LoRA writes (the same for every layer)."""
-    return {
-        "lora_dropout": float(options.get("dropout", 0.0)),
-        "use_rslora": bool(options.get("use_rslora", False)),
-        "use_dora": use_dora,
-        "init_lora_weights": init,
-        "eva_config": eva_config,
-    }
-
-
-def peft_reads(config: Mapping[str, Any], *, use_dora: bool, inits: Sequence[Any], kasa: bool = False) -> dict[str, Any] | None:
-    """The options shared by the variants stored as LoRA, when the config's ``use_dora``,
-    ``init_lora_weights`` and ``kasa_config`` (set or not) are this variant's."""
-    if bool(config.get("use_dora", False)) != use_dora or config.get("init_lora_weights", True) not in inits:
-        return None
-    if bool(config.get("kasa_config")) != kasa:
-        return None
-    # dropout is peft's lora_dropout: it acts in training steps only.
-    return {"use_rslora": bool(config.get("use_rslora", False)), "dropout": float(config.get("lora_dropout") or 0.0)}
-
-
-def _reads(config: Mapping[str, Any], module: str) -> dict[str, Any] | None:
-    options = peft_reads(config, use_dora=False, inits=PEFT_PLAIN_INITS)
-    init = config.get("init_lora_weights")
-    return None if options is None else options | {"init": init if init in ("gaussian", "orthogonal") else "kaiming"}
-
-
-# LoRA on nn.Embedding: peft's lora.Embedding stores A (r, num_embeddings) and B (dim, r), the
-# lora_func shapes of the canonical view (d_in = num_embeddings), under other names.
-PEFT_KEYS_BY_KIND = {"embedding": {"lora_A": "lora_embedding_A", "lora_B": "lora_embedding_B"}}
-
-
-def peft_kind_shape(kind: str, name: str, tensor: Tensor, shape: tuple[int, ...]) -> Tensor:
-    """A LoRA tensor in peft's shape on a target of ``kind`` with stored weight ``shape``: on a
-    conv, ``lora_A (r, in·prod(k)) -> (r, in, *k)`` (a conv with the base kernel) and ``lora_B
-    (out, r) -> (out, r, 1, ...)`` (a 1x1 conv); on an expert parameter ``(E, ·, ·)``, peft's
-    ``lora_A (r·E, d_in)`` (expert-major rows) and ``lora_B (d_out, r·E)`` (expert-minor columns)."""
+def _reshape(kind: str, name: str, tensor: Tensor, shape: tuple[int, ...], to_peft: bool) -> Tensor:
+    """A tensor in peft's shape on a target of ``kind`` with stored weight ``shape`` and back: on a
+    conv, ``lora_A (r, in·prod(k)) <-> (r, in, *k)`` (a conv with the base kernel) and ``lora_B
+    (out, r) <-> (out, r, 1, ...)`` (a 1x1 conv); on an expert parameter ``(E, ·, ·)``, peft's
+    ``lora_A (r·E, d_in)`` (expert-major rows) and ``lora_B (d_out, r·E)`` (expert-minor
+    columns). A tensor of another shape comes back unchanged (the loader's shape check names it)."""
     if kind == "conv":
-        return tensor.reshape(tensor.shape[0], *shape[1:]) if name == "lora_A" else tensor.reshape(*tensor.shape, *[1] * (len(shape) - 2))
-    if kind == "experts":
-        return tensor.reshape(-1, tensor.shape[-1]) if name == "lora_A" else tensor.permute(1, 2, 0).reshape(tensor.shape[1], -1)
-    return tensor
-
-
-def lora_kind_shape(kind: str, name: str, tensor: Tensor, shape: tuple[int, ...]) -> Tensor:
-    """The inverse of :func:`peft_kind_shape`; a tensor of another shape comes back unchanged
-    (the loader's shape check then names it)."""
-    if kind == "conv":
-        # A (r, in, *k) matches the base kernel's (in, *k), B (out, r, 1, ...) is a 1x1 conv.
+        if to_peft:
+            return tensor.reshape(tensor.shape[0], *shape[1:]) if name == "lora_A" else tensor.reshape(*tensor.shape, *[1] * (len(shape) - 2))
         fits = tuple(tensor.shape[1:]) == tuple(shape[1:]) if name == "lora_A" else tuple(tensor.shape[2:]) == (1,) * (len(shape) - 2)
         return tensor.flatten(1) if fits else tensor
-    if kind == "experts" and tensor.dim() == 2:
+    if kind == "experts":
+        if to_peft:
+            return tensor.reshape(-1, tensor.shape[-1]) if name == "lora_A" else tensor.permute(1, 2, 0).reshape(tensor.shape[1], -1)
         experts = shape[0]
-        if name == "lora_A" and tensor.shape[0] % experts == 0:
+        if tensor.dim() == 2 and name == "lora_A" and tensor.shape[0] % experts == 0:
             return tensor.reshape(experts, -1, tensor.shape[-1])
-        if name == "lora_B" and tensor.shape[1] % experts == 0:
+        if tensor.dim() == 2 and name == "lora_B" and tensor.shape[1] % experts == 0:
             return tensor.reshape(tensor.shape[0], -1, experts).permute(2, 0, 1)
     return tensor
 
 
 PEFT = PeftFormat(
     PEFT_METHOD,
-    PEFT_KEYS,
-    peft_shapes,
-    peft_config,
-    _reads,
-    keys_by_kind=PEFT_KEYS_BY_KIND,
-    to_peft=peft_kind_shape,
-    from_peft=lora_kind_shape,
+    reads={"use_dora": False, "init_lora_weights": PLAIN_INITS, "kasa_config": lambda v: not v},
+    reshape=_reshape,
 )
 
-# The activation form is base(x) + s·(dropout(x) Aᵀ) Bᵀ (lora_activation_form): shared with eva.
+
+def stored_as_lora(**changes: Any) -> PeftFormat:
+    """A LoRA-family variant's peft format: LoRA's, with ``changes`` (its ``reads`` and
+    ``writes``, a conversion)."""
+    return dataclasses.replace(PEFT, reshape=None, **changes)
+
+
+# The activation form is base(x) + s·(dropout(x) Aᵀ) Bᵀ (lora_activation_form).
 LOW_RANK = LowRank("lora_A", "lora_B", lora_scale)
 
 
@@ -193,25 +153,26 @@ def orthogonal_init(weight: Tensor, info: LayerInfo, *, dtype: torch.dtype, gene
     return {"lora_A": lora_a.contiguous().to(weight.device, dtype), "lora_B": lora_b.contiguous().to(weight.device, dtype)}, {}
 
 
-def check_options(options: Mapping[str, Any]) -> None:
-    check_dropout("lora", options)
-    if options["init"] not in INITS:
-        raise ValueError(f"lora option init={options['init']!r} is not one of {list(INITS)}")  # error: lora-init
-
-
 VARIANT = Variant(
     name="lora",
     init=init,
     weight_form=lora_weight_form,
     activation_form=lora_activation_form,
-    options={"use_rslora": False, "init": "kaiming", "dropout": 0.0},
+    tensors=TENSORS,
+    options={
+        **OPTIONS,
+        "init": Option("kaiming", one_of(*INITS), "init_lora_weights", mapped({"kaiming": True, "gaussian": "gaussian", "orthogonal": "orthogonal"}, also={False: "kaiming"})),
+    },
     default_alpha=8.0,
-    rank_axes={"lora_A": 0, "lora_B": 1},
-    check_options=check_options,
-    peft=PEFT,
     low_rank=LOW_RANK,
     # The merged path serves every kind; peft has LoRA on all of these (nn.Embedding, conv
-    # layers, target_parameters) but norms.
-    kinds=frozenset({"linear", "conv1d", "embedding", "conv", "experts"}),
-    kind_forms={"embedding": lora_embedding_form},  # a gather instead of a merged (V, d) table
+    # layers, target_parameters) but norms. An embedding takes a gather, not a merged (V, d) table.
+    kind_forms={"linear": None, "conv1d": None, "embedding": lora_embedding_form, "conv": None, "experts": None},
 )
+
+
+def derived(name: str, init: Any, **changes: Any) -> Variant:
+    """A LoRA-family variant: LoRA's forms, tensors and options on ``nn.Linear`` / GPT-2
+    ``Conv1D``, with its own ``name`` and ``init`` and ``changes`` (more options, a residual
+    buffer, its own forms and traits)."""
+    return dataclasses.replace(VARIANT, **{"name": name, "init": init, "options": OPTIONS, "kind_forms": {"linear": None, "conv1d": None}, **changes})

@@ -37,10 +37,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lora_func._kernels import check_dropout, lora_scale
-from lora_func.variants import LayerInfo, PeftFormat, TensorDict, Variant, is_finite_number
-from lora_func.variants.lora import PEFT_KEYS, PEFT_METHOD, peft_config, peft_shapes
-from lora_func.variants.pissa import activation_form, as_peft_lora, svd_lowrank, weight_form
+from lora_func.variants import Calibration, LayerInfo, Option, TensorDict, lora, one_of, real
+from lora_func.variants._kernels import lora_scale
+from lora_func.variants.pissa import residual_variant, stored_converted, svd_lowrank
 
 DIRECTIONS = ("ArB2r", "A2rBr", "ArBr", "random")
 SCALES = ("stable", "weight_svd", "gd_scale", "unit")
@@ -117,39 +116,16 @@ def init(
     return params, {"W_res": w_res.to(weight.device, res_dtype).contiguous()}
 
 
-def check_options(options: Mapping[str, Any]) -> None:
-    check_dropout("lora_ga", options)
-    for name, allowed in (("direction", DIRECTIONS), ("scale", SCALES)):
-        if options[name] not in allowed:
-            raise ValueError(f"lora_ga option {name}={options[name]!r} is not one of {list(allowed)}")  # error: lora-ga-choice
-    gamma = options["stable_gamma"]
-    if not is_finite_number(gamma) or gamma <= 0:
-        raise ValueError(f"lora_ga option stable_gamma={gamma!r} must be a finite number > 0 (the 'stable' scale divides by its root)")  # error: lora-ga-gamma
-
-
-VARIANT = Variant(
-    name="lora_ga",
-    init=init,
-    weight_form=weight_form,
-    activation_form=activation_form,
-    options={"use_rslora": False, "dropout": 0.0, "direction": "ArB2r", "scale": "stable", "stable_gamma": 16},
-    default_alpha=8.0,
-    rank_axes={"lora_A": 0, "lora_B": 1},
-    check_options=check_options,
-    records_base=True,
-    replaces_weight=True,
-    calibrate=calibrate,
-    calibrate_on="gradients",
-    peft=PeftFormat(
-        PEFT_METHOD,
-        PEFT_KEYS,
-        peft_shapes,
-        peft_config,
-        lambda config, module: None,  # unconverted LoRA-GA checkpoints: see the module docstring
-        export=as_peft_lora,
-        export_needs_base=(
-            "peft's format stores LoRA-GA as a LoRA relative to the untouched base, and its initial factors are "
-            "recovered from W − W_res"
-        ),
-    ),
+VARIANT = residual_variant(
+    "lora_ga",
+    init,
+    options=lora.OPTIONS
+    | {
+        "direction": Option("ArB2r", one_of(*DIRECTIONS)),
+        "scale": Option("stable", one_of(*SCALES)),
+        "stable_gamma": Option(16.0, real(0, closed="()", why="the 'stable' scale divides by its root")),
+    },
+    calibration=Calibration(calibrate, on="gradients"),
 )
+# Unconverted LoRA-GA checkpoints are not read: see the module docstring.
+PEFT = stored_converted("LoRA-GA")

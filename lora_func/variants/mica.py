@@ -12,15 +12,13 @@ optimiser, gradient or stack member carries it as a parameter. ``r <= min(d_in, 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from lora_func._kernels import base_plus_low_rank, check_dropout, lora_scale, lowrank_input
-from lora_func.variants import BaseLayer, LayerInfo, PeftFormat, TensorDict, Variant
-from lora_func.variants.lora import PEFT_KEYS, PEFT_METHOD, peft_config, peft_reads, peft_shapes
+from lora_func.variants import BaseLayer, LayerInfo, Slot, TensorDict, lora
+from lora_func.variants._kernels import base_plus_low_rank, lora_scale, lowrank_input
 
 
 def init(
@@ -33,11 +31,6 @@ def init(
     calibration: Any = None,
 ) -> tuple[TensorDict, TensorDict]:
     r = info.r
-    if isinstance(r, int) and r > min(info.d_in, info.d_out):
-        raise ValueError(  # error: mica-rank
-            f"mica: r={r} is larger than min(d_in, d_out) = {min(info.d_in, info.d_out)}: B takes r of the weight's "
-            f"left singular vectors; lower r"
-        )
     u, _, _ = torch.linalg.svd(weight.to(torch.promote_types(weight.dtype, torch.float32)), full_matrices=False)
     lora_b = u[:, -r:].contiguous()
     lora_a = torch.zeros((r, info.d_in), dtype=torch.float32)
@@ -56,29 +49,13 @@ def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: Ba
     return base_plus_low_rank(base, x, h, buffers["lora_B"])
 
 
-def check_options(options: Mapping[str, Any]) -> None:
-    check_dropout("mica", options)
-
-
-def _peft_reads(config: Mapping[str, Any], module: str) -> dict[str, Any] | None:
-    return peft_reads(config, use_dora=False, inits=("mica",))
-
-
-VARIANT = Variant(
-    name="mica",
-    init=init,
+VARIANT = lora.derived(
+    "mica",
+    init,
     weight_form=weight_form,
     activation_form=activation_form,
-    options={"use_rslora": False, "dropout": 0.0},
-    default_alpha=8.0,
-    rank_axes={"lora_A": 0, "lora_B": 1},
-    check_options=check_options,
-    peft=PeftFormat(
-        PEFT_METHOD,
-        PEFT_KEYS,
-        peft_shapes,
-        lambda options: peft_config(options, init="mica"),
-        _peft_reads,
-        buffers=frozenset({"lora_B"}),
-    ),
+    # B takes r of the weight's left singular vectors, frozen: a buffer, stored as peft's lora_B.
+    tensors=lora.TENSORS | {"lora_B": Slot(lambda i: (i.d_out, i.r), rank_axes=(1,), buffer=True, peft="lora_B.weight")},
+    traits=frozenset({"rank_within_layer"}),
 )
+PEFT = lora.stored_as_lora(reads={"use_dora": False, "init_lora_weights": "mica"}, writes={"init_lora_weights": "mica"})

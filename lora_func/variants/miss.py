@@ -35,16 +35,9 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor
 
-from lora_func._kernels import check_dropout, kaiming_uniform, lowrank_input
-from lora_func.variants import (
-    BaseLayer,
-    LayerInfo,
-    PeftFormat,
-    PeftMethod,
-    TensorDict,
-    Variant,
-    is_finite_number,
-)
+from lora_func.variants._kernels import kaiming_uniform, lowrank_input
+from lora_func.variants._options import dropout_option
+from lora_func.variants import BaseLayer, LayerInfo, Option, PeftFormat, PeftMethod, Slot, TensorDict, Variant, mapped, one_of, whole
 
 INITS = ("miss", "mini", "bat", "random")
 
@@ -152,54 +145,18 @@ def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: Ba
     return y + (summed @ tiled).to(y.dtype)
 
 
-def check_options(options: Mapping[str, Any]) -> None:
-    check_dropout("miss", options)
-    if options["init"] not in INITS:
-        raise ValueError(f"miss option init={options['init']!r} is not one of {list(INITS)}")  # error: miss-init
-    if options["mini_r"] < 1:
-        raise ValueError(f"miss option mini_r={options['mini_r']!r} must be an integer >= 1")  # error: miss-mini-r-value
-
-
-# ------------------------------------------------------------------ peft's format (MissConfig)
-
-_INIT_WEIGHTS: dict[str, bool | str] = {"miss": True, "random": False, "bat": "bat", "mini": "mini"}
-
-
-def _reads(config: Mapping[str, Any], module: str) -> dict[str, Any]:
-    init_weights = config.get("init_weights", True)
-    how = init_weights if init_weights in ("bat", "mini") else "miss" if init_weights else "random"
-    return {"init": how, "mini_r": int(config.get("mini_r", 1)), "dropout": float(config.get("miss_dropout") or 0.0)}
-
-
-PEFT = PeftFormat(
-    PeftMethod(
-        "MISS",
-        {"bias": "none"},
-        # with layer_shapes: the config's r, checked by the layout's shape (bat's rank is not on axis 0)
-        rank_of=("miss_block", 0),
-        checks={
-            "init_weights": lambda v: isinstance(v, bool) or v in ("bat", "mini"),
-            "mini_r": lambda v: is_finite_number(v) and isinstance(v, int) and v >= 1,
-            "miss_dropout": lambda v: is_finite_number(v) and 0 <= v < 1,
-        },
-    ),
-    {"miss_block": "miss_block"},
-    lambda r, d_in, d_out: {"miss_block": (r, d_out)},
-    lambda options: {"init_weights": _INIT_WEIGHTS[options["init"]], "mini_r": int(options["mini_r"]), "miss_dropout": float(options["dropout"])},
-    _reads,
-    conv1d=False,  # peft's MiSS takes nn.Linear only
-    layer_shapes=lambda info: {"miss_block": block_shape(info.r, info.d_in, info.d_out, dict(info.options))},
-)
-
-
 VARIANT = Variant(
     name="miss",
     init=init,
     weight_form=weight_form,
     activation_form=activation_form,
-    options={"init": "miss", "mini_r": 1, "dropout": 0.0},
+    tensors={"miss_block": Slot(lambda i: block_shape(i.r, i.d_in, i.d_out, dict(i.options)), rank_axes=(0,), peft="miss_block")},
+    options={
+        "init": Option("miss", one_of(*INITS), "init_weights", mapped({"miss": True, "random": False, "bat": "bat", "mini": "mini"})),
+        "mini_r": Option(1, whole(1), "mini_r"),
+        "dropout": dropout_option("miss_dropout"),
+    },
     default_alpha=8.0,  # unused: MiSS has no scale
-    rank_axes={"miss_block": 0},
-    check_options=check_options,
-    peft=PEFT,
 )
+# peft: MissConfig; its MiSS takes nn.Linear only.
+PEFT = PeftFormat(PeftMethod("MISS", rank=("r", None)), conv1d=False)

@@ -43,15 +43,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lora_func.variants import (
-    BaseLayer,
-    LayerInfo,
-    PeftFormat,
-    PeftMethod,
-    TensorDict,
-    Variant,
-    is_finite_number,
-)
+from lora_func.variants import FLAG, BaseLayer, LayerInfo, Option, PeftFormat, PeftMethod, Slot, TensorDict, Variant, mapped, one_of, real, whole
 from lora_func.variants._orthogonal import (
     block_multiplicative_dropout,
     block_size_of,
@@ -144,55 +136,6 @@ def check_options(options: Mapping[str, Any]) -> None:
             f"oft options oft_block_size={size} and num_blocks={num}: give exactly one of them > 0 (the other 0), as "
             f"peft's oft_block_size and r: e.g. oft_block_size=32 (default) or num_blocks=4, oft_block_size=0"
         )
-    if options["num_cayley_neumann_terms"] < 1:
-        raise ValueError(  # error: oft-neumann-terms
-            f"oft option num_cayley_neumann_terms={options['num_cayley_neumann_terms']} must be >= 1 (peft's default 5)"
-        )
-    if not 0.0 <= options["module_dropout"] < 1.0:
-        raise ValueError(f"oft option module_dropout={options['module_dropout']!r} must be in [0, 1)")  # error: oft-module-dropout
-    if not options["eps"] > 0:
-        raise ValueError(f"oft option eps={options['eps']!r} must be > 0 (COFT's radius; peft's default 6e-5)")  # error: oft-eps
-    if options["init"] not in INITS:
-        raise ValueError(f"oft option init={options['init']!r} is not one of {list(INITS)}")  # error: oft-init
-
-
-_OPTION_FIELDS = ("block_share", "coft", "eps", "use_cayley_neumann", "num_cayley_neumann_terms", "module_dropout")
-_DEFAULTS: dict[str, Any] = {
-    "oft_block_size": 32,
-    "num_blocks": 0,
-    "block_share": False,
-    "coft": False,
-    "eps": 6e-5,
-    "use_cayley_neumann": True,
-    "num_cayley_neumann_terms": 5,
-    "module_dropout": 0.0,
-    "init": "identity",
-}
-
-
-def _peft_config(options: Mapping[str, Any]) -> dict[str, Any]:
-    return {
-        "r": options["num_blocks"],
-        "oft_block_size": options["oft_block_size"],
-        "init_weights": options["init"] == "identity",
-        **{name: options[name] for name in _OPTION_FIELDS},
-    }
-
-
-def _peft_reads(config: Mapping[str, Any], module: str) -> dict[str, Any]:
-    # A field missing from the config has OFTConfig's default.
-    options = {name: config.get(name, _DEFAULTS[name]) for name in _OPTION_FIELDS}
-    options["eps"] = float(options["eps"])
-    options["module_dropout"] = float(options["module_dropout"])
-    return options | {
-        "num_blocks": int(config.get("r", 0)),
-        "oft_block_size": int(config.get("oft_block_size", 32)),
-        "init": "identity" if config.get("init_weights", True) else "random",
-    }
-
-
-def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 VARIANT = Variant(
@@ -200,32 +143,20 @@ VARIANT = Variant(
     init=init,
     weight_form=weight_form,
     activation_form=activation_form,
-    options=_DEFAULTS,
+    tensors={"oft_R": Slot(lambda i: _stored_shape(i.d_in, dict(i.options)), peft="oft_R.weight")},
+    options={
+        "oft_block_size": Option(32, whole(0), "oft_block_size"),
+        # peft's r is the number of blocks, not a rank
+        "num_blocks": Option(0, whole(0), "r"),
+        "block_share": Option(False, FLAG, "block_share"),
+        "coft": Option(False, FLAG, "coft"),
+        "eps": Option(6e-5, real(0, closed="()", why="COFT's radius"), "eps"),
+        "use_cayley_neumann": Option(True, FLAG, "use_cayley_neumann"),
+        "num_cayley_neumann_terms": Option(5, whole(1), "num_cayley_neumann_terms"),
+        "module_dropout": Option(0.0, real(0, 1), "module_dropout"),
+        "init": Option("identity", one_of(*INITS), "init_weights", mapped({"identity": True, "random": False})),
+    },
+    check=check_options,
     default_alpha=1.0,
-    uses_rank=False,
-    check_options=check_options,
-    # peft: OFTConfig; its r is the number of blocks (lora_func's num_blocks), not a rank.
-    peft=PeftFormat(
-        PeftMethod(
-            "OFT",
-            {"bias": "none"},
-            checks={
-                "r": _is_count,
-                "oft_block_size": _is_count,
-                "block_share": lambda v: isinstance(v, bool),
-                "coft": lambda v: isinstance(v, bool),
-                "eps": lambda v: is_finite_number(v) and v > 0,
-                "use_cayley_neumann": lambda v: isinstance(v, bool),
-                "num_cayley_neumann_terms": lambda v: _is_count(v) and v >= 1,
-                "module_dropout": lambda v: is_finite_number(v) and 0 <= v < 1,
-                "init_weights": lambda v: isinstance(v, bool),
-            },
-        ),
-        {"oft_R": "oft_R.weight"},
-        lambda r, d_in, d_out: {"oft_R": _stored_shape(d_in, _DEFAULTS)},
-        _peft_config,
-        _peft_reads,
-        conv1d=False,
-        layer_shapes=lambda info: {"oft_R": _stored_shape(info.d_in, dict(info.options))},
-    ),
 )
+PEFT = PeftFormat(PeftMethod("OFT"), conv1d=False)

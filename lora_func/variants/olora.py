@@ -18,16 +18,14 @@ layer kinds (its ``Conv1D`` adapters are the math above, not peft's).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from lora_func._kernels import check_dropout, lora_scale
-from lora_func.variants import LayerInfo, PeftFormat, TensorDict, Variant
-from lora_func.variants.lora import PEFT_KEYS, PEFT_METHOD, peft_config, peft_reads, peft_shapes
-from lora_func.variants.pissa import activation_form, as_peft_lora, weight_form
+from lora_func.variants import LayerInfo, TensorDict
+from lora_func.variants._kernels import lora_scale
+from lora_func.variants.pissa import residual_variant, stored_converted
 
 
 def init(
@@ -49,37 +47,5 @@ def init(
     return params, {"W_res": w_res.to(weight.device, res_dtype).contiguous()}
 
 
-def check_options(options: Mapping[str, Any]) -> None:
-    check_dropout("olora", options)
-
-
-def _peft_reads(config: Mapping[str, Any], module: str) -> dict[str, Any] | None:
-    """An unconverted peft OLoRA checkpoint: the residual recomputed from the base, as peft does."""
-    return peft_reads(config, use_dora=False, inits=("olora",))
-
-
-VARIANT = Variant(
-    name="olora",
-    init=init,
-    weight_form=weight_form,
-    activation_form=activation_form,
-    options={"use_rslora": False, "dropout": 0.0},
-    default_alpha=8.0,
-    rank_axes={"lora_A": 0, "lora_B": 1},
-    check_options=check_options,
-    records_base=True,
-    replaces_weight=True,
-    peft=PeftFormat(
-        PEFT_METHOD,
-        PEFT_KEYS,
-        peft_shapes,
-        peft_config,  # the converted checkpoint is a plain LoRA (init_lora_weights=True), as for PiSSA
-        _peft_reads,
-        export=as_peft_lora,
-        export_needs_base=(
-            "peft's format stores OLoRA as a LoRA relative to the untouched base, and its initial factors are "
-            "recovered from W − W_res"
-        ),
-        recompute_buffers=True,
-    ),
-)
+VARIANT = residual_variant("olora", init)
+PEFT = stored_converted("OLoRA", init="olora")

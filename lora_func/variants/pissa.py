@@ -32,34 +32,15 @@ base exactly as peft does on load.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lora_func._kernels import (
-    base_plus_low_rank,
-    check_dropout,
-    lora_scale,
-    lowrank_input,
-)
-from lora_func.variants import (
-    BaseLayer,
-    LayerInfo,
-    PeftFormat,
-    PeftLayer,
-    TensorDict,
-    Variant,
-)
-from lora_func.variants.lora import (
-    PEFT_KEYS,
-    PEFT_METHOD,
-    peft_config,
-    peft_reads,
-    peft_shapes,
-)
+from lora_func.variants import BaseLayer, LayerInfo, Option, PeftFormat, PeftLayer, Slot, TensorDict, Variant, whole
+from lora_func.variants import lora
+from lora_func.variants._kernels import base_plus_low_rank, lora_scale, lowrank_input
 
 
 def svd_lowrank(weight: Tensor, q: int, niter: int, generator: torch.Generator) -> tuple[Tensor, Tensor, Tensor]:
@@ -135,16 +116,6 @@ def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: Ba
     return base_plus_low_rank(lambda x_: F.linear(x_, w_res, base.bias), x, h, lora_b)
 
 
-def check_options(options: Mapping[str, Any]) -> None:
-    check_dropout("pissa", options)
-    niter = options["niter"]
-    if isinstance(niter, bool) or not isinstance(niter, int) or niter < 0:
-        raise ValueError(  # error: pissa-niter
-            f"pissa option niter={niter!r} must be an int >= 0 (0: full SVD; K > 0: randomized SVD with K "
-            f"subspace iterations, peft's 'pissa_niter_K')"
-        )
-
-
 def as_peft_lora(params: TensorDict, buffers: TensorDict, weight: Tensor | None, info: LayerInfo) -> PeftLayer:
     """PiSSA as a plain LoRA of rank 2r on the untouched base (peft's conversion):
     ``A' = [A; A0] (2r, d_in)``, ``B' = [B, −B0] (d_out, 2r)``, same scale; ``weight (d_out, d_in)``
@@ -170,35 +141,44 @@ def as_peft_lora(params: TensorDict, buffers: TensorDict, weight: Tensor | None,
     return PeftLayer(tensors, r=2 * r, alpha=info.alpha * (math.sqrt(2) if rslora else 2))
 
 
-def _peft_reads(config: Mapping[str, Any], module: str) -> dict[str, Any] | None:
-    """An unconverted peft PiSSA checkpoint (``init_lora_weights="pissa"``): a pissa adapter whose
-    residual is recomputed from the base (the full SVD, as peft does on load)."""
-    options = peft_reads(config, use_dora=False, inits=("pissa",))
-    return None if options is None else options | {"niter": 0}
+# The frozen residual that replaces the base weight: peft's file never holds it (peft rebuilds its
+# residualised base on load, and so does load_peft, with the variant's init on the base).
+RESIDUAL = {"W_res": Slot(lambda i: (i.d_out, i.d_in), buffer=True)}
+# The adapter is relative to the exact base it was built from, replaces its weight, and takes r
+# of its singular (or QR) directions.
+RESIDUAL_TRAITS = frozenset({"records_base", "replaces_weight", "rank_within_layer"})
 
 
-VARIANT = Variant(
-    name="pissa",
-    init=init,
-    weight_form=weight_form,
-    activation_form=activation_form,
-    options={"use_rslora": False, "niter": 0, "dropout": 0.0},
-    default_alpha=8.0,
-    rank_axes={"lora_A": 0, "lora_B": 1},
-    check_options=check_options,
-    records_base=True,
-    replaces_weight=True,
-    peft=PeftFormat(
-        PEFT_METHOD,
-        PEFT_KEYS,
-        peft_shapes,
-        peft_config,
-        _peft_reads,
+def residual_variant(name: str, init: Any, **changes: Any) -> Variant:
+    """A LoRA-family variant on a frozen residual (PiSSA, OLoRA, CorDA, LoftQ, LoRA-GA): LoRA's
+    tensors plus ``W_res``, this file's forms, ``init`` and ``changes`` (its options)."""
+    return lora.derived(
+        name,
+        init,
+        tensors=lora.TENSORS | RESIDUAL,
+        weight_form=weight_form,
+        activation_form=activation_form,
+        traits=RESIDUAL_TRAITS,
+        **changes,
+    )
+
+
+def stored_converted(label: str, *, init: str | None = None) -> PeftFormat:
+    """A residual variant's peft format: written as a plain LoRA on the untouched base (peft's
+    ``path_initial_model_for_weight_conversion`` output, :func:`as_peft_lora`); a peft checkpoint
+    saved without the conversion (``init_lora_weights=init``) reads as this variant with its
+    residual recomputed from the base, as peft does on load (``init=None``: never read)."""
+    return lora.stored_as_lora(
+        reads=None if init is None else {"use_dora": False, "init_lora_weights": init},
         export=as_peft_lora,
         export_needs_base=(
-            "peft's format stores PiSSA as a LoRA relative to the untouched base, and its initial factors are "
-            "recovered from W − W_res"
+            f"peft's format stores {label} as a LoRA relative to the untouched base, and its initial factors are "
+            f"recovered from W − W_res"
         ),
-        recompute_buffers=True,
-    ),
-)
+    )
+
+
+# niter=0: the full SVD (peft's init_lora_weights="pissa"); K > 0: peft's "pissa_niter_K", which a
+# converted checkpoint does not record.
+VARIANT = residual_variant("pissa", init, options=lora.OPTIONS | {"niter": Option(0, whole(0, why="0: full SVD; K > 0: randomized SVD with K subspace iterations, peft's 'pissa_niter_K'"))})
+PEFT = stored_converted("PiSSA", init="pissa")

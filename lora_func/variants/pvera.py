@@ -35,20 +35,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lora_func._kernels import base_plus_low_rank, check_dropout, lowrank_input
-from lora_func.variants import (
-    BaseLayer,
-    LayerInfo,
-    PeftFormat,
-    PeftMethod,
-    TensorDict,
-    Variant,
-    is_finite_number,
-)
-from lora_func.variants._bank import check_seed, largest, one_rank
-
-INITS = ("zero", "random")
-
+from lora_func.variants._kernels import base_plus_low_rank, lowrank_input
+from lora_func.variants import FLAG, BaseLayer, LayerInfo, Option, PeftFormat, PeftMethod, Slot, TensorDict, Variant
+from lora_func.variants._bank import largest, largest_of, one_rank
+from lora_func.variants.vera import basis_options, basis_slot, vectors
 
 def shared_init(infos: Mapping[str, LayerInfo], *, dtype: torch.dtype, device: torch.device, generator: torch.Generator) -> tuple[TensorDict, TensorDict]:
     """``pvera_A (2r, D_in)``, ``pvera_B (D_out, r)``: peft's draws from ``projection_prng_key``."""
@@ -70,13 +60,7 @@ def init(
     generator: torch.Generator,
     calibration: Any = None,
 ) -> tuple[TensorDict, TensorDict]:
-    if info.option("init") == "random":
-        lambda_b = torch.ones(info.d_out)
-        lambda_d = torch.randn(2 * info.r, generator=generator)
-    else:
-        lambda_b = torch.zeros(info.d_out)
-        lambda_d = torch.full((2 * info.r,), float(info.option("d_initial")))
-    return {"pvera_lambda_b": lambda_b.to(weight.device, dtype), "pvera_lambda_d": lambda_d.to(weight.device, dtype)}, {}
+    return vectors("pvera", info, 2 * info.r, dtype=dtype, device=weight.device, generator=generator), {}
 
 
 def _halves(params: TensorDict, buffers: TensorDict, info: LayerInfo) -> tuple[Tensor, Tensor, Tensor | None]:
@@ -120,75 +104,29 @@ def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: Ba
     return base_plus_low_rank(base, x, mu, b)
 
 
-def check_options(options: Mapping[str, Any]) -> None:
-    check_dropout("pvera", options)
-    check_seed("pvera", "projection_prng_key", options)
-    if options["init"] not in INITS:
-        raise ValueError(f"pvera option init={options['init']!r} is not one of {list(INITS)}")  # error: pvera-init
-
-
-def _peft_config(options: Mapping[str, Any]) -> dict[str, Any]:
-    return {
-        "projection_prng_key": options["projection_prng_key"],
-        "save_projection": options["save_projection"],
-        "pvera_dropout": float(options["dropout"]),
-        "d_initial": float(options["d_initial"]),
-        "init_weights": options["init"] == "zero",
-        "sample_at_inference": options["sample_at_inference"],
-        "generator_seed": None,
-    }
-
-
-def _peft_reads(config: Mapping[str, Any], module: str) -> dict[str, Any]:
-    return {
-        "projection_prng_key": int(config.get("projection_prng_key", 0)),
-        "save_projection": bool(config.get("save_projection", True)),
-        "dropout": float(config.get("pvera_dropout") or 0.0),
-        "d_initial": float(config.get("d_initial", 0.1)),
-        "init": "zero" if config.get("init_weights", True) else "random",
-        "sample_at_inference": bool(config.get("sample_at_inference", False)),
-    }
-
-
-PEFT_METHOD = PeftMethod(
-    "PVERA",
-    {"bias": "none"},
-    ("modules_to_save",),
-    rank_of=("pvera_lambda_d", 0),
-    rank_multiple=2,
-    checks={
-        "projection_prng_key": lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**63,
-        "save_projection": lambda v: isinstance(v, bool),
-        "pvera_dropout": lambda v: v is None or (is_finite_number(v) and 0 <= v < 1),
-        "d_initial": is_finite_number,
-        "init_weights": lambda v: isinstance(v, bool),
-        "sample_at_inference": lambda v: isinstance(v, bool),
-        "generator_seed": lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool)),
-    },
-    training_only={"generator_seed": "lora_func draws PVeRA's noise from the global RNG (torch.manual_seed), not from a per-layer generator"},
-)
-
 VARIANT = Variant(
     name="pvera",
     init=init,
     weight_form=weight_form,
     activation_form=activation_form,
-    options={"projection_prng_key": 0, "save_projection": True, "d_initial": 0.1, "dropout": 0.0, "init": "zero", "sample_at_inference": False},
-    default_alpha=1.0,
     # λ_d and pvera_A hold [μ half | log σ² half], split at r: a rank-padded stack pads them at the
-    # end (padded_axes) and the forms find each member's halves from its own r (_halves); pvera_B's
+    # end (padded axes) and the forms find each member's halves from its own r (_halves); pvera_B's
     # rank axis is masked as usual (a padded μ entry meets only a zero column of B).
-    rank_axes={"pvera_B": 1},
-    padded_axes={"pvera_lambda_d": 0, "pvera_A": 0},
-    check_options=check_options,
+    tensors={
+        "pvera_lambda_b": Slot(lambda i: (i.d_out,), peft="pvera_lambda_b"),
+        "pvera_lambda_d": Slot(lambda i: (2 * i.r,), padded_axes=(0,), peft="pvera_lambda_d"),
+        "pvera_A": basis_slot("pvera", "A", lambda i: (2 * i.r, largest_of(i)[1]), padded_axes=(0,)),
+        "pvera_B": basis_slot("pvera", "B", lambda i: (largest_of(i)[0], i.r), rank_axes=(1,)),
+    },
+    options=basis_options("pvera") | {"sample_at_inference": Option(False, FLAG, "sample_at_inference")},
+    default_alpha=1.0,
     shared_init=shared_init,
-    peft=PeftFormat(
-        PEFT_METHOD,
-        {"pvera_lambda_b": "pvera_lambda_b", "pvera_lambda_d": "pvera_lambda_d"},
-        lambda r, d_in, d_out: {"pvera_lambda_b": (d_out,), "pvera_lambda_d": (2 * r,)},
-        _peft_config,
-        _peft_reads,
-        shared_keys={"pvera_A": "base_model.pvera_A", "pvera_B": "base_model.pvera_B"},
-        shared_saved=lambda options: bool(options["save_projection"]),
-    ),
+)
+PEFT = PeftFormat(
+    PeftMethod(
+        "PVERA",
+        {"bias": "none", "generator_seed": None},
+        rank=("r", None),
+        training_only={"generator_seed": "lora_func draws PVeRA's noise from the global RNG (torch.manual_seed), not from a per-layer generator"},
+    )
 )

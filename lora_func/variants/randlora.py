@@ -40,17 +40,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lora_func._kernels import base_plus_low_rank, check_dropout, lowrank_input
-from lora_func.variants import (
-    BaseLayer,
-    LayerInfo,
-    PeftFormat,
-    PeftMethod,
-    TensorDict,
-    Variant,
-    is_finite_number,
-)
-from lora_func.variants._bank import check_seed, largest, one_rank
+from lora_func.variants._kernels import base_plus_low_rank, lowrank_input
+from lora_func.variants import FLAG, SEED, BaseLayer, LayerInfo, Option, PeftFormat, PeftMethod, Slot, TensorDict, Variant, mapped, one_of, real
+from lora_func.variants._bank import largest, largest_of, one_rank
+from lora_func.variants._options import dropout_option
 
 INITS = ("zero", "random")
 
@@ -160,91 +153,43 @@ def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: Ba
     return base_plus_low_rank(base, x, dropped @ u_b, u_a.transpose(-1, -2))
 
 
-def check_options(options: Mapping[str, Any]) -> None:
-    check_dropout("randlora", options)
-    check_seed("randlora", "projection_prng_key", options)
-    if options["init"] not in INITS:
-        raise ValueError(f"randlora option init={options['init']!r} is not one of {list(INITS)}")  # error: randlora-init
+def _layer_shapes(info: LayerInfo) -> dict[str, tuple[int, ...]]:
+    d = min(info.d_in, info.d_out)
+    return {"randlora_lambda": (info.r, _bases(d, info.r)), "randlora_gamma": (_bases(d, info.r), d)}
 
 
-def _peft_config(options: Mapping[str, Any]) -> dict[str, Any]:
-    return {
-        "projection_prng_key": options["projection_prng_key"],
-        "save_projection": options["save_projection"],
-        "sparse": options["sparse"],
-        "very_sparse": options["very_sparse"],
-        "randlora_alpha": options["randlora_alpha"],
-        "randlora_dropout": float(options["dropout"]),
-        "init_weights": options["init"] == "zero",
-    }
+def _shared_shapes(info: LayerInfo) -> dict[str, tuple[int, ...]]:
+    d_out, d_in = largest_of(info)
+    small, r = min(d_out, d_in), info.r
+    return {"randlora_A": (r, 1, small), "randlora_B": (max(d_out, d_in), _bases(small, r), r)}
 
-
-def _peft_reads(config: Mapping[str, Any], module: str) -> dict[str, Any]:
-    return {
-        "projection_prng_key": int(config.get("projection_prng_key", 0)),
-        "save_projection": bool(config.get("save_projection", True)),
-        "sparse": bool(config.get("sparse", False)),
-        "very_sparse": bool(config.get("very_sparse", False)),
-        "randlora_alpha": float(config.get("randlora_alpha", 640)),
-        "dropout": float(config.get("randlora_dropout") or 0.0),
-        "init": "zero" if config.get("init_weights", True) else "random",
-    }
-
-
-def _peft_shapes(r: int, d_in: int, d_out: int) -> dict[str, tuple[int, ...]]:
-    d = min(d_in, d_out)
-    return {"randlora_lambda": (r, _bases(d, r)), "randlora_gamma": (_bases(d, r), d)}
-
-
-def _is_flag(value: Any) -> bool:
-    return isinstance(value, bool)
-
-
-PEFT_METHOD = PeftMethod(
-    "RANDLORA",
-    {"bias": "none"},
-    ("modules_to_save",),
-    rank_of=("randlora_lambda", 0),
-    checks={
-        "projection_prng_key": lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**63,
-        "save_projection": _is_flag,
-        "sparse": _is_flag,
-        "very_sparse": _is_flag,
-        "randlora_alpha": is_finite_number,
-        "randlora_dropout": lambda v: v is None or (is_finite_number(v) and 0 <= v < 1),
-        "init_weights": _is_flag,
-    },
-)
 
 VARIANT = Variant(
     name="randlora",
     init=init,
     weight_form=weight_form,
     activation_form=activation_form,
-    options={
-        "projection_prng_key": 0,
-        "save_projection": True,
-        "sparse": False,
-        "very_sparse": False,
-        "randlora_alpha": 640.0,
-        "dropout": 0.0,
-        "init": "zero",
-    },
-    default_alpha=1.0,
     # A rank-padded stack pads the rank axes and the basis axes (⌈d/r⌉ and ⌈m/r⌉ bases: more for a
     # smaller r); the forms rebuild each member's own pairing of U_A's rows with U_B's columns from
     # its own r (_padded_factors).
-    rank_axes={"randlora_lambda": 0, "randlora_A": 0, "randlora_B": 2},
-    padded_axes={"randlora_lambda": 1, "randlora_gamma": 0, "randlora_B": 1},
-    check_options=check_options,
+    tensors={
+        "randlora_lambda": Slot(lambda i: _layer_shapes(i)["randlora_lambda"], rank_axes=(0,), padded_axes=(1,), peft="randlora_lambda"),
+        "randlora_gamma": Slot(lambda i: _layer_shapes(i)["randlora_gamma"], padded_axes=(0,), peft="randlora_gamma"),
+        "randlora_A": Slot(lambda i: _shared_shapes(i)["randlora_A"], rank_axes=(0,), buffer=True, shared=True, peft="base_model.randlora_A", saved_if="save_projection"),
+        "randlora_B": Slot(
+            lambda i: _shared_shapes(i)["randlora_B"], rank_axes=(2,), padded_axes=(1,), buffer=True, shared=True, peft="base_model.randlora_B", saved_if="save_projection"
+        ),
+    },
+    options={
+        "projection_prng_key": Option(0, SEED, "projection_prng_key"),
+        "save_projection": Option(True, FLAG, "save_projection"),
+        "sparse": Option(False, FLAG, "sparse"),
+        "very_sparse": Option(False, FLAG, "very_sparse"),
+        "randlora_alpha": Option(640.0, real(), "randlora_alpha"),
+        "dropout": dropout_option("randlora_dropout"),
+        "init": Option("zero", one_of(*INITS), "init_weights", mapped({"zero": True, "random": False})),
+    },
+    default_alpha=1.0,
     shared_init=shared_init,
-    peft=PeftFormat(
-        PEFT_METHOD,
-        {"randlora_lambda": "randlora_lambda", "randlora_gamma": "randlora_gamma"},
-        _peft_shapes,
-        _peft_config,
-        _peft_reads,
-        shared_keys={"randlora_A": "base_model.randlora_A", "randlora_B": "base_model.randlora_B"},
-        shared_saved=lambda options: bool(options["save_projection"]),
-    ),
 )
+PEFT = PeftFormat(PeftMethod("RANDLORA", rank=("r", None)))

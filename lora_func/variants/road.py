@@ -31,21 +31,13 @@ reshapes by ``group_size // 2`` and fails with a shape error on an odd one).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 from einops import rearrange
 from torch import Tensor
 
-from lora_func.variants import (
-    BaseLayer,
-    LayerInfo,
-    PeftFormat,
-    PeftMethod,
-    TensorDict,
-    Variant,
-)
+from lora_func.variants import BaseLayer, Check, LayerInfo, Option, PeftFormat, PeftMethod, Slot, TensorDict, Variant, mapped, one_of
 
 ROAD_VARIANTS = ("road_1", "road_2", "road_4")
 INITS = ("identity", "random")
@@ -124,24 +116,8 @@ def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: Ba
     return rotate_pairs(y.to(c.dtype), c, s, info.option("group_size") // 2).to(y.dtype)
 
 
-def check_options(options: Mapping[str, Any]) -> None:
-    if options["road_variant"] not in ROAD_VARIANTS:
-        raise ValueError(f"road option road_variant={options['road_variant']!r} is not one of {list(ROAD_VARIANTS)}")  # error: road-variant
-    group = options["group_size"]
-    if group < 2 or group % 2:
-        raise ValueError(  # error: road-group-size-even
-            f"road option group_size={group} must be an even number >= 2 (features j and j + group_size/2 of a group are rotated together)"
-        )
-    if options["init"] not in INITS:
-        raise ValueError(f"road option init={options['init']!r} is not one of {list(INITS)}")  # error: road-init
-
-
-def _peft_reads(config: Mapping[str, Any], module: str) -> dict[str, Any]:
-    return {
-        "road_variant": config.get("variant", "road_1"),
-        "group_size": int(config.get("group_size", 64)),
-        "init": "identity" if config.get("init_weights", True) else "random",
-    }
+# features j and j + group_size/2 of a group are rotated together
+EVEN = Check(lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 2 and v % 2 == 0, "must be an even number >= 2 (features j and j + group_size/2 of a group are rotated together)")
 
 
 VARIANT = Variant(
@@ -149,27 +125,15 @@ VARIANT = Variant(
     init=init,
     weight_form=weight_form,
     activation_form=activation_form,
-    options={"road_variant": "road_1", "group_size": 64, "init": "identity"},
+    tensors={name: Slot(lambda i: (_size(i.d_out, i.option("road_variant")),), peft=name) for name in ("road_theta", "road_alpha")},
+    options={
+        # peft's `variant`
+        "road_variant": Option("road_1", one_of(*ROAD_VARIANTS), "variant"),
+        "group_size": Option(64, EVEN, "group_size"),
+        "init": Option("identity", one_of(*INITS), "init_weights", mapped({"identity": True, "random": False})),
+    },
     default_alpha=1.0,
-    uses_rank=False,
-    changes_bias=True,
-    check_options=check_options,
-    # peft: RoadConfig (peft_type ROAD); its `variant` is lora_func's road_variant.
-    peft=PeftFormat(
-        PeftMethod(
-            "ROAD",
-            {},  # road's config has no `bias` field
-            checks={
-                "variant": lambda v: v in ROAD_VARIANTS,
-                "group_size": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 2 and v % 2 == 0,
-                "init_weights": lambda v: isinstance(v, bool),
-            },
-        ),
-        {"road_theta": "road_theta", "road_alpha": "road_alpha"},
-        lambda r, d_in, d_out: {"road_theta": (d_out // 2,), "road_alpha": (d_out // 2,)},
-        lambda options: {"variant": options["road_variant"], "group_size": options["group_size"], "init_weights": options["init"] == "identity"},
-        _peft_reads,
-        conv1d=False,
-        layer_shapes=lambda info: {name: (_size(info.d_out, info.option("road_variant")),) for name in ("road_theta", "road_alpha")},
-    ),
+    traits=frozenset({"changes_bias"}),
 )
+# peft: RoadConfig (peft_type ROAD); its config has no `bias` field.
+PEFT = PeftFormat(PeftMethod("ROAD", {}), conv1d=False)

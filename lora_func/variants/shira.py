@@ -28,22 +28,13 @@ A stack of adapters of different ``r`` zero-pads the values and positions to the
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lora_func.variants import (
-    BaseLayer,
-    LayerInfo,
-    PeftFormat,
-    PeftMethod,
-    TensorDict,
-    Variant,
-    is_finite_number,
-)
+from lora_func.variants import FLAG, BaseLayer, Check, Codec, LayerInfo, Option, PeftFormat, PeftMethod, Slot, TensorDict, Variant, is_finite_number, one_of
 from lora_func.variants._sparse import own_values, peft_randperm_positions, scatter_dense
 
 MASK_TYPES = ("random", "custom")
@@ -106,12 +97,8 @@ def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: Ba
     return F.linear(x, weight.index_put((rows, cols), values.to(weight.dtype), accumulate=True), base.bias)
 
 
-def check_options(options: Mapping[str, Any]) -> None:
-    if options["mask_type"] not in MASK_TYPES:
-        raise ValueError(f"shira option mask_type={options['mask_type']!r} is not one of {list(MASK_TYPES)}")  # error: shira-mask-type
-    seed = options["random_seed"]
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
-        raise ValueError(f"shira option random_seed={seed!r} must be None or an integer >= 0 (a torch.Generator seed)")  # error: shira-seed
+def _size(info: LayerInfo) -> int:
+    return info.r * (info.d_in + info.d_out)
 
 
 VARIANT = Variant(
@@ -119,33 +106,25 @@ VARIANT = Variant(
     init=init,
     weight_form=weight_form,
     activation_form=activation_form,
-    options={"mask_type": "random", "random_seed": None, "init_weights": True},
-    default_alpha=1.0,  # not used: SHiRA has no scale
-    check_options=check_options,
-    padded_axes={"shira_weight": 0, "shira_indices": 1},
-    integer_buffers=frozenset({"shira_indices"}),
-    # peft: ShiraConfig; r in the config (no tensor has r as a size); the positions are in the
-    # checkpoint (peft writes '<module>.shira_indices', int32, and reads them back whatever the mask).
-    peft=PeftFormat(
-        PeftMethod(
-            "SHIRA",
-            {},  # ShiraConfig has no bias field (peft warns on unknown fields)
-            rank_in_config=True,
-            checks={
-                "init_weights": lambda v: isinstance(v, bool),
-                "random_seed": lambda v: v is None or (is_finite_number(v) and int(v) == v and v >= 0),
-                "mask_type": lambda v: isinstance(v, str),
-            },
+    # r in the config (no tensor has r as a size); the positions are in the checkpoint (peft
+    # writes '<module>.shira_indices', int32, and reads them back whatever the mask).
+    tensors={
+        "shira_weight": Slot(lambda i: (_size(i),), padded_axes=(0,), peft="shira_weight"),
+        "shira_indices": Slot(lambda i: (2, _size(i)), padded_axes=(1,), buffer=True, integer=True, peft="shira_indices"),
+    },
+    options={
+        # peft's config holds any other mask's name; lora_func reads it as "custom"
+        "mask_type": Option("random", one_of(*MASK_TYPES), "mask_type", Codec(lambda v: v, lambda v: "custom" if isinstance(v, str) and v != "random" else v)),
+        "random_seed": Option(
+            None,
+            Check(lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 0), "must be None or an integer >= 0 (a torch.Generator seed)"),
+            "random_seed",
+            # peft may write a whole float
+            Codec(lambda v: v, lambda v: int(v) if is_finite_number(v) and int(v) == v else v),
         ),
-        {"shira_weight": "shira_weight", "shira_indices": "shira_indices"},
-        lambda r, d_in, d_out: {"shira_weight": (r * (d_in + d_out),), "shira_indices": (2, r * (d_in + d_out))},
-        lambda options: {k: options[k] for k in ("mask_type", "random_seed", "init_weights")},
-        lambda config, module: {
-            "mask_type": "random" if config.get("mask_type", "random") == "random" else "custom",
-            "random_seed": None if config.get("random_seed") is None else int(config["random_seed"]),
-            "init_weights": bool(config.get("init_weights", True)),
-        },
-        buffers=frozenset({"shira_indices"}),
-        conv1d=False,
-    ),
+        "init_weights": Option(True, FLAG, "init_weights"),
+    },
+    default_alpha=1.0,  # not used: SHiRA has no scale
 )
+# peft: ShiraConfig (no bias field: peft warns on unknown fields).
+PEFT = PeftFormat(PeftMethod("SHIRA", {}, rank=("r", None)), conv1d=False)

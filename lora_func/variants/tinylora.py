@@ -38,17 +38,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lora_func._kernels import base_plus_low_rank, check_dropout, lowrank_input
-from lora_func.variants import (
-    BaseLayer,
-    LayerInfo,
-    PeftFormat,
-    PeftMethod,
-    TensorDict,
-    Variant,
-    is_finite_number,
-)
-from lora_func.variants._bank import check_seed
+from lora_func.variants._kernels import base_plus_low_rank, lowrank_input
+from lora_func.variants import FLAG, SEED, BaseLayer, LayerInfo, Option, PeftFormat, PeftMethod, Slot, TensorDict, Variant, mapped, one_of, real, whole
+from lora_func.variants._options import dropout_option
 
 INITS = ("zero", "uniform")
 
@@ -113,87 +105,29 @@ def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: Ba
     return base_plus_low_rank(base, x, h, buffers["tinylora_B"])
 
 
-def check_options(options: Mapping[str, Any]) -> None:
-    check_dropout("tinylora", options)
-    check_seed("tinylora", "projection_seed", options)
-    if options["u"] < 1:
-        raise ValueError(f"tinylora option u={options['u']!r} must be a positive integer (the length of each trainable vector)")  # error: tinylora-u
-    if not 0.0 <= options["weight_tying"] <= 1.0:
-        raise ValueError(  # error: tinylora-weight-tying
-            f"tinylora option weight_tying={options['weight_tying']!r} must be in [0, 1] (0: a vector per layer, 1: one for all)"
-        )
-    if options["init"] not in INITS:
-        raise ValueError(f"tinylora option init={options['init']!r} is not one of {list(INITS)}")  # error: tinylora-init
-    if not (is_finite_number(options["init_v_bound"]) and options["init_v_bound"] >= 0):
-        raise ValueError(f"tinylora option init_v_bound={options['init_v_bound']!r} must be a finite number >= 0")  # error: tinylora-init-bound
-
-
-def _peft_config(options: Mapping[str, Any]) -> dict[str, Any]:
-    return {
-        "u": options["u"],
-        "weight_tying": float(options["weight_tying"]),
-        "projection_seed": options["projection_seed"],
-        "save_projection": options["save_projection"],
-        "init_v_bound": float(options["init_v_bound"]),
-        "tinylora_dropout": float(options["dropout"]),
-        "init_weights": True if options["init"] == "zero" else "uniform",
-    }
-
-
-def _peft_reads(config: Mapping[str, Any], module: str) -> dict[str, Any]:
-    return {
-        "u": int(config.get("u", 64)),
-        "weight_tying": float(config.get("weight_tying", 0.0)),
-        "projection_seed": int(config.get("projection_seed", 42)),
-        "save_projection": bool(config.get("save_projection", True)),
-        "init_v_bound": float(config.get("init_v_bound", 0.02)),
-        "dropout": float(config.get("tinylora_dropout") or 0.0),
-        "init": "uniform" if config.get("init_weights", True) == "uniform" else "zero",
-    }
-
-
-def _peft_shapes(info: LayerInfo) -> dict[str, tuple[int, ...]]:
-    r = info.r
-    return {"tinylora_A": (r, info.d_in), "tinylora_B": (info.d_out, r), "tinylora_P": (info.option("u"), r, r)}
-
-
-PEFT_METHOD = PeftMethod(
-    "TINYLORA",
-    {"bias": "none"},
-    ("modules_to_save",),
-    rank_of=("tinylora_A", 0),
-    checks={
-        "u": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
-        "weight_tying": lambda v: is_finite_number(v) and 0 <= v <= 1,
-        "projection_seed": lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**63,
-        "save_projection": lambda v: isinstance(v, bool),
-        "init_v_bound": is_finite_number,
-        "tinylora_dropout": lambda v: v is None or (is_finite_number(v) and 0 <= v < 1),
-        "init_weights": lambda v: isinstance(v, bool) or v == "uniform",
-    },
-)
-
-_BUFFERS = ("tinylora_A", "tinylora_B", "tinylora_P")
-
 VARIANT = Variant(
     name="tinylora",
     init=init,
     weight_form=weight_form,
     activation_form=activation_form,
-    options={"u": 64, "weight_tying": 0.0, "projection_seed": 42, "save_projection": True, "init_v_bound": 0.02, "dropout": 0.0, "init": "zero"},
+    # The projection P is in peft's file only with save_projection (else drawn from the seed and the
+    # layer's position); the G trainable vectors are held once, row by row.
+    tensors={
+        "tinylora_A": Slot(lambda i: (i.r, i.d_in), rank_axes=(0,), buffer=True, peft="tinylora_A"),
+        "tinylora_B": Slot(lambda i: (i.d_out, i.r), rank_axes=(1,), buffer=True, peft="tinylora_B"),
+        "tinylora_P": Slot(lambda i: (i.option("u"), i.r, i.r), rank_axes=(1, 2), buffer=True, peft="tinylora_P", saved_if="save_projection"),
+        "tinylora_v": Slot(lambda i: (groups(i)[0], i.option("u")), shared=True, peft="base_model.tinylora_v.{}"),
+    },
+    options={
+        "u": Option(64, whole(1, why="the length of each trainable vector"), "u"),
+        "weight_tying": Option(0.0, real(0, 1, closed="[]", why="0: a vector per layer, 1: one for all"), "weight_tying"),
+        "projection_seed": Option(42, SEED, "projection_seed"),
+        "save_projection": Option(True, FLAG, "save_projection"),
+        "init_v_bound": Option(0.02, real(0), "init_v_bound"),
+        "dropout": dropout_option("tinylora_dropout"),
+        "init": Option("zero", one_of(*INITS), "init_weights", mapped({"zero": True, "uniform": "uniform"}, also={False: "zero"})),
+    },
     default_alpha=1.0,
-    rank_axes={"tinylora_A": 0, "tinylora_B": 1, "tinylora_P": (1, 2)},
-    check_options=check_options,
     shared_init=shared_init,
-    peft=PeftFormat(
-        PEFT_METHOD,
-        {name: name for name in _BUFFERS},
-        lambda r, d_in, d_out: {},  # info_shapes: P's shape depends on u
-        _peft_config,
-        _peft_reads,
-        buffers=frozenset(_BUFFERS),
-        shared_keys={"tinylora_v": "base_model.tinylora_v.{}"},
-        info_shapes=_peft_shapes,
-        saved_buffers=lambda options: frozenset(_BUFFERS if options["save_projection"] else _BUFFERS[:2]),
-    ),
 )
+PEFT = PeftFormat(PeftMethod("TINYLORA", rank=("r", None)))

@@ -37,17 +37,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lora_func._kernels import base_plus_low_rank, check_dropout, lowrank_input
-from lora_func.variants import (
-    BaseLayer,
-    LayerInfo,
-    PeftFormat,
-    PeftMethod,
-    TensorDict,
-    Variant,
-    is_finite_number,
-)
-from lora_func.variants._bank import check_seed
+from lora_func.variants._kernels import base_plus_low_rank, lowrank_input
+from lora_func.variants import FLAG, SEED, BaseLayer, LayerInfo, Option, PeftFormat, PeftMethod, Slot, TensorDict, Variant, mapped, one_of, real, whole
+from lora_func.variants._options import dropout_option
 
 INITS = ("uniform", "normal")
 
@@ -131,83 +123,33 @@ def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: Ba
     return base_plus_low_rank(base, x, h, b)
 
 
-def check_options(options: Mapping[str, Any]) -> None:
-    check_dropout("unilora", options)
-    check_seed("unilora", "proj_seed", options)
-    if options["theta_d_length"] < 1:
-        raise ValueError(f"unilora option theta_d_length={options['theta_d_length']!r} must be a positive integer (the length of θ)")  # error: unilora-length
-    if options["init"] not in INITS:
-        raise ValueError(f"unilora option init={options['init']!r} is not one of {list(INITS)}")  # error: unilora-init
-    if not (is_finite_number(options["init_theta_d_bound"]) and options["init_theta_d_bound"] > 0):
-        raise ValueError(f"unilora option init_theta_d_bound={options['init_theta_d_bound']!r} must be a finite number > 0")  # error: unilora-init-bound
-
-
-def _peft_config(options: Mapping[str, Any]) -> dict[str, Any]:
+def _indices(**declared: object) -> dict[str, Slot]:
+    # In a rank-padded stack the padded indices are 0 and the padded scales 0: those entries are zeros.
+    a, b = (lambda i: (i.r, i.d_in)), (lambda i: (i.d_out, i.r))
     return {
-        "theta_d_length": options["theta_d_length"],
-        "proj_seed": options["proj_seed"],
-        "init_theta_d_bound": float(options["init_theta_d_bound"]),
-        "save_indices": options["save_indices"],
-        "unilora_dropout": float(options["dropout"]),
-        "init_weights": options["init"] == "uniform",
+        "unilora_indices_A": Slot(a, rank_axes=(0,), buffer=True, integer=True, peft="unilora_indices_A", saved_if="save_indices"),
+        "unilora_indices_B": Slot(b, rank_axes=(1,), buffer=True, integer=True, peft="unilora_indices_B", saved_if="save_indices"),
+        "unilora_scales_A": Slot(a, rank_axes=(0,), buffer=True, peft="unilora_scales_A", saved_if="save_indices"),
+        "unilora_scales_B": Slot(b, rank_axes=(1,), buffer=True, peft="unilora_scales_B", saved_if="save_indices"),
     }
 
-
-def _peft_reads(config: Mapping[str, Any], module: str) -> dict[str, Any]:
-    return {
-        "theta_d_length": int(config.get("theta_d_length", 256)),
-        "proj_seed": int(config.get("proj_seed", 42)),
-        "init_theta_d_bound": float(config.get("init_theta_d_bound", 0.02)),
-        "save_indices": bool(config.get("save_indices", False)),
-        "dropout": float(config.get("unilora_dropout") or 0.0),
-        "init": "uniform" if config.get("init_weights", True) else "normal",
-    }
-
-
-def _peft_shapes(info: LayerInfo) -> dict[str, tuple[int, ...]]:
-    a, b = (info.r, info.d_in), (info.d_out, info.r)
-    return {"unilora_indices_A": a, "unilora_indices_B": b, "unilora_scales_A": a, "unilora_scales_B": b}
-
-
-PEFT_METHOD = PeftMethod(
-    "UNILORA",
-    {"bias": "none"},
-    ("modules_to_save",),
-    rank_in_config=True,
-    checks={
-        "theta_d_length": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
-        "proj_seed": lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**63,
-        "init_theta_d_bound": lambda v: is_finite_number(v) and v > 0,
-        "save_indices": lambda v: isinstance(v, bool),
-        "unilora_dropout": lambda v: v is None or (is_finite_number(v) and 0 <= v < 1),
-        "init_weights": lambda v: isinstance(v, bool),
-    },
-    layers_from_config=True,
-)
-
-_BUFFERS = ("unilora_indices_A", "unilora_indices_B", "unilora_scales_A", "unilora_scales_B")
 
 VARIANT = Variant(
     name="unilora",
     init=init,
     weight_form=weight_form,
     activation_form=activation_form,
-    options={"theta_d_length": 256, "proj_seed": 42, "init_theta_d_bound": 0.02, "save_indices": False, "dropout": 0.0, "init": "uniform"},
+    # Without save_indices peft's file holds only θ: every layer's buffers are re-created.
+    tensors=_indices() | {"unilora_theta_d": Slot(lambda i: (i.option("theta_d_length"),), shared=True, peft="base_model.unilora_theta_d")},
+    options={
+        "theta_d_length": Option(256, whole(1, why="the length of θ"), "theta_d_length"),
+        "proj_seed": Option(42, SEED, "proj_seed"),
+        "init_theta_d_bound": Option(0.02, real(0, closed="()"), "init_theta_d_bound"),
+        "save_indices": Option(False, FLAG, "save_indices"),
+        "dropout": dropout_option("unilora_dropout"),
+        "init": Option("uniform", one_of(*INITS), "init_weights", mapped({"uniform": True, "normal": False})),
+    },
     default_alpha=1.0,
-    # In a rank-padded stack the padded indices are 0 and the padded scales 0: those entries are zeros.
-    rank_axes={"unilora_indices_A": 0, "unilora_indices_B": 1, "unilora_scales_A": 0, "unilora_scales_B": 1},
-    check_options=check_options,
     shared_init=shared_init,
-    integer_buffers=frozenset({"unilora_indices_A", "unilora_indices_B"}),
-    peft=PeftFormat(
-        PEFT_METHOD,
-        {name: name for name in _BUFFERS},
-        lambda r, d_in, d_out: {},  # info_shapes
-        _peft_config,
-        _peft_reads,
-        buffers=frozenset(_BUFFERS),
-        shared_keys={"unilora_theta_d": "base_model.unilora_theta_d"},
-        info_shapes=_peft_shapes,
-        saved_buffers=lambda options: frozenset(_BUFFERS if options["save_indices"] else ()),
-    ),
 )
+PEFT = PeftFormat(PeftMethod("UNILORA", rank=("r", None)))

@@ -35,17 +35,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lora_func._kernels import base_plus_low_rank, check_dropout, lowrank_input
-from lora_func.variants import (
-    BaseLayer,
-    LayerInfo,
-    PeftFormat,
-    PeftLayer,
-    PeftMethod,
-    TensorDict,
-    Variant,
-    is_finite_number,
-)
+from lora_func.variants._kernels import base_plus_low_rank, lowrank_input
+from lora_func.variants import FLAG, BaseLayer, LayerInfo, Option, PeftFormat, PeftLayer, PeftMethod, Slot, TensorDict, Variant, real, whole
+from lora_func.variants._options import dropout_option
 from lora_func.variants._bank import one_rank
 
 
@@ -123,24 +115,13 @@ def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: Ba
 
 
 def check_options(options: Mapping[str, Any]) -> None:
-    check_dropout("vblora", options)
-    for name in ("num_vectors", "vector_length", "topk"):
-        if options[name] < 1:
-            raise ValueError(f"vblora option {name}={options[name]!r} must be a positive integer")  # error: vblora-sizes
     if options["topk"] > options["num_vectors"]:
         raise ValueError(  # error: vblora-topk
             f"vblora option topk={options['topk']} exceeds num_vectors={options['num_vectors']}: each sub-vector mixes topk of the bank's vectors"
         )
-    if options["init_vector_bank_bound"] < 0 or options["init_logits_std"] < 0:
-        raise ValueError("vblora options init_vector_bank_bound and init_logits_std must be >= 0")  # error: vblora-init-scale
 
 
-_CONFIG_FIELDS = ("num_vectors", "vector_length", "topk", "init_vector_bank_bound", "init_logits_std", "save_only_topk_weights")
 _LOGITS = ("vblora_logits_A", "vblora_logits_B")
-
-
-def _peft_config(options: Mapping[str, Any]) -> dict[str, Any]:
-    return {name: options[name] for name in _CONFIG_FIELDS} | {"vblora_dropout": float(options["dropout"])}
 
 
 def _index_dtype(count: int) -> torch.dtype:
@@ -168,10 +149,10 @@ def _export(params: TensorDict, buffers: TensorDict, weight: Tensor | None, info
     return PeftLayer(tensors, r=info.r)
 
 
-def _convert_in(found: TensorDict, config: Mapping[str, Any]) -> TensorDict:
+def _convert_in(found: TensorDict, options: Mapping[str, Any]) -> TensorDict:
     """Top-k indices and weights back to logits, as peft does: ``log`` of the k weights (the last
     is one minus the others) at the indices, the dtype's lowest finite value elsewhere."""
-    count = config.get("num_vectors", VARIANT.options["num_vectors"])
+    count = options["num_vectors"]
     out = {}
     for name in _LOGITS:
         indices, weights = found.get(f"{name}_topk_indices"), found.get(f"{name}_topk_weights")
@@ -187,66 +168,37 @@ def _convert_in(found: TensorDict, config: Mapping[str, Any]) -> TensorDict:
     return out
 
 
-def _peft_reads(config: Mapping[str, Any], module: str) -> dict[str, Any]:
-    defaults = VARIANT.options
-    return {name: type(defaults[name])(config.get(name, defaults[name])) for name in _CONFIG_FIELDS} | {
-        "dropout": float(config.get("vblora_dropout") or 0.0)
-    }
-
-
 def _peft_shapes(info: LayerInfo) -> dict[str, tuple[int, ...]]:
     length, count, _ = _sizes(info)
     return {"vblora_logits_A": (info.r, info.d_in // length, count), "vblora_logits_B": (info.d_out // length, info.r, count)}
 
-
-def _positive_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-
-PEFT_METHOD = PeftMethod(
-    "VBLORA",
-    {"bias": "none"},
-    ("modules_to_save",),
-    rank_of=("vblora_logits_A", 0),
-    checks={
-        "num_vectors": _positive_int,
-        "vector_length": _positive_int,
-        "topk": _positive_int,
-        "vblora_dropout": lambda v: v is None or (is_finite_number(v) and 0 <= v < 1),
-        "init_vector_bank_bound": is_finite_number,
-        "init_logits_std": is_finite_number,
-        "save_only_topk_weights": lambda v: isinstance(v, bool),
-    },
-)
 
 VARIANT = Variant(
     name="vblora",
     init=init,
     weight_form=weight_form,
     activation_form=activation_form,
-    options={
-        "num_vectors": 256,
-        "vector_length": 256,
-        "topk": 2,
-        "dropout": 0.0,
-        "init_vector_bank_bound": 0.02,
-        "init_logits_std": 0.1,
-        "save_only_topk_weights": False,
+    tensors={
+        "vblora_logits_A": Slot(lambda i: _peft_shapes(i)["vblora_logits_A"], rank_axes=(0,), peft="vblora_logits_A"),
+        "vblora_logits_B": Slot(lambda i: _peft_shapes(i)["vblora_logits_B"], rank_axes=(1,), peft="vblora_logits_B"),
+        "vblora_vector_bank": Slot(lambda i: (i.option("num_vectors"), i.option("vector_length")), shared=True, peft="base_model.vblora_vector_bank"),
     },
+    options={
+        "num_vectors": Option(256, whole(1), "num_vectors"),
+        "vector_length": Option(256, whole(1), "vector_length"),
+        "topk": Option(2, whole(1), "topk"),
+        "dropout": dropout_option("vblora_dropout"),
+        "init_vector_bank_bound": Option(0.02, real(0), "init_vector_bank_bound"),
+        "init_logits_std": Option(0.1, real(0), "init_logits_std"),
+        "save_only_topk_weights": Option(False, FLAG, "save_only_topk_weights"),
+    },
+    check=check_options,
     default_alpha=1.0,
-    rank_axes={"vblora_logits_A": 0, "vblora_logits_B": 1},
-    check_options=check_options,
     shared_init=shared_init,
-    peft=PeftFormat(
-        PEFT_METHOD,
-        {"vblora_logits_A": "vblora_logits_A", "vblora_logits_B": "vblora_logits_B"},
-        lambda r, d_in, d_out: {},  # info_shapes: the shapes depend on vector_length and num_vectors
-        _peft_config,
-        _peft_reads,
-        shared_keys={"vblora_vector_bank": "base_model.vblora_vector_bank"},
-        info_shapes=_peft_shapes,
-        export=_export,
-        imported={f"{name}_topk_{part}": f"{name}_topk_{part}" for name in _LOGITS for part in ("indices", "weights")},
-        convert_in=_convert_in,
-    ),
+)
+PEFT = PeftFormat(
+    PeftMethod("VBLORA", rank=("r", None)),
+    export=_export,
+    imported={f"{name}_topk_{part}": f"{name}_topk_{part}" for name in _LOGITS for part in ("indices", "weights")},
+    convert_in=_convert_in,
 )

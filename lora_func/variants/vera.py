@@ -36,17 +36,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lora_func._kernels import base_plus_low_rank, check_dropout, lowrank_input
-from lora_func.variants import (
-    BaseLayer,
-    LayerInfo,
-    PeftFormat,
-    PeftMethod,
-    TensorDict,
-    Variant,
-    is_finite_number,
-)
-from lora_func.variants._bank import check_seed, largest, one_rank, peft_kaiming
+from lora_func.variants._kernels import base_plus_low_rank, lowrank_input
+from lora_func.variants import FLAG, SEED, BaseLayer, LayerInfo, Option, PeftFormat, PeftMethod, Slot, TensorDict, Variant, mapped, one_of, real
+from lora_func.variants._bank import largest, largest_of, one_rank, peft_kaiming
+from lora_func.variants._options import dropout_option
 
 INITS = ("zero", "random")
 
@@ -62,6 +55,17 @@ def shared_init(infos: Mapping[str, LayerInfo], *, dtype: torch.dtype, device: t
     return {}, {"vera_A": vera_a.to(device, dtype), "vera_B": vera_b.to(device, dtype)}
 
 
+def vectors(prefix: str, info: LayerInfo, d: int, *, dtype: torch.dtype, device: torch.device, generator: torch.Generator) -> TensorDict:
+    """``<prefix>_lambda_b (d_out,)`` and ``<prefix>_lambda_d (d,)``: peft's ``init_weights=True``
+    ``λ_b = 0``, ``λ_d = d_initial`` (ΔW = 0), or ``init="random"``: ``λ_b = 1``, ``λ_d ~ N(0, 1)``
+    (from the generator; peft draws from the global RNG)."""
+    if info.option("init") == "random":
+        lambda_b, lambda_d = torch.ones(info.d_out), torch.randn(d, generator=generator)
+    else:
+        lambda_b, lambda_d = torch.zeros(info.d_out), torch.full((d,), float(info.option("d_initial")))
+    return {f"{prefix}_lambda_b": lambda_b.to(device, dtype), f"{prefix}_lambda_d": lambda_d.to(device, dtype)}
+
+
 def init(
     weight: Tensor,
     bias: Tensor | None,
@@ -71,13 +75,7 @@ def init(
     generator: torch.Generator,
     calibration: Any = None,
 ) -> tuple[TensorDict, TensorDict]:
-    if info.option("init") == "random":
-        lambda_b = torch.ones(info.d_out)
-        lambda_d = torch.randn(info.r, generator=generator)
-    else:
-        lambda_b = torch.zeros(info.d_out)
-        lambda_d = torch.full((info.r,), float(info.option("d_initial")))
-    return {"vera_lambda_b": lambda_b.to(weight.device, dtype), "vera_lambda_d": lambda_d.to(weight.device, dtype)}, {}
+    return vectors("vera", info, info.r, dtype=dtype, device=weight.device, generator=generator), {}
 
 
 def factors(params: TensorDict, buffers: TensorDict, info: LayerInfo) -> tuple[Tensor, Tensor]:
@@ -102,68 +100,37 @@ def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: Ba
     return base_plus_low_rank(base, x, h, b)
 
 
-def check_options(options: Mapping[str, Any]) -> None:
-    check_dropout("vera", options)
-    check_seed("vera", "projection_prng_key", options)
-    if options["init"] not in INITS:
-        raise ValueError(f"vera option init={options['init']!r} is not one of {list(INITS)}")  # error: vera-init
-
-
-def _peft_config(options: Mapping[str, Any]) -> dict[str, Any]:
+def basis_options(prefix: str) -> dict[str, Option]:
+    """The options VeRA and PVeRA share: the basis's seed and whether peft's file holds it, the
+    vectors' init, the dropout (peft's ``<prefix>_dropout``)."""
     return {
-        "projection_prng_key": options["projection_prng_key"],
-        "save_projection": options["save_projection"],
-        "vera_dropout": float(options["dropout"]),
-        "d_initial": float(options["d_initial"]),
-        "init_weights": options["init"] == "zero",
+        "projection_prng_key": Option(0, SEED, "projection_prng_key"),
+        "save_projection": Option(True, FLAG, "save_projection"),
+        "d_initial": Option(0.1, real(), "d_initial"),
+        "dropout": dropout_option(f"{prefix}_dropout"),
+        "init": Option("zero", one_of(*INITS), "init_weights", mapped({"zero": True, "random": False})),
     }
 
 
-def _peft_reads(config: Mapping[str, Any], module: str) -> dict[str, Any]:
-    return {
-        "projection_prng_key": int(config.get("projection_prng_key", 0)),
-        "save_projection": bool(config.get("save_projection", True)),
-        "dropout": float(config.get("vera_dropout") or 0.0),
-        "d_initial": float(config.get("d_initial", 0.1)),
-        "init": "zero" if config.get("init_weights", True) else "random",
-    }
+def basis_slot(prefix: str, name: str, shape: Any, **axes: Any) -> Slot:
+    """A tensor of the frozen basis every layer slices, ``base_model.<prefix>_<name>`` in peft's
+    file with ``save_projection`` (re-drawn from the seed otherwise)."""
+    return Slot(shape, buffer=True, shared=True, peft=f"base_model.{prefix}_{name}", saved_if="save_projection", **axes)
 
-
-def _is_seed(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63
-
-
-PEFT_METHOD = PeftMethod(
-    "VERA",
-    {"bias": "none"},
-    ("modules_to_save",),
-    rank_of=("vera_lambda_d", 0),
-    checks={
-        "projection_prng_key": _is_seed,
-        "save_projection": lambda v: isinstance(v, bool),
-        "vera_dropout": lambda v: v is None or (is_finite_number(v) and 0 <= v < 1),
-        "d_initial": is_finite_number,
-        "init_weights": lambda v: isinstance(v, bool),
-    },
-)
 
 VARIANT = Variant(
     name="vera",
     init=init,
     weight_form=weight_form,
     activation_form=activation_form,
-    options={"projection_prng_key": 0, "save_projection": True, "d_initial": 0.1, "dropout": 0.0, "init": "zero"},
+    tensors={
+        "vera_lambda_b": Slot(lambda i: (i.d_out,), peft="vera_lambda_b"),
+        "vera_lambda_d": Slot(lambda i: (i.r,), rank_axes=(0,), peft="vera_lambda_d"),
+        "vera_A": basis_slot("vera", "A", lambda i: (i.r, largest_of(i)[1]), rank_axes=(0,)),
+        "vera_B": basis_slot("vera", "B", lambda i: (largest_of(i)[0], i.r), rank_axes=(1,)),
+    },
+    options=basis_options("vera"),
     default_alpha=1.0,
-    rank_axes={"vera_lambda_d": 0, "vera_A": 0, "vera_B": 1},
-    check_options=check_options,
     shared_init=shared_init,
-    peft=PeftFormat(
-        PEFT_METHOD,
-        {"vera_lambda_b": "vera_lambda_b", "vera_lambda_d": "vera_lambda_d"},
-        lambda r, d_in, d_out: {"vera_lambda_b": (d_out,), "vera_lambda_d": (r,)},
-        _peft_config,
-        _peft_reads,
-        shared_keys={"vera_A": "base_model.vera_A", "vera_B": "base_model.vera_B"},
-        shared_saved=lambda options: bool(options["save_projection"]),
-    ),
 )
+PEFT = PeftFormat(PeftMethod("VERA", rank=("r", None)))

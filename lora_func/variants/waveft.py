@@ -39,16 +39,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lora_func.variants import (
-    BaseLayer,
-    LayerInfo,
-    PeftFormat,
-    PeftMethod,
-    TensorDict,
-    Variant,
-    is_finite_number,
-)
-from lora_func.variants._sparse import linear_plus_dense, own_values, peft_randperm_positions, scatter_dense
+from lora_func.variants import FLAG, BaseLayer, Codec, LayerInfo, Option, PeftFormat, PeftMethod, TensorDict, Variant, one_of
+from lora_func.variants._sparse import linear_plus_dense, own_values, scatter_dense, spectrum_init, spectrum_options, spectrum_tensors
 from lora_func.variants._wavelet import FAMILIES, idwt2, reduction
 
 
@@ -61,15 +53,7 @@ def init(
     generator: torch.Generator,
     calibration: Any = None,
 ) -> tuple[TensorDict, TensorDict]:
-    n = info.r
-    if n > info.d_in * info.d_out:
-        raise ValueError(  # error: waveft-too-many
-            f"waveft: r={n} coefficients (peft's n_frequency) exceed the layer's {info.d_out}×{info.d_in} = "
-            f"{info.d_in * info.d_out} weights; lower r to at most {info.d_in * info.d_out}"
-        )
-    positions = peft_randperm_positions(info.d_out, info.d_in, n, info.option("random_loc_seed"))
-    spectrum = torch.zeros(n) if info.option("init_weights") else 0.01 * torch.randn(n, generator=generator)
-    return {"waveft_spectrum": spectrum.to(weight.device, dtype)}, {"waveft_indices": positions.to(weight.device)}
+    return spectrum_init("waveft", "coefficients", info, std=0.01, dtype=dtype, device=weight.device, generator=generator)
 
 
 def _padded(d: int, family: str) -> int:
@@ -104,26 +88,6 @@ def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: Ba
     return linear_plus_dense(base, x, delta(params, buffers, info))
 
 
-def _seed(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def check_options(options: Mapping[str, Any]) -> None:
-    seed = options["random_loc_seed"]
-    if not _seed(seed):
-        raise ValueError(f"waveft option random_loc_seed={seed!r} must be an integer >= 0 (a torch.Generator seed)")  # error: waveft-seed
-    family = options["wavelet_family"]
-    if family not in FAMILIES:
-        raise ValueError(  # error: waveft-wavelet-family
-            f"waveft option wavelet_family={family!r} is not one of {list(FAMILIES)}: peft 0.21 has filters for these only "
-            f"(its config also lists db11-db38, sym11-sym20 and coif5-coif17, whose forward fails in peft itself)"
-        )
-
-
-def _size(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-
 def layer_ranks(r: int, infos: Mapping[str, LayerInfo]) -> dict[str, int]:
     """Each layer's ``n``: its own (the spec's ``r`` or a checkpoint's ``n_frequency_pattern``), or
     with ``proportional_parameters`` peft's ``WaveFTModel._calculate_proportional_parameters``
@@ -141,54 +105,21 @@ VARIANT = Variant(
     init=init,
     weight_form=weight_form,
     activation_form=activation_form,
-    options={
-        "scaling": 25.0,
-        "wavelet_family": "db1",
-        "use_idwt": True,
-        "random_loc_seed": 777,
-        "init_weights": True,
-        "proportional_parameters": False,
+    # r is the number of coefficients, up to d_in·d_out (checked by init); the positions are not in
+    # the checkpoint (peft re-derives them from random_loc_seed).
+    tensors=spectrum_tensors("waveft"),
+    options=spectrum_options(scaling=25.0, init_weights=True)
+    | {
+        # peft 0.21 has filters for these only (its config also lists db11-db38, sym11-sym20 and
+        # coif5-coif17, whose forward fails in peft itself)
+        "wavelet_family": Option("db1", one_of(*FAMILIES), "wavelet_family"),
+        "use_idwt": Option(True, FLAG, "use_idwt"),
+        # Per-layer sizes from proportional_parameters are written as n_frequency_pattern with
+        # proportional_parameters false: peft then builds the same layers whatever n_frequency is.
+        "proportional_parameters": Option(False, FLAG, "proportional_parameters", Codec(lambda v: False, lambda v: v)),
     },
     default_alpha=1.0,  # not used: the scale is the scaling option
-    uses_rank=False,  # r is the number of coefficients, up to d_in·d_out (checked by init)
-    check_options=check_options,
-    padded_axes={"waveft_spectrum": 0, "waveft_indices": 1},
-    integer_buffers=frozenset({"waveft_indices"}),
     layer_ranks=layer_ranks,
-    # peft: WaveFTConfig; n_frequency / n_frequency_pattern are lora_func's r / rank pattern; the
-    # positions are not in the checkpoint. Per-layer sizes from proportional_parameters are
-    # written as n_frequency_pattern with proportional_parameters false (fixed): peft then builds
-    # the same layers whatever n_frequency the writer picks.
-    peft=PeftFormat(
-        PeftMethod(
-            "WAVEFT",
-            {"bias": "none", "proportional_parameters": False},
-            rank_pattern=True,
-            rank_in_config=True,
-            rank_fields=("n_frequency", "n_frequency_pattern"),
-            checks={
-                "n_frequency": _size,
-                "n_frequency_pattern": lambda v: isinstance(v, dict) and all(_size(n) for n in v.values()),
-                "scaling": is_finite_number,
-                "wavelet_family": lambda v: v in FAMILIES,
-                "use_idwt": lambda v: isinstance(v, bool),
-                "random_loc_seed": _seed,
-                "init_weights": lambda v: isinstance(v, bool),
-                "proportional_parameters": lambda v: isinstance(v, bool),
-            },
-        ),
-        {"waveft_spectrum": "waveft_spectrum"},
-        lambda r, d_in, d_out: {"waveft_spectrum": (r,)},
-        lambda options: {k: options[k] for k in ("scaling", "wavelet_family", "use_idwt", "random_loc_seed", "init_weights")},
-        lambda config, module: {
-            "scaling": float(config.get("scaling", 25.0)),
-            "wavelet_family": str(config.get("wavelet_family", "db1")),
-            "use_idwt": bool(config.get("use_idwt", True)),
-            "random_loc_seed": int(config.get("random_loc_seed", 777)),
-            "init_weights": bool(config.get("init_weights", True)),
-            "proportional_parameters": bool(config.get("proportional_parameters", False)),
-        },
-        buffers=frozenset({"waveft_indices"}),
-        recompute_buffers=True,
-    ),
 )
+# peft: WaveFTConfig; n_frequency / n_frequency_pattern are lora_func's r / rank pattern.
+PEFT = PeftFormat(PeftMethod("WAVEFT", rank=("n_frequency", "n_frequency_pattern")))

@@ -3,7 +3,7 @@ scale ``alpha / r``, the dropout input, the base-plus-low-rank sums and the base
 node, kaiming init from an explicit generator.
 
 Not part of the variant contract (:mod:`lora_func.variants` holds that): a variant may use
-them, and the mixed-batch route runs LoRA's forms through them too. Shapes: ``x (..., d_in)``,
+them, and the mixed-batch route and ghost clipping run LoRA's forms through them too. Shapes: ``x (..., d_in)``,
 ``A (r, d_in)``, ``B (d_out, r)``, outputs ``(..., d_out)``.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -24,7 +24,6 @@ __all__ = [
     "add_low_rank",
     "base_plus_low_rank",
     "base_plus_product",
-    "check_dropout",
     "half_product_applies",
     "kaiming_uniform",
     "lora_activation_form",
@@ -44,13 +43,6 @@ def lowrank_input(x: Tensor, base: BaseLayer, info: LayerInfo) -> Tensor:
     if not p or not getattr(base, "training", False):
         return x
     return F.dropout(x, float(p), training=True)
-
-
-def check_dropout(variant: str, options: Mapping[str, Any]) -> None:
-    """A variant's ``check_options`` for its ``dropout`` option (peft's ``lora_dropout``)."""
-    p = options["dropout"]
-    if not 0.0 <= p < 1.0:
-        raise ValueError(f"{variant} option dropout={p!r} must be in [0, 1) (peft's lora_dropout: the probability of zeroing an input)")  # error: spec-dropout
 
 
 def kaiming_uniform(shape: tuple[int, ...], *, a: float, generator: torch.Generator) -> Tensor:
