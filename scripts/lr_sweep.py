@@ -227,6 +227,25 @@ def choose(cells: dict[tuple[str, str, str, float], list[float]], variant: str) 
     return max(near, key=lambda k: (other[k], demo[k], -k[1]))
 
 
+def chosen_defaults(coarse: Iterable[dict[str, Any]], fine: Iterable[dict[str, Any]]) -> dict[str, tuple[dict[str, Any], float]]:
+    """Per method, its default (settings, learning rate): :func:`choose` on the fine runs where
+    the method has fine runs on both tasks at one point; else its best coarse run (held-out
+    accuracy on the demo task, seed 0, ties to the lower held-out loss). ``--grid confirm`` then
+    runs that default on both tasks over three seeds, after which :func:`choose` returns it."""
+    fine = list(fine)
+    cells = summarise(fine)
+    settings_of = {(r["variant"], settings_label(r["settings"])): r["settings"] for r in [*coarse, *fine]}
+    best: dict[str, dict[str, Any]] = {}
+    for r in coarse:
+        if r["variant"] not in best or (r["acc"], -r["held_out_loss"]) > (best[r["variant"]]["acc"], -best[r["variant"]]["held_out_loss"]):
+            best[r["variant"]] = r
+    out = {}
+    for variant, top in sorted(best.items()):
+        choice = choose(cells, variant)
+        out[variant] = (settings_of[variant, choice[0]], choice[1]) if choice is not None else (top["settings"], top["lr"])
+    return out
+
+
 def _cell(values: list[float]) -> str:
     mean = sum(values) / len(values)
     if len(values) == 1:
@@ -324,9 +343,10 @@ def plot(records: list[dict[str, Any]], path: Path, coarse: Sequence[dict[str, A
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--grid", choices=("coarse", "fine", "lrs"), default="lrs",
+    parser.add_argument("--grid", choices=("coarse", "fine", "confirm", "lrs"), default="lrs",
                         help="coarse: seed 0, the demo task, COARSE_LRS x COARSE_SETTINGS; fine: fine_grid(--coarse) on both "
-                        "tasks, three seeds; lrs: --lrs with each method's own defaults")
+                        "tasks, three seeds; confirm: each method's chosen_defaults(--coarse, --out) on both tasks, three seeds; "
+                        "lrs: --lrs with each method's own defaults")
     parser.add_argument("--coarse", type=Path, default=None,
                         help="the coarse sweep's JSON-lines file: --grid fine's grid comes from it; with --report, its table is printed "
                         "and its curves drawn in grey")
@@ -364,9 +384,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     lrs = [float(x) for x in args.lrs.split(",")] if args.lrs else None
     if args.grid == "fine" and args.coarse is None:
         parser.error("--grid fine needs --coarse FILE (the coarse sweep's records)")
+    if args.grid == "confirm" and (args.coarse is None or args.out is None):
+        parser.error("--grid confirm needs --coarse FILE and --out FILE (the fine runs so far)")
     fine = fine_grid(read_records(args.coarse)) if args.grid == "fine" else None
+    if args.grid == "confirm":
+        chosen = chosen_defaults(read_records(args.coarse), read_records(args.out))
+        fine, args.grid = {v: [(chosen[v][0], (chosen[v][1],))] for v in variants if v in chosen}, "fine"
+        variants = [v for v in variants if v in chosen]
     points = grid_points(args.grid, variants, lrs, tasks, seeds, fine, args.settings)
     done = {record_key(r) for r in read_records(args.out)} if args.out is not None else set()
+    if args.coarse is not None and args.out is not None:  # a coarse run is a fine point's seed 0 on the demo task: the same run
+        same = [r for r in read_records(args.coarse) if record_key(r) in {p.key() for p in points} - done]
+        with args.out.open("a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in same)
+        done |= {record_key(r) for r in same}
     todo = [p for p in points if p.key() not in done]
     print(f"{len(points)} runs, {len(points) - len(todo)} already in {args.out}", file=sys.stderr)
     runner = Runner(args.steps)

@@ -26,9 +26,11 @@ def _blocks(path: Path, lang: str) -> list[str]:
 
 def readme_families() -> dict[str, list[str]]:
     """The README's list of variants by family (``- the LoRA family: `lora`, ...``; a bullet may
-    hold two families, ``scaling vectors: ...; norm and layer copies: ...``): family -> names."""
+    hold two families, ``scaling vectors: ...; norm and layer copies: ...``): family -> names.
+    The list ends at its first blank line (the prompt-learning paragraph after it is no variant)."""
     text = (ROOT / "README.md").read_text()
-    section = text[text.index("authors' formulas otherwise):") : text.index("Their math")]
+    start = text.index("authors' formulas otherwise):")
+    section = text[start : text.index("\n\n", text.index("\n- ", start))]
     label = r"[a-z][a-zA-Z' ]*?"
     return {
         family: re.findall(r"`(\w+)`", body)

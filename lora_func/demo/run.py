@@ -285,7 +285,8 @@ def settings_text(spec: lf.AdapterSpec, fitted: Sequence[str] = ()) -> str:
     if spec.alpha != variant.default_alpha:
         parts.append(f"alpha={spec.alpha:g}")
     for name, value in spec.options:
-        if value != variant.options.get(name):
+        schema = variant.options.get(name)
+        if schema is None or value != schema.default:
             parts.append(f"{name}={value:g}" if isinstance(value, float) else f"{name}={value}")
             parts[-1] += "*" if name in fitted else ""
     return ", ".join(parts)
