@@ -203,8 +203,9 @@ SWEEP = ROOT / "docs" / "guide" / "lr_sweep"
 def test_hyperparameters_guide_shows_the_demo_defaults_table_and_the_sweep_that_chose_it(monkeypatch):
     """docs/guide/hyperparameters.md's defaults table is lora_func/demo/defaults.py row for row,
     each default is what the sweep's rule picks from the committed runs (docs/guide/lr_sweep/),
-    its numbers are those runs', the full tables are the script's report of them, and every method
-    below 60 % on the demo task is explained in the section that says why."""
+    its numbers are those runs', the full tables are the script's report of them, every method
+    below 60 % on the demo task is explained in the section that says why, and the longer runs
+    quoted there are those of docs/guide/lr_sweep/steps240.jsonl."""
     import lora_func as lf
     from lora_func.demo.defaults import DEFAULTS
 
@@ -226,6 +227,20 @@ def test_hyperparameters_guide_shows_the_demo_defaults_table_and_the_sweep_that_
         values = cells[name, "sums", label, row.lr]
         if sum(values) / len(values) < 0.6:
             assert f"`{name}`" in below, f"{name} is below 60 % on the demo task with its default: say why in '### Below 60 %'"
+    # The longer runs the section quotes ("240 steps give 62 % (43–80 %"): those of steps240.jsonl, at each default.
+    longer = sweep.summarise(sweep.read_records(SWEEP / "steps240.jsonl"))
+    quoted = {}
+    for bullet in below.split("\n- ")[1:]:
+        name = re.match(r"`(\w+)`:", bullet)
+        found = re.search(r"240 steps\s+give\s+(\d+) %\s+\((\d+)–(\d+) %", bullet)
+        if name and found:
+            quoted[name[1]] = tuple(int(x) for x in found.groups())
+    assert sorted(quoted) == ["fourierft", "miss", "unilora"], quoted
+    for name, (mean, low, high) in quoted.items():
+        row = DEFAULTS[name]
+        settings = {**({"r": row.r} if row.r is not None else {}), **row.options}
+        values = longer[name, "sums", sweep.settings_label(settings), row.lr]
+        assert len(values) == 3 and (mean, low, high) == (round(100 * sum(values) / 3), round(100 * min(values)), round(100 * max(values))), name
     report = sweep.report(fine)
     assert report.split("\n### chosen")[0] in guide and sweep.report(coarse).split("### chosen")[0] in guide
     assert (ROOT / "docs" / "guide" / "lr_sweep.png").stat().st_size > 50_000

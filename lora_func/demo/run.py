@@ -292,11 +292,6 @@ def settings_text(spec: lf.AdapterSpec, fitted: Sequence[str] = ()) -> str:
     return ", ".join(parts)
 
 
-class _CannotRun(Exception):
-    """The method cannot start on this model: an option that no value fits, a missing optional
-    dependency."""
-
-
 def _init_for_demo(model: nn.Module, spec: lf.AdapterSpec, config: DemoConfig, train: TaskData) -> Any:
     calibration = None
     if lf.get_variant(spec.variant).calibration is not None:  # EVA: SVD of the layer inputs on training batches
@@ -339,8 +334,9 @@ def run_variant(
                 spec = config.spec_for(variant, targets)
                 row["settings"], row["r"] = settings_text(spec), spec.r
                 fitted = fit_and_init(model, spec, lambda s: _init_for_demo(model, s, config, train))
-            except (ValueError, TypeError, ImportError) as err:
-                raise _CannotRun(str(err)) from err
+            except (ValueError, TypeError, ImportError) as err:  # no value of an option fits, a missing optional package
+                row["reason"] = f"cannot run on this model: {err}"
+                return row
             row["settings"] = settings_text(fitted.spec, [c.option for c in fitted.changes])
             row["r"] = fitted.spec.r
             row["fitted"] = [{"option": c.option, "asked": c.asked, "used": c.used, "why": c.reason} for c in fitted.changes]
@@ -349,8 +345,6 @@ def run_variant(
             if not math.isfinite(row["final_loss"]):  # a float16 run whose scaler skipped the non-finite steps
                 row["status"], row["diverged"] = "failed", True
                 row["reason"] = f"training {variant} at lr {lr:g} diverged: the last steps' mean loss is {row['final_loss']}"
-        except _CannotRun as err:
-            row["reason"] = f"cannot run on this model: {err}"
         except FloatingPointError as err:  # fit names the step and the non-finite tensors
             row["status"], row["diverged"] = "failed", True
             row["reason"] = f"training {variant} at lr {lr:g} diverged: {err.args[0] if err.args else err}"
