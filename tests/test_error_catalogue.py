@@ -885,9 +885,8 @@ def _demo_diverged(ctx: Ctx) -> Callable[[], Any]:
     from lora_func.demo import run
 
     row = {
-        "variant": "lora", "lr": 1.0, "trainable": 1, "trainable_pct": 1.0, "acc_before": 0.0, "acc_after": 0.0,
-        "final_loss": math.nan, "ms_per_step": 1.0, "skipped_steps": 0, "saved_as": "x", "reload_identical": True,
-        "reload_max_abs_diff": 0.0, "samples": [], "losses": [math.nan],
+        "variant": "lora", "status": "failed", "diverged": True, "reason": "training lora at lr 1 diverged: at step 3: non-finite",
+        "r": 8, "settings": "r=8", "fitted": [], "lr": 1.0,
     }
     ctx.monkeypatch.setattr(run, "run_variant", lambda *args, **kwargs: dict(row))
     ctx.monkeypatch.setattr(run, "save_loss_plot", lambda rows, path: path)
