@@ -44,14 +44,16 @@ COMPILE = "tests/test_compile.py"
 
 
 def _variant_stages(select: str, *files: str) -> list[list[str]]:
-    """The fast exact killers and the contract rows of one variant, its own tests, then the
-    hypothesis properties (all variants: slowest, last)."""
+    """The fast exact killers and the contract rows of one variant, its own tests, its peft
+    storage, then the hypothesis properties (all variants: slowest, last)."""
     return [
         [KILLERS, "-k", select],
         [CONTRACT, "-k", select],
         list(files),
         [RANK_STACK, "-k", select],
         [CATALOGUE, "-k", select],
+        # its peft storage (fixed config values, stored shapes, Conv1D refusals)
+        ["tests/test_io_peft.py", "-k", select],
         [PROPERTIES],
     ]
 
@@ -64,8 +66,7 @@ _ALL = [[KILLERS], [CONTRACT], ["tests/test_compose.py", "tests/test_rank_stack.
 TARGETS: dict[str, tuple[tuple[str, ...] | None, list[list[str]]]] = {
     "lora_func/variants/lora.py": (None, _variant_stages("lora and not delora", "tests/test_peft_oracle_lora.py")),
     "lora_func/variants/dora.py": (None, _variant_stages("dora", "tests/test_variant_dora.py")),
-    # ia3: its peft storage (ia3_ff's (1, d_in) matrix and feedforward flag) is checked in test_io_peft.
-    "lora_func/variants/ia3.py": (None, [*_variant_stages("ia3", "tests/test_variant_ia3.py")[:-1], ["tests/test_io_peft.py", "-k", "ia3"], [PROPERTIES]]),
+    "lora_func/variants/ia3.py": (None, _variant_stages("ia3", "tests/test_variant_ia3.py")),
     "lora_func/variants/delora.py": (None, _variant_stages("delora", "tests/test_variant_delora.py")),
     "lora_func/variants/pissa.py": (None, _variant_stages("pissa", "tests/test_variant_pissa.py")),
     "lora_func/variants/hra.py": (None, _variant_stages("hra", "tests/test_variant_hra.py")),
