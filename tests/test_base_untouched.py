@@ -445,6 +445,10 @@ PENDING: dict[str, str] = {
     "per_example_grads": "lora_func.many",
     "check_finite": "lora_func.checks",
     "with_steering": "lora_func.variants.antipasto",
+    "for_task": "lora_func.variants.poly",
+    "task_call": "lora_func.routed",
+    "task_adapted": "lora_func.routed",
+    "task_members": "lora_func.routed",
     "TrainState": "lora_func.train",
     "train_step": "lora_func.train",
     "fit": "lora_func.train",
@@ -740,6 +744,34 @@ ROWS.update(
     }
 )
 
+
+# Routed LoRA (issue 47): Poly / MHR task routing, training through the per-row route, generation.
+def _routed_train_and_generate(w: World) -> None:
+    model = w.model("llama")
+    adapter = w.adapter("poly")
+    leaf = adapter.with_params({k: v.detach().clone().requires_grad_(True) for k, v in adapter.params.items()})
+    model.train()
+    try:
+        api("task_call")(model, leaf, IDS, task_ids=torch.tensor([2, 0])).logits.sum().backward()
+        lf.adapted_call(model, api("for_task")(leaf, 1), IDS, labels=IDS).loss.backward()
+    finally:
+        model.eval()
+    lf.ensemble_call(model, api("task_members")(leaf), IDS).logits.sum().backward()
+    with torch.no_grad(), api("task_adapted")(model, adapter, torch.tensor([1, 2])):
+        model.generate(IDS, attention_mask=torch.ones_like(IDS), max_new_tokens=3, num_beams=2, pad_token_id=0)
+
+
+ROWS.update(
+    {
+        "task_call": [
+            Call("train, route, generate", _routed_train_and_generate),
+            Call("task out of range", lambda w: api("task_call")(w.model("llama"), w.adapter("poly"), IDS, task_ids=torch.tensor([0, 3])), ValueError),
+        ],
+        "task_adapted": [Call("train, route, generate", _routed_train_and_generate)],
+        "task_members": [Call("train, route, generate", _routed_train_and_generate)],
+        "for_task": [Call("train, route, generate", _routed_train_and_generate), Call("bad task", lambda w: api("for_task")(w.adapter("poly"), -1), ValueError)],
+    }
+)
 
 
 def test_every_public_name_has_a_row():

@@ -2227,3 +2227,33 @@ CASES.update(
         "privacy-noise-no-steps": Case(lambda ctx: lambda: lf.noise_for_epsilon(epsilon=1.0, sample_rate=0.01, steps=0, delta=1e-5), ("steps=0",)),
     }
 )
+
+
+# Routed LoRA: Poly / MHR task routing (issue 47)
+
+
+def _poly(ctx: Ctx) -> tuple[nn.Module, lf.Adapter]:
+    model = ctx.model()
+    return model, ctx.adapter(model, variant="poly", targets=["q_proj"], r=2, n_tasks=3, n_skills=2)
+
+
+def on_poly(call: Callable[[nn.Module, lf.Adapter], Any]) -> Callable[[Ctx], Callable[[], Any]]:
+    def arrange(ctx: Ctx) -> Callable[[], Any]:
+        model, adapter = _poly(ctx)
+        return lambda: call(model, adapter)
+
+    return arrange
+
+
+CASES.update(
+    {
+        "poly-splits": Case(init("poly", ["q_proj"], r=2, n_splits=3), ("n_splits=3", "d_in=32")),
+        "poly-not-poly": Case(lambda ctx: (lambda a: lambda: lf.variants.poly.for_task(a, 1))(ctx.adapter(ctx.model())), ("poly_task",)),
+        "poly-task": Case(on_poly(lambda m, a: lf.variants.poly.for_task(a, 3)), ("n_tasks=3", "got 3")),
+        "routed-not-poly": Case(lambda ctx: (lambda m: lambda: lf.routed.task_call(m, ctx.adapter(m), IDS, task_ids=torch.tensor([0, 1])))(ctx.model()), ("task_call", "lora")),
+        "routed-stacked": Case(on_poly(lambda m, a: lf.routed.task_call(m, lf.stack([a, a]), IDS, task_ids=torch.tensor([0, 1]))), ("stack_shape (2,)",)),
+        "routed-task-ids": Case(on_poly(lambda m, a: lf.routed.task_call(m, a, IDS, task_ids=torch.tensor([0.0, 1.0]))), ("task_call", "task_ids")),
+        "routed-task-range": Case(on_poly(lambda m, a: lf.routed.task_adapted(m, a, torch.tensor([0, 3])).__enter__()), ("task_adapted", "[0, 3]", "n_tasks=3")),
+    }
+)
+RNG_ADVANCES = RNG_ADVANCES | {"poly-splits"}
