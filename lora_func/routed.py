@@ -12,12 +12,18 @@ buffer, and one route per batch row is the mixed route over the adapter's route 
   task_ids): model.generate(...)``), the beams of a row on its task.
 
 One task for a whole call is the plain route: ``adapted_call(model, poly.for_task(adapter, t), ...)``.
+
+- :func:`arrow`: an Arrow router (``AdapterSpec("arrow", ...)``, per-token routing over a library of
+  task LoRAs by their top singular directions) built from LoRA adapters, with GenKnowSub
+  (``general=``) as peft's ``create_arrow_model``; :func:`arrow_experts` gives the experts back as
+  LoRA adapters (for ``save_peft``, merging, inspection).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import dataclasses
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -25,9 +31,12 @@ from torch import Tensor, nn
 
 from lora_func.adapter import SHARED, Adapter
 from lora_func.many import Batching, mixed_adapted, mixed_call
+from lora_func.spec import AdapterSpec
+from lora_func.variants import arrow as arrow_variant
 from lora_func.variants import poly
+from lora_func.variants._kernels import lora_scale
 
-__all__ = ["task_adapted", "task_call", "task_members"]
+__all__ = ["arrow", "arrow_experts", "task_adapted", "task_call", "task_members"]
 
 _TASK_KEY = f"{SHARED}.{poly.TASK}"
 
@@ -90,3 +99,109 @@ def task_adapted(model: nn.Module, adapter: Adapter, task_ids: Tensor) -> Iterat
     ids = _check_task_ids(task_ids, int(adapter.spec.option("n_tasks")), "task_adapted")
     with mixed_adapted(model, task_members(adapter), ids) as inner:
         yield inner
+
+
+# ----------------------------------------------------------------------------------- Arrow
+
+
+def _lora_library(adapters: Any, what: str, first: Adapter | None) -> list[Adapter]:
+    """``adapters`` checked as a list of plain LoRA adapters of one structure (``first``'s, when given):
+    same targets, rank per layer and dtype."""
+    if isinstance(adapters, Adapter) or not isinstance(adapters, Sequence) or not adapters:
+        raise TypeError(  # error: arrow-library
+            f"arrow(): {what} must be a non-empty list of LoRA adapters (load_peft of each task checkpoint), got {type(adapters).__name__}"
+        )
+    library = list(adapters)
+    ref = first or library[0]
+    for i, a in enumerate(library):
+        if not isinstance(a, Adapter) or a.spec.variant != "lora" or a.stack_shape:
+            got = f"a {a.spec.variant} adapter" + (f" stacked {a.stack_shape}" if a.stack_shape else "") if isinstance(a, Adapter) else type(a).__name__
+            raise TypeError(f"arrow(): {what}[{i}] must be a plain LoRA adapter (AdapterSpec('lora', ...)), got {got}")  # error: arrow-not-lora
+        mine = [(lay.target.module, lay.info.r, lay.info.d_in, lay.info.d_out) for lay in a.layers]
+        want = [(lay.target.module, lay.info.r, lay.info.d_in, lay.info.d_out) for lay in ref.layers]
+        if mine != want or a.spec.dtype != ref.spec.dtype:
+            diff = sorted({m[0] for m in mine} ^ {w[0] for w in want}) or [m for m, w in zip(mine, want, strict=False) if m != w][:3]
+            raise ValueError(  # error: arrow-structure
+                f"arrow(): {what}[{i}] has other layers, ranks or dtype than the first task expert ({diff or a.spec.dtype}); "
+                f"Arrow routes between LoRAs of one rank on the same targets (as peft's create_arrow_model checks)"
+            )
+    return library
+
+
+def _leaves(params: dict[str, Tensor], sources: Sequence[Adapter]) -> dict[str, Tensor]:
+    # As stack(): plain leaf sources give new leaves (torch.optim refuses non-leaves); a graph is kept otherwise.
+    if all(t.is_leaf and not torch._C._functorch.is_functorch_wrapped_tensor(t) for a in sources for t in a.params.values()):
+        return {k: v.detach().requires_grad_(True) for k, v in params.items()}
+    return params
+
+
+def arrow(
+    experts: Sequence[Adapter],
+    *,
+    top_k: int = 3,
+    router_temperature: float = 1.0,
+    rng_seed: int = 0,
+    general: Sequence[Adapter] | None = None,
+) -> Adapter:
+    """An Arrow router over the task LoRAs ``experts`` (peft's ``create_arrow_model`` with
+    ``ArrowConfig(top_k, router_temperature, rng_seed, use_gks=general is not None)``): one
+    ``arrow`` adapter whose layers hold the experts stacked ``(E, ...)``, each expert's
+    ``alpha/r``, and its prototype (the top right singular vector of ``B_e A_e``, peft's seeded
+    power iteration), computed here once.
+
+    ``general``: general-knowledge LoRAs of the same structure for GenKnowSub: their mean ``A`` and
+    mean ``B`` are subtracted from every task expert's ``A`` and ``B`` before the prototypes. The
+    experts' tensors are not modified (peft subtracts in place)."""
+    library = _lora_library(experts, "experts", None)
+    first = library[0]
+    knowledge = None if general is None else _lora_library(general, "general", first)
+    spec = AdapterSpec(
+        "arrow", first.spec.targets, r=first.spec.r, alpha=first.spec.alpha, dtype=first.spec.dtype, layer_types=first.spec.layer_types,
+        tied=first.spec.tied, num_experts=len(library), top_k=top_k, router_temperature=router_temperature, rng_seed=rng_seed,
+    )
+    params: dict[str, Tensor] = {}
+    buffers: dict[str, Tensor] = {}
+    layers = []
+    for j, layer in enumerate(first.layers):
+        module, info = layer.target.module, layer.info
+        lora_a = torch.stack([a.params[f"{module}.lora_A"] for a in library])
+        lora_b = torch.stack([a.params[f"{module}.lora_B"] for a in library])
+        if knowledge is not None:  # GenKnowSub: factor by factor, as peft's gen_know_sub
+            lora_a = lora_a - torch.stack([g.params[f"{module}.lora_A"] for g in knowledge]).mean(0)
+            lora_b = lora_b - torch.stack([g.params[f"{module}.lora_B"] for g in knowledge]).mean(0)
+        scales = torch.tensor([float(lora_scale(a.layers[j].info)) for a in library], dtype=first.spec.dtype, device=lora_a.device)
+        params[f"{module}.lora_A"], params[f"{module}.lora_B"] = lora_a, lora_b
+        buffers[f"{module}.arrow_scales"] = scales
+        buffers[f"{module}.arrow_prototypes"] = arrow_variant.prototypes(lora_a, lora_b, rng_seed)
+        shapes = {"lora_A": tuple(lora_a.shape), "lora_B": tuple(lora_b.shape), "arrow_scales": tuple(scales.shape), "arrow_prototypes": (len(library), info.d_in)}
+        layers.append(dataclasses.replace(
+            layer, info=dataclasses.replace(info, alpha=spec.alpha, options=spec.options),
+            param_shapes=(("lora_A", shapes["lora_A"]), ("lora_B", shapes["lora_B"])),
+            buffer_shapes=(("arrow_scales", shapes["arrow_scales"]), ("arrow_prototypes", shapes["arrow_prototypes"])),
+        ))
+    return Adapter(_leaves(params, [*library, *(knowledge or [])]), buffers, spec, layers)
+
+
+def arrow_experts(adapter: Adapter) -> list[Adapter]:
+    """The task experts of an ``arrow`` adapter as ``E`` LoRA adapters (after GenKnowSub, if it was
+    applied), each at its own scale: for ``save_peft`` (peft's ``create_arrow_model`` with
+    ``use_gks=False`` then routes between them as this adapter does), merging, inspection."""
+    if not isinstance(adapter, Adapter) or adapter.spec.variant != "arrow" or adapter.stack_shape:
+        got = f"{adapter.spec.variant} stack_shape {adapter.stack_shape}" if isinstance(adapter, Adapter) else type(adapter).__name__
+        raise TypeError(f"arrow_experts: adapter must be one arrow adapter (lora_func.routed.arrow), got {got}")  # error: arrow-not-arrow
+    spec = AdapterSpec("lora", adapter.spec.targets, r=adapter.spec.r, alpha=adapter.spec.alpha, dtype=adapter.spec.dtype,
+                       layer_types=adapter.spec.layer_types, tied=adapter.spec.tied)
+    out = []
+    for e in range(int(adapter.spec.option("num_experts"))):
+        params, layers = {}, []
+        for layer in adapter.layers:
+            module, info = layer.target.module, layer.info
+            scale = float(adapter.buffers[f"{module}.arrow_scales"][e])
+            params[f"{module}.lora_A"] = adapter.params[f"{module}.lora_A"][e]
+            params[f"{module}.lora_B"] = adapter.params[f"{module}.lora_B"][e]
+            layers.append(dataclasses.replace(
+                layer, info=dataclasses.replace(info, alpha=scale * int(info.r), options=spec.options),
+                param_shapes=(("lora_A", (int(info.r), info.d_in)), ("lora_B", (info.d_out, int(info.r)))), buffer_shapes=(),
+            ))
+        out.append(Adapter(params, {}, spec, layers))
+    return out

@@ -449,6 +449,8 @@ PENDING: dict[str, str] = {
     "task_call": "lora_func.routed",
     "task_adapted": "lora_func.routed",
     "task_members": "lora_func.routed",
+    "arrow": "lora_func.routed",
+    "arrow_experts": "lora_func.routed",
     "TrainState": "lora_func.train",
     "train_step": "lora_func.train",
     "fit": "lora_func.train",
@@ -770,6 +772,30 @@ ROWS.update(
         "task_adapted": [Call("train, route, generate", _routed_train_and_generate)],
         "task_members": [Call("train, route, generate", _routed_train_and_generate)],
         "for_task": [Call("train, route, generate", _routed_train_and_generate), Call("bad task", lambda w: api("for_task")(w.adapter("poly"), -1), ValueError)],
+    }
+)
+
+
+def _arrow_round(w: World) -> None:
+    model = w.model("llama")
+    experts = [w.adapter("lora", seed=s) for s in range(3)]
+    router = api("arrow")(experts[:2], top_k=1, general=experts[2:])
+    model.train()
+    try:
+        lf.adapted_call(model, router, IDS, labels=IDS).loss.backward()
+    finally:
+        model.eval()
+    with torch.no_grad(), lf.adapted(model, router, merged=False):
+        model.generate(IDS, attention_mask=torch.ones_like(IDS), max_new_tokens=3, pad_token_id=0)
+    for e, expert in enumerate(api("arrow_experts")(router)):
+        api("save_peft")(expert, w.tmp / f"expert{e}", model=model)
+
+
+ROWS.update(
+    {
+        "arrow": [Call("build, train, generate, save the experts", _arrow_round), Call("merged", lambda w: lf.adapted_call(
+            w.model("llama"), api("arrow")([w.adapter("lora", seed=s) for s in range(2)], top_k=1), IDS, merged=True), ValueError)],
+        "arrow_experts": [Call("build, train, generate, save the experts", _arrow_round)],
     }
 )
 

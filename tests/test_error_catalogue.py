@@ -2257,3 +2257,28 @@ CASES.update(
     }
 )
 RNG_ADVANCES = RNG_ADVANCES | {"poly-splits"}
+
+
+def _loras(ctx: Ctx, n: int = 2, **kwargs: Any) -> tuple[nn.Module, list[lf.Adapter]]:
+    model = ctx.model()
+    return model, [ctx.adapter(model, targets=["q_proj", "v_proj"], r=2, **kwargs) for _ in range(n)]
+
+
+def on_loras(call: Callable[[nn.Module, list[lf.Adapter], Ctx], Any], **kwargs: Any) -> Callable[[Ctx], Callable[[], Any]]:
+    def arrange(ctx: Ctx) -> Callable[[], Any]:
+        model, loras = _loras(ctx, **kwargs)
+        return lambda: call(model, loras, ctx)
+
+    return arrange
+
+
+CASES.update(
+    {
+        "arrow-merge": Case(on_loras(lambda m, loras, ctx: lf.adapted_call(m, lf.routed.arrow(loras, top_k=1), IDS, merged=True)), ("2 experts", "merged=False")),
+        "arrow-top-k": Case(spec("arrow", ["q_proj"], num_experts=2, top_k=3), ("top_k=3", "num_experts=2")),
+        "arrow-library": Case(on_loras(lambda m, loras, ctx: lf.routed.arrow(loras[0])), ("experts", "Adapter")),
+        "arrow-not-lora": Case(on_loras(lambda m, loras, ctx: lf.routed.arrow([loras[0], ctx.adapter(m, variant="dora", targets=["q_proj", "v_proj"], r=2)])), ("experts[1]", "dora")),
+        "arrow-structure": Case(on_loras(lambda m, loras, ctx: lf.routed.arrow([loras[0], ctx.adapter(m, targets=["q_proj"], r=2)])), ("experts[1]", "v_proj")),
+        "arrow-not-arrow": Case(on_loras(lambda m, loras, ctx: lf.routed.arrow_experts(loras[0])), ("arrow_experts", "lora")),
+    }
+)

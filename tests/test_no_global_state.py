@@ -100,6 +100,7 @@ CALLS = {
     "prompt mixed_adapted (generate)": _mixed_prompt_generate,
     "routed task_call": lambda model, a, b, ids: lf.routed.task_call(model, _poly(model), ids[:2], task_ids=torch.tensor([1, 2])).logits.sum().backward(),
     "routed task_adapted (generate)": _routed_generate,
+    "arrow adapted_call": lambda model, a, b, ids: lf.adapted_call(model, lf.routed.arrow([a, b], top_k=1), ids).logits.sum().backward(),
 }
 
 

@@ -80,7 +80,7 @@ def test_each_task_alone_on_the_plain_route_merged_and_lazy(model, loaded):
     with torch.no_grad():
         want = pm(input_ids=ids, task_ids=TASK_IDS).logits
         for t in range(3):
-            rows = TASK_IDS == t
+            rows = t == TASK_IDS
             for merged in (False, True):
                 got = lf.adapted_call(model, poly.for_task(adapter, t), ids[rows], merged=merged).logits
                 assert rel(got, want[rows]) < RTOL, (t, merged)
@@ -172,3 +172,145 @@ def test_training_mode_draws_peft_relaxed_bernoulli_mixture(model, loaded):
         pm.eval()
     assert rel(got, want) < RTOL
     assert (other - want).abs().max() > 1e-6, "the mixture is sampled in training"
+
+
+# ----------------------------------------------------------------------------------- Arrow
+
+ARROW_TARGETS = ["q_proj", "v_proj", "down_proj"]
+ALPHAS = [4.0, 6.0, 3.0, 5.0, 2.0]  # three task experts, two general ones; every scale its own
+ARROW = {"top_k": 2, "router_temperature": 0.7, "rng_seed": 5}
+
+
+@pytest.fixture(scope="module")
+def library(model, tmp_path_factory):
+    """Paths of five perturbed peft LoRA checkpoints (three task experts, two general)."""
+    directory = tmp_path_factory.mktemp("arrow")
+    paths = []
+    for i, alpha in enumerate(ALPHAS):
+        pm = peft_model(model, peft.LoraConfig(r=2, lora_alpha=alpha, target_modules=ARROW_TARGETS, lora_dropout=0.0), seed=10 + i)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            pm.save_pretrained(directory / f"lora{i}")
+        paths.append(str(directory / f"lora{i}"))
+    return paths
+
+
+def _peft_arrow(model, tasks, general=None, **config):
+    from peft.tuners.lora.arrow import create_arrow_model
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        arrow_config = peft.ArrowConfig(use_gks=general is not None, **{**ARROW, **config})
+        return create_arrow_model(copy.deepcopy(model), tasks, arrow_config, general_adapter_paths=general).eval()
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["arrow", "genknowsub"])
+def arrowed(request, model, library):
+    """(peft's Arrow model, lora_func's arrow adapter from load_peft of the same checkpoints)."""
+    tasks, general = library[:3], (library[3:] if request.param else None)
+    pm = _peft_arrow(model, tasks, general)
+    adapter = lf.routed.arrow([lf.load_peft(p, model) for p in tasks], general=None if general is None else [lf.load_peft(p, model) for p in general], **ARROW)
+    return pm, adapter
+
+
+def _arrow_peft_grads(pm) -> dict[str, list]:
+    """peft's gradients of the task experts' factors, as the arrow adapter keys them (per expert)."""
+    grads: dict[str, dict[int, torch.Tensor]] = {}
+    for name, p in pm.named_parameters():
+        if ".task_" in name and p.grad is not None:
+            module, rest = name.removeprefix("base_model.model.").split(".lora_")
+            which, task = rest.split(".")[0], int(rest.split(".")[1].removeprefix("task_"))
+            grads.setdefault(f"{module}.lora_{which}", {})[task] = p.grad
+    return {k: [v[e] for e in sorted(v)] for k, v in grads.items()}
+
+
+def test_arrow_logits_loss_and_expert_gradients_equal_peft(model, arrowed):
+    pm, adapter = arrowed
+    for name, p in pm.named_parameters():  # peft trains only the router adapter: ask it for the experts' gradients
+        if ".lora_A.task_" in name or ".lora_B.task_" in name:
+            p.requires_grad_(True)
+    ids = tokens(3, 9, seed=3)
+    pm.zero_grad()
+    want = pm(input_ids=ids).logits
+    want_loss = ce_loss(want, ids)
+    want_loss.backward()  # (peft's first forward applies GenKnowSub and builds the prototypes)
+    peft_grads = _arrow_peft_grads(pm)
+    assert sorted(peft_grads) == sorted(adapter.params) and all(len(v) == 3 for v in peft_grads.values())
+    assert (want - model(ids).logits).abs().max() > 1e-2
+    params = {k: v.detach().clone().requires_grad_(True) for k, v in adapter.params.items()}
+    got = lf.adapted_call(model, adapter.with_params(params), ids).logits
+    loss = ce_loss(got, ids)
+    assert rel(got, want) < RTOL and rel(loss, want_loss) < RTOL
+    for key, grad in zip(params, torch.autograd.grad(loss, list(params.values())), strict=True):
+        for e in range(3):
+            assert peft_grads[key][e].abs().max() > 0, (key, e)
+            assert rel(grad[e], peft_grads[key][e]) < RTOL, (key, e)
+
+
+def test_arrow_routes_per_token_and_genknowsub_changes_it(model, library, arrowed):
+    _, adapter = arrowed
+    ids = tokens(2, 9, seed=3)
+    coeffs = []
+    layer = adapter.layers[0]
+    x = torch.randn(40, layer.info.d_in, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    coeffs = lf.variants.arrow.coefficients(x, adapter.buffers[f"{layer.target.module}.arrow_prototypes"], layer.info)
+    assert torch.equal((coeffs > 0).sum(1), torch.full((40,), 2)), "top_k=2 experts per token"
+    assert len({tuple(row.nonzero().flatten().tolist()) for row in coeffs}) > 1, "tokens are routed to different experts"
+    plain = lf.routed.arrow([lf.load_peft(p, model) for p in library[:3]], **ARROW)
+    with_gks = lf.routed.arrow([lf.load_peft(p, model) for p in library[:3]], general=[lf.load_peft(p, model) for p in library[3:]], **ARROW)
+    with torch.no_grad():
+        assert (lf.adapted_call(model, plain, ids).logits - lf.adapted_call(model, with_gks, ids).logits).abs().max() > 1e-3
+
+
+def test_arrow_greedy_generate_token_equal_to_peft_and_merged_refused(model, arrowed):
+    pm, adapter = arrowed
+    ids = tokens(2, 6, seed=4)
+    with torch.no_grad():
+        want = pm.generate(input_ids=ids, max_new_tokens=6, do_sample=False)
+        with lf.adapted(model, adapter, merged=False):
+            got = model.generate(input_ids=ids, max_new_tokens=6, do_sample=False)
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="no merged weight"):
+        lf.adapted_call(model, adapter, ids, merged=True)
+
+
+def test_arrow_experts_save_peft_and_peft_routes_them_alike(model, arrowed, tmp_path):
+    pm, adapter = arrowed
+    experts = lf.routed.arrow_experts(adapter)
+    for e, expert in enumerate(experts):
+        lf.save_peft(expert, tmp_path / f"expert{e}", model=model)
+    saved = _peft_arrow(model, [str(tmp_path / f"expert{e}") for e in range(3)])  # GenKnowSub already in the experts
+    ids = tokens(3, 9, seed=3)
+    with torch.no_grad():
+        assert rel(saved(input_ids=ids).logits, pm(input_ids=ids).logits) < RTOL
+        assert rel(lf.adapted_call(model, lf.routed.arrow(experts, **ARROW), ids).logits, lf.adapted_call(model, adapter, ids).logits) < RTOL
+    lf.save(adapter, tmp_path / "arrow.safetensors")
+    again = lf.load(tmp_path / "arrow.safetensors", model=model)
+    assert all(torch.equal(again.params[k], v) for k, v in adapter.params.items())
+    assert all(torch.equal(again.buffers[k], v) for k, v in adapter.buffers.items())
+
+
+def test_arrow_per_row_routers_vmap_and_per_example_grads(model, library):
+    tasks = [lf.load_peft(p, model) for p in library]
+    routers = [lf.routed.arrow(tasks[:3], **ARROW), lf.routed.arrow(tasks[2:], **ARROW)]
+    ids = tokens(3, 9, seed=3)
+    index = torch.tensor([1, 0, 1])
+    with torch.no_grad():
+        alone = [lf.adapted_call(model, r, ids).logits for r in routers]
+        mixed = lf.mixed_call(model, routers, index, ids, batching="layers").logits
+        vmapped = torch.func.vmap(lambda a: lf.adapted_call(model, a, ids).logits)(lf.stack(routers))
+    for b, k in enumerate(index.tolist()):
+        assert rel(mixed[b], alone[k][b]) < RTOL
+    for k in range(2):
+        assert rel(vmapped[k], alone[k]) < RTOL
+    assert (alone[0] - alone[1]).abs().max() > 1e-3
+
+    def loss_fn(a, x):
+        return ce_loss(lf.adapted_call(model, a, x).logits, x)
+
+    got = lf.per_example_grads(loss_fn, routers[0], ids)
+    for b in range(3):
+        params = {k: v.detach().clone().requires_grad_(True) for k, v in routers[0].params.items()}
+        want = torch.autograd.grad(loss_fn(routers[0].with_params(params), ids[b : b + 1]), list(params.values()))
+        for key, grad in zip(params, want, strict=True):
+            assert rel(got[key][b], grad) < RTOL, (b, key)
