@@ -148,6 +148,10 @@ def test_per_example_grads_with_per_row_tasks_equal_a_loop(model, loaded):
         return ce_loss(lf.adapted_call(model, poly.for_task(a, t[0]), x).logits, x)
 
     got = lf.per_example_grads(loss_fn, adapter, ids, tasks)
+    # DP-SGD with per-row tasks: unclipped and noise-free, private_grads is the mean of these
+    private = lf.private_grads(loss_fn, adapter, ids, tasks, max_grad_norm=1e9, noise_multiplier=0.0)
+    for key in got:
+        assert rel(private[key], got[key].mean(0)) < RTOL, key
     for b in range(3):
         params = {k: v.detach().clone().requires_grad_(True) for k, v in adapter.params.items()}
         loss = loss_fn(adapter.with_params(params), ids[b : b + 1], tasks[b : b + 1])
@@ -314,3 +318,29 @@ def test_arrow_per_row_routers_vmap_and_per_example_grads(model, library):
         want = torch.autograd.grad(loss_fn(routers[0].with_params(params), ids[b : b + 1]), list(params.values()))
         for key, grad in zip(params, want, strict=True):
             assert rel(got[key][b], grad) < RTOL, (b, key)
+
+
+def test_arrow_on_gpt2_conv1d_equals_peft(tmp_path):
+    gpt2 = model64("gpt2")
+    paths = []
+    for i, alpha in enumerate(ALPHAS[:3]):
+        pm = peft_model(gpt2, peft.LoraConfig(r=2, lora_alpha=alpha, target_modules=["c_attn", "c_fc"], fan_in_fan_out=True, lora_dropout=0.0), seed=20 + i)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            pm.save_pretrained(tmp_path / f"lora{i}")
+        paths.append(str(tmp_path / f"lora{i}"))
+    pm = _peft_arrow(gpt2, paths)
+    for name, p in pm.named_parameters():
+        if ".lora_A.task_" in name or ".lora_B.task_" in name:
+            p.requires_grad_(True)
+    adapter = lf.routed.arrow([lf.load_peft(p, gpt2) for p in paths], **ARROW)
+    ids = tokens(2, 9, seed=3)
+    want = pm(input_ids=ids).logits
+    ce_loss(want, ids).backward()
+    peft_grads = _arrow_peft_grads(pm)
+    params = {k: v.detach().clone().requires_grad_(True) for k, v in adapter.params.items()}
+    got = lf.adapted_call(gpt2, adapter.with_params(params), ids).logits
+    assert rel(got, want) < RTOL and (want - gpt2(ids).logits).abs().max() > 1e-2
+    for key, grad in zip(params, torch.autograd.grad(ce_loss(got, ids), list(params.values())), strict=True):
+        for e in range(3):
+            assert peft_grads[key][e].abs().max() > 0 and rel(grad[e], peft_grads[key][e]) < RTOL, (key, e)
