@@ -100,6 +100,14 @@ def test_greedy_generate_token_equal_to_peft(model, loaded):
         base = model.generate(input_ids=ids, max_new_tokens=6, do_sample=False)
     assert torch.equal(got, want)
     assert not torch.equal(base, want), "the adapter should change the greedy tokens"
+    # beams (peft's Poly cannot: its task_ids do not follow generate's expansion): each row's beams on its task
+    with torch.no_grad():
+        with routed.task_adapted(model, adapter, TASK_IDS):
+            beams = model.generate(input_ids=ids, max_new_tokens=4, num_beams=2, do_sample=False)
+        for b, t in enumerate(TASK_IDS.tolist()):
+            with lf.adapted(model, poly.for_task(adapter, t)):
+                alone = model.generate(input_ids=ids[b : b + 1], max_new_tokens=4, num_beams=2, do_sample=False)
+            assert torch.equal(beams[b : b + 1], alone), b
 
 
 def test_save_peft_loads_in_peft_and_native_save_round_trips(model, tmp_path):

@@ -80,12 +80,14 @@ def init(
 ) -> tuple[TensorDict, TensorDict]:
     n, skills, r = _splits(info), int(info.option("n_skills")), int(info.r)
     d_in, d_out = info.d_in // n, info.d_out // n
-    # peft's order: A skill-major then split, each the transpose of nn.Linear's default init
-    lora_a = torch.stack([torch.stack([kaiming_uniform((r, d_in), a=math.sqrt(5), generator=generator).T for _ in range(skills)]) for _ in range(n)])
-    if info.option("init_weights"):
-        lora_b = torch.zeros((n, skills, r, d_out))
-    else:
-        lora_b = torch.stack([torch.stack([kaiming_uniform((d_out, r), a=math.sqrt(5), generator=generator).T for _ in range(skills)]) for _ in range(n)])
+    # peft's draw order: skill by skill, each split in turn; every block the transpose of nn.Linear's default init
+
+    def blocks(rows: int, cols: int) -> Tensor:
+        drawn = {(k, q): kaiming_uniform((rows, cols), a=math.sqrt(5), generator=generator).T for k in range(skills) for q in range(n)}
+        return torch.stack([torch.stack([drawn[(k, q)] for k in range(skills)]) for q in range(n)])
+
+    lora_a = blocks(r, d_in)
+    lora_b = blocks(d_out, r) if not info.option("init_weights") else torch.zeros((n, skills, r, d_out))
     router = torch.rand((int(info.option("n_tasks")), n * skills), generator=generator) * 2e-3 - 1e-3
     params = {"poly_lora_A": lora_a, "poly_lora_B": lora_b, "poly_router": router}
     return {k: v.contiguous().to(weight.device, dtype) for k, v in params.items()}, {}
