@@ -146,7 +146,9 @@ def every_variant_through(w: World, make: Callable[..., dict[str, Tensor]], kind
 
 
 # Options that fit a 32-wide layer where peft's defaults do not.
-SMALL_LAYER_OPTIONS = {"road": {"group_size": 2}, "oft": {"oft_block_size": 8}, "vblora": {"num_vectors": 12, "vector_length": 8}}
+SMALL_LAYER_OPTIONS = {"road": {"group_size": 2}, "oft": {"oft_block_size": 8}, "vblora": {"num_vectors": 12, "vector_length": 8},
+                       # (arrow has a weight form with one expert only: several route each token)
+                       "arrow": {"num_experts": 1, "top_k": 1}}
 
 
 def variant_functions_on_the_models_own_tensors(w: World) -> None:
