@@ -159,6 +159,10 @@ TARGETS: dict[str, tuple[tuple[str, ...] | None, list[list[str]]]] = {
         None,
         [[CONTRACT, "-k", "shira or fourierft"], ["tests/test_variants_structured_c.py"], *[[f] for f in ("tests/test_variant_fourierft.py", "tests/test_variant_shira.py") if (REPO / f).exists()]],
     ),
+    # Routed LoRA (issue 47): the peft oracle and the contract row.
+    "lora_func/variants/poly.py": (None, [["tests/test_routed.py"], [CONTRACT, "-k", "poly"], [CATALOGUE, "-k", "poly or routed"]]),
+    "lora_func/variants/arrow.py": (None, [["tests/test_routed.py", "-k", "arrow"], [CONTRACT, "-k", "arrow"], [CATALOGUE, "-k", "arrow"]]),
+    "lora_func/routed.py": (None, [["tests/test_routed.py"], [CATALOGUE, "-k", "routed or arrow"]]),
     "lora_func/variants/waveft.py": (
         None,
         [["tests/test_waveft.py"], [CONTRACT, "-k", "waveft"], [CATALOGUE, "-k", "waveft"], [KILLERS, "-k", "documented_defaults and waveft"]],
