@@ -117,3 +117,25 @@ def test_peft_config_checks_and_round_trip():
         good={"effective_rank": [None, 1, 64, 1.0, 0.01]},
     )
     assert_peft_round_trip("osf", {"effective_rank": 0.5, "init": "random"})
+
+
+@pytest.mark.parametrize(("left", "complement"), [(True, True), (True, False), (False, True), (False, False)])
+def test_the_traced_projection_is_the_eager_one(left, complement):
+    """Under torch.compile the projection is plain ops (dynamo does not trace the autograd node):
+    the same value bit for bit and the same gradient, for each side and kind."""
+    from lora_func.variants.osf import _projected_ops, _ProjectedGradient
+
+    g = torch.Generator().manual_seed(0)
+    t = torch.randn(6, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    basis, _ = torch.linalg.qr(torch.randn(6 if left else 4, 3, generator=g, dtype=torch.float64))
+    basis = basis if left else basis.T.contiguous()
+    upstream = torch.randn(6, 4, generator=g, dtype=torch.float64)
+    eager = _ProjectedGradient.apply(t, basis, left, complement)
+    traced = _projected_ops(t, basis, left, complement)
+    assert torch.equal(eager, t) and torch.equal(traced, t)
+    want = torch.autograd.grad((eager * upstream).sum(), t)[0]
+    got = torch.autograd.grad((traced * upstream).sum(), t)[0]
+    torch.testing.assert_close(got, want, atol=1e-14, rtol=0)
+    projector = basis @ basis.T if left else basis.T @ basis
+    expected = upstream - (projector @ upstream if left else upstream @ projector) if complement else (projector @ upstream if left else upstream @ projector)
+    torch.testing.assert_close(want, expected, atol=1e-14, rtol=0)

@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 from lora_func.variants import BaseLayer, LayerInfo, Option, PeftFormat, PeftLayer, PeftMethod, Slot, TensorDict, Variant, mapped, one_of
-from lora_func.variants._kernels import kaiming_uniform
+from lora_func.variants._kernels import half_product_applies, kaiming_uniform
 
 INITS = ("zero", "random")
 PATHS = "ABCDE"
@@ -146,6 +146,11 @@ def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: Ba
     y = base(x)
     delta_w = weight_update(params, base.weight)
     delta_b = bias_update(params, base.weight, base.bias)
+    if delta_w is not None and half_product_applies(base, x, delta_w):
+        # bf16 base: the (n, ·) product on bf16 operands (fp32 accumulation), as peft's bf16 W_eff
+        # and LoRA's bf16 path; the (d_out, d_in) update itself is computed in the adapter dtype
+        out = y + x @ delta_w.to(x.dtype).transpose(-1, -2)
+        return out if delta_b is None else out + delta_b.to(out.dtype)
     out = y
     if delta_w is not None:
         # y + x ΔWᵀ in the wider dtype by promotion (no upcast copy of y), cast back below

@@ -6,7 +6,10 @@ at ``k`` (the option ``effective_rank``): the top ``k`` directions (``U_high``, 
 frozen, the other ``m − k`` are trained as ``osf_U (d_out, m−k)``, ``osf_S (m−k,)``, ``osf_V (m−k,
 d_in)``, starting at their SVD values (``osf_U0``, ``osf_S0``, ``osf_V0``, frozen copies):
 
-    W_eff = W + U diag(S) V − U0 diag(S0) V0,   y = base(x) + (x Vᵀ) (U S)ᵀ − (x V0ᵀ) (U0 S0)ᵀ
+    W_eff = W + U diag(S) V − U0 diag(S0) V0 = W + [U S − U0 S0, U0 S0] [V; V − V0]
+    y = base(x) + (x [V; V − V0]ᵀ) [U S − U0 S0, U0 S0]ᵀ
+
+(the update as one product of rank ``2(m − k)``, as peft's, its differences taken on the factors).
 
 As peft's gradient hooks, the gradients of ``osf_U`` and ``osf_V`` are projected off the frozen
 subspace: ``∂U ← (I − U_high U_highᵀ) ∂U`` and ``∂V ← ∂V (I − V_highᵀ V_high)``, computed as peft
@@ -22,7 +25,7 @@ of ``m`` (``int(m · f)``), resolved per layer into its ``LayerInfo.r`` (``k``);
 for the frozen ones, as peft does.
 
 Init (``init="svd"``, peft's ``init_weights=True``): the SVD values, no change at init (exactly:
-both products are computed alike). ``init="random"`` (``init_weights=False``): ``U``, ``S``, ``V``
+the factors' differences are zero). ``init="random"`` (``init_weights=False``): ``U``, ``S``, ``V``
 ``~ N(0, 1)`` in the base dtype, from the generator (peft draws from the global RNG).
 
 Differences from peft: peft's ``rank_pattern`` is refused on load (compose adapters built with
@@ -39,6 +42,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lora_func.variants._kernels import base_plus_product
 from lora_func.variants import BaseLayer, Check, LayerInfo, Option, PeftFormat, PeftMethod, Slot, TensorDict, Variant, is_finite_number, mapped, one_of
 
 INITS = ("svd", "random")
@@ -132,38 +136,56 @@ class _ProjectedGradient(torch.autograd.Function):
         return (grad - part if ctx.complement else part), None, None, None
 
 
+def _projected_ops(t: Tensor, basis: Tensor, left: bool, complement: bool) -> Tensor:
+    """:class:`_ProjectedGradient` in plain ops, for a trace (dynamo does not trace the node): the
+    value ``t`` exactly (the projection of a zero tensor is zero), the gradient the same ops'."""
+    d = t - t.detach()
+    part = basis @ (basis.transpose(-1, -2) @ d) if left else (d @ basis.transpose(-1, -2)) @ basis
+    return t.detach() + (d - part if complement else part)
+
+
+def _project(t: Tensor, basis: Tensor, left: bool, complement: bool) -> Tensor:
+    if torch.compiler.is_compiling():
+        return _projected_ops(t, basis, left, complement)
+    return _ProjectedGradient.apply(t, basis, left, complement)
+
+
 def _trained(params: TensorDict, buffers: TensorDict) -> tuple[Tensor, Tensor, Tensor]:
     """``(U, S, V)`` with their gradients projected off the frozen subspace (peft's hooks)."""
     u, v = params["osf_U"], params["osf_V"]
     if "osf_U_high" in buffers:
-        u = _ProjectedGradient.apply(u, buffers["osf_U_high"], True, True)
+        u = _project(u, buffers["osf_U_high"], True, True)
     else:
-        u = _ProjectedGradient.apply(u, buffers["osf_U0"], True, False)
+        u = _project(u, buffers["osf_U0"], True, False)
     if "osf_V_high" in buffers:
-        v = _ProjectedGradient.apply(v, buffers["osf_V_high"], False, True)
+        v = _project(v, buffers["osf_V_high"], False, True)
     else:
-        v = _ProjectedGradient.apply(v, buffers["osf_V0"], False, False)
+        v = _project(v, buffers["osf_V0"], False, False)
     return u, params["osf_S"], v
+
+
+def factors(params: TensorDict, buffers: TensorDict) -> tuple[Tensor, Tensor]:
+    """``(a (2(m−k), d_in), b (d_out, 2(m−k)))`` with ``b a = U diag(S) V − U0 diag(S0) V0``:
+    ``a = [V; V − V0]``, ``b = [U S − U0 S0, U0 S0]``. The differences are taken on the factors,
+    not on the layer's outputs: exactly zero at init, and a small update is not lost in the
+    difference of two large products (peft's ``[U S, −U0 S0] [V; V0]``)."""
+    u, s, v = _trained(params, buffers)
+    initial = buffers["osf_U0"] * buffers["osf_S0"].unsqueeze(0)
+    a = torch.cat([v, v - buffers["osf_V0"]], dim=0)
+    b = torch.cat([u * s.unsqueeze(0) - initial, initial], dim=1)
+    return a, b
 
 
 def weight_form(
     params: TensorDict, buffers: TensorDict, weight: Tensor, bias: Tensor | None, info: LayerInfo
 ) -> tuple[Tensor, Tensor | None]:
-    u, s, v = _trained(params, buffers)
-    # peft's get_delta_weight: (U_low * S_low) V_low − (U0 * S0) V0
-    delta = (u * s.unsqueeze(0)) @ v - (buffers["osf_U0"] * buffers["osf_S0"].unsqueeze(0)) @ buffers["osf_V0"]
-    return weight + delta, bias
+    a, b = factors(params, buffers)
+    return weight + b @ a, bias
 
 
 def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: BaseLayer, info: LayerInfo) -> Tensor:
-    u, s, v = _trained(params, buffers)
-    y = base(x)
-    xc = x.to(u.dtype)
-    # The trained and the initial low-rank parts as two products of one form: exactly equal (a
-    # zero update) at init, where peft's one product over [U S, −U0 S0] rounds.
-    trained = (xc @ v.transpose(-1, -2)) @ (u * s.unsqueeze(0)).transpose(-1, -2)
-    initial = (xc @ buffers["osf_V0"].transpose(-1, -2)) @ (buffers["osf_U0"] * buffers["osf_S0"].unsqueeze(0)).transpose(-1, -2)
-    return (y + (trained - initial)).to(y.dtype)
+    a, b = factors(params, buffers)
+    return base_plus_product(base, x, a, b)
 
 
 def _low(info: LayerInfo) -> int:
