@@ -83,7 +83,7 @@ def test_random_init_is_peft_s_draw_for_draw():
 
 
 def test_peft_refuses_conv1d_and_so_does_save_peft(tmp_path):
-    with pytest.raises(TypeError, match="only `torch.nn.Linear` is supported"):
+    with pytest.raises(TypeError, match=r"only `torch\.nn\.Linear` is supported"):
         peft.get_peft_model(tiny_model("gpt2"), peft.BeftConfig(target_modules=["c_attn"]))
     adapter = lf.init_adapter(tiny_model("gpt2"), lf.AdapterSpec("beft", targets=["c_attn"]))
     with pytest.raises(ValueError, match="peft refuses beft on GPT-2 Conv1D"):

@@ -45,7 +45,7 @@ def _peft_buffers(pm) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("effective_rank", [None, 12, 0.25], ids=["half", "12", "quarter"])
 def test_a_peft_checkpoint_loads_with_peft_s_logits_and_projected_gradients(llama64, tmp_path, effective_rank):
     pm = bank_oracle.peft_model(llama64, peft.OSFConfig(target_modules=TARGETS, effective_rank=effective_rank), scale=0.1)
-    adapter, worst = methods_oracle.check_against_peft(llama64, pm, tmp_path / "peft", KEY)
+    adapter, _ = methods_oracle.check_against_peft(llama64, pm, tmp_path / "peft", KEY)
     assert adapter.spec.option("effective_rank") == effective_rank
     assert sorted(_peft_buffers(pm)) == sorted(adapter.buffers)  # U_high on up_proj, V_high on v_proj only
     assert all(torch.equal(adapter.buffers[k], t) for k, t in _peft_buffers(pm).items())

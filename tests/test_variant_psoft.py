@@ -122,7 +122,7 @@ def test_a_free_rotation_stacks_across_ranks_with_zero_gradient_in_the_padding()
 
 
 def test_peft_refuses_conv1d_and_so_does_save_peft(tmp_path):
-    with pytest.raises(ValueError, match="Only torch.nn.Linear is supported"):
+    with pytest.raises(ValueError, match=r"Only torch\.nn\.Linear is supported"):
         peft.get_peft_model(tiny_model("gpt2"), peft.PsoftConfig(r=2, target_modules=["c_attn"]))
     adapter = lf.init_adapter(tiny_model("gpt2"), lf.AdapterSpec("psoft", targets=["c_attn"], r=2))
     with pytest.raises(ValueError, match="peft refuses psoft on GPT-2 Conv1D"):

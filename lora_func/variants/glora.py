@@ -170,9 +170,8 @@ def _export(params: TensorDict, buffers: TensorDict, weight: Tensor | None, info
     """The layer as peft writes it: its tensors and the zero buffer of each ``none`` path."""
 
     def tensors() -> TensorDict:
-        like = next(iter(params.values()), None)
-        kw = {} if like is None else {"dtype": like.dtype, "device": like.device}
-        return dict(params) | {name: torch.zeros(shape, **kw) for name, shape in _peft_zeros(info).items()}
+        like = next(iter(params.values()), torch.empty(0))
+        return dict(params) | {name: torch.zeros(shape, dtype=like.dtype, device=like.device) for name, shape in _peft_zeros(info).items()}
 
     return PeftLayer(tensors, r=info.r)
 

@@ -110,10 +110,16 @@ def init(
     )
 
 
+def _projection(grad: Tensor, basis: Tensor, left: bool, complement: bool) -> Tensor:
+    """``grad`` projected with ``basis``: on the left (``U``: ``basis (d_out, ·)``) or the right
+    (``V``: ``basis (·, d_in)``), onto the basis's span or, ``complement``, off it (peft's hooks,
+    in peft's operation order)."""
+    part = basis @ (basis.transpose(-1, -2) @ grad) if left else (grad @ basis.transpose(-1, -2)) @ basis
+    return grad - part if complement else part
+
+
 class _ProjectedGradient(torch.autograd.Function):
-    """The identity on ``t``, whose backward projects the gradient with ``basis``: on the left
-    (``U``: ``basis (d_out, ·)``) or the right (``V``: ``basis (·, d_in)``), onto the basis's span
-    or, ``complement``, off it (peft's hooks, in peft's operation order)."""
+    """The identity on ``t``, whose backward is :func:`_projection` of the gradient."""
 
     generate_vmap_rule = True
 
@@ -129,22 +135,23 @@ class _ProjectedGradient(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
         (basis,) = ctx.saved_tensors
-        if ctx.left:
-            part = basis @ (basis.transpose(-1, -2) @ grad)
-        else:
-            part = (grad @ basis.transpose(-1, -2)) @ basis
-        return (grad - part if ctx.complement else part), None, None, None
+        return _projection(grad, basis, ctx.left, ctx.complement), None, None, None
 
 
 def _projected_ops(t: Tensor, basis: Tensor, left: bool, complement: bool) -> Tensor:
     """:class:`_ProjectedGradient` in plain ops, for a trace (dynamo does not trace the node): the
     value ``t`` exactly (the projection of a zero tensor is zero), the gradient the same ops'."""
     d = t - t.detach()
-    part = basis @ (basis.transpose(-1, -2) @ d) if left else (d @ basis.transpose(-1, -2)) @ basis
-    return t.detach() + (d - part if complement else part)
+    return t.detach() + _projection(d, basis, left, complement)
 
 
-def _project(t: Tensor, basis: Tensor, left: bool, complement: bool) -> Tensor:
+def _project(t: Tensor, buffers: TensorDict, side: str) -> Tensor:
+    """``t`` (``osf_U`` or ``osf_V``) with its gradient projected off the frozen subspace: with the
+    stored ``osf_<side>_high`` (off its span), or where the factor is square with ``osf_<side>0``
+    (onto its span, the same projection)."""
+    left = side == "U"
+    high = buffers.get(f"osf_{side}_high")
+    basis, complement = (buffers[f"osf_{side}0"], False) if high is None else (high, True)
     if torch.compiler.is_compiling():
         return _projected_ops(t, basis, left, complement)
     return _ProjectedGradient.apply(t, basis, left, complement)
@@ -152,16 +159,7 @@ def _project(t: Tensor, basis: Tensor, left: bool, complement: bool) -> Tensor:
 
 def _trained(params: TensorDict, buffers: TensorDict) -> tuple[Tensor, Tensor, Tensor]:
     """``(U, S, V)`` with their gradients projected off the frozen subspace (peft's hooks)."""
-    u, v = params["osf_U"], params["osf_V"]
-    if "osf_U_high" in buffers:
-        u = _project(u, buffers["osf_U_high"], True, True)
-    else:
-        u = _project(u, buffers["osf_U0"], True, False)
-    if "osf_V_high" in buffers:
-        v = _project(v, buffers["osf_V_high"], False, True)
-    else:
-        v = _project(v, buffers["osf_V0"], False, False)
-    return u, params["osf_S"], v
+    return _project(params["osf_U"], buffers, "U"), params["osf_S"], _project(params["osf_V"], buffers, "V")
 
 
 def factors(params: TensorDict, buffers: TensorDict) -> tuple[Tensor, Tensor]:

@@ -4,7 +4,7 @@ peft 0.21's ``tuners/psoft/layer.py`` (``OrthLayer``, ``Linear``).
 ``A (r, d_in)`` and ``B (d_out, r)`` come from the SVD of ``W`` and are frozen; an ``r × r`` map
 ``R`` between them is trained:
 
-    ΔW = s · B (R − I) A,   s = alpha / r,   y = base(x) + (x Aᵀ) (s · B (R − I))ᵀ
+    ΔW = s · B (R − I) A,   s = alpha / r,   y = base(x) + ((x Aᵀ) (s · (R − I))ᵀ) Bᵀ
 
 ``R`` is orthogonal by the Cayley map ``(I + Q)(I − Q)⁻¹`` of a skew ``Q`` (trainable
 ``psoft_R (r(r−1)/2,)``, its strict upper triangle, ``psoft_orth=True``), or by peft's truncated
@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 from lora_func.variants import FLAG, SEED, BaseLayer, Check, LayerInfo, Option, PeftFormat, PeftMethod, Slot, TensorDict, Variant, is_finite_number, mapped, one_of, whole
-from lora_func.variants._kernels import base_plus_low_rank, base_plus_product, lowrank_input
+from lora_func.variants._kernels import lowrank_input
 from lora_func.variants._options import dropout_option
 from lora_func.variants._orthogonal import block_size_of, cayley, cayley_neumann, skew_from_upper
 from lora_func.variants.pissa import svd_lowrank
@@ -126,27 +126,27 @@ def rotation(params: TensorDict, r_max: int, info: LayerInfo) -> Tensor:
     return rot
 
 
-def update_factor(params: TensorDict, buffers: TensorDict, info: LayerInfo) -> Tensor:
-    """``s · B (R − I)`` ``(d_out, r)``: with ``A`` the update's two factors, ``ΔW = (s B (R − I)) A``."""
-    b = buffers["psoft_B"]
-    rot = rotation(params, b.shape[-1], info)
-    return (b @ (rot - torch.eye(b.shape[-1], dtype=rot.dtype, device=rot.device))) * (info.alpha / info.r)
+def _core(params: TensorDict, buffers: TensorDict, info: LayerInfo) -> Tensor:
+    """``s · (R − I)`` ``(r, r)``: ``ΔW = B (s · (R − I)) A``."""
+    r = buffers["psoft_A"].shape[0]
+    rot = rotation(params, r, info)
+    return (rot - torch.eye(r, dtype=rot.dtype, device=rot.device)) * (info.alpha / info.r)
 
 
 def weight_form(
     params: TensorDict, buffers: TensorDict, weight: Tensor, bias: Tensor | None, info: LayerInfo
 ) -> tuple[Tensor, Tensor | None]:
-    return weight + update_factor(params, buffers, info) @ buffers["psoft_A"], bias
+    return weight + buffers["psoft_B"] @ _core(params, buffers, info) @ buffers["psoft_A"], bias
 
 
 def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: BaseLayer, info: LayerInfo) -> Tensor:
-    a, b = buffers["psoft_A"], update_factor(params, buffers, info)
-    dropped = lowrank_input(x, base, info)
-    if dropped is x:
-        # base(x) + (x Aᵀ) (s B (R − I))ᵀ: peft's ((x Aᵀ) Rᵀ − x Aᵀ) Bᵀ s with R − I folded into the
-        # (d_out, r) factor, one low-rank product (on a bf16 base, bf16 operands as LoRA's)
-        return base_plus_product(base, x, a, b)
-    return base_plus_low_rank(base, x, dropped.to(a.dtype) @ a.transpose(-1, -2), b)
+    a, b, core = buffers["psoft_A"], buffers["psoft_B"], _core(params, buffers, info)
+    # peft's ((x Aᵀ) Rᵀ − x Aᵀ) Bᵀ s with s(R − I) applied to the (n, r) activations: (x Aᵀ) s(R − I)ᵀ Bᵀ,
+    # in the adapter dtype (A is frozen: the input's cast copy is not kept for backward; B too: its
+    # transposed view, no contiguous copy, which only a gradient of B would use)
+    h = (lowrank_input(x, base, info).to(a.dtype) @ a.transpose(-1, -2)) @ core.transpose(-1, -2)
+    y = base(x)
+    return y + (h @ b.transpose(-1, -2)).to(y.dtype)
 
 
 def _triangle(info: LayerInfo) -> tuple[int, ...]:
