@@ -16,7 +16,7 @@ import lora_func as lf
 from tests import bank_oracle
 from tests.models import tiny_model, tokens
 from tests.peft_helpers import ce_loss
-from tests.variant_checks import assert_config_checks, assert_peft_round_trip
+from tests.variant_checks import assert_config_checks, assert_peft_round_trip, init_params
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
 
@@ -93,3 +93,12 @@ def test_peft_refuses_conv1d_and_so_does_save_peft(tmp_path):
 def test_peft_config_checks_and_round_trip():
     assert_config_checks("beft", peft.BeftConfig, {"init_weights": [0, "yes", None]})
     assert_peft_round_trip("beft", {"init": "random"})
+
+
+def test_init_gives_the_asked_dtype_for_each_init():
+    from lora_func.variants import beft
+
+    for init in ("zero", "random"):
+        params, buffers = init_params(beft, "beft", 2, 6, 5, init=init)
+        assert params["beft_bias"].shape == (5,) and not buffers
+        assert (torch.count_nonzero(params["beft_bias"]) > 0) == (init == "random")

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 import lora_func as lf
 from tests import bank_oracle, methods_oracle
 from tests.models import tiny_model, tokens
-from tests.variant_checks import assert_config_checks, assert_peft_round_trip
+from tests.variant_checks import assert_config_checks, assert_peft_round_trip, init_params
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
 
@@ -87,3 +87,13 @@ def test_peft_config_checks_and_round_trip():
         good={"config_A_B": ["none", "vector", "constant"], "config_C": ["none", "vector"], "config_D_E": ["none", "vector"]},
     )
     assert_peft_round_trip("glora", {"config_A_B": "vector", "config_C": "none", "config_D_E": "vector", "init": "random"})
+
+
+@pytest.mark.parametrize("forms", FORMS, ids=["-".join(f) for f in FORMS])
+def test_init_gives_the_asked_dtype_for_each_form(forms):
+    from lora_func.variants import glora
+
+    a_b, c, d_e = forms
+    for init in ("zero", "random"):
+        params, _ = init_params(glora, "glora", 3, 6, 5, init=init, config_A_B=a_b, config_C=c, config_D_E=d_e)
+        assert all(k.startswith("glora_A") or k.startswith("glora_B") for k in params)  # layer_info: no bias, so no C, D, E

@@ -19,7 +19,7 @@ import lora_func as lf
 from tests import bank_oracle, methods_oracle
 from tests.contract_helpers import loss_fn, perturbed
 from tests.models import tiny_model, tokens
-from tests.variant_checks import assert_config_checks, assert_peft_round_trip
+from tests.variant_checks import assert_config_checks, assert_peft_round_trip, init_params
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
 
@@ -139,3 +139,14 @@ def test_the_traced_projection_is_the_eager_one(left, complement):
     projector = basis @ basis.T if left else basis.T @ basis
     expected = upstream - (projector @ upstream if left else upstream @ projector) if complement else (projector @ upstream if left else upstream @ projector)
     torch.testing.assert_close(want, expected, atol=1e-14, rtol=0)
+
+
+@pytest.mark.parametrize("shape", [(5, 5), (4, 6), (6, 4)])
+def test_init_gives_the_asked_dtype_and_the_high_factor_of_the_tall_or_wide_side(shape):
+    from lora_func.variants import osf
+
+    d_out, d_in = shape
+    for init in ("svd", "random"):
+        params, buffers = init_params(osf, "osf", 2, d_in, d_out, init=init)
+        assert {k: tuple(v.shape) for k, v in params.items()} == {"osf_U": (d_out, min(shape) - 2), "osf_S": (min(shape) - 2,), "osf_V": (min(shape) - 2, d_in)}
+        assert ("osf_U_high" in buffers, "osf_V_high" in buffers) == (d_out > d_in, d_out < d_in)

@@ -24,7 +24,7 @@ import lora_func as lf
 from tests import bank_oracle, methods_oracle
 from tests.contract_helpers import perturbed
 from tests.models import tiny_model, tokens
-from tests.variant_checks import assert_config_checks, assert_peft_round_trip
+from tests.variant_checks import assert_config_checks, assert_peft_round_trip, init_params
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
 
@@ -148,3 +148,12 @@ def test_peft_config_checks_and_round_trip():
             "cayley_neumann_eps": 0.4, "dropout": 0.1, "init": "random",
         },
     )
+
+
+@pytest.mark.parametrize("orth", [True, False])
+def test_init_gives_the_asked_dtype(orth):
+    from lora_func.variants import psoft
+
+    for init in ("identity", "random"):
+        params, buffers = init_params(psoft, "psoft", 3, 6, 5, init=init, psoft_orth=orth)
+        assert params["psoft_R"].shape == ((3,) if orth else (3, 3)) and sorted(buffers) == ["psoft_A", "psoft_B"]
