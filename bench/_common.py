@@ -76,6 +76,25 @@ ROW_SIZES = {"fourierft": 1000}
 ALL_VARIANTS += ("waveft",)
 ROW_TARGETS |= {"waveft": QV}
 ROW_SIZES |= {"waveft": 1000}
+# issue 43: BEFT, GLoRA (its defaults: lora A/B and C, constant D/E), OSF (half of each layer frozen)
+# and PSOFT (its defaults but r and psoft_alpha, which are LoRA's) on q, v with peft's defaults.
+ISSUE_43 = ("beft", "glora", "osf", "psoft")
+ALL_VARIANTS += ISSUE_43
+ROW_TARGETS |= dict.fromkeys(ISSUE_43, QV)
+ROW_OPTIONS_43: dict[str, dict[str, Any]] = {"psoft": {"alpha": 8.0}}
+
+
+def issue_43_peft_config(row: str, rank: int, common: dict[str, Any]) -> Any:
+    """peft's config for an ISSUE_43 row, with lora_func's defaults."""
+    import peft
+
+    if row == "beft":
+        return peft.BeftConfig(**common)
+    if row == "glora":
+        return peft.GloraConfig(r=rank, **common)
+    if row == "osf":
+        return peft.OSFConfig(**common)
+    return peft.PsoftConfig(r=rank, psoft_alpha=8, **common)
 
 
 # glibc's malloc hands every block over 32 MiB back to the kernel when it is freed (and, by
@@ -238,10 +257,11 @@ def our_adapter(s: Setup, row: str, rank: int, *, targets: Sequence[str] | None 
             parts.append(lf.init_adapter(model, lf.AdapterSpec("ia3_ff", down), generator=torch.Generator().manual_seed(0)))
         return _perturbed(lf.compose(*parts))
     options: dict[str, Any] = dict(ROW_OPTIONS.get(row, {}))
+    spec_extra = ROW_OPTIONS_43.get(row, {})
     calibration = None
     if row == "eva":
         calibration = [{"input_ids": s.calib_ids}]
-    spec = lf.AdapterSpec(row, targets, r=ROW_SIZES.get(row, rank), **options)
+    spec = lf.AdapterSpec(row, targets, r=ROW_SIZES.get(row, rank), **options, **spec_extra)
     adapter = lf.init_adapter(model, spec, generator=torch.Generator().manual_seed(0), calibration=calibration)
     return _perturbed(adapter)
 
@@ -284,6 +304,8 @@ def peft_model(s: Setup, row: str, rank: int, *, targets: Sequence[str] | None =
         config = peft.C3AConfig(block_size=rank, **common)
     elif row == "waveft":
         config = peft.WaveFTConfig(n_frequency=ROW_SIZES[row], **common)
+    elif row in ISSUE_43:
+        config = issue_43_peft_config(row, rank, common)
     else:
         return None
     model = copy.deepcopy(s.model)

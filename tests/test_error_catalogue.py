@@ -2227,3 +2227,19 @@ CASES.update(
         "privacy-noise-no-steps": Case(lambda ctx: lambda: lf.noise_for_epsilon(epsilon=1.0, sample_rate=0.01, steps=0, delta=1e-5), ("steps=0",)),
     }
 )
+
+
+# --- issue 43: beft, glora, osf, psoft --------------------------------------------------------
+def _beft_merged_bias_free(ctx: Ctx) -> Callable[[], Any]:
+    model = ctx.model()
+    adapter = ctx.adapter(model, "beft", targets=("up_proj",))
+    return lambda: lf.adapted_call(model, adapter, IDS, merged=True)
+
+
+CASES.update(
+    {
+        "beft-merged-no-bias": Case(_beft_merged_bias_free, ("no bias", "merged=False")),
+        "osf-effective-rank": Case(init("osf", ["v_proj"], effective_rank=16), ("effective_rank=16", "16 of the 16", "model.layers.0.self_attn.v_proj", "[1, 15]")),
+    }
+)
+RNG_ADVANCES = RNG_ADVANCES | {"osf-effective-rank"}  # init_adapter without a generator

@@ -411,6 +411,34 @@ DOCUMENTED.update(
 )
 
 
+# Issue 43: beft, glora, osf, psoft (pinned from docs/variants/{beft,glora,osf,psoft}.md's defaults;
+# OSF's r is each layer's frozen count, resolved from effective_rank: no rank axes).
+DOCUMENTED.update(
+    {
+        "beft": (1.0, {"init": "zero"}, False, True, False, {}),
+        "glora": (
+            1.0,
+            {"config_A_B": "lora", "config_C": "lora", "config_D_E": "constant", "init": "zero"},
+            True,
+            True,
+            False,
+            {"glora_A_Xd": 1, "glora_A_Xu": 0, "glora_B_Xd": 1, "glora_B_Xu": 0, "glora_C_Xd": 1, "glora_C_Xu": 0},
+        ),
+        "osf": (1.0, {"effective_rank": None, "init": "svd"}, False, False, False, {}),
+        "psoft": (
+            32.0,
+            {"ab_svd_init": "psoft_init", "psoft_svd": "full", "psoft_svd_lowrank_niter": 10, "random_seed": 0, "psoft_orth": True, "psoft_mag_b": True,
+             "psoft_mag_a": True, "use_cayley_neumann": False, "num_cayley_neumann_terms": 5, "cayley_neumann_eps": None, "dropout": 0.0, "init": "identity"},
+            True,
+            False,
+            False,
+            {"psoft_vector_b": 0, "psoft_vector_a": 0, "psoft_A": 0, "psoft_B": 1},
+        ),
+    }
+)
+RANK_WITHIN_LAYER = (*RANK_WITHIN_LAYER, "psoft")
+
+
 @pytest.mark.parametrize("variant", sorted(DOCUMENTED))
 def test_documented_defaults_and_flags(variant):
     assert sorted(DOCUMENTED) == lf.list_variants()

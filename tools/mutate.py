@@ -178,6 +178,14 @@ TARGETS: dict[str, tuple[tuple[str, ...] | None, list[list[str]]]] = {
         f"lora_func/variants/{name}.py": (None, [[f"tests/test_variant_{name}.py"], [CONTRACT, "-k", name], [CATALOGUE, "-k", name]])
         for name in ("tinylora", "unilora")
     },
+    # Issue 43: their own peft oracle files first (fast, exact), then the contract rows.
+    **{
+        f"lora_func/variants/{name}.py": (
+            None,
+            [[f"tests/test_variant_{name}.py"], [CONTRACT, "-k", name], [RANK_STACK, "-k", name], [CATALOGUE, "-k", name], [KILLERS, "-k", f"documented_defaults and {name}"]],
+        )
+        for name in ("beft", "glora", "osf", "psoft")
+    },
     "lora_func/variants/_bank.py": (None, [[CONTRACT, "-k", "vera or randlora or pvera"], ["tests/test_variant_vera.py", "tests/test_variant_randlora.py"]]),
     "lora_func/variants/_contract.py": (
         ("layer_rank", "layer_alpha", "Slot.peft_key", "Slot.saved", "Variant.rank_axes", "Variant.padded_axes", "Variant.integer_buffers", "Variant.kinds", "Variant.shapes", "Variant.layer_slots", "_mask_rank_axes", "padded_member"),
