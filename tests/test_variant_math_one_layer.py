@@ -411,6 +411,14 @@ DOCUMENTED.update(
 )
 
 
+# Issue 43 (methods b): pinned from docs/variants/{deft,frod,peanut,supertuning}.md's defaults.
+DOCUMENTED.update(
+    {
+        "deft": (1.0, {"decomposition_method": "relu", "para": False, "injection_alpha": None, "init": "identity", "init_scale": 1.0, "dropout": 0.0}, True, False, False, {"deft_P": 1, "deft_R": 0}),
+    }
+)
+
+
 @pytest.mark.parametrize("variant", sorted(DOCUMENTED))
 def test_documented_defaults_and_flags(variant):
     assert sorted(DOCUMENTED) == lf.list_variants()
