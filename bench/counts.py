@@ -55,6 +55,8 @@ VS_PEFT_ROWS += c.STRUCTURED_A
 VS_PEFT_ROWS += ("waveft",)
 # Issue 30 (part c): C3A's lazy FFT form at most peft's too.
 VS_PEFT_ROWS += ("c3a",)
+# Issue 43 (methods b): DEFT, PEANuT and Super-Tuning lazy at most peft's on every count too.
+VS_PEFT_ROWS += c.METHODS_B
 TARGET_DTYPE = "bfloat16"
 
 

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from lora_func.variants import BaseLayer, Check, FLAG, LayerInfo, Option, PeftFormat, PeftMethod, Slot, TensorDict, Variant, is_finite_number, mapped, one_of, real
-from lora_func.variants._kernels import base_plus_low_rank, lowrank_input, promoted
+from lora_func.variants._kernels import base_plus_low_rank, base_plus_product, lowrank_input, promoted
 from lora_func.variants._options import dropout_option
 
 METHODS = ("relu", "qr")
@@ -106,11 +106,11 @@ def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: Ba
     q, right = project(params["deft_P"], info)
     dropped = lowrank_input(x, base, info)
     if dropped is x or info.option("para"):
-        h = x.to(q.dtype) @ low_rank_factor(params, right, base.weight, info).T
-    else:
-        m = right.T @ base.weight.to(right.dtype)
-        injected = scale(info) * params["deft_R"].to(q.dtype)
-        h = dropped.to(q.dtype) @ injected.T - x.to(q.dtype) @ m.T
+        # LoRA's kernel for base(x) + (x Aᵀ) Bᵀ (on a bf16 base: bf16 products, no fp32 copy of x)
+        return base_plus_product(base, x, low_rank_factor(params, right, base.weight, info), q)
+    m = right.T @ base.weight.to(right.dtype)
+    injected = scale(info) * params["deft_R"].to(q.dtype)
+    h = dropped.to(q.dtype) @ injected.T - x.to(q.dtype) @ m.T
     return base_plus_low_rank(base, x, h, q)
 
 

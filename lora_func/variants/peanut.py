@@ -34,7 +34,7 @@ from torch import Tensor
 from transformers.activations import ACT2FN
 
 from lora_func.variants import BaseLayer, LayerInfo, Option, PeftFormat, PeftMethod, Slot, TensorDict, Variant, mapped, one_of, real, whole
-from lora_func.variants._kernels import base_plus_low_rank, kaiming_uniform
+from lora_func.variants._kernels import base_plus_product, kaiming_uniform
 
 MAX_DEPTH = 8
 INITS = ("identity", "random")
@@ -102,8 +102,9 @@ def weight_form(
 
 
 def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: BaseLayer, info: LayerInfo) -> Tensor:
+    # LoRA's kernel for base(x) + (x Aᵀ) Bᵀ with A = s·hᵀ (on a bf16 base: bf16 products, no fp32 copy of x)
     h = hidden(params, base.weight, info)
-    return base_plus_low_rank(base, x, (x.to(h.dtype) @ h) * info.option("scaling"), params["peanut_B"])
+    return base_plus_product(base, x, info.option("scaling") * h.transpose(-1, -2), params["peanut_B"])
 
 
 VARIANT = Variant(
