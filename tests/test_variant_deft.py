@@ -169,22 +169,39 @@ def test_the_activation_form_builds_no_dense_matrix(method, para):
     assert bank_oracle.rel(got, want) < 1e-12
 
 
-def test_a_qr_stack_of_two_ranks_equals_each_alone():
-    """QR of a zero-padded P has orthonormal columns for the padding too: a member of a
-    rank-padded stack masks them (else its projection removes more than its own r directions)."""
+@pytest.mark.parametrize("method", ["relu", "qr"])
+@pytest.mark.parametrize("ranks", [(2, 5), (3, 20)], ids=["2-5", "3-20-capped"])
+def test_a_stack_of_different_ranks_equals_each_member_alone(method, ranks):
+    """``P`` and ``R`` are ``min(r, d_out)`` wide (``padded_axes``): a stack pads them and each
+    member masks its padding, capped rank included (r = 20 on a 9-wide layer: its own scale
+    alpha / 9). QR of a zero-padded ``P`` has orthonormal columns for the padding too, which the
+    member masks (else its projection removes more than its own directions). Outputs and
+    gradients, lazy and merged; the padding's gradient is exactly zero."""
     model = one_layer("linear", 12, 9, True, torch.float64, 0)
     members = []
-    for i, r in enumerate((2, 5)):
-        spec = lf.AdapterSpec("deft", ["proj"], r=r, decomposition_method="qr", dtype=torch.float64)
+    for i, r in enumerate(ranks):
+        spec = lf.AdapterSpec("deft", ["proj"], r=r, decomposition_method=method, injection_alpha=3.0, dtype=torch.float64)
         adapter = lf.init_adapter(model, spec, generator=torch.Generator().manual_seed(i))
         g = torch.Generator().manual_seed(10 + i)
         members.append(adapter.with_params({k: v.detach() + 0.3 * torch.randn(v.shape, generator=g, dtype=v.dtype) for k, v in adapter.params.items()}))
+    stacked = lf.stack(members)
     x = torch.randn(4, 12, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    probe = torch.randn(4, 9, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
     base = lf.base_params(model)
     for make in (lf.overlay, lf.merge_overlay):
-        batched = torch.vmap(lambda a: run(model, make(base, a), x))(lf.stack(members))  # noqa: B023
+
+        def loss(params, adapter, make=make):
+            return (run(model, make(base, adapter.with_params(params)), x) * probe).sum()
+
+        batched = torch.vmap(lambda a: torch.func.grad_and_value(loss)(a.params, a))(stacked)
         for i, member in enumerate(members):
-            assert bank_oracle.rel(batched[i], run(model, make(base, member), x)) < 1e-12, (make.__name__, i)
+            grads, value = torch.func.grad_and_value(loss)(member.params, member)
+            assert abs(float((batched[1][i] - value).detach())) < 1e-12 * abs(float(value.detach())), (make.__name__, i)
+            for key, g in grads.items():
+                padded = batched[0][key][i]
+                own = padded[tuple(slice(0, n) for n in g.shape)]
+                assert bank_oracle.rel(own, g) < 1e-12, (make.__name__, i, key)
+                assert torch.count_nonzero(padded) == torch.count_nonzero(own), (make.__name__, i, key)  # zero on the padding
 
 
 def test_peft_config_checks_and_round_trip():

@@ -20,9 +20,10 @@ generator in peft's order (one draw per layer, module order), ``R = rightᵀ W /
 adapter is the identity at init (exactly, for ``s = 1``). ``init="random"`` (``False``):
 ``R ~ N(0, (0.02·init_scale)²)``. PaRa is never the identity at init.
 
-A stack of adapters of different ranks pads ``P``'s columns and ``R``'s rows; with ``"qr"`` the
-orthonormal factor's padded columns are masked too (QR of a zero-padded ``P`` keeps the
-member's own columns).
+A stack of adapters of different ranks pads ``P``'s columns and ``R``'s rows
+(``Variant.padded_axes``: their size is ``min(r, d_out)``, not ``r``) and each member masks them
+by its own rank; with ``"qr"`` the orthonormal factor's padded columns are masked too (QR of a
+zero-padded ``P`` keeps the member's own columns and adds orthonormal ones for the padding).
 """
 
 from __future__ import annotations
@@ -51,16 +52,32 @@ def scale(info: LayerInfo) -> Any:
     return 1.0 if alpha is None else alpha / rank(info)
 
 
+def own(params: TensorDict, info: LayerInfo) -> TensorDict:
+    """``params`` with a rank-padded stack member's padding zeroed (``info.r`` its own rank, a
+    tensor): ``P``'s columns and ``R``'s rows past ``min(r, d_out)``. One adapter: unchanged."""
+    if not isinstance(info.r, Tensor):
+        return params
+    keep = (torch.arange(params["deft_P"].shape[-1], device=info.r.device) < rank(info)).to(params["deft_P"].dtype)
+    out = {"deft_P": params["deft_P"] * keep}
+    if "deft_R" in params:
+        out["deft_R"] = params["deft_R"] * keep[:, None]
+    return out
+
+
 def project(p: Tensor, info: LayerInfo) -> tuple[Tensor, Tensor]:
     """``(Q, right) (d_out, r)`` with ``P_proj = Q rightᵀ``, in at least float32."""
     p = p.to(promoted(p.dtype, torch.float32))
     if info.option("decomposition_method") == "relu":
         return p, torch.relu(p)
-    q = torch.linalg.qr(p).Q
-    if isinstance(info.r, Tensor):
-        # a member of a rank-padded stack: QR gives orthonormal columns for its zero padding too
-        q = q * (torch.arange(q.shape[-1], device=q.device) < info.r).to(q.dtype)
-    return q, q
+    if not isinstance(info.r, Tensor):
+        q = torch.linalg.qr(p).Q
+        return q, q
+    # A stack member: its zero padding would make QR's backward divide by zero, so the padded
+    # columns hold the identity's columns there (QR is column by column: the member's own columns
+    # of Q do not depend on them), and Q's padded columns are then masked out.
+    keep = (torch.arange(p.shape[-1], device=p.device) < rank(info)).to(p.dtype)
+    q = torch.linalg.qr(p * keep + torch.eye(*p.shape[-2:], dtype=p.dtype, device=p.device) * (1 - keep)).Q
+    return q * keep, q * keep
 
 
 def init(
@@ -96,6 +113,7 @@ def low_rank_factor(params: TensorDict, right: Tensor, weight: Tensor, info: Lay
 def weight_form(
     params: TensorDict, buffers: TensorDict, weight: Tensor, bias: Tensor | None, info: LayerInfo
 ) -> tuple[Tensor, Tensor | None]:
+    params = own(params, info)
     q, right = project(params["deft_P"], info)
     return weight + (q @ low_rank_factor(params, right, weight, info)).to(weight.dtype), bias
 
@@ -103,6 +121,7 @@ def weight_form(
 def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: BaseLayer, info: LayerInfo) -> Tensor:
     """``base(x) + (x (s·R − rightᵀ W)ᵀ) Qᵀ``: the removal and the injection as one rank-``r``
     path (with dropout in a training step, the injection's input dropped alone, as peft)."""
+    params = own(params, info)
     q, right = project(params["deft_P"], info)
     dropped = lowrank_input(x, base, info)
     if dropped is x or info.option("para"):
@@ -123,10 +142,11 @@ VARIANT = Variant(
     init=init,
     weight_form=weight_form,
     activation_form=activation_form,
+    # min(r, d_out) wide: padded (masked by the forms), not rank axes of size r
     tensors={
-        "deft_P": Slot(lambda i: (i.d_out, rank(i)), rank_axes=(1,), peft="deft_P"),
+        "deft_P": Slot(lambda i: (i.d_out, rank(i)), padded_axes=(1,), peft="deft_P"),
         # PaRa (para=True) has no injection
-        "deft_R": Slot(lambda i: None if _no_injection(i) else (rank(i), i.d_in), rank_axes=(0,), peft="deft_R"),
+        "deft_R": Slot(lambda i: None if _no_injection(i) else (rank(i), i.d_in), padded_axes=(0,), peft="deft_R"),
     },
     options={
         "decomposition_method": Option("relu", one_of(*METHODS), "decomposition_method"),
