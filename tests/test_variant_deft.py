@@ -27,7 +27,7 @@ from tests import bank_oracle
 from tests.models import tokens
 from tests.one_layer import one_layer, run
 from tests.peft_helpers import NoDenseProducts, ce_loss
-from tests.variant_checks import assert_config_checks, assert_peft_round_trip
+from tests.variant_checks import assert_config_checks, assert_other_adapter_dtype, assert_peft_round_trip, saved_bytes
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
 
@@ -125,10 +125,12 @@ def test_init_adapter_draws_peft_s_numbers_from_the_same_seed(llama64, options, 
         assert (ours - base).abs().max() > 1e-3
 
 
-def test_dropout_in_a_training_step_equals_peft_s(llama64, tmp_path, peft_in_float64):
+@pytest.mark.parametrize("para", [False, True])
+def test_dropout_in_a_training_step_equals_peft_s(llama64, tmp_path, peft_in_float64, para):
     """deft_dropout drops the injection's input only (the removal sees the whole input), from the
-    global RNG in module order: one seed, peft's logits and gradients."""
-    pm = bank_oracle.peft_model(llama64, _config("llama", deft_dropout=0.4), scale=0.3)
+    global RNG in module order: one seed, peft's logits and gradients. PaRa has no injection: no
+    draw, the training step is the eval step."""
+    pm = bank_oracle.peft_model(llama64, _config("llama", deft_dropout=0.4, para=para), scale=0.3)
     pm.save_pretrained(tmp_path)
     adapter = lf.load_peft(tmp_path, llama64)
     assert adapter.spec.option("dropout") == 0.4
@@ -146,9 +148,13 @@ def test_dropout_in_a_training_step_equals_peft_s(llama64, tmp_path, peft_in_flo
         assert key == name and bank_oracle.rel(g, p.grad) < bank_oracle.RTOL, key
     torch.manual_seed(1)
     other = lf.adapted_call(model, adapter, ids).logits
-    assert (other - got).abs().max() > 1e-4, "the dropout mask must come from the RNG"
     with torch.no_grad():
-        assert not torch.equal(lf.adapted_call(llama64, adapter, ids).logits, got)  # eval: no dropout
+        evaluated = lf.adapted_call(llama64, adapter, ids).logits
+    if para:
+        assert torch.equal(other, got) and bank_oracle.rel(evaluated, got) < 1e-14
+    else:
+        assert (other - got).abs().max() > 1e-4, "the dropout mask must come from the RNG"
+        assert not torch.equal(evaluated, got)  # eval: no dropout
 
 
 @pytest.mark.parametrize("method", ["relu", "qr"])
@@ -219,3 +225,29 @@ def test_save_peft_writes_peft_s_config(tmp_path):
     config = json.loads((tmp_path / "adapter_config.json").read_text())
     assert config["peft_type"] == "DEFT" and config["r"] == 3 and config["alpha"] == 4.0 and config["decomposition_method"] == "qr"
     assert config["fan_in_fan_out"] is True and config["deft_dropout"] == 0.1 and config["para"] is False and config["init_weights"] is True
+
+
+@pytest.mark.parametrize("method", ["relu", "qr"])
+def test_an_adapter_in_another_dtype_than_the_base(method):
+    """float64 and bf16 adapters on a float32 base, both overlays; a bf16 adapter's projection
+    (a QR has no bf16 kernel) runs in float32."""
+    for dtype in (torch.float64, torch.bfloat16):
+        assert_other_adapter_dtype("deft", 6, 8, adapter_dtype=dtype, r=3, decomposition_method=method, injection_alpha=2.0, init="random")
+
+
+def test_a_bf16_base_keeps_no_float32_copy_of_the_input():
+    """Without dropout the rank-r path is LoRA's bf16 kernel (base_plus_product): autograd keeps
+    the bf16 input, not a float32 copy of it (which alone would be n·d_in·4 bytes); with dropout in
+    a training step the two paths run in float32 and the step works on the bf16 base."""
+    model = one_layer("linear", 64, 48, True, torch.bfloat16, 0)
+    adapter = lf.init_adapter(model, lf.AdapterSpec("deft", ["proj"], r=4, dropout=0.3), generator=torch.Generator().manual_seed(1))
+    x = torch.randn(1024, 64, generator=torch.Generator().manual_seed(2)).bfloat16()
+    base = lf.base_params(model)
+    saved = saved_bytes(lambda: run(model, lf.overlay(base, adapter), x).float().sum().backward())
+    assert saved < 1024 * 64 * 4, saved
+    model.train()
+    torch.manual_seed(0)
+    out = lf.adapted_call(model, adapter, x=x)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    torch.manual_seed(1)
+    assert not torch.equal(lf.adapted_call(model, adapter, x=x), out)

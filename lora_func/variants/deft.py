@@ -107,7 +107,7 @@ def low_rank_factor(params: TensorDict, right: Tensor, weight: Tensor, info: Lay
     m = right.T @ weight.to(right.dtype)
     if info.option("para"):
         return -m
-    return scale(info) * params["deft_R"].to(right.dtype) - m
+    return scale(info) * params["deft_R"] - m  # (a narrower R promotes to right's dtype)
 
 
 def weight_form(
@@ -123,13 +123,13 @@ def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: Ba
     path (with dropout in a training step, the injection's input dropped alone, as peft)."""
     params = own(params, info)
     q, right = project(params["deft_P"], info)
-    dropped = lowrank_input(x, base, info)
-    if dropped is x or info.option("para"):
+    # PaRa has no injection to drop out: no draw
+    dropped = x if info.option("para") else lowrank_input(x, base, info)
+    if dropped is x:
         # LoRA's kernel for base(x) + (x Aᵀ) Bᵀ (on a bf16 base: bf16 products, no fp32 copy of x)
         return base_plus_product(base, x, low_rank_factor(params, right, base.weight, info), q)
     m = right.T @ base.weight.to(right.dtype)
-    injected = scale(info) * params["deft_R"].to(q.dtype)
-    h = dropped.to(q.dtype) @ injected.T - x.to(q.dtype) @ m.T
+    h = dropped.to(q.dtype) @ (scale(info) * params["deft_R"].to(q.dtype)).T - x.to(q.dtype) @ m.T
     return base_plus_low_rank(base, x, h, q)
 
 
