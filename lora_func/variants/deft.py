@@ -57,7 +57,7 @@ def own(params: TensorDict, info: LayerInfo) -> TensorDict:
     tensor): ``P``'s columns and ``R``'s rows past ``min(r, d_out)``. One adapter: unchanged."""
     if not isinstance(info.r, Tensor):
         return params
-    keep = (torch.arange(params["deft_P"].shape[-1], device=info.r.device) < rank(info)).to(params["deft_P"].dtype)
+    keep = (torch.arange(params["deft_P"].shape[1], device=info.r.device) < rank(info)).to(params["deft_P"].dtype)
     out = {"deft_P": params["deft_P"] * keep}
     if "deft_R" in params:
         out["deft_R"] = params["deft_R"] * keep[:, None]
@@ -75,8 +75,8 @@ def project(p: Tensor, info: LayerInfo) -> tuple[Tensor, Tensor]:
     # A stack member: its zero padding would make QR's backward divide by zero, so the padded
     # columns hold the identity's columns there (QR is column by column: the member's own columns
     # of Q do not depend on them), and Q's padded columns are then masked out.
-    keep = (torch.arange(p.shape[-1], device=p.device) < rank(info)).to(p.dtype)
-    q = torch.linalg.qr(p * keep + torch.eye(*p.shape[-2:], dtype=p.dtype, device=p.device) * (1 - keep)).Q
+    keep = (torch.arange(p.shape[1], device=p.device) < rank(info)).to(p.dtype)
+    q = torch.linalg.qr(p * keep + torch.eye(*p.shape, dtype=p.dtype, device=p.device) * (1 - keep)).Q
     return q * keep, q * keep
 
 
@@ -115,7 +115,8 @@ def weight_form(
 ) -> tuple[Tensor, Tensor | None]:
     params = own(params, info)
     q, right = project(params["deft_P"], info)
-    return weight + (q @ low_rank_factor(params, right, weight, info)).to(weight.dtype), bias
+    # (a bf16 adapter's W plus the float32 delta: float32, rounded once by the core)
+    return weight + q @ low_rank_factor(params, right, weight, info), bias
 
 
 def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: BaseLayer, info: LayerInfo) -> Tensor:

@@ -56,6 +56,12 @@ def _hidden_layer(kind: str, i: int) -> Slot:
     return Slot(lambda info: (info.r, info.r) if i < info.option("depth") else None, rank_axes=(0, 1), peft=f"peanut_{kind}.{i}.weight")
 
 
+def skip_draws(shape: tuple[int, ...], generator: torch.Generator) -> None:
+    """Advance ``generator`` past one uniform draw of ``shape`` (float32, CPU): a draw peft makes
+    and overwrites (an ``nn.Linear``'s own init when it is built)."""
+    torch.empty(shape, dtype=torch.float32).uniform_(generator=generator)
+
+
 def init(
     weight: Tensor,
     bias: Tensor | None,
@@ -71,7 +77,7 @@ def init(
     shapes |= {f"peanut_decoders_{i}": (r, r) for i in range(depth)}
     # peft: every nn.Linear draws once when built (A, encoders, decoders, B), then reset draws again
     for shape in [*shapes.values(), (d_out, r)]:
-        kaiming_uniform(shape, a=math.sqrt(5), generator=generator)
+        skip_draws(shape, generator)
     params = {name: kaiming_uniform(shape, a=math.sqrt(5), generator=generator) for name, shape in shapes.items()}
     if info.option("init") == "random":
         params["peanut_B"] = kaiming_uniform((d_out, r), a=math.sqrt(5), generator=generator)
@@ -83,28 +89,28 @@ def init(
 def hidden(params: TensorDict, weight: Tensor, info: LayerInfo) -> Tensor:
     """The network's output ``h (d_in, r)`` on ``W (d_out, d_in)``, in ``peanut_A``'s dtype."""
     act, a = activation(info.option("act_fn")), params["peanut_A"]
-    h = act(weight.transpose(-1, -2).to(a.dtype) @ a.transpose(-1, -2))
+    h = act(weight.T.to(a.dtype) @ a.T)
     depth = info.option("depth")
     kept = []
     for i in range(depth):
         kept.append(h)
-        h = act(h @ params[f"peanut_encoders_{i}"].transpose(-1, -2))
+        h = act(h @ params[f"peanut_encoders_{i}"].T)
     for i in range(depth):
-        h = act(h @ params[f"peanut_decoders_{i}"].transpose(-1, -2)) + kept[depth - 1 - i]
+        h = act(h @ params[f"peanut_decoders_{i}"].T) + kept[depth - 1 - i]
     return h
 
 
 def weight_form(
     params: TensorDict, buffers: TensorDict, weight: Tensor, bias: Tensor | None, info: LayerInfo
 ) -> tuple[Tensor, Tensor | None]:
-    delta = info.option("scaling") * params["peanut_B"] @ hidden(params, weight, info).transpose(-1, -2)
-    return weight + delta.to(weight.dtype), bias
+    # (W arrives in the adapter dtype, the network's)
+    return weight + info.option("scaling") * params["peanut_B"] @ hidden(params, weight, info).T, bias
 
 
 def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: BaseLayer, info: LayerInfo) -> Tensor:
     # LoRA's kernel for base(x) + (x Aᵀ) Bᵀ with A = s·hᵀ (on a bf16 base: bf16 products, no fp32 copy of x)
     h = hidden(params, base.weight, info)
-    return base_plus_product(base, x, info.option("scaling") * h.transpose(-1, -2), params["peanut_B"])
+    return base_plus_product(base, x, info.option("scaling") * h.T, params["peanut_B"])
 
 
 VARIANT = Variant(

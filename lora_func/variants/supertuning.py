@@ -53,6 +53,7 @@ from lora_func.variants import (
 )
 from lora_func.variants._kernels import add_low_rank, kaiming_uniform, lowrank_input
 from lora_func.variants._options import dropout_option
+from lora_func.variants.peanut import skip_draws
 
 INITS = ("identity", "random")
 
@@ -84,7 +85,7 @@ def init(
             f"(int({info.d_out * info.d_in}·(1 − sparsity)) = 0); lower sparsity to at most {1 - 1 / (info.d_out * info.d_in):.6g}, "
             f"or leave this layer out"
         )
-    scores = weight.detach().abs().flatten()
+    scores = weight.abs().flatten()  # (init runs without autograd)
     indices = torch.topk(scores, n, largest=info.option("select_top")).indices
     random = info.option("init") == "random"
     values = torch.randn(n, generator=generator) if random else torch.zeros(n)
@@ -92,11 +93,11 @@ def init(
     r = info.option("lora_r")
     if r is not None:
         # peft: its nn.Linear constructors draw A and B once before A is drawn again
-        kaiming_uniform((r, info.d_in), a=math.sqrt(5), generator=generator)
-        kaiming_uniform((info.d_out, r), a=math.sqrt(5), generator=generator)
+        skip_draws((r, info.d_in), generator)
+        skip_draws((info.d_out, r), generator)
         params["supertuning_lora_A"] = kaiming_uniform((r, info.d_in), a=math.sqrt(5), generator=generator)
         params["supertuning_lora_B"] = kaiming_uniform((info.d_out, r), a=math.sqrt(5), generator=generator) if random else torch.zeros(info.d_out, r)
-    return {k: v.to(weight.device, dtype) for k, v in params.items()}, {"supertuning_indices": indices.to(weight.device, torch.int64)}
+    return {k: v.to(weight.device, dtype) for k, v in params.items()}, {"supertuning_indices": indices}  # (int64, on W's device)
 
 
 def _plus_values(weight: Tensor, params: TensorDict, buffers: TensorDict) -> Tensor:
@@ -110,7 +111,7 @@ def weight_form(
 ) -> tuple[Tensor, Tensor | None]:
     w_eff = _plus_values(weight, params, buffers)
     if info.option("lora_r") is not None:
-        w_eff = w_eff + (lora_scale(info) * params["supertuning_lora_B"] @ params["supertuning_lora_A"]).to(weight.dtype)
+        w_eff = w_eff + lora_scale(info) * params["supertuning_lora_B"] @ params["supertuning_lora_A"]  # (W in the adapter dtype)
     return w_eff, bias
 
 
@@ -120,7 +121,7 @@ def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: Ba
     if info.option("lora_r") is None:
         return y
     a = params["supertuning_lora_A"]
-    h = (lowrank_input(x, base, info).to(a.dtype) @ a.transpose(-1, -2)) * lora_scale(info)
+    h = (lowrank_input(x, base, info).to(a.dtype) @ a.T) * lora_scale(info)
     return add_low_rank(y, h, params["supertuning_lora_B"])
 
 
