@@ -95,6 +95,22 @@ def issue_43_peft_config(row: str, rank: int, common: dict[str, Any]) -> Any:
     if row == "osf":
         return peft.OSFConfig(**common)
     return peft.PsoftConfig(r=rank, psoft_alpha=8, **common)
+# issue 43 (methods b): DEFT, PEANuT and Super-Tuning on q, v with peft's defaults (PEANuT's r the
+# benchmark's rank, not peft's 32; Super-Tuning: sparsity 0.99, no LoRA).
+METHODS_B = ("deft", "peanut", "supertuning")
+ALL_VARIANTS += METHODS_B
+ROW_TARGETS |= dict.fromkeys(METHODS_B, QV)
+
+
+def methods_b_peft_config(row: str, rank: int, common: dict[str, Any]) -> Any:
+    """peft's config for a METHODS_B row, with lora_func's defaults."""
+    import peft
+
+    if row == "deft":
+        return peft.DeftConfig(r=rank, **common)
+    if row == "peanut":
+        return peft.PeanutConfig(r=rank, **common)
+    return peft.SupertuningConfig(**common)
 
 
 # glibc's malloc hands every block over 32 MiB back to the kernel when it is freed (and, by
@@ -306,6 +322,8 @@ def peft_model(s: Setup, row: str, rank: int, *, targets: Sequence[str] | None =
         config = peft.WaveFTConfig(n_frequency=ROW_SIZES[row], **common)
     elif row in ISSUE_43:
         config = issue_43_peft_config(row, rank, common)
+    elif row in METHODS_B:
+        config = methods_b_peft_config(row, rank, common)
     else:
         return None
     model = copy.deepcopy(s.model)

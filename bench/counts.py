@@ -61,6 +61,8 @@ VS_PEFT_ROWS += ("beft", "glora", "psoft")
 # Rows without a merged path on the benchmark model: BEFT on its bias-free q, v (no weight holds a
 # bias; peft's merge refuses it too).
 NO_MERGED_ROWS = ("beft",)
+# Issue 43 (methods b): DEFT, PEANuT and Super-Tuning lazy at most peft's on every count too.
+VS_PEFT_ROWS += c.METHODS_B
 TARGET_DTYPE = "bfloat16"
 
 

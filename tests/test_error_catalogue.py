@@ -2243,3 +2243,10 @@ CASES.update(
     }
 )
 RNG_ADVANCES = RNG_ADVANCES | {"osf-effective-rank"}  # init_adapter without a generator
+# --- issue 43: deft, frod, peanut, supertuning ------------------------------------------------
+CASES.update(
+    {
+        "supertuning-no-entries": Case(_init_seeded("supertuning", ["v_proj"], sparsity=0.999), ("model.layers.0.self_attn.v_proj", "sparsity=0.999", "16×32", "0.998047")),
+        "supertuning-alpha-without-r": Case(spec("supertuning", ["q_proj"], lora_alpha=4.0), ("lora_alpha=4.0", "lora_r")),
+    }
+)

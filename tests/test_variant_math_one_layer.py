@@ -437,6 +437,14 @@ DOCUMENTED.update(
     }
 )
 RANK_WITHIN_LAYER = (*RANK_WITHIN_LAYER, "psoft")
+# Issue 43 (methods b): pinned from docs/variants/{deft,frod,peanut,supertuning}.md's defaults.
+DOCUMENTED.update(
+    {
+        "deft": (1.0, {"decomposition_method": "relu", "para": False, "injection_alpha": None, "init": "identity", "init_scale": 1.0, "dropout": 0.0}, True, False, False, {}),
+        "supertuning": (1.0, {"sparsity": 0.99, "select_top": True, "lora_r": None, "lora_alpha": None, "dropout": 0.0, "init": "identity", "save_precomputed_indices": True}, False, False, False, {}),
+        "peanut": (1.0, {"depth": 0, "act_fn": "relu", "scaling": 1.0, "init": "identity"}, True, False, False, {"peanut_A": 0, "peanut_B": 1, **{f"peanut_{k}_{i}": (0, 1) for k in ("encoders", "decoders") for i in range(8)}}),
+    }
+)
 
 
 @pytest.mark.parametrize("variant", sorted(DOCUMENTED))

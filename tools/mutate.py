@@ -214,6 +214,22 @@ TARGETS: dict[str, tuple[tuple[str, ...] | None, list[list[str]]]] = {
         ("_ops", "_program"),
         [*_ALL[:3], ["tests/test_core.py", "tests/test_compose.py", "tests/test_plan.py"], _ALL[3]],
     ),
+    # Issue 43 (methods b): the variant's own tests first (float64 peft oracles, init draws, the
+    # activation form's shape of work, config checks), then its contract rows, rank stacks, the
+    # documented defaults and the catalogue.
+    **{
+        f"lora_func/variants/{name}.py": (
+            None,
+            [
+                [f"tests/test_variant_{name}.py"],
+                [CONTRACT, "-k", name],
+                *([[RANK_STACK, "-k", name]] if name != "supertuning" else []),
+                [KILLERS, "-k", f"documented_defaults and {name}"],
+                [CATALOGUE, "-k", name],
+            ],
+        )
+        for name in ("deft", "peanut", "supertuning")
+    },
     "lora_func/overlay.py": (
         ("check_adapter_finite", "merge_overlay", "merged_overlay", "overlay", "lazy_overlay", "overlay_mode"),
         [*_ALL[:3], ["tests/test_core.py", "tests/test_adapted_context.py", "tests/test_checks.py"], [COMPILE, "-k", "overlay_mode or keeps_the_path"], _ALL[3]],
