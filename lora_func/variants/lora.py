@@ -50,12 +50,25 @@ TENSORS = {
 
 # LoraConfig fields lora_func has no equivalent for: any truthy value is refused.
 PEFT_UNSUPPORTED_FIELDS = (
-    "lora_bias", "layer_replication", "alora_invocation_tokens", "use_qalora", "use_bdlora",
+    "layer_replication", "alora_invocation_tokens", "use_bdlora",
     "arrow_config", "monteclora_config", "velora_config", "trainable_token_indices", "modules_to_save",
     "megatron_config",
 )
 # LoRA inits that leave the base untouched: the checkpoint is a plain LoRA on the original base.
 PLAIN_INITS = (True, False, "gaussian", "orthogonal")
+# LoraConfig fields that make a checkpoint another variant's (each read by exactly one variant
+# file): a plain LoRA checkpoint has none of them set (a field the config lacks reads as unset).
+VARIANT_FIELDS = ("kasa_config", "lora_bias")
+
+
+def _unset(value: Any) -> bool:
+    return not value
+
+
+def plain_reads(**marks: Any) -> dict[str, Any]:
+    """The ``PeftFormat.reads`` of a LoRA checkpoint with a plain init, no DoRA and none of
+    :data:`VARIANT_FIELDS` set, with ``marks`` (a variant's own fields) replacing those entries."""
+    return {"use_dora": False, "init_lora_weights": PLAIN_INITS} | dict.fromkeys(VARIANT_FIELDS, _unset) | marks
 
 
 def _converted_init(config: Mapping[str, Any]) -> str:
@@ -104,7 +117,7 @@ def _reshape(kind: str, name: str, tensor: Tensor, shape: tuple[int, ...], to_pe
 
 PEFT = PeftFormat(
     PEFT_METHOD,
-    reads={"use_dora": False, "init_lora_weights": PLAIN_INITS, "kasa_config": lambda v: not v},
+    reads=plain_reads(),
     reshape=_reshape,
 )
 
@@ -128,10 +141,14 @@ def init(
     generator: torch.Generator,
     calibration: Any = None,
 ) -> tuple[TensorDict, TensorDict]:
+    """peft's LoRA init: ``A ~ kaiming_uniform(a=√5)`` (``N(0, 1/r²)`` with ``init="gaussian"``,
+    :func:`orthogonal_init` with ``"orthogonal"``), ``B = 0``; a derived variant without the
+    ``init`` option gets the kaiming one."""
     r, d_in, d_out = info.r, info.d_in, info.d_out
-    if info.option("init") == "gaussian":
+    chosen = dict(info.options).get("init", "kaiming")
+    if chosen == "gaussian":
         lora_a = torch.randn((r, d_in), generator=generator, dtype=torch.float32) / r
-    elif info.option("init") == "orthogonal":
+    elif chosen == "orthogonal":
         return orthogonal_init(weight, info, dtype=dtype, generator=generator)
     else:
         lora_a = kaiming_uniform((r, d_in), a=math.sqrt(5), generator=generator)
