@@ -50,7 +50,7 @@ TENSORS = {
 
 # LoraConfig fields lora_func has no equivalent for: any truthy value is refused.
 PEFT_UNSUPPORTED_FIELDS = (
-    "layer_replication", "alora_invocation_tokens", "use_bdlora",
+    "layer_replication", "alora_invocation_tokens",
     "arrow_config", "monteclora_config", "velora_config", "trainable_token_indices", "modules_to_save",
     "megatron_config",
 )
@@ -58,7 +58,7 @@ PEFT_UNSUPPORTED_FIELDS = (
 PLAIN_INITS = (True, False, "gaussian", "orthogonal")
 # LoraConfig fields that make a checkpoint another variant's (each read by exactly one variant
 # file): a plain LoRA checkpoint has none of them set (a field the config lacks reads as unset).
-VARIANT_FIELDS = ("kasa_config", "lora_bias")
+VARIANT_FIELDS = ("kasa_config", "lora_bias", "use_bdlora")
 
 
 def _unset(value: Any) -> bool:
@@ -69,6 +69,24 @@ def plain_reads(**marks: Any) -> dict[str, Any]:
     """The ``PeftFormat.reads`` of a LoRA checkpoint with a plain init, no DoRA and none of
     :data:`VARIANT_FIELDS` set, with ``marks`` (a variant's own fields) replacing those entries."""
     return {"use_dora": False, "init_lora_weights": PLAIN_INITS} | dict.fromkeys(VARIANT_FIELDS, _unset) | marks
+
+
+def _unread(config: Mapping[str, Any]) -> str:
+    """Why no variant reads a LoraConfig: it combines variant fields, its BD-LoRA config is not
+    one factor on every target, or an init changed peft's base weights."""
+    combined = [field for field in ("use_dora", *VARIANT_FIELDS) if config.get(field)]
+    if len(combined) > 1:
+        return (
+            f"it combines {combined}, each its own lora_func variant (read one at a time); retrain with one of them, or "
+            f"merge the adapter in peft (merge_and_unload) and use the merged model"
+        )
+    if config.get("use_bdlora"):
+        return (
+            f"its use_bdlora={config['use_bdlora']!r} makes A block-diagonal on some targets and B (or nothing, "
+            f"match_strict=false) on others, by module name; lora_func's bdlora has one block-diagonal factor on every "
+            f"target of an adapter (compose two for both): merge the adapter in peft (merge_and_unload) instead"
+        )
+    return _converted_init(config)
 
 
 def _converted_init(config: Mapping[str, Any]) -> str:
@@ -89,7 +107,7 @@ PEFT_METHOD = PeftMethod(
     PEFT_UNSUPPORTED_FIELDS,
     rank=("r", "rank_pattern"),
     alpha="lora_alpha",
-    unread=_converted_init,
+    unread=_unread,
 )
 
 
