@@ -58,7 +58,7 @@ PEFT_UNSUPPORTED_FIELDS = (
 PLAIN_INITS = (True, False, "gaussian", "orthogonal")
 # LoraConfig fields that make a checkpoint another variant's (each read by exactly one variant
 # file): a plain LoRA checkpoint has none of them set (a field the config lacks reads as unset).
-VARIANT_FIELDS = ("kasa_config", "lora_bias", "use_bdlora")
+VARIANT_FIELDS = ("kasa_config", "lora_bias", "use_bdlora", "use_qalora")
 
 
 def _unset(value: Any) -> bool:
