@@ -49,16 +49,12 @@ TENSORS = {
 # ------------------------------------------------------------------ peft's format (LoraConfig)
 
 # LoraConfig fields lora_func has no equivalent for: any truthy value is refused.
-PEFT_UNSUPPORTED_FIELDS = (
-    "layer_replication", "alora_invocation_tokens",
-    "arrow_config", "trainable_token_indices", "modules_to_save",
-    "megatron_config",
-)
+PEFT_UNSUPPORTED_FIELDS = ("layer_replication", "arrow_config", "trainable_token_indices", "modules_to_save", "megatron_config")
 # LoRA inits that leave the base untouched: the checkpoint is a plain LoRA on the original base.
 PLAIN_INITS = (True, False, "gaussian", "orthogonal")
 # LoraConfig fields that make a checkpoint another variant's (each read by exactly one variant
 # file): a plain LoRA checkpoint has none of them set (a field the config lacks reads as unset).
-VARIANT_FIELDS = ("kasa_config", "lora_bias", "monteclora_config", "use_bdlora", "use_qalora", "velora_config")
+VARIANT_FIELDS = ("alora_invocation_tokens", "kasa_config", "lora_bias", "monteclora_config", "use_bdlora", "use_qalora", "velora_config")
 
 
 def _unset(value: Any) -> bool:
