@@ -41,11 +41,13 @@ EVERY_TOKEN = 2**62
 
 def offsets(input_ids: Tensor, invocation_tokens: tuple[int, ...] | list[int] | Tensor) -> Tensor:
     """peft's ``calculate_alora_offsets`` for ``input_ids (B, T)``: per row, ``T −`` the start of the
-    last occurrence of ``invocation_tokens``, or ``0`` where it does not occur: ``(B,)`` int64."""
+    last occurrence of ``invocation_tokens``, or ``0`` where it does not occur: ``(B,)`` int64.
+    No invocation tokens: every row from the start (:data:`EVERY_TOKEN`; peft reads an empty list
+    as a plain LoRA)."""
     tokens = torch.as_tensor(invocation_tokens, dtype=input_ids.dtype, device=input_ids.device)
     rows, length, k = input_ids.shape[0], input_ids.shape[-1], tokens.numel()
     if k == 0 or length < k:
-        return torch.zeros(rows, dtype=torch.int64, device=input_ids.device)
+        return torch.full((rows,), EVERY_TOKEN if k == 0 else 0, dtype=torch.int64, device=input_ids.device)
     found = (input_ids.unfold(-1, k, 1) == tokens).all(-1)  # (B, T - k + 1): a match starts there
     last = (length - k) - found.flip(-1).to(torch.int64).argmax(-1)
     return torch.where(found.any(-1), length - last, 0).to(torch.int64)
@@ -106,4 +108,4 @@ VARIANT = lora.derived(
     # gated per token: not LoRA's product on every row
     low_rank=None,
 )
-PEFT = lora.stored_as_lora(reads=lora.plain_reads(alora_invocation_tokens=bool))
+PEFT = lora.stored_as_lora(reads=lora.plain_reads(alora_invocation_tokens=lambda tokens: tokens is not None))

@@ -61,10 +61,17 @@ def _unset(value: Any) -> bool:
     return not value
 
 
+def _absent(value: Any) -> bool:
+    return value is None
+
+
 def plain_reads(**marks: Any) -> dict[str, Any]:
     """The ``PeftFormat.reads`` of a LoRA checkpoint with a plain init, no DoRA and none of
-    :data:`VARIANT_FIELDS` set, with ``marks`` (a variant's own fields) replacing those entries."""
-    return {"use_dora": False, "init_lora_weights": PLAIN_INITS} | dict.fromkeys(VARIANT_FIELDS, _unset) | marks
+    :data:`VARIANT_FIELDS` set, with ``marks`` (a variant's own fields) replacing those entries.
+    ``alora_invocation_tokens`` is unset only when absent: an empty list (which peft takes as no
+    aLoRA) is an aLoRA on every token, read by ``alora``."""
+    unset = dict.fromkeys(VARIANT_FIELDS, _unset) | {"alora_invocation_tokens": _absent}
+    return {"use_dora": False, "init_lora_weights": PLAIN_INITS} | unset | marks
 
 
 def _unread(config: Mapping[str, Any]) -> str:

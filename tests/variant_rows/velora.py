@@ -11,5 +11,5 @@ def velora_w_eff(p, b, W, bias, info):
 
 
 ROWS = (
-    Row(variant="velora", w_eff=velora_w_eff, step0_nonzero=frozenset({"lora_B"}), spec_kwargs={"r": 4, "alpha": 6.0, "num_groups": 4, "init_type": "random"}),
+    Row(variant="velora", w_eff=velora_w_eff, step0_nonzero=frozenset({"lora_B"}), spec_kwargs={"r": 4, "alpha": 6.0, "num_groups": 4}),
 )
