@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from lora_func.variants import BaseLayer, Check, LayerInfo, Option, Slot, TensorDict, lora
+from lora_func.variants._options import nullable
 from lora_func.variants._kernels import base_plus_low_rank, lora_scale, lowrank_input
 
 OFFSET = "alora_offset"
@@ -104,7 +105,8 @@ VARIANT = lora.derived(
     activation_form=activation_form,
     tensors=lora.TENSORS | {OFFSET: Slot(lambda i: (), buffer=True, integer=True, shared=True)},
     shared_init=shared_init,
-    options=lora.OPTIONS | {"invocation_tokens": Option((), Check(_tokens, "must be token ids >= 0"), "alora_invocation_tokens")},
+    # (peft writes null when aLoRA is off: such a config is plain LoRA's, read as the default here)
+    options=lora.OPTIONS | {"invocation_tokens": Option((), Check(_tokens, "must be token ids >= 0"), "alora_invocation_tokens", nullable(()))},
     # gated per token: not LoRA's product on every row
     low_rank=None,
 )
