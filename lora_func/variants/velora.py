@@ -68,7 +68,7 @@ class _CompressedProjection(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-        x, a, embed, num_groups, scale = inputs
+        x, a, embed, _num_groups, scale = inputs
         ctx.save_for_backward(output[1], a, embed)
         ctx.x_shape, ctx.x_dtype, ctx.scale = x.shape, x.dtype, scale
         ctx.mark_non_differentiable(output[1])
