@@ -55,6 +55,8 @@ VS_PEFT_ROWS += c.STRUCTURED_A
 VS_PEFT_ROWS += ("waveft",)
 # Issue 30 (part c): C3A's lazy FFT form at most peft's too.
 VS_PEFT_ROWS += ("c3a",)
+# Issue 43: BD-LoRA and VeLoRA (in eval mode, as the benchmark's model) at most peft's.
+VS_PEFT_ROWS += ("bdlora", "velora")
 TARGET_DTYPE = "bfloat16"
 
 

@@ -77,6 +77,11 @@ def test_what_is_not_read_or_stacked_is_refused(model, tmp_path):
         saved(both, tmp_path / "both", model)
     with pytest.raises(ValueError, match=r"nblocks=3 must divide r=4"):
         lf.init_adapter(model, lf.AdapterSpec("bdlora", targets=TARGETS, r=4, nblocks=3))
+    # the block-diagonal factor's own side: down_proj's d_in = 48 (side a), v_proj's d_out = 16 (side b)
+    with pytest.raises(ValueError, match=r"factor's d_in=48"):
+        lf.init_adapter(model, lf.AdapterSpec("bdlora", targets=["down_proj"], r=32, nblocks=32, side="a"))
+    with pytest.raises(ValueError, match=r"factor's d_out=16"):
+        lf.init_adapter(model, lf.AdapterSpec("bdlora", targets=["v_proj"], r=32, nblocks=32, side="b"))
     small, large = (lf.init_adapter(model, lf.AdapterSpec("bdlora", targets=TARGETS, r=r, nblocks=2)) for r in (2, 4))
     with pytest.raises(ValueError, match="not a rank axis; these adapters cannot be padded"):
         lf.stack([small, large])

@@ -28,10 +28,15 @@ def trained(model, tmp_path_factory):
     return pm, directory, saved(pm, directory, model)
 
 
-def test_peft_checkpoint_gives_peft_logits_and_gradients(model, trained):
-    pm, _, adapter = trained
+def test_peft_checkpoint_gives_peft_logits_and_gradients(model, trained, tmp_path):
+    pm, directory, adapter = trained
     assert adapter.spec.variant == "lora_bias" and dict(adapter.spec.options) == {"dropout": 0.0, "use_rslora": True}
     compare(model, pm, adapter)
+    # peft allows lora_bias with init_lora_weights True or False: both read as lora_bias
+    config = json.loads((directory / "adapter_config.json").read_text())
+    (tmp_path / "adapter_config.json").write_text(json.dumps(config | {"init_lora_weights": False}))
+    (tmp_path / "adapter_model.safetensors").write_bytes((directory / "adapter_model.safetensors").read_bytes())
+    assert lf.load_peft(tmp_path, model).spec.variant == "lora_bias"
 
 
 def test_save_peft_loads_in_peft(model, trained, tmp_path):

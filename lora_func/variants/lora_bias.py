@@ -57,7 +57,7 @@ def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: Ba
     lora_a, s = params["lora_A"], lora_scale(info, buffers)
     h = (lowrank_input(x, base, info).to(lora_a.dtype) @ lora_a.T) * s
     ones = torch.ones((*h.shape[:-1], 1), dtype=h.dtype, device=h.device) * s
-    b_aug = torch.cat([params["lora_B"], params[BIAS][:, None].to(params["lora_B"].dtype)], dim=1)
+    b_aug = torch.cat([params["lora_B"], params[BIAS][:, None]], dim=1)
     return base_plus_low_rank(base, x, torch.cat([h, ones], dim=-1), b_aug)
 
 
