@@ -111,6 +111,15 @@ def methods_b_peft_config(row: str, rank: int, common: dict[str, Any]) -> Any:
     if row == "peanut":
         return peft.PeanutConfig(r=rank, **common)
     return peft.SupertuningConfig(**common)
+# Issue 43: LoRA's own variants on q, v. BD-LoRA with A block-diagonal in 2 blocks; QALoRA's groups
+# of 16 (peft runs it on GPTQ layers only: no peft row); aLoRA acting on every token (the benchmark
+# feeds inputs_embeds, from which peft finds no offsets: no peft row). VeLoRA differs from LoRA in
+# training steps only (the benchmark's model is in eval mode); MonteCLoRA too, and its priors get no
+# gradient in eval (no row). lora_bias needs targets with a bias, which the benchmark's Llama has
+# not; trainable tokens an embedding, which inputs_embeds skip.
+LORA_VARIANT_OPTIONS: dict[str, dict[str, Any]] = {"bdlora": {"nblocks": 2}, "qalora": {"group_size": 16}, "velora": {}, "alora": {}}
+ALL_VARIANTS += tuple(LORA_VARIANT_OPTIONS)
+ROW_TARGETS |= dict.fromkeys(LORA_VARIANT_OPTIONS, QV)
 
 
 # glibc's malloc hands every block over 32 MiB back to the kernel when it is freed (and, by
@@ -272,7 +281,7 @@ def our_adapter(s: Setup, row: str, rank: int, *, targets: Sequence[str] | None 
         if down:
             parts.append(lf.init_adapter(model, lf.AdapterSpec("ia3_ff", down), generator=torch.Generator().manual_seed(0)))
         return _perturbed(lf.compose(*parts))
-    options: dict[str, Any] = dict(ROW_OPTIONS.get(row, {}))
+    options: dict[str, Any] = dict(ROW_OPTIONS.get(row, {})) | LORA_VARIANT_OPTIONS.get(row, {})
     spec_extra = ROW_OPTIONS_43.get(row, {})
     calibration = None
     if row == "eva":
@@ -324,6 +333,11 @@ def peft_model(s: Setup, row: str, rank: int, *, targets: Sequence[str] | None =
         config = issue_43_peft_config(row, rank, common)
     elif row in METHODS_B:
         config = methods_b_peft_config(row, rank, common)
+    elif row in ("bdlora", "velora"):
+        from peft.tuners.lora.config import BdLoraConfig, VeloraConfig
+
+        variant = {"bdlora": {"use_bdlora": BdLoraConfig(target_modules_bd_a=targets, nblocks=2)}, "velora": {"velora_config": VeloraConfig()}}[row]
+        config = peft.LoraConfig(r=rank, lora_alpha=8, lora_dropout=0.0, **variant, **common)
     else:
         return None
     model = copy.deepcopy(s.model)

@@ -63,6 +63,8 @@ VS_PEFT_ROWS += ("beft", "glora", "psoft")
 NO_MERGED_ROWS = ("beft",)
 # Issue 43 (methods b): DEFT, PEANuT and Super-Tuning lazy at most peft's on every count too.
 VS_PEFT_ROWS += c.METHODS_B
+# Issue 43: BD-LoRA and VeLoRA (in eval mode, as the benchmark's model) at most peft's.
+VS_PEFT_ROWS += ("bdlora", "velora")
 TARGET_DTYPE = "bfloat16"
 
 

@@ -2243,6 +2243,8 @@ CASES.update(
     }
 )
 RNG_ADVANCES = RNG_ADVANCES | {"osf-effective-rank"}  # init_adapter without a generator
+
+
 # --- issue 43: deft, frod, peanut, supertuning ------------------------------------------------
 CASES.update(
     {
@@ -2250,3 +2252,16 @@ CASES.update(
         "supertuning-alpha-without-r": Case(spec("supertuning", ["q_proj"], lora_alpha=4.0), ("lora_alpha=4.0", "lora_r")),
     }
 )
+
+
+# LoRA's own variants and trainable tokens
+CASES.update(
+    {
+        "lora-bias-no-bias": Case(init("lora_bias", ["down_proj"], r=2), ("model.layers.0.mlp.down_proj",)),
+        "bdlora-blocks": Case(init("bdlora", ["q_proj"], r=2, nblocks=4), ("nblocks=4", "r=2")),
+        "qalora-group-size": Case(init("qalora", ["q_proj"], r=2, group_size=5), ("group_size=5", "d_in=32")),
+        "trainable-tokens-index": Case(init("trainable_tokens", ["embed_tokens"], token_indices=[3, 70]), ("[70]", "61 tokens")),
+    }
+)
+# init_adapter without a generator seeds one from the global RNG before these refuse a target
+RNG_ADVANCES = RNG_ADVANCES | {"lora-bias-no-bias", "bdlora-blocks", "qalora-group-size", "trainable-tokens-index"}

@@ -445,6 +445,26 @@ DOCUMENTED.update(
         "peanut": (1.0, {"depth": 0, "act_fn": "relu", "scaling": 1.0, "init": "identity"}, True, False, False, {"peanut_A": 0, "peanut_B": 1, **{f"peanut_{k}_{i}": (0, 1) for k in ("encoders", "decoders") for i in range(8)}}),
     }
 )
+# Issue 43: LoRA's own variants (pinned from docs/variants/{lora_bias,bdlora,qalora,velora,monteclora,alora}.md) and trainable tokens.
+_LORA = {"dropout": 0.0, "use_rslora": False}
+DOCUMENTED.update(
+    {
+        "lora_bias": (8.0, _LORA, True, True, False, {"lora_A": 0, "lora_B": 1}),
+        "bdlora": (8.0, {**_LORA, "nblocks": 1, "side": "a"}, True, False, False, {}),
+        "qalora": (8.0, {**_LORA, "group_size": 16}, True, False, False, {"lora_A": 0, "lora_B": 1}),
+        "trainable_tokens": (1.0, {"init_weights": True, "token_indices": ()}, False, False, False, {}),
+        "velora": (8.0, {**_LORA, "init_type": "batch_average", "num_groups": 64, "scale": 1.0}, True, False, False, {"lora_A": 0, "lora_B": 1}),
+        "monteclora": (
+            8.0,
+            {**_LORA, "dirichlet_prior": 0.1, "kl_loss_weight": 1e-5, "num_samples": 8, "sample_scaler": 1e-4, "use_entropy": False},
+            True,
+            False,
+            False,
+            {"lora_A": 0, "lora_B": 1, "monteclora_std_prior": 0, "monteclora_gaussian_var_prior": (0, 1)},
+        ),
+        "alora": (8.0, {**_LORA, "invocation_tokens": ()}, True, False, False, {"lora_A": 0, "lora_B": 1}),
+    }
+)
 
 
 @pytest.mark.parametrize("variant", sorted(DOCUMENTED))

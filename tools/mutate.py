@@ -240,6 +240,29 @@ TARGETS: dict[str, tuple[tuple[str, ...] | None, list[list[str]]]] = {
     ),
 }
 
+# Issue 43: LoRA's own variants and trainable tokens: the float64 peft oracles first (their own
+# files), then the contract rows, the catalogue and the documented defaults.
+TARGETS |= {
+    f"lora_func/variants/{name}.py": (
+        None,
+        [
+            [f"tests/test_variant_{name}.py"],
+            [CONTRACT, "-k", select],
+            [CATALOGUE, "-k", select.replace("_", "-")],
+            [KILLERS, "-k", f"documented_defaults and ({select})"],
+        ],
+    )
+    for name, select in (
+        ("lora_bias", "lora_bias"),
+        ("bdlora", "bdlora"),
+        ("qalora", "qalora"),
+        ("trainable_tokens", "trainable_tokens"),
+        ("velora", "velora"),
+        ("monteclora", "monteclora"),
+        ("alora", "alora and not adalora and not gralora"),
+    )
+}
+
 # Method calls whose removal is a mutant: ``x.detach()`` -> ``x`` (gradient flow), ``.clamp``
 # (guards), ``.to`` (dtype policy), ``.T``/transposes (layout), reductions' helpers.
 REMOVABLE_METHODS = {"detach", "clamp", "to", "transpose", "abs", "sqrt", "contiguous", "float", "double", "clone", "conj"}
