@@ -78,6 +78,28 @@ ROWS += ("beft", "glora", "psoft")
 PINNED["bfloat16"] |= {"beft": (0, 787456, 20), "glora": (98304, 1130496, 68), "psoft": (17728, 1940272, 180)}
 PINNED["float32"] |= {"beft": (0, 263168, 8), "glora": (196608, 1720320, 60), "psoft": (17728, 1415984, 164)}
 
+# issue 43: DEFT, PEANuT, Super-Tuning, BD-LoRA and VeLoRA (eval mode: LoRA's forward), measured at
+# ARGS (peft's: 565248/4071424/132, 397312/2187264/80, 99584/68096/24, 278528/2828288/80,
+# 278544/3465268/100 on bf16; 434176/3022848/108, 200704/1597440/60, 197888/132992/16,
+# 147456/2435072/68, 278544/2678836/80 on fp32: BD-LoRA's fp32 saved bytes are 1.06x peft's, 0.28x
+# on bf16, where the targets are). QALoRA and aLoRA have no peft row (bench/_common.py); OSF is
+# above peft's ops on bf16 (above).
+ROWS += ("deft", "peanut", "supertuning", "bdlora", "velora")
+PINNED["bfloat16"] |= {
+    "deft": (147456, 299008, 80),
+    "peanut": (147456, 286720, 68),
+    "supertuning": (98304, 66816, 20),
+    "bdlora": (77888, 215104, 64),
+    "velora": (77824, 204800, 48),
+}
+PINNED["float32"] |= {
+    "deft": (159744, 622592, 68),
+    "peanut": (159744, 610304, 56),
+    "supertuning": (196608, 131712, 12),
+    "bdlora": (155712, 628800, 56),
+    "velora": (151552, 618496, 40),
+}
+
 @pytest.fixture(scope="module")
 def counts_script():
     path = list(sys.path)

@@ -59,7 +59,7 @@ def test_invoked_rows_give_peft_s_logits_and_gradients(model, trained):
     expected = {lf_name(n): p.grad for n, p in pm.named_parameters() if p.requires_grad}
     params = {k: v.detach().clone().requires_grad_(True) for k, v in adapter.params.items()}
     members = [alora.invoked(adapter.with_params(params), o) for o in alora.offsets(IDS, INVOCATION)]
-    got = lf.mixed_adapted_call(model, members, torch.arange(len(members)), IDS).logits
+    got = lf.mixed_call(model, members, torch.arange(len(members)), IDS, batching="layers").logits
     assert rel(got, want) < 1e-9
     assert torch.equal(want[2], model(IDS[2:]).logits[0]), "a row without the invocation is the base"
     assert (want[0, 3:] - model(IDS[:1]).logits[0, 3:]).abs().max() > 1e-2 and torch.allclose(want[0, :3], model(IDS[:1]).logits[0, :3])

@@ -14,8 +14,8 @@ pure functions of the adapter and the layer input, and a layer never sees the mo
 ``input_ids``. :func:`offsets` finds it per row of ``input_ids (B, T)`` as peft does, and
 :func:`invoked` sets it: ``adapted_call(model, invoked(adapter, o), ids)`` for one row (or rows of
 one offset); for a batch, one member per row, ``lora_func.stack([invoked(adapter, o) for o in
-offsets(ids, tokens)])`` through ``lora_func.mixed_adapted_call(model, members, torch.arange(B),
-ids)`` (or ``mixed_adapted`` around ``generate``: the offsets of the prompt serve every decoding
+offsets(ids, tokens)])`` through ``lora_func.mixed_call(model, members, torch.arange(B), ids,
+batching="layers")`` (or ``mixed_adapted`` around ``generate``: the offsets of the prompt serve every decoding
 step, as peft's) or ``torch.func.vmap`` over rows. Until invoked (``init_adapter``, ``load_peft``)
 the offset is "from the start": the adapter acts on every token, as LoRA.
 
