@@ -137,6 +137,12 @@ def methods_b_peft_config(row: str, rank: int, common: dict[str, Any]) -> Any:
 LORA_VARIANT_OPTIONS: dict[str, dict[str, Any]] = {"bdlora": {"nblocks": 2}, "qalora": {"group_size": 16}, "velora": {}, "alora": {}}
 ALL_VARIANTS += tuple(LORA_VARIANT_OPTIONS)
 ROW_TARGETS |= dict.fromkeys(LORA_VARIANT_OPTIONS, QV)
+# Rows without a merged path on the benchmark model: BEFT on its bias-free q, v (no weight holds a
+# bias; peft's merge refuses it too).
+NO_MERGED_ROWS = ("beft",)
+# Rows without a peft model here (peft_model returns None): AntiPaSTO (not in peft), QALoRA and
+# aLoRA (above).
+NO_PEFT_ROWS = ("antipasto", "qalora", "alora")
 
 
 # glibc's malloc hands every block over 32 MiB back to the kernel when it is freed (and, by

@@ -97,3 +97,26 @@ def test_init_gives_the_asked_dtype_for_each_form(forms):
     for init in ("zero", "random"):
         params, _ = init_params(glora, "glora", 3, 6, 5, init=init, config_A_B=a_b, config_C=c, config_D_E=d_e)
         assert all(k.startswith("glora_A") or k.startswith("glora_B") for k in params)  # layer_info: no bias, so no C, D, E
+
+
+@pytest.mark.parametrize("layout", ["linear", "conv1d"])
+def test_an_fp32_adapter_on_an_fp64_biased_layer_computes_w_c_in_fp64(layout):
+    """The bias path's ``W C`` mixes the base's and the adapter's dtypes (found by
+    test_properties): lazy and merged agree with the explicit formula in float64."""
+    from tests.one_layer import one_layer, perturbed, run
+
+    model = one_layer(layout, 5, 4, True, torch.float64, 0)
+    spec = lf.AdapterSpec("glora", targets=["proj"], r=2, dtype=torch.float32)
+    adapter = perturbed(lf.init_adapter(model, spec, generator=torch.Generator().manual_seed(0)), 3)
+    x = torch.randn(2, 3, 5, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    base = lf.base_params(model)
+    p = {k.rsplit(".", 1)[-1]: v.detach().double() for k, v in adapter.params.items()}
+    w = model.proj.weight.detach() if layout == "linear" else model.proj.weight.detach().T
+    b = model.proj.bias.detach()
+    w_eff = w + w * (p["glora_A_Xd"] @ p["glora_A_Xu"]) + p["glora_B_Xd"] @ p["glora_B_Xu"]
+    b_eff = b + b * p["glora_D_X"] + p["glora_E_X"] + (w @ (p["glora_C_Xd"] @ p["glora_C_Xu"])).squeeze(-1)
+    want = x @ w_eff.T + b_eff
+    assert (want - run(model, base, x)).abs().max() > 1e-2
+    for make in (lf.overlay, lf.merge_overlay):
+        got = run(model, make(base, adapter), x)
+        assert got.dtype == torch.float64 and (got - want).abs().max() < 1e-5 * want.abs().max()

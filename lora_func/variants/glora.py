@@ -125,7 +125,10 @@ def bias_update(params: TensorDict, weight: Tensor, bias: Tensor | None) -> Tens
     if bias is None:
         return None
     c, d, e = (_path(params, p) for p in "CDE")
-    wc = None if c is None else (weight.to(torch.promote_types(weight.dtype, c.dtype)) @ c).squeeze(-1)
+    wc = None
+    if c is not None:
+        wide = torch.promote_types(weight.dtype, c.dtype)  # both operands: an fp64 base under an fp32 adapter too
+        wc = (weight.to(wide) @ c.to(wide)).squeeze(-1)
     parts = [t for t in (None if d is None else bias * d, e, wc) if t is not None]
     if not parts:
         return None
