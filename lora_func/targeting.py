@@ -43,11 +43,13 @@ __all__ = [
     "Target",
     "canonical_weight",
     "check_kinds",
+    "no_kind",
     "find_targets",
     "kind_of_layout",
     "layer_kind",
     "module_kind",
     "output_head",
+    "refuse_kinds",
     "stored_shape",
     "stored_weight",
     "tensor_names",
@@ -253,7 +255,7 @@ def _did_you_mean(wanted: list[str], modules: list[tuple[str, nn.Module]]) -> st
     return f"no module name is close; the layers it can adapt are named {shown}"
 
 
-def _no_kind(module: nn.Module) -> str:
+def no_kind(module: nn.Module) -> str:
     """What a module of no kind is, for the refusal: its class, and a grouped conv's groups (the
     conv kind's canonical view holds one kernel over all input channels)."""
     if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
@@ -311,7 +313,12 @@ def _expert_parameters(model: nn.Module, spec: AdapterSpec) -> list[tuple[str, s
 def check_kinds(variant: Variant, targets: Sequence[Target], where: str) -> None:
     """Raise unless ``variant`` adapts the kind of every target (``Variant.kinds``), naming the
     variant, the targets and kinds it refuses, and the kinds it adapts."""
-    refused = sorted({f"{t.module} ({kind_of_layout(t.layout)})" for t in targets if kind_of_layout(t.layout) not in variant.kinds})
+    refuse_kinds(variant, [(t.module, kind_of_layout(t.layout)) for t in targets], where)
+
+
+def refuse_kinds(variant: Variant, kinds: Sequence[tuple[str, str]], where: str) -> None:
+    """:func:`check_kinds` on ``(module, kind)`` pairs (a checkpoint's layers before any is read)."""
+    refused = sorted({f"{module} ({kind})" for module, kind in kinds if kind not in variant.kinds})
     if refused:
         supported = [f"{k} ({KINDS[k]})" for k in KINDS if k in variant.kinds]
         raise ValueError(  # error: variant-kind-unsupported
@@ -363,7 +370,7 @@ def find_targets(model: nn.Module, spec: AdapterSpec, where: str = "init_adapter
         )
     kinds = [(name, module, layer_kind(module)) for name, module in matched]
     if spec.layer_types is None:
-        unsupported = sorted(f"{name} ({_no_kind(module)})" for name, module, kind in kinds if kind is None)
+        unsupported = sorted(f"{name} ({no_kind(module)})" for name, module, kind in kinds if kind is None)
         if unsupported:
             raise ValueError(  # error: target-unsupported-kind
                 f"target(s) {unsupported} are of no kind lora_func adapts ({', '.join(KINDS.values())}); narrow "

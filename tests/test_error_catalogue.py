@@ -958,6 +958,10 @@ CASES.update(
         "peft-missing-modules": Case(saved_peft(lambda d, ctx, m: _peft_on(d, ctx, m, onto=tiny_model("gpt2"))), ("GPT2LMHeadModel", Q)),
         "peft-tied-module": Case(saved_peft(_lm_head_checkpoint), ("['lm_head']", "merge_and_unload")),
         "peft-layer-refused": Case(saved_peft(lambda d, ctx, m: _peft_on(d, ctx, m, tensors=_rename_module(Q, "model.layers.0.input_layernorm"))), ("model.layers.0.input_layernorm (norm)", "lora adapts")),
+        "peft-layer-no-kind": Case(saved_peft(lambda d, ctx, m: _peft_on(d, ctx, m, tensors=_rename_module(Q, "model.layers.0.self_attn"))), ("model.layers.0.self_attn", "LlamaAttention", "LORA")),
+        "peft-parameter-dims": Case(
+            saved_peft(lambda d, ctx, m: _peft_on(d, ctx, m, config={"target_parameters": [Q + ".bias"]})), (Q + ".bias (32,)", "LlamaForCausalLM")
+        ),
         "peft-shapes": Case(saved_peft(lambda d, ctx, m: _peft_on(d, ctx, m, onto=_wider_llama())), ("LlamaForCausalLM", Q)),
         "peft-unsupported-features": Case(saved_peft(lambda d, ctx, m: _peft_on(d, ctx, m, config={"bias": "all"})), ("LORA", "['bias']")),
         "peft-incomplete": Case(saved_peft(lambda d, ctx, m: _peft_on(d, ctx, m, tensors=lambda t: {k: v for k, v in t.items() if not (Q in k and "lora_B" in k)})), (Q, "['lora_A']", "['lora_A', 'lora_B']")),

@@ -11,13 +11,14 @@ the lora_func side) loads in peft with lora_func's logits.
 
 from __future__ import annotations
 
+import re
 import types
 import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
-from peft import LNTuningConfig, LoHaConfig, LoKrConfig, LoraConfig, PeftModel, get_peft_model
+from peft import BOFTConfig, LNTuningConfig, LoHaConfig, LoKrConfig, LoraConfig, PeftModel, TinyLoraConfig, get_peft_model
 from torch import nn
 from torch.func import grad
 from transformers import MixtralConfig, MixtralForCausalLM
@@ -100,6 +101,32 @@ def _twotapconvnet(seed: int = 0) -> nn.Module:
 
 
 _LYC_CONVS = ["conv1", "conv2", "point", "seq"]
+
+
+class MLP(nn.Module):
+    """``out(relu(lin2(relu(lin1(x)))))``: a square Linear, a narrow one (8 outputs) and a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin1 = nn.Linear(16, 16)
+        self.lin2 = nn.Linear(16, 8)
+        self.out = nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(F.relu(self.lin2(F.relu(self.lin1(x)))))
+
+
+def _mlp(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return MLP().to(torch.float64).eval()
+
+
+def _mlp_input():
+    return torch.randn(3, 4, 16, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+
+
+def _square_mean(out, x):
+    return out.square().mean()
 
 
 def _mixtral(implementation: str, seed: int = 0) -> nn.Module:
@@ -201,6 +228,15 @@ CASES = {
         lambda: LoraConfig(r=R, lora_alpha=ALPHA, target_modules=["q_proj"], target_parameters=["1.mlp.experts.down_proj"]),
         tokens, _lm_loss, 2e-5,
     ),
+    # peft without its CUDA extension (every CPU) builds one butterfly factor whatever the config
+    # says: loaded with the others at the identity
+    "boft-one-of-two-factors": (
+        _mlp, lambda: BOFTConfig(target_modules=["lin1", "lin2"], boft_block_size=4, boft_n_butterfly_factor=2), _mlp_input, _square_mean, 1e-9,
+    ),
+    # peft lowers r to a layer's min(d_in, d_out) (lin2: 8), the config keeps r = 12
+    "tinylora-rank-above-a-layer": (
+        _mlp, lambda: TinyLoraConfig(target_modules=["lin1", "lin2"], r=12, u=3), _mlp_input, _square_mean, 1e-9,
+    ),
     "ln_tuning-rmsnorm": (_llama64, lambda: LNTuningConfig(target_modules=["input_layernorm", "norm"]), tokens, _lm_loss, 1e-9),
     "ln_tuning-layernorm": (
         lambda seed=0: tiny_model("gpt2", seed=seed, dtype=torch.float64),
@@ -230,8 +266,18 @@ def _as_peft(adapter: lf.Adapter, tensors: dict[str, torch.Tensor], tmp_path) ->
 
 
 def _peft_key(name: str) -> str:
-    """peft's parameter name -> its key in the checkpoint (no adapter name)."""
-    return name.replace(".default", "")
+    """peft's parameter name -> its key in the checkpoint (no adapter name; a tensor held once
+    for every layer, TinyLoRA's vectors, under ``base_model.``)."""
+    return re.sub(r"^base_model\.model\..*\.tinylora_v\.", "base_model.tinylora_v.", name.replace(".default", ""))
+
+
+class _BlockDiag:
+    """Stands in for peft's CUDA ``FastBlockDiag`` (``(m, k, b, b) -> (m, k·b, k·b)``): peft's BOFT
+    with its extension, on the CPU."""
+
+    @staticmethod
+    def apply(blocks):
+        return torch.stack([torch.block_diag(*factor) for factor in blocks])
 
 
 def _make_kron_mended(w1, w2, scale=1.0):
@@ -247,6 +293,10 @@ def _make_kron_mended(w1, w2, scale=1.0):
 def case(request, tmp_path_factory):
     build, config, inputs, loss, rtol = CASES[request.param]
     mend = pytest.MonkeyPatch()
+    if request.param.startswith("boft"):
+        import peft.tuners.boft.layer as boft_layer
+
+        mend.setattr(boft_layer, "_FBD_CUDA", False)  # peft without its CUDA extension (every CPU)
     if request.param.startswith("lokr-conv-cp"):
         import peft.tuners.lokr.layer as lokr_layer
 
@@ -256,7 +306,9 @@ def case(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     _save_pretrained(peft_model, path)
     lf_model = build()
-    adapter = lf.load_peft(path, lf_model)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "a BOFT checkpoint with boft_n_butterfly_factor", UserWarning)
+        adapter = lf.load_peft(path, lf_model)
     yield types.SimpleNamespace(name=request.param, peft=peft_model, model=lf_model, adapter=adapter, x=inputs(), loss=loss, rtol=rtol, build=build)
     mend.undo()
 
@@ -306,10 +358,17 @@ def test_load_peft_gives_peft_gradients_per_tensor(case, tmp_path, monkeypatch):
     got = grad(loss)(dict(case.adapter.params))
     as_peft = _as_peft(case.adapter, got, tmp_path)
     want = {_peft_key(k): v for k, v in want.items()}
-    assert sorted(as_peft) == sorted(want)
+    # save_peft writes the buffers too (TinyLoRA's frozen factors): every other key is a gradient
+    frozen = {slot.peft_key("") for slot in case.adapter.variant.tensors.values() if slot.buffer}
+    assert sorted(k for k in as_peft if k.rsplit(".", 1)[-1] not in frozen) == sorted(want)
     for key, g in want.items():
         assert g.abs().max() > 0, f"peft's {key} gets no gradient: the case cannot tell"
-        _close(as_peft[key].to(g.dtype), g, case.rtol, key)
+        ours = as_peft[key].to(g.dtype)
+        if case.name.startswith("boft-one-of") and key.endswith("boft_R"):
+            # peft's one factor is our first; the factors added at the identity train too
+            assert ours.shape[0] == 2 and g.shape[0] == 1 and ours[1:].abs().max() > 0, key
+            ours = ours[:1]
+        _close(ours, g, case.rtol, key)
         if "lora_embedding_A" in key:  # the padding id's column: no gradient, as peft's
             assert torch.count_nonzero(as_peft[key][:, 0]) == 0 and torch.count_nonzero(g[:, 0]) == 0
     # Every route gives the same gradients: lazy (the embedding's gather) and merged, overlay and
@@ -334,9 +393,18 @@ def test_save_peft_loads_in_peft_with_the_same_outputs(case, tmp_path):
         {k: (v.detach() + 0.05 * torch.randn(v.shape, generator=g, dtype=v.dtype)) for k, v in case.adapter.params.items()}
     )
     lf.save_peft(adapter, tmp_path, model=case.model)
-    peft_model = _from_pretrained(case.build(), tmp_path)
+    with pytest.MonkeyPatch.context() as mend:
+        if case.name.startswith("boft-one-of"):
+            import peft.tuners.boft.layer as boft_layer
+
+            # every factor asked for: peft without its extension builds one and refuses the file,
+            # peft with it (emulated on the CPU) loads it
+            with pytest.raises(RuntimeError, match="size mismatch for base_model.model.lin1.boft_R"):
+                _from_pretrained(case.build(), tmp_path)
+            mend.setattr(boft_layer, "_FBD_CUDA", object())
+            mend.setattr(boft_layer, "FastBlockDiag", _BlockDiag)
+        got = _from_pretrained(case.build(), tmp_path)(case.x)
     want = lf.adapted_call(case.model, adapter, case.x)
-    got = peft_model(case.x)
     _close(got.logits if hasattr(got, "logits") else got, want.logits if hasattr(want, "logits") else want, case.rtol, "peft on save_peft")
     again = lf.load_peft(tmp_path, case.build())
     for key, tensor in adapter.params.items():

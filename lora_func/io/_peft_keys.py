@@ -9,6 +9,7 @@ beside an adapted embedding. Generic: it names no variant.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -112,7 +113,7 @@ def by_module(directory: Path, peft_type: str, tensors: Mapping[str, Tensor], *,
         if not key.startswith(PREFIX) or match is None:
             unknown.append(key)
             continue
-        out.setdefault(rest[: -len(match) - 1], {})[by_suffix[match]] = tensor
+        out.setdefault(unwrapped(rest[: -len(match) - 1]), {})[by_suffix[match]] = tensor
     if unknown or not (out or allow_none):
         raise ValueError(  # error: peft-unmapped-tensors
             f"{directory} has tensors lora_func cannot map for peft_type {peft_type}: {sorted(unknown)[:5]} "
@@ -120,6 +121,14 @@ def by_module(directory: Path, peft_type: str, tensors: Mapping[str, Tensor], *,
             f"modules_to_save and embedding layers are not supported)"
         )
     return out
+
+def unwrapped(module: str) -> str:
+    """A module path in a peft checkpoint as the model names it: peft moves the children of a
+    module it wraps under ``<module>.base_layer`` (the out_proj of an adapted
+    ``nn.MultiheadAttention`` is ``attn.base_layer.out_proj``); a trailing ``.base_layer`` (nested
+    ``target_parameters`` wrappers) is left to :func:`resolve_parameters`."""
+    return re.sub(r"\.base_layer(?=\.)", "", module)
+
 
 def expert_params(model: nn.Module) -> dict[str, Tensor]:
     """The model's 3-D parameters (MoE experts) by name: what ``target_parameters`` can name."""
@@ -199,11 +208,12 @@ def drop_saved_bases(directory: Path, tensors: Mapping[str, Tensor], model: nn.M
         )
     return out
 
-def kind_of(model: nn.Module, module: str) -> tuple[str, tuple[int, ...]]:
-    """``(kind, stored weight shape)`` of a checkpoint's layer ``module`` in ``model``."""
+def kind_of(model: nn.Module, module: str) -> tuple[str | None, tuple[int, ...]]:
+    """``(kind, stored weight shape)`` of a checkpoint's layer ``module`` in ``model``; the kind
+    ``None`` for a module of no kind lora_func adapts."""
     experts = expert_params(model)
     if module in experts:
         return "experts", tuple(experts[module].shape)
     found = model.get_submodule(module)
     weight = getattr(found, "weight", None)
-    return layer_kind(found) or "linear", tuple(weight.shape) if isinstance(weight, Tensor) else ()
+    return layer_kind(found), tuple(weight.shape) if isinstance(weight, Tensor) else ()

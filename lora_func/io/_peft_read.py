@@ -61,8 +61,11 @@ from lora_func.io._peft_keys import (
 from lora_func.quantized import kind_of_tensor
 from lora_func.spec import AdapterSpec
 from lora_func.targeting import (
+    KINDS,
     find_targets,
     layer_kind,
+    no_kind,
+    refuse_kinds,
     tensor_names,
 )
 from lora_func.variants import (
@@ -131,6 +134,14 @@ def _check_model(model: nn.Module, directory: Path, modules: Iterable[str]) -> N
     experts = expert_params(model)
     names = {name for name, _ in model.named_modules()} | set(experts)
     missing = sorted(set(modules) - names)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    other_dims = sorted(f"{m} {tuple(params[m].shape)}" for m in missing if m in params)
+    if other_dims:
+        raise ValueError(  # error: peft-parameter-dims
+            f"{directory} adapts the parameters {other_dims[:5]} of {type(model).__name__} (peft's target_parameters): "
+            f"lora_func adapts 3-D expert parameters (num_experts, out, in) there; load the checkpoint in peft "
+            f"(merge_and_unload for a merged model)"
+        )
     if missing:
         raise ValueError(  # error: peft-missing-modules
             f"{directory} adapts modules that {type(model).__name__} does not have: {missing[:5]} ({len(missing)} in "
@@ -197,10 +208,7 @@ def _assemble(
             f"embedding): peft adapts only that module's output, lora_func adapts the shared tensor under every name "
             f"(tied='both'), which also changes the embedding; merge the adapter in peft (merge_and_unload) instead"
         )
-    try:
-        targets = find_targets(model, spec, where="the checkpoint's layers")
-    except ValueError as err:
-        raise ValueError(f"load_peft({directory}): {err}") from None  # error: peft-layer-refused
+    targets = find_targets(model, spec, where="the checkpoint's layers")  # the kinds were checked layer by layer
     variant = get_variant(variant_name)
     options = dict(spec.options)
     params: dict[str, Tensor] = {}
@@ -399,6 +407,21 @@ def _layer_from_peft(
     buffers = {n: t for n, t in tensors.items() if n in slots and slots[n].buffer}
     return _Layer(params={n: t for n, t in tensors.items() if n not in buffers}, buffers=buffers, r=r, alpha=alpha)
 
+def _check_kind(directory: Path, peft_type: str, model: nn.Module, module: str, kind: str | None, variant: Variant) -> None:
+    """Refuse a checkpoint's layer whose kind lora_func (or the variant it reads as) does not
+    adapt, before its tensors are read: peft wrote it, so the file is not to blame."""
+    if kind is None:
+        raise ValueError(  # error: peft-layer-no-kind
+            f"{directory} adapts {module}, a {no_kind(model.get_submodule(module))}: peft's {peft_type} adapts it there, "
+            f"lora_func adapts {', '.join(KINDS.values())} only; load the checkpoint in peft (merge_and_unload for a merged "
+            f"model), or retrain without that module"
+        )
+    try:
+        refuse_kinds(variant, [(module, kind)], "the checkpoint's layers")
+    except ValueError as err:
+        raise ValueError(f"load_peft({directory}): {err}") from None  # error: peft-layer-refused
+
+
 def _read(
     directory: Path,
     config: Mapping[str, Any],
@@ -412,7 +435,9 @@ def _read(
     groups: dict[str, tuple[dict[str, Any], dict[str, _Layer]]] = {}
     for module, found in tensors.items():
         name, options = _format_for(directory, config, peft_type, module)
-        layer = _layer_from_peft(directory, config, module, name, options, found, kind_of(model, module))
+        kind, shape = kind_of(model, module)
+        _check_kind(directory, peft_type, model, module, kind, get_variant(name))
+        layer = _layer_from_peft(directory, config, module, name, options, found, (str(kind), shape))
         groups.setdefault(name, (options, {}))[1][module] = layer
     method = methods()[peft_type]
     r = int(config.get(method.rank[0], 8)) if method.rank is not None else 8

@@ -67,7 +67,7 @@ def _out(fmt: PeftFormat, adapter: Adapter, layer: AdapterLayer, base: Mapping[s
         return Out(
             t,
             lambda: stored(variant, fmt, params | kept, t),
-            r=layer.info.r if method.rank is not None else None,
+            r=_written_rank(adapter, layer) if method.rank is not None else None,
             alpha=layer.info.alpha if method.alpha is not None else None,
             feedforward=fmt.feedforward,
         )
@@ -86,6 +86,15 @@ def _out(fmt: PeftFormat, adapter: Adapter, layer: AdapterLayer, base: Mapping[s
         weight = canonical_weight(weight, t.layout)
     converted = fmt.export(params, buffers, weight, layer.info)
     return Out(t, lambda: stored(variant, fmt, converted.tensors(), t), r=converted.r, alpha=converted.alpha, feedforward=fmt.feedforward)
+
+def _written_rank(adapter: Adapter, layer: AdapterLayer) -> int:
+    """The rank a layer is written with: its own, but the spec's ``r`` where the variant derives
+    each layer's rank from it (``Variant.layer_ranks``) and peft's method has no per-layer rank
+    field: peft derives it the same way on load (a layer smaller than ``r`` gets a lower rank)."""
+    fmt = peft_format(adapter.spec.variant)
+    no_pattern = fmt is not None and fmt.method.rank is not None and fmt.method.rank[1] is None
+    return adapter.spec.r if adapter.variant.layer_ranks is not None and no_pattern else int(layer.info.r)
+
 
 @dataclass(frozen=True)
 class _Export:

@@ -31,12 +31,14 @@ random, ``int(p·k)`` blocks drawn at random are replaced by the identity.
 Differences from peft: peft applies ``boft_n_butterfly_factor > 1`` only when its CUDA
 extension (``fbd_cuda``) compiles; without it (every CPU) it silently uses one factor and
 stores ``boft_R (1, k, b, b)``. lora_func always applies the factors asked for (the math of
-peft's CUDA path). GPT-2 ``Conv1D`` is supported (peft refuses it). peft's ``bias`` other than
+peft's CUDA path); ``load_peft`` of such a one-factor checkpoint adds the missing factors at the
+identity (peft's outputs exactly, with a warning). GPT-2 ``Conv1D`` is supported (peft refuses it). peft's ``bias`` other than
 ``"none"`` is refused on load, as for every variant.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -171,6 +173,24 @@ def _layer_shapes(info: LayerInfo) -> dict[str, tuple[int, ...]]:
     return {"boft_R": (m, k, b, b), "boft_s": (info.d_out,)}
 
 
+def _convert_in(found: TensorDict, options: Mapping[str, Any]) -> TensorDict:
+    """A layer of a checkpoint peft wrote without its CUDA extension: the config asks for ``m``
+    butterfly factors, but peft built and saved one (``boft_R (1, k, b, b)``) and computes with it.
+    The other factors are added at the identity (``R = 0``: each ``B_i = I``), so the adapter
+    computes exactly what peft computes; they train here, as with peft's extension."""
+    blocks, factors = found.get("boft_R"), options["boft_n_butterfly_factor"]
+    if blocks is None or blocks.dim() != 4 or blocks.shape[0] != 1 or factors == 1:
+        return found
+    warnings.warn(
+        f"a BOFT checkpoint with boft_n_butterfly_factor={factors} holds one butterfly factor (peft saved it "
+        f"without its CUDA extension, which applies the one factor); loaded with the other {factors - 1} at the "
+        f"identity: the outputs are peft's, and those factors train too",
+        UserWarning,
+        stacklevel=6,
+    )
+    return {**found, "boft_R": torch.cat([blocks, blocks.new_zeros((factors - 1, *blocks.shape[1:]))])}
+
+
 VARIANT = Variant(
     name="boft",
     init=init,
@@ -191,4 +211,6 @@ VARIANT = Variant(
     check=check_options,
     default_alpha=1.0,
 )
-PEFT = PeftFormat(PeftMethod("BOFT"), conv1d=False)
+# A checkpoint peft wrote without its CUDA extension holds one factor whatever the config says:
+# boft_R goes through _convert_in (its own imported name).
+PEFT = PeftFormat(PeftMethod("BOFT"), conv1d=False, imported={"boft_R": "boft_R"}, convert_in=_convert_in)

@@ -24,8 +24,9 @@ base weight and is cast to the base dtype before the square roots, as peft does.
 peft format (``TinyLoraConfig``): per layer ``tinylora_A``, ``tinylora_B`` and, with
 ``save_projection`` (default), ``tinylora_P``; ``base_model.tinylora_v.<g>`` once per group.
 Without ``save_projection`` the projections are re-drawn from the seed on load, as peft does.
-Differences from peft: ``nn.Embedding`` targets are not offered (linear and GPT-2 ``Conv1D``
-only); a rank above ``min(d_in, d_out)`` is refused (peft truncates it to that); ``init_weights
+A rank above a layer's ``min(d_in, d_out)`` is lowered to it on that layer, as peft does
+(:func:`layer_ranks`; the config keeps ``r``). Differences from peft: ``nn.Embedding`` targets
+are not offered (linear and GPT-2 ``Conv1D`` only); ``init_weights
 =False`` (peft leaves ``v`` as uninitialised memory) reads as ``init="zero"``, which only acts at
 init (a checkpoint's ``v`` is its own).
 """
@@ -86,6 +87,12 @@ def init(
     return {}, {"tinylora_A": a.to(dtype).contiguous(), "tinylora_B": b.to(dtype).contiguous(), "tinylora_P": p.to(weight.device, dtype)}
 
 
+def layer_ranks(r: int, infos: Mapping[str, LayerInfo]) -> dict[str, int]:
+    """Each layer's rank: ``r``, lowered to ``min(d_in, d_out)`` on a layer that has fewer
+    singular directions (peft's ``actual_r``; its config keeps ``r``)."""
+    return {module: min(r, info.d_in, info.d_out) for module, info in infos.items()}
+
+
 def core(params: TensorDict, buffers: TensorDict, info: LayerInfo) -> Tensor:
     """``R = Σ_i v_i P_i (r, r)`` with the layer's group's vector."""
     _, group = groups(info)
@@ -129,5 +136,6 @@ VARIANT = Variant(
     },
     default_alpha=1.0,
     shared_init=shared_init,
+    layer_ranks=layer_ranks,
 )
 PEFT = PeftFormat(PeftMethod("TINYLORA", rank=("r", None)))
