@@ -22,7 +22,7 @@ from lora_func.adapter import AdapterLayer, SharedTensors
 from lora_func.checks import check_model
 from lora_func.quantized import kind_of_tensor
 from lora_func.spec import AdapterSpec
-from lora_func.targeting import Target, canonical_weight, close_names, kind_of_layout
+from lora_func.targeting import CONV_LAYOUTS, Target, canonical_weight, close_names, kind_of_layout
 from lora_func.variants import LayerInfo, TensorDict, Variant
 
 __all__ = [
@@ -133,7 +133,7 @@ def layer_info(spec: AdapterSpec, target: Target, *, r: int | None = None, alpha
         alpha=spec.alpha if alpha is None else alpha,
         has_bias=target.bias_key is not None,
         options=spec.options,
-        kernel=target.shape[2:] if target.layout == "conv" else (),
+        kernel=target.shape[2:] if target.layout in CONV_LAYOUTS else (),
         kind=kind_of_layout(target.layout),
     )
 

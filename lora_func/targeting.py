@@ -10,6 +10,11 @@ weight maps to the canonical ``(d_out, d_in)`` view that variants see:
 - ``"conv"``: ``nn.Conv1d/2d/3d`` (``groups=1``), stored ``(out, in, *kernel)``: canonical
   ``(out, in·prod(kernel))`` (peft's conv LoRA: ``A`` a conv with the base kernel to ``r``
   channels, ``B`` a 1x1 conv, is ``B·A`` in this view);
+- ``"grouped_conv"``: ``nn.Conv1d/2d/3d`` with ``groups > 1``, stored ``(out, in/groups, *kernel)``:
+  canonical ``(out, in/groups·prod(kernel))``, the grouped kernel itself, so an update made in it
+  stays grouped (peft's LoHa, LoKr, IA3 on the outputs); a kind of its own because peft's conv
+  LoRA and DoRA adapt such a layer with a dense ``(out, in, *kernel)`` update that the grouped
+  layer cannot hold;
 - ``"norm"``: ``nn.LayerNorm`` and ``*RMSNorm`` / ``*LayerNorm`` modules with a 1-D weight
   ``(d,)``: ``d_in = d_out = d``, the canonical view is the weight itself;
 - ``"experts"``: a 3-D parameter of a MoE layer (``AdapterSpec(target_parameters=...)``), one
@@ -37,6 +42,7 @@ from lora_func.variants import Variant, get_variant
 
 __all__ = [
     "ALL_LINEAR",
+    "CONV_LAYOUTS",
     "EXPERT_LAYOUTS",
     "KINDS",
     "MERGED_ONLY",
@@ -70,15 +76,18 @@ KINDS = {
     "conv1d": "transformers Conv1D",
     "embedding": "nn.Embedding",
     "conv": "nn.Conv1d/2d/3d",
+    "grouped_conv": "nn.Conv1d/2d/3d with groups > 1",
     "norm": "LayerNorm / RMSNorm",
     "experts": "3-D MoE expert parameter",
 }
 # Layouts of the "experts" kind: (E, d_out, d_in) stored, or (E, d_in, d_out) (is_transposed).
 EXPERT_LAYOUTS = ("experts", "experts_t")
+# Layouts stored (out, in/groups, *kernel): their canonical view flattens the kernel's axes.
+CONV_LAYOUTS = ("conv", "grouped_conv")
 # Layouts the overlays apply through the merged weight only (a parameter overlay of W_eff):
 # their layer op is not a matmul of x (a lookup, a convolution, a normalisation, a per-expert
 # loop or grouped_mm), so no lazy stand-in intercepts it.
-MERGED_ONLY = frozenset({"embedding", "conv", "norm", *EXPERT_LAYOUTS})
+MERGED_ONLY = frozenset({"embedding", *CONV_LAYOUTS, "norm", *EXPERT_LAYOUTS})
 
 
 def kind_of_layout(layout: str) -> str:
@@ -141,7 +150,7 @@ def layer_kind(module: nn.Module) -> str | None:
     if isinstance(module, nn.Embedding):
         return "embedding"
     if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
-        return "conv" if module.groups == 1 else None
+        return "conv" if module.groups == 1 else "grouped_conv"
     weight = getattr(module, "weight", None)
     if isinstance(module, nn.LayerNorm) or (
         type(module).__name__.endswith(("RMSNorm", "LayerNorm")) and isinstance(weight, Tensor) and weight.dim() == 1
@@ -184,7 +193,7 @@ def canonical_weight(weight: Tensor, layout: str) -> Tensor:
     an expert parameter, the weight itself for a norm's ``(d,)``."""
     if layout in ("conv1d", "embedding"):
         return weight.T
-    if layout == "conv":
+    if layout in CONV_LAYOUTS:
         return weight.flatten(1)
     if layout == "experts_t":
         return weight.transpose(-1, -2)
@@ -193,10 +202,10 @@ def canonical_weight(weight: Tensor, layout: str) -> Tensor:
 
 def stored_weight(weight: Tensor, layout: str, shape: Sequence[int] | None = None) -> Tensor:
     """Back from the canonical view to the layout the model stores; ``shape``: the stored
-    shape, needed for ``"conv"`` (the kernel's axes)."""
+    shape, needed for the conv layouts (the kernel's axes)."""
     if layout in ("conv1d", "embedding"):
         return weight.T
-    if layout == "conv":
+    if layout in CONV_LAYOUTS:
         assert shape is not None, "a conv weight's stored shape"
         return weight.reshape(shape)
     if layout == "experts_t":
@@ -256,10 +265,7 @@ def _did_you_mean(wanted: list[str], modules: list[tuple[str, nn.Module]]) -> st
 
 
 def no_kind(module: nn.Module) -> str:
-    """What a module of no kind is, for the refusal: its class, and a grouped conv's groups (the
-    conv kind's canonical view holds one kernel over all input channels)."""
-    if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
-        return f"{type(module).__name__} with groups={module.groups}; conv layers are adapted with groups=1 only"
+    """What a module of no kind is, for the refusal: its class."""
     return type(module).__name__
 
 
@@ -269,7 +275,7 @@ def _sizes(kind: str, shape: Sequence[int]) -> tuple[int, int]:
         return shape[1], shape[0]
     if kind in ("conv1d", "embedding"):
         return shape[0], shape[1]
-    if kind == "conv":
+    if kind in CONV_LAYOUTS:
         return math.prod(shape[1:]), shape[0]
     if kind == "norm":
         return shape[0], shape[0]
@@ -321,11 +327,21 @@ def refuse_kinds(variant: Variant, kinds: Sequence[tuple[str, str]], where: str)
     refused = sorted({f"{module} ({kind})" for module, kind in kinds if kind not in variant.kinds})
     if refused:
         supported = [f"{k} ({KINDS[k]})" for k in KINDS if k in variant.kinds]
+        why = "".join(sorted({_WHY_NOT.get(kind, "") for _, kind in kinds if kind not in variant.kinds}))
         raise ValueError(  # error: variant-kind-unsupported
             f"{where}: variant {variant.name!r} cannot adapt {refused[:5]}{' ...' if len(refused) > 5 else ''}; "
-            f"{variant.name} adapts {', '.join(supported)}. Leave those out of the targets, or pick a variant that adapts "
-            f"them (lora adapts every kind but norms; ln_tuning adapts norms, Linear and Conv1D)"
+            f"{variant.name} adapts {', '.join(supported)}.{why} Leave those out of the targets, or pick a variant that adapts "
+            f"them (lora adapts every kind but norms and grouped convs; ln_tuning adapts norms, Linear and Conv1D)"
         )
+
+
+# Why a kind is not adapted by some variants, where that is not the variant's own choice.
+_WHY_NOT = {
+    "grouped_conv": (
+        " A grouped conv (groups > 1) is adapted in its grouped kernel (loha, lokr, ia3); peft's conv LoRA and DoRA add "
+        "a dense (out, in, *kernel) update there, which the grouped layer cannot hold."
+    ),
+}
 
 
 def find_targets(model: nn.Module, spec: AdapterSpec, where: str = "init_adapter") -> list[Target]:
@@ -407,7 +423,7 @@ def find_targets(model: nn.Module, spec: AdapterSpec, where: str = "init_adapter
                 d_in=int(d_in),
                 d_out=int(d_out),
                 tied_keys=others,
-                shape=tuple(int(n) for n in shape) if layout in ("conv", *EXPERT_LAYOUTS) else (),
+                shape=tuple(int(n) for n in shape) if layout in (*CONV_LAYOUTS, *EXPERT_LAYOUTS) else (),
             )
         )
     check_kinds(get_variant(spec.variant), targets, where)

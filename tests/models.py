@@ -36,6 +36,7 @@ DEFAULT_TARGETS |= {
     "llama_embedding": ["embed_tokens"],
     "gpt2_norm": ["ln_1", "ln_f"],
     "convlm": ["seq", "grid"],
+    "gconvlm": ["seq", "grid"],
     "mixtral": [],
 }
 # Extra AdapterSpec arguments per model (expert parameters are named by target_parameters).
@@ -46,6 +47,7 @@ LAYER_KIND_MODEL = {
     "conv1d": "gpt2",
     "embedding": "llama_embedding",
     "conv": "convlm",
+    "grouped_conv": "gconvlm",
     "norm": "gpt2_norm",
     "experts": "mixtral",
 }
@@ -72,12 +74,21 @@ class ConvLM(nn.Module):
         return CausalLMOutput(logits=self.head(h.transpose(1, 2)))
 
 
+class GroupedConvLM(ConvLM):
+    """:class:`ConvLM` with grouped convolutions: ``seq`` in 4 groups, ``grid`` in 2."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seq = nn.Conv1d(16, 16, 3, padding=2, groups=4)
+        self.grid = nn.Conv2d(4, 4, (3, 2), padding=(1, 1), groups=2, bias=False)
+
+
 def tiny_model(kind: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:
     """A 2-layer model with hidden size 32, random weights from ``seed``, eval mode, eager attention
     (SDPA has no vmap batching rule on CPU and warns)."""
     torch.manual_seed(seed)
-    if kind == "convlm":
-        model = ConvLM()
+    if kind in ("convlm", "gconvlm"):
+        model = ConvLM() if kind == "convlm" else GroupedConvLM()
         with torch.no_grad():
             for p in model.parameters():
                 p.normal_(0.0, INIT_RANGE)

@@ -1268,6 +1268,9 @@ def _loha_on_conv3d(ctx: Ctx) -> tuple[Any, nn.Module | None]:
 CASES.update(
     {
         "lycoris-conv-dropout": Case(init("lokr", ["grid"], kind="convlm", r=2, module_dropout=0.1), ("lokr", "grid", "kernel (3, 2)", "module_dropout=0.1")),
+        "save-peft-conv-kind": Case(
+            save_peft_of(lambda ctx: (lf.init_adapter(ctx.model("convlm"), lf.AdapterSpec("ia3", targets=["seq"])), None)), ("IA3", "nn.Conv1d", "(3,)")
+        ),
         "save-peft-lycoris-conv3d": Case(save_peft_of(_loha_on_conv3d), ("loha", "(2, 2, 2)", "lora_func.save")),
     }
 )
@@ -1891,7 +1894,7 @@ def _experts_checkpoint(edit: Callable[[Path, dict[str, Any]], None]) -> Callabl
 
 CASES.update(
     {
-        "variant-kind-unsupported": Case(init("dora", ["embed_tokens", "q_proj"]), ("'dora'", "model.embed_tokens (embedding)", "linear (nn.Linear)")),
+        "variant-kind-unsupported": Case(init("hra", ["embed_tokens", "q_proj"]), ("'hra'", "model.embed_tokens (embedding)", "linear (nn.Linear)")),
         "spec-target-parameters": Case(spec("lora", [], target_parameters="gate_up_proj"), ("'gate_up_proj'",)),
         "target-parameters-unmatched": Case(init("lora", [], kind="mixtral", target_parameters=["gate_proj"]), ("['gate_proj']", "gate_up_proj")),
         "target-parameter-not-3d": Case(init("lora", [], target_parameters=[f"{Q}.weight"]), (f"{Q}.weight", "(32, 32)")),

@@ -18,12 +18,14 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+import peft
 from peft import BOFTConfig, LNTuningConfig, LoHaConfig, LoKrConfig, LoraConfig, PeftModel, TinyLoraConfig, get_peft_model
 from torch import nn
 from torch.func import grad
 from transformers import MixtralConfig, MixtralForCausalLM
 
 import lora_func as lf
+from lora_func.adapter import leaves
 from tests.models import tiny_model, tokens
 from tests.peft_helpers import ce_loss
 
@@ -129,6 +131,44 @@ def _square_mean(out, x):
     return out.square().mean()
 
 
+class ConvZoo(nn.Module):
+    """Every conv peft adapts somewhere: ``nn.Conv2d`` / ``Conv3d`` / ``Conv1d`` (kernel 3, padding 1),
+    each also with ``groups > 1``, then a Linear head; input ``(B, 4, 6, 6)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv2 = nn.Conv2d(4, 8, 3, padding=1)
+        self.grp2 = nn.Conv2d(8, 8, 3, padding=1, groups=2)
+        self.conv3 = nn.Conv3d(2, 2, 3, padding=1)
+        self.grp3 = nn.Conv3d(2, 2, (1, 3, 3), padding=(0, 1, 1), groups=2)
+        self.conv1 = nn.Conv1d(8, 8, 3, padding=1)
+        self.grp1 = nn.Conv1d(8, 8, 3, padding=1, groups=4)
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.grp2(torch.tanh(self.conv2(x))))
+        b = h.shape[0]
+        v = torch.tanh(self.grp3(torch.tanh(self.conv3(h.reshape(b, 2, 4, 6, 6)))))
+        s = torch.tanh(self.grp1(torch.tanh(self.conv1(v.reshape(b, 8, 36)))))
+        return self.head(s.mean(-1))
+
+
+def _zoo(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    model = ConvZoo().to(torch.float64).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.3)  # weights large enough that every layer moves the output
+    return model
+
+
+def _zoo_input():
+    return torch.randn(2, 4, 6, 6, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+
+
+_PLAIN_CONVS = ["conv2", "conv3", "conv1"]
+
+
 def _mixtral(implementation: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     config = MixtralConfig(
@@ -150,12 +190,17 @@ def _peft(model: nn.Module, config) -> nn.Module:
     return out.eval()
 
 
+def _trained(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """peft's trainable parameters, sorted by name (AdaLoRA's ``ranknum``, a constant peft leaves
+    requiring grad and does not save, left out)."""
+    return [(n, p) for n, p in sorted(model.named_parameters()) if p.requires_grad and ".ranknum." not in n]
+
+
 def _perturb(model: nn.Module, seed: int = 5, scale: float = 0.1) -> None:
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for _, p in sorted(model.named_parameters()):
-            if p.requires_grad:
-                p.add_(scale * torch.randn(p.shape, generator=g, dtype=p.dtype))
+        for _, p in _trained(model):
+            p.add_(scale * torch.randn(p.shape, generator=g, dtype=p.dtype))
 
 
 def _save_pretrained(model: nn.Module, path) -> None:
@@ -167,6 +212,8 @@ def _save_pretrained(model: nn.Module, path) -> None:
 def _from_pretrained(base: nn.Module, path) -> nn.Module:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
+        # save_peft writes no peft_version: peft's OFT then warns its Cayley-Neumann form changed in 0.18
+        warnings.filterwarnings("ignore", "The cayley-neumann parameterization has been slightly changed", UserWarning)
         warnings.filterwarnings("ignore", "Unsupported layer type", UserWarning)
         return PeftModel.from_pretrained(base, path).eval()
 
@@ -237,6 +284,28 @@ CASES = {
     "tinylora-rank-above-a-layer": (
         _mlp, lambda: TinyLoraConfig(target_modules=["lin1", "lin2"], r=12, u=3), _mlp_input, _square_mean, 1e-9,
     ),
+    # the layer kinds peft adapts for each method, with and without groups where peft has them
+    "dora-conv": (_zoo, lambda: LoraConfig(r=R, lora_alpha=ALPHA, use_dora=True, target_modules=_PLAIN_CONVS), _zoo_input, _square_mean, 1e-9),
+    "dora-embedding": (
+        _llama64, lambda: LoraConfig(r=R, lora_alpha=ALPHA, use_dora=True, target_modules=["embed_tokens", "q_proj"]), _tokens_with_padding, _lm_loss, 1e-9,
+    ),
+    "hira-conv": (_zoo, lambda: peft.HiraConfig(r=R, target_modules=_PLAIN_CONVS), _zoo_input, _square_mean, 1e-9),
+    "ia3-conv": (
+        _zoo, lambda: peft.IA3Config(target_modules=["conv2", "grp2", "conv3", "grp3"], feedforward_modules=["conv3"]),
+        _zoo_input, _square_mean, 1e-9,
+    ),
+    # peft's OFT conv forward is not its merge (below): the oracle is its merged kernel
+    "oft-conv": (_zoo, lambda: peft.OFTConfig(r=0, oft_block_size=4, target_modules=["conv2"]), _zoo_input, _square_mean, 1e-9),
+    "hra-conv": (_zoo, lambda: peft.HRAConfig(r=2, target_modules=["conv2"]), _zoo_input, _square_mean, 1e-9),
+    "boft-conv": (_zoo, lambda: BOFTConfig(boft_block_size=4, target_modules=["conv2"]), _zoo_input, _square_mean, 1e-9),
+    "adalora-conv": (
+        _zoo, lambda: peft.AdaLoraConfig(init_r=R, target_r=2, total_step=10, target_modules=["conv2"]), _zoo_input, _square_mean, 1e-9,
+    ),
+    "loha-grouped-conv": (_zoo, lambda: LoHaConfig(r=2, alpha=ALPHA, target_modules=["grp2", "grp1"]), _zoo_input, _square_mean, 1e-9),
+    "lokr-grouped-conv": (_zoo, lambda: LoKrConfig(r=2, alpha=ALPHA, target_modules=["grp2", "grp1"]), _zoo_input, _square_mean, 1e-9),
+    "tinylora-embedding": (
+        _llama64, lambda: TinyLoraConfig(r=R, u=3, target_modules=["embed_tokens", "q_proj"]), _tokens_with_padding, _lm_loss, 1e-9,
+    ),
     "ln_tuning-rmsnorm": (_llama64, lambda: LNTuningConfig(target_modules=["input_layernorm", "norm"]), tokens, _lm_loss, 1e-9),
     "ln_tuning-layernorm": (
         lambda seed=0: tiny_model("gpt2", seed=seed, dtype=torch.float64),
@@ -253,7 +322,7 @@ CASES = {
 def _peft_grads(peft_model, inputs, loss) -> dict[str, torch.Tensor]:
     peft_model.zero_grad()
     loss(peft_model(inputs), inputs).backward()
-    return {n: p.grad.detach().clone() for n, p in peft_model.named_parameters() if p.requires_grad}
+    return {n: p.grad.detach().clone() for n, p in _trained(peft_model)}
 
 
 def _as_peft(adapter: lf.Adapter, tensors: dict[str, torch.Tensor], tmp_path) -> dict[str, torch.Tensor]:
@@ -268,7 +337,8 @@ def _as_peft(adapter: lf.Adapter, tensors: dict[str, torch.Tensor], tmp_path) ->
 def _peft_key(name: str) -> str:
     """peft's parameter name -> its key in the checkpoint (no adapter name; a tensor held once
     for every layer, TinyLoRA's vectors, under ``base_model.``)."""
-    return re.sub(r"^base_model\.model\..*\.tinylora_v\.", "base_model.tinylora_v.", name.replace(".default", ""))
+    key = re.sub(r"^base_model\.model\..*\.tinylora_v\.", "base_model.tinylora_v.", name.replace(".default", ""))
+    return key.removesuffix(".weight") if key.endswith("lora_magnitude_vector.weight") else key
 
 
 class _BlockDiag:
@@ -289,6 +359,18 @@ def _make_kron_mended(w1, w2, scale=1.0):
     return torch.kron(w1.clone(memory_format=torch.contiguous_format), w2.clone(memory_format=torch.contiguous_format)) * scale
 
 
+def _oft_conv_merged(self, x, *args, **kwargs):
+    """peft's OFT ``Conv2d`` as its merge computes it (``merge``: ``W ← (R W_flatᵀ)ᵀ``), under autograd.
+    peft 0.21.2's own forward rotates unfolded patches of the input (stride 1, no padding) and folds
+    them back, summing the overlaps: not the identity even at ``R = I`` (checked in the fixture),
+    and not its merge."""
+    base = self.get_base_layer()
+    rotation = self.oft_R["default"].get_weight()
+    flat = base.weight.reshape(base.weight.shape[0], -1)
+    merged = (rotation @ flat.T.to(rotation.dtype)).T.reshape(base.weight.shape).to(x.dtype)
+    return F.conv2d(x, merged, base.bias, base.stride, base.padding, base.dilation, base.groups)
+
+
 @pytest.fixture(scope="module", params=sorted(CASES))
 def case(request, tmp_path_factory):
     build, config, inputs, loss, rtol = CASES[request.param]
@@ -302,6 +384,14 @@ def case(request, tmp_path_factory):
 
         mend.setattr(lokr_layer, "make_kron", _make_kron_mended)
     peft_model = _peft(build(), config())
+    if request.param == "oft-conv":
+        import peft.tuners.oft.layer as oft_layer
+
+        x = inputs()
+        own_at_init = peft_model(x)
+        assert (own_at_init - build()(x)).abs().max() > 1e-2, "peft's OFT conv forward is the identity at init: use it as the oracle"
+        mend.setattr(oft_layer.Conv2d, "forward", _oft_conv_merged)
+        torch.testing.assert_close(peft_model(x), build()(x), rtol=1e-12, atol=1e-12)  # the merge is
     _perturb(peft_model)
     path = tmp_path_factory.mktemp(request.param)
     _save_pretrained(peft_model, path)
@@ -359,7 +449,7 @@ def test_load_peft_gives_peft_gradients_per_tensor(case, tmp_path, monkeypatch):
     as_peft = _as_peft(case.adapter, got, tmp_path)
     want = {_peft_key(k): v for k, v in want.items()}
     # save_peft writes the buffers too (TinyLoRA's frozen factors): every other key is a gradient
-    frozen = {slot.peft_key("") for slot in case.adapter.variant.tensors.values() if slot.buffer}
+    frozen = {slot.peft_key("") for _, leaf in leaves(case.adapter) for slot in leaf.variant.tensors.values() if slot.buffer}
     assert sorted(k for k in as_peft if k.rsplit(".", 1)[-1] not in frozen) == sorted(want)
     for key, g in want.items():
         assert g.abs().max() > 0, f"peft's {key} gets no gradient: the case cannot tell"
@@ -374,7 +464,7 @@ def test_load_peft_gives_peft_gradients_per_tensor(case, tmp_path, monkeypatch):
     # Every route gives the same gradients: lazy (the embedding's gather) and merged, overlay and
     # module. On ids without the padding id: a lookup in the merged table with padding_idx stops
     # the padding rows' gradient to lora_B too, where peft's (and the lazy) form only stops lora_A's.
-    x = tokens() if case.name == "embedding" else case.x
+    x = tokens() if "embedding" in case.name else case.x
 
     def routed(params, route="overlay", merged=False):
         return case.loss(lf.adapted_call(case.model, case.adapter.with_params(params), x, route=route, merged=merged), x)
@@ -399,7 +489,7 @@ def test_save_peft_loads_in_peft_with_the_same_outputs(case, tmp_path):
 
             # every factor asked for: peft without its extension builds one and refuses the file,
             # peft with it (emulated on the CPU) loads it
-            with pytest.raises(RuntimeError, match="size mismatch for base_model.model.lin1.boft_R"):
+            with pytest.raises(RuntimeError, match=r"size mismatch for base_model\.model\.lin1\.boft_R"):
                 _from_pretrained(case.build(), tmp_path)
             mend.setattr(boft_layer, "_FBD_CUDA", object())
             mend.setattr(boft_layer, "FastBlockDiag", _BlockDiag)
@@ -444,3 +534,66 @@ def test_conv_inits_draw_peft_s_numbers(variant, config, tmp_path):
     assert sorted(got) == sorted(want)
     for key, tensor in want.items():
         assert torch.equal(got[key].to(tensor.dtype), tensor), key
+
+
+
+def _redraw_lora(layer, cfg):
+    layer.reset_lora_parameters("default", True)
+    dora = layer.lora_magnitude_vector["default"]
+    a, b = (layer.lora_embedding_A["default"], layer.lora_embedding_B["default"]) if layer.lora_embedding_A else (
+        layer.lora_A["default"].weight, layer.lora_B["default"].weight)
+    dora.update_layer(base_layer=layer.get_base_layer(), lora_A=a, lora_B=b, scaling=layer.scaling["default"])
+
+
+# case -> (variant, peft config, model builder, spec options, peft's init of one layer from the global RNG)
+KIND_INITS = {
+    "dora-conv": ("dora", lambda: LoraConfig(r=R, lora_alpha=ALPHA, use_dora=True, target_modules=_PLAIN_CONVS), _zoo, {}, _redraw_lora),
+    # peft's embedding init: A = 0, B ~ N(0, 1)
+    "dora-embedding": (
+        "dora", lambda: LoraConfig(r=R, lora_alpha=ALPHA, use_dora=True, target_modules=["embed_tokens", "q_proj"]), _llama64, {}, _redraw_lora,
+    ),
+    "hira-conv-random": (
+        "hira", lambda: peft.HiraConfig(r=R, target_modules=_PLAIN_CONVS, init_weights=False), _zoo, {"init": "random"},
+        lambda layer, cfg: layer.update_layer("default", R, cfg),
+    ),
+    "boft-conv-random": (
+        "boft", lambda: BOFTConfig(boft_block_size=4, target_modules=["conv2"], init_weights=False), _zoo, {"init": "random", "boft_block_size": 4},
+        lambda layer, cfg: layer.reset_boft_parameters("default", False),
+    ),
+    # no draws: the SVD of the stored (V, d) table and the seeded projections, as peft's
+    "tinylora-embedding": ("tinylora", lambda: TinyLoraConfig(r=R, u=3, target_modules=["embed_tokens", "q_proj"]), _llama64, {"u": 3}, None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(KIND_INITS))
+def test_inits_on_the_new_kinds_draw_peft_s_numbers(case, tmp_path):
+    """``init_adapter`` on convs and embeddings gives peft's tensors, trainable and frozen: each
+    layer's init from a generator seeded as peft's global RNG draws peft's numbers in its order and
+    shapes (a conv factor's ``(r, in·K)`` view is its ``(r, in, *k)`` in memory order), with peft's
+    embedding inits and its SVD of the stored table (fp32 models: peft draws in the weight's dtype)."""
+    variant, config, build, options, redraw = KIND_INITS[case]
+    cfg = config()
+    with pytest.MonkeyPatch.context() as mend:
+        if variant == "boft":
+            import peft.tuners.boft.layer as boft_layer
+
+            mend.setattr(boft_layer, "_FBD_CUDA", False)
+        peft_model = _peft(build().float(), cfg)  # fp32: a float64 draw is another number
+    model = build().float()
+
+    def spec(targets):
+        return lf.AdapterSpec(variant, targets=targets, r=cfg.r if variant != "boft" else 1, alpha=ALPHA, **options)
+
+    targets = [layer.target.module for layer in lf.init_adapter(model, spec(list(cfg.target_modules))).layers]
+    modules = dict(peft_model.named_modules())
+    # one layer at a time, re-seeded (peft's layer constructors draw too); no draws: all at once
+    for names in [[name] for name in targets] if redraw is not None else [targets]:
+        if redraw is not None:
+            torch.manual_seed(11)
+            redraw(modules[f"base_model.model.{names[0]}"], cfg)
+        own = lf.init_adapter(model, spec(names), generator=torch.Generator().manual_seed(11))
+        got = _as_peft(own, dict(own.params), tmp_path / names[0])
+        want = {_peft_key(n): t for n, t in peft_model.state_dict().items() if _peft_key(n) in got}
+        assert want and set(got) <= set(want) | {k for k in got if "tinylora_v" in k}, (sorted(got), sorted(want))
+        for key, tensor in want.items():
+            assert torch.equal(got[key], tensor), key

@@ -86,9 +86,9 @@ def stored(variant: Variant, fmt: PeftFormat, found: Mapping[str, Tensor], targe
         suffix = slot.peft_key(kind) if slot is not None else imported.get(name)
         if suffix is None:
             continue  # a tensor peft's file does not hold (re-created on load)
-        if fmt.reshape is not None:
-            tensor = fmt.reshape(kind, name, tensor, stored_shape(target), True)
-        out[suffix] = tensor.unsqueeze(slot.matrix) if slot is not None and slot.matrix is not None else tensor
+        if slot is not None and slot.matrix is not None:
+            tensor = tensor.unsqueeze(slot.matrix)  # as peft's Linear layers hold it; a reshape maps it on from there
+        out[suffix] = fmt.reshape(kind, name, tensor, stored_shape(target), True) if fmt.reshape is not None else tensor
     return out
 
 def suffixes(peft_type: str) -> dict[str, str]:

@@ -59,7 +59,7 @@ from lora_func.checks import check_float_targets, check_model, check_path
 from lora_func.io._files import read_safetensors, safetensors_write, write_file
 from lora_func.quantized import logical_shape
 from lora_func.spec import LAYER_TYPES, AdapterSpec
-from lora_func.targeting import EXPERT_LAYOUTS, Target, check_kinds, kind_of_layout, module_kind, stored_shape
+from lora_func.targeting import CONV_LAYOUTS, EXPERT_LAYOUTS, Target, check_kinds, kind_of_layout, module_kind, stored_shape
 from lora_func.variants import LayerInfo, get_variant
 
 __all__ = ["load", "save"]
@@ -95,7 +95,7 @@ def _layer_to_json(layer: AdapterLayer) -> dict:
 def _layer_from_json(data: dict) -> AdapterLayer:
     info, target = data["info"], Target.from_dict(data["target"])
     # a conv target's kernel comes from its stored shape (layer_info's rule), not from the file
-    kernel = target.shape[2:] if target.layout == "conv" else ()
+    kernel = target.shape[2:] if target.layout in CONV_LAYOUTS else ()
     return AdapterLayer(
         target=target,
         info=LayerInfo(**(info | {"options": tuple((k, v) for k, v in info["options"]), "kernel": kernel, "kind": kind_of_layout(target.layout)})),

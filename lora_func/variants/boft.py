@@ -46,6 +46,7 @@ import torch
 from einops import rearrange
 from torch import Tensor
 
+from lora_func.variants._conv import CONV_KINDS, peft_conv_layers
 from lora_func.variants import BaseLayer, LayerInfo, Option, PeftFormat, PeftMethod, Slot, TensorDict, Variant, mapped, one_of, real, whole
 from lora_func.variants._orthogonal import cayley, rotate_blocks
 
@@ -83,8 +84,9 @@ def init(
 ) -> tuple[TensorDict, TensorDict]:
     m, k, b = layer_blocks(info.d_in, dict(info.options))
     if info.option("init") == "random":
-        blocks = torch.randn((m, k, b, b), generator=generator, dtype=torch.float32) * 0.1
-        scale = 1.0 + torch.randn((info.d_out,), generator=generator, dtype=torch.float32) * 0.1
+        # peft's normal_(std=0.1) and normal_(mean=1, std=0.1), draw for draw and bit for bit
+        blocks = torch.empty((m, k, b, b), dtype=torch.float32).normal_(0.0, 0.1, generator=generator)
+        scale = torch.empty((info.d_out,), dtype=torch.float32).normal_(1.0, 0.1, generator=generator)
     else:
         blocks, scale = torch.zeros((m, k, b, b), dtype=torch.float32), torch.ones((info.d_out,), dtype=torch.float32)
     return {"boft_R": blocks.to(weight.device, dtype), "boft_s": scale.to(weight.device, dtype)}, {}
@@ -191,6 +193,13 @@ def _convert_in(found: TensorDict, options: Mapping[str, Any]) -> TensorDict:
     return {**found, "boft_R": torch.cat([blocks, blocks.new_zeros((factors - 1, *blocks.shape[1:]))])}
 
 
+def _reshape(kind: str, name: str, tensor: Tensor, shape: tuple[int, ...], to_peft: bool) -> Tensor:
+    """``boft_s`` on a conv: peft's ``(1, d_out)`` for the ``(d_out, 1)`` of its Linear layers."""
+    if kind not in CONV_KINDS or name != "boft_s" or tensor.dim() != 2:
+        return tensor
+    return tensor.transpose(0, 1) if (tensor.shape[1] if to_peft else tensor.shape[0]) == 1 else tensor
+
+
 VARIANT = Variant(
     name="boft",
     init=init,
@@ -210,7 +219,16 @@ VARIANT = Variant(
     },
     check=check_options,
     default_alpha=1.0,
+    kind_forms={"linear": None, "conv1d": None, "conv": None},
 )
 # A checkpoint peft wrote without its CUDA extension holds one factor whatever the config says:
 # boft_R goes through _convert_in (its own imported name).
-PEFT = PeftFormat(PeftMethod("BOFT"), conv1d=False, imported={"boft_R": "boft_R"}, convert_in=_convert_in)
+# peft's BOFT adapts nn.Conv2d with square kernels, boft_s stored (1, d_out) there.
+PEFT = PeftFormat(
+    PeftMethod("BOFT"),
+    conv1d=False,
+    imported={"boft_R": "boft_R"},
+    convert_in=_convert_in,
+    export=peft_conv_layers("BOFT", (2,), square=True),
+    reshape=_reshape,
+)
