@@ -58,8 +58,10 @@ def test_targets_are_exactly_the_requested_layers(row, kind):
     model_kind = LAYER_KIND_MODEL[kind]
     wanted = (row.targets or DEFAULT_TARGETS).get(model_kind, DEFAULT_TARGETS[model_kind])
     wanted = [*wanted, *MODEL_SPEC.get(model_kind, {}).get("target_parameters", [])]
-    names = [n for n, _ in model.named_modules()] + [n for n, p in model.named_parameters() if p.dim() == 3]
+    names = [n for n, _ in model.named_modules()] + [n for n, p in model.named_parameters() if p.dim() in (2, 3) and "." in n]
     expected = sorted(n for n in names if any(n == t or n.endswith("." + t) for t in wanted))
+    if kind == "mha":  # an attention is two targets: its in_proj (named as the attention) and its out_proj
+        expected = sorted([*expected, *(f"{n}.out_proj" for n in expected)])
     assert sorted(layer.target.module for layer in adapter.layers) == expected
     assert {kind_of_layout(layer.target.layout) for layer in adapter.layers} == {kind}
 

@@ -1271,6 +1271,10 @@ CASES.update(
         "save-peft-conv-kind": Case(
             save_peft_of(lambda ctx: (lf.init_adapter(ctx.model("convlm"), lf.AdapterSpec("ia3", targets=["seq"])), None)), ("IA3", "nn.Conv1d", "(3,)")
         ),
+        "save-peft-out-proj-alone": Case(
+            save_peft_of(lambda ctx: (lf.init_adapter(ctx.model("attention"), lf.AdapterSpec("lora", targets=["attn.out_proj"], r=2)), None)),
+            ("['attn.out_proj']", "nn.MultiheadAttention"),
+        ),
         "save-peft-lycoris-conv3d": Case(save_peft_of(_loha_on_conv3d), ("loha", "(2, 2, 2)", "lora_func.save")),
     }
 )
@@ -1897,7 +1901,7 @@ CASES.update(
         "variant-kind-unsupported": Case(init("hra", ["embed_tokens", "q_proj"]), ("'hra'", "model.embed_tokens (embedding)", "linear (nn.Linear)")),
         "spec-target-parameters": Case(spec("lora", [], target_parameters="gate_up_proj"), ("'gate_up_proj'",)),
         "target-parameters-unmatched": Case(init("lora", [], kind="mixtral", target_parameters=["gate_proj"]), ("['gate_proj']", "gate_up_proj")),
-        "target-parameter-not-3d": Case(init("lora", [], target_parameters=[f"{Q}.weight"]), (f"{Q}.weight", "(32, 32)")),
+        "target-parameter-dims": Case(init("lora", [], target_parameters=[f"{Q}.bias"]), (f"{Q}.bias", "(32,)")),
         "kind-quantized-or-sharded": Case(_quantized_embedding, ("model.embed_tokens.weight", "embedding")),
         "mixed-route-kind": Case(
             lambda ctx: (lambda m, a: lambda: lf.mixed_adapted_call(m, [a, a], torch.tensor([0, 1]), IDS))(

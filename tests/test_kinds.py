@@ -20,6 +20,8 @@ NEW_KINDS = {
     "embedding": ("llama", ["embed_tokens"], {}),
     "conv": ("convlm", ["seq", "grid"], {}),
     "grouped_conv": ("gconvlm", ["seq", "grid"], {}),
+    "parameter": ("parameters", [], {"target_parameters": ["hold.w"]}),
+    "mha": ("attention", ["attn"], {}),
     "norm": ("gpt2", ["ln_1", "ln_f"], {}),
     "experts": ("mixtral", [], {"target_parameters": ["gate_up_proj", "down_proj"]}),
 }
@@ -51,7 +53,7 @@ def test_every_variant_adapts_a_kind_or_refuses_it_clearly(variant, kind, models
 
 
 def test_lora_and_ln_tuning_declare_their_kinds():
-    assert lf.get_variant("lora").kinds == {"linear", "conv1d", "embedding", "conv", "experts"}
+    assert lf.get_variant("lora").kinds == {"linear", "conv1d", "embedding", "conv", "experts", "parameter", "mha"}
     assert lf.get_variant("ln_tuning").kinds == {"linear", "conv1d", "norm"}
 
 
@@ -65,7 +67,7 @@ def test_lora_merged_weights_per_kind_follow_the_formula(models):
     conv's kernel s·B·A reshaped to (out, in, *k), each expert e its own s·B_e A_e."""
     s = 6.0 / 2
     for kind, (model_name, targets, extra) in NEW_KINDS.items():
-        if kind in ("norm", "grouped_conv"):  # (LoRA adapts neither)
+        if kind in ("norm", "grouped_conv", "parameter", "mha"):  # (LoRA adapts neither of the first two; the others: test_kinds_peft)
             continue
         model = models[model_name]
         adapter = _perturbed(lf.init_adapter(model, lf.AdapterSpec("lora", targets=targets, r=2, alpha=6.0, **extra)))
@@ -333,7 +335,8 @@ def test_the_kinds_table_in_docs_variants_is_the_registry_s():
     text = (Path(__file__).resolve().parents[1] / "docs" / "variants.md").read_text()
     lines = text[text.index("| variant | Linear | Conv1D |"):].splitlines()
     columns = {"Linear": "linear", "Conv1D": "conv1d", "Embedding": "embedding", "Conv1d/2d/3d": "conv",
-               "grouped conv": "grouped_conv", "norm": "norm", "expert parameter": "experts"}
+               "grouped conv": "grouped_conv", "norm": "norm", "expert parameter": "experts", "2-D parameter": "parameter",
+               "MultiheadAttention": "mha"}
     header = [cell.strip() for cell in lines[0].strip("|").split("|")][1:]
     assert {columns[h] for h in header} == set(KINDS)
     documented, rest = {}, None

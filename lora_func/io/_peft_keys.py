@@ -13,14 +13,15 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
 
 from lora_func.targeting import (
-    EXPERT_LAYOUTS,
+    PARAM_LAYOUTS,
     Target,
+    is_mha_out_proj,
     kind_of_layout,
     layer_kind,
     stored_shape,
@@ -131,8 +132,9 @@ def unwrapped(module: str) -> str:
 
 
 def expert_params(model: nn.Module) -> dict[str, Tensor]:
-    """The model's 3-D parameters (MoE experts) by name: what ``target_parameters`` can name."""
-    return {name: p for name, p in model.named_parameters(remove_duplicate=False) if p.dim() == 3}
+    """The model's 2-D and 3-D parameters (MoE experts) by name: what ``target_parameters`` can
+    name (peft's ``ParamWrapper``)."""
+    return {name: p for name, p in model.named_parameters(remove_duplicate=False) if p.dim() in (2, 3)}
 
 def _targeted_parameters(model: nn.Module, selector: Sequence[str]) -> dict[str, list[str]]:
     """owner module -> the names of its parameters peft's ``target_parameters`` selects, in the
@@ -171,14 +173,19 @@ def resolve_parameters(directory: Path, config: Mapping[str, Any], tensors: dict
     return out
 
 def parameter_key(layers: Sequence[Target]) -> dict[str, str]:
-    """Target module -> the module path peft stores its tensors under: an expert parameter's
+    """Target module -> the module path peft stores its tensors under: a targeted parameter's
     owner with ``.base_layer`` once for every targeted parameter of that owner after it
-    (:func:`resolve_parameters` reads it back)."""
+    (:func:`resolve_parameters` reads it back); an ``nn.MultiheadAttention``'s out_proj under the
+    attention's ``base_layer`` (:func:`unwrapped` reads it back)."""
     by_owner: dict[str, list[str]] = {}
     for t in layers:
-        if t.layout in EXPERT_LAYOUTS:
+        if t.layout in PARAM_LAYOUTS:
             by_owner.setdefault(t.owner, []).append(t.module)
     out = {t.module: t.module for t in layers}
+    for t in layers:
+        if t.layout == "mha_out":
+            attention, _, child = t.module.rpartition(".")
+            out[t.module] = f"{attention}.base_layer.{child}"
     for owner, params in by_owner.items():
         for i, name in enumerate(params):
             out[name] = owner + ".base_layer" * (len(params) - 1 - i)
@@ -213,7 +220,9 @@ def kind_of(model: nn.Module, module: str) -> tuple[str | None, tuple[int, ...]]
     ``None`` for a module of no kind lora_func adapts."""
     experts = expert_params(model)
     if module in experts:
-        return "experts", tuple(experts[module].shape)
+        return ("experts" if experts[module].dim() == 3 else "parameter"), tuple(experts[module].shape)
+    if is_mha_out_proj(dict(model.named_modules()), module):
+        return "mha", tuple(cast(Tensor, model.get_submodule(module).weight).shape)
     found = model.get_submodule(module)
     weight = getattr(found, "weight", None)
     return layer_kind(found), tuple(weight.shape) if isinstance(weight, Tensor) else ()

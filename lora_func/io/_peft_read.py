@@ -65,6 +65,7 @@ from lora_func.targeting import (
     find_targets,
     layer_kind,
     no_kind,
+    peft_target,
     refuse_kinds,
     tensor_names,
 )
@@ -208,7 +209,9 @@ def _assemble(
             f"embedding): peft adapts only that module's output, lora_func adapts the shared tensor under every name "
             f"(tied='both'), which also changes the embedding; merge the adapter in peft (merge_and_unload) instead"
         )
-    targets = find_targets(model, spec, where="the checkpoint's layers")  # the kinds were checked layer by layer
+    # the kinds were checked layer by layer; an attention's projections are two targets, each read
+    # from its own tensors
+    targets = [t for t in find_targets(model, spec, where="the checkpoint's layers") if t.module in layers]
     variant = get_variant(variant_name)
     options = dict(spec.options)
     params: dict[str, Tensor] = {}
@@ -433,11 +436,13 @@ def _read(
     """The adapter of a ``peft_type`` checkpoint: each layer read as the variant whose entry
     reads it; layers of several variants (a method with ``feedforward_modules``) compose."""
     groups: dict[str, tuple[dict[str, Any], dict[str, _Layer]]] = {}
+    modules = dict(model.named_modules())
     for module, found in tensors.items():
         name, options = _format_for(directory, config, peft_type, module)
         kind, shape = kind_of(model, module)
         _check_kind(directory, peft_type, model, module, kind, get_variant(name))
-        layer = _layer_from_peft(directory, config, module, name, options, found, (str(kind), shape))
+        # (rank and alpha as peft reads them: an attention's out_proj has the attention's)
+        layer = _layer_from_peft(directory, config, peft_target(modules, module), name, options, found, (str(kind), shape))
         groups.setdefault(name, (options, {}))[1][module] = layer
     method = methods()[peft_type]
     r = int(config.get(method.rank[0], 8)) if method.rank is not None else 8

@@ -59,7 +59,7 @@ from lora_func.checks import check_float_targets, check_model, check_path
 from lora_func.io._files import read_safetensors, safetensors_write, write_file
 from lora_func.quantized import logical_shape
 from lora_func.spec import LAYER_TYPES, AdapterSpec
-from lora_func.targeting import CONV_LAYOUTS, EXPERT_LAYOUTS, Target, check_kinds, kind_of_layout, module_kind, stored_shape
+from lora_func.targeting import CONV_LAYOUTS, MHA_LAYOUTS, PARAM_LAYOUTS, Target, check_kinds, kind_of_layout, module_kind, stored_shape
 from lora_func.variants import LayerInfo, get_variant
 
 __all__ = ["load", "save"]
@@ -317,7 +317,7 @@ def _sane_layer(layer: AdapterLayer) -> bool:
     sizes = (info.d_in, info.d_out, info.r, target.d_in, target.d_out)
     names = (target.module, target.weight_key, *target.tied_keys, *([] if target.bias_key is None else [target.bias_key]))
     return (
-        target.layout in (*LAYER_TYPES, *EXPERT_LAYOUTS)
+        target.layout in (*LAYER_TYPES, *PARAM_LAYOUTS, *MHA_LAYOUTS)
         and all(isinstance(n, str) for n in names)
         and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in target.shape)
         and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in sizes)

@@ -194,6 +194,18 @@ def _one_checkpoint(
             f"save_peft: several parts adapt the same layers {twice[:5]}; a peft checkpoint has one adapter per "
             f"layer: save the parts separately, or export the merged model with lora_func.merged_state_dict"
         )
+    # peft adapts an attention's out_proj with the attention's rank and twice its alpha (see
+    # lora_func._model.layer_info), and never alone (the attention does not call out_proj)
+    attentions = {o.target.module: (o.r, None if o.alpha is None else 2 * o.alpha) for o in layers if o.target.layout == "mha_in"}
+    alone = sorted(
+        o.target.module for o in layers if o.target.layout == "mha_out" and attentions.get(o.target.module.rpartition(".")[0]) != (o.r, o.alpha)
+    )
+    if alone:
+        raise ValueError(  # error: save-peft-out-proj-alone
+            f"save_peft: {alone[:5]} is the out_proj of an nn.MultiheadAttention, which peft adapts only together with "
+            f"the attention, at its rank and scale (it never calls out_proj: a checkpoint of it alone would load in peft "
+            f"with no effect); target the attention module itself (its in_proj and out_proj), or save with lora_func.save"
+        )
     holding = [e for e in exports if e.whole]
     if len(holding) > 1:
         raise ValueError(  # error: save-peft-shared-twice
