@@ -76,6 +76,23 @@ ROW_SIZES = {"fourierft": 1000}
 ALL_VARIANTS += ("waveft",)
 ROW_TARGETS |= {"waveft": QV}
 ROW_SIZES |= {"waveft": 1000}
+# Issue 46: every other method peft has, on q, v with peft's defaults (LN tuning: the two norms of
+# each layer). peft's model of each is read from our own adapter written in peft's format
+# (`save_peft`, then `PeftModel.from_pretrained`): the same weights on both sides and peft's own
+# layer code at run time.
+SAVED_PEFT_ROWS = ("adalora", "adamss", "kasa", "ln_tuning", "mica", "pvera", "randlora", "tinylora", "unilora", "vblora", "vera")
+# LoRA inits whose peft form changes the base weights (OLoRA, CorDA, LoRA-GA) or quantizes them
+# (LoftQ): `save_peft` writes them as a LoRA of twice the rank on the untouched base (peft's own
+# conversion), so their peft row is what peft runs after its init instead: its LoRA of rank r on
+# the changed base (OLoRA's init is peft's; the others' need calibration or a quantizer, and the
+# step does not depend on the values).
+LORA_INIT_ROWS = ("olora", "corda", "lora_ga", "loftq")
+ALL_VARIANTS += SAVED_PEFT_ROWS + LORA_INIT_ROWS
+ROW_TARGETS |= dict.fromkeys(SAVED_PEFT_ROWS + LORA_INIT_ROWS, QV) | {"ln_tuning": ("input_layernorm", "post_attention_layernorm")}
+# VB-LoRA: peft's vector_length 256 does not divide the tiny modes' 32-wide layers; 32 divides
+# every width here (the counts scale with the number of sub-vectors, not with their length).
+SPEC_OPTIONS: dict[str, dict[str, Any]] = {"vblora": {"vector_length": 32}}
+CALIBRATED = ("eva", "corda", "lora_ga")  # init_adapter needs calibration batches
 
 
 # glibc's malloc hands every block over 32 MiB back to the kernel when it is freed (and, by
@@ -224,8 +241,8 @@ def _perturbed(adapter: Any, scale: float = 0.02, seed: int = 3) -> Any:
     return adapter.with_params(params)
 
 
-def our_adapter(s: Setup, row: str, rank: int, *, targets: Sequence[str] | None = None) -> Any:
-    """Our adapter for a benchmark row (perturbed off its init)."""
+def our_adapter(s: Setup, row: str, rank: int, *, targets: Sequence[str] | None = None, options_override: dict[str, Any] | None = None) -> Any:
+    """Our adapter for a benchmark row (perturbed off its init); ``options_override`` replaces the row's options."""
     targets = list(targets or ROW_TARGETS[row])
     model = s.model
     if row == "ia3_kv_down":
@@ -237,23 +254,53 @@ def our_adapter(s: Setup, row: str, rank: int, *, targets: Sequence[str] | None 
         if down:
             parts.append(lf.init_adapter(model, lf.AdapterSpec("ia3_ff", down), generator=torch.Generator().manual_seed(0)))
         return _perturbed(lf.compose(*parts))
-    options: dict[str, Any] = dict(ROW_OPTIONS.get(row, {}))
+    options: dict[str, Any] = dict(ROW_OPTIONS.get(row, {})) | SPEC_OPTIONS.get(row, {})
+    if row == "adalora":  # peft stores AdaLoRA's initial rank as init_r: the same as r
+        options |= {"init_r": rank, "target_r": rank}
+    options |= options_override or {}
     calibration = None
-    if row == "eva":
+    if row in CALIBRATED:
         calibration = [{"input_ids": s.calib_ids}]
     spec = lf.AdapterSpec(row, targets, r=ROW_SIZES.get(row, rank), **options)
     adapter = lf.init_adapter(model, spec, generator=torch.Generator().manual_seed(0), calibration=calibration)
     return _perturbed(adapter)
 
 
-def peft_model(s: Setup, row: str, rank: int, *, targets: Sequence[str] | None = None) -> nn.Module | None:
+def saved_peft_model(s: Setup, adapter: Any) -> nn.Module:
+    """peft's model of ``adapter`` on a deep copy of the same weights, in eval mode: the adapter
+    written with ``save_peft`` and read back by ``PeftModel.from_pretrained`` (trainable, same
+    values)."""
+    import tempfile
+    import warnings
+
+    import peft
+
+    with tempfile.TemporaryDirectory() as directory, warnings.catch_warnings():
+        lf.save_peft(adapter, directory, model=s.model)
+        # peft's warnings for what it loads as intended: LN tuning's copy of a norm layer (its
+        # target by design) and the shared random bases of RandLoRA-like methods, which save_peft
+        # writes once where peft expects a copy per layer (docs/io.md).
+        warnings.filterwarnings("ignore", message="Unsupported layer type", category=UserWarning)
+        warnings.filterwarnings("ignore", message="Found missing adapter keys", category=UserWarning)
+        model = peft.PeftModel.from_pretrained(copy.deepcopy(s.model), directory, is_trainable=True)
+    # Its new layers start in training mode, where PVeRA samples its noise: the benchmarks' step
+    # runs the model in eval mode, ours too (the same function on both sides).
+    return model.eval()
+
+
+def peft_model(s: Setup, row: str, rank: int, *, targets: Sequence[str] | None = None, adapter: Any = None) -> nn.Module | None:
     """peft's model for a benchmark row on a deep copy of the same weights, or ``None`` when
-    peft has no such adapter (antipasto)."""
+    peft has no such adapter (antipasto). For the ``SAVED_PEFT_ROWS``, ``adapter`` (ours, built
+    if not given) is the one peft loads."""
     import peft
 
     targets = list(targets or ROW_TARGETS[row])
+    if row in SAVED_PEFT_ROWS:
+        return saved_peft_model(s, adapter if adapter is not None else our_adapter(s, row, rank, targets=targets))
     common: dict[str, Any] = {"target_modules": targets}
-    if row in ("lora", "pissa", "dora", "eva"):
+    if row in LORA_INIT_ROWS:
+        config = peft.LoraConfig(r=rank, lora_alpha=8, lora_dropout=0.0, init_lora_weights="olora" if row == "olora" else True, **common)
+    elif row in ("lora", "pissa", "dora", "eva"):
         init = {"lora": True, "dora": True, "pissa": "pissa", "eva": "eva"}[row]
         extra: dict[str, Any] = {}
         if row == "eva":
@@ -264,7 +311,9 @@ def peft_model(s: Setup, row: str, rank: int, *, targets: Sequence[str] | None =
     elif row == "hra":
         config = peft.HRAConfig(r=rank, **common)
     elif row in ("ia3", "ia3_ff", "ia3_kv_down"):
-        config = peft.IA3Config(feedforward_modules=[t for t in targets if t == "down_proj"], **common)
+        # ia3 scales outputs, ia3_ff inputs (peft's feedforward modules), ia3_kv_down's down_proj only
+        feedforward = {"ia3": [], "ia3_ff": targets}.get(row, [t for t in targets if t == "down_proj"])
+        config = peft.IA3Config(feedforward_modules=feedforward, **common)
     elif row in ROW_OPTIONS:
         import peft.tuners.boft.layer
 

@@ -5,7 +5,7 @@ against the same batch with one adapter, forward, training step and generation; 
 One tiny Llama (hidden 256, 4 layers, vocab 2048, SDPA attention), a batch of 16 left-padded
 sequences of 64 tokens, LoRA r=8 on q_proj/v_proj, CPU, one run:
 
-- forward: ``lora_func.mixed_adapted_call`` (row ``b`` with adapter ``b``) vs
+- forward: ``lora_func.mixed_call`` (row ``b`` with adapter ``b``) vs
   ``lora_func.adapted_call`` with one adapter (the lazy path, the same low-rank products
   unbatched); peft ``model(..., adapter_names=[...])`` vs peft with its active adapter;
 - training step: forward, loss, ``loss.backward()`` into the 16 adapters' leaves vs into one
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     def forward_mixed():
         with torch.no_grad():
-            return lf.mixed_adapted_call(model, adapters, index, ids, attention_mask=mask, base=base).logits
+            return lf.mixed_call(model, adapters, index, ids, attention_mask=mask, base=base, batching="layers").logits
 
     def train_one():
         for t in one.params.values():
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         for a in adapters:
             for t in a.params.values():
                 t.grad = None
-        token_loss(lf.mixed_adapted_call(model, adapters, index, ids, attention_mask=mask, base=base).logits, ids, mask).backward()
+        token_loss(lf.mixed_call(model, adapters, index, ids, attention_mask=mask, base=base, batching="layers").logits, ids, mask).backward()
 
     generation = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False, "pad_token_id": 0}
 
@@ -125,16 +125,16 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     methods = {
         "lora_func one adapter, forward": forward_one,
-        f"lora_func {size} adapters mixed_adapted_call, forward": forward_mixed,
+        f"lora_func {size} adapters mixed_call, forward": forward_mixed,
         "lora_func one adapter, training step": train_one,
-        f"lora_func {size} adapters mixed_adapted_call, training step": train_mixed,
+        f"lora_func {size} adapters mixed_call, training step": train_mixed,
         "lora_func one adapter lazy, generate": generate_with(lambda: lf.adapted(model, one, merged=False)),
         "lora_func one adapter merged, generate": generate_with(lambda: lf.adapted(model, one)),
         f"lora_func {size} adapters mixed_adapted, generate": generate_with(lambda: lf.mixed_adapted(model, adapters, index)),
     }
     references = {
-        f"lora_func {size} adapters mixed_adapted_call, forward": "lora_func one adapter, forward",
-        f"lora_func {size} adapters mixed_adapted_call, training step": "lora_func one adapter, training step",
+        f"lora_func {size} adapters mixed_call, forward": "lora_func one adapter, forward",
+        f"lora_func {size} adapters mixed_call, training step": "lora_func one adapter, training step",
         "lora_func one adapter merged, generate": "lora_func one adapter lazy, generate",
         f"lora_func {size} adapters mixed_adapted, generate": "lora_func one adapter lazy, generate",
     }
@@ -183,14 +183,14 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         references,
     )
     results = {
-        "forward_mixed_over_one": c.paired_ratio(times, f"lora_func {size} adapters mixed_adapted_call, forward", "lora_func one adapter, forward"),
-        "train_mixed_over_one": c.paired_ratio(times, f"lora_func {size} adapters mixed_adapted_call, training step", "lora_func one adapter, training step"),
+        "forward_mixed_over_one": c.paired_ratio(times, f"lora_func {size} adapters mixed_call, forward", "lora_func one adapter, forward"),
+        "train_mixed_over_one": c.paired_ratio(times, f"lora_func {size} adapters mixed_call, training step", "lora_func one adapter, training step"),
         "generate_mixed_over_one_lazy": c.paired_ratio(times, f"lora_func {size} adapters mixed_adapted, generate", "lora_func one adapter lazy, generate"),
         "generate_mixed_over_one_merged": c.paired_ratio(times, f"lora_func {size} adapters mixed_adapted, generate", "lora_func one adapter merged, generate"),
     }
     if peft is not None:
         results["forward_mixed_over_peft_mixed"] = c.paired_ratio(
-            times, f"lora_func {size} adapters mixed_adapted_call, forward", f"peft {size} adapters adapter_names, forward"
+            times, f"lora_func {size} adapters mixed_call, forward", f"peft {size} adapters adapter_names, forward"
         )
         results["generate_mixed_over_peft_mixed"] = c.paired_ratio(
             times, f"lora_func {size} adapters mixed_adapted, generate", f"peft {size} adapters adapter_names, generate"

@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
             steps[f"{row}/{path}"] = c.our_step(s, adapter, merged=path == "merged")
             excludes[f"{row}/{path}"] = [*s.base.values(), s.embeds, *adapter.params.values(), *adapter.buffers.values()]
         if not args.no_peft:
-            pm = c.peft_model(s, row, args.rank)
+            pm = c.peft_model(s, row, args.rank, adapter=adapter)
             if pm is not None:
                 steps[f"{row}/peft"] = c.peft_step(s, pm)
                 excludes[f"{row}/peft"] = [*pm.parameters(), *pm.buffers(), s.embeds]

@@ -1,10 +1,13 @@
 """Ensembles: K LoRA adapters trained and evaluated in one batched call, on one frozen base.
 
-`stack` gives the K adapters a leading axis; `ensemble_call` runs the model once under
-`torch.func.vmap` over it. The frozen weights are shared by all members (the lazy overlay
-never builds a merged weight, so memory grows with K only through the small adapters and the
-activations), and `torch.func.grad` through it trains all K members in one step, each on its
-own loss. The members' disagreement is a cheap uncertainty estimate.
+`stack` gives the K adapters a leading axis; `ensemble_call` runs the model once on the batch
+repeated K times, each member applied inside the target layers to its own block of rows (any
+attention implementation: this model keeps transformers' default, SDPA; `batching="vmap"` would
+run it under `torch.func.vmap` over the members instead, with eager attention). The frozen
+weights are shared by all members (no merged weight is built, so memory grows with K only
+through the small adapters and the activations), and `torch.func.grad` through it trains all K
+members in one step, each on its own loss. The members' disagreement is a cheap uncertainty
+estimate.
 
 Run: python examples/ensemble.py
 """
@@ -22,7 +25,7 @@ config = LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_hi
                      num_attention_heads=4, num_key_value_heads=2, use_cache=False,
                      initializer_range=0.2)  # 0.02 leaves a 32-wide random model near-uniform
 model = LlamaForCausalLM(config).eval()
-model.set_attn_implementation("eager")  # the model runs under vmap: eager attention
+assert model.config._attn_implementation == "sdpa"  # ensemble_call's default route needs no eager attention
 base = lf.base_params(model)
 
 K = 4

@@ -16,6 +16,7 @@ Run: python examples/merge_adapters.py
 """
 
 import random
+import warnings
 
 import torch
 
@@ -96,6 +97,15 @@ for name, adapter in candidates.items():
 merged = accuracy["linear (1, 1): the sum"]
 assert min(merged) > max(accuracy["base model"]), accuracy
 
-# Any merge exports to peft as a plain LoRA (per-layer ranks become a rank_pattern).
-directory = lf.save_peft(candidates["ties (1, 1), density 0.5"], "merged-peft", model=model)
-print(f"saved the TIES merge in peft's format to {directory}")
+# Any merge exports to peft as a plain LoRA (per-layer ranks become a rank_pattern). The exact
+# TIES merge is full-rank (one factor the identity): save_peft warns and names rank=; a rank-16
+# TIES merge is a file of LoRA size.
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    exact = lf.save_peft(candidates["ties (1, 1), density 0.5"], "merged-peft-exact", model=model)
+assert any("rank=k" in str(w.message) for w in caught), [str(w.message) for w in caught]
+directory = lf.save_peft(lf.merge_adapters(pair, [1.0, 1.0], method="ties", density=0.5, rank=16), "merged-peft", model=model)
+size = {d: (d / "adapter_model.safetensors").stat().st_size for d in (exact, directory)}
+inputs = lf.save_peft(adapters["words"], "words-peft", model=model) / "adapter_model.safetensors"
+print(f"saved the TIES merge in peft's format: exact {size[exact]:,} bytes, rank 16 {size[directory]:,} bytes "
+      f"(each input adapter {inputs.stat().st_size:,} bytes)")

@@ -2,7 +2,7 @@
 AND training (peft's `adapter_names` is inference-only).
 
 Four "tenant" adapters; a batch of 6 requests, each naming its tenant. One call, one batched
-forward (`lora_func.mixed_adapted_call`: the per-row adapters live inside the target layers,
+forward (`lora_func.mixed_call`: the per-row adapters live inside the target layers,
 so attention stays SDPA); then one training step on that mixed batch, in which each tenant's
 adapter gets the gradient of its own examples only. Last, the same batch through the older
 `mixed_call` (the whole model under vmap: eager attention, one loss per example).
@@ -38,7 +38,7 @@ mask[3, :2] = 0
 index = torch.tensor([2, 0, 2, 1, 0, 2])  # tenant 3 has no request in this batch
 
 with torch.no_grad():
-    logits = lf.mixed_adapted_call(model, tenants, index, ids, attention_mask=mask).logits
+    logits = lf.mixed_call(model, tenants, index, ids, attention_mask=mask, batching="layers").logits
     # The same as serving each request alone with its tenant's adapter.
     alone = torch.cat([lf.adapted_call(model, tenants[int(k)], ids[i : i + 1], attention_mask=mask[i : i + 1]).logits
                        for i, k in enumerate(index)])
@@ -51,7 +51,7 @@ def loss_of(logits: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels.flatten())
 
 
-loss = loss_of(lf.mixed_adapted_call(model, tenants, index, ids, attention_mask=mask).logits)
+loss = loss_of(lf.mixed_call(model, tenants, index, ids, attention_mask=mask, batching="layers").logits)
 loss.backward()
 norms = [torch.stack([t.grad.norm() for t in tenant.params.values()]).norm().item() for tenant in tenants]
 print("gradient norm per tenant:", [f"{n:.3f}" for n in norms], "(tenant 3 had no request: 0)")
@@ -59,13 +59,13 @@ with torch.no_grad():
     for tenant in tenants:
         for t in tenant.params.values():
             t -= 0.5 * t.grad
-    after = loss_of(lf.mixed_adapted_call(model, tenants, index, ids, attention_mask=mask).logits)
+    after = loss_of(lf.mixed_call(model, tenants, index, ids, attention_mask=mask, batching="layers").logits)
 print(f"one SGD step on the mixed batch: loss {loss:.4f} -> {after:.4f}")
 
 # The functional form: torch.func.grad over a stack's params (the same gradients).
 stacked = lf.stack(tenants)
 params = {k: v.detach() for k, v in stacked.params.items()}
-grads = grad(lambda p: loss_of(lf.mixed_adapted_call(model, stacked.with_params(p), index, ids, attention_mask=mask).logits))(params)
+grads = grad(lambda p: loss_of(lf.mixed_call(model, stacked.with_params(p), index, ids, attention_mask=mask, batching="layers").logits))(params)
 print("grad over the stack, per member:", [f"{n:.3f}" for n in torch.stack([g.flatten(1).norm(dim=1) for g in grads.values()]).norm(dim=0).tolist()])
 
 # mixed_call: the whole model under vmap, each example a batch of one, so a loss comes back per

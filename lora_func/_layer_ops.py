@@ -22,6 +22,7 @@ from torch import Tensor
 from lora_func.targeting import EXPERT_LAYOUTS, canonical_weight, stored_weight
 from lora_func.variants import BaseLayer, LayerInfo, TensorDict, Variant
 from lora_func.variants._contract import RANK_ALPHA, RANK_MASK, padded_member
+from lora_func.variants._kernels import promoted
 
 __all__ = ["ActivationTap", "ChainOp", "ExpertsOp", "LayerCall", "LayerOp", "SumOp", "VariantOp", "activation_tap", "has_kind_form", "merged_weight", "variant_op"]
 
@@ -133,7 +134,7 @@ class VariantOp:
         # Never below the base's precision: a bf16 adapter on an fp32 base would otherwise
         # round the frozen weight itself to bf16 (2.8e-2 off peft's merge, which adds the
         # delta to the fp32 weight). Above it (fp32 adapter, bf16 base) the adapter dtype.
-        dtype = torch.promote_types(self.dtype, weight.dtype)
+        dtype = promoted(self.dtype, weight.dtype)
         params = {k: v.to(dtype) if v.is_floating_point() else v for k, v in self.params.items()}
         buffers = {k: v.to(dtype) if v.is_floating_point() else v for k, v in self.buffers.items()}
         w_eff, b_eff = self.variant.weight_form(
@@ -244,7 +245,7 @@ class SumOp:
         self.changes_bias = any(op.changes_bias for op in self.ops)
 
     def _sum(self, base: Tensor, outs: Sequence[Tensor]) -> Tensor:
-        ct = torch.promote_types(base.dtype, torch.float32)
+        ct = promoted(base.dtype, torch.float32)
         total = base.to(ct)
         for k, out in enumerate(outs):
             total = total + self.weights[k].to(ct) * (out.to(ct) - base.to(ct))

@@ -1,5 +1,5 @@
 """The whole-model ``vmap`` route of :mod:`lora_func.many` (``mixed_call``, ``ensemble_call``
-with ``route="vmap"``, ``per_example_grads``): what running a transformers model under
+with ``batching="vmap"``, ``per_example_grads``): what running a transformers model under
 ``torch.func.vmap`` needs checked and rearranged."""
 
 from __future__ import annotations

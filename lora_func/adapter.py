@@ -466,7 +466,7 @@ class Composed(Combinator, tag="composed"):
         adapted: dict[str, int] = {}
         for i, part in enumerate(parts):
             for leaf in leaf_adapters(part):
-                if not leaf.variant.replaces_weight:
+                if not isinstance(leaf, Adapter) or not leaf.variant.replaces_weight:  # (a prompt adapts no weight)
                     continue
                 earlier = sorted(k for k in (layer.target.weight_key for layer in leaf.layers) if k in adapted)
                 if earlier:
@@ -512,7 +512,9 @@ class Combined(Combinator, tag="combined"):
         given = weights
         if not isinstance(weights, Tensor):
             try:
-                weights = torch.as_tensor(weights)
+                # a list holding tensors (learned weights that require grad) is stacked: graph kept
+                is_list = isinstance(weights, Sequence) and any(isinstance(w, Tensor) for w in weights)
+                weights = torch.stack([torch.as_tensor(w) for w in weights]) if is_list else torch.as_tensor(weights)
             except (TypeError, ValueError, RuntimeError):
                 weights = torch.tensor([])  # not numbers: reported below with the expected form
         if not weights.is_floating_point() or weights.dim() != 1 or weights.shape[0] != len(parts):

@@ -29,6 +29,7 @@ from lora_func.checks import check_base, check_model
 from lora_func.checks import check_finite as finite_or_raise
 from lora_func.overlay import check_adapter_finite, lazy_overlay, merged_only_params, merged_overlay
 from lora_func.plan import Plan, Route, adapter_tensors, build_plan, cached_plan, check_plan_fits, detached_base, plans_for, structure_key
+from lora_func.prompts._apply import contains_prompt, prompt_adapted, prompt_call
 from lora_func.quantized import QuantizedKind, frozen_call, frozen_forwards, kind_of_tensor
 from lora_func.targeting import MERGED_ONLY, Target, canonical_weight
 from lora_func.variants import BaseLayer
@@ -293,6 +294,9 @@ def adapted_call(
     """
     where = "adapted_call"
     check_model(model, where)
+    if contains_prompt(adapter):  # an input-level adapter (lora_func.prompts), alone or composed with weight-level ones
+        return prompt_call(model, adapter, args, kwargs, base=base, call_weights=lambda weights, *a, **k: adapted_call(
+            model, weights, *a, merged=merged, base=base, lazy_only=lazy_only, check_finite=check_finite, route=route, plan=plan, **k))
     memo_key = _memo_key(model, base, merged, lazy_only, check_finite, route)
     if memo_key is not None and base is not None:
         reused = _memoised(model, memo_key, base, adapter, plan)
@@ -350,6 +354,10 @@ def adapted(
     ``model`` see the adapter while the block runs.
     """
     where = "adapted"
+    if contains_prompt(adapter):  # an input-level adapter (lora_func.prompts), alone or composed with weight-level ones
+        with prompt_adapted(model, adapter, lambda weights: adapted(model, weights, merged=merged, lazy_only=lazy_only, route=route)):
+            yield model
+        return
     base = base_params(model)
     plan = _call_plan(model, base, False, adapter, route, where, None)
     applied = application(model, plan, base, adapter, merged=merged, lazy_only=lazy_only, whole_base=False)

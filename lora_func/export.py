@@ -7,9 +7,9 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor, nn
 
-from lora_func.adapter import AdapterLike
+from lora_func.adapter import AdapterLike, leaf_adapters
 from lora_func.checks import check_base, check_float_targets
-from lora_func._model import base_params
+from lora_func._model import base_params, weight_fingerprint
 from lora_func.overlay import merge_overlay
 from lora_func.quantized import kind_of_tensor
 
@@ -59,6 +59,7 @@ def merged_state_dict(
             f"merged_state_dict() expects a model (nn.Module) or the dict of lora_func.base_params(model), got {type(model_or_base).__name__}"
         )
     check_float_targets(base, adapter, "merged_state_dict")
+    _check_fingerprints(base, adapter)
     if dtype is not None:
         cast: dict[int, Tensor] = {}  # one object per object: tied names stay tied
         dense = {k: cast.setdefault(id(v), v.to(dtype) if v.is_floating_point() else v) for k, v in dense.items()}
@@ -75,6 +76,24 @@ def merged_state_dict(
             plain[id(tensor)] = tensor.detach().as_subclass(Tensor).contiguous()
         out[key] = plain[id(tensor)]
     return out
+
+
+def _check_fingerprints(base: Mapping[str, Tensor], adapter: AdapterLike) -> None:
+    """Refuse an adapter derived from other base weights (PiSSA's, OLoRA's residual...): merged
+    into this base it would replace its weights by another model's residual."""
+    other = sorted(
+        layer.target.module
+        for leaf in leaf_adapters(adapter)
+        for layer in leaf.layers
+        if layer.base_fingerprint is not None and layer.target.weight_key in base
+        and kind_of_tensor(base[layer.target.weight_key]) is None
+        and weight_fingerprint(base[layer.target.weight_key]) != layer.base_fingerprint
+    )
+    if other:
+        raise ValueError(  # error: merge-export-fingerprint
+            f"merged_state_dict: the adapter was derived from other base weights than these at {other[:5]} (its "
+            f"residual would replace this model's weights by another model's); export it with the model it was built on"
+        )
 
 
 def _dequantized(model: nn.Module, base: dict[str, Tensor], dtype: torch.dtype | None) -> dict[str, Tensor]:

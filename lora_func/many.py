@@ -1,9 +1,9 @@
 """Many adapters per batch: a different adapter per row, an ensemble, per-example gradients.
 
-Two routes, one feature:
+Two batchings, one feature (``batching=`` of :func:`mixed_call` and :func:`ensemble_call`):
 
-- **In the target layers** (:func:`mixed_adapted_call`, :func:`mixed_adapted`, and by default
-  :func:`ensemble_call`): each target module's ``forward`` is replaced, for the duration of a call
+- **In the target layers** (``batching="layers"``, the default's choice, and :func:`mixed_adapted`):
+  each target module's ``forward`` is replaced, for the duration of a call
   or a ``with`` block (the module-call route, through the same
   :class:`lora_func._application.Application`, so activation checkpointing recomputes with the
   adapters too), by one that computes the frozen layer once for the whole batch and the adapter
@@ -11,29 +11,34 @@ Two routes, one feature:
   ``model.generate`` and everything else stay the model's own: any attention implementation
   (SDPA, flash, eager), ``use_cache=True``, quantized bases. An ensemble repeats the batch's rows
   once per member. Two per-row paths: a variant that declares its activation form a scaled
-  low-rank product (``Variant.low_rank``: ``lora``, ``eva``) takes two batched products with
+  low-rank product on the model's own layer (``Variant.low_rank``: ``lora``, the LoRA inits,
+  ``mica``) takes two batched products with
   each row's gathered ``A`` and ``B`` (``bmm``, as S-LoRA/punica's gathered kernels; an ensemble's
   member-major blocks of rows read the stacked factors as they are, no gather); every other
   variant runs its own activation form under ``torch.vmap`` over the rows, the base weight
   unbatched.
-- **``torch.func.vmap`` over the whole model** (:func:`mixed_call`, :func:`per_example_grads`,
-  ``ensemble_call(..., route="vmap")``): pure functions of the adapter tensors, so they compose
+- **``torch.func.vmap`` over the whole model** (``batching="vmap"``, :func:`per_example_grads`):
+  pure functions of the adapter tensors, so they compose
   with ``torch.func.grad`` and with each other, and each example runs as a batch of one (a
   per-example loss). Attention must be ``"eager"`` (SDPA and flash attention have no ``vmap``
   batching rule, and with a mask they branch on its values; checked up front), and dropout in
   train mode needs ``randomness="different"`` or ``"same"``.
 
-The batch is dim 0 of every target layer's input (true of transformers' decoder layers). Inputs
-with ``n = m * len(index)`` rows (``generate`` with ``num_beams=m`` or
-``num_return_sequences=m``) use ``index.repeat_interleave(m)``. See docs/functional.md.
+The batch is dim 0 of every target layer's input (true of transformers' decoder layers), one
+row per index entry: any other row count raises (an index one entry short would run rows with
+other rows' adapters). Inputs with ``n = m * len(index)`` rows use ``index.repeat_interleave(m)``
+only where that is asked for: ``rows_per_index=m``, or the calls ``model.generate`` makes
+(``num_beams=m``, ``num_return_sequences=m``) inside a :func:`mixed_adapted` block. See
+docs/functional.md.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 import torch.utils._pytree as pytree
@@ -50,6 +55,7 @@ from lora_func.stacking import _member, _stack_adapters, take
 from lora_func.call import _call_plan, adapted_call
 from lora_func.checks import check_base, check_model
 from lora_func.plan import adapter_tensors, checked_index, detached_base
+from lora_func.prompts._apply import contains_prompt, mixed_prompt_application
 from lora_func.quantized import frozen_call, frozen_forwards, kind_of_tensor
 from lora_func.targeting import MERGED_ONLY, canonical_weight
 from lora_func._vmapped import check_attention as _check_attention
@@ -60,7 +66,7 @@ from lora_func._vmapped import vmapped as _vmapped
 from lora_func.variants import LayerInfo, Variant, get_variant, list_variants
 from lora_func.variants._contract import RANK_MASK, LowRank
 
-__all__ = ["ensemble_call", "mixed_adapted", "mixed_adapted_call", "mixed_call", "per_example_grads"]
+__all__ = ["ensemble_call", "mixed_adapted", "mixed_call", "per_example_grads"]
 
 Randomness = Literal["error", "different", "same"]
 
@@ -109,10 +115,14 @@ def _stacked(adapters: Any, where: str) -> Adapter:
 
 class _Rows:
     """Which adapter each row of a target layer's input uses: ``index`` for ``len(index)`` rows,
-    ``index.repeat_interleave(m)`` for ``m * len(index)`` rows (beams, return sequences)."""
+    ``index.repeat_interleave(m)`` for ``m * len(index)`` rows (beams, return sequences), where
+    ``m`` is ``rows_per_index``, or any ``m`` while ``expanding`` (inside ``model.generate`` in a
+    :func:`mixed_adapted` block, which expands each sequence itself)."""
 
-    def __init__(self, index: Tensor) -> None:
+    def __init__(self, index: Tensor, rows_per_index: int = 1) -> None:
         self.index = index
+        self.rows_per_index = rows_per_index
+        self.expanding = False
         self._by_rows: dict[tuple[int, torch.device], Tensor] = {}
         # Consecutive members (an ensemble: index = arange(start, start + m), each over a block of
         # rows): (start, m), so the LoRA path multiplies each block by its member's factors as
@@ -121,19 +131,59 @@ class _Rows:
         self.span = (values[0], len(values)) if values == list(range(values[0], values[0] + len(values))) else None
 
     def __call__(self, rows: int, device: torch.device, module: str) -> Tensor:
+        size = self.index.shape[0]
+        per = rows // size if self.expanding and rows % size == 0 else self.rows_per_index
+        check_rows(rows, size, per, f"mixed adapters: target {module}")
         key = (rows, device)
         found = self._by_rows.get(key)
         if found is None:
-            size = self.index.shape[0]
-            if rows % size:
-                raise ValueError(  # error: mixed-route-batch-rows
-                    f"mixed adapters: target {module} got an input with {rows} rows on dim 0, which is not a multiple of "
-                    f"len(index)={size}; the batch must be dim 0 of every target's input, one index entry per sequence "
-                    f"(generate's num_beams / num_return_sequences expand rows by repeat_interleave, which is handled)"
-                )
-            found = self.index.to(device).repeat_interleave(rows // size)
+            found = self.index.to(device).repeat_interleave(per)
             self._by_rows[key] = found
         return found
+
+
+def check_rows(rows: int, size: int, rows_per_index: int, where: str, *, expandable: bool = True) -> None:
+    """Raise unless a batch of ``rows`` rows is ``rows_per_index`` rows per index entry (one by
+    default): an index of another length would silently run rows with other rows' adapters.
+    ``expandable``: the caller takes ``rows_per_index`` (say so in the fix)."""
+    if rows != size * rows_per_index:
+        expanded = f" x rows_per_index={rows_per_index} = {size * rows_per_index}" if rows_per_index != 1 else ""
+        fix = (
+            "For rows expanded from each sequence (beam search, num_return_sequences: index.repeat_interleave(m)) pass "
+            "rows_per_index=m, or call model.generate inside lora_func.mixed_adapted, which expands the index itself"
+            if expandable else "mixed_call runs each example alone: pass one index entry per example"
+        )
+        raise ValueError(  # error: mixed-route-batch-rows
+            f"{where}: the batch has {rows} rows on dim 0, but len(index)={size}{expanded}: index needs one entry per "
+            f"row of the batch. {fix}"
+        )
+
+
+def check_rows_per_index(rows_per_index: object, where: str) -> int:
+    if isinstance(rows_per_index, bool) or not isinstance(rows_per_index, int) or rows_per_index < 1:
+        raise ValueError(  # error: mixed-route-rows-per-index
+            f"{where}: rows_per_index={rows_per_index!r} must be an integer >= 1: how many consecutive rows of the batch "
+            f"each index entry covers (1, the default: one row per entry; m for m beams or return sequences per entry)"
+        )
+    return rows_per_index
+
+
+def check_chunk_size(chunk_size: object, where: str) -> int | None:
+    """``chunk_size`` after checking it is ``None`` or an integer >= 1 (0 or a fraction would
+    otherwise be rounded to some other number of members, or examples, per chunk)."""
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(  # error: many-chunk-size
+            f"{where}: chunk_size={chunk_size!r} must be None (all at once) or an integer >= 1: how many members or "
+            f"examples run at a time"
+        )
+    return chunk_size
+
+
+def _input_rows(args: tuple, kwargs: Mapping[str, Any]) -> int | None:
+    """The batch size of a model call's main input (the first positional tensor, or ``input_ids``
+    / ``inputs_embeds``), or ``None`` where there is none to read."""
+    first = args[0] if args else next((kwargs[k] for k in ("input_ids", "inputs_embeds") if kwargs.get(k) is not None), None)
+    return first.shape[0] if isinstance(first, Tensor) and first.dim() >= 1 else None
 
 
 def _gather(tensors: Mapping[str, Tensor], rows: Tensor) -> dict[str, Tensor]:
@@ -201,13 +251,13 @@ def _target_forward(adapter: Adapter, layer: AdapterLayer, rows: _Rows) -> Any:
     factors: dict[tuple[int, torch.device], tuple[tuple[int, ...], tuple[Tensor, Tensor]]] = {}
 
     def lora_factors(form: LowRank, n: int, device: torch.device) -> tuple[Tensor, Tensor]:
+        index = rows(n, device, target.module)  # checks the row count, on every call (before the cache)
         cacheable = not torch.is_grad_enabled() and torch._C._functorch.peek_interpreter_stack() is None
         versions = tuple(t._version for t in sources) if cacheable else ()
         if cacheable:
             found = factors.get((n, device))
             if found is not None and found[0] == versions:
                 return found[1]
-        index = rows(n, device, target.module)  # (checks the row count)
         if rows.span is not None:
             start, members = rows.span
             out = _lora_factors(
@@ -242,13 +292,25 @@ def _target_forward(adapter: Adapter, layer: AdapterLayer, rows: _Rows) -> Any:
 
 
 def _mixed_application(
-    model: nn.Module, adapters: Any, index: Any, base: Mapping[str, Tensor] | None, where: str
-) -> Application:
-    """Every check at the boundary, then the Application that installs the per-row forwards."""
+    model: nn.Module, adapters: Any, index: Any, base: Mapping[str, Tensor] | None, where: str, rows_per_index: int = 1,
+    rows: int | None = None,
+) -> tuple[Application, _Rows | None]:
+    """Every check at the boundary, then the Application that installs the per-row forwards and
+    the rows' index (``None`` for prompts, which index their rows themselves). ``rows``: the
+    call's batch size where known (checked here, before any work)."""
     check_model(model, where)
+    if contains_prompt(adapters) or (isinstance(adapters, (list, tuple)) and any(contains_prompt(a) for a in adapters)):
+        rows_per_index = check_rows_per_index(rows_per_index, where)
+        application = mixed_prompt_application(model, adapters, index, base, where, checked_index)  # checks index
+        if rows is not None:
+            check_rows(rows, len(index), rows_per_index, where)
+        return application, None
     stacked = _stacked(adapters, where)
     size = stacked.stack_shape[0]
     index = checked_index(index, size, where)
+    rows_per_index = check_rows_per_index(rows_per_index, where)
+    if rows is not None:
+        check_rows(rows, index.shape[0], rows_per_index, where)
     given = base is not None
     if base is None:
         base = base_params(model)
@@ -274,52 +336,29 @@ def _mixed_application(
     merged_only = sorted(f"{layer.target.module} ({layer.target.layout})" for layer in stacked.layers if layer.target.layout in MERGED_ONLY)
     if merged_only:
         raise ValueError(  # error: mixed-route-kind
-            f"{where}: targets {merged_only[:4]} are embeddings, convolutions, norms or expert parameters, which the mixed "
-            f"route does not adapt per row, so one batch cannot hold rows of different adapters there; use "
+            f"{where}: targets {merged_only[:4]} are embeddings, convolutions, norms or expert parameters, which the "
+            f"layers batching does not adapt per row, so one batch cannot hold rows of different adapters there; use "
             f"lora_func.adapted_call per adapter, or leave those layers out of the targets"
         )
     refuse_checkpointing_in_transform(model)
     index = index.to(base[stacked.layers[0].target.weight_key].device) if stacked.layers else index
-    rows = _Rows(index)
-    forwards = {layer.target.module: _target_forward(stacked, layer, rows) for layer in stacked.layers}
+    row_index = _Rows(index, rows_per_index)
+    forwards = {layer.target.module: _target_forward(stacked, layer, row_index) for layer in stacked.layers}
     forwards = {**frozen_forwards(model, exclude=forwards, modules=modules), **forwards}
     trainable = tuple(t for a in members for t in adapter_tensors(a)[0].values()) if isinstance(adapters, (list, tuple)) else tuple(stacked.params.values())
     params = swapped_on(base, modules, plan.fsdp, where)
-    return Application(model, params, forwards, trainable=trainable, modules=modules)
+    return Application(model, params, forwards, trainable=trainable, modules=modules), row_index
 
 
-def mixed_adapted_call(
-    model: nn.Module,
-    adapters: Sequence[Adapter] | AdapterLike,
-    index: Tensor,
-    *args: Any,
-    base: Mapping[str, Tensor] | None = None,
-    **kwargs: Any,
-) -> Any:
-    """``model(*args, **kwargs)`` where batch row ``b`` uses adapter ``index[b]``; the model untouched.
-
-    Args:
-      adapters: ``K`` adapters of one variant, targets and options (ranks and alphas may differ):
-        a list, or one stacked adapter (:func:`lora_func.stack`, ``stack_shape (K,)``).
-      index: ``(B,)`` int64 (or int32) tensor, values in ``[0, K)``, one per row of the batch;
-        repeats are fine, unused members get zero gradient.
-      args, kwargs: the model's inputs, batched as usual (``input_ids (B, T)``,
-        ``attention_mask (B, T)`` with left or right padding, ``labels``).
-
-    Returns the model's output as is (``logits (B, T, V)``; a loss from ``labels`` is the model's
-    own batch loss). Works with any attention implementation and ``use_cache=True``, since only
-    the target layers change. Differentiable: with a list of adapters whose params require grad,
-    ``loss.backward()`` fills each one's ``.grad`` with the gradient of the loss through its own
-    rows; under ``torch.func.grad`` over a stack's params (``adapters=stack.with_params(p)``)
-    likewise. Activation checkpointing recomputes with the same adapters. ``base``: as in
-    :func:`lora_func.adapted_call`. See :func:`mixed_adapted` for generation.
-    """
-    return _mixed_application(model, adapters, index, base, "mixed_adapted_call")(*args, **kwargs)
+def _mixed_layers(model: nn.Module, adapters: Any, index: Any, base: Any, rows_per_index: int, args: Any, kwargs: Any) -> Any:
+    """:func:`mixed_call` inside the target layers (``batching="layers"``)."""
+    application, _ = _mixed_application(model, adapters, index, base, "mixed_call", rows_per_index, _input_rows(args, kwargs))
+    return application(*args, **kwargs)
 
 
 @contextlib.contextmanager
 def mixed_adapted(
-    model: nn.Module, adapters: Sequence[Adapter] | AdapterLike, index: Tensor
+    model: nn.Module, adapters: Sequence[Adapter] | AdapterLike, index: Tensor, *, rows_per_index: int = 1
 ) -> Iterator[nn.Module]:
     """Within the ``with`` block, batch row ``b`` of every call of ``model`` uses adapter
     ``index[b]``; on exit (also on error) the model is as it was. For ``model.generate``::
@@ -327,18 +366,53 @@ def mixed_adapted(
         with torch.no_grad(), lora_func.mixed_adapted(model, [tenant_a, tenant_b], torch.tensor([1, 0, 1])):
             tokens = model.generate(input_ids, attention_mask=mask, max_new_tokens=20)
 
-    ``adapters`` and ``index``: as in :func:`mixed_adapted_call`. Each call's batch must have
-    ``len(index)`` rows, or a multiple ``m * len(index)`` laid out as ``repeat_interleave(m)``
-    (``num_beams``, ``num_return_sequences``). The base weights are never written (the block
+    ``adapters``, ``index`` and ``rows_per_index``: as in :func:`mixed_call`: each call's
+    batch must have ``rows_per_index * len(index)`` rows (``len(index)`` by default), except the
+    calls ``model.generate`` makes, which may have any multiple ``m * len(index)``, laid out as
+    ``repeat_interleave(m)`` (``num_beams``, ``num_return_sequences``: generate expands each
+    sequence itself). For that the block also sets ``model.generate`` (an instance attribute, removed
+    on exit) to the model's own ``generate`` marked as expanding. The base weights are never written (the block
     reparametrizes the model with detached views and swaps the target modules' ``forward``).
     A list of adapters is stacked once, on entering the block (its values then are used); a
     stack passed as such is read in place (an in-place update inside the block is seen).
-    Not thread-safe: while the block runs, every caller of ``model`` goes through the mixed
-    route with this ``index``; serve concurrent requests by batching them into one block.
+    Not thread-safe: while the block runs, every caller of ``model`` goes through the per-row
+    layers with this ``index``; serve concurrent requests by batching them into one block.
     """
-    application = _mixed_application(model, adapters, index, None, "mixed_adapted")
-    with application.applied():
+    application, rows = _mixed_application(model, adapters, index, None, "mixed_adapted", rows_per_index)
+    with application.applied(), (_expanding_generate(model, rows) if rows is not None else contextlib.nullcontext()):
         yield model
+
+
+@contextlib.contextmanager
+def _expanding_generate(model: nn.Module, rows: _Rows) -> Iterator[None]:
+    """For the block, ``model.generate`` (when the model has one) runs with ``rows`` expanding:
+    the calls it makes may have any multiple of ``len(index)`` rows (its beams and return
+    sequences). An instance attribute, as the target modules' ``forward``; the previous one (if
+    any) is put back on exit."""
+    generate = getattr(model, "generate", None)
+    if not callable(generate):
+        yield
+        return
+    missing = object()
+    own = model.__dict__.get("generate", missing)
+
+    @functools.wraps(generate)
+    def expanding(*args: Any, **kwargs: Any) -> Any:
+        before = rows.expanding
+        rows.expanding = True
+        try:
+            return generate(*args, **kwargs)
+        finally:
+            rows.expanding = before
+
+    model.__dict__["generate"] = expanding
+    try:
+        yield
+    finally:
+        if own is missing:
+            model.__dict__.pop("generate", None)
+        else:
+            model.__dict__["generate"] = own
 
 
 # ----------------------------------------------------------------------------- vmap over the model
@@ -361,29 +435,30 @@ def _stack_size(adapters: Any, where: str) -> int:
     return shape[0]
 
 
-ManyRoute = Literal["layers", "vmap"]
-MANY_ROUTES: tuple[str, ...] = ("layers", "vmap")
+Batching = Literal["auto", "layers", "vmap"]
+BATCHINGS: tuple[str, ...] = ("auto", "layers", "vmap")
 
 
-def _in_layers(model: nn.Module, adapters: Any, route: Any, merged: bool, randomness: str, kwargs: Mapping[str, Any], where: str) -> bool:
+def _in_layers(model: nn.Module, adapters: Any, batching: Any, merged: bool, randomness: str, kwargs: Mapping[str, Any], where: str) -> bool:
     """Whether a call of :func:`mixed_call` / :func:`ensemble_call` runs inside the target layers
-    (the default) or under ``vmap`` over the whole model: the latter when asked (``route="vmap"``),
-    and for what only it gives: merged weights per member, composed/combined stacks, a loss the
-    model computes from ``labels`` (one per member or example), and ``randomness`` other than
-    ``"different"`` in train mode (the in-layer route draws every row's dropout independently)."""
-    if route not in MANY_ROUTES:
-        raise ValueError(  # error: many-route-unknown
-            f"{where}: route={route!r} is not one of {list(MANY_ROUTES)}; route='layers' (default) applies each member "
-            f"inside the target layers (any attention, KV cache, quantized bases), route='vmap' runs the whole model "
-            f"under torch.func.vmap (eager attention)"
+    or under ``vmap`` over the whole model. ``"auto"`` takes the layers but for what only ``vmap``
+    gives: merged weights per member, composed/combined stacks, a loss the model computes from
+    ``labels`` (one per member or example), and ``randomness`` other than ``"different"`` in train
+    mode (the in-layer batching draws every row's dropout independently)."""
+    if batching not in BATCHINGS:
+        raise ValueError(  # error: many-batching-unknown
+            f"{where}: batching={batching!r} is not one of {list(BATCHINGS)}; batching='layers' applies each member inside "
+            f"the target layers (any attention, KV cache, quantized bases), batching='vmap' runs the whole model under "
+            f"torch.func.vmap (eager attention), 'auto' (default) the layers unless only vmap can do the call"
         )
-    return (
-        route == "layers"
-        and not merged
-        and not isinstance(adapters, Combinator)
-        and "labels" not in kwargs
-        and (not model.training or randomness == "different")
-    )
+    if batching == "layers" and merged:
+        raise ValueError(  # error: many-layers-merged
+            f"{where}: merged=True with batching='layers': inside the target layers each row runs its adapter's activation "
+            f"form; merged weights per row need batching='vmap' (or leave merged=False)"
+        )
+    if batching != "auto":
+        return batching == "layers"
+    return not merged and not isinstance(adapters, Combinator) and "labels" not in kwargs and (not model.training or randomness == "different")
 
 
 def _reshaped_rows(out: Any, members: int, rows: int) -> Any:
@@ -395,58 +470,81 @@ def _reshaped_rows(out: Any, members: int, rows: int) -> Any:
 
 def mixed_call(
     model: nn.Module,
-    adapters: AdapterLike,
+    adapters: Sequence[Adapter] | AdapterLike,
     index: Tensor,
     *args: Any,
     merged: bool = False,
     base: Mapping[str, Tensor] | None = None,
     lazy_only: bool = False,
     randomness: Randomness = "error",
-    route: ManyRoute = "layers",
+    batching: Batching = "auto",
+    rows_per_index: int = 1,
     **kwargs: Any,
 ) -> Any:
-    """``model(*args, **kwargs)`` where example ``i`` uses adapter ``index[i]`` of ``adapters``.
+    """``model(*args, **kwargs)`` where batch row ``b`` uses adapter ``index[b]``; the model untouched.
 
     Args:
-      adapters: a stack of ``K`` adapters (:func:`lora_func.stack`, ``stack_shape (K,)``).
-      index: ``(B,)`` int64 (or int32) tensor, values in ``[0, K)``; repeats are fine.
+      adapters: ``K`` adapters of one variant, targets and options (ranks and alphas may differ):
+        a list, or one stacked adapter (:func:`lora_func.stack`, ``stack_shape (K,)``).
+      index: ``(B,)`` int64 (or int32) tensor, values in ``[0, K)``, one per row of the batch;
+        repeats are fine, unused members get zero gradient.
       args, kwargs: the model's inputs, the batch on dim 0 (``input_ids (B, T)``,
-        ``attention_mask (B, T)``, ``labels (B, T)``); other arguments (non-tensors,
-        ``position_ids (1, T)``) are shared by every example.
-      route: ``"layers"`` (default) applies each example's adapter inside the target layers, as
-        :func:`mixed_adapted_call` does (any attention implementation, quantized bases, the model
-        called once on the batch); ``"vmap"`` runs the model under ``torch.func.vmap``, each
-        example as a batch of one with its own attention-mask row, exactly as in a per-example
-        loop (needs eager attention, checked). The vmap route is taken by itself for
-        ``merged=True``, composed/combined stacks, ``labels`` (the model's loss comes back per
-        example, ``(B,)``) and, in train mode, ``randomness`` other than ``"different"``.
+        ``attention_mask (B, T)`` with left or right padding, ``labels (B, T)``); other
+        arguments (non-tensors, ``position_ids (1, T)``) are shared by every row.
+      batching: ``"layers"`` applies each row's adapter inside the target layers (the model is
+        called once on the batch; any attention implementation, ``use_cache=True``, quantized
+        bases, activation checkpointing; a loss from ``labels`` is the model's own batch loss);
+        ``"vmap"`` runs the model under ``torch.func.vmap``, each row as a batch of one with its
+        own attention-mask row, exactly as in a per-example loop (eager attention, checked; a
+        loss from ``labels`` per row, ``(B,)``; outputs must be tensors: pass
+        ``use_cache=False``). ``"auto"`` (default): the layers, but vmap for what only it gives:
+        ``merged=True``, composed/combined stacks, ``labels``, and in train mode ``randomness``
+        other than ``"different"``.
+      rows_per_index: (layers) how many consecutive rows of the batch each index entry covers:
+        the batch must have exactly ``rows_per_index * len(index)`` rows (``m`` for sequences
+        each expanded into ``m`` rows, as beam search does: ``index.repeat_interleave(m)``). The
+        default, 1, refuses a batch of any other size than ``len(index)`` (``ValueError``, before
+        the model runs): an index one entry short would otherwise run rows with other rows'
+        adapters. :func:`mixed_adapted` expands it for ``model.generate`` by itself.
 
-    Returns the model's output batched on dim 0, e.g. ``logits (B, T, V)``. On the vmap route
-    outputs must be tensors: pass ``use_cache=False`` to transformers models.
+    Returns the model's output batched on dim 0, e.g. ``logits (B, T, V)``.
 
-    Pure: ``torch.func.grad(lambda p: loss(mixed_call(model, adapters.with_params(p), index,
-    ids)))(adapters.params)`` gives each stack member the gradient of the examples that used it
-    (zero for members no example used). A model with dropout in train mode needs
-    ``randomness="different"`` (an independent mask per example, both routes). ``merged=True``
-    builds every example's merged weights (``B`` dense copies per target): keep the default.
+    Pure and differentiable: ``torch.func.grad(lambda p: loss(mixed_call(model,
+    adapters.with_params(p), index, ids)))(adapters.params)`` gives each stack member the gradient
+    of the rows that used it (zero for members no row used); with a list of adapters whose params
+    require grad, ``loss.backward()`` fills each one's ``.grad``. A model with dropout in train
+    mode needs ``randomness="different"`` (an independent mask per row, both batchings).
+    ``merged=True`` builds every row's merged weights (``B`` dense copies per target): keep the
+    default. ``base``: as in :func:`lora_func.adapted_call`. See :func:`mixed_adapted` for
+    generation.
     """
     where = "mixed_call"
-    _check_arguments(where, model, adapters, base)
-    size = _stack_size(adapters, where)
+    check_model(model, where)
+    if _in_layers(model, adapters, batching, merged, randomness, kwargs, where):
+        return _mixed_layers(model, adapters, index, base, rows_per_index, args, kwargs)
+    if check_rows_per_index(rows_per_index, where) != 1:
+        raise ValueError(  # error: many-vmap-rows-per-index
+            f"{where}: rows_per_index={rows_per_index} needs batching='layers': under vmap every row is one example of "
+            f"its own index entry; repeat the index (index.repeat_interleave(m)) instead"
+        )
+    stacked: AdapterLike = _stacked(adapters, where) if isinstance(adapters, (list, tuple)) else cast(AdapterLike, adapters)
+    _check_arguments(where, model, stacked, base)
+    size = _stack_size(stacked, where)
     index = checked_index(index, size, where)
     batch_size = index.shape[0]
+    rows = _input_rows(args, kwargs)
+    if rows is not None:
+        check_rows(rows, batch_size, 1, where, expandable=False)
     examples, rebuild = _split_examples(args, kwargs, batch_size)
     if not examples:
         raise ValueError(  # error: mixed-batch-size
             f"mixed_call: no tensor argument has the batch size len(index)={batch_size} on dim 0; index needs one "
             f"entry per example of the batch"
         )
-    if _in_layers(model, adapters, route, merged, randomness, kwargs, where):
-        return mixed_adapted_call(model, adapters, index, *args, base=base, **kwargs)
     # A base from named_parameters() would give the model .grad in a training step.
     base = None if base is None else detached_base(base)
     _check_attention(model, where)
-    per_example = take(adapters, index)
+    per_example = take(stacked, index)
 
     def one(adapter: AdapterLike, *example: Tensor) -> Any:
         example_args, example_kwargs = rebuild(example)
@@ -465,19 +563,19 @@ def ensemble_call(
     lazy_only: bool = False,
     randomness: Randomness = "error",
     chunk_size: int | None = None,
-    route: ManyRoute = "layers",
+    batching: Batching = "auto",
     **kwargs: Any,
 ) -> Any:
     """``model(*args, **kwargs)`` through each of the ``K`` stacked ``adapters``, in one call.
 
     The inputs are shared (not split); every output gets a leading ``K`` axis, e.g. ``logits
     (K, B, T, V)``. Composes with ``grad`` and ``loss.backward()``: train ``K`` adapters at once
-    on one frozen base. ``route="layers"`` (default): the batch's rows are repeated once per
-    member (``K * B`` rows) and each member is applied inside the target layers
-    (:func:`mixed_adapted_call`), so any attention implementation (SDPA, flash), the KV cache
-    (returned as the model returns it, for ``K * B`` rows) and quantized bases work.
-    ``route="vmap"`` runs the model under ``torch.func.vmap`` over the members (eager attention,
-    checked; pass ``use_cache=False``); it is taken by itself for ``merged=True``,
+    on one frozen base. ``batching="layers"``: the batch's rows are repeated once per member
+    (``K * B`` rows) and each member is applied inside the target layers (as
+    :func:`mixed_call`), so any attention implementation (SDPA, flash), the KV cache (returned as
+    the model returns it, for ``K * B`` rows) and quantized bases work. ``batching="vmap"`` runs
+    the model under ``torch.func.vmap`` over the members (eager attention, checked; pass
+    ``use_cache=False``). ``"auto"`` (default) takes the layers, but vmap for ``merged=True``,
     composed/combined stacks, ``labels`` (a loss per member, ``(K,)``) and, in train mode,
     ``randomness`` other than ``"different"``. ``chunk_size`` runs the members that many at a
     time, bounding the activations' memory. The lazy path shares the frozen weights across
@@ -486,11 +584,12 @@ def ensemble_call(
     where = "ensemble_call"
     _check_arguments(where, model, adapters, base)
     size = _stack_size(adapters, where)
-    if _in_layers(model, adapters, route, merged, randomness, kwargs, where):
+    check_chunk_size(chunk_size, where)
+    if _in_layers(model, adapters, batching, merged, randomness, kwargs, where):
         leaves, spec = pytree.tree_flatten((args, dict(kwargs)))
         rows = next((leaf.shape[0] for leaf in leaves if isinstance(leaf, Tensor) and leaf.dim() >= 1), None)
         if rows is not None:
-            step = size if chunk_size is None else max(1, int(chunk_size))
+            step = size if chunk_size is None else chunk_size
             outs = []
             for start in range(0, size, step):
                 members = min(step, size - start)
@@ -500,7 +599,7 @@ def ensemble_call(
                     for leaf in leaves
                 ]
                 call_args, call_kwargs = pytree.tree_unflatten(repeated, spec)
-                out = mixed_adapted_call(model, adapters, index, *call_args, base=base, **call_kwargs)
+                out = _mixed_layers(model, adapters, index, base, rows, call_args, call_kwargs)
                 outs.append(_reshaped_rows(out, members, rows))
             if len(outs) == 1:
                 return outs[0]
@@ -549,6 +648,7 @@ def per_example_grads(
     dropout in train mode needs ``randomness="different"``.
     """
     where = "per_example_grads"
+    check_chunk_size(chunk_size, where)
     if not callable(loss_fn):
         raise TypeError(  # error: per-example-not-callable
             f"per_example_grads: loss_fn must be a function loss_fn(adapter, *example) -> 0-d loss, got "

@@ -30,8 +30,9 @@ from typing import Literal, cast
 import torch
 from torch import Tensor
 
-from lora_func._model import adapter_layer, layer_info
+from lora_func._model import adapter_layer, layer_info, weight_fingerprint
 from lora_func.adapter import Adapter, AdapterLike, leaf_adapters
+from lora_func.checks import MAX_LISTED, non_finite_keys
 from lora_func.overlay import merge_overlay
 from lora_func.spec import AdapterSpec
 from lora_func.targeting import Target, canonical_weight, stored_shape
@@ -122,16 +123,63 @@ def _check_adapters(adapters: Sequence[AdapterLike], where: str) -> list[Adapter
                 f"{where}: adapters[{i}] is a stack of shape {adapter.stack_shape}; merge single adapters "
                 f"(lora_func.unstack or lora_func.take one member), or vmap the merge over the stack"
             )
+    _check_devices(adapters, where)
+    _check_finite_adapters(adapters, where)
     return list(adapters)
 
 
-def _targets(adapters: Sequence[AdapterLike]) -> dict[str, Target]:
-    """Every adapted weight key -> its target, in first-seen order."""
+def _label(i: int, where: str) -> str:
+    """How a message names adapter ``i``: ``adapters[i]``, or ``adapter`` for to_lora's one."""
+    return "adapter" if where == "to_lora" else f"adapters[{i}]"
+
+
+def _tensors(adapter: AdapterLike) -> dict[str, Tensor]:
+    return {**adapter.params, **adapter.buffers}
+
+
+def _check_devices(adapters: Sequence[AdapterLike], where: str) -> None:
+    """All the adapters' tensors on one device: a merge of a CPU and a CUDA (or meta) adapter
+    would fail inside a product, naming neither."""
+    devices = [sorted({str(t.device) for t in _tensors(a).values()}) for a in adapters]
+    if len({d for per in devices for d in per}) > 1:
+        shown = ", ".join(f"adapters[{i}] on {per}" for i, per in enumerate(devices))
+        raise ValueError(  # error: merge-devices
+            f"{where}: the adapters' tensors are on different devices ({shown}); move them to one device first "
+            f"(adapter.with_params({{k: v.to(device) ...}}), or lora_func.load(path, model=model) onto the model's)"
+        )
+
+
+def _check_finite_adapters(adapters: Sequence[AdapterLike], where: str) -> None:
+    """No NaN/inf in any adapter (the merge would be NaN, or an SVD of it fail); skipped under a
+    torch.func transform, whose tensors cannot be read."""
+    for i, adapter in enumerate(adapters):
+        tensors = {k: t for k, t in _tensors(adapter).items() if not _wrapped(t)}
+        bad = non_finite_keys(tensors)
+        if bad:
+            raise ValueError(  # error: merge-non-finite
+                f"{where}: {_label(i, where)} holds NaN or inf in {bad[:MAX_LISTED]}{' ...' if len(bad) > MAX_LISTED else ''}: "
+                f"the merge would be non-finite; merge finite adapters (lora_func.check_finite(adapter.params, ...) finds "
+                f"them in training)"
+            )
+
+
+def _targets(adapters: Sequence[AdapterLike], where: str = "merge_adapters") -> dict[str, Target]:
+    """Every adapted weight key -> its target, in first-seen order; one shape and layout per key
+    (adapters built on models of other widths share module names, not shapes)."""
     out: dict[str, Target] = {}
-    for adapter in adapters:
+    first: dict[str, int] = {}
+    for i, adapter in enumerate(adapters):
         for leaf in leaf_adapters(adapter):
             for layer in leaf.layers:
-                out.setdefault(layer.target.weight_key, layer.target)
+                t = layer.target
+                seen = out.setdefault(t.weight_key, t)
+                first.setdefault(t.weight_key, i)
+                if (seen.layout, stored_shape(seen)) != (t.layout, stored_shape(t)):
+                    raise ValueError(  # error: merge-shapes
+                        f"{where}: adapters[{i}] adapts {t.module} as a {t.layout} layer of shape {stored_shape(t)}, but "
+                        f"adapters[{first[t.weight_key]}] as a {seen.layout} layer of shape {stored_shape(seen)}: they were built "
+                        f"on different models; merge adapters of one base model"
+                    )
     return out
 
 
@@ -173,7 +221,7 @@ def _base_for(
     return out
 
 
-def _check_base(base: object, targets: Mapping[str, Target], where: str) -> None:
+def _check_base(base: object, adapters: Sequence[AdapterLike], targets: Mapping[str, Target], where: str) -> None:
     if not isinstance(base, Mapping):
         raise TypeError(  # error: merge-base-type
             f"{where}: base must be the dict of lora_func.base_params(model), got {type(base).__name__}"
@@ -184,6 +232,19 @@ def _check_base(base: object, targets: Mapping[str, Target], where: str) -> None
             f"{where}: base has no {missing[:5]}, which the adapters adapt; pass base=lora_func.base_params(model) of "
             f"the model the adapters were built for"
         )
+    for i, adapter in enumerate(adapters):
+        for leaf in leaf_adapters(adapter):
+            other = sorted(
+                layer.target.module for layer in leaf.layers
+                if layer.base_fingerprint is not None and not _wrapped(base[layer.target.weight_key])
+                and weight_fingerprint(base[layer.target.weight_key]) != layer.base_fingerprint
+            )
+            if other:
+                raise ValueError(  # error: merge-base-fingerprint
+                    f"{where}: {_label(i, where)} ({leaf.variant.name}) was derived from other base weights than base's at "
+                    f"{other[:5]} (a residual of another model's weights: its delta on this base would be wrong); pass "
+                    f"base=lora_func.base_params(model) of the model it was built on"
+                )
 
 
 def _check_bias(adapters: Sequence[AdapterLike], targets: Mapping[str, Target], where: str) -> None:
@@ -203,16 +264,23 @@ def _deltas(
 ) -> tuple[dict[str, Target], dict[str, Tensor]]:
     """``{weight key: ΔW (K, d_out, d_in)}``: each adapter's ``W_eff − W`` on every target any of
     them adapts (zero where one leaves a layer alone), canonical layout, at least fp32."""
-    targets = _targets(adapters)
+    targets = _targets(adapters, where)
     _check_bias(adapters, targets, where)
     if base is not None:
-        _check_base(base, targets, where)
+        _check_base(base, adapters, targets, where)
     dtype = _work_dtype(adapters, base, targets)
     on = _base_for(adapters, base, targets, dtype, where)
     per_adapter = []
-    for adapter in adapters:
+    for i, adapter in enumerate(adapters):
         merged = merge_overlay(on, adapter)
-        per_adapter.append({key: canonical_weight(merged[key] - on[key], t.layout) for key, t in targets.items()})
+        deltas = {key: canonical_weight(merged[key] - on[key], t.layout) for key, t in targets.items()}
+        bad = non_finite_keys({targets[key].module: d for key, d in deltas.items() if not _wrapped(d)})
+        if bad:
+            raise ValueError(  # error: merge-delta-non-finite
+                f"{where}: the delta of {_label(i, where)} at {bad[:MAX_LISTED]} holds NaN or inf (its tensors are finite: a "
+                f"base weight that holds NaN/inf, or an overflow); pass a finite base=, or adapters in a wider dtype"
+            )
+        per_adapter.append(deltas)
     return targets, {key: torch.stack([d[key] for d in per_adapter]) for key in targets}
 
 
@@ -244,10 +312,50 @@ def _exact_factors(delta: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _svd_factors(delta: Tensor, rank: int) -> tuple[Tensor, Tensor]:
-    """``(A (k, d_in), B (d_out, k))``: the best rank-``k`` approximation ``U_k S_k V_kᵀ`` (B = U S, as peft)."""
-    u, s, vh = torch.linalg.svd(delta, full_matrices=False)
-    k = min(rank, s.shape[-1])
-    return vh[..., :k, :], u[..., :, :k] * s[..., None, :k]
+    """``(A (k, d_in), B (d_out, k))``: the best rank-``k`` approximation ``U_k S_k V_kᵀ`` (B = U S,
+    as peft), ``k = min(rank, d_out, d_in)``; at ``k = min(d_out, d_in)`` the exact factors.
+
+    Differentiable with finite gradients everywhere. The autograd formula of ``torch.linalg.svd``
+    divides by ``s_i² − s_j²`` for every pair of singular values, so a ``ΔW`` with repeated ones
+    (the zeros of any low-rank delta: a merge of LoRAs) gives NaN. The truncation only depends on
+    the split between the top ``k`` and the rest: ``A = V_kᵀ``, ``B = ΔW V_k``, and ``V_k`` moves
+    with ``ΔW`` through the pairs across the split (``dV_k = Σ_{j∉top, i∈top} v_j (v_jᵀ d(ΔWᵀΔW)
+    v_i) / (s_i² − s_j²)``, with the null space of ``ΔW`` through ``(I − VVᵀ) dΔWᵀ u_i / s_i``) and
+    the rotation of the top ``k`` among themselves (the same sum over pairs within the top, which
+    cancels in ``B A``); never through pairs within the rest. That is the exact derivative of the
+    factors wherever the top ``k`` singular values are distinct and ``s_k > s_{k+1}``, and of their
+    product ``B A`` wherever ``s_k > s_{k+1}``. A pair of equal singular values contributes nothing:
+    within the top ``k`` that is exact for ``B A`` (the product does not see the rotation); across
+    the split the truncation is not differentiable, and the value is finite (along a path that
+    keeps ``ΔW``'s rank at most ``k``, such as a merge's weights when the merge's rank is at most
+    ``k``, it is the exact derivative, the identity)."""
+    d_out, d_in = delta.shape[-2:]
+    m = min(d_out, d_in)
+    if rank >= m:
+        return _exact_factors(delta)
+    u, s, vh = torch.linalg.svd(delta.detach(), full_matrices=False)
+    k = rank
+    v = vh.mT
+    v_top, v_rest, s_top, s_rest, u_top = v[..., :k], v[..., k:], s[..., :k], s[..., k:], u[..., :k]
+    s_max = s[..., :1]  # (..., 1)
+    tol = max(d_out, d_in) * torch.finfo(s.dtype).eps * s_max  # a singular value (or gap) below the SVD's round-off is none
+    gap = s_top[..., None, :] ** 2 - s_rest[..., :, None] ** 2  # (m - k, k): s_i² − s_j², i top, j rest
+    wide = gap > (tol * s_max)[..., None]
+    across = torch.where(wide, 1 / torch.where(wide, gap, 1), 0)
+    within = s_top[..., None, :] ** 2 - s_top[..., :, None] ** 2  # (k, k): s_i² − s_j², both in the top k
+    apart = within.abs() > (tol * s_max)[..., None]
+    rotate = torch.where(apart, 1 / torch.where(apart, within, 1), 0)
+    # Live in ΔW (value 0, derivative dV_k): the pairs across the split, and within the top k the
+    # rotation of distinct singular vectors among themselves (it cancels in B A) ...
+    projected = delta @ v_top
+    move = v_rest @ (((delta @ v_rest).mT @ projected) * across) + v_top @ ((projected.mT @ projected) * rotate)
+    if d_in > m:  # ... and the null space of ΔW (no singular value of its own)
+        inverse = torch.where(s_top > tol, 1 / torch.where(s_top > tol, s_top, 1), 0)
+        pulled = delta.mT @ (u_top * inverse[..., None, :])
+        move = move + pulled - v @ (v.mT @ pulled)
+    v_k = v_top + (move - move.detach())
+    b = delta @ v_k
+    return v_k.mT, u_top * s_top[..., None, :] + (b - b.detach())
 
 
 def _energy_rank(delta: Tensor, energy: float) -> int:
@@ -350,9 +458,15 @@ def merge_adapters(
       density: the fraction of each ``ΔW_k`` kept (``(0, 1]``; a float or a 0-d tensor,
         batched under ``vmap`` for a sweep); only for the pruning methods.
       rank: ``None``: the exact result: ``cat`` form for ``"cat"`` and for ``"linear"`` on
-        plain LoRAs, else per layer a LoRA of rank ``min(d_out, d_in)`` whose ``A`` (or ``B``)
-        is the identity and the other factor the merged ``ΔW``. ``k``: the best rank-``k``
-        LoRA by SVD of the merged ``ΔW`` (peft's ``*_svd`` types; ``min(k, d_out, d_in)``).
+        plain LoRAs (``Σ_k r_k · (d_out + d_in)`` numbers per layer), else per layer a LoRA of
+        rank ``min(d_out, d_in)`` whose ``A`` (or ``B``) is the identity and the other factor
+        the merged ``ΔW``: ``min(d_out, d_in) · (d_out + d_in)`` numbers per layer, more than the
+        dense ``ΔW`` and far more than LoRA inputs of rank ``r`` (``r · (d_out + d_in)``): for a
+        square ``d x d`` layer twice the dense weight and ``d / r`` times a rank-``r`` input;
+        ``save_peft`` warns when it writes one. ``k``: the best rank-``k`` LoRA by SVD of the
+        merged ``ΔW`` (peft's ``*_svd`` types), ``k · (d_out + d_in)`` numbers per layer; at
+        ``k >= min(d_out, d_in)`` the exact form. Differentiable with finite gradients (see
+        :func:`_svd_factors`: exact where the truncation is differentiable).
       majority_sign: ``"total"`` or ``"frequency"`` (TIES).
       generator: the CPU or device ``torch.Generator`` of DARE's draws (reproducible); ``None``
         uses the global RNG. Under ``vmap`` a DARE merge needs ``randomness="same"`` (every
@@ -361,21 +475,29 @@ def merge_adapters(
         unless every leaf is a plain LoRA (whose ``ΔW = s B A`` does not read ``W``).
 
     Returns a LoRA ``Adapter`` (``alpha = r`` per layer, scale 1; per-layer ranks may differ:
-    ``save_peft`` writes a ``rank_pattern``), in the adapters' dtype promoted with the base's
-    and at least fp32. Its tensors carry the graph back to ``weights`` and the adapters'
-    tensors (learned merges); ``.detach()`` gives a fresh LoRA to train or save. Biases are not merged: an adapter that changes a layer's bias (IA3 on a
-    biased layer) is refused.
+    ``save_peft`` writes a ``rank_pattern``), of the size ``rank`` says, in the adapters' dtype
+    promoted with the base's and at least fp32. Its tensors carry the graph back to
+    ``weights`` (a tensor, or a list holding tensors) and the adapters' tensors (learned
+    merges); ``.detach()`` gives a fresh LoRA to train or save. Biases are not merged: an
+    adapter that changes a layer's bias (IA3 on a biased layer) is refused. Refused too, before
+    any work: adapters on different devices, or built on models of other widths (a layer of one
+    name and two shapes), NaN/inf in an adapter or its delta, and an adapter derived from other
+    base weights than ``base``'s (PiSSA, OLoRA, ...: by its recorded fingerprint).
     """
     where = "merge_adapters"
     adapters = _check_adapters(adapters, where)
     if not isinstance(weights, Tensor):
         try:
-            weights = torch.as_tensor(weights, dtype=torch.float64)
+            if isinstance(weights, Sequence) and any(isinstance(w, Tensor) for w in weights):
+                # tensors that may require grad (learned weights): stacked, so their graph is kept
+                weights = torch.stack([torch.as_tensor(w).to(torch.float64) for w in weights])
+            else:
+                weights = torch.as_tensor(weights, dtype=torch.float64)
         except (TypeError, ValueError, RuntimeError):
             weights = torch.tensor([[]])  # not numbers: reported with the expected form
     _check_merge_arguments(method, weights, len(adapters), density, rank, majority_sign)
     if method == "cat":
-        targets = _targets(adapters)
+        targets = _targets(adapters, where)
         _check_bias(adapters, targets, where)
         dtype = _work_dtype(adapters, None, targets)
         factors = _cat_factors(adapters, weights, targets, dtype)
@@ -434,7 +556,9 @@ def to_lora(
     fraction of ``‖ΔW‖_F²``; ranks then differ per layer, ``save_peft`` writes a
     ``rank_pattern``). ``base``: ``lora_func.base_params(model)``, needed unless every leaf is a
     plain LoRA. The result exports everywhere a LoRA does (``save_peft``: peft, vLLM, LoRAX).
-    Biases are not converted (an adapter that changes a bias is refused).
+    Biases are not converted (an adapter that changes a bias is refused). Size: ``k · (d_out +
+    d_in)`` numbers per layer of rank ``k``. Differentiable with finite gradients, as
+    :func:`merge_adapters`' ``rank=k``; the same refusals.
     """
     where = "to_lora"
     if (rank is None) == (energy is None):

@@ -28,6 +28,7 @@ from lora_func.adapter import (
     leaf_adapters,
 )
 from lora_func.spec import AdapterSpec
+from lora_func.targeting import stored_shape
 from lora_func.variants import LayerInfo, Variant
 from lora_func.variants._contract import RANK_ALPHA, RANK_MASK
 
@@ -67,7 +68,12 @@ def _stack_adapters(adapters: list[Adapter]) -> Adapter:
                 f"one stack; stack adapters of ranks that give the same tensors (docs/variants.md)"
             )
         if mine != ref:
-            diff = [a.target.module for a, b in zip(first.layers, other.layers, strict=False) if (a.target, _info_key(a.info)) != (b.target, _info_key(b.info))]
+            diff = [
+                a.target.module if a.target.module != b.target.module or stored_shape(a.target) == stored_shape(b.target)
+                else f"{a.target.module} of shape {stored_shape(b.target)} here, {stored_shape(a.target)} in adapter 0"
+                for a, b in zip(first.layers, other.layers, strict=False)
+                if (a.target, _info_key(a.info)) != (b.target, _info_key(b.info))
+            ]
             raise ValueError(  # error: stack-other-layers
                 f"stack(): adapter {i} adapts other layers than adapter 0 ({diff[:5] or 'a different number of layers'}); "
                 f"build the adapters from one model and one AdapterSpec (ranks may differ)"
@@ -76,6 +82,14 @@ def _stack_adapters(adapters: list[Adapter]) -> Adapter:
             raise ValueError(f"stack(): adapter {i} is itself stacked (stack_shape {other.stack_shape}); unstack it first")  # error: stack-nested
     if first.members is not None:
         raise ValueError("stack(): adapter 0 is itself a rank-padded stack; unstack it first")  # error: stack-nested-padded
+    devices = [sorted({str(t.device) for t in (*a.params.values(), *a.buffers.values())}) for a in adapters]
+    if any(d != devices[0] for d in devices[1:]):
+        i = next(i for i, d in enumerate(devices) if d != devices[0])
+        raise ValueError(  # error: stack-devices
+            f"stack(): adapter {i}'s tensors are on {devices[i]}, adapter 0's on {devices[0]}; a stack is one tensor per "
+            f"key: move them to one device first (adapter.with_params({{k: v.to(device) ...}}), or lora_func.load(path, "
+            f"model=model) onto the model's)"
+        )
     if all(other.layers == first.layers and other.shared == first.shared for other in adapters[1:]):
         same_params = {k: torch.stack([a.params[k] for a in adapters]) for k in first.params}
         same_buffers = {k: _stack_buffer(k, [a.buffers[k] for a in adapters]) for k in first.buffers}
@@ -222,6 +236,8 @@ def stack(*adapters: AdapterLike | Sequence[AdapterLike]) -> AdapterLike:
         shown = sorted(f"{kind.__name__}{static if static else ''}" for kind, static in kinds)
         raise TypeError(f"stack(): mixed kinds {shown}; stack adapters of one kind")  # error: stack-mixed-kinds
     first = members[0]
+    if not isinstance(first, (Adapter, Combinator)):  # another leaf type (a prompt) stacks itself
+        return type(first).stack_members(members)  # type: ignore[attr-defined]  # a leaf type outside the tree (a prompt) defines it
     if not isinstance(first, Combinator):
         leaves = cast("list[Adapter]", members)  # one kind: all Adapters
         return _as_leaves(_stack_adapters(leaves), leaves)
@@ -272,8 +288,7 @@ def _member(adapter: AdapterLike, index: int | Tensor) -> AdapterLike:
     if isinstance(adapter, Combinator):
         own = {name: t[index] for name, t in adapter.own_params().items()}
         return adapter.rebuild([_member(part, index) for part in adapter.parts], own)
-    assert isinstance(adapter, Adapter)  # a leaf
-    if adapter.members is None:
+    if not isinstance(adapter, Adapter) or adapter.members is None:  # (another leaf type: a prompt)
         return pytree.tree_map(lambda t: t[index], adapter)
     if isinstance(index, Tensor):
         taken = pytree.tree_map(lambda t: t[index], adapter)

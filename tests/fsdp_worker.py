@@ -429,7 +429,7 @@ def context_scenario() -> dict[str, Any]:
 
 
 def mixed_scenario() -> dict[str, Any]:
-    """Per-row adapters (lf.mixed_adapted_call / lf.mixed_adapted) on a sharded model: each row
+    """Per-row adapters (lf.mixed_call / lf.mixed_adapted) on a sharded model: each row
     equals its own adapter on the unsharded model, in a training step and in generation."""
     rank, world = dist.get_rank(), dist.get_world_size()
     model = shard(tiny_model("llama").requires_grad_(False), reshard=False)  # gathered weights stay between calls
@@ -439,7 +439,7 @@ def mixed_scenario() -> dict[str, Any]:
     ids = batch()
     index = torch.tensor([2, 0, 1, 2])
     half, rows = ids.chunk(world)[rank], index.chunk(world)[rank]
-    logits = lf.mixed_adapted_call(model, adapters, rows, half).logits
+    logits = lf.mixed_call(model, adapters, rows, half, batching="layers").logits
     loss_of(logits, half).backward()
     expected = torch.cat([oracle_logits(reference, adapters[int(k)], half[i : i + 1]) for i, k in enumerate(rows)])
     used = sorted({int(k) for k in rows})

@@ -601,7 +601,7 @@ def _mixed_train_and_generate(w: World) -> None:
     leaves = [a.with_params({k: v.detach().clone().requires_grad_(True) for k, v in a.params.items()}) for a in adapters]
     model.train()
     try:
-        lf.mixed_adapted_call(model, leaves, torch.tensor([1, 0]), IDS).logits.sum().backward()
+        lf.mixed_call(model, leaves, torch.tensor([1, 0]), IDS, batching="layers").logits.sum().backward()
     finally:
         model.eval()
     with torch.no_grad(), lf.mixed_adapted(model, adapters, torch.tensor([0, 1])):
@@ -616,9 +616,9 @@ def _mixed_wrong_batch(w: World) -> None:
 
 ROWS.update(
     {
-        "mixed_adapted_call": [
-            Call("training step, per-row adapters (dora on llama)", lambda w: lf.mixed_adapted_call(w.model("llama"), [w.adapter("dora"), w.adapter("dora", seed=2)], torch.tensor([1, 0]), IDS).logits.sum().backward()),
-            Call("index out of range", lambda w: lf.mixed_adapted_call(w.model("llama"), [w.adapter(), w.adapter(seed=2)], torch.tensor([2, 0]), IDS), IndexError),
+        "mixed_call": [
+            Call("training step, per-row adapters (dora on llama)", lambda w: lf.mixed_call(w.model("llama"), [w.adapter("dora"), w.adapter("dora", seed=2)], torch.tensor([1, 0]), IDS, batching="layers").logits.sum().backward()),
+            Call("index out of range", lambda w: lf.mixed_call(w.model("llama"), [w.adapter(), w.adapter(seed=2)], torch.tensor([2, 0]), IDS, batching="layers"), IndexError),
         ],
         "mixed_adapted": [
             Call("train, then generate with beams", _mixed_train_and_generate),
@@ -665,6 +665,82 @@ ROWS.update(
 # Issue 31: KaSA's regulariser.
 ROWS.update({"kasa_penalty": [Call("backward", lambda w: lf.kasa_penalty(w.adapter("kasa")).backward())]})
 
+# Input-level adapters (issue 47): every prompt method through every call that takes one.
+PROMPT_SPECS = {
+    "prompt_tuning": {}, "p_tuning": {"encoder": "lstm", "encoder_hidden_size": 4}, "prefix_tuning": {"prefix_projection": True},
+    "multitask_prompt_tuning": {"num_tasks": 2}, "cpt": {"cpt_token_ids": [5, 6], "cpt_tokens_type_mask": [1, 4]}, "cartridge": {},
+    "adaption_prompt": {"adapter_layers": 2},
+}
+
+
+def _prompt(w: World, method: str, kind: str, seed: int = 0) -> lf.Prompt:
+    n = None if method == "cpt" else 3
+    prompt = api("init_prompt")(w.model(kind), api("PromptSpec")(method, n, **PROMPT_SPECS[method]), generator=torch.Generator().manual_seed(seed))
+    return prompt.with_params({k: (v.detach() + 0.1).requires_grad_(True) for k, v in prompt.params.items()})
+
+
+def _prompt_kwargs(method: str, rows: int = 2) -> dict[str, Tensor]:
+    return {"task_ids": torch.tensor([1, 0][:rows])} if method == "multitask_prompt_tuning" else {}
+
+
+def _every_prompt_through_every_call(w: World) -> None:
+    for kind in ("llama", "gpt2"):
+        model = w.model(kind)
+        for method in PROMPT_SPECS:
+            prompt, other = _prompt(w, method, kind), _prompt(w, method, kind, seed=1)
+            kwargs = _prompt_kwargs(method)
+            lf.adapted_call(model, prompt, IDS, labels=IDS, **kwargs).loss.backward()
+            lf.mixed_call(model, [prompt, other], torch.tensor([1, 0]), IDS, **kwargs, batching="layers").logits.sum().backward()
+            lf.ensemble_call(model, lf.stack([prompt, other]), IDS, **kwargs).logits.sum().backward()
+            api("per_example_grads")(lambda p, ids, *t, model=model: lf.adapted_call(model, p, ids, use_cache=False, **({"task_ids": t[0]} if t else {})).logits.sum(),
+                                     prompt, IDS, *kwargs.values())
+            with torch.no_grad(), lf.adapted(model, prompt):
+                model.generate(IDS, attention_mask=torch.ones_like(IDS), max_new_tokens=2, do_sample=False, pad_token_id=0, **kwargs)
+            with torch.no_grad(), lf.mixed_adapted(model, [prompt, other], torch.tensor([0, 1])):
+                model.generate(IDS, attention_mask=torch.ones_like(IDS), max_new_tokens=2, do_sample=False, pad_token_id=0, **kwargs)
+            lf.load(lf.save(prompt, w.tmp / f"{kind}-{method}.safetensors"), model=model)
+            api("load_peft")(api("save_peft")(prompt, w.tmp / f"{kind}-{method}"), model)
+        lora = w.adapter("lora", kind)
+        lf.adapted_call(model, lf.compose(_prompt(w, "prompt_tuning", kind), lora), IDS).logits.sum().backward()
+    model = w.model("llama")
+    model.train()
+    try:
+        lf.adapted_call(model, _prompt(w, "p_tuning", "llama"), IDS, labels=IDS).loss.backward()
+    finally:
+        model.eval()
+
+
+def _prompt_raising_midway(w: World) -> None:
+    model = w.model("llama")
+
+    def explode(module: Any, args: Any) -> None:
+        raise IndexError("raised inside the model")
+
+    handle = model.model.layers[1].register_forward_pre_hook(explode)
+    try:
+        lf.adapted_call(model, _prompt(w, "prefix_tuning", "llama"), IDS)
+    finally:
+        handle.remove()
+
+
+ROWS.update(
+    {
+        "init_prompt": [
+            Call("every method through every call, both models", _every_prompt_through_every_call),
+            Call("a model the method does not fit", lambda w: api("init_prompt")(w.model("llama"), api("PromptSpec")("adaption_prompt", 3, adapter_layers=5)), ValueError),
+        ],
+        "Prompt": [
+            Call("methods", lambda w: [p.detach().with_params(p.params).with_buffers(p.buffers) for p in [_prompt(w, "cpt", "gpt2")]]),
+            Call("forward raising midway", _prompt_raising_midway, IndexError),
+        ],
+        "PromptSpec": [
+            Call("json round trip", lambda w: api("PromptSpec").from_json(api("PromptSpec")("cpt", **PROMPT_SPECS["cpt"]).to_json())),
+            Call("bad option", lambda w: api("PromptSpec")("prompt_tuning", 3, init="zeros"), ValueError),
+        ],
+    }
+)
+
+
 
 def test_every_public_name_has_a_row():
     missing = sorted(set(lf.__all__) - set(ROWS))
@@ -708,4 +784,5 @@ def test_the_check_catches_each_kind_of_change():
         change(model)
         with pytest.raises(AssertionError):
             assert_same(model, before, what)
+
 

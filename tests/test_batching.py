@@ -213,7 +213,7 @@ def test_errors_name_the_problem_and_the_fix(llama):
     index = torch.tensor([0, 1, 0, 1])
     with pytest.raises(TypeError, match=r"index must be a 1-D int64 or int32 tensor.*torch.float32"):
         mixed_call(llama, stacked, index.float(), ids)
-    with pytest.raises(ValueError, match=r"stack_shape \(K,\)\), got stack_shape \(\); build them with lora_func.stack"):
+    with pytest.raises(ValueError, match=r"stack_shape \(K,\)\), got stack_shape \(\); pass a list of adapters or lora_func.stack"):
         mixed_call(llama, adapters[0], index, ids)
     with pytest.raises(ValueError, match=r"len\(index\)=3"):
         mixed_call(llama, stacked, index[:3], ids)
@@ -221,13 +221,13 @@ def test_errors_name_the_problem_and_the_fix(llama):
         mixed_call(llama, stacked, torch.tensor([0, 1, 2, 0]), ids)
     # The vmap route's refusals (the default in-layer route returns the cache and runs SDPA).
     with pytest.raises(TypeError, match=r"DynamicCache at output\['past_key_values'\].*use_cache=False"):
-        mixed_call(llama, stacked, index, ids, route="vmap")
+        mixed_call(llama, stacked, index, ids, batching="vmap")
     with pytest.raises(TypeError, match=r"DynamicCache.*use_cache=False"):
-        ensemble_call(llama, stacked, ids, route="vmap")
+        ensemble_call(llama, stacked, ids, batching="vmap")
     with pytest.raises(ValueError, match=r"all of one size B; got dim-0 sizes \[3, 4\]"):
         per_example_grads(lambda a, x, m: x.sum(), adapters[0], ids, mask[:3])
     llama.config._attn_implementation = "sdpa"
-    for call in (lambda: mixed_call(llama, stacked, index, ids, route="vmap"), lambda: ensemble_call(llama, stacked, ids, route="vmap")):
+    for call in (lambda: mixed_call(llama, stacked, index, ids, batching="vmap"), lambda: ensemble_call(llama, stacked, ids, batching="vmap")):
         with pytest.raises(ValueError, match=r"attention implementation is 'sdpa'.*set_attn_implementation\('eager'\)"):
             call()
 
@@ -271,11 +271,11 @@ def test_mixed_call_and_the_in_layer_route_agree_on_logits_and_member_gradients(
 
     params = _leaves(stacked)
     vmapped = grad(lambda p: loss(mixed_call, p))(params)
-    in_layers = grad(lambda p: loss(lf.mixed_adapted_call, p))(params)
+    in_layers = grad(lambda p: loss(lf.mixed_call, p))(params)
     for key in params:
         _close(in_layers[key], vmapped[key], key)
         assert vmapped[key].abs().max() > 0
-    _close(lf.mixed_adapted_call(model, stacked, index, ids, attention_mask=mask).logits, mixed_call(model, stacked, index, ids, attention_mask=mask, use_cache=False).logits)
+    _close(lf.mixed_call(model, stacked, index, ids, attention_mask=mask, batching="layers").logits, mixed_call(model, stacked, index, ids, attention_mask=mask, use_cache=False).logits)
 
 
 # ------------------------------------------------------------- the in-layer route (the default)
@@ -328,8 +328,8 @@ def test_ensemble_and_mixed_call_keep_the_vmap_route_where_only_it_answers():
         ensemble_call(model, stacked, ids, use_cache=False)
     assert ensemble_call(model, stacked, ids, randomness="different").logits.shape == (2, 2, 6, 61)
     model.eval()
-    with pytest.raises(ValueError, match=r"route='rows' is not one of \['layers', 'vmap'\]"):
-        mixed_call(model, stacked, torch.tensor([0, 1]), ids, route="rows")
+    with pytest.raises(ValueError, match=r"batching='rows' is not one of \['auto', 'layers', 'vmap'\]"):
+        mixed_call(model, stacked, torch.tensor([0, 1]), ids, batching="rows")
     # mixed_call on the default route equals the per-example vmap route.
     index = torch.tensor([1, 0])
-    _close(mixed_call(model, stacked, index, ids).logits, mixed_call(model, stacked, index, ids, route="vmap", use_cache=False).logits)
+    _close(mixed_call(model, stacked, index, ids).logits, mixed_call(model, stacked, index, ids, batching="vmap", use_cache=False).logits)

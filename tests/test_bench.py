@@ -190,3 +190,112 @@ def test_overhead_adapted_call_section_compares_with_peft(bench_module, capsys):
     assert "2 layers x 7 targets = 14 targets" in out
     assert "adapted_call overhead <= peft's forward overhead" in out
     assert "UNRESOLVED" in out  # two rounds bound no median
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning", "ignore::FutureWarning")
+def test_attribution_prints_both_sizes_with_the_floor_target_and_the_oracles_rows(bench_module, capsys):
+    """bench/attribution.py at tiny sizes: both sections, the FLOP-floor verdict, traker's row
+    (traker is a test dependency) and kronfluence's float64 agreement where it is installed (it
+    cannot be a test dependency: docs/attribution.md; its timing rows are left out at --quick)."""
+    script = bench_module("attribution.py")
+    results = script["main"](["--quick"])
+    out = capsys.readouterr().out
+    assert set(results) >= {"32x1", "64x1"}
+    for size in ("32x1", "64x1"):
+        assert results[size]["features"] > 0 and results[size]["projected_over_floor"] > 0 and results[size]["traker_over_ours"] > 0
+    assert out.count("the FLOP floor)") >= 4 and out.count("-> HOLDS") + out.count("-> FAILS") == 2
+    assert out.count("| traker 0.3.2 featurize") == 4
+    try:
+        import kronfluence  # noqa: F401
+    except ImportError:
+        assert "kronfluence not installed: no agreement check" in out
+    else:
+        assert results["kronfluence_float64_difference"] < 1e-10
+
+
+def _table(text: str, heading: str) -> list[list[str]]:
+    """The body rows (cells stripped) of the Markdown table under the heading that starts with
+    ``heading``."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(heading))
+    rows, seen_header = [], False
+    for line in lines[start + 1 :]:
+        if line.startswith("## "):
+            break
+        if line.startswith("|---"):
+            seen_header = True
+            continue
+        if seen_header and line.startswith("| "):
+            rows.append([cell.strip() for cell in line.split("|")[1:-1]])
+    return rows
+
+
+def _ratio(text: str) -> float:
+    """The median of a ``median [lowest, highest]`` cell."""
+    median, rest = text.split(" [", 1)
+    low, high = (float(x) for x in rest.rstrip("]").split(", "))
+    assert low <= float(median) <= high, text
+    return float(median)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning", "ignore::FutureWarning")
+def test_gpu_smoke_runs_every_section_on_the_cpu_and_writes_its_tables(bench_module, capsys, tmp_path):
+    """bench/gpu.py --smoke: every section of the GPU table on the CPU at tiny size, each row
+    measured (no error, nothing skipped), the same Markdown printed and written to --out."""
+    script = bench_module("gpu.py")
+    out = tmp_path / "table.md"
+    assert script["main"](["--smoke", "--out", str(out)]) == 0
+    printed, text = capsys.readouterr().out, out.read_text()
+    for line in text.splitlines():
+        assert line in printed, line  # every written line was printed
+    assert "- device: cpu" in text and f"torch {torch.__version__}" in text
+    assert "skipped" not in text and "error:" not in text, text
+    train = _table(text, "## 1. Every method")
+    assert [row[0].split(" (")[0] for row in train] == list(script["SMOKE_METHODS"])
+    for row in train:  # lazy, merged, peft: each a measured ratio to the frozen base
+        assert all(_ratio(cell) > 0 for cell in row[2:6]), row
+        assert row[7].startswith("time "), row
+    launch = {row[0]: row for row in _table(text, "## 1b. Launch-bound")}
+    assert set(launch) == {"(frozen base)", *script["REPRESENTATIVE"][:2]}
+    assert _ratio(launch["lora"][5]) > 0 and _ratio(launch["lora"][6]) > 0  # compiled merged and peft
+    ensemble = _table(text, "## 2. K = 8")
+    assert len(ensemble) == 2 and all(_ratio(row[3]) > 0 for row in ensemble)
+    private = _table(text, "## 3. The private step")
+    assert len(private) == 2 and all(_ratio(cell) > 0 for row in private for cell in row[1:5])
+    serve = {row[0]: row for row in _table(text, "## 4. Serving")}
+    check = serve.pop("(check) lora_func per-row vs peft adapter_names, prompt logits")
+    assert float(check[1].rsplit(" ", 1)[1]) < 1e-2  # both sides serve each row with its own adapter
+    assert set(serve) == {"one adapter, lazy", "one adapter, merged", "per-row (mixed_adapted)", "peft one adapter", "peft per-row (adapter_names)"}
+    assert all(float(row[1]) > 0 for row in serve.values())
+    (pretrained,) = _table(text, "## 5. The project's pretrained model")
+    assert all(_ratio(cell) > 0 for cell in pretrained[2:6])
+    (liger,) = _table(text, "## 6. LoRA on a model patched by liger-kernel")
+    assert liger[1].startswith("cannot run: ") and "liger" in liger[1]  # the precise reason, on a CPU
+    assert text.rstrip().splitlines()[-1].startswith("Finished in ")
+
+
+def test_gpu_budget_skips_what_no_longer_fits_with_a_line_each(bench_module, capsys):
+    script = bench_module("gpu.py")
+    assert script["main"](["--smoke", "--budget", "0", "--sections", "train,ensemble,liger"]) == 0
+    out = capsys.readouterr().out
+    for name in ("train", "ensemble", "liger"):
+        assert f"## {name}: skipped, the budget's time ran out" in out
+    assert "| lora |" not in out
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning", "ignore::FutureWarning")
+def test_gpu_rows_fail_on_their_own(bench_module, capsys, monkeypatch):
+    """One configuration's error prints in its cell; the row's other cells and the next rows
+    are still measured."""
+    script = bench_module("gpu.py")
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("peft broke here")
+
+    monkeypatch.setattr(script["c"], "peft_model", broken)
+    assert script["main"](["--smoke", "--sections", "train", "--methods", "ia3,lora"]) == 0
+    rows = _table(capsys.readouterr().out, "## 1. Every method")
+    assert [row[0].split(" (")[0] for row in rows] == ["ia3", "lora"]
+    for row in rows:
+        assert _ratio(row[2]) > 0 and _ratio(row[3]) > 0
+        assert row[4] == "error: RuntimeError: peft broke here", row

@@ -23,18 +23,18 @@ ROWS += ("oft", "boft", "road", "hira")  # issue 30 (b)
 PINNED = {
     "bfloat16": {
         "lora": (77824, 204800, 48),
-        "dora": (546816, 2981888, 116),
+        "dora": (546816, 2981888, 112),
         "delora": (78224, 251024, 192),
-        "hra": (152192, 355632, 216),
+        "hra": (152192, 355632, 208),
         "ia3": (131072, 1311744, 28),
         "ia3_ff": (176128, 1762656, 14),
         "ia3_kv_down": (307200, 3074400, 42),
     },
     "float32": {
         "lora": (151552, 618496, 40),
-        "dora": (415744, 1867776, 88),
+        "dora": (415744, 1867776, 84),
         "delora": (172432, 677008, 184),
-        "hra": (176768, 720176, 208),
+        "hra": (176768, 720176, 200),
         "ia3": (262144, 787456, 16),
         "ia3_ff": (352256, 1058144, 8),
         "ia3_kv_down": (614400, 1845600, 24),
@@ -62,8 +62,8 @@ PINNED["float32"] |= {
 # issue 30 (b), measured at ARGS (peft's are 393216/3341824/164, 309760/2266112/172,
 # 530432/4214784/156, 327680/2367488/64 on bf16; 262144/2555392/148, 539648/2299392/148,
 # 530432/3428352/140, 196608/1581056/44 on fp32).
-PINNED["bfloat16"] |= {"oft": (393216, 3276288, 156), "boft": (242688, 662016, 120), "road": (530432, 4214784, 156), "hira": (327680, 2367488, 64)}
-PINNED["float32"] |= {"oft": (262144, 2489856, 140), "boft": (275456, 530944, 108), "road": (530432, 3428352, 140), "hira": (196608, 1581056, 44)}
+PINNED["bfloat16"] |= {"oft": (393216, 3276288, 156), "boft": (242688, 662016, 116), "road": (530432, 4214784, 156), "hira": (327680, 2367488, 64)}
+PINNED["float32"] |= {"oft": (262144, 2489856, 140), "boft": (275456, 530944, 104), "road": (530432, 3428352, 140), "hira": (196608, 1581056, 44)}
 
 # issue 30 (c): C3A's lazy FFT form, measured at ARGS (peft's are the same on both dtypes).
 ROWS += ("c3a",)
@@ -124,3 +124,64 @@ def test_the_lazy_lora_path_keeps_no_fp32_copy_of_its_inputs(measured):
     peft = counts["lora/peft"][0] - counts["base"][0]
     assert lazy <= 1.2 * saved_limit < peft / 2.5
     assert counts["lora/lazy"][1] - counts["base"][1] <= 2 * written_limit
+
+
+# Issue 46: every other method peft has, on the bf16 base (the targets' dtype), measured at ARGS
+# (peft's in the comment). OLoRA, CorDA, LoRA-GA and LoftQ run PiSSA's activation form (the same
+# counts, checked by bench/counts.py's default run), so PiSSA stands for them here.
+LATER_ROWS = ("pissa", "eva", "adalora", "adamss", "kasa", "ln_tuning", "mica", "pvera", "randlora", "tinylora", "unilora", "vblora", "vera")
+LATER_PINNED = {
+    "pissa": (110592, 237568, 52),  # peft (278528, 2678784, 68)
+    "eva": (77824, 204800, 48),  # peft (73728, 946176, 48)
+    "adalora": (286720, 1548352, 76),  # peft (544784, 3870816, 108)
+    "adamss": (50176, 1981284, 136),  # peft (23200, 1305216, 296)
+    "kasa": (331776, 1617984, 80),  # peft (294912, 2728000, 84)
+    "ln_tuning": (131584, 134144, 20),  # peft (131072, 131584, 8)
+    "mica": (77824, 194560, 36),  # peft (262144, 2674688, 64)
+    "pvera": (69632, 1688960, 92),  # peft (327680, 3228800, 120)
+    "randlora": (458752, 2704384, 76),  # peft (327680, 3752960, 88)
+    "tinylora": (16640, 1548800, 71),  # peft (16640, 2196992, 76)
+    "unilora": (286720, 1551360, 99),  # peft (286720, 2202624, 107)
+    "vblora": (304640, 2472960, 171),  # peft (304640, 3125252, 191)
+    "vera": (36864, 1557568, 76),  # peft (278528, 2982976, 84)
+}
+# The counts where lazy is above peft today, each diagnosed in docs/benchmarks.md ("Every method
+# peft has"), with the fix proposed there. Asserted as they are: a fix makes this test fail,
+# and the entry goes (the row then holds the target like the others).
+KNOWN_ABOVE_PEFT = {
+    ("eva", "saved"),  # the two (r, d) bf16 factor casts the bf16 product node keeps; peft's EVA adapter is bf16
+    ("kasa", "saved"),  # as PiSSA was: its ΔΣ gradient loses precision on the bf16 node (docs/benchmarks.md)
+    ("adamss", "saved"), ("adamss", "written"),  # fp32 activations and an fp32 copy of x; peft computes in bf16
+    ("ln_tuning", "saved"), ("ln_tuning", "written"), ("ln_tuning", "ops"),  # fp32 copy of a bf16 norm weight, cast per step
+    ("randlora", "saved"),  # λ ⊙ A kept for γ's gradient, contiguous copy of U_Bᵀ
+}
+
+
+@pytest.fixture(scope="module")
+def measured_later(counts_script):
+    import torch
+
+    threads = torch.get_num_threads()
+    args = counts_script["parse_args"](ARGS)
+    try:
+        with torch.random.fork_rng():
+            counts_script["c"].setup(args)
+            return counts_script["measure"](args, "bfloat16", LATER_ROWS)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("row", LATER_ROWS)
+def test_every_other_peft_method_stays_within_its_pinned_counts(measured_later, row):
+    over = tuple(v - b for v, b in zip(measured_later[f"{row}/lazy"], measured_later["base"], strict=True))
+    for what, got, pinned in zip(("saved", "written", "ops"), over, LATER_PINNED[row], strict=True):
+        assert got <= pinned * 1.02 + 64, f"bfloat16 {row} lazy {what}: {got} over the frozen base, pinned at {pinned}"
+
+
+def test_every_other_peft_method_is_at_most_peft_but_for_the_known_gaps(counts_script, measured_later):
+    """bench/counts.py's target for every row peft has: lazy <= peft on saved bytes, written
+    bytes and ops; the counts above peft today are exactly the diagnosed ones."""
+    results = counts_script["check_targets"](measured_later, LATER_ROWS)
+    assert {what.split(" lazy")[0] for what, *_ in results} == set(LATER_ROWS)
+    above = {(what.split(" lazy ")[0], what.split(" lazy ")[1].split(" /")[0]) for what, _value, _limit, holds in results if not holds}
+    assert above == KNOWN_ABOVE_PEFT

@@ -696,7 +696,7 @@ def _vmap_failed(ctx: Ctx) -> Callable[[], Any]:
 
     model = ctx.track(BranchingModel().eval())
     a = ctx.adapter(model, targets=["proj"])
-    return lambda: ensemble_call(model, lf.stack([a, a]), torch.ones(2, 4), route="vmap")
+    return lambda: ensemble_call(model, lf.stack([a, a]), torch.ones(2, 4), batching="vmap")
 
 
 def _per_example(loss_fn: Callable[..., Any], *batch: Any) -> Callable[[Ctx], Callable[[], Any]]:
@@ -932,12 +932,17 @@ CASES.update(
         "stack-mixed-kinds": Case(on_two(lambda m, a, b, ctx: lf.stack([a, lf.compose(a, b)])), ("Adapter", "Composed")),
         "stack-parts": Case(on_two(lambda m, a, b, ctx: lf.stack([lf.compose(a), lf.compose(a, b)])), ("Composed", "[1, 2]")),
         # batching under vmap
-        "batch-eager-attention": Case(batching("ensemble_call", IDS, sdpa=True, route="vmap"), ("ensemble_call", "LlamaForCausalLM", "'sdpa'", "eager")),
+        "batch-eager-attention": Case(batching("ensemble_call", IDS, sdpa=True, batching="vmap"), ("ensemble_call", "LlamaForCausalLM", "'sdpa'", "eager")),
         "batch-not-stacked": Case(batching("ensemble_call", IDS, stacked=False), ("ensemble_call", "stack_shape ()", "lora_func.stack")),
-        "batch-non-tensor-output": Case(batching("ensemble_call", IDS, use_cache=True, route="vmap"), ("ensemble_call", "DynamicCache", "use_cache=False")),
+        "batch-non-tensor-output": Case(batching("ensemble_call", IDS, use_cache=True, batching="vmap"), ("ensemble_call", "DynamicCache", "use_cache=False")),
         "batch-vmap-failed": Case(_vmap_failed, ("ensemble_call", "data-dependent")),
-        "mixed-batch-size": Case(batching("mixed_call", torch.tensor([0, 1, 0]), IDS), ("len(index)=3",)),
-        "many-route-unknown": Case(batching("ensemble_call", IDS, route="rows"), ("ensemble_call", "'rows'", "route='vmap'")),
+        "mixed-batch-size": Case(batching("mixed_call", torch.tensor([0, 1, 0]), past_key_values=None, attention_mask=torch.ones(2, 8), batching="vmap"), ("len(index)=3",)),
+        "many-batching-unknown": Case(batching("ensemble_call", IDS, batching="rows"), ("ensemble_call", "'rows'", "batching='vmap'")),
+        "many-layers-merged": Case(batching("ensemble_call", IDS, batching="layers", merged=True), ("ensemble_call", "batching='vmap'", "merged=False")),
+        "many-vmap-rows-per-index": Case(
+            on_two(lambda m, a, b, ctx: lf.mixed_call(m, [a, a], torch.tensor([0, 1]), IDS, batching="vmap", rows_per_index=2)),
+            ("rows_per_index=2", "repeat_interleave"),
+        ),
         "per-example-batch": Case(_per_example(_logits_sum, IDS, IDS[:1]), ("[1, 2]",)),
         "per-example-loss": Case(_per_example(_logits_per_token, IDS), ("(1, 8)",)),
         # export
@@ -968,7 +973,8 @@ CASES.update(
         "peft-rank-mismatch": Case(saved_peft(lambda d, ctx, m: _peft_on(d, ctx, m, config={"r": 3, "rank_pattern": {}})), ("rank 2", "says 3")),
         "peft-layer-unread": Case(saved_peft(lambda d, ctx, m: _peft_on(d, ctx, m, config={"init_lora_weights": "lora_ga"})), ("'lora_ga'", "path_initial_model_for_weight_conversion")),
         "peft-vector-shape": Case(saved_peft(lambda d, ctx, m: _peft_on(d, ctx, m, config={"feedforward_modules": ["q_proj"]}), variant="ia3", targets=("q_proj",)), (Q, "(32, 1)", "(1, 32)")),
-        "peft-unknown-type": Case(saved_peft(lambda d, ctx, m: _peft_on(d, ctx, m, config={"peft_type": "PROMPT_TUNING"})), ("'PROMPT_TUNING'", "LORA")),
+        # ShadowPEFT: a block-level method (a parallel shadow network), no weight or input adapter
+        "peft-unknown-type": Case(saved_peft(lambda d, ctx, m: _peft_on(d, ctx, m, config={"peft_type": "SHADOW"})), ("'SHADOW'", "LORA")),
         "save-peft-needs-model": Case(save_peft_of(lambda ctx: (ctx.adapter(ctx.model(), variant="pissa"), None)), ("model=",)),
         "save-peft-other-base": Case(save_peft_of(lambda ctx: (ctx.adapter(ctx.model(), variant="pissa"), ctx.model(seed=1))), (Q,)),
         "save-peft-stacked": Case(save_peft_of(lambda ctx: (lf.stack([ctx.adapter(ctx.model())] * 2), None)), ("(2,)", "unstack")),
@@ -1626,17 +1632,17 @@ def _mixed_wrong_rows(ctx: Ctx) -> Callable[[], Any]:
 def _mixed_dora_on_quantized(ctx: Ctx) -> Callable[[], Any]:
     model = _quantized(ctx)
     adapter = lf.init_adapter(model, lf.AdapterSpec("dora", targets=["q_proj"], r=2), generator=torch.Generator().manual_seed(0))
-    return lambda: lf.mixed_adapted_call(model, [adapter, adapter], torch.tensor([0, 1]), IDS)
+    return lambda: lf.mixed_call(model, [adapter, adapter], torch.tensor([0, 1]), IDS, batching="layers")
 
 
 CASES.update(
     {
-        "mixed-route-composite": Case(on_two(lambda m, a, b, ctx: lf.mixed_adapted_call(m, [lf.compose(a, b)], torch.tensor([0, 0]), IDS)), ("Composed/Combined", "lora_func.adapted")),
-        "mixed-route-list": Case(on_two(lambda m, a, b, ctx: lf.mixed_adapted_call(m, [a, a.params], torch.tensor([0, 1]), IDS)), ("['Adapter', 'dict']",)),
-        "mixed-route-adapters-type": Case(on_two(lambda m, a, b, ctx: lf.mixed_adapted_call(m, a.params, torch.tensor([0, 1]), IDS)), ("dict", "lora_func.stack")),
-        "mixed-route-not-stacked": Case(on_two(lambda m, a, b, ctx: lf.mixed_adapted_call(m, a, torch.tensor([0, 0]), IDS)), ("stack_shape ()", "[adapter_0, adapter_1")),
-        "mixed-route-index-type": Case(on_two(lambda m, a, b, ctx: lf.mixed_adapted_call(m, [a, a], [0.5, 1], IDS)), ("list", "torch.tensor([2, 0, 1, 0])")),
-        "mixed-route-index-range": Case(on_two(lambda m, a, b, ctx: lf.mixed_adapted_call(m, [a, a], torch.tensor([0, -1]), IDS)), ("[0, 2)", "-1")),
+        "mixed-route-composite": Case(on_two(lambda m, a, b, ctx: lf.mixed_call(m, [lf.compose(a, b)], torch.tensor([0, 0]), IDS, batching="layers")), ("Composed/Combined", "lora_func.adapted")),
+        "mixed-route-list": Case(on_two(lambda m, a, b, ctx: lf.mixed_call(m, [a, a.params], torch.tensor([0, 1]), IDS, batching="layers")), ("['Adapter', 'dict']",)),
+        "mixed-route-adapters-type": Case(on_two(lambda m, a, b, ctx: lf.mixed_call(m, a.params, torch.tensor([0, 1]), IDS, batching="layers")), ("dict", "lora_func.stack")),
+        "mixed-route-not-stacked": Case(on_two(lambda m, a, b, ctx: lf.mixed_call(m, a, torch.tensor([0, 0]), IDS, batching="layers")), ("stack_shape ()", "[adapter_0, adapter_1")),
+        "mixed-route-index-type": Case(on_two(lambda m, a, b, ctx: lf.mixed_call(m, [a, a], [0.5, 1], IDS, batching="layers")), ("list", "torch.tensor([2, 0, 1, 0])")),
+        "mixed-route-index-range": Case(on_two(lambda m, a, b, ctx: lf.mixed_call(m, [a, a], torch.tensor([0, -1]), IDS, batching="layers")), ("[0, 2)", "-1")),
         "mixed-route-batch-rows": Case(_mixed_wrong_rows, ("2 rows", "len(index)=3", "q_proj")),
         "mixed-route-quantized": Case(_mixed_dora_on_quantized, ("'dora'", "['eva', 'lora', 'mica']", "q_proj")),
     }
@@ -1904,7 +1910,7 @@ CASES.update(
         "target-parameter-dims": Case(init("lora", [], target_parameters=[f"{Q}.bias"]), (f"{Q}.bias", "(32,)")),
         "kind-quantized-or-sharded": Case(_quantized_embedding, ("model.embed_tokens.weight", "embedding")),
         "mixed-route-kind": Case(
-            lambda ctx: (lambda m, a: lambda: lf.mixed_adapted_call(m, [a, a], torch.tensor([0, 1]), IDS))(
+            lambda ctx: (lambda m, a: lambda: lf.mixed_call(m, [a, a], torch.tensor([0, 1]), IDS, batching="layers"))(
                 m := ctx.model(), ctx.adapter(m, targets=["embed_tokens"])
             ),
             ("model.embed_tokens (embedding)", "adapted_call"),
@@ -2054,5 +2060,181 @@ CASES.update(
             saved_peft(lambda d, ctx, m: (_edit_config(d, layers_to_transform=[0]), _load_peft(d, m))[1], variant="unilora"),
             ("UNILORA", "layers_to_transform=[0]", "target_modules=["),
         ),
+    }
+)
+
+
+# Input-level adapters (lora_func.prompts, issue 47).
+def _prompt(ctx: Ctx, method: str = "prompt_tuning", n: int | None = 3, *, kind: str = "llama", model: nn.Module | None = None, **options: Any) -> tuple[nn.Module, lf.Prompt]:
+    model = model or ctx.model(kind)
+    spec = lf.PromptSpec(method, n, **options)
+    return model, lf.init_prompt(model, spec, generator=torch.Generator().manual_seed(0))
+
+
+def on_prompt(call: Callable[[nn.Module, lf.Prompt, Ctx], Any], method: str = "prompt_tuning", n: int | None = 3, **options: Any) -> Callable[[Ctx], Callable[[], Any]]:
+    def arrange(ctx: Ctx) -> Callable[[], Any]:
+        model, prompt = _prompt(ctx, method, n, **options)
+        return functools.partial(call, model, prompt, ctx)
+
+    return arrange
+
+
+def _prompt_generate_4d(model: nn.Module, prompt: lf.Prompt, ctx: Ctx) -> Any:
+    with torch.no_grad(), lf.adapted(model, prompt):
+        return model.generate(IDS, attention_mask=torch.ones_like(IDS), max_new_tokens=2, do_sample=False, pad_token_id=0, cache_implementation="static")
+
+
+def _prompt_generate_embeds(model: nn.Module, prompt: lf.Prompt, ctx: Ctx) -> Any:
+    with torch.no_grad(), lf.adapted(model, prompt):
+        return model.generate(inputs_embeds=model.get_input_embeddings()(IDS).detach(), max_new_tokens=2, do_sample=False, pad_token_id=0)
+
+
+def _prompt_wrong_rows(model: nn.Module, prompt: lf.Prompt, ctx: Ctx) -> Any:
+    with lf.mixed_adapted(model, [prompt, prompt], torch.tensor([0, 1, 0])):
+        return model(IDS)  # 2 rows, 3 index entries
+
+
+def _prompt_checkpointing(ctx: Ctx) -> Callable[[], Any]:
+    model = tiny_model("llama")
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    model = ctx.track(model)
+    _, prompt = _prompt(ctx, "prefix_tuning", model=model)
+    return lambda: lf.adapted_call(model, prompt, IDS)
+
+
+def _prompt_source_task(ctx: Ctx) -> Callable[[], Any]:
+    model, source = _prompt(ctx, "multitask_prompt_tuning", num_tasks=3)
+    spec = lf.PromptSpec("multitask_prompt_tuning", 3, init="exact_source_task", init_task=5)
+    return lambda: lf.init_prompt(model, spec, source=source)
+
+
+def _prompt_peft_other_model(ctx: Ctx) -> Callable[[], Any]:
+    _, prompt = _prompt(ctx, "prefix_tuning")
+    directory = lf.save_peft(prompt, ctx.tmp / "prefix")
+    other = ctx.model("gpt2")
+    return lambda: lf.load_peft(directory, other)
+
+
+def _prompt_file_other_model(ctx: Ctx) -> Callable[[], Any]:
+    _, prompt = _prompt(ctx, "prefix_tuning")
+    path = lf.save(prompt, ctx.tmp / "prefix.safetensors")
+    other = ctx.model("gpt2")
+    return lambda: lf.load(path, model=other)
+
+
+def _prompt_tensors(ctx: Ctx) -> Callable[[], Any]:
+    _, prompt = _prompt(ctx)
+    return lambda: lf.Prompt({"embedding": torch.zeros(2, 5)}, {}, prompt.spec, prompt.geometry)
+
+
+CASES.update(
+    {
+        "prompt-method-unknown": Case(lambda ctx: lambda: lf.PromptSpec("prompt_tunning", 3), ("'prompt_tunning'", "prompt_tuning")),
+        "prompt-spec-unknown-option": Case(lambda ctx: lambda: lf.PromptSpec("prompt_tuning", 3, r=2), ("['r']", "'init'")),
+        "prompt-spec-dtype": Case(lambda ctx: lambda: lf.PromptSpec("prompt_tuning", 3, dtype=torch.int64), ("torch.int64",)),
+        "prompt-spec-options": Case(lambda ctx: lambda: lf.PromptSpec("p_tuning", 3, encoder="gru", encoder_num_layers=0), ("encoder='gru'", "'lstm'", "encoder_num_layers=0")),
+        "prompt-init-tensors": Case(_prompt_tensors, ("embedding", "(3, 32)", "(2, 5)")),
+        "prompt-keys": Case(on_prompt(lambda m, p, ctx: p.with_params({"embeddings": p.params["embedding"]})), ("embeddings", "'embedding'")),
+        "prompt-buffer-keys": Case(on_prompt(lambda m, p, ctx: p.with_buffers({}), "cpt", None, cpt_token_ids=[5, 6]), ("'embedding'",)),
+        "prompt-stack-mismatch": Case(lambda ctx: (lambda a, b: lambda: lf.stack([a, b]))(_prompt(ctx)[1], _prompt(ctx, n=4)[1]), ("[1]", "prompt_tuning")),
+        "prompt-model-unsupported": Case(lambda ctx: (lambda m: lambda: lf.init_prompt(m, lf.PromptSpec("adaption_prompt", 3)))(ctx.model("qwen2")), ("Qwen2ForCausalLM", "'qwen2'", "'adaption_prompt'")),
+        "prompt-init-spec": Case(lambda ctx: (lambda m: lambda: lf.init_prompt(m, lf.AdapterSpec("lora", targets=["q_proj"])))(ctx.model()), ("AdapterSpec", "PromptSpec(")),
+        "prompt-init-tokenizer": Case(lambda ctx: (lambda m: lambda: lf.init_prompt(m, lf.PromptSpec("prompt_tuning", 3, init="text", init_text="hi")))(ctx.model()), ("tokenizer=", "NoneType")),
+        "prompt-init-source": Case(lambda ctx: (lambda m: lambda: lf.init_prompt(m, lf.PromptSpec("multitask_prompt_tuning", 3, init="only_source_shared")))(ctx.model()), ("source=", "3 tokens")),
+        "prompt-init-source-task": Case(_prompt_source_task, ("init_task=5", "3 tasks")),
+        "prompt-composition": Case(on_prompt(lambda m, p, ctx: lf.adapted_call(m, lf.compose(p, p), IDS)), ("2 prompts", "mixed_call")),
+        "prompt-rows": Case(on_prompt(_prompt_wrong_rows), ("2 rows", "have 3")),
+        "prompt-generate-embeds": Case(on_prompt(_prompt_generate_embeds), ("prompt_tuning", "inputs_embeds")),
+        "prompt-generate-mask": Case(on_prompt(_prompt_generate_4d), ("2-D attention mask", "dynamic cache")),
+        "prompt-task-ids": Case(on_prompt(lambda m, p, ctx: lf.adapted_call(m, p, IDS), "multitask_prompt_tuning", num_tasks=2), ("multitask_prompt_tuning", "task_ids=")),
+        "prompt-extra-input": Case(on_prompt(lambda m, p, ctx: lf.adapted_call(m, p, IDS, input_type_mask=torch.ones_like(IDS))), ("['input_type_mask']", "prompt_tuning")),
+        "prompt-kv-checkpointing": Case(_prompt_checkpointing, ("prefix_tuning", "gradient_checkpointing_disable()")),
+        "prompt-stacked-call": Case(on_prompt(lambda m, p, ctx: lf.adapted_call(m, lf.stack([p, p]), IDS)), ("stack_shape (2,)", "mixed_call")),
+        "prompt-mixed-list": Case(on_prompt(lambda m, p, ctx: lf.mixed_call(m, [p, ctx.adapter(m)], torch.tensor([0, 1]), IDS, batching="layers")), ("'Adapter'", "'Prompt'")),
+        "prompt-mixed-not-stacked": Case(on_prompt(lambda m, p, ctx: lf.mixed_call(m, p, torch.tensor([0, 0]), IDS, batching="layers")), ("lora_func.stack", "num_virtual_tokens=3")),
+        "prompt-cpt-projected": Case(on_prompt(lambda m, p, ctx: lf.prompts.cpt_projected(p)), ("prompt_tuning",)),
+        "prompt-save-composed": Case(on_prompt(lambda m, p, ctx: lf.save(lf.compose(p, ctx.adapter(m)), ctx.tmp / "both.safetensors")), ("composed with weight-level adapters",)),
+        "load-peft-prompt-mismatch": Case(_prompt_peft_other_model, ("PREFIX_TUNING", "GPT2LMHeadModel")),
+        "prompt-weight-level": Case(on_prompt(lambda m, p, ctx: lf.merge_overlay(lf.base_params(m), p)), ("member_shared", "lora_func.adapted_call")),
+        "load-prompt-file": Case(_prompt_file_other_model, ("prefix.safetensors", "model_type='gpt2'")),
+    }
+)
+
+
+# lora_func.attribution's cases live beside its tests (tests/test_attribution_errors.py), which adds
+# them to CASES (and its RNG_ADVANCES) when imported: imported here, so this file alone covers the
+# whole catalogue.
+from tests import test_attribution_errors  # noqa: E402, F401
+
+
+# No silent wrong answer (issue 48): files with NaN/inf or without a targeted layer, index
+# lengths, chunk sizes.
+def _saved_non_finite(ctx: Ctx) -> Callable[[], Any]:
+    model = ctx.model()
+    adapter = ctx.adapter(model).detach()
+    nan = adapter.with_params({k: v.detach().clone().fill_(float("nan")) if k.endswith("lora_A") else v for k, v in adapter.params.items()})
+    path = lf.save(nan, ctx.tmp / "nan.safetensors")
+    return lambda: lf.load(path, model=model)
+
+
+def _peft_without_a_layer(directory: Path, ctx: Ctx, model: nn.Module) -> Callable[[], Any]:
+    return _peft_on(directory, ctx, model, tensors=lambda t: {k: v for k, v in t.items() if f"{Q}." not in k})
+
+
+CASES.update(
+    {
+        "load-non-finite": Case(_saved_non_finite, (f"params/{Q}.lora_A", "NaN", "check_finite=False")),
+        "peft-layer-missing": Case(saved_peft(_peft_without_a_layer, variant="oft"), (Q, "target_modules")),
+        "mixed-route-rows-per-index": Case(
+            on_two(lambda m, a, b, ctx: lf.mixed_call(m, [a, a], torch.tensor([0, 1]), IDS, rows_per_index=0, batching="layers")), ("rows_per_index=0",)
+        ),
+        "many-chunk-size": Case(on_two(lambda m, a, b, ctx: lf.ensemble_call(m, lf.stack([a, a]), IDS, chunk_size=1.5)), ("chunk_size=1.5",)),
+    }
+)
+
+
+def _on_meta(adapter: lf.Adapter) -> lf.Adapter:
+    return adapter.with_params({k: v.detach().to("meta") for k, v in adapter.params.items()})
+
+
+def _with_nan(adapter: lf.Adapter) -> lf.Adapter:
+    return adapter.with_params({k: torch.full_like(v.detach(), float("nan")) if k.endswith("lora_B") else v for k, v in adapter.params.items()})
+
+
+def _merge_wider(ctx: Ctx) -> Callable[[], Any]:
+    a, b = ctx.adapter(ctx.model()), ctx.adapter(ctx.track(_wider_llama()))
+    return lambda: lf.merge_adapters([a, b], [1.0, 1.0], method="linear")
+
+
+def _nan_base(ctx: Ctx) -> Callable[[], Any]:
+    model = ctx.model()
+    adapter = ctx.adapter(model)
+    base = dict(lf.base_params(model))
+    base[f"{Q}.weight"] = torch.full_like(base[f"{Q}.weight"], float("inf"))
+    return lambda: lf.merge_adapters([adapter], [1.0], method="svd", rank=1, base=base)
+
+
+def _pissa_on_another(call: Callable[[lf.Adapter, nn.Module], Any]) -> Callable[[Ctx], Callable[[], Any]]:
+    def arrange(ctx: Ctx) -> Callable[[], Any]:
+        pissa = ctx.adapter(ctx.model(), variant="pissa")
+        other = ctx.track(tiny_model("llama", seed=1))
+        return lambda: call(pissa, other)
+
+    return arrange
+
+
+CASES.update(
+    {
+        "stack-devices": Case(on_two(lambda m, a, b, ctx: lf.stack([a, _on_meta(a)])), ("adapter 1", "['meta']", "['cpu']")),
+        "merge-devices": Case(on_two(lambda m, a, b, ctx: lf.merge_adapters([a, _on_meta(b)], [1.0, 1.0], method="linear")), ("adapters[1] on ['meta']",)),
+        "merge-non-finite": Case(on_two(lambda m, a, b, ctx: lf.merge_adapters([a, _with_nan(b)], [1.0, 1.0], method="svd", rank=2)), ("adapters[1]", "v_proj.lora_B")),
+        "merge-shapes": Case(_merge_wider, ("adapters[1]", Q, "(32, 48)", "(32, 32)")),
+        "merge-delta-non-finite": Case(_nan_base, ("adapters[0]", Q)),
+        "merge-base-fingerprint": Case(
+            _pissa_on_another(lambda pissa, other: lf.merge_adapters([pissa], [1.0], method="linear", base=lf.base_params(other))), ("adapters[0] (pissa)", Q)
+        ),
+        "merge-export-fingerprint": Case(_pissa_on_another(lambda pissa, other: lf.merged_state_dict(other, pissa)), (Q,)),
+        "privacy-noise-no-steps": Case(lambda ctx: lambda: lf.noise_for_epsilon(epsilon=1.0, sample_rate=0.01, steps=0, delta=1e-5), ("steps=0",)),
     }
 )

@@ -157,7 +157,7 @@ def test_adapted_block_and_generate_on_a_sharded_model(results):
 
 
 def test_per_row_adapters_on_a_sharded_model(results):
-    """lf.mixed_adapted_call / lf.mixed_adapted (issue 20's route) on FSDP2 shards: every row as
+    """lf.mixed_call / lf.mixed_adapted (issue 20's route) on FSDP2 shards: every row as
     its own adapter on the unsharded model, gradients reach each adapter a row used."""
     for rank, r in enumerate(_get(results, "mixed:")):
         assert r["logits"] <= OUTPUT_REL and r["grads_of_used"] > 1e-4, (rank, r)

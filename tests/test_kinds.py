@@ -152,7 +152,7 @@ def test_the_mixed_route_refuses_merged_only_kinds(models):
     model = models["llama"]
     a = lf.init_adapter(model, lf.AdapterSpec("lora", targets=["embed_tokens"], r=2))
     with pytest.raises(ValueError, match=r"model.embed_tokens \(embedding\)"):
-        lf.mixed_adapted_call(model, [a, a], torch.tensor([0, 1]), tokens())
+        lf.mixed_call(model, [a, a], torch.tensor([0, 1]), tokens(), batching="layers")
 
 
 @pytest.mark.parametrize("kind", ["embedding", "conv", "experts"])

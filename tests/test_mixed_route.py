@@ -1,4 +1,4 @@
-"""lora_func.many (mixed_adapted, mixed_adapted_call): per-row adapters inside the target layers, against per-sequence oracles.
+"""lora_func.many (mixed_adapted, mixed_call): per-row adapters inside the target layers, against per-sequence oracles.
 
 Oracles: a Python loop of ``lf.adapted_call`` per example (logits, per-adapter gradients) and
 ``with lf.adapted(model, its_adapter): model.generate(...)`` per sequence (generation). Every
@@ -57,7 +57,7 @@ def _check_logits_and_gradients(model, adapters, index, ids, mask) -> None:
     for a in adapters:
         for t in a.params.values():
             t.grad = None
-    out = lf.mixed_adapted_call(model, adapters, index, ids, attention_mask=mask).logits
+    out = lf.mixed_call(model, adapters, index, ids, attention_mask=mask, batching="layers").logits
     loop = _loop_logits(model, adapters, index, ids, mask)
     for j in range(len(ids)):
         _close(out[j], loop[j], f"row {j}")
@@ -121,7 +121,7 @@ def test_a_stacked_adapter_under_torch_func_grad_gives_each_member_its_rows_grad
     probe = _probe((5, 8, 61))
 
     def loss(p):
-        return (lf.mixed_adapted_call(model, stacked.with_params(p), index, ids, attention_mask=mask).logits * probe).sum()
+        return (lf.mixed_call(model, stacked.with_params(p), index, ids, attention_mask=mask, batching="layers").logits * probe).sum()
 
     grads = torch.func.grad(loss)({k: v.detach() for k, v in stacked.params.items()})
     for k, adapter in enumerate(adapters):
@@ -146,7 +146,7 @@ def test_a_model_loss_from_labels_is_the_batch_loss_of_the_per_row_logits():
     index = torch.tensor([0, 1, 2, 3, 0])
     ids, mask = _batch()
     labels = ids.masked_fill(mask == 0, -100)
-    out = lf.mixed_adapted_call(model, adapters, index, ids, attention_mask=mask, labels=labels)
+    out = lf.mixed_call(model, adapters, index, ids, attention_mask=mask, labels=labels, batching="layers")
     logits = torch.stack(_loop_logits(model, adapters, index, ids, mask))
     expected = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
     _close(out.loss, expected)
@@ -225,7 +225,7 @@ def test_beam_search_and_return_sequences_expand_the_index_per_sequence():
 
 def test_a_batch_that_is_not_a_multiple_of_the_index_is_refused_and_the_model_restored():
     model, adapters, index, ids, mask = _generation_setup("llama")
-    with pytest.raises(ValueError, match="not a multiple of len\\(index\\)=6"):
+    with pytest.raises(ValueError, match="the batch has 4 rows on dim 0, but len\\(index\\)=6"):
         with lf.mixed_adapted(model, adapters, index):
             model(ids[:4], attention_mask=mask[:4])
     assert "forward" not in vars(model.model.layers[0].self_attn.q_proj)
@@ -248,7 +248,7 @@ def test_activation_checkpointing_recomputes_with_the_same_per_row_adapters(reen
         for a in adapters:
             for t in a.params.values():
                 t.grad = None
-        out = lf.mixed_adapted_call(model, adapters, index, ids, attention_mask=mask, use_cache=False).logits
+        out = lf.mixed_call(model, adapters, index, ids, attention_mask=mask, use_cache=False, batching="layers").logits
         (out * _probe(out.shape)).sum().backward()
         return [{k: t.grad.clone() for k, t in a.params.items()} for a in adapters]
 
@@ -284,7 +284,7 @@ def test_lora_on_a_quantized_base_equals_each_row_on_the_module_route():
     mask = torch.ones_like(ids)
     mask[1, :2] = 0
     with torch.no_grad():
-        got = lf.mixed_adapted_call(model, adapters, index, ids, attention_mask=mask).logits
+        got = lf.mixed_call(model, adapters, index, ids, attention_mask=mask, batching="layers").logits
         for j, k in enumerate(index.tolist()):
             _close(got[j], lf.adapted_call(model, adapters[k], ids[j : j + 1], attention_mask=mask[j : j + 1]).logits[0], f"row {j}")
 
@@ -297,7 +297,7 @@ def test_other_variants_on_a_quantized_base_are_refused_naming_the_supported_one
     spec = lf.AdapterSpec("dora", targets=["q_proj"], r=2)
     adapter = lf.init_adapter(model, spec, generator=torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match="'eva', 'lora'"):
-        lf.mixed_adapted_call(model, [adapter, adapter], torch.tensor([0, 1]), tokens(2, 4))
+        lf.mixed_call(model, [adapter, adapter], torch.tensor([0, 1]), tokens(2, 4), batching="layers")
 
 
 def test_an_in_place_update_of_a_stack_inside_a_block_is_seen_by_the_next_call():
@@ -329,30 +329,30 @@ def test_dropout_acts_per_row_in_training_only():
     model.train()
     try:
         torch.manual_seed(0)
-        trained = lf.mixed_adapted_call(model, adapters, index, ids).logits
+        trained = lf.mixed_call(model, adapters, index, ids, batching="layers").logits
     finally:
         model.eval()
     assert not torch.allclose(trained[0], trained[1], atol=1e-4)
-    evaluated = lf.mixed_adapted_call(model, adapters, index, ids).logits
+    evaluated = lf.mixed_call(model, adapters, index, ids, batching="layers").logits
     _close(evaluated[0], lf.adapted_call(model, adapters[0], ids[:1]).logits[0])
     _close(evaluated[0], evaluated[1])
 
 
 @pytest.mark.parametrize("as_sequence", [list, tuple], ids=["list", "tuple"])
 def test_a_python_sequence_of_positions_is_an_index(as_sequence):
-    """mixed_adapted and mixed_adapted_call take a list or tuple of ints as the index tensor."""
+    """mixed_adapted and mixed_call take a list or tuple of ints as the index tensor."""
     model = _sdpa(tiny_model("llama"))
     adapters = _tenants(model, "llama", ranks=(2, 2, 2))
     positions = [2, 0, 1, 0, 2]
     ids, mask = _batch()
-    want = lf.mixed_adapted_call(model, adapters, torch.tensor(positions), ids, attention_mask=mask).logits
-    got = lf.mixed_adapted_call(model, adapters, as_sequence(positions), ids, attention_mask=mask).logits
+    want = lf.mixed_call(model, adapters, torch.tensor(positions), ids, attention_mask=mask, batching="layers").logits
+    got = lf.mixed_call(model, adapters, as_sequence(positions), ids, attention_mask=mask, batching="layers").logits
     assert torch.equal(got, want)
     with torch.no_grad(), lf.mixed_adapted(model, adapters, as_sequence(positions)):
         inside = model(ids, attention_mask=mask).logits
     assert torch.equal(inside, want.detach())
     with pytest.raises(TypeError, match="int64 or int32 tensor"):  # bools and floats are not positions
-        lf.mixed_adapted_call(model, adapters, as_sequence([True, False, True, False, True]), ids)
+        lf.mixed_call(model, adapters, as_sequence([True, False, True, False, True]), ids, batching="layers")
 
 
 # ----------------------------------------------------------------------------- the low-rank declaration
@@ -426,7 +426,7 @@ def test_the_batched_path_follows_the_declaration_not_the_function(monkeypatch):
         adapters = _tenants(model, "llama", name, count=2)
         bmm_calls.clear()
         with torch.no_grad():
-            got = lf.mixed_adapted_call(model, adapters, index, ids, attention_mask=mask).logits
+            got = lf.mixed_call(model, adapters, index, ids, attention_mask=mask, batching="layers").logits
         assert bool(bmm_calls) is batched, name
         for j, (g, want) in enumerate(zip(got, _loop_logits(model, adapters, index, ids, mask), strict=True)):
             _close(g, want, f"{name} row {j}")

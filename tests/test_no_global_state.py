@@ -28,7 +28,7 @@ def _state(model: torch.nn.Module) -> list:
         torch_checkpoint._checkpoint_without_reentrant_generator,
         torch_checkpoint.CheckpointFunction,
         torch_checkpoint.checkpoint,
-        *((name, type(m).forward, "forward" in m.__dict__) for name, m in model.named_modules()),
+        *((name, type(m).forward, "forward" in m.__dict__, "prepare_inputs_for_generation" in m.__dict__) for name, m in model.named_modules()),
     ]
 
 
@@ -57,22 +57,43 @@ def _mixed_generate(model, a, b, ids):
         model.generate(ids[:2, :4], max_new_tokens=2, do_sample=False)
 
 
+def _prompt(model, method="prompt_tuning", **options):
+    return lf.init_prompt(model, lf.PromptSpec(method, 2, **options), generator=torch.Generator().manual_seed(0))
+
+
+def _prompt_generate(model, a, b, ids):
+    with torch.no_grad(), lf.adapted(model, lf.compose(_prompt(model, "prefix_tuning"), a)):
+        model.generate(ids[:1, :4], max_new_tokens=2, do_sample=False)
+
+
+def _mixed_prompt_generate(model, a, b, ids):
+    p = _prompt(model)
+    with torch.no_grad(), lf.mixed_adapted(model, [p, p.with_params({"embedding": p.params["embedding"] + 1})], [0, 1]):
+        model.generate(ids[:2, :4], max_new_tokens=2, do_sample=False)
+
+
 CALLS = {
     "adapted_call overlay": lambda model, a, b, ids: lf.adapted_call(model, a, ids).logits.sum().backward(),
     "adapted_call module": lambda model, a, b, ids: lf.adapted_call(model, a, ids, route="module").logits.sum().backward(),
     "adapted_call merged": lambda model, a, b, ids: lf.adapted_call(model, a, ids, merged=True),
     "adapted (generate)": _generate,
-    "mixed_adapted_call": lambda model, a, b, ids: lf.mixed_adapted_call(model, [a, b], [0, 1], ids[:2]).logits.sum().backward(),
+    "mixed_call": lambda model, a, b, ids: lf.mixed_call(model, [a, b], [0, 1], ids[:2], batching="layers").logits.sum().backward(),
     "mixed_adapted (generate)": _mixed_generate,
     "ensemble_call": lambda model, a, b, ids: lf.ensemble_call(model, lf.stack([a, b]), ids, randomness="different").logits.sum().backward(),
-    "ensemble_call vmap": lambda model, a, b, ids: lf.ensemble_call(model, lf.stack([a, b]), ids, route="vmap", use_cache=False),
+    "ensemble_call vmap": lambda model, a, b, ids: lf.ensemble_call(model, lf.stack([a, b]), ids, batching="vmap", use_cache=False),
     "mixed_call": lambda model, a, b, ids: lf.mixed_call(model, lf.stack([a, b]), [0, 1], ids[:2]),
     "train_step": _train_step,
+    "prompt adapted_call": lambda model, a, b, ids: lf.adapted_call(model, _prompt(model), ids, labels=ids).loss.backward(),
+    "adaption prompt + lora adapted_call": lambda model, a, b, ids: lf.adapted_call(
+        model, lf.compose(_prompt(model, "adaption_prompt", adapter_layers=2), a), ids).logits.sum().backward(),
+    "prompt adapted (generate)": _prompt_generate,
+    "prompt mixed_adapted (generate)": _mixed_prompt_generate,
 }
 
 
 # Calls without a backward: checkpointing recomputes nothing there, so they run once, plain.
-NO_BACKWARD = ("adapted (generate)", "mixed_adapted (generate)", "ensemble_call vmap", "mixed_call")
+NO_BACKWARD = ("adapted (generate)", "mixed_adapted (generate)", "ensemble_call vmap", "mixed_call", "prompt adapted (generate)",
+               "prompt mixed_adapted (generate)")
 CASES = [(call, False) for call in sorted(CALLS)] + [(call, True) for call in sorted(CALLS) if call not in NO_BACKWARD]
 
 
@@ -120,7 +141,7 @@ def test_a_call_that_raises_inside_the_model_leaves_nothing_behind(route):
     try:
         with pytest.raises(Boom):
             if route == "mixed":
-                lf.mixed_adapted_call(model, [a, b], [0, 1], tokens()[:2])
+                lf.mixed_call(model, [a, b], [0, 1], tokens()[:2], batching="layers")
             else:
                 lf.adapted_call(model, a, tokens(), route=route)
     finally:

@@ -140,7 +140,7 @@ def test_each_model_keeps_one_reusable_application_and_deleting_the_model_frees_
     with torch.no_grad():
         lf.adapted_call(model, adapter, ids, base=base)
         lf.adapted_call(model, other, ids, base=base)
-    memo = plan_module._PLANS[model][-1][1].last
+    memo = call._LAST.get(plan_module.plans_for(model)[0])
     assert memo.tensors[0] is next(iter(other.params.values()))
     alive = weakref.ref(model)
     weight = weakref.ref(model.model.layers[0].self_attn.q_proj.weight)

@@ -21,6 +21,7 @@ SECTIONS = {
     "COMBINING": "Combining adapters",
     "MANY_ADAPTERS": ("Many adapters at once", "Many adapters in one batch"),
     "FILES": "Saving, loading, exporting",
+    "PROMPTS": "Input-level adapters: prompt learning",
     "CHECKS": "Checks and data-parallel training",
     "PRIVACY": "Private training (DP-SGD)",
     "TRAINING_METHODS": "Optimiser methods and AdaLoRA's rank budget",

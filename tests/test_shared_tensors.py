@@ -192,7 +192,7 @@ def test_mixed_rows_and_activation_checkpointing_read_the_shared_tensor(row):
     model, a = _adapter()
     _, b = _adapter(seed=1)
     ids, index = tokens(3, 8, seed=2), torch.tensor([1, 0, 1])
-    for call in (lf.mixed_call, lf.mixed_adapted_call):
+    for call in (lf.mixed_call, lf.mixed_call):
         out = call(model, lf.stack([a, b]), index, ids, use_cache=False).logits
         for i in range(3):
             alone = lf.adapted_call(model, (a, b)[int(index[i])], ids[i : i + 1]).logits[0]

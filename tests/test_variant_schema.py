@@ -158,3 +158,46 @@ def test_only_the_variants_that_take_r_directions_of_the_weight_bound_r():
     vera = lf.init_adapter(model, lf.AdapterSpec("vera", targets=["q_proj", "v_proj"], r=256), generator=torch.Generator().manual_seed(0))
     assert vera.layers[0].info.r == 256
     torch.testing.assert_close(lf.adapted_call(model, vera, ids).logits, model(ids).logits, rtol=0, atol=0)
+
+
+def test_the_checks_accept_and_refuse_what_their_words_say():
+    """The check factories against literal expectations (an oracle independent of the schema the
+    tests above compare with itself): each accepts and refuses exactly these probes, and its
+    refusal says the range."""
+    from lora_func.variants import DROPOUT, FLAG, SEED, one_of, real, whole
+
+    cases = [
+        (whole(), [0, 1, 7], [-1, 1.5, True, "1", None], "must be an integer >= 0"),
+        (whole(1), [1, 2, 10**9], [0, -3, 2.0, False], "must be an integer >= 1"),
+        (whole(0, 4), [0, 3], [4, -1], "must be an integer in [0, 4)"),
+        (SEED, [0, 2**63 - 1], [2**63, -1], "must be an integer in [0, 9223372036854775808) (a torch.Generator seed)"),
+        (whole(-1, why="x"), [-1, 0], [-2], "must be an integer >= -1 (x)"),
+        (real(0, 1), [0, 0.0, 0.5, 0.999], [1, 1.0, -0.1, math.nan, math.inf, True, "0.1"], "must be in [0, 1)"),
+        (real(0, 1, closed="()"), [0.5], [0, 0.0, 1.0], "must be in (0, 1)"),
+        (real(0, 1, closed="[]"), [0, 1, 1.0], [1.01, -0.01], "must be in [0, 1]"),
+        (real(0, 1, closed="(]"), [1.0], [0.0], "must be in (0, 1]"),
+        (real(0), [0, 3.5], [-0.1, math.inf, math.nan], "must be a finite number >= 0"),
+        (real(0, closed="()"), [1e-12], [0, 0.0], "must be a finite number > 0"),
+        (real(0, closed="()", finite=False), [math.inf, 1.0], [0.0, math.nan, -math.inf], "must be a number (not NaN) > 0"),
+        (real(high=2), [2.0 - 1e-9, -5], [2, 3], "must be a finite number < 2"),
+        (real(high=2, closed="[]"), [2], [2.5], "must be a finite number <= 2"),
+        (real(), [-1e9, 0, 1.5], [math.nan, math.inf, -math.inf, None], "must be a finite number"),
+        (real(finite=False), [math.inf, -math.inf], [math.nan], "must be a number (not NaN)"),
+        (DROPOUT, [0.0, 0.5], [1.0, -0.5], "must be in [0, 1) (the probability of zeroing an input in a training step)"),
+        (FLAG, [True, False], [0, 1, "true", None], "must be True or False"),
+        (one_of("a", 1), ["a", 1], ["b", True, 1.0], "is not one of ['a', 1]"),
+    ]
+    for check, good, bad, words in cases:
+        assert all(check.test(v) for v in good), (words, [v for v in good if not check.test(v)])
+        assert not any(check.test(v) for v in bad), (words, [v for v in bad if check.test(v)])
+        assert check.refusal == words, check.refusal
+
+
+def test_an_option_takes_its_default_type_and_normalises_ints_for_floats():
+    from lora_func.variants import Option, whole
+
+    assert Option(0.5).problem(1) is None and type(Option(0.5).normalised(1)) is float and Option(0.5).normalised(True) is True
+    assert Option(0.5).problem(True) == "must be a float" and Option(0.5).problem(math.nan) is not None and Option(0.5).problem(math.inf) is not None
+    assert Option(3).problem(3.0) == "must be an integer" and Option(3, whole(1)).problem(3.0) == "must be an integer >= 1"
+    assert Option(3).problem(True) == "must be a int" and Option(True).problem(1) == "must be a bool" and Option("a").problem(1) == "must be a str"
+    assert Option(None).problem(object()) is None and Option(2).normalised(2) == 2 and type(Option(2).normalised(2)) is int

@@ -136,7 +136,7 @@ def expert_params(model: nn.Module) -> dict[str, Tensor]:
     name (peft's ``ParamWrapper``)."""
     return {name: p for name, p in model.named_parameters(remove_duplicate=False) if p.dim() in (2, 3)}
 
-def _targeted_parameters(model: nn.Module, selector: Sequence[str]) -> dict[str, list[str]]:
+def targeted_parameters(model: nn.Module, selector: Sequence[str]) -> dict[str, list[str]]:
     """owner module -> the names of its parameters peft's ``target_parameters`` selects, in the
     module's order (peft wraps them in this order: the first one innermost)."""
     out: dict[str, list[str]] = {}
@@ -154,7 +154,7 @@ def resolve_parameters(directory: Path, config: Mapping[str, Any], tensors: dict
     selector = config.get("target_parameters") or []
     if not selector:
         return tensors
-    targeted = _targeted_parameters(model, selector)
+    targeted = targeted_parameters(model, selector)
     out: dict[str, dict[str, Tensor]] = {}
     for module, found in tensors.items():
         owner, depth = module, 0

@@ -57,7 +57,10 @@ from lora_func.io._peft_keys import (
     kind_of,
     methods,
     resolve_parameters,
+    targeted_parameters,
 )
+from lora_func.io._prompt_files import PROMPT_PEFT_TYPES, load_prompt_peft
+from lora_func.io._validate import refuse_missing_layers, refuse_non_finite
 from lora_func.quantized import kind_of_tensor
 from lora_func.spec import AdapterSpec
 from lora_func.targeting import (
@@ -454,7 +457,7 @@ def _read(
     ]
     return parts[0] if len(parts) == 1 else compose(*parts)
 
-def load_peft(directory: str | os.PathLike, model: nn.Module) -> AdapterLike:
+def load_peft(directory: str | os.PathLike, model: nn.Module, *, check_finite: bool = True) -> AdapterLike:
     """Read a peft checkpoint directory (``adapter_config.json`` + ``adapter_model.safetensors``,
     or the older ``adapter_model.bin``) as a lora_func adapter on ``model``, the untouched base.
 
@@ -466,22 +469,36 @@ def load_peft(directory: str | os.PathLike, model: nn.Module) -> AdapterLike:
     ``model`` as peft does. The adapted layers are exactly the modules that have
     tensors in the file. Everything is checked (modules, shapes, config consistency) before
     anything is returned; the model is only read.
+
+    Two checks go beyond peft's own loader, which accepts both files: a tensor holding a NaN or
+    inf raises (naming the keys; ``check_finite=False`` loads it as it is), and so does a
+    checkpoint without any tensor of a layer its config targets (peft warns about the missing
+    keys and leaves that layer at its initial values; a layer with only some of its tensors is
+    refused by both).
     """
     check_path(directory, "load_peft", "directory")
     directory = Path(directory)
     check_model(model, "load_peft")
     config = read_config(directory)
     peft_type = config.get("peft_type")
+    if peft_type in PROMPT_PEFT_TYPES:  # an input-level adapter (lora_func.prompts)
+        prompt = _read_tensors(directory)
+        if check_finite:
+            refuse_non_finite(prompt, directory, "load_peft(..., check_finite=False)")
+        return load_prompt_peft(directory, config, prompt, model)
     known = methods()
     if not isinstance(peft_type, str) or peft_type not in known:
         read_as = "; ".join(f"{t} as {', '.join(formats(t))}" for t in sorted(known))
         raise ValueError(  # error: peft-unknown-type
-            f"{directory} is a peft {peft_type!r} checkpoint; lora_func reads peft_type {sorted(known)} ({read_as})"
+            f"{directory} is a peft {peft_type!r} checkpoint; lora_func reads peft_type {sorted(known)} ({read_as}) and the "
+            f"prompt methods' {list(PROMPT_PEFT_TYPES)}"
         )
     check_config(directory, config)
     refuse_unsupported(directory, config)
     warn_training_only(directory, config)
     read = _read_tensors(directory, [s for fmt in formats(peft_type).values() for s in fmt.imported])
+    if check_finite:
+        refuse_non_finite(read, directory, "load_peft(..., check_finite=False)")
     # Tensors held once for every layer (a shared basis, a bank), under whole keys.
     stored_as = [get_variant(name) for name in formats(peft_type)]
     stored_shared = {key: read.pop(key) for variant in stored_as for key in [*read] if _is_shared_key(variant, key)}
@@ -501,4 +518,8 @@ def load_peft(directory: str | os.PathLike, model: nn.Module) -> AdapterLike:
             f"{directory / CONFIG_NAME}: target_modules={selector!r} matches no module of {type(model).__name__}; load "
             f"it onto the model it was trained for, or fix target_modules"
         )
-    return _read(directory, config, peft_type, tensors, model, stored_shared)
+    adapter = _read(directory, config, peft_type, tensors, model, stored_shared)
+    if not from_config:  # after the layers it holds passed every check: those errors say more
+        parameters = [f"{owner}.{name}" for owner, names in targeted_parameters(model, config.get("target_parameters") or []).items() for name in names]
+        refuse_missing_layers(directory, config, model, list(tensors), parameters)
+    return adapter

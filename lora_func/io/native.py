@@ -57,6 +57,9 @@ from lora_func.adapter import (
 )
 from lora_func.checks import check_float_targets, check_model, check_path
 from lora_func.io._files import read_safetensors, safetensors_write, write_file
+from lora_func.io._prompt_files import is_prompt_file, load_prompt_file, save_prompt_file
+from lora_func.prompts._apply import contains_prompt
+from lora_func.io._validate import refuse_non_finite
 from lora_func.quantized import logical_shape
 from lora_func.spec import LAYER_TYPES, AdapterSpec
 from lora_func.targeting import CONV_LAYOUTS, MHA_LAYOUTS, PARAM_LAYOUTS, Target, check_kinds, kind_of_layout, module_kind, stored_shape
@@ -247,6 +250,8 @@ def save(adapter: AdapterLike, path: str | os.PathLike, *, trainable_only: bool 
             f"build one with lora_func.init_adapter(model, spec)"
         )
     check_path(path, "save")
+    if contains_prompt(adapter):  # an input-level adapter (lora_func.prompts): its buffers are always saved
+        return save_prompt_file(adapter, Path(path), {"format": FORMAT, "format_version": FORMAT_VERSION})
     tree = _tree_to_json(adapter)
     if trainable_only and adapter.stack_shape:
         raise ValueError(  # error: save-trainable-only-stacked
@@ -470,7 +475,7 @@ def _rebuild_shared_buffers(
     return buffers
 
 
-def load(path: str | os.PathLike, model: nn.Module | None = None) -> AdapterLike:
+def load(path: str | os.PathLike, model: nn.Module | None = None, *, check_finite: bool = True) -> AdapterLike:
     """Read an adapter written by :func:`save` (an ``Adapter``, ``Composed`` or ``Combined``).
 
     Everything is checked before anything is returned: the file's checksum (a corrupted file
@@ -480,6 +485,9 @@ def load(path: str | os.PathLike, model: nn.Module | None = None) -> AdapterLike
     same (fingerprint). With ``model`` the tensors move to each target weight's device.
     A file saved with ``trainable_only=True`` needs ``model``: its buffers are rebuilt from
     it. Params come back as leaf tensors with ``requires_grad=True``.
+
+    A tensor holding a NaN or inf raises too, naming the keys (the adapter's every output would
+    be NaN); ``check_finite=False`` loads such a file as it is (e.g. to inspect a diverged run).
     """
     check_path(path, "load")
     path = Path(path)
@@ -496,6 +504,10 @@ def load(path: str | os.PathLike, model: nn.Module | None = None) -> AdapterLike
             f"{path} has format_version {metadata.get('format_version')!r}; this lora_func reads "
             f"{list(READABLE_VERSIONS)}: load it with the (newer) lora_func that wrote it"
         )
+    if is_prompt_file(metadata):  # an input-level adapter (lora_func.prompts)
+        if check_finite:
+            refuse_non_finite(tensors, path, "load(..., check_finite=False)")
+        return load_prompt_file(path, tensors, metadata, model)
     skeleton, trainable_only, buffer_digests, digest = _parse(path, metadata)
     expected = _expected_tensors(skeleton, trainable_only)
     missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
@@ -516,6 +528,8 @@ def load(path: str | os.PathLike, model: nn.Module | None = None) -> AdapterLike
             f"disk or in transfer, or edited by hand); save the adapter again (change hyperparameters through "
             f"the API, not in the file)"
         )
+    if check_finite:  # (after the checksum: a damaged file says so first)
+        refuse_non_finite(tensors, path, "load(..., check_finite=False)")
     leaf_nodes = list(leaves(skeleton))
     for _, leaf in leaf_nodes:  # a variant adapts the kinds it declares (a file from elsewhere may claim more)
         check_kinds(get_variant(cast(AdapterSpec, leaf.spec).variant), [layer.target for layer in leaf.layers], f"load({path})")

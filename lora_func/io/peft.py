@@ -44,6 +44,9 @@ from lora_func.io._files import replace_directory, safetensors_write
 from lora_func.io._peft_config import config_of, written_config
 from lora_func.io._peft_keys import CONFIG_NAME, PREFIX, WEIGHTS_NAME, Out, parameter_key, saved_names, stored
 from lora_func.io._peft_read import load_peft
+from lora_func.io._prompt_files import prompt_peft_problems, save_prompt_peft
+from lora_func.prompts._apply import contains_prompt
+from lora_func.io._validate import warn_full_rank_merge
 from lora_func.targeting import (
     canonical_weight,
 )
@@ -233,6 +236,8 @@ def peft_problems(adapter: AdapterLike, *, model: nn.Module | None = None) -> li
         raise TypeError(f"peft_problems expects an adapter (Adapter, Composed, Combined, ...), got {type(adapter).__name__}")  # error: peft-problems-not-adapter
     if model is not None:
         check_model(model, "peft_problems")
+    if contains_prompt(adapter):  # an input-level adapter (lora_func.prompts)
+        return prompt_peft_problems(adapter)
     try:
         leaves = _leaves(adapter)
         base = _base_of(leaves, model)
@@ -283,6 +288,9 @@ def save_peft(
     renamed into place one after the other (each file whole; the pair best effort). See
     docs/io.md.
     """
+    if contains_prompt(adapter):  # an input-level adapter (lora_func.prompts)
+        check_path(directory, "save_peft", "directory")
+        return save_prompt_peft(adapter, directory, model=model, task_type=task_type)
     leaves = _leaves(adapter)
     check_path(directory, "save_peft", "directory")
     if task_type is not None and not isinstance(task_type, str):
@@ -291,6 +299,7 @@ def save_peft(
         check_model(model, "save_peft")
     base = _base_of(leaves, model)
     config, layers, whole = _one_checkpoint([_export_leaf(leaf, base) for leaf in leaves], model, task_type)
+    warn_full_rank_merge(leaves)
     stored_under = parameter_key([o.target for o in layers])
     tensors = {
         f"{PREFIX}{stored_under[o.target.module]}.{suffix}": tensor.detach().to("cpu").contiguous()

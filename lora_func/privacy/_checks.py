@@ -4,8 +4,9 @@ value and what it means."""
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from typing import Literal
+import numbers
+from collections.abc import Iterable, Mapping
+from typing import Literal, cast
 
 import torch
 
@@ -41,11 +42,18 @@ def check_steps(steps: object) -> int:
     return steps
 
 
-def check_orders(orders: Sequence[float]) -> tuple[float, ...]:
-    orders = tuple(float(a) for a in orders)
-    if not orders or any(not (a > 1 and math.isfinite(a)) for a in orders):
-        raise ValueError(f"orders must be a non-empty sequence of finite RDP orders > 1, got {orders!r}")  # error: privacy-orders
-    return orders
+def check_orders(orders: object) -> tuple[float, ...]:
+    """``orders`` as a tuple of floats after checking it is a non-empty sequence of finite real
+    numbers > 1 (not a string, a mapping or a single number)."""
+    values: tuple[object, ...] | None = None
+    if isinstance(orders, Iterable) and not isinstance(orders, (str, bytes, Mapping)):
+        values = tuple(orders)
+    if not values or not all(isinstance(a, numbers.Real) and not isinstance(a, bool) and math.isfinite(float(a)) and float(a) > 1 for a in values):
+        raise ValueError(  # error: privacy-orders
+            f"orders must be a non-empty sequence of finite RDP orders > 1, got {orders!r}; the default "
+            f"(lora_func.privacy.DEFAULT_ORDERS, Opacus's) suits every use"
+        )
+    return tuple(float(cast(numbers.Real, a)) for a in values)
 
 
 def check_norm(max_grad_norm: object) -> float:

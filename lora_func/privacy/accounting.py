@@ -35,6 +35,9 @@ __all__ = ["DEFAULT_ORDERS", "Accountant", "epsilon", "noise_for_epsilon", "rdp"
 DEFAULT_ORDERS: tuple[float, ...] = tuple([1 + x / 10.0 for x in range(1, 100)] + list(range(12, 64)))
 
 _MAX_SIGMA = 1e6  # the inverse gives up above this noise multiplier (Opacus's MAX_SIGMA)
+# The inverse's evaluations after bracketing, at most: regula falsi with the Illinois step (and
+# bisection where it stalls) reaches adjacent doubles in well under 200; the cap bounds any rtol.
+_MAX_STEPS = 200
 
 
 def _log_add(logx: float, logy: float) -> float:
@@ -175,14 +178,27 @@ def noise_for_epsilon(*, epsilon: float, sample_rate: float, steps: int, delta: 
     """The smallest noise multiplier whose :func:`epsilon` after ``steps`` steps at
     ``sample_rate`` is at most ``epsilon`` (a bracketing root search to a relative ``rtol`` on sigma; the
     result always satisfies the budget). Opacus's ``get_noise_multiplier`` stops its bisection
-    at an epsilon tolerance of 0.01, so it returns a slightly larger sigma."""
+    at an epsilon tolerance of 0.01, so it returns a slightly larger sigma.
+
+    ``rtol`` in ``[0, 1)``: ``0`` searches to the last float (the bracket's two ends adjacent
+    doubles); the search takes at most ``_MAX_STEPS`` evaluations whatever ``rtol``, and returns
+    its safe end then. ``steps`` must be at least 1 (with none, every noise multiplier, 0
+    included, spends nothing, so no smallest one protects anything).
+    """
     target = check_real(epsilon, "epsilon", 0.0, math.inf, low_open=True, high_open=True,
                          hint="the privacy budget; common choices are 1 to 10")
     q, steps, delta = check_rate(sample_rate), check_steps(steps), check_delta(delta)
     orders = check_orders(orders)
+    rtol = check_real(rtol, "rtol", 0.0, 1.0, low_open=False, high_open=True,
+                      hint="the relative width of the final bracket on sigma (0: to the last float)")
+    if steps == 0:
+        raise ValueError(  # error: privacy-noise-no-steps
+            "noise_for_epsilon: steps=0 spends no privacy, so every noise_multiplier (0 included) meets any epsilon and "
+            "there is no smallest one to protect the training; pass steps=, the number of DP-SGD steps you will take"
+        )
 
     def spent(sigma: float) -> float:
-        return _epsilon_of_rdp(orders, [_rdp_one_step(q, sigma, a) * steps for a in orders], delta) if steps else 0.0
+        return _epsilon_of_rdp(orders, [_rdp_one_step(q, sigma, a) * steps for a in orders], delta)
 
     # Bracket [low, high] with spent(low) > target >= spent(high), then regula falsi on
     # log(epsilon) with the Illinois modification (superlinear; ~10 evaluations instead of
@@ -205,10 +221,14 @@ def noise_for_epsilon(*, epsilon: float, sample_rate: float, steps: int, delta: 
         low, high, g_high = low / 2, low, g_low
         g_low = gap(low)
     side = 0
-    while high - low > rtol * high:
+    for _ in range(_MAX_STEPS):
+        if high - low <= rtol * high:
+            break
         mid = high - g_high * (high - low) / (g_high - g_low)
         if not low < mid < high:
             mid = (low + high) / 2
+            if not low < mid < high:  # adjacent floats: the bracket cannot shrink further
+                break
         g_mid = gap(mid)
         if g_mid > 0:
             low, g_low = mid, g_mid

@@ -53,11 +53,11 @@ from torch import Tensor
 from lora_func._layer_ops import VariantOp, activation_tap
 from lora_func._tree import leaves
 from lora_func._vmapped import split_examples, vmapped
-from lora_func.adapter import AdapterLike
+from lora_func.adapter import Adapter, AdapterLike
 from lora_func.many import Randomness
 from lora_func.variants import BaseLayer
 
-__all__ = ["Clipping", "GhostPass", "batched_pass", "check_batched_losses", "ghost_layers", "ghost_pass"]
+__all__ = ["Clipping", "GhostPass", "batched_pass", "check_batched_losses", "ghost_layers", "ghost_pass", "kept_rows"]
 
 Clipping = Literal["auto", "ghost", "per_example"]
 
@@ -70,8 +70,9 @@ def ghost_layers(adapter: AdapterLike) -> dict[str, tuple[str, str]]:
     out = {}
     for prefix, leaf in leaves(adapter):
         # A variant that declares its form "a frozen part + s · (x Aᵀ) Bᵀ" (Variant.low_rank;
-        # the frozen part is W, or a residual replacing it): its gradients are LoRA's.
-        form = leaf.variant.low_rank
+        # the frozen part is W, or a residual replacing it): its gradients are LoRA's. (A prompt
+        # leaf is no weight-level Adapter: none.)
+        form = leaf.variant.low_rank if isinstance(leaf, Adapter) else None
         if leaf.members is not None or form is None:
             continue
         for layer in leaf.layers:
@@ -135,7 +136,7 @@ class _Layer:
             grad_a = self.grad_a if self.grad_a is not None else self.a.new_zeros(batch_size, *self.a.shape, dtype=self.dtype)
             grad_b = self.grad_b if self.grad_b is not None else self.b.new_zeros(batch_size, *self.b.shape, dtype=self.dtype)
             squares = grad_a.pow(2).sum((1, 2)) + grad_b.pow(2).sum((1, 2))
-            return squares, lambda c: (torch.einsum("b,bri->ri", c, grad_a), torch.einsum("b,bor->or", c, grad_b))
+            return squares, lambda c: (torch.einsum("b,bri->ri", c, kept_rows(grad_a, c)), torch.einsum("b,bor->or", c, kept_rows(grad_b, c)))
         # Several calls of one layer: their rows side by side (the gradient sums over all of them).
         xs = [_rows(t, self.dtype) for t in self.inputs if t is not None]
         # A call whose output did not reach the loss has g = 0.
@@ -145,10 +146,21 @@ class _Layer:
         squares = ((g @ g.mT) * (h @ h.mT)).sum((1, 2)) + ((u @ u.mT) * (x @ x.mT)).sum((1, 2))
 
         def sums(c: Tensor) -> tuple[Tensor, Tensor]:
+            u_, x_, g_, h_ = (kept_rows(t, c) for t in (u, x, g, h))
             c = c[:, None, None]
-            return (u * c).flatten(0, 1).T @ x.flatten(0, 1), g.flatten(0, 1).T @ (h * c).flatten(0, 1)
+            return (u_ * c).flatten(0, 1).T @ x_.flatten(0, 1), g_.flatten(0, 1).T @ (h_ * c).flatten(0, 1)
 
         return squares, sums
+
+
+def kept_rows(t: Tensor, factor: Tensor) -> Tensor:
+    """``t (B, ...)`` with the rows of examples whose clip factor is 0 set to 0: a skipped example
+    (a NaN or inf loss or gradient, :func:`lora_func.privacy.clipped_sum`) contributes nothing,
+    where ``0 · NaN`` would be NaN. ``t`` itself (no copy) when no example is skipped."""
+    skipped = factor == 0
+    if not bool(skipped.any()):
+        return t
+    return torch.where(skipped.reshape(-1, *([1] * (t.dim() - 1))), torch.zeros((), dtype=t.dtype, device=t.device), t)
 
 
 def _rows(t: Tensor, dtype: torch.dtype) -> Tensor:
@@ -462,7 +474,7 @@ def _assemble(losses: Tensor, per_example: dict[str, Tensor], recorder: _Recorde
         out = {}
         with torch.no_grad(), torch.autocast(device_type, enabled=False):
             for key, g in per_example.items():
-                out[key] = torch.einsum("b,b...->...", factor.to(g.dtype), g)
+                out[key] = torch.einsum("b,b...->...", factor.to(g.dtype), kept_rows(g, factor))
             for module, (_, layer_sums) in finished.items():
                 key_a, key_b = recorder.keys[module]
                 grad_a, grad_b = layer_sums(factor.to(ghost_layers[module].dtype))

@@ -25,6 +25,7 @@ member's noise independently.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -34,7 +35,8 @@ from torch import Tensor
 
 from lora_func._tree import leaves
 from lora_func.adapter import AdapterLike, leaf_adapters
-from lora_func.many import Randomness, per_example_grads
+from lora_func.checks import check_finite
+from lora_func.many import Randomness, check_chunk_size, per_example_grads
 from lora_func.privacy._checks import (
     check_clipping,
     check_expected_batch_size,
@@ -62,9 +64,10 @@ class ClippedSum:
 
     ``grads``: a dict like ``adapter.params`` (same keys, shapes, dtypes). ``count``: the
     number of examples summed. ``clipped``: how many of them had a norm above
-    ``max_grad_norm``; ``loss_sum``: the sum of their losses (statistics of the private data:
-    log them only if you account for them, or treat the run as non-private tuning). ``a + b``
-    sums two (same keys and ``max_grad_norm``).
+    ``max_grad_norm``; ``skipped``: how many had a NaN or inf loss or gradient and contributed
+    zero (:func:`clipped_sum`); ``loss_sum``: the sum of the other examples' losses
+    (statistics of the private data: log them only if you account for them, or treat the run as
+    non-private tuning). ``a + b`` sums two (same keys and ``max_grad_norm``).
     """
 
     grads: dict[str, Tensor]
@@ -72,6 +75,7 @@ class ClippedSum:
     max_grad_norm: float
     clipped: int = 0
     loss_sum: float = 0.0
+    skipped: int = 0
 
     def __add__(self, other: ClippedSum) -> ClippedSum:
         if not isinstance(other, ClippedSum):
@@ -89,7 +93,28 @@ class ClippedSum:
             )
         grads = {k: v + other.grads[k] for k, v in self.grads.items()}
         return ClippedSum(grads, self.count + other.count, self.max_grad_norm, self.clipped + other.clipped,
-                          self.loss_sum + other.loss_sum)
+                          self.loss_sum + other.loss_sum, self.skipped + other.skipped)
+
+
+def _clip_factors(norms: Tensor, losses: Tensor, max_grad_norm: float) -> tuple[Tensor, int, int, float]:
+    """Opacus's clip factor ``min(1, C / (norm + 1e-6))`` per example (``norms (B,)`` or ``(B, K)``
+    for a stack's members), 0 for an example whose loss or gradient norm is NaN or inf;
+    with how many were clipped, how many skipped, and the finite losses' sum."""
+    finite_loss = torch.isfinite(losses.detach()).reshape(losses.shape[0], *([1] * (norms.dim() - 1)))
+    kept = torch.isfinite(norms) & finite_loss
+    factor = torch.where(kept, (max_grad_norm / (norms + _EPS)).clamp(max=1.0), torch.zeros((), dtype=norms.dtype, device=norms.device))
+    skipped = int((~kept).sum())
+    if skipped:
+        warnings.warn(
+            f"clipped_sum: {skipped} of {kept.numel()} per-example gradients had a NaN or inf loss or gradient and were "
+            f"skipped (clip factor 0: they add nothing, which keeps each example's influence within max_grad_norm); "
+            f"ClippedSum.skipped and PrivateStepStats.skipped count them. Check the loss for those inputs",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    losses = losses.detach().float()
+    loss_sum = float(torch.where(torch.isfinite(losses), losses, torch.zeros((), device=losses.device)).sum())
+    return factor, int(((norms > max_grad_norm) & kept).sum()), skipped, loss_sum
 
 
 def clipped_sum(
@@ -115,6 +140,13 @@ def clipped_sum(
     ``(B,)``, from one batched call): the same result without running the model under ``vmap``
     where one batched call can give it exactly (:mod:`lora_func.privacy.batched`).
 
+    An example whose loss or gradient holds a NaN or inf is skipped: its clip factor is 0, so
+    it adds nothing (the sum of the others is unchanged) and a ``RuntimeWarning`` says how many
+    (``ClippedSum.skipped``; which ones is not said: that would be a statement about a private
+    example outside the mechanism). Zero is within every example's bound ``max_grad_norm``, so
+    the guarantee holds as for any other example; one NaN no longer makes every coordinate of
+    the sum NaN. docs/guide/privacy.md says why this and not an error.
+
     ``clipping``: how the per-example norms are found; every choice gives the same result.
     ``"per_example"``: per-example gradients of every tensor (:func:`lora_func.per_example_grads`);
     ``"ghost"``: ghost norms and book-keeping (:mod:`lora_func.privacy.ghost`) for the LoRA-form
@@ -125,7 +157,9 @@ def clipped_sum(
     """
     norm = check_norm(max_grad_norm)
     clipping = check_clipping(clipping)
+    check_chunk_size(chunk_size, "clipped_sum")
     leaf_adapters(adapter)
+    _check_finite_adapter(adapter)
     size = _batch_size(batch)
     params = adapter.params
     if size == 0:
@@ -141,9 +175,8 @@ def clipped_sum(
         recorded = ghost_pass(loss_fn, adapter, batch, size, layers, clipping=clipping, randomness=randomness)
     if recorded is not None:
         norms = recorded.squares.sqrt()
-        factor = (norm / (norms + _EPS)).clamp(max=1.0)
-        return ClippedSum(recorded.clipped_sums(factor), norms.shape[0], norm, int((norms > norm).sum()),
-                          float(recorded.losses.float().sum()))
+        factor, clipped, skipped, loss_sum = _clip_factors(norms, recorded.losses, norm)
+        return ClippedSum(recorded.clipped_sums(factor), norms.shape[0], norm, clipped, loss_sum, skipped)
 
     def with_loss(adapter: AdapterLike, *example: Any) -> tuple[Tensor, Tensor]:
         loss = loss_fn(adapter, *example)
@@ -153,14 +186,28 @@ def clipped_sum(
     lead = 1 + len(adapter.stack_shape)  # (B, *stack_shape): one norm per example (and member)
     squares = [g.flatten(lead).float().pow(2).sum(-1) for g in grads.values()]
     norms = torch.stack(squares).sum(0).sqrt()
-    factor = (norm / (norms + _EPS)).clamp(max=1.0)
+    factor, clipped, skipped, loss_sum = _clip_factors(norms, losses, norm)
+    if skipped:  # a skipped example's gradient may hold NaN, and 0 · NaN is NaN
+        grads = {key: torch.where(factor.reshape(*factor.shape, *([1] * (g.dim() - lead))) == 0, torch.zeros((), dtype=g.dtype, device=g.device), g)
+                 for key, g in grads.items()}
     # Fused clip and sum: one contraction over the batch, no clipped copy of the gradients.
     sums = {
         key: torch.einsum("b,b...->...", factor.to(g.dtype), g) if lead == 1
         else (g * factor.reshape(*factor.shape, *([1] * (g.dim() - lead))).to(g.dtype)).sum(0)  # a stack: per member
         for key, g in grads.items()
     }
-    return ClippedSum(sums, norms.shape[0], norm, int((norms > norm).sum()), float(losses.float().sum()))
+    return ClippedSum(sums, norms.shape[0], norm, clipped, loss_sum, skipped)
+
+
+def _check_finite_adapter(adapter: AdapterLike) -> None:
+    """A NaN/inf in the adapter itself (not in one example's loss) raises, naming the tensors: it
+    would make every example's gradient non-finite, and skipping them all would train on noise
+    alone. One host synchronisation for the whole adapter; skipped under a torch.func transform."""
+    tensors = {k: t for k, t in {**adapter.params, **adapter.buffers}.items() if t.is_floating_point()}
+    if not tensors or any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors.values()):
+        return
+    if not bool(torch.stack([torch.isfinite(t.detach()).all().to(next(iter(tensors.values())).device) for t in tensors.values()]).all()):
+        check_finite(tensors, "private gradients: the adapter's own tensors (before any example)")
 
 
 def _batched_ready(adapter: AdapterLike, clipping: Clipping, chunk_size: int | None, randomness: Randomness) -> bool:

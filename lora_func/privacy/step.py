@@ -63,7 +63,9 @@ class DPSGD:
 @dataclasses.dataclass(frozen=True)
 class PrivateStepStats:
     """One private step: ``count`` examples in the logical batch, ``clipped`` of them clipped,
-    ``loss`` their mean loss (``nan`` for an empty batch): statistics of the private data.
+    ``loss`` the mean loss of those not skipped (``nan`` when there are none), ``skipped`` the
+    examples whose loss or gradient was NaN or inf and which contributed zero
+    (:func:`lora_func.privacy.clipped_sum`): statistics of the private data.
     ``grad_norm``: the norm of the noisy gradient the optimiser got (released by the mechanism,
     so logging it costs no privacy)."""
 
@@ -71,6 +73,7 @@ class PrivateStepStats:
     clipped: int
     loss: float
     grad_norm: float = math.nan
+    skipped: int = 0
 
 
 def _micro_batches(micro_batches: Any) -> list[tuple]:
@@ -144,4 +147,5 @@ def private_step_(
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     norm = float(torch.stack([g.detach().float().pow(2).sum() for g in grads.values()]).sum().sqrt())
-    return PrivateStepStats(total.count, total.clipped, total.loss_sum / total.count if total.count else math.nan, norm)
+    summed = total.count - total.skipped
+    return PrivateStepStats(total.count, total.clipped, total.loss_sum / summed if summed else math.nan, norm, total.skipped)

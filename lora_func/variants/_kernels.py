@@ -75,20 +75,29 @@ def lora_weight_form(
     return weight + lora_scale(info, buffers) * (params["lora_B"] @ params["lora_A"]), bias
 
 
+def _low_rank_right(b: Tensor) -> Tensor:
+    """``bᵀ (r, d_out)`` as the right operand of the low-rank product: contiguous when ``b``
+    is trained (its gradient product then runs in BLAS's fast layout, see
+    :func:`add_low_rank`), a view when it is frozen (a buffer such as MiCA's or TinyLoRA's
+    ``B``: no gradient product to serve, so the copy would only be kept for backward)."""
+    bt = b.transpose(-1, -2)
+    return bt.contiguous() if b.requires_grad else bt
+
+
 def add_low_rank(y: Tensor, h: Tensor, b: Tensor) -> Tensor:
     """``y + h bᵀ``: the base output ``y (..., d_out)`` plus a low-rank path whose activations
     ``h (..., r)`` are already scaled, through ``b (d_out, r)``. Returns ``y``'s dtype.
 
     When ``h`` and ``y`` share a dtype this is one ``addmm``: no separate product, scale and
     sum over the ``(..., d_out)`` activations (each a full pass over memory, costlier than
-    the rank-``r`` product itself on a CPU). ``bᵀ`` is made contiguous (an ``(r, d_out)``
+    the rank-``r`` product itself on a CPU). A trained ``bᵀ`` is made contiguous (an ``(r, d_out)``
     copy, tiny) because autograd computes each matmul gradient in its operand's layout: then
     both backward products (``∂b = hᵀ g`` and ``∂h = g b``) have their long axis last, which
     BLAS runs faster than the ``(d_out, r)`` / ``(n, r)``-shaped outputs of ``h @ b.T``
     (docs/benchmarks.md, "Kernel choices"). Otherwise (a half-precision base with fp32
     adapters) the product is cast to ``y``'s dtype before the sum, as peft does.
     """
-    bt = b.transpose(-1, -2).contiguous()
+    bt = _low_rank_right(b)
     if y.dtype != h.dtype:
         return y + (h @ bt).to(y.dtype)
     out = torch.addmm(y.reshape(-1, y.shape[-1]), h.reshape(-1, h.shape[-1]), bt)
@@ -117,7 +126,7 @@ def base_plus_low_rank(base: Callable[[Tensor], Tensor], x: Tensor, h: Tensor, b
     y = base(x.reshape(-1, x.shape[-1]))
     if y.dtype != h.dtype:
         return add_low_rank(y, h.reshape(-1, h.shape[-1]), b).reshape(*x.shape[:-1], y.shape[-1])
-    y.addmm_(h.reshape(-1, h.shape[-1]), b.transpose(-1, -2).contiguous())
+    y.addmm_(h.reshape(-1, h.shape[-1]), _low_rank_right(b))
     return y.view(*x.shape[:-1], y.shape[-1])
 
 

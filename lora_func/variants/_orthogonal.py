@@ -18,6 +18,8 @@ import torch
 from einops import rearrange
 from torch import Tensor
 
+from lora_func.variants._kernels import promoted
+
 __all__ = [
     "block_multiplicative_dropout",
     "block_size_of",
@@ -118,7 +120,7 @@ def cayley(q: Tensor) -> Tensor:
     """The exact Cayley map ``(I − Q)(I + Q)⁻¹`` of skew ``q (..., b, b)``, an orthogonal matrix
     (peft's ``use_cayley_neumann=False`` and BOFT's ``cayley_batch``). The solve runs in at
     least fp32; the result is in ``q``'s dtype."""
-    ct = torch.promote_types(q.dtype, torch.float32)
+    ct = promoted(q.dtype, torch.float32)
     qc = q.to(ct)
     eye = torch.eye(q.shape[-1], dtype=ct, device=q.device)
     return torch.linalg.solve(eye + qc, eye - qc, left=False).to(q.dtype)

@@ -28,14 +28,14 @@ from torch import Tensor
 
 from lora_func.variants import BaseLayer, LayerInfo, Slot, TensorDict, lora
 from lora_func.variants._conv import chained, channel_vector, low_rank_kernels
-from lora_func.variants._kernels import add_low_rank, kaiming_uniform, lora_scale, lowrank_input
+from lora_func.variants._kernels import add_low_rank, kaiming_uniform, lora_scale, lowrank_input, promoted
 
 MAGNITUDE = "lora_magnitude_vector"
 
 
 def _row_norm(weight: Tensor, lora_a: Tensor, lora_b: Tensor, scale: float | Tensor) -> Tensor:
     """``‖W + s·(B A).detach()‖`` over ``d_in`` for each output, detached, in fp32 at least."""
-    dtype = torch.promote_types(lora_a.dtype, torch.float32)
+    dtype = promoted(lora_a.dtype, torch.float32)
     delta = (lora_b.detach().to(dtype) @ lora_a.detach().to(dtype)) * scale
     return torch.linalg.norm(weight.to(dtype) + delta, dim=1).detach()
 

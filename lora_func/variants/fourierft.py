@@ -32,6 +32,7 @@ from torch import Tensor
 
 from lora_func.variants import BaseLayer, LayerInfo, PeftFormat, PeftMethod, TensorDict, Variant
 from lora_func.variants._sparse import linear_plus_dense, own_values, scatter_dense, spectrum_init, spectrum_options, spectrum_tensors
+from lora_func.variants._kernels import promoted
 
 
 def init(
@@ -49,7 +50,7 @@ def init(
 def delta(params: TensorDict, buffers: TensorDict, info: LayerInfo) -> Tensor:
     """``ΔW (d_out, d_in)`` in the adapter dtype (the FFT in at least fp32)."""
     spectrum = params["fourierft_spectrum"]
-    ct = torch.promote_types(spectrum.dtype, torch.float32)
+    ct = promoted(spectrum.dtype, torch.float32)
     # In a stack of different r, info.r is the member's own (a tensor): its padding is masked.
     dense = scatter_dense(own_values(spectrum, info.r).to(ct), buffers["fourierft_indices"], (info.d_out, info.d_in))
     return (torch.fft.ifft2(dense).real * info.option("scaling")).to(spectrum.dtype)

@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from lora_func.variants._kernels import (
+    promoted,
     base_plus_low_rank,
     base_plus_product,
     half_product_applies,
@@ -75,7 +76,7 @@ def init(
 
 def unit_columns(u: Tensor) -> Tensor:
     """``u / ‖u‖`` per column, the norm taken in at least fp32; result in ``u``'s dtype."""
-    ct = torch.promote_types(u.dtype, torch.float32)
+    ct = promoted(u.dtype, torch.float32)
     uc = u.to(ct)
     norm = torch.linalg.vector_norm(uc, dim=0, keepdim=True).clamp(min=_MIN_NORM)
     return (uc / norm).to(u.dtype)
@@ -91,7 +92,7 @@ def reflection_wy(u_hat: Tensor) -> Tensor:
     a pass over (and, for backward, a saved copy of) the whole input.
     """
     # The r x r solve runs in at least fp32 (as every solve in lora_func); returned in u_hat's dtype.
-    ct = torch.promote_types(u_hat.dtype, torch.float32)
+    ct = promoted(u_hat.dtype, torch.float32)
     uc = u_hat.to(ct)
     eye = torch.eye(u_hat.shape[-1], dtype=ct, device=u_hat.device)
     t_inv = 0.5 * eye + torch.triu(uc.transpose(-1, -2) @ uc, diagonal=1)

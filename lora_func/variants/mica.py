@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from lora_func.variants import BaseLayer, LayerInfo, Slot, TensorDict, lora
-from lora_func.variants._kernels import base_plus_low_rank, lora_scale, lowrank_input
+from lora_func.variants._kernels import lora_activation_form, lora_scale
 
 
 def init(
@@ -44,9 +44,9 @@ def weight_form(
 
 
 def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: BaseLayer, info: LayerInfo) -> Tensor:
-    lora_a = params["lora_A"]
-    h = (lowrank_input(x, base, info).to(lora_a.dtype) @ lora_a.T) * lora_scale(info)
-    return base_plus_low_rank(base, x, h, buffers["lora_B"])
+    # LoRA's form with the frozen B: on a half-precision base its one product node, which
+    # computes no gradient for a factor that needs none.
+    return lora_activation_form({"lora_A": params["lora_A"], "lora_B": buffers["lora_B"]}, {}, x, base, info)
 
 
 VARIANT = lora.derived(

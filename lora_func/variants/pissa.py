@@ -40,7 +40,7 @@ from torch import Tensor
 
 from lora_func.variants import BaseLayer, LayerInfo, Option, PeftFormat, PeftLayer, Slot, TensorDict, Variant, whole
 from lora_func.variants import lora
-from lora_func.variants._kernels import base_plus_low_rank, lora_scale, lowrank_input
+from lora_func.variants._kernels import base_plus_low_rank, base_plus_product, half_product_applies, lora_scale, lowrank_input
 
 
 def svd_lowrank(weight: Tensor, q: int, niter: int, generator: torch.Generator) -> tuple[Tensor, Tensor, Tensor]:
@@ -106,14 +106,38 @@ def weight_form(
     return w_res + lora_scale(info, buffers) * (params["lora_B"] @ params["lora_A"]), bias
 
 
+class ResidualLayer:
+    """The base layer with the frozen residual ``W_res (d_out, d_in)`` in place of its weight
+    (peft's residualised base: ``F.linear`` in the base dtype, the layer's bias and training
+    flag kept), so the residual family's low-rank path runs as LoRA's does, through
+    :func:`base_plus_product`'s one node on a half-precision base."""
+
+    replays_weight = True
+
+    def __init__(self, w_res: Tensor, base: BaseLayer) -> None:
+        self.weight = w_res.to(base.weight.dtype)
+        self.bias = base.bias
+        self.training = getattr(base, "training", False)
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+def residual_plus_low_rank(residual: ResidualLayer, x: Tensor, dropped: Tensor, a: Tensor, b: Tensor) -> Tensor:
+    """``residual(x) + (dropped aᵀ) bᵀ`` (``a (r, d_in)``, ``b (d_out, r)``, any scale folded
+    into ``b``): LoRA's kernels with the residual as the base."""
+    if dropped is x and half_product_applies(residual, x, a):
+        return base_plus_product(residual, x, a, b)
+    return base_plus_low_rank(residual, x, dropped.to(a.dtype) @ a.T, b)
+
+
 def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: BaseLayer, info: LayerInfo) -> Tensor:
     # Not base(x): the base op multiplies by W, and base(x) − x (W − W_res)ᵀ would cancel two
     # large terms. The residual runs like the base layer would (base dtype, bias included),
     # as peft's residualised base layer does; the low-rank path as in LoRA.
-    w_res = buffers["W_res"].to(base.weight.dtype)
-    lora_a, lora_b = params["lora_A"], params["lora_B"]
-    h = (lowrank_input(x, base, info).to(lora_a.dtype) @ lora_a.T) * lora_scale(info, buffers)
-    return base_plus_low_rank(lambda x_: F.linear(x_, w_res, base.bias), x, h, lora_b)
+    dropped = lowrank_input(x, base, info)
+    lora_b = params["lora_B"] * lora_scale(info, buffers)
+    return residual_plus_low_rank(ResidualLayer(buffers["W_res"], base), x, dropped, params["lora_A"], lora_b)
 
 
 def as_peft_lora(params: TensorDict, buffers: TensorDict, weight: Tensor | None, info: LayerInfo) -> PeftLayer:
