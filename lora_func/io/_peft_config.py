@@ -232,7 +232,8 @@ def pattern_value(patterns: Mapping[str, Any] | None, module: str, default: Any)
 
 def refuse_unsupported(directory: Path, config: Mapping[str, Any]) -> None:
     """Raise for config features that change the math and that lora_func does not have."""
-    bad = sorted(name for name in methods()[config["peft_type"]].refused if config.get(name))
+    # modules_to_save: trained copies, read beside the method's layers (_peft_read.saved_copies)
+    bad = sorted(name for name in methods()[config["peft_type"]].refused if config.get(name) and name != "modules_to_save")
     bad += ["bias"] if config.get("bias", "none") != "none" else []
     if bad:
         raise ValueError(  # error: peft-unsupported-features

@@ -118,10 +118,20 @@ def by_module(directory: Path, peft_type: str, tensors: Mapping[str, Tensor], *,
     if unknown or not (out or allow_none):
         raise ValueError(  # error: peft-unmapped-tensors
             f"{directory} has tensors lora_func cannot map for peft_type {peft_type}: {sorted(unknown)[:5]} "
-            f"({len(unknown)} of {len(tensors)}); lora_func reads {sorted(set(by_suffix))} under '{PREFIX}' (bias, "
-            f"modules_to_save and embedding layers are not supported)"
+            f"({len(unknown)} of {len(tensors)}); lora_func reads {sorted(set(by_suffix))} under '{PREFIX}' "
+            f"(peft's bias training is not supported)"
         )
     return out
+
+def module_copy() -> tuple[str, PeftFormat, dict[str, str]]:
+    """The variant stored as peft's ``modules_to_save`` (its ``PeftFormat.module_copy``), its
+    format, and peft's suffix of each of its tensors -> the module's own tensor name."""
+    found = [(name, fmt) for name in list_variants() if (fmt := peft_format(name)) is not None and fmt.module_copy]
+    assert len(found) == 1, found  # the registry declares one trained-copy variant
+    name, fmt = found[0]
+    slots = get_variant(name).tensors
+    return name, fmt, {str(slots[slot].peft_key("")): own for slot, own in (fmt.module_copy or {}).items()}
+
 
 def unwrapped(module: str) -> str:
     """A module path in a peft checkpoint as the model names it: peft moves the children of a

@@ -49,6 +49,7 @@ from lora_func.io._peft_config import (
 from lora_func.io._peft_keys import (
     CONFIG_NAME,
     LEGACY_WEIGHTS_NAME,
+    PREFIX,
     WEIGHTS_NAME,
     by_module,
     drop_saved_bases,
@@ -56,6 +57,7 @@ from lora_func.io._peft_keys import (
     formats,
     kind_of,
     methods,
+    module_copy,
     resolve_parameters,
     targeted_parameters,
 )
@@ -457,6 +459,36 @@ def _read(
     ]
     return parts[0] if len(parts) == 1 else compose(*parts)
 
+def saved_copies(directory: Path, config: Mapping[str, Any], model: nn.Module, read: dict[str, Tensor]) -> dict[str, dict[str, Tensor]]:
+    """The trained copies of a checkpoint's ``modules_to_save`` (peft's ``ModulesToSaveWrapper``:
+    the copy's state dict under the module's own name, ``<module>.weight`` / ``.bias``), popped
+    from ``read`` as the tensors of the variant that is a trained copy of its layer
+    (``PeftFormat.module_copy``). peft's matching: every module whose name ends with an entry."""
+    wanted = config.get("modules_to_save") or []
+    if isinstance(wanted, str):
+        wanted = [wanted]
+    name_of_copy, copy_format, suffixes = module_copy()
+    slot_of = {own: slot for slot, own in (copy_format.module_copy or {}).items()}
+    kinds = get_variant(name_of_copy).kinds
+    modules = dict(model.named_modules())
+    names = sorted(name for name in modules if name and any(name.endswith(w) for w in wanted))
+    copies: dict[str, dict[str, Tensor]] = {}
+    for name in names:
+        held = {key.removeprefix(f"{PREFIX}{name}."): key for key in read if key.startswith(f"{PREFIX}{name}.")}
+        own = {k: key for k, key in held.items() if "." not in k}
+        if not own:
+            continue  # a module the checkpoint holds no copy of (a target's tensors are nested)
+        kind = layer_kind(modules[name])
+        if kind not in kinds or set(own) - set(slot_of) or len(own) != len(held):
+            raise ValueError(  # error: peft-modules-to-save-kind
+                f"{directory}: modules_to_save holds a trained copy of {name} ({type(modules[name]).__name__}, tensors "
+                f"{sorted(held)}); lora_func holds trained copies of {sorted(kinds)} layers ({sorted(suffixes.values())} only), "
+                f"of a module that is not also a target; load the checkpoint in peft (merge_and_unload), or retrain "
+                f"without that module in modules_to_save"
+            )
+        copies[name] = {slot_of[k]: read.pop(key) for k, key in own.items()}
+    return copies
+
 def load_peft(directory: str | os.PathLike, model: nn.Module, *, check_finite: bool = True) -> AdapterLike:
     """Read a peft checkpoint directory (``adapter_config.json`` + ``adapter_model.safetensors``,
     or the older ``adapter_model.bin``) as a lora_func adapter on ``model``, the untouched base.
@@ -505,6 +537,7 @@ def load_peft(directory: str | os.PathLike, model: nn.Module, *, check_finite: b
     # peft's state dict may also hold a copy of them under every layer that reads them.
     copies = {name for variant in stored_as for name in _shared_keys(variant)}
     read = {key: tensor for key, tensor in read.items() if key.rsplit(".", 1)[-1] not in copies}
+    saved = saved_copies(directory, config, model, read)  # (popped from read)
     from_config = any(_holds_no_layer_tensors(variant) for variant in stored_as)
     tensors = by_module(directory, peft_type, drop_saved_bases(directory, read, model), allow_none=from_config)
     if from_config:
@@ -519,6 +552,9 @@ def load_peft(directory: str | os.PathLike, model: nn.Module, *, check_finite: b
             f"it onto the model it was trained for, or fix target_modules"
         )
     adapter = _read(directory, config, peft_type, tensors, model, stored_shared)
+    if saved:  # peft's modules_to_save: trained copies composed with the method's layers
+        copy_type = module_copy()[1].method.peft_type
+        adapter = compose(adapter, _read(directory, {"peft_type": copy_type}, copy_type, saved, model, {}))
     if not from_config:  # after the layers it holds passed every check: those errors say more
         parameters = [f"{owner}.{name}" for owner, names in targeted_parameters(model, config.get("target_parameters") or []).items() for name in names]
         refuse_missing_layers(directory, config, model, list(tensors), parameters)

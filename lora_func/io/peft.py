@@ -42,7 +42,7 @@ from lora_func.adapter import (
 from lora_func.checks import check_model, check_path
 from lora_func.io._files import replace_directory, safetensors_write
 from lora_func.io._peft_config import config_of, written_config
-from lora_func.io._peft_keys import CONFIG_NAME, PREFIX, WEIGHTS_NAME, Out, parameter_key, saved_names, stored
+from lora_func.io._peft_keys import CONFIG_NAME, PREFIX, WEIGHTS_NAME, Out, module_copy, parameter_key, saved_names, stored
 from lora_func.io._peft_read import load_peft
 from lora_func.io._prompt_files import prompt_peft_problems, save_prompt_peft
 from lora_func.prompts._apply import contains_prompt
@@ -182,6 +182,14 @@ def _one_checkpoint(
 ) -> tuple[dict[str, Any], list[Out], dict[str, Tensor]]:
     """The config and the layers of the one checkpoint that holds every part, after checking
     that the parts fit in one: one peft method and one set of options, each layer once."""
+    # Parts of the trained-copy variant (PeftFormat.module_copy) beside another method's are peft's
+    # modules_to_save: copies of their layers, stored under the layer's own names (as load_peft
+    # reads them back)
+    _, copy_format, own_name = module_copy()
+    copy_type = copy_format.method.peft_type
+    copies = [o for e in exports if e.peft_type == copy_type for o in e.layers] if {e.peft_type for e in exports} - {copy_type} else []
+    if copies:
+        exports = [e for e in exports if e.peft_type != copy_type]
     kinds = sorted({(e.peft_type, e.shared) for e in exports})
     if len(kinds) > 1:
         raise ValueError(  # error: save-peft-mixed-methods
@@ -190,7 +198,7 @@ def _one_checkpoint(
             f"part with save_peft to its own directory"
         )
     layers = [o for e in exports for o in e.layers]
-    counts = collections.Counter(o.target.module for o in layers)
+    counts = collections.Counter(o.target.module for o in [*layers, *copies])
     twice = sorted(m for m, n in counts.items() if n > 1)
     if twice:
         raise ValueError(  # error: save-peft-same-layers
@@ -217,7 +225,13 @@ def _one_checkpoint(
             f"save_peft to its own directory"
         )
     peft_type, shared = kinds[0][0], {k: json.loads(v) for k, v in kinds[0][1]}
-    return written_config(peft_type, shared, layers, model, task_type), layers, dict(holding[0].whole) if holding else {}
+    config = written_config(peft_type, shared, layers, model, task_type)
+    whole = dict(holding[0].whole) if holding else {}
+    if copies:
+        config["modules_to_save"] = sorted(o.target.module for o in copies)
+        # (a copy's tensors are its layer's, in the stored layout: no conversion to defer)
+        whole |= {f"{PREFIX}{o.target.module}.{own_name[suffix]}": t for o in copies for suffix, t in o.tensors().items()}
+    return config, layers, whole
 
 def peft_problems(adapter: AdapterLike, *, model: nn.Module | None = None) -> list[str]:
     """Why :func:`save_peft` would refuse to write ``adapter`` (with this ``model=``): the

@@ -71,4 +71,7 @@ VARIANT = Variant(
     kind_forms={"linear": None, "conv1d": None, "norm": None},
     traits=frozenset({"changes_bias", "replaces_weight"}),
 )
-PEFT = PeftFormat(PeftMethod("LN_TUNING", {}, fan_in_fan_out=False), reshape=_stored_layout)
+# A trained copy of its layer: also peft's modules_to_save beside another method's layers
+PEFT = PeftFormat(
+    PeftMethod("LN_TUNING", {}, fan_in_fan_out=False), reshape=_stored_layout, module_copy={"ln_weight": "weight", "ln_bias": "bias"}
+)
