@@ -970,9 +970,9 @@ CASES.update(
         "peft-shapes": Case(saved_peft(lambda d, ctx, m: _peft_on(d, ctx, m, onto=_wider_llama())), ("LlamaForCausalLM", Q)),
         "peft-modules-to-save-kind": Case(
             saved_peft(lambda d, ctx, m: _peft_on(
-                d, ctx, m, config={"modules_to_save": ["embed_tokens"]}, tensors=lambda t: t | {"base_model.model.model.embed_tokens.weight": torch.zeros(4, 32)}
+                d, ctx, m, config={"modules_to_save": ["layers.0.mlp"]}, tensors=lambda t: t | {"base_model.model.model.layers.0.mlp.up_proj.weight": torch.zeros(4, 32)}
             )),
-            ("modules_to_save", "model.embed_tokens (Embedding", "['weight']"),
+            ("modules_to_save", "model.layers.0.mlp (LlamaMLP", "['up_proj.weight']"),
         ),
         "peft-unsupported-features": Case(saved_peft(lambda d, ctx, m: _peft_on(d, ctx, m, config={"bias": "all"})), ("LORA", "['bias']")),
         "peft-incomplete": Case(saved_peft(lambda d, ctx, m: _peft_on(d, ctx, m, tensors=lambda t: {k: v for k, v in t.items() if not (Q in k and "lora_B" in k)})), (Q, "['lora_A']", "['lora_A', 'lora_B']")),

@@ -54,7 +54,7 @@ def test_every_variant_adapts_a_kind_or_refuses_it_clearly(variant, kind, models
 
 def test_lora_and_ln_tuning_declare_their_kinds():
     assert lf.get_variant("lora").kinds == {"linear", "conv1d", "embedding", "conv", "experts", "parameter", "mha"}
-    assert lf.get_variant("ln_tuning").kinds == {"linear", "conv1d", "norm"}
+    assert lf.get_variant("ln_tuning").kinds == {"linear", "conv1d", "norm", "embedding", "conv", "grouped_conv"}
 
 
 def _perturbed(adapter, scale=0.3, seed=4):

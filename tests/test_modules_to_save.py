@@ -174,12 +174,69 @@ def test_a_head_copy_from_init_adapter_composes_stacks_and_gives_per_example_gra
 
 
 def test_a_copy_lora_func_cannot_hold_is_refused_naming_it(case, tmp_path):
-    """A copy of a module whose kind no trained copy holds (an nn.Embedding): refused naming the
-    module and the option, before anything is built."""
+    """A copy of a module that is no single layer (a whole MLP block): refused naming the module
+    and the option, before anything is built."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        config = LoraConfig(task_type="SEQ_CLS", r=2, target_modules=["q_proj"], modules_to_save=["embed_tokens"])
+        config = LoraConfig(task_type="SEQ_CLS", r=2, target_modules=["q_proj"], modules_to_save=["layers.1.mlp"])
         peft_model = get_peft_model(_classifier(), config)
         peft_model.save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match=r"modules_to_save holds a trained copy of model\.embed_tokens \(Embedding"):
+    with pytest.raises(ValueError, match=r"modules_to_save holds a trained copy of model\.layers\.1\.mlp \(LlamaMLP, tensors \['down_proj\.weight'"):
         lf.load_peft(tmp_path, _classifier())
+
+
+def _llama64():
+    from tests.models import tiny_model
+
+    model = tiny_model("llama", dtype=torch.float64)
+    _rmsnorm_in_input_dtype(model)
+    return model
+
+
+def _convlm64():
+    from tests.models import tiny_model
+
+    return tiny_model("convlm", dtype=torch.float64)
+
+
+# model, LoRA targets, modules_to_save, the copies peft makes
+COPIES = {
+    # peft's advice when tokens are added: the embedding's (V, d) table and the head
+    "embedding-and-lm-head": (_llama64, ["q_proj"], ["embed_tokens", "lm_head"], ["lm_head", "model.embed_tokens"]),
+    # a Conv1d with a bias and a Conv2d without, their kernels
+    "convs": (_convlm64, ["head"], ["seq", "grid"], ["grid", "seq"]),
+}
+
+
+@pytest.mark.parametrize("case_name", sorted(COPIES))
+def test_copies_of_other_kinds_load_as_peft_s(case_name, tmp_path):
+    """Copies of an embedding, a head, convs beside LoRA: logits and per-tensor gradients equal
+    peft's in float64, and save_peft loads back in peft with the same logits."""
+    from tests.peft_helpers import ce_loss
+
+    build, targets, saved, copied = COPIES[case_name]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        peft_model = get_peft_model(build(), LoraConfig(r=2, lora_alpha=6, target_modules=targets, modules_to_save=saved)).eval()
+        _perturb(peft_model)
+        peft_model.save_pretrained(tmp_path / "peft")
+    model, ids = build(), tokens(2, 8)
+    adapter = lf.load_peft(tmp_path / "peft", model)
+    copies = [leaf for leaf in lf.adapter.leaf_adapters(adapter) if leaf.spec.variant == "ln_tuning"]
+    assert sorted(layer.target.module for leaf in copies for layer in leaf.layers) == copied
+    _close(lf.adapted_call(model, adapter, ids).logits, peft_model(ids).logits, "logits")
+    peft_model.zero_grad()
+    ce_loss(peft_model(ids).logits, ids).backward()
+    want = {n.replace(".modules_to_save.default", "").replace(".default", ""): p.grad for n, p in peft_model.named_parameters() if p.requires_grad}
+    got = grad(lambda params: ce_loss(lf.adapted_call(model, adapter.with_params(params), ids).logits, ids))(dict(adapter.params))
+    lf.save_peft(adapter.with_params(got), tmp_path / "grads")
+    as_peft = load_file(str(tmp_path / "grads" / "adapter_model.safetensors"))
+    assert sorted(as_peft) == sorted(want) and all(f"base_model.model.{m}.weight" in want for m in copied)
+    for key, g in want.items():
+        assert g.abs().max() > 0, key
+        _close(as_peft[key], g, key)
+    lf.save_peft(adapter, tmp_path / "ours", model=model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        again = PeftModel.from_pretrained(build(), tmp_path / "ours").eval()
+    _close(again(ids).logits, peft_model(ids).logits, "peft on save_peft")

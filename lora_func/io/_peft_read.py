@@ -475,13 +475,15 @@ def saved_copies(directory: Path, config: Mapping[str, Any], model: nn.Module, r
     copies: dict[str, dict[str, Tensor]] = {}
     for name in names:
         held = {key.removeprefix(f"{PREFIX}{name}."): key for key in read if key.startswith(f"{PREFIX}{name}.")}
-        own = {k: key for k, key in held.items() if "." not in k}
+        module = modules[name]
+        state = {n for n, _ in module.named_parameters()} | {n for n, _ in module.named_buffers()}
+        own = {k: key for k, key in held.items() if k in state}
         if not own:
-            continue  # a module the checkpoint holds no copy of (a target's tensors are nested)
-        kind = layer_kind(modules[name])
+            continue  # a module the checkpoint holds no copy of (a target's tensors are its adapter's)
+        kind = layer_kind(module)
         if kind not in kinds or set(own) - set(slot_of) or len(own) != len(held):
             raise ValueError(  # error: peft-modules-to-save-kind
-                f"{directory}: modules_to_save holds a trained copy of {name} ({type(modules[name]).__name__}, tensors "
+                f"{directory}: modules_to_save holds a trained copy of {name} ({type(module).__name__}, tensors "
                 f"{sorted(held)}); lora_func holds trained copies of {sorted(kinds)} layers ({sorted(suffixes.values())} only), "
                 f"of a module that is not also a target; load the checkpoint in peft (merge_and_unload), or retrain "
                 f"without that module in modules_to_save"
