@@ -240,3 +240,24 @@ def test_copies_of_other_kinds_load_as_peft_s(case_name, tmp_path):
         warnings.simplefilter("ignore")
         again = PeftModel.from_pretrained(build(), tmp_path / "ours").eval()
     _close(again(ids).logits, peft_model(ids).logits, "peft on save_peft")
+
+
+@pytest.mark.parametrize(("kind", "targets"), [("convlm", ["seq", "grid", "embed"]), ("gconvlm", ["seq"]), ("llama", ["embed_tokens"])])
+def test_ln_tuning_on_the_copy_kinds_saves_as_peft_s_ln_tuning(kind, targets, tmp_path):
+    """Alone, the trained copies of embeddings and convs (grouped too) are peft's LN tuning
+    (which copies any layer): save_peft loads in peft with lora_func's logits, and back exactly."""
+    from tests.models import tiny_model
+
+    model, ids = tiny_model(kind, dtype=torch.float64), tokens()
+    adapter = lf.init_adapter(model, lf.AdapterSpec("ln_tuning", targets=targets))
+    g = torch.Generator().manual_seed(0)
+    adapter = adapter.with_params({k: v + 0.1 * torch.randn(v.shape, generator=g, dtype=v.dtype) for k, v in adapter.params.items()})
+    want = lf.adapted_call(model, adapter, ids).logits
+    assert (want - model(ids).logits).abs().max() > 1e-2
+    lf.save_peft(adapter, tmp_path, model=model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loaded = PeftModel.from_pretrained(tiny_model(kind, dtype=torch.float64), tmp_path).eval()
+    _close(loaded(ids).logits, want, "peft on save_peft")
+    again = lf.load_peft(tmp_path, model)
+    assert all(torch.equal(again.params[k], t) for k, t in adapter.params.items())
