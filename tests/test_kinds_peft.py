@@ -317,6 +317,16 @@ CASES = {
         lambda seed=0: tiny_model("attention", seed=seed, dtype=torch.float64),
         lambda: LoraConfig(r=R, lora_alpha=ALPHA, target_modules=["attn", "head"]), tokens, _lm_loss, 1e-9,
     ),
+    # peft's selection and pattern options together: rank_pattern / alpha_pattern as regexes,
+    # layers_to_transform + layers_pattern, exclude_modules (the loaded layers are the file's)
+    "lora-patterns-and-selection": (
+        _llama64,
+        lambda: LoraConfig(
+            r=R, lora_alpha=ALPHA, target_modules=["q_proj", "v_proj", "down_proj"], layers_to_transform=[0, 1], layers_pattern="layers",
+            exclude_modules=["model.layers.1.self_attn.v_proj"], rank_pattern={r"layers\.0\..*_proj": 2}, alpha_pattern={r".*down_proj": 3.0},
+        ),
+        tokens, _lm_loss, 1e-9,
+    ),
     "ln_tuning-rmsnorm": (_llama64, lambda: LNTuningConfig(target_modules=["input_layernorm", "norm"]), tokens, _lm_loss, 1e-9),
     "ln_tuning-layernorm": (
         lambda seed=0: tiny_model("gpt2", seed=seed, dtype=torch.float64),
