@@ -100,7 +100,7 @@ def test_a_seq_cls_checkpoint_loads_with_its_head_and_norm_as_trained_copies(cas
         for merged in (False, True):
             _close(lf.adapted_call(case.model, case.adapter, case.x, route=route, merged=merged).logits, want, f"{route} merged={merged}")
     # the head's copy matters on its own: without it the logits are another
-    lora_only = [leaf for leaf in lf.adapter.leaf_adapters(case.adapter) if leaf.spec.variant == "lora"][0]
+    lora_only = next(leaf for leaf in lf.adapter.leaf_adapters(case.adapter) if leaf.spec.variant == "lora")
     assert (lf.adapted_call(case.model, lora_only, case.x).logits - want).abs().max() > 1e-2 * want.abs().max()
     assert torch.equal(case.model.score.weight, _classifier().score.weight)
 
