@@ -111,7 +111,8 @@ def _(Path, mo):
         import lora_func as lf
         from lora_func.demo.corpus import task_split
         from lora_func.demo.model import default_targets, load_model
-        from lora_func.demo.run import DEFAULT_LR, DEFAULT_VARIANTS, DemoConfig, encode_examples, run_variant
+        from lora_func.demo.defaults import method_defaults
+        from lora_func.demo.run import DEFAULT_VARIANTS, DemoConfig, encode_examples, run_variant
 
         _model, tokenizer = load_model()
         train_examples, held_out_examples = task_split(0)
@@ -121,18 +122,19 @@ def _(Path, mo):
     # Script mode (python examples/dashboard.py) has no one to press buttons: it trains at once,
     # briefly, and prints. CLI args after `--` set the app's defaults (`--variants all`: every one).
     SCRIPT = mo.app_meta().mode == "script"
+    RANK_PER_METHOD = "per method"  # the rank control's default: each method's own (lora_func/demo/defaults.py)
     args = mo.cli_args()
     _variants = str(args.get("variants", "lora" if SCRIPT else ",".join(DEFAULT_VARIANTS)))
     defaults = {
         "variants": lf.list_variants() if _variants == "all" else _variants.split(","),
         "steps": int(args.get("steps", 15 if SCRIPT else 120)),
-        "r": int(args.get("r", 8)),
+        "r": str(args.get("r", RANK_PER_METHOD)),
         "lr": "",
         "dtype": "float32",
     }
     return (
-        DEFAULT_LR, DemoConfig, FuncFormatter, LogLocator, MaxNLocator, NullFormatter, SCRIPT, base64, default_targets,
-        defaults, held_out_data, held_out_examples, io, lf, load_model, plt, run_variant, tempfile, time,
+        DemoConfig, FuncFormatter, LogLocator, MaxNLocator, NullFormatter, RANK_PER_METHOD, SCRIPT, base64, default_targets,
+        defaults, held_out_data, held_out_examples, io, lf, load_model, method_defaults, plt, run_variant, tempfile, time,
         tokenizer, torch, train_data, train_examples,
     )
 
@@ -238,7 +240,7 @@ def _():
 
 
 @app.cell
-def _(DEFAULT_LR, VARIANT_HELP, defaults, doc_link, lf, mo):
+def _(RANK_PER_METHOD, VARIANT_HELP, defaults, doc_link, lf, method_defaults, mo):
     def _check_lr(value):
         text = (value or {}).get("lr", "").strip()
         if not text:
@@ -261,36 +263,45 @@ def _(DEFAULT_LR, VARIANT_HELP, defaults, doc_link, lf, mo):
         )
         .batch(
             variants=mo.ui.multiselect(options=lf.list_variants(), value=defaults["variants"], label="variants"),
-            rank=mo.ui.slider(1, 32, value=defaults["r"], label="rank r", show_value=True),
+            rank=mo.ui.dropdown([RANK_PER_METHOD, "1", "2", "4", "8", "16", "32", "64"], value=defaults["r"], label="rank r"),
             steps=mo.ui.number(start=1, stop=2000, value=defaults["steps"], label="steps per variant"),
             lr=mo.ui.text(value=defaults["lr"], label="learning rate (empty: per-variant default)"),
             dtype=mo.ui.dropdown(["float32", "bfloat16", "float16"], value=defaults["dtype"], label="base dtype"),
         )
         .form(submit_button_label="Train", validate=_check_lr, bordered=True)
     )
+    def default_text(name):
+        """The method's demo defaults, as the help table shows them: ``lr 0.003, r 8``."""
+        row = method_defaults(name)
+        extra = [f"alpha {row.alpha:g}"] if row.alpha is not None else []
+        extra += [f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.options.items()]
+        return ", ".join([f"lr {row.lr:g}", f"r {row.rank()}", *extra])
+
     variant_rows = "\n".join(
-        f"| `{name}` | {idea} | {when} | {doc_link(page)} |"
+        f"| `{name}` | {idea} | {when} | {default_text(name)} | {doc_link(page)} |"
         for name, (idea, when, page) in VARIANT_HELP.items()
         if name in lf.list_variants()
     )
-    lr_defaults = ", ".join(f"`{name}` {value:g}" for name, value in sorted(DEFAULT_LR.items()))
     help_text = mo.md(
         f"""
 **Which variant?** Start with `lora`. Pick `ia3` for the smallest adapter, `pissa` or `eva`
 when LoRA converges slowly, `dora` when LoRA underfits at small r, `hra` to keep the base's
 geometry, `antipasto` to steer. The trade-offs, measured: {doc_link("docs/guide/variants.md")}.
 
-| variant | the idea | pick it when | details |
-|:--|:--|:--|:--|
+| variant | the idea | pick it when | demo default | details |
+|:--|:--|:--|:--|:--|
 {variant_rows}
 
 - **rank r**: the size of the update; trainable parameters grow linearly in r (not for ia3,
-  ia3_ff: one gain per feature). {doc_link("docs/guide/hyperparameters.md")}
+  ia3_ff: one gain per feature). *per method* takes each method's own (the *demo default*
+  column: for most r 8; FourierFT's r is its number of frequencies, C3A's its block size).
+  An r that does not fit a model's layers is lowered to the largest that does, and the results
+  say so. {doc_link("docs/guide/hyperparameters.md")}
 - **steps per variant**: training steps of 16 questions each; 120 learns the task, a few
   dozen show the trend.
-- **learning rate**: empty uses the per-variant defaults measured on this task: {lr_defaults}.
-  Multiplicative and normalised variants (ia3, delora, antipasto) want larger steps; one
-  value typed here applies to every variant.
+- **learning rate**: empty uses each method's default (the *demo default* column), chosen by a
+  sweep on this task and a second one ({doc_link("docs/guide/hyperparameters.md")}): they differ by
+  a factor of a thousand between methods. One value typed here applies to every variant.
 - **base dtype**: the frozen model's dtype; adapters stay float32 either way. bfloat16 and
   float16 halve the base's memory; float16 trains with a GradScaler, which skips a step whose
   gradients overflow. {doc_link("docs/guide/precision.md")}
@@ -357,7 +368,7 @@ def _(FuncFormatter, LogLocator, MaxNLocator, NullFormatter, base64, io, mo, plt
 
 @app.cell
 def _(
-    DemoConfig, Path, SCRIPT, default_targets, defaults, figure_html, held_out_data, load_model, loss_figure, mo,
+    DemoConfig, Path, RANK_PER_METHOD, SCRIPT, default_targets, defaults, figure_html, held_out_data, load_model, loss_figure, mo,
     run_variant, settings, tempfile, time, tokenizer, torch, train_data,
 ):
     chosen = settings.value if settings.value is not None else ({**defaults, "rank": defaults["r"]} if SCRIPT else None)
@@ -365,7 +376,7 @@ def _(
     mo.stop(not chosen["variants"], mo.callout(mo.md("Select at least one variant, then press **Train**."), kind="warn"))
 
     config = DemoConfig(
-        variants=list(chosen["variants"]), r=int(chosen["rank"]), steps=int(chosen["steps"]),
+        variants=list(chosen["variants"]), r=None if chosen["rank"] == RANK_PER_METHOD else int(chosen["rank"]), steps=int(chosen["steps"]),
         lr=float(chosen["lr"]) if chosen["lr"].strip() else None, dtype=getattr(torch, chosen["dtype"]), progress=False,
         samples=3,
     )
@@ -386,14 +397,19 @@ def _(
                 if stats.step % 5 == 4 or last:
                     mo.output.replace_at_index(figure_html(loss_figure(curves, "training loss (live)"), "training loss (live)"), 0)
 
-            with tempfile.TemporaryDirectory() as tmp:
+            with tempfile.TemporaryDirectory() as tmp:  # a method that cannot run comes back as a row with its reason
                 results.append(run_variant(model, tokenizer, name, config, train_data, held_out_data, Path(tmp), on_step=on_step))
+            if not curves[name]:
+                del curves[name]  # it never trained: no curve
     seconds = time.perf_counter() - started
     # The live plot and the progress bar make way for the results cell below: nothing of the
     # run's progress stays behind to read as if work were still going on.
     mo.output.clear()
     if SCRIPT:
         for row in results:
+            if row["status"] != "trained":
+                print(f"{row['variant']}: {row['status']}: {row['reason']}")
+                continue
             print(f"{row['variant']}: held-out accuracy {row['acc_before']:.0%} -> {row['acc_after']:.0%}, final loss {row['final_loss']:.3f}")
     return config, curves, results, seconds, targets
 
@@ -405,14 +421,26 @@ def _(torch):
         lr = (f"{config.lr:g} for every variant" if config.lr is not None
               else "per-variant default (" + ", ".join(f"{name} {value:g}" for name, value in lrs.items()) + ")")
         dtype = str(config.dtype).removeprefix("torch.")
+        rank = f"rank r = {config.r} for every variant" if config.r is not None else "rank r per method (the table's settings column)"
         return (
-            f"variants {', '.join(config.variants)} · rank r = {config.r} · base dtype {dtype} (adapters float32) · "
+            f"variants {', '.join(config.variants)} · {rank} · base dtype {dtype} (adapters float32) · "
             f"learning rate {lr} · {config.steps} steps per variant · batch {config.batch_size} · seed {config.seed} · "
             f"adapters on {', '.join(targets)}"
         )
 
-    def interpretation(results, config):
-        """What a run's numbers say, as markdown paragraphs, every figure taken from ``results``."""
+    def interpretation(rows, config):
+        """What a run's numbers say, as markdown paragraphs, every figure taken from ``rows``: the
+        trained methods' numbers, then the methods whose options were lowered to fit the model and
+        those that could not run or failed, with the reason."""
+        results = [r for r in rows if r["status"] == "trained"]
+        not_run = [r for r in rows if r["status"] != "trained"]
+        fitted = [(r["variant"], f) for r in rows for f in r["fitted"]]
+        tail = [
+            f"**{name}**: {f['option']}={f['asked']} does not fit this model's layers; it trained with {f['option']}={f['used']}, "
+            "the largest value below that does." for name, f in fitted
+        ] + [f"**{r['variant']}** {'could not run' if r['status'] == 'skipped' else 'failed'}: {r['reason']}" for r in not_run]
+        if not results:
+            return "\n\n".join(["No method trained.", *tail])
 
         def who(r):
             return f"**{r['variant']}** ({r['trainable']:,} trainable parameters, {r['trainable_pct']:.2f} % of the model)"
@@ -489,7 +517,7 @@ def _(torch):
             if diff <= tolerance and r["variant"] == "pissa":
                 notes.append(
                     f"pissa's reloaded logits differ by at most {diff:.1e}, within {dtype} round-off ({tolerance:.1e}, "
-                    f"1024 × its machine epsilon): peft stores PiSSA as a rank-{2 * config.r} LoRA on the untouched base "
+                    f"1024 × its machine epsilon): peft stores PiSSA as a rank-{2 * r['r']} LoRA on the untouched base "
                     "instead of the trained residual form, so the same sum is rounded in another order. That is expected, "
                     "not a defect"
                 )
@@ -501,9 +529,11 @@ def _(torch):
                     "the saved adapter is not the trained one; please report it"
                 )
         paragraphs.append("Save and reload: " + "; ".join(notes) + ".")
-        return "\n\n".join(paragraphs)
+        return "\n\n".join(paragraphs + tail)
 
     COLUMN_HELP = {
+        "settings": "the rank and every option that differs from the method's own default (its row of lora_func/demo/defaults.py); "
+                    "* marks one lowered to fit this model's layers",
         "trainable": "numbers the adapter trains, and their share of the model's parameters",
         "acc. before": "held-out accuracy with the adapter at its initial values",
         "acc. after": "held-out accuracy after training: exact greedy answers to the 30 questions never trained on",
@@ -520,9 +550,14 @@ def _(
     COLUMN_HELP, config, curves, figure_html, held_out_examples, interpretation, loss_figure, mo, results, run_settings,
     seconds, targets,
 ):
-    summary = [
-        {
+    def summary_row(r):
+        if r["status"] != "trained":  # the reason is in "What this run shows"
+            return {"variant": r["variant"], "settings": r["settings"], "trainable": "", "lr": f"{r['lr']:g}", "acc. before": "",
+                    "acc. after": "", "final loss": None, "ms/step": None,
+                    "reload": "could not run" if r["status"] == "skipped" else "failed"}
+        return {
             "variant": r["variant"],
+            "settings": r["settings"],
             "trainable": f"{r['trainable']:,} ({r['trainable_pct']:.2f} %)",
             "lr": f"{r['lr']:g}",
             "acc. before": f"{r['acc_before']:.0%}",
@@ -531,8 +566,9 @@ def _(
             "ms/step": round(r["ms_per_step"], 1),
             "reload": "identical" if r["reload_identical"] else f"max diff {r['reload_max_abs_diff']:.1e}",
         }
-        for r in results
-    ]
+
+    summary = [summary_row(r) for r in results]
+    trained = [r for r in results if r["status"] == "trained"]
     expected = {e.prompt: e.answer for e in held_out_examples}
 
     def answered(text, prompt):
@@ -541,13 +577,14 @@ def _(
     samples = [
         {"variant": r["variant"], "held-out question": s["prompt"], "expected": expected[s["prompt"]],
          "before": s["before"], "after": s["after"], "✓/✗": "✓" if answered(s["after"], s["prompt"]) else "✗"}
-        for r in results for s in r["samples"]
+        for r in trained for s in r["samples"]
     ]
     lrs = {r["variant"]: r["lr"] for r in results}
-    accuracy = {r["variant"]: f"{r['variant']}  held-out {r['acc_before']:.0%} → {r['acc_after']:.0%}" for r in results}
+    accuracy = {r["variant"]: f"{r['variant']}  held-out {r['acc_before']:.0%} → {r['acc_after']:.0%}" for r in trained}
+    not_run = f" ({len(results) - len(trained)} could not run: see below)" if len(trained) < len(results) else ""
     done = mo.callout(
         mo.md(
-            f"**Training complete**: {len(results)} variant(s) × {config.steps} steps in {seconds:.0f} s. "
+            f"**Training complete**: {len(trained)} variant(s) × {config.steps} steps in {seconds:.0f} s{not_run}. "
             f"These results stay here until the next **Train**; changing the settings does not clear them.\n\n"
             f"**Settings of these results**: {run_settings(config, targets, lrs)}."
         ),
@@ -566,7 +603,7 @@ def _(
             mo.md("## Generated answers, before and after"),
             mo.ui.table(
                 samples, selection=None, page_size=10,
-                label=f"{len(samples) // len(results)} of the held-out questions (never trained on) per variant, "
+                label=f"{len(samples) // max(1, len(trained))} of the held-out questions (never trained on) per variant, "
                       "answered by greedy decoding; ✓: the answer after training is the expected one",
                 style_cell=lambda _row, column, value: (
                     {"color": "#15803d" if value == "✓" else "#b91c1c", "fontWeight": "bold"} if column == "✓/✗" else {}

@@ -30,6 +30,7 @@ from lora_func.merging import LoraConversion, merge_adapters, to_lora
 from lora_func.stacking import stack, take, unstack
 from lora_func.many import ensemble_call, mixed_call, per_example_grads
 from lora_func.many import mixed_adapted
+from lora_func import routed  # routed LoRA: Poly / MHR task routing (lora_func.routed.task_call, ...)
 
 # Saving, loading, exporting.
 from lora_func.export import merged_state_dict

@@ -27,7 +27,7 @@ def _variants(text: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from lora_func.demo.run import DEFAULT_LR, DEFAULT_VARIANTS, DemoConfig, run_demo
+    from lora_func.demo.run import DEFAULT_VARIANTS, DemoConfig, run_demo
 
     parser = argparse.ArgumentParser(prog="lora-func", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -36,9 +36,9 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__.split("\n\n")[1], formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     demo.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help="comma-separated names, or 'all'")
-    demo.add_argument("--r", type=int, default=8, help="adapter rank")
+    demo.add_argument("--r", type=int, default=None, help="adapter rank for every variant; unset: each variant's own (8 for most; lora_func/demo/defaults.py)")
     demo.add_argument("--steps", type=int, default=DemoConfig.steps, help="training steps per variant")
-    demo.add_argument("--lr", type=float, default=None, help=f"learning rate for every variant (default: per variant, {DEFAULT_LR})")
+    demo.add_argument("--lr", type=float, default=None, help="learning rate for every variant; unset: each variant's own (lora_func/demo/defaults.py)")
     demo.add_argument("--batch-size", type=int, default=DemoConfig.batch_size)
     demo.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="the base model's dtype (adapters stay float32)")
     demo.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, mps ...")
@@ -66,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(variants) - set(lf.list_variants()))
     if unknown or not variants:
         parser.error(f"unknown variant(s) {unknown}; known: {', '.join(lf.list_variants())}, or 'all'")
+    if args.r is not None and args.r < 1:
+        parser.error(f"--r must be a whole number >= 1, got {args.r}")
     if args.quantize and "pissa" in variants:
         parser.error("pissa replaces the base weight by a dense residual, which a quantized base cannot hold; leave it out with --quantize")
     config = DemoConfig(
@@ -76,13 +78,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         rows = run_demo(config)
-    except FloatingPointError as err:  # a diverged run: the message names the variant, the step and the tensors
+    except FloatingPointError as err:  # a diverged run (the printed lines above name its step and tensors); the rest is written
         print(f"lora-func demo: {err}\nTry a lower --lr (or --dtype float32).", file=sys.stderr)
         return 1
-    not_learnt = [r["variant"] for r in rows if r["acc_after"] <= r["acc_before"]]
+    trained = [r for r in rows if r["status"] == "trained"]
+    not_learnt = [r["variant"] for r in trained if r["acc_after"] <= r["acc_before"]]
     if not_learnt:
         print(f"note: held-out accuracy did not improve for {not_learnt}; try more --steps or another --lr", file=sys.stderr)
-    return 0
+    for row in rows:
+        if row["status"] == "skipped":  # the method cannot start here (an option no value fits, a missing optional package)
+            print(f"note: {row['variant']} skipped: {row['reason']}", file=sys.stderr)
+    failed = [r for r in rows if r["status"] == "failed"]
+    for row in failed:
+        print(f"lora-func demo: {row['variant']} failed: {row['reason']}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -146,7 +146,9 @@ def every_variant_through(w: World, make: Callable[..., dict[str, Tensor]], kind
 
 
 # Options that fit a 32-wide layer where peft's defaults do not.
-SMALL_LAYER_OPTIONS = {"road": {"group_size": 2}, "oft": {"oft_block_size": 8}, "vblora": {"num_vectors": 12, "vector_length": 8}}
+SMALL_LAYER_OPTIONS = {"road": {"group_size": 2}, "oft": {"oft_block_size": 8}, "vblora": {"num_vectors": 12, "vector_length": 8},
+                       # (arrow has a weight form with one expert only: several route each token)
+                       "arrow": {"num_experts": 1, "top_k": 1}}
 
 
 def variant_functions_on_the_models_own_tensors(w: World) -> None:
@@ -445,6 +447,12 @@ PENDING: dict[str, str] = {
     "per_example_grads": "lora_func.many",
     "check_finite": "lora_func.checks",
     "with_steering": "lora_func.variants.antipasto",
+    "for_task": "lora_func.variants.poly",
+    "task_call": "lora_func.routed",
+    "task_adapted": "lora_func.routed",
+    "task_members": "lora_func.routed",
+    "arrow": "lora_func.routed",
+    "arrow_experts": "lora_func.routed",
     "TrainState": "lora_func.train",
     "train_step": "lora_func.train",
     "fit": "lora_func.train",
@@ -740,6 +748,58 @@ ROWS.update(
     }
 )
 
+
+# Routed LoRA (issue 47): Poly / MHR task routing, training through the per-row route, generation.
+def _routed_train_and_generate(w: World) -> None:
+    model = w.model("llama")
+    adapter = w.adapter("poly")
+    leaf = adapter.with_params({k: v.detach().clone().requires_grad_(True) for k, v in adapter.params.items()})
+    model.train()
+    try:
+        api("task_call")(model, leaf, IDS, task_ids=torch.tensor([2, 0])).logits.sum().backward()
+        lf.adapted_call(model, api("for_task")(leaf, 1), IDS, labels=IDS).loss.backward()
+    finally:
+        model.eval()
+    lf.ensemble_call(model, api("task_members")(leaf), IDS).logits.sum().backward()
+    with torch.no_grad(), api("task_adapted")(model, adapter, torch.tensor([1, 2])):
+        model.generate(IDS, attention_mask=torch.ones_like(IDS), max_new_tokens=3, num_beams=2, pad_token_id=0)
+
+
+ROWS.update(
+    {
+        "task_call": [
+            Call("train, route, generate", _routed_train_and_generate),
+            Call("task out of range", lambda w: api("task_call")(w.model("llama"), w.adapter("poly"), IDS, task_ids=torch.tensor([0, 3])), ValueError),
+        ],
+        "task_adapted": [Call("train, route, generate", _routed_train_and_generate)],
+        "task_members": [Call("train, route, generate", _routed_train_and_generate)],
+        "for_task": [Call("train, route, generate", _routed_train_and_generate), Call("bad task", lambda w: api("for_task")(w.adapter("poly"), -1), ValueError)],
+    }
+)
+
+
+def _arrow_round(w: World) -> None:
+    model = w.model("llama")
+    experts = [w.adapter("lora", seed=s) for s in range(3)]
+    router = api("arrow")(experts[:2], top_k=1, general=experts[2:])
+    model.train()
+    try:
+        lf.adapted_call(model, router, IDS, labels=IDS).loss.backward()
+    finally:
+        model.eval()
+    with torch.no_grad(), lf.adapted(model, router, merged=False):
+        model.generate(IDS, attention_mask=torch.ones_like(IDS), max_new_tokens=3, pad_token_id=0)
+    for e, expert in enumerate(api("arrow_experts")(router)):
+        api("save_peft")(expert, w.tmp / f"expert{e}", model=model)
+
+
+ROWS.update(
+    {
+        "arrow": [Call("build, train, generate, save the experts", _arrow_round), Call("merged", lambda w: lf.adapted_call(
+            w.model("llama"), api("arrow")([w.adapter("lora", seed=s) for s in range(2)], top_k=1), IDS, merged=True), ValueError)],
+        "arrow_experts": [Call("build, train, generate, save the experts", _arrow_round)],
+    }
+)
 
 
 def test_every_public_name_has_a_row():

@@ -15,6 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from lora_func.demo.defaults import method_defaults
+from tests.test_docs import readme_families
+
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD = ROOT / "examples" / "dashboard.py"
 _spec = importlib.util.spec_from_file_location("dashboard_screenshot", ROOT / "scripts" / "dashboard_screenshot.py")
@@ -97,8 +100,9 @@ def test_loss_plot_is_smoothed_with_plain_log_ticks_whole_steps_and_the_legend_b
         plt.close(fig)
 
 
-def _row(variant, acc_after, trainable, *, diff=0.0, final_loss=0.5, ms=30.0, skipped=0):
-    return {"variant": variant, "lr": 3e-3, "trainable": trainable, "trainable_pct": 100 * trainable / 1_194_368,
+def _row(variant, acc_after, trainable, *, diff=0.0, final_loss=0.5, ms=30.0, skipped=0, fitted=()):
+    return {"variant": variant, "status": "trained", "r": 8, "settings": "r=8", "fitted": list(fitted), "reason": None,
+            "lr": 3e-3, "trainable": trainable, "trainable_pct": 100 * trainable / 1_194_368,
             "acc_before": 0.0, "acc_after": acc_after, "final_loss": final_loss, "ms_per_step": ms,
             "skipped_steps": skipped, "reload_identical": diff == 0.0, "reload_max_abs_diff": diff}
 
@@ -125,12 +129,37 @@ def test_interpretation_draws_the_conclusion_from_the_numbers_and_explains_the_r
     config16 = script_run["DemoConfig"](variants=["pissa"], steps=120, dtype=torch.float16)
     text = script_run["interpretation"]([_row("pissa", 0.9, 28_672, diff=0.2, skipped=3)], config16)
     assert "pissa 3 of 120" in text and "within float16 round-off" in text
+    # An option lowered to fit the model, a method that could not run and one that failed: each named with its reason.
+    fitted = {"option": "vector_length", "asked": 256, "used": 64, "why": "vector_length=256 must divide ..."}
+    skipped = {"variant": "adamss", "status": "skipped", "r": 8, "settings": "r=8", "fitted": [], "lr": 0.01,
+               "reason": "cannot run on this model: adamss needs scikit-learn"}
+    failed = {**skipped, "variant": "oft", "status": "failed", "reason": "RuntimeError: boom"}
+    text = script_run["interpretation"]([_row("vblora", 0.7, 20_000, fitted=[fitted]), _row("ia3", 1.0, 1_536), skipped, failed], config)
+    assert "**vblora**: vector_length=256 does not fit this model's layers; it trained with vector_length=64" in text, text
+    assert "**adamss** could not run: cannot run on this model: adamss needs scikit-learn" in text
+    assert "**oft** failed: RuntimeError: boom" in text and "the worst, **vblora**, 70%" in text
+    assert script_run["interpretation"]([skipped], config).startswith("No method trained.")
+
+
+# One method of each family of the README's list (tests/test_docs.py checks the list is every
+# variant): the browser runs each through Train. vblora also has an option lowered to fit the
+# model (vector_length 256 -> 64), pissa a reload that differs by round-off.
+TRAINED = {
+    "the LoRA family": "pissa", "scaling vectors": "ia3", "norm and layer copies": "ln_tuning",
+    "structured and multiplicative": "loha", "a few numbers over a basis or bank shared by every layer": "vblora",
+    "subspaces of the weight's SVD": "adamss",
+}
+
+
+def test_the_browser_test_trains_one_method_of_each_family():
+    families = readme_families()
+    assert set(TRAINED) == set(families) and all(TRAINED[f] in families[f] for f in families), families
 
 
 @pytest.fixture
 def served_dashboard(tmp_path):
-    """``marimo run`` on a free localhost port, 6 training steps of lora, ia3 and pissa."""
-    with screenshot.serve_dashboard(["--steps", "6", "--variants", "lora,ia3,pissa"], tmp_path) as url:
+    """``marimo run`` on a free localhost port, 6 training steps of one method per family."""
+    with screenshot.serve_dashboard(["--steps", "6", "--variants", ",".join(TRAINED.values())], tmp_path) as url:
         yield url
 
 
@@ -168,9 +197,9 @@ def test_dashboard_in_a_headless_browser_trains_explains_its_results_and_keeps_t
             expect(page.get_by_role("columnheader", name="#").first).to_be_visible()  # with a row index
             expect(page.get_by_text("Press Train to fine-tune", exact=False)).to_be_visible()
 
-            # The help is open without a click, and has a row for every variant the form offers.
-            expect(page.get_by_text("lora 0.003", exact=False)).to_be_visible()  # readable, not a dict
-            assert "{'lora'" not in page.locator("body").inner_text()
+            # The help is open without a click, and has a row for every variant the form offers, with
+            # its demo defaults from the one table (lora_func/demo/defaults.py), readable.
+            assert "{'lora'" not in page.locator("body").inner_text() and "mappingproxy" not in page.locator("body").inner_text()
             options = json.loads(page.locator("marimo-multiselect").last.get_attribute("data-options"))  # the UI element itself
             assert "lora" in options and "ia3_ff" in options, options
             help_table = _table_with_column(page, "pick it when")
@@ -181,6 +210,9 @@ def test_dashboard_in_a_headless_browser_trains_explains_its_results_and_keeps_t
                 row = described[name]
                 assert len(row["the idea"]) > 20 and len(row["pick it when"]) > 15, row
                 assert re.fullmatch(r"docs/variants/\w+\.md", row["details"]), row
+                defaults = method_defaults(name)
+                assert row["demo default"].startswith(f"lr {defaults.lr:g}, r {defaults.rank()}"), row
+                assert all(f"{k} {v:g}" in row["demo default"] for k, v in defaults.options.items() if isinstance(v, float)), row
             # Its links open the guide's pages: each names a file of this checkout, and one
             # click shows that page, rendered, in a new tab.
             links = page.locator("a[href^='?guide=']")
@@ -219,7 +251,10 @@ def test_dashboard_in_a_headless_browser_trains_explains_its_results_and_keeps_t
             # The interpretation quotes this run's own numbers, as the results table shows them.
             results_table = _table_with_column(page, "acc. after")
             results = {row["variant"]: row for row in _table_rows(results_table)}
-            assert set(results) == {"lora", "ia3", "pissa"}, results
+            assert set(results) == set(TRAINED.values()), results
+            assert results["vblora"]["settings"] == "r=8, vector_length=64*", results["vblora"]  # lowered to fit
+            shows_text = page.get_by_role("heading", name="What this run shows").locator("xpath=..").inner_text()
+            assert "vblora: vector_length=256 does not fit this model's layers; it trained with vector_length=64" in shows_text
             accuracy = {name: int(row["acc. after"].rstrip("%")) for name, row in results.items()}
             count = {name: int(row["trainable"].split()[0].replace(",", "")) for name, row in results.items()}
             best = max(results, key=lambda name: (accuracy[name], -count[name]))
@@ -232,7 +267,7 @@ def test_dashboard_in_a_headless_browser_trains_explains_its_results_and_keeps_t
             assert "After 6 steps per variant" in shows, shows
             # The reload column, explained from its own numbers: PiSSA's difference is round-off.
             identical = [name for name, row in results.items() if row["reload"] == "identical"]
-            assert {"lora", "ia3"} <= set(identical) and f"{', '.join(identical)} reloaded bit for bit identical" in shows, shows
+            assert {"ia3", "loha", "vblora"} <= set(identical) and f"{', '.join(identical)} reloaded bit for bit identical" in shows, shows
             for name in results.keys() - identical:  # pissa, as a rule (peft's form of it rounds differently)
                 diff = results[name]["reload"].removeprefix("max diff ")
                 assert f"{name}'s reloaded logits differ by at most {diff}, within float32 round-off" in shows, shows
@@ -243,7 +278,7 @@ def test_dashboard_in_a_headless_browser_trains_explains_its_results_and_keeps_t
             # The samples: expected answers, and a ✓/✗ that agrees with them.
             samples_table = _table_with_column(page, "expected")
             samples = _table_rows(samples_table)
-            assert len(samples) == 9, samples  # 3 held-out questions per variant
+            assert len(samples) == 10, samples  # the first page of 3 held-out questions per variant
             for row in samples:
                 right = row["after"].removesuffix(".").strip() == row["expected"]
                 assert row["✓/✗"] == ("✓" if right else "✗"), row
@@ -251,7 +286,7 @@ def test_dashboard_in_a_headless_browser_trains_explains_its_results_and_keeps_t
 
             # The settings behind these results are printed with them ...
             settings_line = page.get_by_text("Settings of these results").locator("xpath=..")  # its paragraph
-            expect(settings_line).to_contain_text("rank r = 8")
+            expect(settings_line).to_contain_text("rank r per method")
             expect(settings_line).to_contain_text("base dtype float32")
             expect(settings_line).to_contain_text("6 steps per variant")
             for name, row in results.items():
@@ -259,19 +294,18 @@ def test_dashboard_in_a_headless_browser_trains_explains_its_results_and_keeps_t
 
             # ... and stay those of the run after a control changes: nothing re-runs, the
             # results stay until the next Train.
-            slider = page.get_by_role("slider").first
-            slider.focus()
-            page.keyboard.press("ArrowRight")
+            rank = page.locator("select").filter(has_text="per method")
+            rank.select_option(label="16")
             dtype = page.locator("select").filter(has_text="bfloat16")
             dtype.select_option(label="float16")
-            expect(page.get_by_role("slider").first).to_have_attribute("aria-valuenow", "9")  # the controls did change
+            assert rank.evaluate("s => s.options[s.selectedIndex].text") == "16"  # the controls did change
             assert dtype.evaluate("s => s.options[s.selectedIndex].text") == "float16"
             page.wait_for_timeout(3000)
             expect(page.get_by_text("Training complete", exact=False)).to_be_visible()
             expect(plot).to_be_visible()
             expect(results_table).to_be_visible()
             expect(page.get_by_text("Press Train to fine-tune", exact=False)).to_have_count(0)
-            expect(settings_line).to_contain_text("rank r = 8")
+            expect(settings_line).to_contain_text("rank r per method")
             expect(settings_line).to_contain_text("base dtype float32")
         finally:
             browser.close()

@@ -22,9 +22,14 @@ from lora_func.demo.corpus import (
     task_examples,
     task_split,
     vocabulary,
+    worked_sum_examples,
+    worked_sum_split,
 )
+from lora_func.demo.defaults import DEFAULTS, DEMO_R, FALLBACK, method_defaults
+from lora_func.demo.fitting import SIZE_OPTIONS, fit_and_init, respec
 from lora_func.demo.model import ASSETS, build_tokenizer, default_targets, load_model
 from lora_func.demo.run import (
+    DEFAULT_LR,
     DemoConfig,
     batch_sampler,
     correct_answers,
@@ -32,8 +37,10 @@ from lora_func.demo.run import (
     encode_examples,
     generate,
     held_out_accuracy,
+    results_markdown,
     run_demo,
     run_variant,
+    settings_text,
 )
 from lora_func.train import IGNORE_INDEX, TrainState, fit, make_optimizer
 from tests.tolerance import FP32_REL
@@ -113,12 +120,13 @@ def test_lora_r8_on_attention_trains_under_3_percent_of_the_parameters(shipped):
 def test_cli_demo_writes_plot_tables_adapters_and_improves(tmp_path, capsys):
     """The six variants the README command's default (lora, dora, ia3; tests/test_docs.py) does
     not run, so that every variant is checked to learn the task: held-out accuracy up by at
-    least 30 points after 30 steps (an adapter that training or the metric ignores stays at 0)."""
+    least 30 points after 60 steps (an adapter that training or the metric ignores stays at 0;
+    PiSSA's default rate, 1e-3, needs more than 30)."""
     out = tmp_path / "demo"
     variants = ["eva", "antipasto", "pissa", "delora", "hra", "ia3_ff"]
-    assert main(["demo", "--variants", ",".join(variants), "--steps", "30", "--out", str(out), "--no-progress"]) == 0
+    assert main(["demo", "--variants", ",".join(variants), "--steps", "60", "--out", str(out), "--no-progress"]) == 0
     printed = capsys.readouterr().out
-    assert "| variant | lr | trainable params |" in printed and "% of the model" in printed
+    assert "| variant | lr | settings | trainable params |" in printed and "% of the model" in printed
     assert "peft format" in printed and "lora_func format (antipasto.safetensors; antipasto has no peft equivalent" in printed
     assert (out / "loss_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rows = json.loads((out / "results.json").read_text())
@@ -130,7 +138,7 @@ def test_cli_demo_writes_plot_tables_adapters_and_improves(tmp_path, capsys):
             assert "rank-16 LoRA on the untouched base" in row["saved_as"]
         else:
             assert row["reload_identical"], row["variant"]
-        assert len(row["losses"]) == 30 and row["samples"][0]["prompt"].startswith("what is")
+        assert len(row["losses"]) == 60 and row["samples"][0]["prompt"].startswith("what is")
     for variant in variants[:-1]:
         assert (out / "adapters" / (f"{variant}.safetensors" if variant == "antipasto" else f"{variant}/adapter_config.json")).is_file()
 
@@ -211,8 +219,52 @@ def test_scripts_run(tmp_path):
     assert "accuracy on 'a + b =' (pretraining notation)" in printed
     model, tokenizer = load_model(tmp_path / "model")
     assert isinstance(model, LlamaForCausalLM) and tokenizer.get_vocab() == build_tokenizer().get_vocab()
-    table = script("lr_sweep.py", "--variants", "ia3", "--lrs", "0.1", "--steps", "2")
-    assert table.splitlines()[0] == "| variant | lr 0.1 |" and table.splitlines()[2].startswith("| ia3 | ")
+
+
+def test_lr_sweep_runs_resumes_and_reports(tmp_path, capsys, monkeypatch):
+    """scripts/lr_sweep.py in this process (its full grids take hours): each run is a JSON line,
+    VB-LoRA's vector_length is fitted to the model, a rerun resumes without training again, and
+    the report prints the tables and draws the curves."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("lr_sweep", ROOT / "scripts" / "lr_sweep.py")
+    sweep = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "lr_sweep", sweep)  # its dataclasses look their module up there
+    spec.loader.exec_module(sweep)
+    out = tmp_path / "sweep.jsonl"
+    args = ["--variants", "ia3,vblora", "--lrs", "0.1,0.3", "--steps", "2", "--seeds", "0", "--out", str(out)]
+    before = torch.get_num_threads()
+    try:
+        assert sweep.main(args) == 0
+    finally:
+        torch.set_num_threads(before)
+    table = capsys.readouterr().out
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(records) == 8 and {r["task"] for r in records} == {"sums", "worked_sums"}  # 2 methods x 2 rates x 2 tasks
+    assert all(r["fitted"] == ({"vector_length": 64} if r["variant"] == "vblora" else {}) for r in records)  # fitted, not failed
+    lines = table.splitlines()
+    assert lines[:3] == ["### sums", "", "| method | settings | lr 0.1 | lr 0.3 |"] and "### chosen" in lines, table
+    assert sweep.main(["--report", str(out), "--plot", str(tmp_path / "sweep.png")]) == 0 and capsys.readouterr().out == table
+    assert (tmp_path / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sweep.grid_points("lrs", ["ia3"], [0.1], ["sums"], [0]) == [sweep.Point("ia3", "sums", 0, 0.1, ())]
+    done = {sweep.record_key(r) for r in records}  # what a rerun skips: every point of the same grid
+    assert {p.key() for p in sweep.grid_points("lrs", ["ia3", "vblora"], [0.1, 0.3], list(sweep.TASKS), [0])} == done
+    # The fine grid: the best coarse settings (ties to the lower held-out loss) and the method's own
+    # defaults, each at its best coarse rate and that rate's neighbours.
+    coarse = [{"variant": "vera", "settings": s, "lr": lr, "acc": acc, "held_out_loss": loss}
+              for s, lr, acc, loss in [({}, 0.1, 0.5, 1.0), ({}, 1.0, 0.5, 2.0), ({"r": 64}, 0.01, 0.9, 1.0), ({"r": 64}, 0.03, 0.9, 0.5)]]
+    coarse.append({"variant": "ia3", "settings": {}, "lr": 1e-4, "acc": 0.9, "held_out_loss": 0.1})
+    grid = sweep.fine_grid(coarse)
+    assert grid == {"vera": [({"r": 64}, (0.01, 0.03, 0.1)), ({}, (0.03, 0.1, 0.3))], "ia3": [({}, (0.0001, 0.0003))]}
+    fine = sweep.grid_points("fine", ["ia3"], None, ["sums"], [0, 1], grid)
+    assert [(p.lr, p.seed) for p in fine] == [(1e-4, 0), (1e-4, 1), (3e-4, 0), (3e-4, 1)]
+    # The default: within 10 points of the best demo mean, the best on the worked sums.
+    cells = {("m", "sums", "a", 0.1): [0.9, 0.9], ("m", "worked_sums", "a", 0.1): [0.1],
+             ("m", "sums", "b", 0.3): [0.85], ("m", "worked_sums", "b", 0.3): [0.5],
+             ("m", "sums", "c", 1.0): [0.5], ("m", "worked_sums", "c", 1.0): [0.9]}
+    assert sweep.choose(cells, "m") == ("b", 0.3) and sweep.choose(cells, "other") is None
+    cells[("m", "sums", "a", 0.1)], cells[("m", "sums", "b", 0.3)] = [0.65], [0.56]  # b: within 10 points, under 60 %
+    assert sweep.choose(cells, "m") == ("a", 0.1)
 
 
 def test_gradient_checkpointing_flag_trains_exactly_as_without_and_restores_the_model(tmp_path, monkeypatch):
@@ -240,3 +292,141 @@ def test_gradient_checkpointing_flag_trains_exactly_as_without_and_restores_the_
         assert getattr(model, "_require_grads_hook", None) is None
     assert any(recomputed) and rows[0]["losses"] == pytest.approx(rows[1]["losses"], rel=FP32_REL)
     assert main(["demo", "--variants", "ia3", "--steps", "2", "--gradient-checkpointing", "--out", str(tmp_path / "cli"), "--no-progress"]) == 0
+
+
+def test_worked_sums_are_a_fixed_partition_of_550_questions_in_the_models_vocabulary():
+    """The sweep's second task: three single digits with a + b <= 9, answered with both sums written
+    out in the pretraining notation (so every step is a sum the base knows)."""
+    examples = worked_sum_examples()
+    assert len(examples) == len({e.terms for e in examples}) == 550
+    for e in examples:
+        a, b, c = e.terms
+        assert a + b <= 9 and e.prompt == f"what is {a} plus {b} plus {c} ?"
+        assert e.answer == f"{a} + {b} = {a + b} , {a + b} + {c} = {a + b + c}"
+    words = set(vocabulary())
+    assert all(w in words for e in examples for w in f"{e.prompt} {e.answer}".split())
+    train, held_out = worked_sum_split(0)
+    assert (len(train), len(held_out)) == (450, 100) and {e.terms for e in train}.isdisjoint(e.terms for e in held_out)
+    assert worked_sum_split(0) == (train, held_out) and worked_sum_split(1) != (train, held_out)
+
+
+def test_every_registered_method_has_one_row_of_demo_defaults_read_by_the_demo():
+    """One table: the demo's learning rate, rank and options per method come from
+    lora_func.demo.defaults (the dashboard and the docs read it too: tests/test_dashboard.py,
+    tests/test_docs.py)."""
+    assert sorted(DEFAULTS) == lf.list_variants()
+    assert dict(DEFAULT_LR) == {name: row.lr for name, row in DEFAULTS.items()}
+    assert method_defaults("not-registered") is FALLBACK
+    targets = ["q_proj"]
+    for name, row in DEFAULTS.items():
+        spec = DemoConfig().spec_for(name, targets)
+        assert (spec.r, DemoConfig().lr_for(name)) == (row.rank(), row.lr), name
+        assert all(spec.option(k) == v for k, v in row.options.items()), name
+        if row.alpha is not None:
+            assert spec.alpha == row.alpha, name
+        assert DemoConfig(r=3).spec_for(name, targets).r == 3 and DemoConfig(lr=0.5).lr_for(name) == 0.5
+    assert DEMO_R == 8
+
+
+def test_every_method_builds_on_the_shipped_model_with_its_demo_defaults(shipped):
+    """What `lora-func demo --variants all` starts from: every registered method's demo spec builds
+    on the shipped model, some after lowering a size option (VB-LoRA's vector_length=256 on 128-
+    and 64-wide layers), never by failing."""
+    model, tokenizer = shipped
+    train = encode_examples(tokenizer, task_split(0)[0])
+    config = DemoConfig()
+    changed = {}
+    calibration = [{"input_ids": train.input_ids[:16], "attention_mask": train.attention_mask[:16]}]
+    for name in lf.list_variants():
+        spec = config.spec_for(name, default_targets(model))
+        fitted = fit_and_init(model, spec, lambda s: lf.init_adapter(model, s, calibration=calibration if lf.get_variant(s.variant).calibration else None))
+        assert fitted.adapter.spec == fitted.spec and fitted.adapter.num_parameters() > 0, name
+        changed.update({name: [(c.option, c.asked, c.used) for c in fitted.changes]} if fitted.changes else {})
+    assert changed == {"vblora": [("vector_length", 256, 64)]}, changed
+
+
+def test_fitting_lowers_a_size_option_to_the_largest_value_that_builds_and_says_why(shipped):
+    model, _ = shipped
+    targets = default_targets(model)  # q/o 128x128, k/v 128 -> 64
+
+    def init(spec):
+        return lf.init_adapter(model, spec)
+
+    vblora = fit_and_init(model, lf.AdapterSpec("vblora", targets, r=4), init)
+    (change,) = vblora.changes
+    assert (change.option, change.asked, change.used) == ("vector_length", 256, 64) and vblora.spec.option("vector_length") == 64
+    assert "vector_length=256 must divide" in change.reason and "largest value below it" in change.describe()
+    assert vblora.adapter.spec.option("vector_length") == 64
+    # r itself: C3A's block size must divide the widths (12 -> 8), HRA's paired init needs an even r (3 -> 2),
+    # and PiSSA's r above the narrowest width (64) comes down to it (it takes r directions of each
+    # weight; LoRA takes any r, as peft does).
+    for variant, asked, used in (("c3a", 12, 8), ("hra", 3, 2), ("pissa", 100, 64)):
+        fitted = fit_and_init(model, lf.AdapterSpec(variant, targets, r=asked), init)
+        assert [(c.option, c.asked, c.used) for c in fitted.changes] == [("r", asked, used)], variant
+        assert fitted.adapter.spec.r == used
+    # A spec that builds is left alone; one that no candidate fixes raises the first error.
+    assert fit_and_init(model, lf.AdapterSpec("lora", targets, r=8), init).changes == ()
+    assert fit_and_init(model, lf.AdapterSpec("lora", targets, r=100), init).changes == ()
+    with pytest.raises(ValueError, match="gralora_k"):
+        fit_and_init(model, lf.AdapterSpec("gralora", targets, r=4), lambda spec: (_ for _ in ()).throw(ValueError(f"gralora_k={spec.option('gralora_k')}")))
+    assert set(SIZE_OPTIONS) <= set(lf.list_variants())
+    assert respec(lf.AdapterSpec("lora", targets, r=4, alpha=2.0, dropout=0.1), r=2).option("dropout") == 0.1
+
+
+def test_settings_text_names_the_rank_and_what_differs_from_the_variants_defaults():
+    targets = ["q_proj"]
+    assert settings_text(lf.AdapterSpec("lora", targets, r=8)) == "r=8"
+    assert settings_text(lf.AdapterSpec("fourierft", targets, r=1000, scaling=300.0)) == "r=1000, scaling=300"
+    assert settings_text(lf.AdapterSpec("vblora", targets, r=4, vector_length=64), fitted=["vector_length"]) == "r=4, vector_length=64*"
+    assert settings_text(lf.AdapterSpec("lora", targets, r=3, alpha=16.0), fitted=["r"]) == "r=3*, alpha=16"
+
+
+def test_a_method_that_cannot_run_or_fails_is_reported_and_the_others_are_written(tmp_path, capsys, monkeypatch):
+    """One method cannot start (adamss without scikit-learn, its optional dependency, as in a
+    fresh `pip install -e .`), one fails while training: both are rows of results.md with their
+    reason, the others train, the plot and the tables are written, and only the failure makes the
+    exit status 1."""
+    import lora_func.demo.run as run
+
+    real_fit = run.fit
+
+    def fit(model, state, *args, **kwargs):
+        if state.adapter.spec.variant == "ia3_ff":
+            raise RuntimeError("a bug in ia3_ff's training")
+        return real_fit(model, state, *args, **kwargs)
+
+    monkeypatch.setattr(run, "fit", fit)
+    monkeypatch.setitem(sys.modules, "sklearn", None)  # `import sklearn.cluster` raises ImportError
+    monkeypatch.setitem(sys.modules, "sklearn.cluster", None)
+    out = tmp_path / "demo"
+    args = ["demo", "--variants", "ia3,adamss,ia3_ff", "--steps", "2", "--out", str(out), "--no-progress"]
+    code = main(args)
+    captured = capsys.readouterr()
+    rows = {r["variant"]: r for r in json.loads((out / "results.json").read_text())}
+    assert code == 1 and [r["status"] for r in rows.values()] == ["trained", "skipped", "failed"], rows
+    assert rows["adamss"]["reason"].startswith("cannot run on this model: ") and "scikit-learn" in rows["adamss"]["reason"]
+    assert rows["ia3_ff"]["reason"] == "RuntimeError: a bug in ia3_ff's training"
+    table = (out / "results.md").read_text()
+    (line,) = [line for line in table.splitlines() if line.startswith("| adamss | ")]
+    assert f"| adamss | {DEFAULT_LR['adamss']:g} | r=" in line and "| — | — |" in line and "skipped: cannot run on this model" in line
+    assert "failed: RuntimeError: a bug in ia3_ff" in table
+    assert (out / "loss_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and len(rows["ia3"]["losses"]) == 2
+    assert "note: adamss skipped: cannot run on this model" in captured.err and "scikit-learn" in captured.err
+    assert "lora-func demo: ia3_ff failed: RuntimeError: a bug in ia3_ff's training" in captured.err
+    # Without the failure, a method that cannot run does not change the exit status.
+    assert main(["demo", "--variants", "ia3,adamss", "--steps", "2", "--out", str(out), "--no-progress"]) == 0
+
+
+def test_results_markdown_rows_for_trained_fitted_and_unrunnable_methods():
+    trained = {
+        "variant": "vblora", "status": "trained", "lr": 0.01, "settings": "r=8, vector_length=64*", "reason": None,
+        "fitted": [{"option": "vector_length", "asked": 256, "used": 64, "why": "..."}], "trainable": 1000, "trainable_pct": 0.1,
+        "acc_before": 0.0, "acc_after": 0.7, "final_loss": 0.5, "ms_per_step": 30.0, "reload_identical": True, "reload_max_abs_diff": 0.0,
+    }
+    skipped = {"variant": "adamss", "status": "skipped", "lr": 0.01, "settings": "r=8", "fitted": [],
+               "reason": "cannot run on this model: needs scikit-learn | pip install"}
+    lines = results_markdown([trained, skipped]).splitlines()
+    assert lines[0].count("|") == lines[2].count("|") == lines[3].count("|") == 11
+    assert lines[2] == ("| vblora | 0.01 | r=8, vector_length=64* | 1,000 (0.10 %) | 0% | 70% | 0.500 | 30 | identical | "
+                        "vector_length lowered from 256 to fit |")
+    assert lines[3] == "| adamss | 0.01 | r=8 | — | — | — | — | — | — | skipped: cannot run on this model: needs scikit-learn / pip install |"

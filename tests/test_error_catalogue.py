@@ -885,9 +885,8 @@ def _demo_diverged(ctx: Ctx) -> Callable[[], Any]:
     from lora_func.demo import run
 
     row = {
-        "variant": "lora", "lr": 1.0, "trainable": 1, "trainable_pct": 1.0, "acc_before": 0.0, "acc_after": 0.0,
-        "final_loss": math.nan, "ms_per_step": 1.0, "skipped_steps": 0, "saved_as": "x", "reload_identical": True,
-        "reload_max_abs_diff": 0.0, "samples": [], "losses": [math.nan],
+        "variant": "lora", "status": "failed", "diverged": True, "reason": "training lora at lr 1 diverged: at step 3: non-finite",
+        "r": 8, "settings": "r=8", "fitted": [], "lr": 1.0,
     }
     ctx.monkeypatch.setattr(run, "run_variant", lambda *args, **kwargs: dict(row))
     ctx.monkeypatch.setattr(run, "save_loss_plot", lambda rows, path: path)
@@ -2242,5 +2241,60 @@ CASES.update(
         ),
         "merge-export-fingerprint": Case(_pissa_on_another(lambda pissa, other: lf.merged_state_dict(other, pissa)), (Q,)),
         "privacy-noise-no-steps": Case(lambda ctx: lambda: lf.noise_for_epsilon(epsilon=1.0, sample_rate=0.01, steps=0, delta=1e-5), ("steps=0",)),
+    }
+)
+
+
+# Routed LoRA: Poly / MHR task routing (issue 47)
+
+
+def _poly(ctx: Ctx) -> tuple[nn.Module, lf.Adapter]:
+    model = ctx.model()
+    return model, ctx.adapter(model, variant="poly", targets=["q_proj"], r=2, n_tasks=3, n_skills=2)
+
+
+def on_poly(call: Callable[[nn.Module, lf.Adapter], Any]) -> Callable[[Ctx], Callable[[], Any]]:
+    def arrange(ctx: Ctx) -> Callable[[], Any]:
+        model, adapter = _poly(ctx)
+        return lambda: call(model, adapter)
+
+    return arrange
+
+
+CASES.update(
+    {
+        "poly-splits": Case(init("poly", ["q_proj"], r=2, n_splits=3), ("n_splits=3", "d_in=32")),
+        "poly-not-poly": Case(lambda ctx: (lambda a: lambda: lf.variants.poly.for_task(a, 1))(ctx.adapter(ctx.model())), ("poly_task",)),
+        "poly-task": Case(on_poly(lambda m, a: lf.variants.poly.for_task(a, 3)), ("n_tasks=3", "got 3")),
+        "routed-not-poly": Case(lambda ctx: (lambda m: lambda: lf.routed.task_call(m, ctx.adapter(m), IDS, task_ids=torch.tensor([0, 1])))(ctx.model()), ("task_call", "lora")),
+        "routed-stacked": Case(on_poly(lambda m, a: lf.routed.task_call(m, lf.stack([a, a]), IDS, task_ids=torch.tensor([0, 1]))), ("stack_shape (2,)",)),
+        "routed-task-ids": Case(on_poly(lambda m, a: lf.routed.task_call(m, a, IDS, task_ids=torch.tensor([0.0, 1.0]))), ("task_call", "task_ids")),
+        "routed-task-range": Case(on_poly(lambda m, a: lf.routed.task_adapted(m, a, torch.tensor([0, 3])).__enter__()), ("task_adapted", "[0, 3]", "n_tasks=3")),
+    }
+)
+RNG_ADVANCES = RNG_ADVANCES | {"poly-splits"}
+
+
+def _loras(ctx: Ctx, n: int = 2, **kwargs: Any) -> tuple[nn.Module, list[lf.Adapter]]:
+    model = ctx.model()
+    return model, [ctx.adapter(model, targets=["q_proj", "v_proj"], r=2, **kwargs) for _ in range(n)]
+
+
+def on_loras(call: Callable[[nn.Module, list[lf.Adapter], Ctx], Any], **kwargs: Any) -> Callable[[Ctx], Callable[[], Any]]:
+    def arrange(ctx: Ctx) -> Callable[[], Any]:
+        model, loras = _loras(ctx, **kwargs)
+        return lambda: call(model, loras, ctx)
+
+    return arrange
+
+
+CASES.update(
+    {
+        "arrow-merge": Case(on_loras(lambda m, loras, ctx: lf.adapted_call(m, lf.routed.arrow(loras, top_k=1), IDS, merged=True)), ("2 experts", "merged=False")),
+        "arrow-top-k": Case(spec("arrow", ["q_proj"], num_experts=2, top_k=3), ("top_k=3", "num_experts=2")),
+        "arrow-library": Case(on_loras(lambda m, loras, ctx: lf.routed.arrow(loras[0])), ("experts", "Adapter")),
+        "arrow-not-lora": Case(on_loras(lambda m, loras, ctx: lf.routed.arrow([loras[0], ctx.adapter(m, variant="dora", targets=["q_proj", "v_proj"], r=2)])), ("experts[1]", "dora")),
+        "arrow-structure": Case(on_loras(lambda m, loras, ctx: lf.routed.arrow([loras[0], ctx.adapter(m, targets=["q_proj"], r=2)])), ("experts[1]", "v_proj")),
+        "arrow-not-arrow": Case(on_loras(lambda m, loras, ctx: lf.routed.arrow_experts(loras[0])), ("arrow_experts", "lora")),
     }
 )

@@ -332,10 +332,10 @@ def test_load_peft_errors_name_the_problem(lora_dir, tmp_path):
     with pytest.raises(ValueError, match=r"LORA features lora_func does not support: \['lora_bias'\]"):
         load_peft(lora_dir, llama)
     # a peft method no variant stores (the list read from the registry: new variants extend it)
-    _edit_config(lora_dir, lora_bias=False, peft_type="POLY")
+    _edit_config(lora_dir, lora_bias=False, peft_type="XLORA")
     known = sorted({fmt.method.peft_type for v in lf.list_variants() if (fmt := lf.variants.peft_format(v)) is not None})
     assert {"DELORA", "HRA", "IA3", "LORA"} <= set(known)
-    with pytest.raises(ValueError, match=re.escape(f"peft 'POLY' checkpoint; lora_func reads peft_type {known}")):
+    with pytest.raises(ValueError, match=re.escape(f"peft 'XLORA' checkpoint; lora_func reads peft_type {known}")):
         load_peft(lora_dir, llama)
     _edit_config(lora_dir, peft_type="LORA")
     weights = lora_dir / "adapter_model.safetensors"

@@ -72,6 +72,16 @@ def _mixed_prompt_generate(model, a, b, ids):
         model.generate(ids[:2, :4], max_new_tokens=2, do_sample=False)
 
 
+def _poly(model):
+    spec = lf.AdapterSpec("poly", targets=["q_proj", "v_proj"], r=2, n_tasks=3, n_skills=2, init_weights=False)
+    return lf.init_adapter(model, spec, generator=torch.Generator().manual_seed(0))
+
+
+def _routed_generate(model, a, b, ids):
+    with torch.no_grad(), lf.routed.task_adapted(model, _poly(model), torch.tensor([2, 0])):
+        model.generate(ids[:2, :4], max_new_tokens=2, do_sample=False)
+
+
 CALLS = {
     "adapted_call overlay": lambda model, a, b, ids: lf.adapted_call(model, a, ids).logits.sum().backward(),
     "adapted_call module": lambda model, a, b, ids: lf.adapted_call(model, a, ids, route="module").logits.sum().backward(),
@@ -88,12 +98,15 @@ CALLS = {
         model, lf.compose(_prompt(model, "adaption_prompt", adapter_layers=2), a), ids).logits.sum().backward(),
     "prompt adapted (generate)": _prompt_generate,
     "prompt mixed_adapted (generate)": _mixed_prompt_generate,
+    "routed task_call": lambda model, a, b, ids: lf.routed.task_call(model, _poly(model), ids[:2], task_ids=torch.tensor([1, 2])).logits.sum().backward(),
+    "routed task_adapted (generate)": _routed_generate,
+    "arrow adapted_call": lambda model, a, b, ids: lf.adapted_call(model, lf.routed.arrow([a, b], top_k=1), ids).logits.sum().backward(),
 }
 
 
 # Calls without a backward: checkpointing recomputes nothing there, so they run once, plain.
 NO_BACKWARD = ("adapted (generate)", "mixed_adapted (generate)", "ensemble_call vmap", "mixed_call", "prompt adapted (generate)",
-               "prompt mixed_adapted (generate)")
+               "prompt mixed_adapted (generate)", "routed task_adapted (generate)")
 CASES = [(call, False) for call in sorted(CALLS)] + [(call, True) for call in sorted(CALLS) if call not in NO_BACKWARD]
 
 

@@ -118,6 +118,28 @@ def test_one_layer_forms_and_gradients_equal_a_float64_oracle():
             torch.testing.assert_close(v.grad.double(), p64[k].grad, atol=1e-4, rtol=1e-4, msg=f"{name} grad {k}")
 
 
+def test_a_bf16_adapter_merges_with_its_norms_and_scale_in_fp32():
+    """bf16 adapter tensors on an fp32 layer: the merged weight is the float64 W_eff of those
+    exact bf16 values to fp32 round-off (1e-5), since the norms, the per-rank scale and the
+    product run in fp32. A norm or scale left in bf16 is ~4e-3 off; a product of mixed dtypes
+    raises."""
+    d_in, d_out, r = 7, 5, 3
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(d_out, d_in, generator=g)
+    params = {
+        "delora_A": torch.randn(r, d_in, generator=g).bfloat16(),
+        "delora_B": torch.randn(d_out, r, generator=g).bfloat16(),
+        "delora_lambda": torch.tensor([2.7]).bfloat16(),
+    }
+    buffers = {"delora_w_norm": w.norm(dim=0).bfloat16()}
+    info = LayerInfo(d_in=d_in, d_out=d_out, r=r, alpha=8.0, has_bias=False, options=(("lambda0", 15.0),))
+    a, b, lam, wn = (t.double() for t in (params["delora_A"], params["delora_B"], params["delora_lambda"], buffers["delora_w_norm"]))
+    delta = lam / r * b @ torch.diag(1 / (a.norm(dim=1) * b.norm(dim=0))) @ a @ torch.diag(wn)
+    w_eff, _ = VARIANT.weight_form(params, buffers, w, None, info)
+    assert w_eff.dtype == torch.float32
+    assert (w_eff.double() - (w.double() + delta)).abs().max() <= 1e-5 * delta.abs().max()
+
+
 @pytest.mark.parametrize("adapter_dtype", [torch.float32, torch.float16])
 def test_scale_is_computed_in_fp32_on_fp16(adapter_dtype):
     """r=1: the per-rank scale at init is λ/(‖A‖·1e-4) ≈ 2.6e5 > 65504 (fp16 max). Computed in fp16

@@ -924,3 +924,13 @@ def test_base_plus_low_rank_on_a_bf16_base_adds_the_fp32_product_once_rounded():
     assert got.dtype == torch.bfloat16
     assert torch.equal(got, add_low_rank(base(xb), h.float(), b.float()))
     assert torch.equal(got, base(xb) + (h.float() @ b.float().T).bfloat16())
+
+
+# Issue 47: routed LoRA, pinned from docs/routed.md (peft's PolyConfig / ArrowConfig defaults; Arrow's
+# rng_seed is always set, peft's None draws from the global RNG).
+DOCUMENTED.update(
+    {
+        "poly": (1.0, {"init_weights": True, "n_skills": 4, "n_splits": 1, "n_tasks": 1, "poly_type": "poly"}, True, False, False, {"poly_lora_A": 3, "poly_lora_B": 2}),
+        "arrow": (8.0, {"num_experts": 3, "rng_seed": 0, "router_temperature": 1.0, "top_k": 3}, True, False, False, {"lora_A": 1, "lora_B": 2}),
+    }
+)

@@ -57,6 +57,8 @@ def test_the_spec_refuses_exactly_what_the_option_schema_refuses(variant, name):
             assert f"{name}={value!r}" in message, message
             if isinstance(err, ValueError):
                 assert message.startswith(f"{variant} option {name}=") and f"default {option.default!r}" in message, message
+                # the peft field it maps to, where it has one, so a peft user finds it
+                assert (f"(peft's {option.peft})" in message) == (option.peft is not None), message
             refused += 1
     assert refused > 0, "every option refuses some probe"
     # NaN never passes, and an integer option takes no float (2.0 built adapters that failed later)

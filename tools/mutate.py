@@ -44,14 +44,16 @@ COMPILE = "tests/test_compile.py"
 
 
 def _variant_stages(select: str, *files: str) -> list[list[str]]:
-    """The fast exact killers and the contract rows of one variant, its own tests, then the
-    hypothesis properties (all variants: slowest, last)."""
+    """The fast exact killers and the contract rows of one variant, its own tests, its peft
+    storage, then the hypothesis properties (all variants: slowest, last)."""
     return [
         [KILLERS, "-k", select],
         [CONTRACT, "-k", select],
         list(files),
         [RANK_STACK, "-k", select],
         [CATALOGUE, "-k", select],
+        # its peft storage (fixed config values, stored shapes, Conv1D refusals)
+        ["tests/test_io_peft.py", "-k", select],
         [PROPERTIES],
     ]
 
@@ -157,6 +159,10 @@ TARGETS: dict[str, tuple[tuple[str, ...] | None, list[list[str]]]] = {
         None,
         [[CONTRACT, "-k", "shira or fourierft"], ["tests/test_variants_structured_c.py"], *[[f] for f in ("tests/test_variant_fourierft.py", "tests/test_variant_shira.py") if (REPO / f).exists()]],
     ),
+    # Routed LoRA (issue 47): the peft oracle and the contract row.
+    "lora_func/variants/poly.py": (None, [["tests/test_routed.py"], [CONTRACT, "-k", "poly"], [CATALOGUE, "-k", "poly or routed"]]),
+    "lora_func/variants/arrow.py": (None, [["tests/test_routed.py", "-k", "arrow"], [CONTRACT, "-k", "arrow"], [CATALOGUE, "-k", "arrow"]]),
+    "lora_func/routed.py": (None, [["tests/test_routed.py"], [CATALOGUE, "-k", "routed or arrow"]]),
     "lora_func/variants/waveft.py": (
         None,
         [["tests/test_waveft.py"], [CONTRACT, "-k", "waveft"], [CATALOGUE, "-k", "waveft"], [KILLERS, "-k", "documented_defaults and waveft"]],
@@ -181,7 +187,7 @@ TARGETS: dict[str, tuple[tuple[str, ...] | None, list[list[str]]]] = {
     "lora_func/variants/_bank.py": (None, [[CONTRACT, "-k", "vera or randlora or pvera"], ["tests/test_variant_vera.py", "tests/test_variant_randlora.py"]]),
     "lora_func/variants/_contract.py": (
         ("layer_rank", "layer_alpha", "Slot.peft_key", "Slot.saved", "Variant.rank_axes", "Variant.padded_axes", "Variant.integer_buffers", "Variant.kinds", "Variant.shapes", "Variant.layer_slots", "_mask_rank_axes", "padded_member"),
-        [[CONTRACT, "-k", "schema or rank or identity"], ["tests/test_variant_schema.py", "tests/test_peft_problems.py", "tests/test_rank_stack.py", "tests/test_kinds.py"], ["tests/test_io_peft.py"], _ALL[0]],
+        [[CONTRACT, "-k", "schema or rank or identity"], ["tests/test_variant_schema.py", "tests/test_peft_problems.py", "tests/test_rank_stack.py", "tests/test_kinds.py"], ["tests/test_io_peft.py"], ["tests/test_mixed_route.py"], _ALL[0]],
     ),
     # issue 42: the option schema (one check for AdapterSpec and peft configs) and its codecs
     "lora_func/variants/_options.py": (

@@ -11,6 +11,12 @@ correct). An adapter trained on 70 of the 100 pairs learns the *format*; the 30 
 pairs then come out right only if the adapter reuses the sums the model learnt in
 pretraining, which is the point of fine-tuning a pretrained model instead of training from
 scratch.
+
+A second task of another shape checks that a learning rate chosen on the first is not a
+coincidence of it (scripts/lr_sweep.py runs both): *worked sums*, ``what is 2 plus 3 plus 4 ?``
+-> ``2 + 3 = 5 , 5 + 4 = 9``. The prompt is longer, the answer is 13 tokens instead of one, and
+it is right only if the adapter copies the operands into the pretraining notation and chains
+two sums the base knows (``a + b`` is kept at most 9, so both sums are single-digit ones).
 """
 
 from __future__ import annotations
@@ -20,10 +26,13 @@ import random
 
 __all__ = [
     "TaskExample",
+    "WorkedSum",
     "pretraining_corpus",
     "task_examples",
     "task_split",
     "vocabulary",
+    "worked_sum_examples",
+    "worked_sum_split",
 ]
 
 NAMES = ["alice", "bob", "carol", "dave", "eve", "frank", "grace", "heidi", "ivan", "judy", "kim", "leo", "mia", "nina", "omar", "rosa"]
@@ -96,6 +105,33 @@ def task_split(seed: int = 0, n_held_out: int = 30) -> tuple[list[TaskExample], 
     """``(train, held_out)``: a fixed random partition of the 100 questions. No pair of the
     held-out set is seen during fine-tuning."""
     examples = task_examples()
+    random.Random(seed).shuffle(examples)
+    return examples[n_held_out:], examples[:n_held_out]
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkedSum:
+    """One question of the second task: ``prompt`` is answered by ``answer``, the two sums of
+    ``terms`` written out in the pretraining notation."""
+
+    prompt: str
+    answer: str
+    terms: tuple[int, int, int]
+
+
+def worked_sum_examples() -> list[WorkedSum]:
+    """All 550 questions ``what is a plus b plus c ?`` with single digits and ``a + b <= 9``,
+    answered ``a + b = s , s + c = t``, in a fixed order."""
+    return [
+        WorkedSum(f"what is {a} plus {b} plus {c} ?", f"{a} + {b} = {a + b} , {a + b} + {c} = {a + b + c}", (a, b, c))
+        for a in range(10) for b in range(10 - a) for c in range(10)
+    ]
+
+
+def worked_sum_split(seed: int = 0, n_held_out: int = 100) -> tuple[list[WorkedSum], list[WorkedSum]]:
+    """``(train, held_out)``: a fixed random partition of the 550 worked-sum questions (450
+    and 100 by default); no held-out triple is trained on."""
+    examples = worked_sum_examples()
     random.Random(seed).shuffle(examples)
     return examples[n_held_out:], examples[:n_held_out]
 

@@ -15,13 +15,16 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 from torch import Tensor, nn
 
 import lora_func as lf
-from lora_func.demo.corpus import TaskExample, task_split
+from lora_func.demo.corpus import task_split
+from lora_func.demo.defaults import DEFAULTS, method_defaults
+from lora_func.demo.fitting import fit_and_init
 from lora_func.demo.model import Quantize, default_targets, load_model
 from lora_func.quantized import logical_shape
 from lora_func.train import IGNORE_INDEX, StepStats, TrainState, fit, make_optimizer
@@ -50,28 +53,26 @@ __all__ = [
     "run_demo",
     "run_variant",
     "save_loss_plot",
+    "settings_text",
 ]
 
 # What `lora-func demo` runs without --variants: three adapters with different ideas
 # (low-rank update, magnitude/direction split, per-feature scaling).
 DEFAULT_VARIANTS = ("lora", "dora", "ia3")
 
-# Learning rates measured on this task (scripts/lr_sweep.py: r=8, attention projections, 100
-# steps, batch 16, AdamW, clipping at 1.0; the table is in docs/guide/hyperparameters.md).
-# IA3 needs ~30x LoRA's rate: Adam moves every parameter by about lr per step, IA3 has one
-# gain per feature that must move by tenths, while one step on LoRA's B moves each output
-# through a whole row of A.
-DEFAULT_LR = {
-    "lora": 3e-3,
-    "pissa": 3e-3,
-    "dora": 3e-3,
-    "eva": 3e-3,
-    "hra": 1e-2,
-    "delora": 1e-3,
-    "ia3": 1e-1,
-    "ia3_ff": 1e-1,
-    "antipasto": 1e-2,
-}
+# Each method's learning rate, from the one table of per-method defaults (lora_func.demo.defaults:
+# rank and options too; docs/guide/hyperparameters.md has the sweep behind it).
+DEFAULT_LR = MappingProxyType({name: row.lr for name, row in DEFAULTS.items()})
+
+
+class _Example(Protocol):
+    """What encoding uses of a task's question (``TaskExample``, ``WorkedSum``)."""
+
+    @property
+    def prompt(self) -> str: ...
+
+    @property
+    def answer(self) -> str: ...
 
 
 @dataclasses.dataclass
@@ -79,9 +80,9 @@ class DemoConfig:
     """Everything ``lora-func demo`` can be told (the CLI flags, one to one)."""
 
     variants: Sequence[str] = DEFAULT_VARIANTS
-    r: int = 8
+    r: int | None = None  # None: per method (lora_func.demo.defaults)
     steps: int = 120
-    lr: float | None = None  # None: DEFAULT_LR per variant
+    lr: float | None = None  # None: per method (lora_func.demo.defaults)
     batch_size: int = 16
     dtype: torch.dtype = torch.float32  # the base model's dtype; adapters stay fp32
     device: str = "cpu"
@@ -96,7 +97,14 @@ class DemoConfig:
     quantize: Quantize | None = None  # "nf4" or "int8": a bitsandbytes-quantized base (QLoRA)
 
     def lr_for(self, variant: str) -> float:
-        return self.lr if self.lr is not None else DEFAULT_LR.get(variant, 1e-2)
+        return self.lr if self.lr is not None else method_defaults(variant).lr
+
+    def spec_for(self, variant: str, targets: Sequence[str]) -> lf.AdapterSpec:
+        """The spec the demo asks for: the method's row of the defaults table (rank, alpha,
+        options), with ``r`` when set. Options that do not fit the model are lowered later
+        (:func:`lora_func.demo.fitting.fit_and_init`)."""
+        row = method_defaults(variant)
+        return lf.AdapterSpec(variant, targets=list(targets), r=self.r if self.r is not None else row.rank(), alpha=row.alpha, **row.options)
 
     def threads_for_run(self) -> int | None:
         """The CPU threads to train with: ``threads`` when set; else 1 for the shipped tiny
@@ -139,7 +147,7 @@ class TaskData:
         (where greedy decoding must pick the answer).
     """
 
-    examples: tuple[TaskExample, ...]
+    examples: tuple[_Example, ...]
     input_ids: Tensor
     attention_mask: Tensor
     labels: Tensor
@@ -153,7 +161,7 @@ class TaskData:
         return TaskData(self.examples, **move)
 
 
-def encode_examples(tokenizer: Any, examples: Sequence[TaskExample]) -> TaskData:
+def encode_examples(tokenizer: Any, examples: Sequence[_Example]) -> TaskData:
     """Tokenize prompt, answer and the closing ``" ."`` separately (so the answer's tokens are
     the same wherever it is scored), right-pad. The full stop ends the answer as it ends every
     sum in the corpus; an end-of-sequence token would be a word the base never predicted, and
@@ -268,6 +276,32 @@ def training_mode(model: nn.Module, *, checkpointing: bool) -> Iterator[None]:
         hf.train(was_training)
 
 
+def settings_text(spec: lf.AdapterSpec, fitted: Sequence[str] = ()) -> str:
+    """``spec``'s rank and every alpha or option that differs from the variant's own default, as
+    ``"r=8, scaling=300"``; an option named in ``fitted`` (lowered to fit the model) is marked
+    ``*``."""
+    variant = lf.get_variant(spec.variant)
+    parts = [f"r={spec.r}" + ("*" if "r" in fitted else "")]
+    if spec.alpha != variant.default_alpha:
+        parts.append(f"alpha={spec.alpha:g}")
+    for name, value in spec.options:
+        schema = variant.options.get(name)
+        if schema is None or value != schema.default:
+            parts.append(f"{name}={value:g}" if isinstance(value, float) else f"{name}={value}")
+            parts[-1] += "*" if name in fitted else ""
+    return ", ".join(parts)
+
+
+def _init_for_demo(model: nn.Module, spec: lf.AdapterSpec, config: DemoConfig, train: TaskData) -> Any:
+    calibration = None
+    if lf.get_variant(spec.variant).calibration is not None:  # EVA: SVD of the layer inputs on training batches
+        calibration = [
+            {"input_ids": train.input_ids[i : i + 16], "attention_mask": train.attention_mask[i : i + 16]}
+            for i in range(0, len(train.examples), 16)
+        ]
+    return lf.init_adapter(model, spec, generator=torch.Generator().manual_seed(config.seed), calibration=calibration)
+
+
 def run_variant(
     model: nn.Module,
     tokenizer: Any,
@@ -279,70 +313,106 @@ def run_variant(
     *,
     on_step: Callable[[StepStats], None] | None = None,
 ) -> dict[str, Any]:
-    """Fine-tune one variant and measure it. Returns one results row (JSON-able, plus
-    ``"losses"``: the per-step training loss)."""
+    """Fine-tune one variant and measure it. Returns one results row (JSON-able).
+
+    Every row has ``variant``, ``status``, ``lr``, ``r``, ``settings`` (rank and non-default options,
+    ``*`` on those lowered to fit the model), ``fitted`` (each lowered option: asked, used, why),
+    ``reason`` and ``diverged``. ``status`` is ``"trained"`` (then the numbers too, and ``"losses"``: the
+    per-step training loss), ``"skipped"`` (the method cannot start on this model: no value of
+    an option fits, or an optional dependency is missing; ``reason`` says which) or
+    ``"failed"`` (training diverged or raised; ``reason`` has the error). A failure never
+    escapes: the caller's other methods still run.
+    """
+    lr = config.lr_for(variant)
+    row: dict[str, Any] = {
+        "variant": variant, "status": "skipped", "lr": lr, "r": None, "settings": "", "fitted": [], "reason": None, "diverged": False,
+    }
     with cpu_threads(config.threads_for_run()):
-        base = lf.base_params(model)
-        total = model_size(model)
-        targets = list(config.targets) if config.targets else default_targets(model)
-        spec = lf.AdapterSpec(variant, targets=targets, r=config.r)
-        calibration = None
-        if lf.get_variant(variant).calibration is not None:  # EVA: SVD of the layer inputs on training batches
-            calibration = [
-                {"input_ids": train.input_ids[i : i + 16], "attention_mask": train.attention_mask[i : i + 16]}
-                for i in range(0, len(train.examples), 16)
-            ]
-        adapter = lf.init_adapter(model, spec, generator=torch.Generator().manual_seed(config.seed), calibration=calibration)
-        before, _ = held_out_accuracy(model, adapter, held_out, base=base)
-        prompts = [ex.prompt for ex in held_out.examples[: config.samples]]
-        samples_before = [generate(model, tokenizer, p) for p in prompts]
+        try:
+            targets = list(config.targets) if config.targets else default_targets(model)
+            try:
+                spec = config.spec_for(variant, targets)
+                row["settings"], row["r"] = settings_text(spec), spec.r
+                fitted = fit_and_init(model, spec, lambda s: _init_for_demo(model, s, config, train))
+            except (ValueError, TypeError, ImportError) as err:  # no value of an option fits, a missing optional package
+                row["reason"] = f"cannot run on this model: {err}"
+                return row
+            row["settings"] = settings_text(fitted.spec, [c.option for c in fitted.changes])
+            row["r"] = fitted.spec.r
+            row["fitted"] = [{"option": c.option, "asked": c.asked, "used": c.used, "why": c.reason} for c in fitted.changes]
+            row.update(_train_and_measure(model, tokenizer, fitted.adapter, config, lr, train, held_out, adapter_dir, on_step))
+            row["status"] = "trained"
+            if not math.isfinite(row["final_loss"]):  # a float16 run whose scaler skipped the non-finite steps
+                row["status"], row["diverged"] = "failed", True
+                row["reason"] = f"training {variant} at lr {lr:g} diverged: the last steps' mean loss is {row['final_loss']}"
+        except FloatingPointError as err:  # fit names the step and the non-finite tensors
+            row["status"], row["diverged"] = "failed", True
+            row["reason"] = f"training {variant} at lr {lr:g} diverged: {err.args[0] if err.args else err}"
+        except Exception as err:  # a method that breaks must not take the others' results with it
+            row["status"], row["reason"] = "failed", f"{type(err).__name__}: {err}"
+    return row
 
-        half = config.dtype == torch.float16
-        device_type = torch.device(config.device).type
-        state = TrainState(adapter, make_optimizer(adapter, config.lr_for(variant)), torch.amp.GradScaler(device_type) if half else None)
-        start = time.perf_counter()
-        with training_mode(model, checkpointing=config.gradient_checkpointing):
-            history = fit(
-                model, state, batch_sampler(train, config.batch_size, config.seed), config.steps,
-                progress=config.progress, desc=f"{variant:>9}", on_step=on_step,
-            )
-        seconds = time.perf_counter() - start
 
-        after, logits = held_out_accuracy(model, adapter, held_out, base=base)
-        samples_after = [generate(model, tokenizer, p, adapter) for p in prompts]
-        reloaded, saved_as = _save_and_reload(model, adapter, adapter_dir)
-        _, reloaded_logits = held_out_accuracy(model, reloaded, held_out, base=base)
-        trainable = adapter.num_parameters()
-        losses = [s.loss for s in history]
-        return {
-            "variant": variant,
-            "lr": config.lr_for(variant),
-            "trainable": trainable,
-            "trainable_pct": 100 * trainable / total,
-            "acc_before": before,
-            "acc_after": after,
-            "final_loss": sum(losses[-10:]) / max(1, len(losses[-10:])),
-            "ms_per_step": 1e3 * seconds / max(1, len(history)),
-            "skipped_steps": sum(s.skipped for s in history),
-            "saved_as": saved_as,
-            "reload_identical": bool(torch.equal(logits, reloaded_logits)),
-            "reload_max_abs_diff": (logits - reloaded_logits).abs().max().item(),
-            "samples": [{"prompt": p, "before": b, "after": a} for p, b, a in zip(prompts, samples_before, samples_after, strict=True)],
-            "losses": losses,
-        }
+def _train_and_measure(
+    model: nn.Module, tokenizer: Any, adapter: Any, config: DemoConfig, lr: float, train: TaskData, held_out: TaskData,
+    adapter_dir: Path, on_step: Callable[[StepStats], None] | None,
+) -> dict[str, Any]:
+    base = lf.base_params(model)
+    before, _ = held_out_accuracy(model, adapter, held_out, base=base)
+    prompts = [ex.prompt for ex in held_out.examples[: config.samples]]
+    samples_before = [generate(model, tokenizer, p) for p in prompts]
+
+    half = config.dtype == torch.float16
+    device_type = torch.device(config.device).type
+    state = TrainState(adapter, make_optimizer(adapter, lr), torch.amp.GradScaler(device_type) if half else None)
+    start = time.perf_counter()
+    with training_mode(model, checkpointing=config.gradient_checkpointing):
+        history = fit(
+            model, state, batch_sampler(train, config.batch_size, config.seed), config.steps,
+            progress=config.progress, desc=f"{adapter.spec.variant:>9}", on_step=on_step,
+        )
+    seconds = time.perf_counter() - start
+
+    after, logits = held_out_accuracy(model, adapter, held_out, base=base)
+    samples_after = [generate(model, tokenizer, p, adapter) for p in prompts]
+    reloaded, saved_as = _save_and_reload(model, adapter, adapter_dir)
+    _, reloaded_logits = held_out_accuracy(model, reloaded, held_out, base=base)
+    trainable = adapter.num_parameters()
+    losses = [s.loss for s in history]
+    return {
+        "trainable": trainable,
+        "trainable_pct": 100 * trainable / model_size(model),
+        "acc_before": before,
+        "acc_after": after,
+        "final_loss": sum(losses[-10:]) / max(1, len(losses[-10:])),
+        "ms_per_step": 1e3 * seconds / max(1, len(history)),
+        "skipped_steps": sum(s.skipped for s in history),
+        "saved_as": saved_as,
+        "reload_identical": bool(torch.equal(logits, reloaded_logits)),
+        "reload_max_abs_diff": (logits - reloaded_logits).abs().max().item(),
+        "samples": [{"prompt": p, "before": b, "after": a} for p, b, a in zip(prompts, samples_before, samples_after, strict=True)],
+        "losses": losses,
+    }
 
 
 def results_markdown(rows: Sequence[dict[str, Any]]) -> str:
-    """The results as a Markdown table."""
+    """The results as a Markdown table: one row per method, those that could not run or failed
+    with their reason in the last column."""
     lines = [
-        "| variant | lr | trainable params | held-out acc before | after | final loss | ms/step | reload |",
-        "|---|---|---|---|---|---|---|---|",
+        "| variant | lr | settings | trainable params | held-out acc before | after | final loss | ms/step | reload | note |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
+        head = f"| {row['variant']} | {row['lr']:g} | {row['settings']} |"
+        if row["status"] != "trained":
+            reason = " ".join(str(row["reason"]).split()).replace("|", "/")
+            lines.append(f"{head} — | — | — | — | — | — | {row['status']}: {reason} |")
+            continue
         reload = "identical" if row["reload_identical"] else f"max diff {row['reload_max_abs_diff']:.1e}"
+        note = "; ".join(f"{f['option']} lowered from {f['asked']} to fit" for f in row["fitted"])
         lines.append(
-            f"| {row['variant']} | {row['lr']:g} | {row['trainable']:,} ({row['trainable_pct']:.2f} %) | "
-            f"{row['acc_before']:.0%} | {row['acc_after']:.0%} | {row['final_loss']:.3f} | {row['ms_per_step']:.0f} | {reload} |"
+            f"{head} {row['trainable']:,} ({row['trainable_pct']:.2f} %) | {row['acc_before']:.0%} | {row['acc_after']:.0%} | "
+            f"{row['final_loss']:.3f} | {row['ms_per_step']:.0f} | {reload} | {note} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -356,7 +426,8 @@ def save_loss_plot(rows: Sequence[dict[str, Any]], path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4.2), dpi=100)
+    rows = [row for row in rows if row["status"] == "trained"]
+    fig, ax = plt.subplots(figsize=(8, 4.2 if len(rows) <= 12 else 4.2 + 0.16 * (len(rows) - 12)), dpi=100)
     for i, row in enumerate(rows):
         losses = torch.tensor(row["losses"], dtype=torch.float64)
         steps = range(1, len(losses) + 1)
@@ -372,7 +443,7 @@ def save_loss_plot(rows: Sequence[dict[str, Any]], path: Path) -> Path:
            title="fine-tuning loss (bold: 10-step mean; faint: each step)")
     ax.grid(alpha=0.3)
     if rows:
-        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8 if len(rows) <= 24 else 6, frameon=False)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -381,8 +452,9 @@ def save_loss_plot(rows: Sequence[dict[str, Any]], path: Path) -> Path:
 
 def run_demo(config: DemoConfig, *, emit: Callable[[str], None] = print) -> list[dict[str, Any]]:
     """Run every variant of ``config``; print (through ``emit``) the dataset preview, each
-    variant's numbers and samples, and the final table; write ``loss_curves.png``,
-    ``results.md``, ``results.json`` and the adapters to ``config.out``. Returns the rows."""
+    variant's numbers and samples (or why it could not run), and the final table; write
+    ``loss_curves.png``, ``results.md``, ``results.json`` and the adapters to ``config.out``,
+    also when some methods could not run or failed. Returns the rows (:func:`run_variant`)."""
     torch.manual_seed(config.seed)
     model, tokenizer = load_model(config.model_dir, dtype=config.dtype, device=config.device, quantize=config.quantize)
     train_examples, held_out_examples = task_split(config.seed)
@@ -401,15 +473,17 @@ def run_demo(config: DemoConfig, *, emit: Callable[[str], None] = print) -> list
         out.mkdir(parents=True, exist_ok=True)
         rows = []
         for variant in config.variants:
-            try:
-                row = run_variant(model, tokenizer, variant, config, train, held_out, out / "adapters")
-            except FloatingPointError as err:  # name the variant in the error (it names the step and tensors)
-                first = err.args[0] if err.args else ""
-                err.args = (f"training {variant} at lr {config.lr_for(variant):g} diverged: {first}", *err.args[1:])
-                raise
+            row = run_variant(model, tokenizer, variant, config, train, held_out, out / "adapters")
             rows.append(row)
+            for change in row["fitted"]:
+                emit(f"\n{variant}: {change['option']}={change['asked']} does not fit this model ({change['why'].split('; ')[0]}); "
+                     f"using {change['option']}={change['used']}, the largest value below it that does")
+            if row["status"] != "trained":
+                emit(f"\n{variant} ({row['settings'] or 'as asked'}), lr {row['lr']:g}: {row['status']}: {row['reason']}")
+                continue
             emit(
-                f"\n{variant}: {row['trainable']:,} trainable parameters ({row['trainable_pct']:.2f} % of the model), lr {row['lr']:g}\n"
+                f"\n{variant}: {row['trainable']:,} trainable parameters ({row['trainable_pct']:.2f} % of the model), lr {row['lr']:g}, "
+                f"{row['settings']}\n"
                 f"  held-out accuracy {row['acc_before']:.0%} -> {row['acc_after']:.0%}; final loss {row['final_loss']:.3f}; "
                 f"{row['ms_per_step']:.0f} ms/step" + (f"; {row['skipped_steps']} step(s) skipped by the GradScaler" if row["skipped_steps"] else "")
             )
@@ -424,7 +498,7 @@ def run_demo(config: DemoConfig, *, emit: Callable[[str], None] = print) -> list
         (out / "results.json").write_text(json.dumps(rows, indent=1))
         if config.out is not None:
             emit(f"wrote {out / 'loss_curves.png'}, {out / 'results.md'}, {out / 'results.json'} and the adapters in {out / 'adapters'}")
-    bad = [r["variant"] for r in rows if not math.isfinite(r["final_loss"])]
-    if bad:
-        raise FloatingPointError(f"training diverged (non-finite loss) for {bad}; lower the learning rate (--lr) or train in float32 (--dtype float32)")  # error: demo-diverged
+    diverged = [r["variant"] for r in rows if r["diverged"]]
+    if diverged:  # after the results of the others are written
+        raise FloatingPointError(f"training diverged (non-finite loss) for {diverged}; lower the learning rate (--lr) or train in float32 (--dtype float32)")  # error: demo-diverged
     return rows
