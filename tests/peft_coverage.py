@@ -117,9 +117,17 @@ def _cell(variant: str, kind: str, tmp: Path) -> str:
             problems = lf.io.peft_problems(adapter, model=model)
             if problems:
                 return "save_peft refuses: " + problems[0].split(";")[0].removeprefix("save_peft: ")[:90]
-            lf.save_peft(adapter, tmp / "ours", model=model)
+            # (peft's causal-LM wrapper is the one that hands a routed method its task_ids)
+            lf.save_peft(adapter, tmp / "ours", model=model, task_type="CAUSAL_LM" if variant == "poly" else None)
             ids = _inputs(model_kind)
             peft_model = PeftModel.from_pretrained(_in_input_dtype(tiny_model(model_kind, dtype=dtype)), tmp / "ours").eval()
+            if variant == "poly":  # a routed method: one task per batch row, peft's task_ids
+                from lora_func.routed import task_call
+
+                tasks = torch.arange(ids.shape[0]) % int(adapter.spec.option("n_tasks"))
+                want = _logits(task_call(model, adapter, ids, task_ids=tasks, use_cache=False))
+                got = _logits(peft_model(input_ids=ids, task_ids=tasks))
+                return "exact" if (got - want).abs().max() <= (2e-5 if dtype == torch.float32 else 1e-9) * want.abs().max() else "differs"
             want = _logits(lf.adapted_call(model, adapter, ids))
             got = _logits(peft_model(ids))
             rtol = 2e-5 if dtype == torch.float32 else 1e-9
