@@ -34,6 +34,8 @@ class Row:
       targets: per tiny-model kind, the targets to use (default tests/models.DEFAULT_TARGETS).
       calibration: whether ``init_adapter`` needs calibration batches.
       tol: atol for merged == lazy == oracle comparisons in fp32.
+      step0_by_kind: ``step0_nonzero`` on the target kinds where the init differs (peft's
+        embedding inits draw ``B`` and zero ``A``).
     """
 
     variant: str
@@ -45,6 +47,11 @@ class Row:
     targets: dict[str, list[str]] | None = None
     calibration: bool = False
     tol: float = 2e-5
+    step0_by_kind: dict[str, frozenset[str]] = dataclasses.field(default_factory=dict)
+
+    def step0(self, kind: str) -> frozenset[str]:
+        """The trainable tensors with a non-zero step-0 gradient on a target of ``kind``."""
+        return self.step0_by_kind.get(kind, self.step0_nonzero)
 
 
 def _collect() -> dict[str, Row]:
