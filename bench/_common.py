@@ -93,6 +93,56 @@ ROW_TARGETS |= dict.fromkeys(SAVED_PEFT_ROWS + LORA_INIT_ROWS, QV) | {"ln_tuning
 # every width here (the counts scale with the number of sub-vectors, not with their length).
 SPEC_OPTIONS: dict[str, dict[str, Any]] = {"vblora": {"vector_length": 32}}
 CALIBRATED = ("eva", "corda", "lora_ga")  # init_adapter needs calibration batches
+# issue 43: BEFT, GLoRA (its defaults: lora A/B and C, constant D/E), OSF (half of each layer frozen)
+# and PSOFT (its defaults but r and psoft_alpha, which are LoRA's) on q, v with peft's defaults.
+ISSUE_43 = ("beft", "glora", "osf", "psoft")
+ALL_VARIANTS += ISSUE_43
+ROW_TARGETS |= dict.fromkeys(ISSUE_43, QV)
+ROW_OPTIONS_43: dict[str, dict[str, Any]] = {"psoft": {"alpha": 8.0}}
+
+
+def issue_43_peft_config(row: str, rank: int, common: dict[str, Any]) -> Any:
+    """peft's config for an ISSUE_43 row, with lora_func's defaults."""
+    import peft
+
+    if row == "beft":
+        return peft.BeftConfig(**common)
+    if row == "glora":
+        return peft.GloraConfig(r=rank, **common)
+    if row == "osf":
+        return peft.OSFConfig(**common)
+    return peft.PsoftConfig(r=rank, psoft_alpha=8, **common)
+# issue 43 (methods b): DEFT, PEANuT and Super-Tuning on q, v with peft's defaults (PEANuT's r the
+# benchmark's rank, not peft's 32; Super-Tuning: sparsity 0.99, no LoRA).
+METHODS_B = ("deft", "peanut", "supertuning")
+ALL_VARIANTS += METHODS_B
+ROW_TARGETS |= dict.fromkeys(METHODS_B, QV)
+
+
+def methods_b_peft_config(row: str, rank: int, common: dict[str, Any]) -> Any:
+    """peft's config for a METHODS_B row, with lora_func's defaults."""
+    import peft
+
+    if row == "deft":
+        return peft.DeftConfig(r=rank, **common)
+    if row == "peanut":
+        return peft.PeanutConfig(r=rank, **common)
+    return peft.SupertuningConfig(**common)
+# Issue 43: LoRA's own variants on q, v. BD-LoRA with A block-diagonal in 2 blocks; QALoRA's groups
+# of 16 (peft runs it on GPTQ layers only: no peft row); aLoRA acting on every token (the benchmark
+# feeds inputs_embeds, from which peft finds no offsets: no peft row). VeLoRA differs from LoRA in
+# training steps only (the benchmark's model is in eval mode); MonteCLoRA too, and its priors get no
+# gradient in eval (no row). lora_bias needs targets with a bias, which the benchmark's Llama has
+# not; trainable tokens an embedding, which inputs_embeds skip.
+LORA_VARIANT_OPTIONS: dict[str, dict[str, Any]] = {"bdlora": {"nblocks": 2}, "qalora": {"group_size": 16}, "velora": {}, "alora": {}}
+ALL_VARIANTS += tuple(LORA_VARIANT_OPTIONS)
+ROW_TARGETS |= dict.fromkeys(LORA_VARIANT_OPTIONS, QV)
+# Rows without a merged path on the benchmark model: BEFT on its bias-free q, v (no weight holds a
+# bias; peft's merge refuses it too).
+NO_MERGED_ROWS = ("beft",)
+# Rows without a peft model here (peft_model returns None): AntiPaSTO (not in peft), QALoRA and
+# aLoRA (above).
+NO_PEFT_ROWS = ("antipasto", "qalora", "alora")
 
 
 # glibc's malloc hands every block over 32 MiB back to the kernel when it is freed (and, by
@@ -254,14 +304,15 @@ def our_adapter(s: Setup, row: str, rank: int, *, targets: Sequence[str] | None 
         if down:
             parts.append(lf.init_adapter(model, lf.AdapterSpec("ia3_ff", down), generator=torch.Generator().manual_seed(0)))
         return _perturbed(lf.compose(*parts))
-    options: dict[str, Any] = dict(ROW_OPTIONS.get(row, {})) | SPEC_OPTIONS.get(row, {})
+    options: dict[str, Any] = dict(ROW_OPTIONS.get(row, {})) | SPEC_OPTIONS.get(row, {}) | LORA_VARIANT_OPTIONS.get(row, {})
     if row == "adalora":  # peft stores AdaLoRA's initial rank as init_r: the same as r
         options |= {"init_r": rank, "target_r": rank}
     options |= options_override or {}
+    spec_extra = ROW_OPTIONS_43.get(row, {})
     calibration = None
     if row in CALIBRATED:
         calibration = [{"input_ids": s.calib_ids}]
-    spec = lf.AdapterSpec(row, targets, r=ROW_SIZES.get(row, rank), **options)
+    spec = lf.AdapterSpec(row, targets, r=ROW_SIZES.get(row, rank), **options, **spec_extra)
     adapter = lf.init_adapter(model, spec, generator=torch.Generator().manual_seed(0), calibration=calibration)
     return _perturbed(adapter)
 
@@ -333,6 +384,15 @@ def peft_model(s: Setup, row: str, rank: int, *, targets: Sequence[str] | None =
         config = peft.C3AConfig(block_size=rank, **common)
     elif row == "waveft":
         config = peft.WaveFTConfig(n_frequency=ROW_SIZES[row], **common)
+    elif row in ISSUE_43:
+        config = issue_43_peft_config(row, rank, common)
+    elif row in METHODS_B:
+        config = methods_b_peft_config(row, rank, common)
+    elif row in ("bdlora", "velora"):
+        from peft.tuners.lora.config import BdLoraConfig, VeloraConfig
+
+        variant = {"bdlora": {"use_bdlora": BdLoraConfig(target_modules_bd_a=targets, nblocks=2)}, "velora": {"velora_config": VeloraConfig()}}[row]
+        config = peft.LoraConfig(r=rank, lora_alpha=8, lora_dropout=0.0, **variant, **common)
     else:
         return None
     model = copy.deepcopy(s.model)

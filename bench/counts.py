@@ -58,6 +58,13 @@ VS_PEFT_ROWS += ("c3a",)
 # Issue 46: every other row peft has (PiSSA, EVA, and the methods added for it), the same target;
 # checked after the rows above, whose verdict lines keep their order.
 LATER_VS_PEFT_ROWS = ("pissa", "eva", *c.SAVED_PEFT_ROWS, *c.LORA_INIT_ROWS)
+# Issue 43: BEFT, GLoRA and PSOFT lazy at most peft's on every count; OSF too but for its ops on a
+# bf16 base (docs/benchmarks.md: two casts per target of its fp32 factors, where peft's are bf16).
+VS_PEFT_ROWS += ("beft", "glora", "psoft")
+# Issue 43 (methods b): DEFT, PEANuT and Super-Tuning lazy at most peft's on every count too.
+VS_PEFT_ROWS += c.METHODS_B
+# Issue 43: BD-LoRA and VeLoRA (in eval mode, as the benchmark's model) at most peft's.
+VS_PEFT_ROWS += ("bdlora", "velora")
 TARGET_DTYPE = "bfloat16"
 
 
@@ -127,7 +134,7 @@ def measure(args: argparse.Namespace, dtype: str, rows: Sequence[str]) -> dict[s
         adapter = c.our_adapter(s, row, args.rank)
         own = [*s.base.values(), s.embeds, *adapter.params.values(), *adapter.buffers.values()]
         out["limit"][row] = limit_bytes(s, c.ROW_TARGETS[row], args.rank)
-        for path in ("lazy", "merged"):
+        for path in ("lazy",) if row in c.NO_MERGED_ROWS else ("lazy", "merged"):
             out[f"{row}/{path}"] = count_step(c.our_step(s, adapter, merged=path == "merged"), own)
         if args.peft:
             pm = c.peft_model(s, row, args.rank, adapter=adapter)

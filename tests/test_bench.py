@@ -33,6 +33,8 @@ def bench_module():
 
 # peft 0.21 reads transformers 5's deprecated `is_gradient_checkpointing` in get_peft_model.
 @pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
+# issue 43: peft's BEFT warns that the benchmark model's q, v have no bias (no merged form there).
+@pytest.mark.filterwarnings("ignore:Detected that the base layer has no bias term:UserWarning")
 def test_ratios_prints_a_row_for_every_variant_with_peft_where_peft_has_it(bench_module, capsys):
     ratios = bench_module("ratios.py")
     tiny = ["--hidden", "32", "--layers", "1", "--vocab", "64", "--batch", "2", "--seq", "8", "--rank", "2", "--rounds", "1", "--warmup", "0", "--threads", "1"]
@@ -44,13 +46,13 @@ def test_ratios_prints_a_row_for_every_variant_with_peft_where_peft_has_it(bench
     for name, line in rows.items():
         cells = [cell.strip() for cell in line.split("|")[1:-1]]
         lazy, merged, peft = cells[2], cells[3], cells[4]
-        assert lazy != "—" and merged != "—", line
-        assert (peft == "—") == (name == "antipasto"), line
+        assert lazy != "—" and (merged == "—") == (name in common.NO_MERGED_ROWS), line
+        assert (peft == "—") == (name in common.NO_PEFT_ROWS), line
     assert "# targets:" in out
     # One round cannot bound a median: every target (each variant peft has, against peft) is
     # reported unresolved, none passes on it.
     targeted = {name: line for name, line in rows.items() if "lazy/peft" in line}
-    assert set(targeted) == set(common.ALL_VARIANTS) - {"antipasto"}
+    assert set(targeted) == set(common.ALL_VARIANTS) - set(common.NO_PEFT_ROWS)
     assert all(line.rstrip(" |").endswith("UNRESOLVED") for line in targeted.values()), targeted
     assert f"upper bound <= {ratios['VS_PEFT_LIMIT']:.2f}" in rows["lora"]
     null = [line for line in out.splitlines() if line.startswith("# null check:")]

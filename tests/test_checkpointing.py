@@ -166,6 +166,8 @@ def test_gradients_with_checkpointing_equal_the_run_without(variant, kind, merge
     assert_close_to_scale(got_loss, want_loss, msg="loss")
     assert sorted(got) == sorted(want)
     for name in want:
+        if name.rsplit(".", 1)[-1] in row.training_only:
+            continue  # acts in training steps only (Row.training_only): unused here
         assert got[name] is not None, f"{name}: no gradient with checkpointing"
         assert_close_to_scale(got[name], want[name], msg=name)
     assert any(g.abs().max() > 0 for g in got.values())

@@ -2298,3 +2298,41 @@ CASES.update(
         "arrow-not-arrow": Case(on_loras(lambda m, loras, ctx: lf.routed.arrow_experts(loras[0])), ("arrow_experts", "lora")),
     }
 )
+
+
+# --- issue 43: beft, glora, osf, psoft --------------------------------------------------------
+def _beft_merged_bias_free(ctx: Ctx) -> Callable[[], Any]:
+    model = ctx.model()
+    adapter = ctx.adapter(model, "beft", targets=("up_proj",))
+    return lambda: lf.adapted_call(model, adapter, IDS, merged=True)
+
+
+CASES.update(
+    {
+        "beft-merged-no-bias": Case(_beft_merged_bias_free, ("no bias", "merged=False")),
+        "osf-effective-rank": Case(init("osf", ["v_proj"], effective_rank=16), ("effective_rank=16", "16 of the 16", "model.layers.0.self_attn.v_proj", "[1, 15]")),
+    }
+)
+RNG_ADVANCES = RNG_ADVANCES | {"osf-effective-rank"}  # init_adapter without a generator
+
+
+# --- issue 43: deft, frod, peanut, supertuning ------------------------------------------------
+CASES.update(
+    {
+        "supertuning-no-entries": Case(_init_seeded("supertuning", ["v_proj"], sparsity=0.999), ("model.layers.0.self_attn.v_proj", "sparsity=0.999", "16×32", "0.998047")),
+        "supertuning-alpha-without-r": Case(spec("supertuning", ["q_proj"], lora_alpha=4.0), ("lora_alpha=4.0", "lora_r")),
+    }
+)
+
+
+# LoRA's own variants and trainable tokens
+CASES.update(
+    {
+        "lora-bias-no-bias": Case(init("lora_bias", ["down_proj"], r=2), ("model.layers.0.mlp.down_proj",)),
+        "bdlora-blocks": Case(init("bdlora", ["q_proj"], r=2, nblocks=4), ("nblocks=4", "r=2")),
+        "qalora-group-size": Case(init("qalora", ["q_proj"], r=2, group_size=5), ("group_size=5", "d_in=32")),
+        "trainable-tokens-index": Case(init("trainable_tokens", ["embed_tokens"], token_indices=[3, 70]), ("[70]", "61 tokens")),
+    }
+)
+# init_adapter without a generator seeds one from the global RNG before these refuse a target
+RNG_ADVANCES = RNG_ADVANCES | {"lora-bias-no-bias", "bdlora-blocks", "qalora-group-size", "trainable-tokens-index"}

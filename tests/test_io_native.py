@@ -66,7 +66,7 @@ def test_trainable_only_rebuilds_the_buffers_bit_exactly(row, kind, tmp_path):
     full = lf.save(adapter, tmp_path / "full.safetensors")
     small = lf.save(adapter, tmp_path / "small.safetensors", trainable_only=True)
     assert stored_names(small) == sorted(f"params/{k}" for k in adapter.params)
-    if sum(b.numel() for b in adapter.buffers.values()) > 1:  # (a lone 0-d buffer, Poly's task, saves no bytes)
+    if sum(b.numel() * b.element_size() for b in adapter.buffers.values()) > 256:  # (a tiny buffer weighs less than its digest)
         assert small.stat().st_size < full.stat().st_size
     fresh = tiny_model(LAYER_KIND_MODEL[kind])
     if row.calibration and adapter.buffers:  # corda: its residual depends on the calibration data, not in the file

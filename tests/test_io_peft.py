@@ -328,11 +328,11 @@ def test_load_peft_errors_name_the_problem(lora_dir, tmp_path):
     _edit_config(lora_dir, r=2, init_lora_weights="lora_ga")  # olora, pissa, corda: their own variants read them
     with pytest.raises(ValueError, match=r"init_lora_weights='lora_ga'.*path_initial_model_for_weight_conversion"):
         load_peft(lora_dir, llama)
-    _edit_config(lora_dir, init_lora_weights=True, lora_bias=True)
-    with pytest.raises(ValueError, match=r"LORA features lora_func does not support: \['lora_bias'\]"):
+    _edit_config(lora_dir, init_lora_weights=True, layer_replication=[[0, 2]])
+    with pytest.raises(ValueError, match=r"LORA features lora_func does not support: \['layer_replication'\]"):
         load_peft(lora_dir, llama)
     # a peft method no variant stores (the list read from the registry: new variants extend it)
-    _edit_config(lora_dir, lora_bias=False, peft_type="XLORA")
+    _edit_config(lora_dir, layer_replication=None, peft_type="XLORA")
     known = sorted({fmt.method.peft_type for v in lf.list_variants() if (fmt := lf.variants.peft_format(v)) is not None})
     assert {"DELORA", "HRA", "IA3", "LORA"} <= set(known)
     with pytest.raises(ValueError, match=re.escape(f"peft 'XLORA' checkpoint; lora_func reads peft_type {known}")):

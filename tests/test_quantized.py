@@ -85,6 +85,8 @@ def test_logits_and_gradients_equal_the_dequantized_float_model(scheme, variant)
         torch.testing.assert_close(got, want, atol=atol, rtol=0, msg=f"{name} {variant} merged={merged}")
         assert (got - plain).abs().max() > 1e-2, "the adapter must change the logits"
         for key in g_want:
+            if key.rsplit(".", 1)[-1] in ROWS[variant].training_only:
+                continue  # acts in training steps only (Row.training_only): no gradient here
             assert g_want[key].abs().max() > 0, key
             torch.testing.assert_close(g_got[key], g_want[key], atol=atol, rtol=1e-4, msg=f"{name} {variant} grad {key}")
             torch.testing.assert_close(fresh.params[key].grad, g_want[key], atol=atol, rtol=1e-4, msg=f"{name} {variant} backward {key}")

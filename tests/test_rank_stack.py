@@ -15,6 +15,7 @@ from tests.variant_table import ROWS
 
 # HRA's paired init needs an even r; antipasto's r=6 row default stays below the weight rank.
 RANKS = {"hra": (2, 4, 6), "antipasto": (1, 3, 6), "eva": (2, 4), "lokr": (1, 2, 3), "gralora": (2, 4, 6)}  # lokr: r=4 makes the 32x32 W2 whole; gralora: r a multiple of gralora_k=2
+RANKS["psoft"] = (2, 3, 4)  # r=1: an empty skew triangle (R is the magnitude vectors alone)
 # Variants without rank axes (RandLoRA, PVeRA: their structure depends on r) refuse rank-padded
 # stacks; their refusal is tested with them.
 RANKED = sorted(v for v in ROWS if lf.get_variant(v).rank_axes)

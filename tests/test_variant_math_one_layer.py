@@ -411,6 +411,62 @@ DOCUMENTED.update(
 )
 
 
+# Issue 43: beft, glora, osf, psoft (pinned from docs/variants/{beft,glora,osf,psoft}.md's defaults;
+# OSF's r is each layer's frozen count, resolved from effective_rank: no rank axes).
+DOCUMENTED.update(
+    {
+        "beft": (1.0, {"init": "zero"}, False, True, False, {}),
+        "glora": (
+            1.0,
+            {"config_A_B": "lora", "config_C": "lora", "config_D_E": "constant", "init": "zero"},
+            True,
+            True,
+            False,
+            {"glora_A_Xd": 1, "glora_A_Xu": 0, "glora_B_Xd": 1, "glora_B_Xu": 0, "glora_C_Xd": 1, "glora_C_Xu": 0},
+        ),
+        "osf": (1.0, {"effective_rank": None, "init": "svd"}, False, False, False, {}),
+        "psoft": (
+            32.0,
+            {"ab_svd_init": "psoft_init", "psoft_svd": "full", "psoft_svd_lowrank_niter": 10, "random_seed": 0, "psoft_orth": True, "psoft_mag_b": True,
+             "psoft_mag_a": True, "use_cayley_neumann": False, "num_cayley_neumann_terms": 5, "cayley_neumann_eps": None, "dropout": 0.0, "init": "identity"},
+            True,
+            False,
+            False,
+            {"psoft_vector_b": 0, "psoft_vector_a": 0, "psoft_A": 0, "psoft_B": 1},
+        ),
+    }
+)
+RANK_WITHIN_LAYER = (*RANK_WITHIN_LAYER, "psoft")
+# Issue 43 (methods b): pinned from docs/variants/{deft,frod,peanut,supertuning}.md's defaults.
+DOCUMENTED.update(
+    {
+        "deft": (1.0, {"decomposition_method": "relu", "para": False, "injection_alpha": None, "init": "identity", "init_scale": 1.0, "dropout": 0.0}, True, False, False, {}),
+        "supertuning": (1.0, {"sparsity": 0.99, "select_top": True, "lora_r": None, "lora_alpha": None, "dropout": 0.0, "init": "identity", "save_precomputed_indices": True}, False, False, False, {}),
+        "peanut": (1.0, {"depth": 0, "act_fn": "relu", "scaling": 1.0, "init": "identity"}, True, False, False, {"peanut_A": 0, "peanut_B": 1, **{f"peanut_{k}_{i}": (0, 1) for k in ("encoders", "decoders") for i in range(8)}}),
+    }
+)
+# Issue 43: LoRA's own variants (pinned from docs/variants/{lora_bias,bdlora,qalora,velora,monteclora,alora}.md) and trainable tokens.
+_LORA = {"dropout": 0.0, "use_rslora": False}
+DOCUMENTED.update(
+    {
+        "lora_bias": (8.0, _LORA, True, True, False, {"lora_A": 0, "lora_B": 1}),
+        "bdlora": (8.0, {**_LORA, "nblocks": 1, "side": "a"}, True, False, False, {}),
+        "qalora": (8.0, {**_LORA, "group_size": 16}, True, False, False, {"lora_A": 0, "lora_B": 1}),
+        "trainable_tokens": (1.0, {"init_weights": True, "token_indices": ()}, False, False, False, {}),
+        "velora": (8.0, {**_LORA, "init_type": "batch_average", "num_groups": 64, "scale": 1.0}, True, False, False, {"lora_A": 0, "lora_B": 1}),
+        "monteclora": (
+            8.0,
+            {**_LORA, "dirichlet_prior": 0.1, "kl_loss_weight": 1e-5, "num_samples": 8, "sample_scaler": 1e-4, "use_entropy": False},
+            True,
+            False,
+            False,
+            {"lora_A": 0, "lora_B": 1, "monteclora_std_prior": 0, "monteclora_gaussian_var_prior": (0, 1)},
+        ),
+        "alora": (8.0, {**_LORA, "invocation_tokens": ()}, True, False, False, {"lora_A": 0, "lora_B": 1}),
+    }
+)
+
+
 @pytest.mark.parametrize("variant", sorted(DOCUMENTED))
 def test_documented_defaults_and_flags(variant):
     assert sorted(DOCUMENTED) == lf.list_variants()

@@ -34,6 +34,9 @@ class Row:
       targets: per tiny-model kind, the targets to use (default tests/models.DEFAULT_TARGETS).
       calibration: whether ``init_adapter`` needs calibration batches.
       tol: atol for merged == lazy == oracle comparisons in fp32.
+      training_only: short names of trainable tensors that act in training steps only
+        (MonteCLoRA's sampler priors): the eval-mode checks that every tensor moves the output and
+        gets a per-example gradient leave them out; the variant's own tests check them in training.
       step0_by_kind: ``step0_nonzero`` on the target kinds where the init differs (peft's
         embedding inits draw ``B`` and zero ``A``).
     """
@@ -47,6 +50,7 @@ class Row:
     targets: dict[str, list[str]] | None = None
     calibration: bool = False
     tol: float = 2e-5
+    training_only: frozenset[str] = frozenset()
     step0_by_kind: dict[str, frozenset[str]] = dataclasses.field(default_factory=dict)
 
     def step0(self, kind: str) -> frozenset[str]:

@@ -184,6 +184,14 @@ TARGETS: dict[str, tuple[tuple[str, ...] | None, list[list[str]]]] = {
         f"lora_func/variants/{name}.py": (None, [[f"tests/test_variant_{name}.py"], [CONTRACT, "-k", name], [CATALOGUE, "-k", name]])
         for name in ("tinylora", "unilora")
     },
+    # Issue 43: their own peft oracle files first (fast, exact), then the contract rows.
+    **{
+        f"lora_func/variants/{name}.py": (
+            None,
+            [[f"tests/test_variant_{name}.py"], [CONTRACT, "-k", name], [RANK_STACK, "-k", name], [CATALOGUE, "-k", name], [KILLERS, "-k", f"documented_defaults and {name}"]],
+        )
+        for name in ("beft", "glora", "osf", "psoft")
+    },
     "lora_func/variants/_bank.py": (None, [[CONTRACT, "-k", "vera or randlora or pvera"], ["tests/test_variant_vera.py", "tests/test_variant_randlora.py"]]),
     "lora_func/variants/_contract.py": (
         ("layer_rank", "layer_alpha", "Slot.peft_key", "Slot.saved", "Variant.rank_axes", "Variant.padded_axes", "Variant.integer_buffers", "Variant.kinds", "Variant.shapes", "Variant.layer_slots", "_mask_rank_axes", "padded_member"),
@@ -212,6 +220,22 @@ TARGETS: dict[str, tuple[tuple[str, ...] | None, list[list[str]]]] = {
         ("_ops", "_program"),
         [*_ALL[:3], ["tests/test_core.py", "tests/test_compose.py", "tests/test_plan.py"], _ALL[3]],
     ),
+    # Issue 43 (methods b): the variant's own tests first (float64 peft oracles, init draws, the
+    # activation form's shape of work, config checks), then its contract rows, rank stacks, the
+    # documented defaults and the catalogue.
+    **{
+        f"lora_func/variants/{name}.py": (
+            None,
+            [
+                [f"tests/test_variant_{name}.py"],
+                [CONTRACT, "-k", name],
+                *([[RANK_STACK, "-k", name]] if name != "supertuning" else []),
+                [KILLERS, "-k", f"documented_defaults and {name}"],
+                [CATALOGUE, "-k", name],
+            ],
+        )
+        for name in ("deft", "peanut", "supertuning")
+    },
     "lora_func/overlay.py": (
         ("check_adapter_finite", "merge_overlay", "merged_overlay", "overlay", "lazy_overlay", "overlay_mode"),
         [*_ALL[:3], ["tests/test_core.py", "tests/test_adapted_context.py", "tests/test_checks.py"], [COMPILE, "-k", "overlay_mode or keeps_the_path"], _ALL[3]],
@@ -220,6 +244,29 @@ TARGETS: dict[str, tuple[tuple[str, ...] | None, list[list[str]]]] = {
         ("application", "adapted_call", "adapted"),
         [*_ALL[:3], ["tests/test_core.py", "tests/test_adapted_context.py", "tests/test_plan.py"], [COMPILE, "-k", "overlay_mode or keeps_the_path"], _ALL[3]],
     ),
+}
+
+# Issue 43: LoRA's own variants and trainable tokens: the float64 peft oracles first (their own
+# files), then the contract rows, the catalogue and the documented defaults.
+TARGETS |= {
+    f"lora_func/variants/{name}.py": (
+        None,
+        [
+            [f"tests/test_variant_{name}.py"],
+            [CONTRACT, "-k", select],
+            [CATALOGUE, "-k", select.replace("_", "-")],
+            [KILLERS, "-k", f"documented_defaults and ({select})"],
+        ],
+    )
+    for name, select in (
+        ("lora_bias", "lora_bias"),
+        ("bdlora", "bdlora"),
+        ("qalora", "qalora"),
+        ("trainable_tokens", "trainable_tokens"),
+        ("velora", "velora"),
+        ("monteclora", "monteclora"),
+        ("alora", "alora and not adalora and not gralora"),
+    )
 }
 
 # Method calls whose removal is a mutant: ``x.detach()`` -> ``x`` (gradient flow), ``.clamp``

@@ -99,9 +99,11 @@ def _layer_from_json(data: dict) -> AdapterLayer:
     info, target = data["info"], Target.from_dict(data["target"])
     # a conv target's kernel comes from its stored shape (layer_info's rule), not from the file
     kernel = target.shape[2:] if target.layout in CONV_LAYOUTS else ()
+    # a sequence-valued option is a tuple (hashable), which JSON writes as a list
+    options = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in info["options"])
     return AdapterLayer(
         target=target,
-        info=LayerInfo(**(info | {"options": tuple((k, v) for k, v in info["options"]), "kernel": kernel, "kind": kind_of_layout(target.layout)})),
+        info=LayerInfo(**(info | {"options": options, "kernel": kernel, "kind": kind_of_layout(target.layout)})),
         param_shapes=tuple((n, tuple(s)) for n, s in data["param_shapes"]),
         buffer_shapes=tuple((n, tuple(s)) for n, s in data["buffer_shapes"]),
         base_fingerprint=data["base_fingerprint"],

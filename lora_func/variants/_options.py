@@ -132,7 +132,8 @@ class Option:
     Attributes:
       default: the value when the spec leaves it out. Its type is the option's: a ``bool``
         takes a bool, an ``int`` an integer (not ``2.0``), a ``float`` a number (an int is stored
-        as a float), a ``str`` a string; ``None``: the check alone decides.
+        as a float), a ``str`` a string, a ``tuple`` a tuple or list (stored as a tuple); ``None``:
+        the check alone decides.
       check: what values it allows beyond the type (``None``: any of the type; a float must
         then be finite). A peft config's value is checked the same way (``null`` too, unless
         the codec reads it: :func:`nullable`).
@@ -156,6 +157,8 @@ class Option:
             return isinstance(value, bool)
         if isinstance(kind, (int, float)):
             return isinstance(value, (int, float)) and not isinstance(value, bool)
+        if isinstance(kind, tuple):  # a sequence: JSON (native files, peft configs) holds it as a list
+            return isinstance(value, (tuple, list))
         return kind is None or isinstance(value, type(kind))
 
     def problem(self, value: Any) -> str | None:
@@ -171,9 +174,12 @@ class Option:
         return None
 
     def normalised(self, value: Any) -> Any:
-        """``value`` in the option's own type (an int given for a float option as a float)."""
+        """``value`` in the option's own type (an int given for a float option as a float, a list
+        for a tuple option as a tuple: options are hashable)."""
         if isinstance(self.default, float) and isinstance(value, int) and not isinstance(value, bool):
             return float(value)
+        if isinstance(self.default, tuple) and isinstance(value, list):
+            return tuple(value)
         return value
 
 

@@ -49,13 +49,47 @@ TENSORS = {
 # ------------------------------------------------------------------ peft's format (LoraConfig)
 
 # LoraConfig fields lora_func has no equivalent for: any truthy value is refused.
-PEFT_UNSUPPORTED_FIELDS = (
-    "lora_bias", "layer_replication", "alora_invocation_tokens", "use_qalora", "use_bdlora",
-    "arrow_config", "monteclora_config", "velora_config", "trainable_token_indices", "modules_to_save",
-    "megatron_config",
-)
+PEFT_UNSUPPORTED_FIELDS = ("layer_replication", "arrow_config", "trainable_token_indices", "modules_to_save", "megatron_config")
 # LoRA inits that leave the base untouched: the checkpoint is a plain LoRA on the original base.
 PLAIN_INITS = (True, False, "gaussian", "orthogonal")
+# LoraConfig fields that make a checkpoint another variant's (each read by exactly one variant
+# file): a plain LoRA checkpoint has none of them set (a field the config lacks reads as unset).
+VARIANT_FIELDS = ("alora_invocation_tokens", "kasa_config", "lora_bias", "monteclora_config", "use_bdlora", "use_qalora", "velora_config")
+
+
+def _unset(value: Any) -> bool:
+    return not value
+
+
+def _absent(value: Any) -> bool:
+    return value is None
+
+
+def plain_reads(**marks: Any) -> dict[str, Any]:
+    """The ``PeftFormat.reads`` of a LoRA checkpoint with a plain init, no DoRA and none of
+    :data:`VARIANT_FIELDS` set, with ``marks`` (a variant's own fields) replacing those entries.
+    ``alora_invocation_tokens`` is unset only when absent: an empty list (which peft takes as no
+    aLoRA) is an aLoRA on every token, read by ``alora``."""
+    unset = dict.fromkeys(VARIANT_FIELDS, _unset) | {"alora_invocation_tokens": _absent}
+    return {"use_dora": False, "init_lora_weights": PLAIN_INITS} | unset | marks
+
+
+def _unread(config: Mapping[str, Any]) -> str:
+    """Why no variant reads a LoraConfig: it combines variant fields, its BD-LoRA config is not
+    one factor on every target, or an init changed peft's base weights."""
+    combined = [field for field in ("use_dora", *VARIANT_FIELDS) if config.get(field)]
+    if len(combined) > 1:
+        return (
+            f"it combines {combined}, each its own lora_func variant (read one at a time); retrain with one of them, or "
+            f"merge the adapter in peft (merge_and_unload) and use the merged model"
+        )
+    if config.get("use_bdlora"):
+        return (
+            f"its use_bdlora={config['use_bdlora']!r} makes A block-diagonal on some targets and B (or nothing, "
+            f"match_strict=false) on others, by module name; lora_func's bdlora has one block-diagonal factor on every "
+            f"target of an adapter (compose two for both): merge the adapter in peft (merge_and_unload) instead"
+        )
+    return _converted_init(config)
 
 
 def _converted_init(config: Mapping[str, Any]) -> str:
@@ -76,7 +110,7 @@ PEFT_METHOD = PeftMethod(
     PEFT_UNSUPPORTED_FIELDS,
     rank=("r", "rank_pattern"),
     alpha="lora_alpha",
-    unread=_converted_init,
+    unread=_unread,
 )
 
 
@@ -104,7 +138,7 @@ def _reshape(kind: str, name: str, tensor: Tensor, shape: tuple[int, ...], to_pe
 
 PEFT = PeftFormat(
     PEFT_METHOD,
-    reads={"use_dora": False, "init_lora_weights": PLAIN_INITS, "kasa_config": lambda v: not v},
+    reads=plain_reads(),
     reshape=_reshape,
 )
 
@@ -128,10 +162,14 @@ def init(
     generator: torch.Generator,
     calibration: Any = None,
 ) -> tuple[TensorDict, TensorDict]:
+    """peft's LoRA init: ``A ~ kaiming_uniform(a=√5)`` (``N(0, 1/r²)`` with ``init="gaussian"``,
+    :func:`orthogonal_init` with ``"orthogonal"``), ``B = 0``; a derived variant without the
+    ``init`` option gets the kaiming one."""
     r, d_in, d_out = info.r, info.d_in, info.d_out
-    if info.option("init") == "gaussian":
+    chosen = dict(info.options).get("init", "kaiming")
+    if chosen == "gaussian":
         lora_a = torch.randn((r, d_in), generator=generator, dtype=torch.float32) / r
-    elif info.option("init") == "orthogonal":
+    elif chosen == "orthogonal":
         return orthogonal_init(weight, info, dtype=dtype, generator=generator)
     else:
         lora_a = kaiming_uniform((r, d_in), a=math.sqrt(5), generator=generator)
