@@ -267,6 +267,10 @@ def _():
                   "intrinsics switched on mid-conversation without a new prefill", "docs/variants/alora.md"),
         "trainable_tokens": ("only the listed rows of an embedding trained (new or retrained tokens)",
                              "add or retrain a few tokens; embedding targets only", "docs/variants/trainable_tokens.md"),
+        "poly": ("per layer, a few LoRA skills mixed by a learned router per task (Poly; MHR with n_splits)",
+                 "multi-task training: one adapter, a task id per example", "docs/variants/poly.md"),
+        "arrow": ("training-free per-token routing over trained task LoRAs by their top singular directions",
+                  "you already have a library of task LoRAs to combine (built with lf.routed.arrow)", "docs/variants/arrow.md"),
     }
     return (VARIANT_HELP,)
 

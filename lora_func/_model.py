@@ -22,7 +22,7 @@ from lora_func.adapter import AdapterLayer, SharedTensors
 from lora_func.checks import check_model
 from lora_func.quantized import kind_of_tensor
 from lora_func.spec import AdapterSpec
-from lora_func.targeting import Target, canonical_weight, close_names, kind_of_layout
+from lora_func.targeting import CONV_LAYOUTS, Target, canonical_weight, close_names, kind_of_layout
 from lora_func.variants import LayerInfo, TensorDict, Variant
 
 __all__ = [
@@ -115,7 +115,7 @@ def target_weight(module: nn.Module, target: Target) -> tuple[Tensor, Tensor | N
     collective: every rank calls this for the same targets in the same order); ``W``
     dequantized when the layer is quantized. Detached: call it under ``torch.no_grad()``."""
     weight = cast(Tensor, getattr(module, target.weight_key.rpartition(".")[2]))  # an expert parameter's own name
-    bias = full_tensor(cast(Tensor, module.bias).detach()) if target.bias_key is not None else None
+    bias = full_tensor(cast(Tensor, getattr(module, target.bias_key.rpartition(".")[2])).detach()) if target.bias_key is not None else None
     kind = kind_of_tensor(weight)
     if kind is not None:
         return kind.dequantize(module), bias, weight
@@ -125,15 +125,21 @@ def target_weight(module: nn.Module, target: Target) -> tuple[Tensor, Tensor | N
 
 def layer_info(spec: AdapterSpec, target: Target, *, r: int | None = None, alpha: float | None = None) -> LayerInfo:
     """The static per-layer info of ``spec`` on one target; ``r`` / ``alpha`` override the
-    spec's for this layer (a peft checkpoint's ``rank_pattern`` / ``alpha_pattern``)."""
+    spec's for this layer (a peft checkpoint's ``rank_pattern`` / ``alpha_pattern``).
+
+    An ``nn.MultiheadAttention``'s out_proj (layout ``"mha_out"``) gets twice the alpha: peft 0.21
+    merges its update twice on every call (the attention's ``merge`` adds it, then calls the
+    out_proj's own ``merge``, which adds it again), so peft's checkpoints mean ``W + 2·s·B A``
+    there, and the attention's alpha is what they store."""
+    alpha = spec.alpha if alpha is None else alpha
     return LayerInfo(
         d_in=target.d_in,
         d_out=target.d_out,
         r=spec.r if r is None else r,
-        alpha=spec.alpha if alpha is None else alpha,
+        alpha=2 * alpha if target.layout == "mha_out" else alpha,
         has_bias=target.bias_key is not None,
         options=spec.options,
-        kernel=target.shape[2:] if target.layout == "conv" else (),
+        kernel=target.shape[2:] if target.layout in CONV_LAYOUTS else (),
         kind=kind_of_layout(target.layout),
     )
 

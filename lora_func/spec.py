@@ -15,7 +15,7 @@ from lora_func.variants import get_variant, resolve_options
 
 __all__ = ["LAYER_TYPES", "TIED_POLICIES", "AdapterSpec"]
 
-LAYER_TYPES = ("conv", "conv1d", "embedding", "linear", "norm")
+LAYER_TYPES = ("conv", "conv1d", "embedding", "grouped_conv", "linear", "norm")
 TIED_POLICIES = ("error", "both")
 _FLOAT_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.float64, torch.bfloat16, torch.float16)}
 
@@ -38,7 +38,7 @@ class AdapterSpec:
       dtype: dtype of the adapter tensors and of the low-rank computation (fp32 default on
         any base dtype; see docs/dtype.md).
       layer_types: ``None`` (default) adapts every matched module and raises if one is of no
-        known kind; a tuple from ``("linear", "conv1d", "embedding", "conv", "norm")`` instead
+        known kind; a tuple from ``("linear", "conv1d", "embedding", "conv", "grouped_conv", "norm")`` instead
         filters the matched modules to those kinds (``targets=".*", layer_types=("linear",)``
         is "every Linear").
       target_parameters: names of 3-D MoE expert parameters to adapt, one low-rank update per

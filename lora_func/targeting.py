@@ -10,12 +10,24 @@ weight maps to the canonical ``(d_out, d_in)`` view that variants see:
 - ``"conv"``: ``nn.Conv1d/2d/3d`` (``groups=1``), stored ``(out, in, *kernel)``: canonical
   ``(out, in·prod(kernel))`` (peft's conv LoRA: ``A`` a conv with the base kernel to ``r``
   channels, ``B`` a 1x1 conv, is ``B·A`` in this view);
+- ``"grouped_conv"``: ``nn.Conv1d/2d/3d`` with ``groups > 1``, stored ``(out, in/groups, *kernel)``:
+  canonical ``(out, in/groups·prod(kernel))``, the grouped kernel itself, so an update made in it
+  stays grouped (peft's LoHa, LoKr, IA3 on the outputs); a kind of its own because peft's conv
+  LoRA and DoRA adapt such a layer with a dense ``(out, in, *kernel)`` update that the grouped
+  layer cannot hold;
 - ``"norm"``: ``nn.LayerNorm`` and ``*RMSNorm`` / ``*LayerNorm`` modules with a 1-D weight
   ``(d,)``: ``d_in = d_out = d``, the canonical view is the weight itself;
 - ``"experts"``: a 3-D parameter of a MoE layer (``AdapterSpec(target_parameters=...)``), one
   matrix per expert: stored ``(E, d_out, d_in)``, or ``(E, d_in, d_out)`` where the module says
   ``is_transposed`` (layout ``"experts_t"``); canonical ``(E, d_out, d_in)``, a variant's forms
-  run per expert.
+  run per expert;
+- ``"parameter"``: a 2-D parameter named by ``target_parameters`` (peft's ``ParamWrapper``),
+  stored ``(d_out, d_in)`` and used by its module however it likes (layout ``"param"``);
+- ``"mha"``: an ``nn.MultiheadAttention`` (query, key and value of one size, as peft): its
+  packed ``in_proj_weight (3·E, E)`` (layout ``"mha_in"``, the target named as the module) and
+  its ``out_proj`` (layout ``"mha_out"``), both ``(d_out, d_in)``; the module hands them to
+  ``F.multi_head_attention_forward`` and never calls ``out_proj``, so both apply through their
+  merged weights (peft merges them for each call too).
 
 Variants see only canonical views; the layout is recorded per target here and never changes
 what the user asked for. Which kinds a variant adapts is its ``Variant.kinds``.
@@ -28,6 +40,7 @@ import difflib
 import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
+from typing import cast
 
 from torch import Tensor, nn
 
@@ -37,17 +50,25 @@ from lora_func.variants import Variant, get_variant
 
 __all__ = [
     "ALL_LINEAR",
+    "CONV_LAYOUTS",
     "EXPERT_LAYOUTS",
+    "MHA_LAYOUTS",
+    "PARAM_LAYOUTS",
     "KINDS",
     "MERGED_ONLY",
     "Target",
     "canonical_weight",
     "check_kinds",
+    "no_kind",
     "find_targets",
     "kind_of_layout",
     "layer_kind",
     "module_kind",
+    "is_mha_out_proj",
     "output_head",
+    "parameter_layout",
+    "peft_target",
+    "refuse_kinds",
     "stored_shape",
     "stored_weight",
     "tensor_names",
@@ -68,20 +89,31 @@ KINDS = {
     "conv1d": "transformers Conv1D",
     "embedding": "nn.Embedding",
     "conv": "nn.Conv1d/2d/3d",
+    "grouped_conv": "nn.Conv1d/2d/3d with groups > 1",
     "norm": "LayerNorm / RMSNorm",
     "experts": "3-D MoE expert parameter",
+    "parameter": "2-D nn.Parameter (target_parameters)",
+    "mha": "nn.MultiheadAttention (its in/out projections)",
 }
 # Layouts of the "experts" kind: (E, d_out, d_in) stored, or (E, d_in, d_out) (is_transposed).
 EXPERT_LAYOUTS = ("experts", "experts_t")
+# Layouts stored (out, in/groups, *kernel): their canonical view flattens the kernel's axes.
+CONV_LAYOUTS = ("conv", "grouped_conv")
+# Layouts of parameters named by target_parameters (peft's ParamWrapper): their target is the
+# parameter's full name.
+PARAM_LAYOUTS = (*EXPERT_LAYOUTS, "param")
+# An nn.MultiheadAttention's projections. peft adapts the out_proj as part of the attention
+# module (its tensors under "<attention>.base_layer.out_proj"), never on its own.
+MHA_LAYOUTS = ("mha_in", "mha_out")
 # Layouts the overlays apply through the merged weight only (a parameter overlay of W_eff):
 # their layer op is not a matmul of x (a lookup, a convolution, a normalisation, a per-expert
 # loop or grouped_mm), so no lazy stand-in intercepts it.
-MERGED_ONLY = frozenset({"embedding", "conv", "norm", *EXPERT_LAYOUTS})
+MERGED_ONLY = frozenset({"embedding", *CONV_LAYOUTS, "norm", *PARAM_LAYOUTS, *MHA_LAYOUTS})
 
 
 def kind_of_layout(layout: str) -> str:
     """The kind of a stored layout (``"experts_t"`` is of kind ``"experts"``)."""
-    return "experts" if layout in EXPERT_LAYOUTS else layout
+    return "experts" if layout in EXPERT_LAYOUTS else "parameter" if layout == "param" else "mha" if layout in MHA_LAYOUTS else layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,8 +170,11 @@ def layer_kind(module: nn.Module) -> str | None:
         return "linear"
     if isinstance(module, nn.Embedding):
         return "embedding"
+    if isinstance(module, nn.MultiheadAttention):
+        # peft's form: one packed in_proj (query, key and value of one size) and a Linear out_proj
+        return "mha" if module._qkv_same_embed_dim and isinstance(module.out_proj, nn.Linear) else None
     if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
-        return "conv" if module.groups == 1 else None
+        return "conv" if module.groups == 1 else "grouped_conv"
     weight = getattr(module, "weight", None)
     if isinstance(module, nn.LayerNorm) or (
         type(module).__name__.endswith(("RMSNorm", "LayerNorm")) and isinstance(weight, Tensor) and weight.dim() == 1
@@ -156,7 +191,7 @@ def stored_shape(target: Target) -> tuple[int, ...]:
     """The shape of ``target``'s weight as the model stores it."""
     if target.shape:
         return target.shape
-    if target.layout == "linear":
+    if target.layout in ("linear", *MHA_LAYOUTS):
         return (target.d_out, target.d_in)
     if target.layout == "norm":
         return (target.d_out,)
@@ -169,12 +204,37 @@ def module_kind(modules: Mapping[str, nn.Module], target: Target) -> str | None:
     module = modules.get(target.owner)
     if module is None:
         return None
-    if target.layout in EXPERT_LAYOUTS:
+    if target.layout in PARAM_LAYOUTS:
         param = getattr(module, target.weight_key.rpartition(".")[2], None)
-        if not isinstance(param, Tensor) or param.dim() != 3:
+        if not isinstance(param, Tensor) or param.dim() not in (2, 3):
             return None
-        return "experts_t" if getattr(module, "is_transposed", False) else "experts"
-    return layer_kind(module)
+        return parameter_layout(module, param)
+    if is_mha_out_proj(modules, target.owner):
+        return "mha_out"
+    kind = layer_kind(module)
+    return "mha_in" if kind == "mha" else kind
+
+
+def parameter_layout(module: nn.Module, param: Tensor) -> str:
+    """The layout of a parameter named by ``target_parameters``: ``"param"`` for a 2-D one, an
+    expert layout for a 3-D one."""
+    if param.dim() == 2:
+        return "param"
+    return "experts_t" if getattr(module, "is_transposed", False) else "experts"
+
+
+def is_mha_out_proj(modules: Mapping[str, nn.Module], name: str) -> bool:
+    """Whether module ``name`` is the ``out_proj`` of an ``nn.MultiheadAttention`` lora_func adapts
+    (its forward is never called: the attention reads its weight)."""
+    parent, _, last = name.rpartition(".")
+    return last == "out_proj" and layer_kind(modules.get(parent, nn.Module())) == "mha"
+
+
+def peft_target(modules: Mapping[str, nn.Module], name: str) -> str:
+    """The module peft's config names for lora_func's target ``name``: the attention module for an
+    ``nn.MultiheadAttention``'s out_proj (peft adapts both with the attention's rank and alpha),
+    else ``name``."""
+    return name.rpartition(".")[0] if is_mha_out_proj(modules, name) else name
 
 
 def canonical_weight(weight: Tensor, layout: str) -> Tensor:
@@ -182,7 +242,7 @@ def canonical_weight(weight: Tensor, layout: str) -> Tensor:
     an expert parameter, the weight itself for a norm's ``(d,)``."""
     if layout in ("conv1d", "embedding"):
         return weight.T
-    if layout == "conv":
+    if layout in CONV_LAYOUTS:
         return weight.flatten(1)
     if layout == "experts_t":
         return weight.transpose(-1, -2)
@@ -191,10 +251,10 @@ def canonical_weight(weight: Tensor, layout: str) -> Tensor:
 
 def stored_weight(weight: Tensor, layout: str, shape: Sequence[int] | None = None) -> Tensor:
     """Back from the canonical view to the layout the model stores; ``shape``: the stored
-    shape, needed for ``"conv"`` (the kernel's axes)."""
+    shape, needed for the conv layouts (the kernel's axes)."""
     if layout in ("conv1d", "embedding"):
         return weight.T
-    if layout == "conv":
+    if layout in CONV_LAYOUTS:
         assert shape is not None, "a conv weight's stored shape"
         return weight.reshape(shape)
     if layout == "experts_t":
@@ -253,21 +313,18 @@ def _did_you_mean(wanted: list[str], modules: list[tuple[str, nn.Module]]) -> st
     return f"no module name is close; the layers it can adapt are named {shown}"
 
 
-def _no_kind(module: nn.Module) -> str:
-    """What a module of no kind is, for the refusal: its class, and a grouped conv's groups (the
-    conv kind's canonical view holds one kernel over all input channels)."""
-    if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
-        return f"{type(module).__name__} with groups={module.groups}; conv layers are adapted with groups=1 only"
+def no_kind(module: nn.Module) -> str:
+    """What a module of no kind is, for the refusal: its class."""
     return type(module).__name__
 
 
 def _sizes(kind: str, shape: Sequence[int]) -> tuple[int, int]:
     """``(d_in, d_out)`` of a stored weight of ``kind`` (the kinds table)."""
-    if kind == "linear":
+    if kind in ("linear", "param", *MHA_LAYOUTS):
         return shape[1], shape[0]
     if kind in ("conv1d", "embedding"):
         return shape[0], shape[1]
-    if kind == "conv":
+    if kind in CONV_LAYOUTS:
         return math.prod(shape[1:]), shape[0]
     if kind == "norm":
         return shape[0], shape[0]
@@ -291,34 +348,66 @@ def _expert_parameters(model: nn.Module, spec: AdapterSpec) -> list[tuple[str, s
             if not hits:
                 continue
             matched_entries.update(hits)
-            if param.dim() != 3:
-                raise ValueError(  # error: target-parameter-not-3d
-                    f"target_parameters selects {key} of shape {tuple(param.shape)}; lora_func adapts 3-D expert "
-                    f"parameters (num_experts, out, in) there: name 2-D weights' modules in `targets` instead"
+            if param.dim() not in (2, 3):
+                raise ValueError(  # error: target-parameter-dims
+                    f"target_parameters selects {key} of shape {tuple(param.shape)}; lora_func adapts 2-D parameters "
+                    f"(out, in) and 3-D expert parameters (num_experts, out, in) there, as peft's ParamWrapper: name the "
+                    f"module in `targets` instead"
                 )
-            layout = "experts_t" if getattr(module, "is_transposed", False) else "experts"
-            found.append((owner, pname, param, layout))
+            found.append((owner, pname, param, parameter_layout(module, param)))
     unmatched = sorted(set(wanted) - matched_entries)
     if unmatched:
-        names = [n for n, p in model.named_parameters() if p.dim() == 3]
+        names = [n for n, p in model.named_parameters() if p.dim() == 3] or [n for n, p in model.named_parameters() if p.dim() == 2]
         raise ValueError(  # error: target-parameters-unmatched
             f"target_parameters {unmatched} match no parameter of {type(model).__name__}; its 3-D (expert) "
-            f"parameters are {names[:8]}{' ...' if len(names) > 8 else ''}"
+            f"parameters, or else 2-D ones, are {names[:8]}{' ...' if len(names) > 8 else ''}"
         )
     return found
+
+
+def _weights(modules: Mapping[str, nn.Module], kinds: Sequence[tuple[str, nn.Module, str | None]]) -> list[tuple[str, str, Tensor, str]]:
+    """``(owner module, parameter name, parameter, layout)`` of the matched modules' weights, in
+    module order: an ``nn.MultiheadAttention`` gives its ``in_proj_weight`` and its out_proj's weight
+    (an out_proj also matched on its own is adapted once), an attention's out_proj on its own is
+    of layout ``"mha_out"`` (its forward is never called)."""
+    found: dict[str, tuple[str, str, Tensor, str]] = {}
+    for name, module, kind in kinds:
+        if kind == "mha":
+            attention = cast(nn.MultiheadAttention, module)
+            found.setdefault(f"{name}.in_proj_weight", (name, "in_proj_weight", cast(Tensor, attention.in_proj_weight), "mha_in"))
+            found.setdefault(f"{name}.out_proj.weight", (f"{name}.out_proj", "weight", attention.out_proj.weight, "mha_out"))
+        else:
+            layout = "mha_out" if is_mha_out_proj(modules, name) else str(kind)
+            found.setdefault(f"{name}.weight", (name, "weight", cast(Tensor, module.weight), layout))
+    return list(found.values())
 
 
 def check_kinds(variant: Variant, targets: Sequence[Target], where: str) -> None:
     """Raise unless ``variant`` adapts the kind of every target (``Variant.kinds``), naming the
     variant, the targets and kinds it refuses, and the kinds it adapts."""
-    refused = sorted({f"{t.module} ({kind_of_layout(t.layout)})" for t in targets if kind_of_layout(t.layout) not in variant.kinds})
+    refuse_kinds(variant, [(t.module, kind_of_layout(t.layout)) for t in targets], where)
+
+
+def refuse_kinds(variant: Variant, kinds: Sequence[tuple[str, str]], where: str) -> None:
+    """:func:`check_kinds` on ``(module, kind)`` pairs (a checkpoint's layers before any is read)."""
+    refused = sorted({f"{module} ({kind})" for module, kind in kinds if kind not in variant.kinds})
     if refused:
         supported = [f"{k} ({KINDS[k]})" for k in KINDS if k in variant.kinds]
+        why = "".join(sorted({_WHY_NOT.get(kind, "") for _, kind in kinds if kind not in variant.kinds}))
         raise ValueError(  # error: variant-kind-unsupported
             f"{where}: variant {variant.name!r} cannot adapt {refused[:5]}{' ...' if len(refused) > 5 else ''}; "
-            f"{variant.name} adapts {', '.join(supported)}. Leave those out of the targets, or pick a variant that adapts "
-            f"them (lora adapts every kind but norms; ln_tuning adapts norms, Linear and Conv1D)"
+            f"{variant.name} adapts {', '.join(supported)}.{why} Leave those out of the targets, or pick a variant that adapts "
+            f"them (lora adapts every kind but norms and grouped convs; ln_tuning adapts norms, Linear and Conv1D)"
         )
+
+
+# Why a kind is not adapted by some variants, where that is not the variant's own choice.
+_WHY_NOT = {
+    "grouped_conv": (
+        " A grouped conv (groups > 1) is adapted in its grouped kernel (loha, lokr, ia3); peft's conv LoRA and DoRA add "
+        "a dense (out, in, *kernel) update there, which the grouped layer cannot hold."
+    ),
+}
 
 
 def find_targets(model: nn.Module, spec: AdapterSpec, where: str = "init_adapter") -> list[Target]:
@@ -363,7 +452,7 @@ def find_targets(model: nn.Module, spec: AdapterSpec, where: str = "init_adapter
         )
     kinds = [(name, module, layer_kind(module)) for name, module in matched]
     if spec.layer_types is None:
-        unsupported = sorted(f"{name} ({_no_kind(module)})" for name, module, kind in kinds if kind is None)
+        unsupported = sorted(f"{name} ({no_kind(module)})" for name, module, kind in kinds if kind is None)
         if unsupported:
             raise ValueError(  # error: target-unsupported-kind
                 f"target(s) {unsupported} are of no kind lora_func adapts ({', '.join(KINDS.values())}); narrow "
@@ -377,7 +466,7 @@ def find_targets(model: nn.Module, spec: AdapterSpec, where: str = "init_adapter
             )
     names_of = tensor_names(model)
     targets = []
-    pairs = [(name, "weight", module.weight, str(kind)) for name, module, kind in kinds]
+    pairs = _weights(dict(modules), kinds)
     for owner, pname, param, layout in [*pairs, *experts]:
         weight = param
         shape = logical_shape(weight)  # a packed quantized weight reports its layer's shape
@@ -390,17 +479,18 @@ def find_targets(model: nn.Module, spec: AdapterSpec, where: str = "init_adapter
                 f"Pass tied='both' to adapt the shared tensor under every name, or leave {owner} out of targets"
             )
         module = model.get_submodule(owner)
-        has_bias = pname == "weight" and getattr(module, "bias", None) is not None
+        bias = {"weight": "bias", "in_proj_weight": "in_proj_bias"}.get(pname) if layout not in PARAM_LAYOUTS else None
+        has_bias = bias is not None and getattr(module, bias, None) is not None
         targets.append(
             Target(
-                module=owner if pname == "weight" else weight_key,
+                module=owner if layout not in PARAM_LAYOUTS else weight_key,
                 weight_key=weight_key,
-                bias_key=f"{owner}.bias" if has_bias else None,
+                bias_key=f"{owner}.{bias}" if has_bias else None,
                 layout=layout,  # the unsupported (None) kinds were refused or filtered above
                 d_in=int(d_in),
                 d_out=int(d_out),
                 tied_keys=others,
-                shape=tuple(int(n) for n in shape) if layout in ("conv", *EXPERT_LAYOUTS) else (),
+                shape=tuple(int(n) for n in shape) if layout in (*CONV_LAYOUTS, *PARAM_LAYOUTS) else (),
             )
         )
     check_kinds(get_variant(spec.variant), targets, where)

@@ -36,16 +36,22 @@ DEFAULT_TARGETS |= {
     "llama_embedding": ["embed_tokens"],
     "gpt2_norm": ["ln_1", "ln_f"],
     "convlm": ["seq", "grid"],
+    "gconvlm": ["seq", "grid"],
+    "attention": ["attn"],
+    "parameters": [],
     "mixtral": [],
 }
 # Extra AdapterSpec arguments per model (expert parameters are named by target_parameters).
-MODEL_SPEC = {"mixtral": {"target_parameters": ["gate_up_proj", "down_proj"]}}
+MODEL_SPEC = {"mixtral": {"target_parameters": ["gate_up_proj", "down_proj"]}, "parameters": {"target_parameters": ["hold.w"]}}
 # The contract suite's layer kinds, each on a model that has it.
 LAYER_KIND_MODEL = {
     "linear": "llama",
     "conv1d": "gpt2",
     "embedding": "llama_embedding",
     "conv": "convlm",
+    "grouped_conv": "gconvlm",
+    "parameter": "parameters",
+    "mha": "attention",
     "norm": "gpt2_norm",
     "experts": "mixtral",
 }
@@ -72,12 +78,67 @@ class ConvLM(nn.Module):
         return CausalLMOutput(logits=self.head(h.transpose(1, 2)))
 
 
+class GroupedConvLM(ConvLM):
+    """:class:`ConvLM` with grouped convolutions: ``seq`` in 4 groups, ``grid`` in 2."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seq = nn.Conv1d(16, 16, 3, padding=2, groups=4)
+        self.grid = nn.Conv2d(4, 4, (3, 2), padding=(1, 1), groups=2, bias=False)
+
+
+class AttentionLM(nn.Module):
+    """A tiny LM on an ``nn.MultiheadAttention``: token embedding (dim 8), causal self-attention
+    (2 heads, batch first), a Linear head; returns ``.logits``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 8)
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.head = nn.Linear(8, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor) -> CausalLMOutput:
+        h = self.embed(input_ids)
+        t = h.shape[-2]
+        causal = torch.triu(torch.ones(t, t, dtype=torch.bool, device=h.device), diagonal=1)
+        # keys and values another tensor than the queries, need_weights: torch's plain path (bmm and
+        # softmax), which torch.func.vmap batches (its fused kernels have no batching rule)
+        kv = h.clone()
+        return CausalLMOutput(logits=self.head(h + self.attn(h, kv, kv, attn_mask=causal, need_weights=True)[0]))
+
+
+class ParameterHolder(nn.Module):
+    """A module that holds bare parameters and uses them itself: ``w (6, 8)`` and ``experts (3, 6, 8)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(6, 8))
+        self.experts = nn.Parameter(torch.randn(3, 6, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.w.T + torch.einsum("...i,eoi->...o", x, self.experts) / 3
+
+
+class ParameterLM(nn.Module):
+    """A tiny LM through :class:`ParameterHolder` (``hold``): embedding (dim 8), ``hold``, a Linear
+    head; returns ``.logits``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 8)
+        self.hold = ParameterHolder()
+        self.head = nn.Linear(6, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor) -> CausalLMOutput:
+        return CausalLMOutput(logits=self.head(torch.tanh(self.hold(self.embed(input_ids)))))
+
+
 def tiny_model(kind: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:
     """A 2-layer model with hidden size 32, random weights from ``seed``, eval mode, eager attention
     (SDPA has no vmap batching rule on CPU and warns)."""
     torch.manual_seed(seed)
-    if kind == "convlm":
-        model = ConvLM()
+    if kind in ("convlm", "gconvlm", "attention", "parameters"):
+        model = {"convlm": ConvLM, "gconvlm": GroupedConvLM, "attention": AttentionLM, "parameters": ParameterLM}[kind]()
         with torch.no_grad():
             for p in model.parameters():
                 p.normal_(0.0, INIT_RANGE)

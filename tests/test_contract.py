@@ -58,8 +58,10 @@ def test_targets_are_exactly_the_requested_layers(row, kind):
     model_kind = LAYER_KIND_MODEL[kind]
     wanted = (row.targets or DEFAULT_TARGETS).get(model_kind, DEFAULT_TARGETS[model_kind])
     wanted = [*wanted, *MODEL_SPEC.get(model_kind, {}).get("target_parameters", [])]
-    names = [n for n, _ in model.named_modules()] + [n for n, p in model.named_parameters() if p.dim() == 3]
+    names = [n for n, _ in model.named_modules()] + [n for n, p in model.named_parameters() if p.dim() in (2, 3) and "." in n]
     expected = sorted(n for n in names if any(n == t or n.endswith("." + t) for t in wanted))
+    if kind == "mha":  # an attention is two targets: its in_proj (named as the attention) and its out_proj
+        expected = sorted([*expected, *(f"{n}.out_proj" for n in expected)])
     assert sorted(layer.target.module for layer in adapter.layers) == expected
     assert {kind_of_layout(layer.target.layout) for layer in adapter.layers} == {kind}
 
@@ -109,7 +111,8 @@ def test_identity_at_init(row, kind):
 def test_step0_gradient_pattern_per_tensor(row, kind):
     model, adapter = build(row, kind)
     names = {name for layer in adapter.layers for name, _ in layer.param_shapes}
-    assert row.step0_nonzero <= names, f"row names {sorted(row.step0_nonzero - names)} are not trainable tensors"
+    nonzero = row.step0(kind)
+    assert nonzero <= names, f"row names {sorted(nonzero - names)} are not trainable tensors"
     base, ids = lf.base_params(model), tokens()
     grads = {m: grad(loss_fn(model, base, adapter, ids, path=m))(adapter.params) for m in PATHS}
     for layer in adapter.layers:
@@ -117,7 +120,7 @@ def test_step0_gradient_pattern_per_tensor(row, kind):
             key = f"{layer.target.module}.{name}"
             g = grads["lazy"][key]
             assert torch.isfinite(g).all(), key
-            if name in row.step0_nonzero:
+            if name in nonzero:
                 assert g.abs().max() > 0, f"{key} gets no gradient at step 0"
             else:
                 assert torch.count_nonzero(g) == 0, f"{key} should get exactly zero gradient at step 0"
@@ -332,7 +335,7 @@ def test_save_load_after_training_steps(row, kind, tmp_path):
         optimizer.zero_grad()
         loss_fn(model, lf.base_params(model), adapter, ids)(adapter.params).backward()
         optimizer.step()
-    for name in row.step0_nonzero:
+    for name in row.step0(kind):
         for layer in adapter.layers:
             key = f"{layer.target.module}.{name}"
             assert not torch.equal(adapter.params[key], initial[key]), f"{key} did not train"

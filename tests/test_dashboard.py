@@ -145,7 +145,7 @@ def test_interpretation_draws_the_conclusion_from_the_numbers_and_explains_the_r
 # variant): the browser runs each through Train. vblora also has an option lowered to fit the
 # model (vector_length 256 -> 64), pissa a reload that differs by round-off.
 TRAINED = {
-    "the LoRA family": "pissa", "scaling vectors": "ia3", "norm and layer copies": "ln_tuning",
+    "the LoRA family": "pissa", "scaling vectors": "ia3", "trained copies and biases": "ln_tuning",
     "structured and multiplicative": "loha", "a few numbers over a basis or bank shared by every layer": "vblora",
     "subspaces of the weight's SVD": "adamss",
 }

@@ -962,7 +962,17 @@ CASES.update(
         "peft-missing-modules": Case(saved_peft(lambda d, ctx, m: _peft_on(d, ctx, m, onto=tiny_model("gpt2"))), ("GPT2LMHeadModel", Q)),
         "peft-tied-module": Case(saved_peft(_lm_head_checkpoint), ("['lm_head']", "merge_and_unload")),
         "peft-layer-refused": Case(saved_peft(lambda d, ctx, m: _peft_on(d, ctx, m, tensors=_rename_module(Q, "model.layers.0.input_layernorm"))), ("model.layers.0.input_layernorm (norm)", "lora adapts")),
+        "peft-layer-no-kind": Case(saved_peft(lambda d, ctx, m: _peft_on(d, ctx, m, tensors=_rename_module(Q, "model.layers.0.self_attn"))), ("model.layers.0.self_attn", "LlamaAttention", "LORA")),
+        "peft-parameter-dims": Case(
+            saved_peft(lambda d, ctx, m: _peft_on(d, ctx, m, config={"target_parameters": [Q + ".bias"]})), (Q + ".bias (32,)", "LlamaForCausalLM")
+        ),
         "peft-shapes": Case(saved_peft(lambda d, ctx, m: _peft_on(d, ctx, m, onto=_wider_llama())), ("LlamaForCausalLM", Q)),
+        "peft-modules-to-save-kind": Case(
+            saved_peft(lambda d, ctx, m: _peft_on(
+                d, ctx, m, config={"modules_to_save": ["layers.0.mlp"]}, tensors=lambda t: t | {"base_model.model.model.layers.0.mlp.up_proj.weight": torch.zeros(4, 32)}
+            )),
+            ("modules_to_save", "model.layers.0.mlp (LlamaMLP", "['up_proj.weight']"),
+        ),
         "peft-unsupported-features": Case(saved_peft(lambda d, ctx, m: _peft_on(d, ctx, m, config={"bias": "all"})), ("LORA", "['bias']")),
         "peft-incomplete": Case(saved_peft(lambda d, ctx, m: _peft_on(d, ctx, m, tensors=lambda t: {k: v for k, v in t.items() if not (Q in k and "lora_B" in k)})), (Q, "['lora_A']", "['lora_A', 'lora_B']")),
         "peft-rank-mismatch": Case(saved_peft(lambda d, ctx, m: _peft_on(d, ctx, m, config={"r": 3, "rank_pattern": {}})), ("rank 2", "says 3")),
@@ -1269,6 +1279,13 @@ def _loha_on_conv3d(ctx: Ctx) -> tuple[Any, nn.Module | None]:
 CASES.update(
     {
         "lycoris-conv-dropout": Case(init("lokr", ["grid"], kind="convlm", r=2, module_dropout=0.1), ("lokr", "grid", "kernel (3, 2)", "module_dropout=0.1")),
+        "save-peft-conv-kind": Case(
+            save_peft_of(lambda ctx: (lf.init_adapter(ctx.model("convlm"), lf.AdapterSpec("ia3", targets=["seq"])), None)), ("IA3", "nn.Conv1d", "(3,)")
+        ),
+        "save-peft-out-proj-alone": Case(
+            save_peft_of(lambda ctx: (lf.init_adapter(ctx.model("attention"), lf.AdapterSpec("lora", targets=["attn.out_proj"], r=2)), None)),
+            ("['attn.out_proj']", "nn.MultiheadAttention"),
+        ),
         "save-peft-lycoris-conv3d": Case(save_peft_of(_loha_on_conv3d), ("loha", "(2, 2, 2)", "lora_func.save")),
     }
 )
@@ -1892,10 +1909,10 @@ def _experts_checkpoint(edit: Callable[[Path, dict[str, Any]], None]) -> Callabl
 
 CASES.update(
     {
-        "variant-kind-unsupported": Case(init("dora", ["embed_tokens", "q_proj"]), ("'dora'", "model.embed_tokens (embedding)", "linear (nn.Linear)")),
+        "variant-kind-unsupported": Case(init("hra", ["embed_tokens", "q_proj"]), ("'hra'", "model.embed_tokens (embedding)", "linear (nn.Linear)")),
         "spec-target-parameters": Case(spec("lora", [], target_parameters="gate_up_proj"), ("'gate_up_proj'",)),
         "target-parameters-unmatched": Case(init("lora", [], kind="mixtral", target_parameters=["gate_proj"]), ("['gate_proj']", "gate_up_proj")),
-        "target-parameter-not-3d": Case(init("lora", [], target_parameters=[f"{Q}.weight"]), (f"{Q}.weight", "(32, 32)")),
+        "target-parameter-dims": Case(init("lora", [], target_parameters=[f"{Q}.bias"]), (f"{Q}.bias", "(32,)")),
         "kind-quantized-or-sharded": Case(_quantized_embedding, ("model.embed_tokens.weight", "embedding")),
         "mixed-route-kind": Case(
             lambda ctx: (lambda m, a: lambda: lf.mixed_call(m, [a, a], torch.tensor([0, 1]), IDS, batching="layers"))(

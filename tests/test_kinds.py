@@ -19,6 +19,9 @@ from tests.models import tiny_model, tokens
 NEW_KINDS = {
     "embedding": ("llama", ["embed_tokens"], {}),
     "conv": ("convlm", ["seq", "grid"], {}),
+    "grouped_conv": ("gconvlm", ["seq", "grid"], {}),
+    "parameter": ("parameters", [], {"target_parameters": ["hold.w"]}),
+    "mha": ("attention", ["attn"], {}),
     "norm": ("gpt2", ["ln_1", "ln_f"], {}),
     "experts": ("mixtral", [], {"target_parameters": ["gate_up_proj", "down_proj"]}),
 }
@@ -50,8 +53,8 @@ def test_every_variant_adapts_a_kind_or_refuses_it_clearly(variant, kind, models
 
 
 def test_lora_and_ln_tuning_declare_their_kinds():
-    assert lf.get_variant("lora").kinds == {"linear", "conv1d", "embedding", "conv", "experts"}
-    assert lf.get_variant("ln_tuning").kinds == {"linear", "conv1d", "norm"}
+    assert lf.get_variant("lora").kinds == {"linear", "conv1d", "embedding", "conv", "experts", "parameter", "mha"}
+    assert lf.get_variant("ln_tuning").kinds == {"linear", "conv1d", "norm", "embedding", "conv", "grouped_conv"}
 
 
 def _perturbed(adapter, scale=0.3, seed=4):
@@ -64,7 +67,7 @@ def test_lora_merged_weights_per_kind_follow_the_formula(models):
     conv's kernel s·B·A reshaped to (out, in, *k), each expert e its own s·B_e A_e."""
     s = 6.0 / 2
     for kind, (model_name, targets, extra) in NEW_KINDS.items():
-        if kind == "norm":
+        if kind in ("norm", "grouped_conv", "parameter", "mha"):  # (LoRA adapts neither of the first two; the others: test_kinds_peft)
             continue
         model = models[model_name]
         adapter = _perturbed(lf.init_adapter(model, lf.AdapterSpec("lora", targets=targets, r=2, alpha=6.0, **extra)))
@@ -313,9 +316,39 @@ def test_lycoris_conv_kernels_follow_peft_s_formula_train_and_reload(variant, ef
     assert torch.equal(lf.adapted_call(model, loaded, x), lf.adapted_call(model, adapter, x))
 
 
-def test_a_grouped_conv_is_refused_naming_its_groups():
+def test_a_grouped_conv_is_adapted_in_its_grouped_kernel_or_refused_saying_why():
     model = nn.Sequential()
     model.add_module("depthwise", nn.Conv2d(4, 4, 3, groups=4))
-    for variant in ("lora", "loha", "lokr"):
-        with pytest.raises(ValueError, match=r"depthwise \(Conv2d with groups=4; conv layers are adapted with groups=1 only\)"):
+    for variant in ("lora", "dora"):
+        with pytest.raises(ValueError, match=r"depthwise \(grouped_conv\)'\]; .* a dense \(out, in, \*kernel\) update"):
             lf.init_adapter(model, lf.AdapterSpec(variant, targets=["depthwise"], r=2))
+    for variant in ("loha", "lokr", "ia3"):
+        adapter = lf.init_adapter(model, lf.AdapterSpec(variant, targets=["depthwise"], r=2))
+        assert adapter.layers[0].info.d_in == 9 and adapter.layers[0].info.kernel == (3, 3)  # (in / groups) · K
+
+
+def test_the_kinds_table_in_docs_variants_is_the_registry_s():
+    """docs/variants.md's table of the kinds each variant adapts is ``Variant.kinds``, row by row
+    ("every other variant": the variants no row names)."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "variants.md").read_text()
+    lines = text[text.index("| variant | Linear | Conv1D |"):].splitlines()
+    columns = {"Linear": "linear", "Conv1D": "conv1d", "Embedding": "embedding", "Conv1d/2d/3d": "conv",
+               "grouped conv": "grouped_conv", "norm": "norm", "expert parameter": "experts", "2-D parameter": "parameter",
+               "MultiheadAttention": "mha"}
+    header = [cell.strip() for cell in lines[0].strip("|").split("|")][1:]
+    assert {columns[h] for h in header} == set(KINDS)
+    documented, rest = {}, None
+    for line in lines[2:]:
+        if not line.startswith("|"):
+            break
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        kinds = {columns[h] for h, mark in zip(header, cells[1:], strict=True) if mark == "✓"}
+        if cells[0] == "every other variant":
+            rest = kinds
+        for name in cells[0].replace("`", "").split(", ") if cells[0] != "every other variant" else ():
+            documented[name] = kinds
+    assert rest is not None
+    for name in lf.list_variants():
+        assert lf.get_variant(name).kinds == documented.get(name, rest), name

@@ -11,18 +11,21 @@ the lora_func side) loads in peft with lora_func's logits.
 
 from __future__ import annotations
 
+import re
 import types
 import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
-from peft import LNTuningConfig, LoHaConfig, LoKrConfig, LoraConfig, PeftModel, get_peft_model
+import peft
+from peft import BOFTConfig, LNTuningConfig, LoHaConfig, LoKrConfig, LoraConfig, PeftModel, TinyLoraConfig, get_peft_model
 from torch import nn
 from torch.func import grad
 from transformers import MixtralConfig, MixtralForCausalLM
 
 import lora_func as lf
+from lora_func.adapter import leaves
 from tests.models import tiny_model, tokens
 from tests.peft_helpers import ce_loss
 
@@ -102,6 +105,70 @@ def _twotapconvnet(seed: int = 0) -> nn.Module:
 _LYC_CONVS = ["conv1", "conv2", "point", "seq"]
 
 
+class MLP(nn.Module):
+    """``out(relu(lin2(relu(lin1(x)))))``: a square Linear, a narrow one (8 outputs) and a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin1 = nn.Linear(16, 16)
+        self.lin2 = nn.Linear(16, 8)
+        self.out = nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(F.relu(self.lin2(F.relu(self.lin1(x)))))
+
+
+def _mlp(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return MLP().to(torch.float64).eval()
+
+
+def _mlp_input():
+    return torch.randn(3, 4, 16, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+
+
+def _square_mean(out, x):
+    return out.square().mean()
+
+
+class ConvZoo(nn.Module):
+    """Every conv peft adapts somewhere: ``nn.Conv2d`` / ``Conv3d`` / ``Conv1d`` (kernel 3, padding 1),
+    each also with ``groups > 1``, then a Linear head; input ``(B, 4, 6, 6)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv2 = nn.Conv2d(4, 8, 3, padding=1)
+        self.grp2 = nn.Conv2d(8, 8, 3, padding=1, groups=2)
+        self.conv3 = nn.Conv3d(2, 2, 3, padding=1)
+        self.grp3 = nn.Conv3d(2, 2, (1, 3, 3), padding=(0, 1, 1), groups=2)
+        self.conv1 = nn.Conv1d(8, 8, 3, padding=1)
+        self.grp1 = nn.Conv1d(8, 8, 3, padding=1, groups=4)
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.grp2(torch.tanh(self.conv2(x))))
+        b = h.shape[0]
+        v = torch.tanh(self.grp3(torch.tanh(self.conv3(h.reshape(b, 2, 4, 6, 6)))))
+        s = torch.tanh(self.grp1(torch.tanh(self.conv1(v.reshape(b, 8, 36)))))
+        return self.head(s.mean(-1))
+
+
+def _zoo(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    model = ConvZoo().to(torch.float64).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.3)  # weights large enough that every layer moves the output
+    return model
+
+
+def _zoo_input():
+    return torch.randn(2, 4, 6, 6, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+
+
+_PLAIN_CONVS = ["conv2", "conv3", "conv1"]
+
+
 def _mixtral(implementation: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     config = MixtralConfig(
@@ -123,12 +190,17 @@ def _peft(model: nn.Module, config) -> nn.Module:
     return out.eval()
 
 
+def _trained(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """peft's trainable parameters, sorted by name (AdaLoRA's ``ranknum``, a constant peft leaves
+    requiring grad and does not save, left out)."""
+    return [(n, p) for n, p in sorted(model.named_parameters()) if p.requires_grad and ".ranknum." not in n]
+
+
 def _perturb(model: nn.Module, seed: int = 5, scale: float = 0.1) -> None:
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for _, p in sorted(model.named_parameters()):
-            if p.requires_grad:
-                p.add_(scale * torch.randn(p.shape, generator=g, dtype=p.dtype))
+        for _, p in _trained(model):
+            p.add_(scale * torch.randn(p.shape, generator=g, dtype=p.dtype))
 
 
 def _save_pretrained(model: nn.Module, path) -> None:
@@ -140,6 +212,8 @@ def _save_pretrained(model: nn.Module, path) -> None:
 def _from_pretrained(base: nn.Module, path) -> nn.Module:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
+        # save_peft writes no peft_version: peft's OFT then warns its Cayley-Neumann form changed in 0.18
+        warnings.filterwarnings("ignore", "The cayley-neumann parameterization has been slightly changed", UserWarning)
         warnings.filterwarnings("ignore", "Unsupported layer type", UserWarning)
         return PeftModel.from_pretrained(base, path).eval()
 
@@ -201,6 +275,58 @@ CASES = {
         lambda: LoraConfig(r=R, lora_alpha=ALPHA, target_modules=["q_proj"], target_parameters=["1.mlp.experts.down_proj"]),
         tokens, _lm_loss, 2e-5,
     ),
+    # peft without its CUDA extension (every CPU) builds one butterfly factor whatever the config
+    # says: loaded with the others at the identity
+    "boft-one-of-two-factors": (
+        _mlp, lambda: BOFTConfig(target_modules=["lin1", "lin2"], boft_block_size=4, boft_n_butterfly_factor=2), _mlp_input, _square_mean, 1e-9,
+    ),
+    # peft lowers r to a layer's min(d_in, d_out) (lin2: 8), the config keeps r = 12
+    "tinylora-rank-above-a-layer": (
+        _mlp, lambda: TinyLoraConfig(target_modules=["lin1", "lin2"], r=12, u=3), _mlp_input, _square_mean, 1e-9,
+    ),
+    # the layer kinds peft adapts for each method, with and without groups where peft has them
+    "dora-conv": (_zoo, lambda: LoraConfig(r=R, lora_alpha=ALPHA, use_dora=True, target_modules=_PLAIN_CONVS), _zoo_input, _square_mean, 1e-9),
+    "dora-embedding": (
+        _llama64, lambda: LoraConfig(r=R, lora_alpha=ALPHA, use_dora=True, target_modules=["embed_tokens", "q_proj"]), _tokens_with_padding, _lm_loss, 1e-9,
+    ),
+    "hira-conv": (_zoo, lambda: peft.HiraConfig(r=R, target_modules=_PLAIN_CONVS), _zoo_input, _square_mean, 1e-9),
+    "ia3-conv": (
+        _zoo, lambda: peft.IA3Config(target_modules=["conv2", "grp2", "conv3", "grp3"], feedforward_modules=["conv3"]),
+        _zoo_input, _square_mean, 1e-9,
+    ),
+    # peft's OFT conv forward is not its merge (below): the oracle is its merged kernel
+    "oft-conv": (_zoo, lambda: peft.OFTConfig(r=0, oft_block_size=4, target_modules=["conv2"]), _zoo_input, _square_mean, 1e-9),
+    "hra-conv": (_zoo, lambda: peft.HRAConfig(r=2, target_modules=["conv2"]), _zoo_input, _square_mean, 1e-9),
+    "boft-conv": (_zoo, lambda: BOFTConfig(boft_block_size=4, target_modules=["conv2"]), _zoo_input, _square_mean, 1e-9),
+    "adalora-conv": (
+        _zoo, lambda: peft.AdaLoraConfig(init_r=R, target_r=2, total_step=10, target_modules=["conv2"]), _zoo_input, _square_mean, 1e-9,
+    ),
+    "loha-grouped-conv": (_zoo, lambda: LoHaConfig(r=2, alpha=ALPHA, target_modules=["grp2", "grp1"]), _zoo_input, _square_mean, 1e-9),
+    "lokr-grouped-conv": (_zoo, lambda: LoKrConfig(r=2, alpha=ALPHA, target_modules=["grp2", "grp1"]), _zoo_input, _square_mean, 1e-9),
+    "tinylora-embedding": (
+        _llama64, lambda: TinyLoraConfig(r=R, u=3, target_modules=["embed_tokens", "q_proj"]), _tokens_with_padding, _lm_loss, 1e-9,
+    ),
+    # peft's ParamWrapper on a 2-D parameter a module uses itself (num_experts 1: a Linear's math)
+    "lora-2d-parameter": (
+        lambda seed=0: tiny_model("parameters", seed=seed, dtype=torch.float64),
+        lambda: LoraConfig(r=R, lora_alpha=ALPHA, target_modules=["head"], target_parameters=["hold.w"]), tokens, _lm_loss, 1e-9,
+    ),
+    # peft's MultiheadAttention: in_proj and out_proj merged for each call (the out_proj's update
+    # twice, see docs/variants.md); the gradients below
+    "lora-mha": (
+        lambda seed=0: tiny_model("attention", seed=seed, dtype=torch.float64),
+        lambda: LoraConfig(r=R, lora_alpha=ALPHA, target_modules=["attn", "head"]), tokens, _lm_loss, 1e-9,
+    ),
+    # peft's selection and pattern options together: rank_pattern / alpha_pattern as regexes,
+    # layers_to_transform + layers_pattern, exclude_modules (the loaded layers are the file's)
+    "lora-patterns-and-selection": (
+        _llama64,
+        lambda: LoraConfig(
+            r=R, lora_alpha=ALPHA, target_modules=["q_proj", "v_proj", "down_proj"], layers_to_transform=[0, 1], layers_pattern="layers",
+            exclude_modules=["model.layers.1.self_attn.v_proj"], rank_pattern={r"layers\.0\..*_proj": 2}, alpha_pattern={r".*down_proj": 3.0},
+        ),
+        tokens, _lm_loss, 1e-9,
+    ),
     "ln_tuning-rmsnorm": (_llama64, lambda: LNTuningConfig(target_modules=["input_layernorm", "norm"]), tokens, _lm_loss, 1e-9),
     "ln_tuning-layernorm": (
         lambda seed=0: tiny_model("gpt2", seed=seed, dtype=torch.float64),
@@ -217,7 +343,7 @@ CASES = {
 def _peft_grads(peft_model, inputs, loss) -> dict[str, torch.Tensor]:
     peft_model.zero_grad()
     loss(peft_model(inputs), inputs).backward()
-    return {n: p.grad.detach().clone() for n, p in peft_model.named_parameters() if p.requires_grad}
+    return {n: p.grad.detach().clone() for n, p in _trained(peft_model)}
 
 
 def _as_peft(adapter: lf.Adapter, tensors: dict[str, torch.Tensor], tmp_path) -> dict[str, torch.Tensor]:
@@ -230,8 +356,19 @@ def _as_peft(adapter: lf.Adapter, tensors: dict[str, torch.Tensor], tmp_path) ->
 
 
 def _peft_key(name: str) -> str:
-    """peft's parameter name -> its key in the checkpoint (no adapter name)."""
-    return name.replace(".default", "")
+    """peft's parameter name -> its key in the checkpoint (no adapter name; a tensor held once
+    for every layer, TinyLoRA's vectors, under ``base_model.``)."""
+    key = re.sub(r"^base_model\.model\..*\.tinylora_v\.", "base_model.tinylora_v.", name.replace(".default", ""))
+    return key.removesuffix(".weight") if key.endswith("lora_magnitude_vector.weight") else key
+
+
+class _BlockDiag:
+    """Stands in for peft's CUDA ``FastBlockDiag`` (``(m, k, b, b) -> (m, k·b, k·b)``): peft's BOFT
+    with its extension, on the CPU."""
+
+    @staticmethod
+    def apply(blocks):
+        return torch.stack([torch.block_diag(*factor) for factor in blocks])
 
 
 def _make_kron_mended(w1, w2, scale=1.0):
@@ -243,20 +380,46 @@ def _make_kron_mended(w1, w2, scale=1.0):
     return torch.kron(w1.clone(memory_format=torch.contiguous_format), w2.clone(memory_format=torch.contiguous_format)) * scale
 
 
+def _oft_conv_merged(self, x, *args, **kwargs):
+    """peft's OFT ``Conv2d`` as its merge computes it (``merge``: ``W ← (R W_flatᵀ)ᵀ``), under autograd.
+    peft 0.21.2's own forward rotates unfolded patches of the input (stride 1, no padding) and folds
+    them back, summing the overlaps: not the identity even at ``R = I`` (checked in the fixture),
+    and not its merge."""
+    base = self.get_base_layer()
+    rotation = self.oft_R["default"].get_weight()
+    flat = base.weight.reshape(base.weight.shape[0], -1)
+    merged = (rotation @ flat.T.to(rotation.dtype)).T.reshape(base.weight.shape).to(x.dtype)
+    return F.conv2d(x, merged, base.bias, base.stride, base.padding, base.dilation, base.groups)
+
+
 @pytest.fixture(scope="module", params=sorted(CASES))
 def case(request, tmp_path_factory):
     build, config, inputs, loss, rtol = CASES[request.param]
     mend = pytest.MonkeyPatch()
+    if request.param.startswith("boft"):
+        import peft.tuners.boft.layer as boft_layer
+
+        mend.setattr(boft_layer, "_FBD_CUDA", False)  # peft without its CUDA extension (every CPU)
     if request.param.startswith("lokr-conv-cp"):
         import peft.tuners.lokr.layer as lokr_layer
 
         mend.setattr(lokr_layer, "make_kron", _make_kron_mended)
     peft_model = _peft(build(), config())
+    if request.param == "oft-conv":
+        import peft.tuners.oft.layer as oft_layer
+
+        x = inputs()
+        own_at_init = peft_model(x)
+        assert (own_at_init - build()(x)).abs().max() > 1e-2, "peft's OFT conv forward is the identity at init: use it as the oracle"
+        mend.setattr(oft_layer.Conv2d, "forward", _oft_conv_merged)
+        torch.testing.assert_close(peft_model(x), build()(x), rtol=1e-12, atol=1e-12)  # the merge is
     _perturb(peft_model)
     path = tmp_path_factory.mktemp(request.param)
     _save_pretrained(peft_model, path)
     lf_model = build()
-    adapter = lf.load_peft(path, lf_model)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "a BOFT checkpoint with boft_n_butterfly_factor", UserWarning)
+        adapter = lf.load_peft(path, lf_model)
     yield types.SimpleNamespace(name=request.param, peft=peft_model, model=lf_model, adapter=adapter, x=inputs(), loss=loss, rtol=rtol, build=build)
     mend.undo()
 
@@ -287,6 +450,26 @@ def _make_weight_cp_by_autograd(t1, w1a, w1b, t2, w2a, w2b, scale):
     return rebuild1 * torch.einsum("i j k l, j r, i p -> p r k l", t2, w2b, w2a) * scale
 
 
+def _check_by_finite_differences(case, key: str, ours: torch.Tensor) -> None:
+    """The directional derivative of peft's forward loss along a random direction of tensor ``key``
+    (central differences) equals ``ours`` along it (relative 1e-6)."""
+    param = dict(case.peft.named_parameters())[key.replace(".weight", ".default.weight")]
+    direction = torch.randn(param.shape, generator=torch.Generator().manual_seed(11), dtype=param.dtype)
+    eps = 1e-5
+
+    def at(step: float) -> float:
+        with torch.no_grad():
+            param.add_(step * direction)
+            try:
+                return float(case.loss(case.peft(case.x), case.x))
+            finally:
+                param.sub_(step * direction)
+
+    numeric = (at(eps) - at(-eps)) / (2 * eps)
+    analytic = float((ours * direction).sum())
+    assert abs(numeric - analytic) <= 1e-6 * abs(analytic), (key, numeric, analytic)
+
+
 def test_load_peft_gives_peft_gradients_per_tensor(case, tmp_path, monkeypatch):
     want = _peft_grads(case.peft, case.x, case.loss)
     if case.name.startswith("loha-conv-cp"):
@@ -306,16 +489,29 @@ def test_load_peft_gives_peft_gradients_per_tensor(case, tmp_path, monkeypatch):
     got = grad(loss)(dict(case.adapter.params))
     as_peft = _as_peft(case.adapter, got, tmp_path)
     want = {_peft_key(k): v for k, v in want.items()}
-    assert sorted(as_peft) == sorted(want)
+    # save_peft writes the buffers too (TinyLoRA's frozen factors): every other key is a gradient
+    frozen = {slot.peft_key("") for _, leaf in leaves(case.adapter) for slot in leaf.variant.tensors.values() if slot.buffer}
+    assert sorted(k for k in as_peft if k.rsplit(".", 1)[-1] not in frozen) == sorted(want)
     for key, g in want.items():
         assert g.abs().max() > 0, f"peft's {key} gets no gradient: the case cannot tell"
-        _close(as_peft[key].to(g.dtype), g, case.rtol, key)
+        ours = as_peft[key].to(g.dtype)
+        if case.name.startswith("boft-one-of") and key.endswith("boft_R"):
+            # peft's one factor is our first; the factors added at the identity train too
+            assert ours.shape[0] == 2 and g.shape[0] == 1 and ours[1:].abs().max() > 0, key
+            ours = ours[:1]
+        if case.name == "lora-mha" and ".out_proj." in key:
+            # peft's merge adds the out_proj's update twice, once out of the graph (an in-place
+            # `.data +=`): its gradient is half its forward's; the forward's, by finite differences, is ours
+            _close(ours, 2 * g, case.rtol, key)
+            _check_by_finite_differences(case, key, ours)
+            continue
+        _close(ours, g, case.rtol, key)
         if "lora_embedding_A" in key:  # the padding id's column: no gradient, as peft's
             assert torch.count_nonzero(as_peft[key][:, 0]) == 0 and torch.count_nonzero(g[:, 0]) == 0
     # Every route gives the same gradients: lazy (the embedding's gather) and merged, overlay and
     # module. On ids without the padding id: a lookup in the merged table with padding_idx stops
     # the padding rows' gradient to lora_B too, where peft's (and the lazy) form only stops lora_A's.
-    x = tokens() if case.name == "embedding" else case.x
+    x = tokens() if "embedding" in case.name else case.x
 
     def routed(params, route="overlay", merged=False):
         return case.loss(lf.adapted_call(case.model, case.adapter.with_params(params), x, route=route, merged=merged), x)
@@ -334,9 +530,18 @@ def test_save_peft_loads_in_peft_with_the_same_outputs(case, tmp_path):
         {k: (v.detach() + 0.05 * torch.randn(v.shape, generator=g, dtype=v.dtype)) for k, v in case.adapter.params.items()}
     )
     lf.save_peft(adapter, tmp_path, model=case.model)
-    peft_model = _from_pretrained(case.build(), tmp_path)
+    with pytest.MonkeyPatch.context() as mend:
+        if case.name.startswith("boft-one-of"):
+            import peft.tuners.boft.layer as boft_layer
+
+            # every factor asked for: peft without its extension builds one and refuses the file,
+            # peft with it (emulated on the CPU) loads it
+            with pytest.raises(RuntimeError, match=r"size mismatch for base_model\.model\.lin1\.boft_R"):
+                _from_pretrained(case.build(), tmp_path)
+            mend.setattr(boft_layer, "_FBD_CUDA", object())
+            mend.setattr(boft_layer, "FastBlockDiag", _BlockDiag)
+        got = _from_pretrained(case.build(), tmp_path)(case.x)
     want = lf.adapted_call(case.model, adapter, case.x)
-    got = peft_model(case.x)
     _close(got.logits if hasattr(got, "logits") else got, want.logits if hasattr(want, "logits") else want, case.rtol, "peft on save_peft")
     again = lf.load_peft(tmp_path, case.build())
     for key, tensor in adapter.params.items():
@@ -376,3 +581,73 @@ def test_conv_inits_draw_peft_s_numbers(variant, config, tmp_path):
     assert sorted(got) == sorted(want)
     for key, tensor in want.items():
         assert torch.equal(got[key].to(tensor.dtype), tensor), key
+
+
+
+def _redraw_lora(layer, cfg):
+    layer.reset_lora_parameters("default", True)
+    dora = layer.lora_magnitude_vector["default"]
+    a, b = (layer.lora_embedding_A["default"], layer.lora_embedding_B["default"]) if layer.lora_embedding_A else (
+        layer.lora_A["default"].weight, layer.lora_B["default"].weight)
+    dora.update_layer(base_layer=layer.get_base_layer(), lora_A=a, lora_B=b, scaling=layer.scaling["default"])
+
+
+# case -> (variant, peft config, model builder, spec options, peft's init of one layer from the global RNG)
+KIND_INITS = {
+    "dora-conv": ("dora", lambda: LoraConfig(r=R, lora_alpha=ALPHA, use_dora=True, target_modules=_PLAIN_CONVS), _zoo, {}, _redraw_lora),
+    # peft's embedding init: A = 0, B ~ N(0, 1)
+    "dora-embedding": (
+        "dora", lambda: LoraConfig(r=R, lora_alpha=ALPHA, use_dora=True, target_modules=["embed_tokens", "q_proj"]), _llama64, {}, _redraw_lora,
+    ),
+    "hira-conv-random": (
+        "hira", lambda: peft.HiraConfig(r=R, target_modules=_PLAIN_CONVS, init_weights=False), _zoo, {"init": "random"},
+        lambda layer, cfg: layer.update_layer("default", R, cfg),
+    ),
+    "boft-conv-random": (
+        "boft", lambda: BOFTConfig(boft_block_size=4, target_modules=["conv2"], init_weights=False), _zoo, {"init": "random", "boft_block_size": 4},
+        lambda layer, cfg: layer.reset_boft_parameters("default", False),
+    ),
+    # an attention's in_proj then its out_proj from one stream (peft's layer holds the out_proj's)
+    "lora-mha": (
+        "lora", lambda: LoraConfig(r=R, lora_alpha=ALPHA, target_modules=["attn"]),
+        lambda seed=0: tiny_model("attention", seed=seed, dtype=torch.float64), {},
+        lambda layer, cfg: (layer.reset_lora_parameters("default", True), layer.base_layer.out_proj.reset_lora_parameters("default", True)),
+    ),
+    # no draws: the SVD of the stored (V, d) table and the seeded projections, as peft's
+    "tinylora-embedding": ("tinylora", lambda: TinyLoraConfig(r=R, u=3, target_modules=["embed_tokens", "q_proj"]), _llama64, {"u": 3}, None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(KIND_INITS))
+def test_inits_on_the_new_kinds_draw_peft_s_numbers(case, tmp_path):
+    """``init_adapter`` on convs and embeddings gives peft's tensors, trainable and frozen: each
+    layer's init from a generator seeded as peft's global RNG draws peft's numbers in its order and
+    shapes (a conv factor's ``(r, in·K)`` view is its ``(r, in, *k)`` in memory order), with peft's
+    embedding inits and its SVD of the stored table (fp32 models: peft draws in the weight's dtype)."""
+    variant, config, build, options, redraw = KIND_INITS[case]
+    cfg = config()
+    with pytest.MonkeyPatch.context() as mend:
+        if variant == "boft":
+            import peft.tuners.boft.layer as boft_layer
+
+            mend.setattr(boft_layer, "_FBD_CUDA", False)
+        peft_model = _peft(build().float(), cfg)  # fp32: a float64 draw is another number
+    model = build().float()
+
+    def spec(targets):
+        return lf.AdapterSpec(variant, targets=targets, r=cfg.r if variant != "boft" else 1, alpha=ALPHA, **options)
+
+    # (an attention's out_proj is drawn with the attention: peft saves it only with it)
+    targets = [layer.target.module for layer in lf.init_adapter(model, spec(list(cfg.target_modules))).layers if layer.target.layout != "mha_out"]
+    modules = dict(peft_model.named_modules())
+    # one layer at a time, re-seeded (peft's layer constructors draw too); no draws: all at once
+    for names in [[name] for name in targets] if redraw is not None else [targets]:
+        if redraw is not None:
+            torch.manual_seed(11)
+            redraw(modules[f"base_model.model.{names[0]}"], cfg)
+        own = lf.init_adapter(model, spec(names), generator=torch.Generator().manual_seed(11))
+        got = _as_peft(own, dict(own.params), tmp_path / names[0])
+        want = {_peft_key(n): t for n, t in peft_model.state_dict().items() if _peft_key(n) in got}
+        assert want and set(got) <= set(want) | {k for k in got if "tinylora_v" in k}, (sorted(got), sorted(want))
+        for key, tensor in want.items():
+            assert torch.equal(got[key], tensor), key

@@ -87,6 +87,9 @@ def test_the_answers_differ_where_peft_differs(tmp_path):
     expected |= {("gpt2", v, m) for v in ("kasa", "loftq") for m in (True, False)}  # peft: KaSA on nn.Linear only; LoftQ quantizes Conv1D's stored layout
     expected |= {("gpt2", v, m) for v in ("beft", "glora", "osf", "psoft") for m in (True, False)}  # peft: nn.Linear only
     expected |= {("gpt2", v, m) for v in ("peanut", "supertuning") for m in (True, False)}  # peft: nn.Linear only
+    expected |= {(k, "arrow", m) for k in ("llama", "gpt2") for m in (True, False)}  # peft stores no Arrow router: its experts are LoRA files
+    expected |= {("gpt2", "poly", m) for m in (True, False)}  # peft: Poly on nn.Linear only
+    expected |= {("gpt2", "bdlora", m) for m in (True, False)}  # peft's BD-LoRA reads the base layer's in_features
     assert refused == expected
 
 

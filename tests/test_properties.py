@@ -154,7 +154,7 @@ def _sized_r(draw: st.DrawFn, variant: str, r: int, d_in: int, d_out: int) -> in
 # - issue 43: trainable_tokens adapts embeddings only (no `proj`); peanut's relu(Wᵀ Aᵀ) on a
 #   2-wide layer is all zero in about a quarter of the draws (no update for the check to see), and
 #   its row's oracle is relu's only; with tanh, save/load was not bit-identical on the lazy path
-#   (a 1-ulp float64 difference, 2026-11-29, not yet explained: the lead's to look at).
+#   (a 1-ulp float64 difference, 2026-11-29, not yet explained).
 # BEFT's merged form and lora_bias's init need a bias on the layer.
 NEEDS_BIAS = ("beft", "lora_bias")
 NOT_DRAWN = ("kasa", "loftq", "lora_ga", "tinylora", "unilora", "poly", "arrow", "trainable_tokens", "peanut")

@@ -161,3 +161,23 @@ def test_matches_peft_after_perturbation(kind):
             for key, g in part.items():
                 assert peft_grads[key].abs().max() > 0, key
                 torch.testing.assert_close(g, peft_grads[key], atol=1e-5, rtol=0, msg=f"{make.__name__} grad {key}")
+
+
+@pytest.mark.parametrize(("base_dtype", "adapter_dtype"), [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32), (torch.float64, torch.float32)])
+def test_the_product_runs_in_the_adapter_dtype_as_peft_orders_it(base_dtype, adapter_dtype):
+    """peft multiplies in the adapter dtype and casts back: (y.to(g) * g).to(y) for ia3, the same on
+    the input for ia3_ff. A wider adapter gets it by type promotion (no upcast copy); a narrower
+    one must round the activation first. Bit for bit, both directions."""
+    d_in, d_out = 6, 5
+    gen = torch.Generator().manual_seed(0)
+    w, bias = torch.randn(d_out, d_in, generator=gen).to(base_dtype), torch.randn(d_out, generator=gen).to(base_dtype)
+    x = torch.randn(3, d_in, generator=gen).to(base_dtype)
+    info = LayerInfo(d_in=d_in, d_out=d_out, r=1, alpha=1.0, has_bias=True, options=())
+    base = NoWeightBase(w, bias)
+    g_out = (1 + 0.3 * torch.randn(d_out, generator=gen)).to(adapter_dtype)
+    g_in = (1 + 0.3 * torch.randn(d_in, generator=gen)).to(adapter_dtype)
+    out = IA3.activation_form({"ia3_l": g_out}, {}, x, base, info)
+    y = base(x)
+    assert out.dtype == base_dtype and torch.equal(out, (y.to(adapter_dtype) * g_out).to(base_dtype))
+    out_ff = IA3_FF.activation_form({"ia3_l": g_in}, {}, x, base, info)
+    assert out_ff.dtype == base_dtype and torch.equal(out_ff, base((x.to(adapter_dtype) * g_in).to(base_dtype)))

@@ -37,6 +37,8 @@ class Row:
       training_only: short names of trainable tensors that act in training steps only
         (MonteCLoRA's sampler priors): the eval-mode checks that every tensor moves the output and
         gets a per-example gradient leave them out; the variant's own tests check them in training.
+      step0_by_kind: ``step0_nonzero`` on the target kinds where the init differs (peft's
+        embedding inits draw ``B`` and zero ``A``).
     """
 
     variant: str
@@ -49,6 +51,11 @@ class Row:
     calibration: bool = False
     tol: float = 2e-5
     training_only: frozenset[str] = frozenset()
+    step0_by_kind: dict[str, frozenset[str]] = dataclasses.field(default_factory=dict)
+
+    def step0(self, kind: str) -> frozenset[str]:
+        """The trainable tensors with a non-zero step-0 gradient on a target of ``kind``."""
+        return self.step0_by_kind.get(kind, self.step0_nonzero)
 
 
 def _collect() -> dict[str, Row]:

@@ -19,7 +19,7 @@ from torch import nn
 
 from lora_func.io._peft_keys import CONFIG_NAME, Out, formats, methods
 from lora_func.targeting import (
-    EXPERT_LAYOUTS,
+    PARAM_LAYOUTS,
 )
 from lora_func.variants import (
     PeftFormat,
@@ -234,7 +234,8 @@ def pattern_value(patterns: Mapping[str, Any] | None, module: str, default: Any)
 
 def refuse_unsupported(directory: Path, config: Mapping[str, Any]) -> None:
     """Raise for config features that change the math and that lora_func does not have."""
-    bad = sorted(name for name in methods()[config["peft_type"]].refused if config.get(name))
+    # modules_to_save: trained copies, read beside the method's layers (_peft_read.saved_copies)
+    bad = sorted(name for name in methods()[config["peft_type"]].refused if config.get(name) and name != "modules_to_save")
     bad += ["bias"] if config.get("bias", "none") != "none" else []
     if bad:
         raise ValueError(  # error: peft-unsupported-features
@@ -293,7 +294,8 @@ def _module_selector(selected: Sequence[str], candidates: Sequence[str] | None, 
 def written_config(
     peft_type: str, shared: Mapping[str, Any], layers: Sequence[Out], model: nn.Module | None, task_type: str | None = None
 ) -> dict[str, Any]:
-    modules = [o.target.module for o in layers if o.target.layout not in EXPERT_LAYOUTS]
+    # peft adapts an attention's out_proj as part of the attention (target_modules names that)
+    modules = [o.target.module for o in layers if o.target.layout not in (*PARAM_LAYOUTS, "mha_out")]
     all_modules = [n for n, _ in model.named_modules() if n] if model is not None else None
     config: dict[str, Any] = {
         "peft_type": peft_type,
@@ -302,7 +304,7 @@ def written_config(
         "inference_mode": True,
         "target_modules": _module_selector(modules, all_modules),
     }
-    parameters = sorted(o.target.module for o in layers if o.target.layout in EXPERT_LAYOUTS)
+    parameters = sorted(o.target.module for o in layers if o.target.layout in PARAM_LAYOUTS)
     if parameters:
         # peft's target_parameters: the full parameter names select exactly these.
         config["target_parameters"] = parameters
@@ -317,9 +319,11 @@ def written_config(
         # peft requires feedforward_modules ⊆ target_modules, name by name.
         config["feedforward_modules"] = selector if set(selector) <= set(config["target_modules"]) else sorted(ff)
     pattern = method.rank[1] if method.rank is not None else None
+    # an attention's out_proj is written with the attention's rank and alpha (peft derives it)
+    own = [o for o in layers if o.target.layout != "mha_out"]
     if method.rank is not None:
-        config[method.rank[0]] = r = _most_common([o.r for o in layers])
-        rank_pattern = {o.target.module: o.r for o in layers if o.r != r}
+        config[method.rank[0]] = r = _most_common([o.r for o in own])
+        rank_pattern = {o.target.module: o.r for o in own if o.r != r}
         if pattern:
             config[pattern] = rank_pattern
         elif rank_pattern:
@@ -328,8 +332,8 @@ def written_config(
                 f"{sorted(rank_pattern)[:5]}; save the parts of different ranks separately"
             )
     if method.alpha is not None:
-        config[method.alpha] = alpha = _most_common([o.alpha for o in layers])
-        alpha_pattern = {o.target.module: o.alpha for o in layers if o.alpha != alpha}
+        config[method.alpha] = alpha = _most_common([o.alpha for o in own])
+        alpha_pattern = {o.target.module: o.alpha for o in own if o.alpha != alpha}
         if pattern:  # the methods with per-layer ranks have per-layer alphas too
             config["alpha_pattern"] = alpha_pattern
         elif alpha_pattern:

@@ -9,17 +9,19 @@ beside an adapted embedding. Generic: it names no variant.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
 
 from lora_func.targeting import (
-    EXPERT_LAYOUTS,
+    PARAM_LAYOUTS,
     Target,
+    is_mha_out_proj,
     kind_of_layout,
     layer_kind,
     stored_shape,
@@ -85,9 +87,9 @@ def stored(variant: Variant, fmt: PeftFormat, found: Mapping[str, Tensor], targe
         suffix = slot.peft_key(kind) if slot is not None else imported.get(name)
         if suffix is None:
             continue  # a tensor peft's file does not hold (re-created on load)
-        if fmt.reshape is not None:
-            tensor = fmt.reshape(kind, name, tensor, stored_shape(target), True)
-        out[suffix] = tensor.unsqueeze(slot.matrix) if slot is not None and slot.matrix is not None else tensor
+        if slot is not None and slot.matrix is not None:
+            tensor = tensor.unsqueeze(slot.matrix)  # as peft's Linear layers hold it; a reshape maps it on from there
+        out[suffix] = fmt.reshape(kind, name, tensor, stored_shape(target), True) if fmt.reshape is not None else tensor
     return out
 
 def suffixes(peft_type: str) -> dict[str, str]:
@@ -112,18 +114,37 @@ def by_module(directory: Path, peft_type: str, tensors: Mapping[str, Tensor], *,
         if not key.startswith(PREFIX) or match is None:
             unknown.append(key)
             continue
-        out.setdefault(rest[: -len(match) - 1], {})[by_suffix[match]] = tensor
+        out.setdefault(unwrapped(rest[: -len(match) - 1]), {})[by_suffix[match]] = tensor
     if unknown or not (out or allow_none):
         raise ValueError(  # error: peft-unmapped-tensors
             f"{directory} has tensors lora_func cannot map for peft_type {peft_type}: {sorted(unknown)[:5]} "
-            f"({len(unknown)} of {len(tensors)}); lora_func reads {sorted(set(by_suffix))} under '{PREFIX}' (bias, "
-            f"modules_to_save and embedding layers are not supported)"
+            f"({len(unknown)} of {len(tensors)}); lora_func reads {sorted(set(by_suffix))} under '{PREFIX}' "
+            f"(peft's bias training is not supported)"
         )
     return out
 
+def module_copy() -> tuple[str, PeftFormat, dict[str, str]]:
+    """The variant stored as peft's ``modules_to_save`` (its ``PeftFormat.module_copy``), its
+    format, and peft's suffix of each of its tensors -> the module's own tensor name."""
+    found = [(name, fmt) for name in list_variants() if (fmt := peft_format(name)) is not None and fmt.module_copy]
+    assert len(found) == 1, found  # the registry declares one trained-copy variant
+    name, fmt = found[0]
+    slots = get_variant(name).tensors
+    return name, fmt, {str(slots[slot].peft_key("")): own for slot, own in (fmt.module_copy or {}).items()}
+
+
+def unwrapped(module: str) -> str:
+    """A module path in a peft checkpoint as the model names it: peft moves the children of a
+    module it wraps under ``<module>.base_layer`` (the out_proj of an adapted
+    ``nn.MultiheadAttention`` is ``attn.base_layer.out_proj``); a trailing ``.base_layer`` (nested
+    ``target_parameters`` wrappers) is left to :func:`resolve_parameters`."""
+    return re.sub(r"\.base_layer(?=\.)", "", module)
+
+
 def expert_params(model: nn.Module) -> dict[str, Tensor]:
-    """The model's 3-D parameters (MoE experts) by name: what ``target_parameters`` can name."""
-    return {name: p for name, p in model.named_parameters(remove_duplicate=False) if p.dim() == 3}
+    """The model's 2-D and 3-D parameters (MoE experts) by name: what ``target_parameters`` can
+    name (peft's ``ParamWrapper``)."""
+    return {name: p for name, p in model.named_parameters(remove_duplicate=False) if p.dim() in (2, 3)}
 
 def targeted_parameters(model: nn.Module, selector: Sequence[str]) -> dict[str, list[str]]:
     """owner module -> the names of its parameters peft's ``target_parameters`` selects, in the
@@ -162,14 +183,19 @@ def resolve_parameters(directory: Path, config: Mapping[str, Any], tensors: dict
     return out
 
 def parameter_key(layers: Sequence[Target]) -> dict[str, str]:
-    """Target module -> the module path peft stores its tensors under: an expert parameter's
+    """Target module -> the module path peft stores its tensors under: a targeted parameter's
     owner with ``.base_layer`` once for every targeted parameter of that owner after it
-    (:func:`resolve_parameters` reads it back)."""
+    (:func:`resolve_parameters` reads it back); an ``nn.MultiheadAttention``'s out_proj under the
+    attention's ``base_layer`` (:func:`unwrapped` reads it back)."""
     by_owner: dict[str, list[str]] = {}
     for t in layers:
-        if t.layout in EXPERT_LAYOUTS:
+        if t.layout in PARAM_LAYOUTS:
             by_owner.setdefault(t.owner, []).append(t.module)
     out = {t.module: t.module for t in layers}
+    for t in layers:
+        if t.layout == "mha_out":
+            attention, _, child = t.module.rpartition(".")
+            out[t.module] = f"{attention}.base_layer.{child}"
     for owner, params in by_owner.items():
         for i, name in enumerate(params):
             out[name] = owner + ".base_layer" * (len(params) - 1 - i)
@@ -199,11 +225,14 @@ def drop_saved_bases(directory: Path, tensors: Mapping[str, Tensor], model: nn.M
         )
     return out
 
-def kind_of(model: nn.Module, module: str) -> tuple[str, tuple[int, ...]]:
-    """``(kind, stored weight shape)`` of a checkpoint's layer ``module`` in ``model``."""
+def kind_of(model: nn.Module, module: str) -> tuple[str | None, tuple[int, ...]]:
+    """``(kind, stored weight shape)`` of a checkpoint's layer ``module`` in ``model``; the kind
+    ``None`` for a module of no kind lora_func adapts."""
     experts = expert_params(model)
     if module in experts:
-        return "experts", tuple(experts[module].shape)
+        return ("experts" if experts[module].dim() == 3 else "parameter"), tuple(experts[module].shape)
+    if is_mha_out_proj(dict(model.named_modules()), module):
+        return "mha", tuple(cast(Tensor, model.get_submodule(module).weight).shape)
     found = model.get_submodule(module)
     weight = getattr(found, "weight", None)
-    return layer_kind(found) or "linear", tuple(weight.shape) if isinstance(weight, Tensor) else ()
+    return layer_kind(found), tuple(weight.shape) if isinstance(weight, Tensor) else ()

@@ -49,6 +49,7 @@ from lora_func.io._peft_config import (
 from lora_func.io._peft_keys import (
     CONFIG_NAME,
     LEGACY_WEIGHTS_NAME,
+    PREFIX,
     WEIGHTS_NAME,
     by_module,
     drop_saved_bases,
@@ -56,6 +57,7 @@ from lora_func.io._peft_keys import (
     formats,
     kind_of,
     methods,
+    module_copy,
     resolve_parameters,
     targeted_parameters,
 )
@@ -64,8 +66,12 @@ from lora_func.io._validate import refuse_missing_layers, refuse_non_finite
 from lora_func.quantized import kind_of_tensor
 from lora_func.spec import AdapterSpec
 from lora_func.targeting import (
+    KINDS,
     find_targets,
     layer_kind,
+    no_kind,
+    peft_target,
+    refuse_kinds,
     tensor_names,
 )
 from lora_func.variants import (
@@ -134,6 +140,14 @@ def _check_model(model: nn.Module, directory: Path, modules: Iterable[str]) -> N
     experts = expert_params(model)
     names = {name for name, _ in model.named_modules()} | set(experts)
     missing = sorted(set(modules) - names)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    other_dims = sorted(f"{m} {tuple(params[m].shape)}" for m in missing if m in params)
+    if other_dims:
+        raise ValueError(  # error: peft-parameter-dims
+            f"{directory} adapts the parameters {other_dims[:5]} of {type(model).__name__} (peft's target_parameters): "
+            f"lora_func adapts 3-D expert parameters (num_experts, out, in) there; load the checkpoint in peft "
+            f"(merge_and_unload for a merged model)"
+        )
     if missing:
         raise ValueError(  # error: peft-missing-modules
             f"{directory} adapts modules that {type(model).__name__} does not have: {missing[:5]} ({len(missing)} in "
@@ -200,10 +214,9 @@ def _assemble(
             f"embedding): peft adapts only that module's output, lora_func adapts the shared tensor under every name "
             f"(tied='both'), which also changes the embedding; merge the adapter in peft (merge_and_unload) instead"
         )
-    try:
-        targets = find_targets(model, spec, where="the checkpoint's layers")
-    except ValueError as err:
-        raise ValueError(f"load_peft({directory}): {err}") from None  # error: peft-layer-refused
+    # the kinds were checked layer by layer; an attention's projections are two targets, each read
+    # from its own tensors
+    targets = [t for t in find_targets(model, spec, where="the checkpoint's layers") if t.module in layers]
     variant = get_variant(variant_name)
     options = dict(spec.options)
     params: dict[str, Tensor] = {}
@@ -402,6 +415,21 @@ def _layer_from_peft(
     buffers = {n: t for n, t in tensors.items() if n in slots and slots[n].buffer}
     return _Layer(params={n: t for n, t in tensors.items() if n not in buffers}, buffers=buffers, r=r, alpha=alpha)
 
+def _check_kind(directory: Path, peft_type: str, model: nn.Module, module: str, kind: str | None, variant: Variant) -> None:
+    """Refuse a checkpoint's layer whose kind lora_func (or the variant it reads as) does not
+    adapt, before its tensors are read: peft wrote it, so the file is not to blame."""
+    if kind is None:
+        raise ValueError(  # error: peft-layer-no-kind
+            f"{directory} adapts {module}, a {no_kind(model.get_submodule(module))}: peft's {peft_type} adapts it there, "
+            f"lora_func adapts {', '.join(KINDS.values())} only; load the checkpoint in peft (merge_and_unload for a merged "
+            f"model), or retrain without that module"
+        )
+    try:
+        refuse_kinds(variant, [(module, kind)], "the checkpoint's layers")
+    except ValueError as err:
+        raise ValueError(f"load_peft({directory}): {err}") from None  # error: peft-layer-refused
+
+
 def _read(
     directory: Path,
     config: Mapping[str, Any],
@@ -413,9 +441,13 @@ def _read(
     """The adapter of a ``peft_type`` checkpoint: each layer read as the variant whose entry
     reads it; layers of several variants (a method with ``feedforward_modules``) compose."""
     groups: dict[str, tuple[dict[str, Any], dict[str, _Layer]]] = {}
+    modules = dict(model.named_modules())
     for module, found in tensors.items():
         name, options = _format_for(directory, config, peft_type, module)
-        layer = _layer_from_peft(directory, config, module, name, options, found, kind_of(model, module))
+        kind, shape = kind_of(model, module)
+        _check_kind(directory, peft_type, model, module, kind, get_variant(name))
+        # (rank and alpha as peft reads them: an attention's out_proj has the attention's)
+        layer = _layer_from_peft(directory, config, peft_target(modules, module), name, options, found, (str(kind), shape))
         groups.setdefault(name, (options, {}))[1][module] = layer
     method = methods()[peft_type]
     r = int(config.get(method.rank[0], 8)) if method.rank is not None else 8
@@ -426,6 +458,38 @@ def _read(
         if name in groups
     ]
     return parts[0] if len(parts) == 1 else compose(*parts)
+
+def saved_copies(directory: Path, config: Mapping[str, Any], model: nn.Module, read: dict[str, Tensor]) -> dict[str, dict[str, Tensor]]:
+    """The trained copies of a checkpoint's ``modules_to_save`` (peft's ``ModulesToSaveWrapper``:
+    the copy's state dict under the module's own name, ``<module>.weight`` / ``.bias``), popped
+    from ``read`` as the tensors of the variant that is a trained copy of its layer
+    (``PeftFormat.module_copy``). peft's matching: every module whose name ends with an entry."""
+    wanted = config.get("modules_to_save") or []
+    if isinstance(wanted, str):
+        wanted = [wanted]
+    name_of_copy, copy_format, suffixes = module_copy()
+    slot_of = {own: slot for slot, own in (copy_format.module_copy or {}).items()}
+    kinds = get_variant(name_of_copy).kinds
+    modules = dict(model.named_modules())
+    names = sorted(name for name in modules if name and any(name.endswith(w) for w in wanted))
+    copies: dict[str, dict[str, Tensor]] = {}
+    for name in names:
+        held = {key.removeprefix(f"{PREFIX}{name}."): key for key in read if key.startswith(f"{PREFIX}{name}.")}
+        module = modules[name]
+        state = {n for n, _ in module.named_parameters()} | {n for n, _ in module.named_buffers()}
+        own = {k: key for k, key in held.items() if k in state}
+        if not own:
+            continue  # a module the checkpoint holds no copy of (a target's tensors are its adapter's)
+        kind = layer_kind(module)
+        if kind not in kinds or set(own) - set(slot_of) or len(own) != len(held):
+            raise ValueError(  # error: peft-modules-to-save-kind
+                f"{directory}: modules_to_save holds a trained copy of {name} ({type(module).__name__}, tensors "
+                f"{sorted(held)}); lora_func holds trained copies of {sorted(kinds)} layers ({sorted(suffixes.values())} only), "
+                f"of a module that is not also a target; load the checkpoint in peft (merge_and_unload), or retrain "
+                f"without that module in modules_to_save"
+            )
+        copies[name] = {slot_of[k]: read.pop(key) for k, key in own.items()}
+    return copies
 
 def load_peft(directory: str | os.PathLike, model: nn.Module, *, check_finite: bool = True) -> AdapterLike:
     """Read a peft checkpoint directory (``adapter_config.json`` + ``adapter_model.safetensors``,
@@ -475,6 +539,7 @@ def load_peft(directory: str | os.PathLike, model: nn.Module, *, check_finite: b
     # peft's state dict may also hold a copy of them under every layer that reads them.
     copies = {name for variant in stored_as for name in _shared_keys(variant)}
     read = {key: tensor for key, tensor in read.items() if key.rsplit(".", 1)[-1] not in copies}
+    saved = saved_copies(directory, config, model, read)  # (popped from read)
     from_config = any(_holds_no_layer_tensors(variant) for variant in stored_as)
     tensors = by_module(directory, peft_type, drop_saved_bases(directory, read, model), allow_none=from_config)
     if from_config:
@@ -489,6 +554,9 @@ def load_peft(directory: str | os.PathLike, model: nn.Module, *, check_finite: b
             f"it onto the model it was trained for, or fix target_modules"
         )
     adapter = _read(directory, config, peft_type, tensors, model, stored_shared)
+    if saved:  # peft's modules_to_save: trained copies composed with the method's layers
+        copy_type = module_copy()[1].method.peft_type
+        adapter = compose(adapter, _read(directory, {"peft_type": copy_type}, copy_type, saved, model, {}))
     if not from_config:  # after the layers it holds passed every check: those errors say more
         parameters = [f"{owner}.{name}" for owner, names in targeted_parameters(model, config.get("target_parameters") or []).items() for name in names]
         refuse_missing_layers(directory, config, model, list(tensors), parameters)

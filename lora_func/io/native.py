@@ -62,7 +62,7 @@ from lora_func.prompts._apply import contains_prompt
 from lora_func.io._validate import refuse_non_finite
 from lora_func.quantized import logical_shape
 from lora_func.spec import LAYER_TYPES, AdapterSpec
-from lora_func.targeting import EXPERT_LAYOUTS, Target, check_kinds, kind_of_layout, module_kind, stored_shape
+from lora_func.targeting import CONV_LAYOUTS, MHA_LAYOUTS, PARAM_LAYOUTS, Target, check_kinds, kind_of_layout, module_kind, stored_shape
 from lora_func.variants import LayerInfo, get_variant
 
 __all__ = ["load", "save"]
@@ -98,7 +98,7 @@ def _layer_to_json(layer: AdapterLayer) -> dict:
 def _layer_from_json(data: dict) -> AdapterLayer:
     info, target = data["info"], Target.from_dict(data["target"])
     # a conv target's kernel comes from its stored shape (layer_info's rule), not from the file
-    kernel = target.shape[2:] if target.layout == "conv" else ()
+    kernel = target.shape[2:] if target.layout in CONV_LAYOUTS else ()
     # a sequence-valued option is a tuple (hashable), which JSON writes as a list
     options = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in info["options"])
     return AdapterLayer(
@@ -324,7 +324,7 @@ def _sane_layer(layer: AdapterLayer) -> bool:
     sizes = (info.d_in, info.d_out, info.r, target.d_in, target.d_out)
     names = (target.module, target.weight_key, *target.tied_keys, *([] if target.bias_key is None else [target.bias_key]))
     return (
-        target.layout in (*LAYER_TYPES, *EXPERT_LAYOUTS)
+        target.layout in (*LAYER_TYPES, *PARAM_LAYOUTS, *MHA_LAYOUTS)
         and all(isinstance(n, str) for n in names)
         and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in target.shape)
         and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in sizes)

@@ -42,7 +42,7 @@ from lora_func.adapter import (
 from lora_func.checks import check_model, check_path
 from lora_func.io._files import replace_directory, safetensors_write
 from lora_func.io._peft_config import config_of, written_config
-from lora_func.io._peft_keys import CONFIG_NAME, PREFIX, WEIGHTS_NAME, Out, parameter_key, saved_names, stored
+from lora_func.io._peft_keys import CONFIG_NAME, PREFIX, WEIGHTS_NAME, Out, module_copy, parameter_key, saved_names, stored
 from lora_func.io._peft_read import load_peft
 from lora_func.io._prompt_files import prompt_peft_problems, save_prompt_peft
 from lora_func.prompts._apply import contains_prompt
@@ -70,7 +70,7 @@ def _out(fmt: PeftFormat, adapter: Adapter, layer: AdapterLayer, base: Mapping[s
         return Out(
             t,
             lambda: stored(variant, fmt, params | kept, t),
-            r=layer.info.r if method.rank is not None else None,
+            r=_written_rank(adapter, layer) if method.rank is not None else None,
             alpha=layer.info.alpha if method.alpha is not None else None,
             feedforward=fmt.feedforward,
         )
@@ -89,6 +89,15 @@ def _out(fmt: PeftFormat, adapter: Adapter, layer: AdapterLayer, base: Mapping[s
         weight = canonical_weight(weight, t.layout)
     converted = fmt.export(params, buffers, weight, layer.info)
     return Out(t, lambda: stored(variant, fmt, converted.tensors(), t), r=converted.r, alpha=converted.alpha, feedforward=fmt.feedforward)
+
+def _written_rank(adapter: Adapter, layer: AdapterLayer) -> int:
+    """The rank a layer is written with: its own, but the spec's ``r`` where the variant derives
+    each layer's rank from it (``Variant.layer_ranks``) and peft's method has no per-layer rank
+    field: peft derives it the same way on load (a layer smaller than ``r`` gets a lower rank)."""
+    fmt = peft_format(adapter.spec.variant)
+    no_pattern = fmt is not None and fmt.method.rank is not None and fmt.method.rank[1] is None
+    return adapter.spec.r if adapter.variant.layer_ranks is not None and no_pattern else int(layer.info.r)
+
 
 @dataclass(frozen=True)
 class _Export:
@@ -173,6 +182,14 @@ def _one_checkpoint(
 ) -> tuple[dict[str, Any], list[Out], dict[str, Tensor]]:
     """The config and the layers of the one checkpoint that holds every part, after checking
     that the parts fit in one: one peft method and one set of options, each layer once."""
+    # Parts of the trained-copy variant (PeftFormat.module_copy) beside another method's are peft's
+    # modules_to_save: copies of their layers, stored under the layer's own names (as load_peft
+    # reads them back)
+    _, copy_format, own_name = module_copy()
+    copy_type = copy_format.method.peft_type
+    copies = [o for e in exports if e.peft_type == copy_type for o in e.layers] if {e.peft_type for e in exports} - {copy_type} else []
+    if copies:
+        exports = [e for e in exports if e.peft_type != copy_type]
     kinds = sorted({(e.peft_type, e.shared) for e in exports})
     if len(kinds) > 1:
         raise ValueError(  # error: save-peft-mixed-methods
@@ -181,12 +198,24 @@ def _one_checkpoint(
             f"part with save_peft to its own directory"
         )
     layers = [o for e in exports for o in e.layers]
-    counts = collections.Counter(o.target.module for o in layers)
+    counts = collections.Counter(o.target.module for o in [*layers, *copies])
     twice = sorted(m for m, n in counts.items() if n > 1)
     if twice:
         raise ValueError(  # error: save-peft-same-layers
             f"save_peft: several parts adapt the same layers {twice[:5]}; a peft checkpoint has one adapter per "
             f"layer: save the parts separately, or export the merged model with lora_func.merged_state_dict"
+        )
+    # peft adapts an attention's out_proj with the attention's rank and twice its alpha (see
+    # lora_func._model.layer_info), and never alone (the attention does not call out_proj)
+    attentions = {o.target.module: (o.r, None if o.alpha is None else 2 * o.alpha) for o in layers if o.target.layout == "mha_in"}
+    alone = sorted(
+        o.target.module for o in layers if o.target.layout == "mha_out" and attentions.get(o.target.module.rpartition(".")[0]) != (o.r, o.alpha)
+    )
+    if alone:
+        raise ValueError(  # error: save-peft-out-proj-alone
+            f"save_peft: {alone[:5]} is the out_proj of an nn.MultiheadAttention, which peft adapts only together with "
+            f"the attention, at its rank and scale (it never calls out_proj: a checkpoint of it alone would load in peft "
+            f"with no effect); target the attention module itself (its in_proj and out_proj), or save with lora_func.save"
         )
     holding = [e for e in exports if e.whole]
     if len(holding) > 1:
@@ -196,7 +225,13 @@ def _one_checkpoint(
             f"save_peft to its own directory"
         )
     peft_type, shared = kinds[0][0], {k: json.loads(v) for k, v in kinds[0][1]}
-    return written_config(peft_type, shared, layers, model, task_type), layers, dict(holding[0].whole) if holding else {}
+    config = written_config(peft_type, shared, layers, model, task_type)
+    whole = dict(holding[0].whole) if holding else {}
+    if copies:
+        config["modules_to_save"] = sorted(o.target.module for o in copies)
+        # (a copy's tensors are its layer's, in the stored layout: no conversion to defer)
+        whole |= {f"{PREFIX}{o.target.module}.{own_name[suffix]}": t for o in copies for suffix, t in o.tensors().items()}
+    return config, layers, whole
 
 def peft_problems(adapter: AdapterLike, *, model: nn.Module | None = None) -> list[str]:
     """Why :func:`save_peft` would refuse to write ``adapter`` (with this ``model=``): the

@@ -103,6 +103,10 @@ class PeftFormat:
         peft's shape on a target of that kind (``to_peft=True``) and back (LoRA's conv tensors
         carry the kernel's axes; a tensor it does not recognise comes back unchanged, and the
         shape check names it). ``None``: the same shapes for every kind.
+      module_copy: this variant is a trained copy of its layer, so it is also peft's
+        ``modules_to_save`` form beside another method: slot name -> the module's own tensor name
+        (``{"ln_weight": "weight", "ln_bias": "bias"}``), the keys peft stores a copy under
+        (``<module>.weight``, in the stored layout of ``reshape``). At most one variant has it.
     """
 
     method: PeftMethod
@@ -115,3 +119,4 @@ class PeftFormat:
     imported: Mapping[str, str] = dataclasses.field(default_factory=dict)
     convert_in: Callable[[TensorDict, Mapping[str, Any]], TensorDict] | None = None
     reshape: Callable[[str, str, Tensor, tuple[int, ...], bool], Tensor] | None = None
+    module_copy: Mapping[str, str] | None = None

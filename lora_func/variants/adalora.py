@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from lora_func.variants._kernels import base_plus_low_rank, lowrank_input
+from lora_func.variants._conv import peft_conv_layers
 from lora_func.variants import BaseLayer, LayerInfo, Option, PeftFormat, PeftLayer, PeftMethod, Slot, TensorDict, Variant, real, whole
 from lora_func.variants._options import dropout_option, nullable
 from lora_func.variants.lora import PEFT_UNSUPPORTED_FIELDS
@@ -129,12 +130,14 @@ VARIANT = Variant(
     options={"init_r": Option(8, whole(1), "init_r", nullable(8)), "dropout": dropout_option("lora_dropout")} | SCHEDULE,
     check=check_options,
     default_alpha=8.0,
+    kind_forms={"linear": None, "conv1d": None, "conv": None},
 )
 # peft: AdaLoraConfig; its rank is init_r (its r is ignored) and its rank_pattern holds booleans
 # per triplet: every layer passes through _pad_to_init_r (a cut layer holds the same keys).
 PEFT = PeftFormat(
     PeftMethod("ADALORA", refused=(*PEFT_UNSUPPORTED_FIELDS, "use_dora", "loftq_config"), rank=("init_r", None), alpha="lora_alpha"),
-    export=_export,
+    # peft's AdaLoRA adapts nn.Conv2d, its tensors in the (out, in·K) view as here
+    export=peft_conv_layers("ADALORA", (2,), export=_export),
     imported={"lora_A": "lora_A", "lora_E": "lora_E", "lora_B": "lora_B"},
     convert_in=_pad_to_init_r,
 )

@@ -124,4 +124,5 @@ VARIANT = lora.derived(
     },
     low_rank=None,  # compact factors: not the LowRank (r, d_in) / (d_out, r) pair
 )
-PEFT = lora.stored_as_lora(reads=lora.plain_reads(use_bdlora=uniform_bdlora))
+# peft's BD-LoRA reads `in_features` of the base layer, which GPT-2 Conv1D has not: it cannot build one there.
+PEFT = lora.stored_as_lora(reads=lora.plain_reads(use_bdlora=uniform_bdlora), conv1d=False)

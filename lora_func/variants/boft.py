@@ -31,12 +31,14 @@ random, ``int(p·k)`` blocks drawn at random are replaced by the identity.
 Differences from peft: peft applies ``boft_n_butterfly_factor > 1`` only when its CUDA
 extension (``fbd_cuda``) compiles; without it (every CPU) it silently uses one factor and
 stores ``boft_R (1, k, b, b)``. lora_func always applies the factors asked for (the math of
-peft's CUDA path). GPT-2 ``Conv1D`` is supported (peft refuses it). peft's ``bias`` other than
+peft's CUDA path); ``load_peft`` of such a one-factor checkpoint adds the missing factors at the
+identity (peft's outputs exactly, with a warning). GPT-2 ``Conv1D`` is supported (peft refuses it). peft's ``bias`` other than
 ``"none"`` is refused on load, as for every variant.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -44,6 +46,7 @@ import torch
 from einops import rearrange
 from torch import Tensor
 
+from lora_func.variants._conv import CONV_KINDS, peft_conv_layers
 from lora_func.variants import BaseLayer, LayerInfo, Option, PeftFormat, PeftMethod, Slot, TensorDict, Variant, mapped, one_of, real, whole
 from lora_func.variants._orthogonal import cayley, rotate_blocks
 
@@ -81,8 +84,9 @@ def init(
 ) -> tuple[TensorDict, TensorDict]:
     m, k, b = layer_blocks(info.d_in, dict(info.options))
     if info.option("init") == "random":
-        blocks = torch.randn((m, k, b, b), generator=generator, dtype=torch.float32) * 0.1
-        scale = 1.0 + torch.randn((info.d_out,), generator=generator, dtype=torch.float32) * 0.1
+        # peft's normal_(std=0.1) and normal_(mean=1, std=0.1), draw for draw and bit for bit
+        blocks = torch.empty((m, k, b, b), dtype=torch.float32).normal_(0.0, 0.1, generator=generator)
+        scale = torch.empty((info.d_out,), dtype=torch.float32).normal_(1.0, 0.1, generator=generator)
     else:
         blocks, scale = torch.zeros((m, k, b, b), dtype=torch.float32), torch.ones((info.d_out,), dtype=torch.float32)
     return {"boft_R": blocks.to(weight.device, dtype), "boft_s": scale.to(weight.device, dtype)}, {}
@@ -171,6 +175,31 @@ def _layer_shapes(info: LayerInfo) -> dict[str, tuple[int, ...]]:
     return {"boft_R": (m, k, b, b), "boft_s": (info.d_out,)}
 
 
+def _convert_in(found: TensorDict, options: Mapping[str, Any]) -> TensorDict:
+    """A layer of a checkpoint peft wrote without its CUDA extension: the config asks for ``m``
+    butterfly factors, but peft built and saved one (``boft_R (1, k, b, b)``) and computes with it.
+    The other factors are added at the identity (``R = 0``: each ``B_i = I``), so the adapter
+    computes exactly what peft computes; they train here, as with peft's extension."""
+    blocks, factors = found.get("boft_R"), options["boft_n_butterfly_factor"]
+    if blocks is None or blocks.dim() != 4 or blocks.shape[0] != 1 or factors == 1:
+        return found
+    warnings.warn(
+        f"a BOFT checkpoint with boft_n_butterfly_factor={factors} holds one butterfly factor (peft saved it "
+        f"without its CUDA extension, which applies the one factor); loaded with the other {factors - 1} at the "
+        f"identity: the outputs are peft's, and those factors train too",
+        UserWarning,
+        stacklevel=6,
+    )
+    return {**found, "boft_R": torch.cat([blocks, blocks.new_zeros((factors - 1, *blocks.shape[1:]))])}
+
+
+def _reshape(kind: str, name: str, tensor: Tensor, shape: tuple[int, ...], to_peft: bool) -> Tensor:
+    """``boft_s`` on a conv: peft's ``(1, d_out)`` for the ``(d_out, 1)`` of its Linear layers."""
+    if kind not in CONV_KINDS or name != "boft_s" or tensor.dim() != 2:
+        return tensor
+    return tensor.transpose(0, 1) if (tensor.shape[1] if to_peft else tensor.shape[0]) == 1 else tensor
+
+
 VARIANT = Variant(
     name="boft",
     init=init,
@@ -190,5 +219,16 @@ VARIANT = Variant(
     },
     check=check_options,
     default_alpha=1.0,
+    kind_forms={"linear": None, "conv1d": None, "conv": None},
 )
-PEFT = PeftFormat(PeftMethod("BOFT"), conv1d=False)
+# A checkpoint peft wrote without its CUDA extension holds one factor whatever the config says:
+# boft_R goes through _convert_in (its own imported name).
+# peft's BOFT adapts nn.Conv2d with square kernels, boft_s stored (1, d_out) there.
+PEFT = PeftFormat(
+    PeftMethod("BOFT"),
+    conv1d=False,
+    imported={"boft_R": "boft_R"},
+    convert_in=_convert_in,
+    export=peft_conv_layers("BOFT", (2,), square=True),
+    reshape=_reshape,
+)

@@ -17,7 +17,12 @@ Init (``init="kaiming"``, peft's ``init_weights=True``): ``A ~ kaiming_uniform(a
 ``B = 0`` (no change at init). ``init="gaussian"``: ``A ~ N(0, 1/r²)``, ``B = 0``.
 ``init="random"`` (``init_weights=False``): ``A, B ~ N(0, 1)`` (not the identity at init).
 
-Differences from peft: none in the math. GPT-2 ``Conv1D`` is supported as in peft.
+Conv layers (``nn.Conv1d/2d/3d``, peft's HiRA conv layers) through the merged kernel in the
+``(out, in·K)`` view: peft's ``B·A`` kernel is ``B A`` there (``hira_A`` stored ``(r, in, *k)``,
+``hira_B`` ``(out, r, 1, …)``); grouped convs are refused, as peft refuses them.
+
+Differences from peft: none in the math. GPT-2 ``Conv1D`` is supported as in peft. On a conv
+layer the ``dropout`` option does not act (the layer runs its merged kernel).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lora_func.variants._conv import chained, low_rank_kernels
 from lora_func.variants._kernels import kaiming_uniform, lowrank_input
 from lora_func.variants._options import dropout_option
 from lora_func.variants import BaseLayer, LayerInfo, Option, PeftFormat, PeftMethod, Slot, TensorDict, Variant, mapped, one_of
@@ -94,7 +100,8 @@ VARIANT = Variant(
         "dropout": dropout_option("hira_dropout"),
     },
     default_alpha=1.0,
+    kind_forms={"linear": None, "conv1d": None, "conv": None},
 )
 # peft: HiraConfig, no alpha and no `bias` field. peft 0.21's HiRA builds every layer with the
 # config's r whatever its rank_pattern says: one rank per checkpoint.
-PEFT = PeftFormat(PeftMethod("HIRA", {}, rank=("r", None)))
+PEFT = PeftFormat(PeftMethod("HIRA", {}, rank=("r", None)), reshape=chained(low_rank_kernels("hira_A", "hira_B")))

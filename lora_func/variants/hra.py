@@ -41,6 +41,7 @@ from lora_func.variants._kernels import (
     half_product_applies,
     kaiming_uniform,
 )
+from lora_func.variants._conv import peft_conv_layers
 from lora_func.variants import BaseLayer, LayerInfo, Option, PeftFormat, PeftMethod, Slot, TensorDict, Variant, mapped, one_of
 
 INITS = ("paired", "random")
@@ -134,6 +135,12 @@ VARIANT = Variant(
     tensors={"hra_u": Slot(lambda i: (i.d_in, i.r), rank_axes=(1,), peft="hra_u")},
     options={"init": Option("paired", one_of(*INITS), "init_weights", mapped({"paired": True, "random": False}))},
     default_alpha=8.0,
+    kind_forms={"linear": None, "conv1d": None, "conv": None},
 )
-# peft: HRAConfig(apply_GS=False), one rank for all layers; peft refuses HRA on GPT-2 Conv1D.
-PEFT = PeftFormat(PeftMethod("HRA", {"bias": "none", "apply_GS": False}, ("modules_to_save", "apply_GS"), rank=("r", None)), conv1d=False)
+# peft: HRAConfig(apply_GS=False), one rank for all layers; peft refuses HRA on GPT-2 Conv1D and
+# adapts nn.Conv2d with square kernels (it reads a kernel as k[0]·k[0]).
+PEFT = PeftFormat(
+    PeftMethod("HRA", {"bias": "none", "apply_GS": False}, ("modules_to_save", "apply_GS"), rank=("r", None)),
+    conv1d=False,
+    export=peft_conv_layers("HRA", (2,), square=True),
+)

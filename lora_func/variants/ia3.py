@@ -13,15 +13,24 @@ layer OUTPUT, bias included:
 
 Neither activation form builds ``W_eff``. peft stores ``ia3_l`` as ``(d_out, 1)`` /
 ``(1, d_in)``; lora_func stores the vector. ``r`` and ``alpha`` are not used.
+
+Conv layers (``nn.Conv1d/2d/3d``, peft's IA3 ``Conv2d`` / ``Conv3d``), through the merged kernel:
+``ia3`` scales the output channels (``W_eff = diag(g) W`` in the ``(out, in·K)`` view, ``b_eff =
+g ⊙ b``), also of a grouped conv; ``ia3_ff`` scales the input channels, ``ia3_l (c_in,)``, each
+over its ``K = prod(kernel)`` columns (groups = 1: peft's grouped form needs the group count,
+which a layer's info does not carry). peft stores the vector as ``(1, n, 1, …)`` there and
+refuses ``nn.Conv1d``, so ``save_peft`` does too.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from lora_func.variants._conv import chained, channel_vector, peft_conv_layers
 from lora_func.variants._kernels import promoted
 from lora_func.variants import BaseLayer, LayerInfo, PeftFormat, PeftMethod, Slot, TensorDict, Variant
 
@@ -38,6 +47,11 @@ def _init_out(
     return {"ia3_l": torch.ones((info.d_out,), dtype=dtype, device=weight.device)}, {}
 
 
+def _in_features(info: LayerInfo) -> int:
+    """The input features ``ia3_ff`` scales: ``d_in``, a conv's input channels (``d_in / K``)."""
+    return info.d_in // math.prod(info.kernel)
+
+
 def _init_in(
     weight: Tensor,
     bias: Tensor | None,
@@ -47,7 +61,7 @@ def _init_in(
     generator: torch.Generator,
     calibration: Any = None,
 ) -> tuple[TensorDict, TensorDict]:
-    return {"ia3_l": torch.ones((info.d_in,), dtype=dtype, device=weight.device)}, {}
+    return {"ia3_l": torch.ones((_in_features(info),), dtype=dtype, device=weight.device)}, {}
 
 
 def _weight_out(
@@ -60,7 +74,8 @@ def _weight_out(
 def _weight_in(
     params: TensorDict, buffers: TensorDict, weight: Tensor, bias: Tensor | None, info: LayerInfo
 ) -> tuple[Tensor, Tensor | None]:
-    return weight * params["ia3_l"][None, :], bias
+    # a conv's input channel c holds columns c·K .. c·K + K − 1 of the (out, in·K) view
+    return weight * params["ia3_l"].repeat_interleave(math.prod(info.kernel))[None, :], bias
 
 
 def _activation_out(params: TensorDict, buffers: TensorDict, x: Tensor, base: BaseLayer, info: LayerInfo) -> Tensor:
@@ -96,6 +111,7 @@ IA3 = Variant(
     tensors={"ia3_l": Slot(lambda i: (i.d_out,), peft="ia3_l", matrix=1)},
     default_alpha=1.0,
     traits=frozenset({"changes_bias"}),
+    kind_forms={"linear": None, "conv1d": None, "conv": None, "grouped_conv": None},
 )
 
 IA3_FF = Variant(
@@ -103,9 +119,15 @@ IA3_FF = Variant(
     init=_init_in,
     weight_form=_weight_in,
     activation_form=_activation_in,
-    tensors={"ia3_l": Slot(lambda i: (i.d_in,), peft="ia3_l", matrix=0)},
+    tensors={"ia3_l": Slot(lambda i: (_in_features(i),), peft="ia3_l", matrix=0)},
     default_alpha=1.0,
+    kind_forms={"linear": None, "conv1d": None, "conv": None},
 )
 
 VARIANTS = (IA3, IA3_FF)
-PEFT = {"ia3": PeftFormat(PEFT_METHOD), "ia3_ff": PeftFormat(PEFT_METHOD, feedforward=True)}
+# peft's IA3 adapts nn.Conv2d / nn.Conv3d (not nn.Conv1d), with ia3_l (1, n, 1, ...)
+_CONVS = peft_conv_layers("IA3", (2, 3))
+PEFT = {
+    "ia3": PeftFormat(PEFT_METHOD, export=_CONVS, reshape=chained(channel_vector("ia3_l", axis=1))),
+    "ia3_ff": PeftFormat(PEFT_METHOD, feedforward=True, export=_CONVS, reshape=chained(channel_vector("ia3_l", axis=0))),
+}

@@ -11,6 +11,11 @@ layer has a bias), copies of the base's values, so the adapted model starts as t
 ``r`` and ``alpha`` are not used. peft stores them as ``ln_tuning_layers.weight`` /
 ``ln_tuning_layers.bias`` (``peft_type`` ``LN_TUNING``); a norm without a bias has only the
 weight.
+
+A trained copy of a layer is also what peft's ``modules_to_save`` holds beside another method
+(``PeftFormat.module_copy``): composed with that method's adapter, it loads and saves as
+``<module>.weight`` / ``.bias`` (an ``nn.Embedding``'s copy too: its ``(V, d)`` table, the
+canonical ``(d, V)`` view here, looked up in the merged table; a conv's: its kernel).
 """
 
 from __future__ import annotations
@@ -52,9 +57,16 @@ def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: Ba
 
 
 def _stored_layout(kind: str, name: str, tensor: Tensor, shape: tuple[int, ...], to_peft: bool) -> Tensor:
-    """peft's copy of a GPT-2 Conv1D holds its weight ``(d_in, d_out)``: the transpose of the
-    canonical view, both ways."""
-    return tensor.T if kind == "conv1d" and name == "ln_weight" else tensor
+    """peft's copy of a GPT-2 Conv1D holds its weight ``(d_in, d_out)``, of an ``nn.Embedding`` its
+    ``(V, d)`` table: the transpose of the canonical view, both ways; of a conv its kernel
+    ``(out, in/groups, *k)``, the canonical ``(out, in/groups·K)`` view unflattened."""
+    if name != "ln_weight":
+        return tensor
+    if kind in ("conv1d", "embedding"):
+        return tensor.T
+    if kind in ("conv", "grouped_conv"):
+        return tensor.reshape(shape) if to_peft else tensor.flatten(1)
+    return tensor
 
 
 VARIANT = Variant(
@@ -68,7 +80,11 @@ VARIANT = Variant(
         "ln_bias": Slot(lambda i: (i.d_out,) if i.has_bias else None, peft="ln_tuning_layers.bias"),
     },
     default_alpha=1.0,
-    kind_forms={"linear": None, "conv1d": None, "norm": None},
+    # (an nn.Embedding's copy: peft's modules_to_save of embed_tokens when tokens are added)
+    kind_forms={"linear": None, "conv1d": None, "norm": None, "embedding": None, "conv": None, "grouped_conv": None},
     traits=frozenset({"changes_bias", "replaces_weight"}),
 )
-PEFT = PeftFormat(PeftMethod("LN_TUNING", {}, fan_in_fan_out=False), reshape=_stored_layout)
+# A trained copy of its layer: also peft's modules_to_save beside another method's layers
+PEFT = PeftFormat(
+    PeftMethod("LN_TUNING", {}, fan_in_fan_out=False), reshape=_stored_layout, module_copy={"ln_weight": "weight", "ln_bias": "bias"}
+)

@@ -209,8 +209,9 @@ VARIANT = Variant(
     tensors={name: Slot((lambda n: lambda i: layer_shapes(i).get(n))(name), rank_axes=axes, peft=name) for name, axes in _AXES.items()},
     options={**_lycoris.OPTIONS, "init": Option("default", one_of(*INITS), "init_weights", mapped({"default": True, "random": False}))},
     default_alpha=8.0,
-    # nn.Conv1d/2d/3d through the merged kernel (peft's LoHa takes Conv1d and Conv2d).
-    kind_forms={"linear": None, "conv1d": None, "conv": None},
+    # nn.Conv1d/2d/3d through the merged kernel (peft's LoHa takes Conv1d and Conv2d), grouped
+    # ones in their grouped kernel as peft.
+    kind_forms={"linear": None, "conv1d": None, "conv": None, "grouped_conv": None},
 )
 # peft: LoHaConfig. Its LyCORIS tuners take nn.Linear / Conv1d / Conv2d only: GPT-2 Conv1D is
 # refused. A CP layer (it holds the cores) stores its (d_out, r) factors as peft's (r, d_out).

@@ -191,7 +191,7 @@ def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: Ba
 
 def _reshape(kind: str, name: str, tensor: Tensor, shape: tuple[int, ...], to_peft: bool) -> Tensor:
     """A whole ``W2`` on a conv is peft's ``(k, n, *kernel)``."""
-    if kind != "conv" or name != "lokr_w2":
+    if kind not in ("conv", "grouped_conv") or name != "lokr_w2":
         return tensor
     return tensor.reshape(tensor.shape[0], -1, *shape[2:]) if to_peft else tensor.flatten(1)
 
@@ -220,8 +220,9 @@ VARIANT = Variant(
         "rank_dropout_scale": Option(False, peft="rank_dropout_scale"),
     },
     default_alpha=8.0,
-    # nn.Conv1d/2d/3d through the merged kernel (peft's LoKr takes Conv1d and Conv2d).
-    kind_forms={"linear": None, "conv1d": None, "conv": None},
+    # nn.Conv1d/2d/3d through the merged kernel (peft's LoKr takes Conv1d and Conv2d), grouped
+    # ones in their grouped kernel as peft.
+    kind_forms={"linear": None, "conv1d": None, "conv": None, "grouped_conv": None},
 )
 # peft: LoKrConfig. Its LyCORIS tuners take nn.Linear / Conv1d / Conv2d only.
 PEFT = PeftFormat(

@@ -205,7 +205,9 @@ VARIANT = Variant(
     low_rank=LOW_RANK,
     # The merged path serves every kind; peft has LoRA on all of these (nn.Embedding, conv
     # layers, target_parameters) but norms. An embedding takes a gather, not a merged (V, d) table.
-    kind_forms={"linear": None, "conv1d": None, "embedding": lora_embedding_form, "conv": None, "experts": None},
+    kind_forms={
+        "linear": None, "conv1d": None, "embedding": lora_embedding_form, "conv": None, "experts": None, "parameter": None, "mha": None,
+    },
 )
 
 

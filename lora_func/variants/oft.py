@@ -43,6 +43,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lora_func.variants._conv import peft_conv_layers
 from lora_func.variants import FLAG, BaseLayer, LayerInfo, Option, PeftFormat, PeftMethod, Slot, TensorDict, Variant, mapped, one_of, real, whole
 from lora_func.variants._orthogonal import (
     block_multiplicative_dropout,
@@ -158,5 +159,7 @@ VARIANT = Variant(
     },
     check=check_options,
     default_alpha=1.0,
+    kind_forms={"linear": None, "conv1d": None, "conv": None},
 )
-PEFT = PeftFormat(PeftMethod("OFT"), conv1d=False)
+# peft's OFT adapts nn.Conv2d with square kernels (it reads a kernel as k[0]·k[0]).
+PEFT = PeftFormat(PeftMethod("OFT"), conv1d=False, export=peft_conv_layers("OFT", (2,), square=True))

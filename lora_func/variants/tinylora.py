@@ -24,8 +24,14 @@ base weight and is cast to the base dtype before the square roots, as peft does.
 peft format (``TinyLoraConfig``): per layer ``tinylora_A``, ``tinylora_B`` and, with
 ``save_projection`` (default), ``tinylora_P``; ``base_model.tinylora_v.<g>`` once per group.
 Without ``save_projection`` the projections are re-drawn from the seed on load, as peft does.
-Differences from peft: ``nn.Embedding`` targets are not offered (linear and GPT-2 ``Conv1D``
-only); a rank above ``min(d_in, d_out)`` is refused (peft truncates it to that); ``init_weights
+A rank above a layer's ``min(d_in, d_out)`` is lowered to it on that layer, as peft does
+(:func:`layer_ranks`; the config keeps ``r``).
+
+``nn.Embedding`` targets as peft's: the SVD is of the stored ``(V, d)`` table, so there
+``tinylora_A (r, d)``, ``tinylora_B (V, r)`` (peft's shapes and keys) and ``ΔW = (B R A)ᵀ`` in the
+canonical ``(d, V)`` view; a lookup adds ``(B[ids] R) A`` (:func:`embedding_form`).
+
+Differences from peft: ``init_weights
 =False`` (peft leaves ``v`` as uninitialised memory) reads as ``init="zero"``, which only acts at
 init (a checkpoint's ``v`` is its own).
 """
@@ -33,7 +39,7 @@ init (a checkpoint's ``v`` is its own).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -77,13 +83,22 @@ def init(
     """The frozen SVD factors of ``weight`` and the layer's projections (peft's ``_init_svd``,
     ``_init_projection``)."""
     r = info.r
-    u, s, vh = torch.linalg.svd(weight.float(), full_matrices=False)
+    # an embedding's SVD is of its stored (V, d) table, as peft's (its A, B hold that table's
+    # factors: see the module docstring)
+    stored = weight.T if info.kind == "embedding" else weight
+    u, s, vh = torch.linalg.svd(stored.float(), full_matrices=False)
     root = torch.sqrt(s[:r].to(weight.dtype))
     a = root.unsqueeze(1) * vh[:r, :].to(weight.dtype)
     b = u[:, :r].to(weight.dtype) * root.unsqueeze(0)
     seeded = torch.Generator(device="cpu").manual_seed(int(info.option("projection_seed")) + info.position)
     p = torch.normal(mean=0.0, std=1.0 / (r**0.5), size=(info.option("u"), r, r), generator=seeded)
     return {}, {"tinylora_A": a.to(dtype).contiguous(), "tinylora_B": b.to(dtype).contiguous(), "tinylora_P": p.to(weight.device, dtype)}
+
+
+def layer_ranks(r: int, infos: Mapping[str, LayerInfo]) -> dict[str, int]:
+    """Each layer's rank: ``r``, lowered to ``min(d_in, d_out)`` on a layer that has fewer
+    singular directions (peft's ``actual_r``; its config keeps ``r``)."""
+    return {module: min(r, info.d_in, info.d_out) for module, info in infos.items()}
 
 
 def core(params: TensorDict, buffers: TensorDict, info: LayerInfo) -> Tensor:
@@ -95,7 +110,9 @@ def core(params: TensorDict, buffers: TensorDict, info: LayerInfo) -> Tensor:
 def weight_form(
     params: TensorDict, buffers: TensorDict, weight: Tensor, bias: Tensor | None, info: LayerInfo
 ) -> tuple[Tensor, Tensor | None]:
-    return weight + buffers["tinylora_B"] @ core(params, buffers, info) @ buffers["tinylora_A"], bias
+    delta = buffers["tinylora_B"] @ core(params, buffers, info) @ buffers["tinylora_A"]
+    # an embedding's factors are of its stored (V, d) table: the canonical (d, V) delta is the transpose
+    return weight + (delta.T if info.kind == "embedding" else delta), bias
 
 
 def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: BaseLayer, info: LayerInfo) -> Tensor:
@@ -103,6 +120,25 @@ def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: Ba
     # peft's order: (x Aᵀ) Rᵀ, then Bᵀ.
     h = (lowrank_input(x, base, info).to(a.dtype) @ a.transpose(-1, -2)) @ core(params, buffers, info).transpose(-1, -2)
     return base_plus_low_rank(base, x, h, buffers["tinylora_B"])
+
+
+def embedding_form(params: TensorDict, buffers: TensorDict, ids: Tensor, base: BaseLayer, info: LayerInfo) -> Tensor:
+    """TinyLoRA on an ``nn.Embedding`` (peft's ``tinylora.Embedding``): ``ids (...) -> base(ids) +
+    (B[ids] R) A (..., d)``, ``B (V, r)`` and ``A (r, d)`` the stored table's SVD factors, the
+    ``dropout`` option on the looked-up ``(..., r)`` rows in training (peft's order)."""
+    b = buffers["tinylora_B"]
+    y = base(ids)
+    h = lowrank_input(cast(Any, base).replay(ids, b), base, info)  # B's rows, with the layer's own lookup
+    delta = (h @ core(params, buffers, info)) @ buffers["tinylora_A"]
+    return (y.to(delta.dtype) + delta).to(y.dtype)
+
+
+def _a_shape(info: LayerInfo) -> tuple[int, int]:
+    return (info.r, info.d_out if info.kind == "embedding" else info.d_in)
+
+
+def _b_shape(info: LayerInfo) -> tuple[int, int]:
+    return (info.d_in if info.kind == "embedding" else info.d_out, info.r)
 
 
 VARIANT = Variant(
@@ -113,8 +149,8 @@ VARIANT = Variant(
     # The projection P is in peft's file only with save_projection (else drawn from the seed and the
     # layer's position); the G trainable vectors are held once, row by row.
     tensors={
-        "tinylora_A": Slot(lambda i: (i.r, i.d_in), rank_axes=(0,), buffer=True, peft="tinylora_A"),
-        "tinylora_B": Slot(lambda i: (i.d_out, i.r), rank_axes=(1,), buffer=True, peft="tinylora_B"),
+        "tinylora_A": Slot(_a_shape, rank_axes=(0,), buffer=True, peft="tinylora_A"),
+        "tinylora_B": Slot(_b_shape, rank_axes=(1,), buffer=True, peft="tinylora_B"),
         "tinylora_P": Slot(lambda i: (i.option("u"), i.r, i.r), rank_axes=(1, 2), buffer=True, peft="tinylora_P", saved_if="save_projection"),
         "tinylora_v": Slot(lambda i: (groups(i)[0], i.option("u")), shared=True, peft="base_model.tinylora_v.{}"),
     },
@@ -129,5 +165,7 @@ VARIANT = Variant(
     },
     default_alpha=1.0,
     shared_init=shared_init,
+    layer_ranks=layer_ranks,
+    kind_forms={"linear": None, "conv1d": None, "embedding": embedding_form},
 )
 PEFT = PeftFormat(PeftMethod("TINYLORA", rank=("r", None)))

@@ -15,6 +15,7 @@ ROWS = (
         variant="dora",
         w_eff=dora_w_eff,
         step0_nonzero=frozenset({"lora_B", "lora_magnitude_vector"}),
+        step0_by_kind={"embedding": frozenset({"lora_A", "lora_magnitude_vector"})},  # peft's embedding init: A = 0, B random
         spec_kwargs={"r": 4, "alpha": 6.0},
         identity_rtol=0.0,  # m / n == 1 exactly at init: same norm computation at init and in the forms
     ),

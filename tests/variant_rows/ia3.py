@@ -1,3 +1,5 @@
+import torch
+
 from tests.variant_table import Row
 
 
@@ -8,8 +10,11 @@ def ia3_w_eff(p, b, W, bias, info):
 
 
 def ia3_ff_w_eff(p, b, W, bias, info):
-    # variants.md §4: y = (x ⊙ g) Wᵀ + b, so W_eff = W diag(g), bias unchanged.
-    return W * p["ia3_l"][None, :], bias
+    # variants.md §4: y = (x ⊙ g) Wᵀ + b, so W_eff = W diag(g), bias unchanged. On a conv kernel
+    # (out, c_in, *k) the gate scales input channel c, columns c·K .. c·K + K − 1 of the view.
+    g = p["ia3_l"]
+    per_column = torch.stack([g] * (W.shape[1] // g.shape[0]), dim=1).reshape(-1)
+    return W * per_column[None, :], bias
 
 
 ROWS = (
