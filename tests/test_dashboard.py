@@ -209,7 +209,7 @@ def test_dashboard_in_a_headless_browser_trains_explains_its_results_and_keeps_t
                 assert name in described, f"the help has no row for the selectable variant {name!r}"
                 row = described[name]
                 assert len(row["the idea"]) > 20 and len(row["pick it when"]) > 15, row
-                assert re.fullmatch(r"docs/(variants/\w+|routed)\.md", row["details"]), row  # poly, arrow: the routed page
+                assert re.fullmatch(r"docs/variants/\w+\.md", row["details"]), row
                 if name in NOT_TRAINED:  # declared, with its reason, in lora_func/demo/defaults.py
                     assert row["demo default"] == "not trained by the demo", row
                     continue
