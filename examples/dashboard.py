@@ -111,7 +111,7 @@ def _(Path, mo):
         import lora_func as lf
         from lora_func.demo.corpus import task_split
         from lora_func.demo.model import default_targets, load_model
-        from lora_func.demo.defaults import method_defaults
+        from lora_func.demo.defaults import NOT_TRAINED, method_defaults
         from lora_func.demo.run import DEFAULT_VARIANTS, DemoConfig, encode_examples, run_variant
 
         _model, tokenizer = load_model()
@@ -133,8 +133,8 @@ def _(Path, mo):
         "dtype": "float32",
     }
     return (
-        DemoConfig, FuncFormatter, LogLocator, MaxNLocator, NullFormatter, RANK_PER_METHOD, SCRIPT, base64, default_targets,
-        defaults, held_out_data, held_out_examples, io, lf, load_model, method_defaults, plt, run_variant, tempfile, time,
+        DemoConfig, FuncFormatter, LogLocator, MaxNLocator, NOT_TRAINED, NullFormatter, RANK_PER_METHOD, SCRIPT, base64,
+        default_targets, defaults, held_out_data, held_out_examples, io, lf, load_model, method_defaults, plt, run_variant, tempfile, time,
         tokenizer, torch, train_data, train_examples,
     )
 
@@ -272,7 +272,7 @@ def _():
 
 
 @app.cell
-def _(RANK_PER_METHOD, VARIANT_HELP, defaults, doc_link, lf, method_defaults, mo):
+def _(NOT_TRAINED, RANK_PER_METHOD, VARIANT_HELP, defaults, doc_link, lf, method_defaults, mo):
     def _check_lr(value):
         text = (value or {}).get("lr", "").strip()
         if not text:
@@ -304,9 +304,13 @@ def _(RANK_PER_METHOD, VARIANT_HELP, defaults, doc_link, lf, method_defaults, mo
     )
     def default_text(name):
         """The method's demo defaults, as the help table shows them: ``lr 0.003, r 8``."""
+        if name in NOT_TRAINED:
+            return "not trained by the demo"
         row = method_defaults(name)
         extra = [f"alpha {row.alpha:g}"] if row.alpha is not None else []
-        extra += [f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.options.items()]
+        extra += [f"{k} {v:g}" if isinstance(v, float) else f"{len(v)} {k}" if isinstance(v, tuple) else f"{k} {v}"
+                  for k, v in row.options.items()]
+        extra += [f"on {', '.join(row.targets)}"] if row.targets is not None else []
         return ", ".join([f"lr {row.lr:g}", f"r {row.rank()}", *extra])
 
     variant_rows = "\n".join(

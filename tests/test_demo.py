@@ -25,7 +25,7 @@ from lora_func.demo.corpus import (
     worked_sum_examples,
     worked_sum_split,
 )
-from lora_func.demo.defaults import DEFAULTS, DEMO_R, FALLBACK, method_defaults
+from lora_func.demo.defaults import DEFAULTS, DEMO_R, DEMO_TASK_TOKENS, FALLBACK, NOT_TRAINED, method_defaults
 from lora_func.demo.fitting import SIZE_OPTIONS, fit_and_init, respec
 from lora_func.demo.model import ASSETS, build_tokenizer, default_targets, load_model
 from lora_func.demo.run import (
@@ -313,8 +313,10 @@ def test_worked_sums_are_a_fixed_partition_of_550_questions_in_the_models_vocabu
 def test_every_registered_method_has_one_row_of_demo_defaults_read_by_the_demo():
     """One table: the demo's learning rate, rank and options per method come from
     lora_func.demo.defaults (the dashboard and the docs read it too: tests/test_dashboard.py,
-    tests/test_docs.py)."""
-    assert sorted(DEFAULTS) == lf.list_variants()
+    tests/test_docs.py); a method the demo does not train is declared in NOT_TRAINED with its
+    reason instead, never in both and never in neither."""
+    assert sorted([*DEFAULTS, *NOT_TRAINED]) == lf.list_variants() and not set(DEFAULTS) & set(NOT_TRAINED)
+    assert sorted(NOT_TRAINED) == ["arrow", "lora_bias"]
     assert dict(DEFAULT_LR) == {name: row.lr for name, row in DEFAULTS.items()}
     assert method_defaults("not-registered") is FALLBACK
     targets = ["q_proj"]
@@ -324,8 +326,49 @@ def test_every_registered_method_has_one_row_of_demo_defaults_read_by_the_demo()
         assert all(spec.option(k) == v for k, v in row.options.items()), name
         if row.alpha is not None:
             assert spec.alpha == row.alpha, name
+        # a row's own targets (trainable tokens: the embedding) replace the demo's, not --targets
+        assert list(spec.targets) == list(row.targets or targets), name
+        assert spec.tied == (row.tied or "error"), name
+        assert list(DemoConfig(targets=("v_proj",)).spec_for(name, ["v_proj"]).targets) == ["v_proj"], name
         assert DemoConfig(r=3).spec_for(name, targets).r == 3 and DemoConfig(lr=0.5).lr_for(name) == 0.5
+    assert [name for name, row in DEFAULTS.items() if row.targets is not None] == ["trainable_tokens"]
     assert DEMO_R == 8
+
+
+def test_trainable_tokens_retrains_the_words_of_the_demo_tasks(shipped):
+    """The demo gives trainable tokens (which has no default tokens) the ids of every word of its
+    two tasks, on the shipped model's tied embedding table."""
+    model, tokenizer = shipped
+    words = set()
+    for train, held_out in (task_split(0), worked_sum_split(0)):
+        data = encode_examples(tokenizer, train + held_out)
+        words |= set(data.input_ids[data.attention_mask.bool()].tolist())
+    assert tuple(sorted(words - set(tokenizer.all_special_ids))) == DEMO_TASK_TOKENS
+    row = DEFAULTS["trainable_tokens"]
+    assert row.options["token_indices"] == DEMO_TASK_TOKENS and (row.targets, row.tied) == (("embed_tokens",), "both")
+    adapter = lf.init_adapter(model, DemoConfig().spec_for("trainable_tokens", default_targets(model)))
+    assert adapter.num_parameters() == len(DEMO_TASK_TOKENS) * model.config.hidden_size
+    assert "token_indices" in row.note
+
+
+def test_a_method_the_demo_does_not_train_is_reported_with_its_reason(shipped, tmp_path):
+    """arrow (training-free routing among trained LoRAs) and lora_bias (needs biased targets; the
+    shipped model has none) get their results row, status "skipped", with the declared reason,
+    before any work; the results table shows it."""
+    model, tokenizer = shipped
+    train, held_out = (encode_examples(tokenizer, part) for part in task_split(0))
+    before = {k: v.clone() for k, v in lf.base_params(model).items()}
+    rows = [run_variant(model, tokenizer, name, DemoConfig(steps=1), train, held_out, tmp_path) for name in sorted(NOT_TRAINED)]
+    assert [(r["variant"], r["status"], r["reason"]) for r in rows] == [
+        (name, "skipped", f"not trained by the demo: {NOT_TRAINED[name]}") for name in sorted(NOT_TRAINED)
+    ]
+    assert "routed.arrow" in NOT_TRAINED["arrow"] and "bias" in NOT_TRAINED["lora_bias"]
+    assert not any(tmp_path.iterdir()) and all(torch.equal(v, lf.base_params(model)[k]) for k, v in before.items())
+    table = results_markdown(rows)
+    assert all(f"| {name} |" in table and "skipped: not trained by the demo" in table for name in NOT_TRAINED)
+    # the reason is true: lora_bias cannot be built on the shipped model's bias-free layers
+    with pytest.raises(ValueError, match="no bias"):
+        lf.init_adapter(model, lf.AdapterSpec("lora_bias", default_targets(model), r=8))
 
 
 def test_every_method_builds_on_the_shipped_model_with_its_demo_defaults(shipped):
@@ -337,10 +380,15 @@ def test_every_method_builds_on_the_shipped_model_with_its_demo_defaults(shipped
     config = DemoConfig()
     changed = {}
     calibration = [{"input_ids": train.input_ids[:16], "attention_mask": train.attention_mask[:16]}]
-    for name in lf.list_variants():
+    assert sorted([*DEFAULTS, *NOT_TRAINED]) == lf.list_variants()
+    for name in sorted(DEFAULTS):
         spec = config.spec_for(name, default_targets(model))
         fitted = fit_and_init(model, spec, lambda s: lf.init_adapter(model, s, calibration=calibration if lf.get_variant(s.variant).calibration else None))
         assert fitted.adapter.spec == fitted.spec and fitted.adapter.num_parameters() > 0, name
+        # no trained tensor shares memory with a frozen one: the optimizer steps in place (OSF's
+        # osf_S once was its frozen osf_S0, so training moved both and its reload differed)
+        frozen = {b.untyped_storage().data_ptr() for b in fitted.adapter.buffers.values() if b.numel()}
+        assert not [k for k, p in fitted.adapter.params.items() if p.numel() and p.untyped_storage().data_ptr() in frozen], name
         changed.update({name: [(c.option, c.asked, c.used) for c in fitted.changes]} if fitted.changes else {})
     assert changed == {"vblora": [("vector_length", 256, 64)]}, changed
 

@@ -207,7 +207,7 @@ def test_hyperparameters_guide_shows_the_demo_defaults_table_and_the_sweep_that_
     below 60 % on the demo task is explained in the section that says why, and the longer runs
     quoted there are those of docs/guide/lr_sweep/steps240.jsonl."""
     import lora_func as lf
-    from lora_func.demo.defaults import DEFAULTS
+    from lora_func.demo.defaults import DEFAULTS, NOT_TRAINED
 
     sweep = _lr_sweep_module(monkeypatch)
     fine, coarse = sweep.read_records(SWEEP / "fine.jsonl"), sweep.read_records(SWEEP / "coarse.jsonl")
@@ -216,7 +216,16 @@ def test_hyperparameters_guide_shows_the_demo_defaults_table_and_the_sweep_that_
     section = guide[guide.index("## The demo's defaults") :]
     section = section[: section.index("\n## ", 4)]
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in section.splitlines() if line.startswith("| `")]
-    assert [row[0].strip("`") for row in rows] == lf.list_variants()
+    assert [row[0].strip("`") for row in rows] == sorted(DEFAULTS) == sorted(set(lf.list_variants()) - set(NOT_TRAINED))
+    # the methods the demo does not train: each named with its declared reason, and no sweep record
+    not_trained = section[section.index("### Not trained by the demo") :]
+    not_trained = not_trained[: not_trained.index("\n### ", 4)]
+    for name, reason in NOT_TRAINED.items():
+        assert f"- `{name}`: {reason}" in " ".join(not_trained.split()), name
+    assert not {r["variant"] for r in [*fine, *coarse]} & set(NOT_TRAINED)
+    # every row's note (what the demo gives the method, how it runs there) is shown
+    flat = " ".join(section.split())
+    assert all(f"- `{name}`: {row.note}." in flat for name, row in DEFAULTS.items() if row.note)
     below = section[section.index("### Below 60 %") :]
     for name, lr, label, demo, worked, *_ in ([row[0].strip("`"), *row[1:]] for row in rows):
         row = DEFAULTS[name]

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 import lora_func as lf
 from lora_func.demo.corpus import task_split
-from lora_func.demo.defaults import DEFAULTS, method_defaults
+from lora_func.demo.defaults import DEFAULTS, NOT_TRAINED, method_defaults
 from lora_func.demo.fitting import fit_and_init
 from lora_func.demo.model import Quantize, default_targets, load_model
 from lora_func.quantized import logical_shape
@@ -102,9 +102,15 @@ class DemoConfig:
     def spec_for(self, variant: str, targets: Sequence[str]) -> lf.AdapterSpec:
         """The spec the demo asks for: the method's row of the defaults table (rank, alpha,
         options), with ``r`` when set. Options that do not fit the model are lowered later
-        (:func:`lora_func.demo.fitting.fit_and_init`)."""
+        (:func:`lora_func.demo.fitting.fit_and_init`). A row that names its own targets (trainable
+        tokens: the embedding) trains those instead of ``targets``, unless ``targets`` was set."""
         row = method_defaults(variant)
-        return lf.AdapterSpec(variant, targets=list(targets), r=self.r if self.r is not None else row.rank(), alpha=row.alpha, **row.options)
+        extra: dict[str, Any] = {"tied": row.tied} if row.tied is not None else {}
+        if row.targets is not None and not self.targets:
+            targets = row.targets
+        return lf.AdapterSpec(
+            variant, targets=list(targets), r=self.r if self.r is not None else row.rank(), alpha=row.alpha, **extra, **row.options,
+        )
 
     def threads_for_run(self) -> int | None:
         """The CPU threads to train with: ``threads`` when set; else 1 for the shipped tiny
@@ -209,14 +215,20 @@ def correct_answers(logits: Tensor, data: TaskData) -> Tensor:
 @torch.no_grad()
 def generate(model: nn.Module, tokenizer: Any, prompt: str, adapter: Any = None, *, max_new_tokens: int = 6) -> str:
     """Greedy continuation of ``prompt`` by ``model.generate``, with ``adapter`` applied through
-    :func:`lora_func.adapted` (merged weights for the whole generation) when given."""
+    :func:`lora_func.adapted` when given: merged weights for the whole generation, or the lazy
+    path where the adapter has no merged weight on these layers (BEFT's trained bias on a layer
+    without a bias: its merge refuses, before any work)."""
     ids = tokenizer(prompt, return_tensors="pt")["input_ids"].to(next(model.parameters()).device)
     kwargs = {"max_new_tokens": max_new_tokens, "do_sample": False, "pad_token_id": tokenizer.pad_token_id}
     lm = cast("_Generates", model)  # a transformers causal LM (load_model's)
     if adapter is None:
         out = lm.generate(ids, **kwargs)
     else:
-        with lf.adapted(model, adapter):
+        with contextlib.ExitStack() as stack:
+            try:  # the merge only: the generation itself is never retried
+                stack.enter_context(lf.adapted(model, adapter))
+            except ValueError:
+                stack.enter_context(lf.adapted(model, adapter, merged=False))
             out = lm.generate(ids, **kwargs)
     text = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()
     return text.split(" .")[0] + " ." if " ." in text else text  # up to the first full stop
@@ -319,7 +331,8 @@ def run_variant(
     ``*`` on those lowered to fit the model), ``fitted`` (each lowered option: asked, used, why),
     ``reason`` and ``diverged``. ``status`` is ``"trained"`` (then the numbers too, and ``"losses"``: the
     per-step training loss), ``"skipped"`` (the method cannot start on this model: no value of
-    an option fits, or an optional dependency is missing; ``reason`` says which) or
+    an option fits, or an optional dependency is missing, or the demo does not train it:
+    ``lora_func.demo.defaults.NOT_TRAINED``; ``reason`` says which) or
     ``"failed"`` (training diverged or raised; ``reason`` has the error). A failure never
     escapes: the caller's other methods still run.
     """
@@ -327,6 +340,9 @@ def run_variant(
     row: dict[str, Any] = {
         "variant": variant, "status": "skipped", "lr": lr, "r": None, "settings": "", "fitted": [], "reason": None, "diverged": False,
     }
+    if variant in NOT_TRAINED:  # declared in lora_func.demo.defaults, with its reason
+        row["reason"] = f"not trained by the demo: {NOT_TRAINED[variant]}"
+        return row
     with cpu_threads(config.threads_for_run()):
         try:
             targets = list(config.targets) if config.targets else default_targets(model)

@@ -170,6 +170,8 @@ def _config_problems(config: Mapping[str, Any]) -> list[str]:
     method = methods().get(peft_type) if isinstance(peft_type, str) else None
     if method is not None and method.alpha is not None:
         checks[method.alpha] = number
+    if method is not None and any(o.peft == "lora_alpha" for v in formats(peft_type) for o in get_variant(v).options.values()):
+        del checks["lora_alpha"]  # a variant's own option (Super-Tuning's: null is peft's 2·lora_r), checked below as the spec would
     rank_fields = ("r", "rank_pattern") if method is None else method.rank
     if rank_fields is not None:
         checks[rank_fields[0]] = rank

@@ -98,7 +98,9 @@ def init(
     if info.option("init") == "random":
         params = {name: torch.randn(low[f"{name}0"].shape, generator=generator, dtype=base_dtype) for name in ("osf_U", "osf_S", "osf_V")}
     else:
-        params = {name: low[f"{name}0"] for name in ("osf_U", "osf_S", "osf_V")}
+        # copies: S0 and V0 are contiguous slices that `.contiguous()` below would hand back as
+        # they are, so an optimizer's in-place step on osf_S / osf_V would move the frozen copies too
+        params = {name: low[f"{name}0"].clone() for name in ("osf_U", "osf_S", "osf_V")}
     buffers = dict(low)
     if info.d_out > info.d_in:
         buffers["osf_U_high"] = u[:, :k]
