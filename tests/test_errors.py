@@ -74,8 +74,8 @@ def test_overlay_key_that_is_not_a_model_tensor(llama):
 
 
 def test_target_of_no_kind_or_of_a_kind_the_variant_refuses(llama):
-    with pytest.raises(ValueError, match=r"variant 'dora' cannot adapt \['model.embed_tokens \(embedding\)'\]; dora adapts linear"):
-        lf.init_adapter(llama, lf.AdapterSpec("dora", targets=["embed_tokens"]))
+    with pytest.raises(ValueError, match=r"variant 'hira' cannot adapt \['model.embed_tokens \(embedding\)'\]; hira adapts linear"):
+        lf.init_adapter(llama, lf.AdapterSpec("hira", targets=["embed_tokens"]))
     with pytest.raises(ValueError, match=r"self_attn \(LlamaAttention\)'\] are of no kind"):
         lf.init_adapter(llama, lf.AdapterSpec("lora", targets=r".*self_attn"))
     # an explicit layer_types filter keeps only those kinds instead

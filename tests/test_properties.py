@@ -303,7 +303,7 @@ def test_save_load_is_bit_identical(case):
 # ln_tuning: the layer's trained copy computes in the adapter dtype with F.linear.
 # issue 43: beft (b + 0 added to the base's output, not inside its addmm), deft (the projection
 # (I − P relu(P)ᵀ) W of a non-zero P), supertuning (W plus a scattered zero: Conv1D's layout).
-ROUND_OFF_AT_INIT = {"pissa", "hra", "oft", "boft", "ln_tuning", "beft", "deft", "supertuning"}
+ROUND_OFF_AT_INIT = {"pissa", "olora", "corda", "hra", "oft", "boft", "ln_tuning", "beft", "deft", "supertuning"}
 
 
 @PROPERTY
