@@ -50,6 +50,7 @@ from lora_func.variants import Variant, get_variant
 
 __all__ = [
     "ALL_LINEAR",
+    "biased_modules",
     "CONV_LAYOUTS",
     "EXPERT_LAYOUTS",
     "MHA_LAYOUTS",
@@ -280,6 +281,13 @@ def output_head(model: nn.Module) -> str | None:
     if head is None:
         return None
     return next((name for name, module in model.named_modules() if module is head), None)
+
+
+def biased_modules(model: nn.Module) -> list[str]:
+    """The modules that hold a bias of their own (a parameter named ``bias``), in module order:
+    the biases peft's ``bias="all"`` trains, as targets of ``ln_tuning`` with ``part="bias"``
+    (``AdapterSpec("ln_tuning", targets=biased_modules(model), part="bias")``)."""
+    return [name for name, module in model.named_modules() if name and isinstance(module._parameters.get("bias"), Tensor)]
 
 
 def _matches(name: str, targets: str | tuple[str, ...]) -> bool:

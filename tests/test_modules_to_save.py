@@ -261,3 +261,46 @@ def test_ln_tuning_on_the_copy_kinds_saves_as_peft_s_ln_tuning(kind, targets, tm
     _close(loaded(ids).logits, want, "peft on save_peft")
     again = lf.load_peft(tmp_path, model)
     assert all(torch.equal(again.params[k], t) for k, t in adapter.params.items())
+
+
+class _TwoHeads(nn.Module):
+    """``head(proj(emb(ids))) + aux_head(...)``: peft's ``modules_to_save=["head"]`` (a plain
+    ``endswith``) also copies ``aux_head``."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(61, 8)
+        self.proj = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 61)
+        self.aux_head = nn.Linear(8, 61)
+
+    def forward(self, ids):
+        h = self.proj(self.emb(ids))
+        return self.head(h) + self.aux_head(h)
+
+
+def test_a_copy_whose_name_peft_would_match_twice_is_refused_naming_both(tmp_path):
+    """save_peft writes a copy's full name; when that name ends another module's name, peft
+    would copy that module too (the oracle below): refused, naming both, nothing written. With
+    both copied the checkpoint is peft's and loads back."""
+    model = _TwoHeads().double()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        peft_model = get_peft_model(_TwoHeads().double(), LoraConfig(r=2, target_modules=["proj"], modules_to_save=["head"]))
+    assert sorted(n.removeprefix("base_model.model.") for n, m in peft_model.named_modules() if type(m).__name__ == "ModulesToSaveWrapper") == ["aux_head", "head"]
+    lora = lf.init_adapter(model, lf.AdapterSpec("lora", targets=["proj"], r=2, dtype=torch.float64), generator=torch.Generator().manual_seed(0))
+    head = lf.init_adapter(model, lf.AdapterSpec("ln_tuning", targets=["head"], dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"copy of 'head' is written as modules_to_save='head'.*also selects 'aux_head'"):
+        lf.save_peft(lf.compose(lora, head), tmp_path / "one", model=model)
+    assert not (tmp_path / "one").exists()
+    both = lf.init_adapter(model, lf.AdapterSpec("ln_tuning", targets=["head", "aux_head"], dtype=torch.float64))
+    g = torch.Generator().manual_seed(1)
+    adapter = lf.compose(lora, both)
+    adapter = adapter.with_params({k: v + 0.1 * torch.randn(v.shape, generator=g, dtype=v.dtype) for k, v in adapter.params.items()})
+    lf.save_peft(adapter, tmp_path / "both", model=model)
+    ids = tokens(2, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loaded = PeftModel.from_pretrained(_TwoHeads().double(), tmp_path / "both").eval()
+    _close(loaded(ids), lf.adapted_call(model, adapter, ids), "peft on save_peft")

@@ -236,7 +236,9 @@ def refuse_unsupported(directory: Path, config: Mapping[str, Any]) -> None:
     """Raise for config features that change the math and that lora_func does not have."""
     # modules_to_save: trained copies, read beside the method's layers (_peft_read.saved_copies)
     bad = sorted(name for name in methods()[config["peft_type"]].refused if config.get(name) and name != "modules_to_save")
-    bad += ["bias"] if config.get("bias", "none") != "none" else []
+    # bias: "all" / "<method>_only" train biases, read as ln_tuning parts (_peft_read.trained_biases)
+    bias = config.get("bias", "none")
+    bad += ["bias"] if bias != "none" and not (isinstance(bias, str) and (bias == "all" or bias.endswith("_only"))) else []
     if bad:
         raise ValueError(  # error: peft-unsupported-features
             f"{directory} uses {config.get('peft_type')} features lora_func does not support: {bad}; retrain without "

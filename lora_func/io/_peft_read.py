@@ -67,6 +67,7 @@ from lora_func.quantized import kind_of_tensor
 from lora_func.spec import AdapterSpec
 from lora_func.targeting import (
     KINDS,
+    biased_modules,
     find_targets,
     layer_kind,
     no_kind,
@@ -491,6 +492,48 @@ def saved_copies(directory: Path, config: Mapping[str, Any], model: nn.Module, r
         copies[name] = {slot_of[k]: read.pop(key) for k, key in own.items()}
     return copies
 
+def _bias_training(config: Mapping[str, Any]) -> bool:
+    """Whether the config trains biases (peft's ``bias="all"`` or ``"<method>_only"``)."""
+    bias = config.get("bias", "none")
+    return isinstance(bias, str) and (bias == "all" or bias.endswith("_only"))
+
+
+def trained_biases(directory: Path, config: Mapping[str, Any], model: nn.Module, read: dict[str, Tensor]) -> dict[str, dict[str, Tensor]]:
+    """The biases a ``bias="all"`` / ``"<method>_only"`` checkpoint trained (peft's
+    ``_get_learnable_bias_state_dict``: ``<module>.base_layer.bias`` on the method's targets,
+    ``<module>.bias`` elsewhere), popped from ``read`` as ``{module: {"ln_bias": tensor}}``, the
+    tensors of ``ln_tuning`` with ``part="bias"``. Call after :func:`saved_copies`: a trained
+    copy's bias is the copy's."""
+    if not _bias_training(config):
+        return {}
+    modules = dict(model.named_modules())
+    kinds = get_variant("ln_tuning").kinds
+    found: dict[str, dict[str, Tensor]] = {}
+    for name in biased_modules(model):
+        for key in (f"{PREFIX}{name}.base_layer.bias", f"{PREFIX}{name}.bias"):
+            if key not in read:
+                continue
+            kind = layer_kind(modules[name])
+            if kind not in kinds:
+                raise ValueError(  # error: peft-bias-kind
+                    f"{directory}: bias={config.get('bias')!r} trained the bias of {name} ({type(modules[name]).__name__}); "
+                    f"lora_func trains biases of {sorted(kinds)} layers only; load the checkpoint in peft "
+                    f"(merge_and_unload), or retrain with bias='none'"
+                )
+            found[name] = {"ln_bias": read.pop(key)}
+    return found
+
+
+def _drop_wrapper_biases(config: Mapping[str, Any], read: dict[str, Tensor]) -> None:
+    """With ``bias="all"`` peft's state dict also holds the ``ModulesToSaveWrapper``'s own views
+    of a copied module's bias: ``<module>.modules_to_save.bias`` (the copy's, saved again under
+    ``<module>.bias``) and ``<module>.original_module.bias`` (the base's, never used while the copy
+    is active): dropped, the copy reads ``<module>.bias``."""
+    if config.get("bias") == "all":
+        for key in [k for k in read if k.endswith((".modules_to_save.bias", ".original_module.bias"))]:
+            del read[key]
+
+
 def load_peft(directory: str | os.PathLike, model: nn.Module, *, check_finite: bool = True) -> AdapterLike:
     """Read a peft checkpoint directory (``adapter_config.json`` + ``adapter_model.safetensors``,
     or the older ``adapter_model.bin``) as a lora_func adapter on ``model``, the untouched base.
@@ -539,7 +582,9 @@ def load_peft(directory: str | os.PathLike, model: nn.Module, *, check_finite: b
     # peft's state dict may also hold a copy of them under every layer that reads them.
     copies = {name for variant in stored_as for name in _shared_keys(variant)}
     read = {key: tensor for key, tensor in read.items() if key.rsplit(".", 1)[-1] not in copies}
+    _drop_wrapper_biases(config, read)
     saved = saved_copies(directory, config, model, read)  # (popped from read)
+    biases = trained_biases(directory, config, model, read)  # (popped from read)
     from_config = any(_holds_no_layer_tensors(variant) for variant in stored_as)
     tensors = by_module(directory, peft_type, drop_saved_bases(directory, read, model), allow_none=from_config)
     if from_config:
@@ -554,9 +599,14 @@ def load_peft(directory: str | os.PathLike, model: nn.Module, *, check_finite: b
             f"it onto the model it was trained for, or fix target_modules"
         )
     adapter = _read(directory, config, peft_type, tensors, model, stored_shared)
+    parts = [adapter]
     if saved:  # peft's modules_to_save: trained copies composed with the method's layers
         copy_type = module_copy()[1].method.peft_type
-        adapter = compose(adapter, _read(directory, {"peft_type": copy_type}, copy_type, saved, model, {}))
+        parts.append(_read(directory, {"peft_type": copy_type}, copy_type, saved, model, {}))
+    if biases:  # peft's bias training: the trained biases, before the method's layers (they see them as their base's)
+        layers = {name: _Layer(params=tensors) for name, tensors in biases.items()}
+        parts.insert(0, _assemble(directory, model, "ln_tuning", layers, alpha=None, options={"part": "bias"}))
+    adapter = parts[0] if len(parts) == 1 else compose(*parts)
     if not from_config:  # after the layers it holds passed every check: those errors say more
         parameters = [f"{owner}.{name}" for owner, names in targeted_parameters(model, config.get("target_parameters") or []).items() for name in names]
         refuse_missing_layers(directory, config, model, list(tensors), parameters)

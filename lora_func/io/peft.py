@@ -42,12 +42,13 @@ from lora_func.adapter import (
 from lora_func.checks import check_model, check_path
 from lora_func.io._files import replace_directory, safetensors_write
 from lora_func.io._peft_config import config_of, written_config
-from lora_func.io._peft_keys import CONFIG_NAME, PREFIX, WEIGHTS_NAME, Out, module_copy, parameter_key, saved_names, stored
+from lora_func.io._peft_keys import CONFIG_NAME, PREFIX, WEIGHTS_NAME, Out, methods, module_copy, parameter_key, saved_names, stored
 from lora_func.io._peft_read import load_peft
 from lora_func.io._prompt_files import prompt_peft_problems, save_prompt_peft
 from lora_func.prompts._apply import contains_prompt
 from lora_func.io._validate import warn_full_rank_merge
 from lora_func.targeting import (
+    biased_modules,
     canonical_weight,
 )
 from lora_func.variants import (
@@ -109,6 +110,10 @@ class _Export:
     layers: tuple[Out, ...]
     # The tensors held once for every layer, by whole key (the tensor schema's shared slots).
     whole: Mapping[str, Tensor] = field(default_factory=dict)
+    # A trained-copy part that trains the biases alone (ln_tuning part="bias": peft's `bias`)
+    bias_only: bool = False
+    # Its layers that have a bias of their own (what peft's "<method>_only" trains)
+    biased: frozenset[str] = frozenset()
 
 def _export_leaf(adapter: Adapter, base: Mapping[str, Tensor] | None) -> _Export:
     """``adapter`` as peft stores it, after every check that peft can hold it (no tensor is
@@ -151,7 +156,14 @@ def _export_leaf(adapter: Adapter, base: Mapping[str, Tensor] | None) -> _Export
             assert key is not None  # a saved slot has a key
             # a key with "{}" holds the tensor row by row (Slot.peft)
             whole |= {key.format(i): row for i, row in enumerate(tensor)} if "{}" in key else {key: tensor}
-    return _Export(fmt.method.peft_type, tuple(sorted((k, json.dumps(v, sort_keys=True)) for k, v in shared.items())), tuple(layers), whole)
+    return _Export(
+        fmt.method.peft_type,
+        tuple(sorted((k, json.dumps(v, sort_keys=True)) for k, v in shared.items())),
+        tuple(layers),
+        whole,
+        bias_only=options.get("part") == "bias" and fmt.module_copy is not None,
+        biased=frozenset(layer.target.module for layer in adapter.layers if layer.info.has_bias),
+    )
 
 def _leaves(adapter: AdapterLike) -> list[Adapter]:
     """The leaf adapters of ``adapter`` in order. peft applies its adapters in order, as
@@ -187,6 +199,14 @@ def _one_checkpoint(
     # reads them back)
     _, copy_format, own_name = module_copy()
     copy_type = copy_format.method.peft_type
+    bias_parts = [e for e in exports if e.bias_only]
+    exports = [e for e in exports if not e.bias_only]
+    if bias_parts and not exports:
+        raise ValueError(  # error: save-peft-bias-alone
+            f"save_peft: this adapter trains only biases ({sorted(o.target.module for e in bias_parts for o in e.layers)[:5]}: "
+            f"ln_tuning part='bias'); peft trains biases only beside a method (its config's bias='all' or "
+            f"'<method>_only'): compose them with the method's adapter, or save with lora_func.save"
+        )
     copies = [o for e in exports if e.peft_type == copy_type for o in e.layers] if {e.peft_type for e in exports} - {copy_type} else []
     if copies:
         exports = [e for e in exports if e.peft_type != copy_type]
@@ -229,9 +249,56 @@ def _one_checkpoint(
     whole = dict(holding[0].whole) if holding else {}
     if copies:
         config["modules_to_save"] = sorted(o.target.module for o in copies)
+        if model is not None:
+            _refuse_wider_copies(config["modules_to_save"], model)
         # (a copy's tensors are its layer's, in the stored layout: no conversion to defer)
         whole |= {f"{PREFIX}{o.target.module}.{own_name[suffix]}": t for o in copies for suffix, t in o.tensors().items()}
+    if bias_parts:
+        config["bias"] = _bias_mode(peft_type, bias_parts, exports, copies, model)
+        targets = {o.target.module for o in layers}
+        # peft's keys: a target's bias is its base layer's (the tuner layer wraps it)
+        whole |= {
+            f"{PREFIX}{o.target.module}{'.base_layer' if o.target.module in targets else ''}.bias": t
+            for e in bias_parts for o in e.layers for t in o.tensors().values()
+        }
     return config, layers, whole
+
+def _refuse_wider_copies(names: Sequence[str], model: nn.Module) -> None:
+    """peft's ``modules_to_save`` matching is a plain ``endswith`` (``"head"`` also selects
+    ``"aux_head"``): refuse a copy whose full name is the end of another module's name, as peft
+    would make a trained copy of that module too and no written name selects the copy alone."""
+    wanted = set(names)
+    wider = sorted((other, name) for other, _ in model.named_modules() for name in names if other not in wanted and other != name and other.endswith(name))
+    if wider:
+        raise ValueError(  # error: save-peft-modules-to-save-wider
+            f"save_peft: the trained copy of {wider[0][1]!r} is written as modules_to_save={wider[0][1]!r}, which peft matches "
+            f"by name ending and so also selects {wider[0][0]!r} ({len(wider)} such: {wider[:3]}): peft would train and "
+            f"load a copy of that module too, another model. No name selects {wider[0][1]!r} alone: also copy "
+            f"{wider[0][0]!r} (ln_tuning on it), or save with lora_func.save"
+        )
+
+def _bias_mode(peft_type: str, bias_parts: Sequence[_Export], exports: Sequence[_Export], copies: Sequence[Out], model: nn.Module | None) -> str:
+    """peft's ``bias`` value for trained biases: ``"<method>_only"`` when they are exactly the
+    biases of the method's layers, ``"all"`` when they are every bias of the model (a trained
+    copy holds its module's); anything else peft cannot train."""
+    trained = sorted(o.target.module for e in bias_parts for o in e.layers)
+    if "bias" not in methods()[peft_type].fixed:
+        raise ValueError(  # error: save-peft-bias-method
+            f"save_peft: peft's {peft_type} has no bias option, so it cannot hold the trained biases {trained[:5]}; "
+            f"save the biases' part with lora_func.save"
+        )
+    own = sorted(m for e in exports for m in e.biased)
+    if trained == own:
+        return f"{peft_type.lower()}_only"
+    everything = sorted(set(biased_modules(model)) - {o.target.module for o in copies}) if model is not None else None
+    if trained == everything:
+        return "all"
+    raise ValueError(  # error: save-peft-bias-subset
+        f"save_peft: the adapter trains the biases of {trained[:5]} ({len(trained)}); peft trains the biases of its "
+        f"method's layers ({own[:5]}, bias='{peft_type.lower()}_only') or every bias of the model (bias='all'"
+        + (f": {everything[:5]}, {len(everything)}" if everything is not None else ", which save_peft checks with model=")
+        + "), nothing in between: train one of those sets (lora_func.targeting.biased_modules(model)), or save with lora_func.save"
+    )
 
 def peft_problems(adapter: AdapterLike, *, model: nn.Module | None = None) -> list[str]:
     """Why :func:`save_peft` would refuse to write ``adapter`` (with this ``model=``): the

@@ -16,6 +16,13 @@ A trained copy of a layer is also what peft's ``modules_to_save`` holds beside a
 (``PeftFormat.module_copy``): composed with that method's adapter, it loads and saves as
 ``<module>.weight`` / ``.bias`` (an ``nn.Embedding``'s copy too: its ``(V, d)`` table, the
 canonical ``(d, V)`` view here, looked up in the merged table; a conv's: its kernel).
+
+``part="bias"`` trains the bias alone (``ln_bias``; the weight stays the base's, no
+``ln_weight``): peft's bias training beside another method (``bias="all"`` /
+``bias="lora_only"``), loaded and saved as the method's config ``bias`` and the biases under
+``<module>.bias`` (``<module>.base_layer.bias`` on the method's own targets). Composed *before*
+the method's part on the same layer (``compose(biases, lora)``: the method sees the trained bias
+as its base's). A layer without a bias is refused.
 """
 
 from __future__ import annotations
@@ -26,7 +33,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lora_func.variants import BaseLayer, LayerInfo, PeftFormat, PeftMethod, Slot, TensorDict, Variant
+from lora_func.variants._kernels import promoted
+from lora_func.variants import BaseLayer, LayerInfo, Option, PeftFormat, PeftMethod, Slot, TensorDict, Variant, one_of
+
+# What the copy trains: the whole layer (its weight and bias), or only its bias (peft's `bias`)
+PARTS = ("layer", "bias")
+
+
+def _bias_only(info: LayerInfo) -> bool:
+    return dict(info.options).get("part", "layer") == "bias"
 
 
 def init(
@@ -39,6 +54,13 @@ def init(
     calibration: Any = None,
 ) -> tuple[TensorDict, TensorDict]:
     # Copies: the trained tensors must never share storage with the frozen base.
+    if _bias_only(info):
+        if bias is None:
+            raise ValueError(  # error: ln-tuning-bias-none
+                "ln_tuning part='bias': this layer has no bias to train (peft's bias training trains existing biases "
+                "only); target the layers that have one (lora_func.targeting.biased_modules(model))"
+            )
+        return {"ln_bias": bias.to(dtype, copy=True)}, {}
     params = {"ln_weight": weight.to(dtype, copy=True)}
     if bias is not None:
         params["ln_bias"] = bias.to(dtype, copy=True)
@@ -46,12 +68,17 @@ def init(
 
 
 def weight_form(params: TensorDict, buffers: TensorDict, weight: Tensor, bias: Tensor | None, info: LayerInfo) -> tuple[Tensor, Tensor | None]:
-    return params["ln_weight"], params.get("ln_bias", bias)
+    return params.get("ln_weight", weight), params.get("ln_bias", bias)
 
 
 def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: BaseLayer, info: LayerInfo) -> Tensor:
     # The trained copy replaces the layer: its own weight and bias, in the adapter dtype, the
-    # output cast back to the layer's.
+    # output cast back to the layer's. part="bias": the layer's own product in its dtype, the
+    # trained bias added in the wider dtype (as peft's bias, a parameter of the layer's dtype)
+    if "ln_weight" not in params:
+        b = params["ln_bias"]
+        y = F.linear(x, base.weight.to(x.dtype))
+        return (y.to(promoted(y.dtype, b.dtype)) + b).to(y.dtype)
     weight = params["ln_weight"]
     return F.linear(x.to(weight.dtype), weight, params.get("ln_bias", None if base.bias is None else base.bias.to(weight.dtype))).to(x.dtype)
 
@@ -76,9 +103,10 @@ VARIANT = Variant(
     activation_form=activation_form,
     tensors={
         # a norm's weight is (d,); a matrix layer's its canonical view
-        "ln_weight": Slot(lambda i: (i.d_out,) if i.kind == "norm" else (i.d_out, i.d_in), peft="ln_tuning_layers.weight"),
+        "ln_weight": Slot(lambda i: None if _bias_only(i) else (i.d_out,) if i.kind == "norm" else (i.d_out, i.d_in), peft="ln_tuning_layers.weight"),
         "ln_bias": Slot(lambda i: (i.d_out,) if i.has_bias else None, peft="ln_tuning_layers.bias"),
     },
+    options={"part": Option("layer", one_of(*PARTS), None)},
     default_alpha=1.0,
     # (an nn.Embedding's copy: peft's modules_to_save of embed_tokens when tokens are added)
     kind_forms={"linear": None, "conv1d": None, "norm": None, "embedding": None, "conv": None, "grouped_conv": None},
