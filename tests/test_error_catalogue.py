@@ -973,7 +973,7 @@ CASES.update(
             )),
             ("modules_to_save", "model.layers.0.mlp (LlamaMLP", "['up_proj.weight']"),
         ),
-        "peft-unsupported-features": Case(saved_peft(lambda d, ctx, m: _peft_on(d, ctx, m, config={"bias": "all"})), ("LORA", "['bias']")),
+        "peft-unsupported-features": Case(saved_peft(lambda d, ctx, m: _peft_on(d, ctx, m, config={"bias": "some"})), ("LORA", "['bias']")),
         "peft-incomplete": Case(saved_peft(lambda d, ctx, m: _peft_on(d, ctx, m, tensors=lambda t: {k: v for k, v in t.items() if not (Q in k and "lora_B" in k)})), (Q, "['lora_A']", "['lora_A', 'lora_B']")),
         "peft-rank-mismatch": Case(saved_peft(lambda d, ctx, m: _peft_on(d, ctx, m, config={"r": 3, "rank_pattern": {}})), ("rank 2", "says 3")),
         "peft-layer-unread": Case(saved_peft(lambda d, ctx, m: _peft_on(d, ctx, m, config={"init_lora_weights": "lora_ga"})), ("'lora_ga'", "path_initial_model_for_weight_conversion")),
@@ -2336,3 +2336,62 @@ CASES.update(
 )
 # init_adapter without a generator seeds one from the global RNG before these refuse a target
 RNG_ADVANCES = RNG_ADVANCES | {"lora-bias-no-bias", "bdlora-blocks", "qalora-group-size", "trainable-tokens-index"}
+
+
+# --- issue 44: peft's bias training, layer_replication, modules_to_save names -------------------
+class _ShiftedLM(nn.Module):
+    """A tiny Llama with a module that holds a bare ``bias`` (no layer kind of lora_func's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lm = tiny_model("llama")
+        self.shift = nn.Module()
+        self.shift.bias = nn.Parameter(torch.zeros(32))
+
+
+def _bias_of_no_kind(directory: Path, ctx: Ctx, model: nn.Module) -> Callable[[], Any]:
+    from lora_func.io import load_peft
+
+    shifted = ctx.track(_ShiftedLM())
+    _edit_config(directory, bias="all", target_modules=["q_proj", "v_proj"])
+    _edit_peft_tensors(directory, lambda t: {k.replace("base_model.model.", "base_model.model.lm."): v for k, v in t.items()} | {"base_model.model.shift.bias": torch.zeros(32)})
+    return lambda: load_peft(directory, shifted)
+
+
+def _biases(ctx: Ctx, targets: Any, *, alone: bool = False, kind: str = "gpt2") -> tuple[Any, nn.Module]:
+    model = ctx.model(kind)
+    biases = ctx.adapter(model, "ln_tuning", targets=targets, part="bias")
+    return (biases if alone else lf.compose(biases, ctx.adapter(model, targets=["c_attn"] if kind == "gpt2" else ["q_proj"]))), model
+
+
+def _biases_beside_ln_tuning(ctx: Ctx) -> tuple[Any, nn.Module]:
+    model = ctx.model("gpt2")
+    return lf.compose(ctx.adapter(model, "ln_tuning", targets=["ln_1"], part="bias"), ctx.adapter(model, "ln_tuning", targets=["ln_f"])), model
+
+
+class _TwoHeads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 8)
+        self.aux_head = nn.Linear(8, 8)
+
+
+def _copy_matched_twice(ctx: Ctx) -> tuple[Any, nn.Module]:
+    model = ctx.track(_TwoHeads())
+    return lf.compose(ctx.adapter(model, targets=["proj"]), ctx.adapter(model, "ln_tuning", targets=["head"])), model
+
+
+CASES.update(
+    {
+        "ln-tuning-bias-none": Case(init("ln_tuning", ["embed_tokens"], part="bias"), ("part='bias'", "model.embed_tokens", "biased_modules")),
+        "peft-bias-kind": Case(saved_peft(_bias_of_no_kind), ("bias='all'", "shift", "merge_and_unload")),
+        "peft-layer-replication": Case(saved_peft(lambda d, ctx, m: _peft_on(d, ctx, m, config={"layer_replication": [[0, 2], [1, 2]]})), ("layer_replication=[[0, 2], [1, 2]]", "replicate_layers")),
+        "save-peft-bias-alone": Case(save_peft_of(lambda ctx: _biases(ctx, ["ln_1"], alone=True)), ("transformer.h.0.ln_1", "lora_func.save")),
+        "save-peft-bias-method": Case(save_peft_of(_biases_beside_ln_tuning), ("LN_TUNING", "transformer.h.0.ln_1")),
+        "save-peft-bias-subset": Case(save_peft_of(lambda ctx: _biases(ctx, ["ln_1"])), ("transformer.h.0.ln_1", "bias='lora_only'", "bias='all'")),
+        "save-peft-modules-to-save-wider": Case(save_peft_of(_copy_matched_twice), ("'head'", "'aux_head'")),
+    }
+)
+RNG_ADVANCES = RNG_ADVANCES | {"ln-tuning-bias-none"}  # init_adapter without a generator

@@ -48,3 +48,36 @@ def test_sampled_cells_are_what_the_probe_measures(variant, kind):
     _, cells = _documented()
     with tempfile.TemporaryDirectory() as tmp:
         assert label(cell(variant, kind, Path(tmp))) == cells[variant, kind]
+
+
+def _documented_options() -> tuple[str, dict[str, str]]:
+    text = DOC.read_text()
+    lines = text[text.index("### Options"):].splitlines()
+    start = lines.index("| peft option | load_peft |")
+    cells = {}
+    for line in lines[start + 2:]:
+        if not line.startswith("| `"):
+            break
+        option, value = (c.strip() for c in line.strip("|").split("|"))
+        cells[option.strip("`")] = value
+    counts = next(line for line in lines if " options: " in line and line.endswith("."))
+    return counts, cells
+
+
+def test_the_options_count_lists_every_probed_option():
+    from tests.peft_options import OPTIONS
+    from tests.peft_options import count_line as options_count
+
+    counts, cells = _documented_options()
+    assert list(cells) == list(OPTIONS)
+    assert counts == options_count(list(cells.values()))
+
+
+@pytest.mark.parametrize("option", ["lora bias='lora_only'", "lora layer_replication", "oft bias='oft_only'"])
+def test_sampled_options_are_what_the_probe_measures(option):
+    from tests.peft_options import cell as option_cell
+    from tests.peft_options import label as option_label
+
+    _, cells = _documented_options()
+    with tempfile.TemporaryDirectory() as tmp:
+        assert option_label(option_cell(option, Path(tmp))) == cells[option]

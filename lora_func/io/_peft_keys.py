@@ -119,7 +119,7 @@ def by_module(directory: Path, peft_type: str, tensors: Mapping[str, Tensor], *,
         raise ValueError(  # error: peft-unmapped-tensors
             f"{directory} has tensors lora_func cannot map for peft_type {peft_type}: {sorted(unknown)[:5]} "
             f"({len(unknown)} of {len(tensors)}); lora_func reads {sorted(set(by_suffix))} under '{PREFIX}' "
-            f"(peft's bias training is not supported)"
+            f"(peft's bias training reads only with the config's bias='all' or '<method>_only')"
         )
     return out
 

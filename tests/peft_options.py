@@ -1,0 +1,161 @@
+"""The options half of the count in docs/io.md: the peft options users write for lora_func's
+methods (each method's init variants, ``use_rslora``, ``use_dora`` on each kind, ``bias``,
+``layer_replication``, ``fan_in_fan_out``, ``target_parameters``), one peft configuration each.
+
+Each cell, on the tiny model of tests/models.py in float64: peft builds the config
+(``get_peft_model``, the global seed fixed), every trainable tensor is perturbed, peft saves it,
+and ``load_peft`` reads it: **exact** when lora_func's outputs are peft's (relative 1e-9; the
+PiSSA / OLoRA inits in float32, 2e-5, as peft initialises them in float32 only),
+**refused** with the first words of lora_func's reason, **peft ✗** when peft itself refuses the
+config on that model.
+
+Run ``python -m tests.peft_options`` from the repository root to print the table;
+tests/test_peft_coverage.py checks docs/io.md's against it (a few cells re-measured).
+"""
+
+from __future__ import annotations
+
+import re
+import tempfile
+import warnings
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import lora_func as lf
+from tests.models import tiny_model, tokens
+from tests.peft_coverage import _BlockDiag, _in_input_dtype, _logits
+
+QV = ["q_proj", "v_proj"]
+
+
+def _lora(**kw: Any) -> tuple[str, Callable[[], Any]]:
+    from peft import LoraConfig
+
+    model = kw.pop("model", "llama")
+    kw.setdefault("target_modules", QV)
+    return model, lambda: LoraConfig(r=2, lora_alpha=6, **kw)
+
+
+def _of(cls_name: str, model: str = "llama", **kw: Any) -> tuple[str, Callable[[], Any]]:
+    import peft
+
+    kw.setdefault("target_modules", QV)
+    return model, lambda: getattr(peft, cls_name)(**kw)
+
+
+# option -> (tiny model kind, () -> peft config)
+OPTIONS: dict[str, tuple[str, Callable[[], Any]]] = {
+    "lora init_lora_weights=True": _lora(init_lora_weights=True),
+    "lora init_lora_weights=False": _lora(init_lora_weights=False),
+    "lora init_lora_weights='gaussian'": _lora(init_lora_weights="gaussian"),
+    "lora init_lora_weights='orthogonal'": _lora(init_lora_weights="orthogonal"),
+    "lora init_lora_weights='pissa'": _lora(init_lora_weights="pissa"),
+    "lora init_lora_weights='pissa_niter_4'": _lora(init_lora_weights="pissa_niter_4"),
+    "lora init_lora_weights='olora'": _lora(init_lora_weights="olora"),
+    "lora use_rslora=True": _lora(use_rslora=True),
+    "lora use_dora=True (Linear)": _lora(use_dora=True),
+    "lora use_dora=True, use_rslora=True": _lora(use_dora=True, use_rslora=True),
+    "lora use_dora=True (GPT-2 Conv1D)": _lora(model="gpt2", target_modules=["c_attn"], use_dora=True, fan_in_fan_out=True),
+    "lora use_dora=True (Conv2d)": _lora(model="convlm", target_modules=["grid"], use_dora=True),
+    "lora use_dora=True (Conv1d)": _lora(model="convlm", target_modules=["seq"], use_dora=True),
+    "lora use_dora=True (Embedding)": _lora(target_modules=["embed_tokens"], use_dora=True),
+    "lora bias='all'": _lora(model="gpt2", target_modules=["c_attn"], bias="all", fan_in_fan_out=True),
+    "lora bias='lora_only'": _lora(model="gpt2", target_modules=["c_attn"], bias="lora_only", fan_in_fan_out=True),
+    "lora bias='all', modules_to_save": _lora(model="gpt2", target_modules=["c_attn"], bias="all", fan_in_fan_out=True, modules_to_save=["ln_f"]),
+    "lora layer_replication": _lora(layer_replication=[[0, 2], [1, 2]]),
+    "lora fan_in_fan_out=True (GPT-2 Conv1D)": _lora(model="gpt2", target_modules=["c_attn"], fan_in_fan_out=True),
+    "lora target_parameters (2-D)": _lora(model="parameters", target_modules=[], target_parameters=["hold.w"]),
+    "ia3 init_ia3_weights=False": _of("IA3Config", target_modules=["q_proj", "down_proj"], feedforward_modules=["down_proj"], init_ia3_weights=False),
+    "loha init_weights=False": _of("LoHaConfig", r=2, init_weights=False),
+    "lokr init_weights=False": _of("LoKrConfig", r=2, init_weights=False),
+    "lokr init_weights='lycoris'": _of("LoKrConfig", r=2, init_weights="lycoris"),
+    "oft init_weights=False": _of("OFTConfig", r=0, oft_block_size=4, init_weights=False),
+    "oft bias='oft_only'": _of("OFTConfig", r=0, oft_block_size=4, bias="oft_only"),
+    "boft init_weights=False": _of("BOFTConfig", boft_block_size=4, init_weights=False),
+    "hra init_weights=False": _of("HRAConfig", r=2, init_weights=False),
+    "vera bias='all'": _of("VeraConfig", "gpt2", target_modules=["c_attn"], r=4, bias="all", fan_in_fan_out=True),
+    "vera init_weights=False": _of("VeraConfig", r=4, init_weights=False),
+    "adalora init_lora_weights=False": _of("AdaLoraConfig", init_r=4, target_r=2, total_step=10, init_lora_weights=False),
+}
+
+
+# peft initialises PiSSA and OLoRA in float32 only: these run in float32, relative 2e-5
+FLOAT32 = {"lora init_lora_weights='pissa'", "lora init_lora_weights='pissa_niter_4'", "lora init_lora_weights='olora'"}
+
+
+def _reason(err: Exception, tmp: Path) -> str:
+    text = str(err).replace(str(tmp), "").replace("/peft", "").strip()
+    text = re.sub(r"^[:/ ]+", "", text)
+    return text.split(";")[0][:90]
+
+
+def cell(option: str, tmp: Path) -> str:
+    """``"exact"``, ``"differs (<rel>)"``, ``"refused: <reason>"`` or ``"peft refuses: <reason>"``."""
+    import peft.tuners.boft.layer as boft_layer
+    import pytest
+    from peft import get_peft_model
+
+    model_kind, make = OPTIONS[option]
+    dtype, rtol = (torch.float32, 2e-5) if option in FLOAT32 else (torch.float64, 1e-9)
+    with pytest.MonkeyPatch.context() as mend, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mend.setattr(boft_layer, "_FBD_CUDA", object())  # peft with its CUDA extension, emulated
+        mend.setattr(boft_layer, "FastBlockDiag", _BlockDiag)
+        torch.manual_seed(0)
+        try:
+            peft_model = get_peft_model(_in_input_dtype(tiny_model(model_kind, dtype=dtype)), make()).eval()
+        except Exception as err:  # peft's own refusal, whatever its type
+            return f"peft refuses: {type(err).__name__}: {str(err)[:60]}"
+        g = torch.Generator().manual_seed(5)
+        with torch.no_grad():
+            for _, p in sorted(peft_model.named_parameters()):
+                if p.requires_grad:
+                    p.add_(0.05 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+        peft_model.save_pretrained(tmp / "peft")
+        model = _in_input_dtype(tiny_model(model_kind, dtype=dtype))
+        try:
+            adapter = lf.load_peft(tmp / "peft", model)
+        except (ValueError, TypeError) as err:
+            return f"refused: {_reason(err, tmp)}"
+        ids = tokens()
+        want = _logits(peft_model(ids))
+        got = _logits(lf.adapted_call(model, adapter, ids))
+        off = float((got - want).abs().max() / want.abs().max())
+        return "exact" if off <= rtol else f"differs ({off:.0e})"
+
+
+def table() -> dict[str, str]:
+    out = {}
+    for option in OPTIONS:
+        with tempfile.TemporaryDirectory() as tmp:
+            out[option] = cell(option, Path(tmp))
+    return out
+
+
+def label(cell_text: str) -> str:
+    if cell_text == "exact":
+        return "exact"
+    if cell_text.startswith("differs"):
+        return f"≈ {cell_text.split('(')[1].rstrip(')')}"
+    if cell_text.startswith("peft refuses"):
+        return "peft ✗"
+    return cell_text.replace("|", "/")
+
+
+def count_line(labels: list[str]) -> str:
+    counts = Counter("refused" if c.startswith("refused") else c.split(" ")[0] for c in labels)
+    return f"{len(labels)} options: " + ", ".join(f"{counts[k]} {name}" for k, name in (("exact", "exact"), ("≈", "differing (≈)"), ("refused", "refused by lora_func"), ("peft", "refused by peft itself (peft ✗)")) if counts[k]) + "."
+
+
+def markdown(cells: dict[str, str]) -> str:
+    lines = [count_line([label(c) for c in cells.values()]), "", "| peft option | load_peft |", "|---|---|"]
+    lines += [f"| `{option}` | {label(text)} |" for option, text in cells.items()]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(markdown(table()))
