@@ -613,6 +613,24 @@ KIND_INITS = {
         lambda seed=0: tiny_model("attention", seed=seed, dtype=torch.float64), {},
         lambda layer, cfg: (layer.reset_lora_parameters("default", True), layer.base_layer.out_proj.reset_lora_parameters("default", True)),
     ),
+    # issue 44: OFT, HRA, AdaLoRA and IA3 on a conv
+    "oft-conv-random": (
+        "oft", lambda: peft.OFTConfig(r=0, oft_block_size=4, target_modules=["conv2"], init_weights=False), _zoo,
+        {"init": "random", "oft_block_size": 4}, lambda layer, cfg: layer.reset_oft_parameters("default", False),
+    ),
+    "hra-conv-paired": (
+        "hra", lambda: peft.HRAConfig(r=2, target_modules=["conv2"]), _zoo, {"init": "paired"}, lambda layer, cfg: layer.reset_hra_parameters("default"),
+    ),
+    "hra-conv-random": (
+        "hra", lambda: peft.HRAConfig(r=2, target_modules=["conv2"], init_weights=False), _zoo, {"init": "random"},
+        lambda layer, cfg: layer.reset_hra_parameters_random("default"),
+    ),
+    "adalora-conv": (
+        "adalora", lambda: peft.AdaLoraConfig(init_r=R, target_r=2, total_step=10, target_modules=["conv2"]), _zoo,
+        {"init_r": R, "target_r": 2, "total_step": 10}, lambda layer, cfg: layer.reset_lora_parameters("default"),
+    ),
+    # no draws: ones (peft draws, then overwrites them), on a conv and a grouped conv
+    "ia3-conv": ("ia3", lambda: peft.IA3Config(target_modules=["conv2", "grp2"], feedforward_modules=[]), _zoo, {}, None),
     # no draws: the SVD of the stored (V, d) table and the seeded projections, as peft's
     "tinylora-embedding": ("tinylora", lambda: TinyLoraConfig(r=R, u=3, target_modules=["embed_tokens", "q_proj"]), _llama64, {"u": 3}, None),
 }
@@ -635,7 +653,8 @@ def test_inits_on_the_new_kinds_draw_peft_s_numbers(case, tmp_path):
     model = build().float()
 
     def spec(targets):
-        return lf.AdapterSpec(variant, targets=targets, r=cfg.r if variant != "boft" else 1, alpha=ALPHA, **options)
+        r = 1 if variant in ("boft", "oft", "ia3") else R if variant == "adalora" else cfg.r
+        return lf.AdapterSpec(variant, targets=targets, r=r, alpha=ALPHA, **options)
 
     # (an attention's out_proj is drawn with the attention: peft saves it only with it)
     targets = [layer.target.module for layer in lf.init_adapter(model, spec(list(cfg.target_modules))).layers if layer.target.layout != "mha_out"]
@@ -651,3 +670,23 @@ def test_inits_on_the_new_kinds_draw_peft_s_numbers(case, tmp_path):
         assert want and set(got) <= set(want) | {k for k in got if "tinylora_v" in k}, (sorted(got), sorted(want))
         for key, tensor in want.items():
             assert torch.equal(got[key], tensor), key
+
+
+@pytest.mark.parametrize("parameter", ["hold.w", "hold.experts"])
+def test_target_parameters_inits_draw_peft_s_numbers(parameter, tmp_path):
+    """LoRA on a bare 2-D parameter (and, beside it, the 3-D one): ``init_adapter`` from a
+    generator seeded as peft's global RNG draws peft's ``ParamWrapper`` tensors exactly (its
+    ``reset_lora_parameters``: A kaiming-uniform in peft's shape, B zeros)."""
+    cfg = LoraConfig(r=2, lora_alpha=ALPHA, target_modules=[], target_parameters=[parameter])
+    peft_model = _peft(tiny_model("parameters"), cfg)
+    torch.manual_seed(11)
+    modules = dict(peft_model.named_modules())
+    modules["base_model.model.model.hold" if "base_model.model.model.hold" in modules else "base_model.model.hold"].reset_lora_parameters("default", True)
+    model = tiny_model("parameters")
+    own = lf.init_adapter(model, lf.AdapterSpec("lora", targets=[], r=2, alpha=ALPHA, target_parameters=[parameter]), generator=torch.Generator().manual_seed(11))
+    got = _as_peft(own, dict(own.params), tmp_path)
+    want = {_peft_key(n): t for n, t in peft_model.state_dict().items() if _peft_key(n) in got}
+    assert sorted(want) == sorted(got) and any("lora_A" in k for k in got)
+    for key, tensor in want.items():
+        assert tensor.abs().max() > 0 or "lora_B" in key, key
+        assert torch.equal(got[key], tensor), key
