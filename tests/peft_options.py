@@ -37,7 +37,8 @@ def _lora(**kw: Any) -> tuple[str, Callable[[], Any]]:
 
     model = kw.pop("model", "llama")
     kw.setdefault("target_modules", QV)
-    return model, lambda: LoraConfig(r=2, lora_alpha=6, **kw)
+    kw.setdefault("r", 2)
+    return model, lambda: LoraConfig(lora_alpha=6, **kw)
 
 
 def _of(cls_name: str, model: str = "llama", **kw: Any) -> tuple[str, Callable[[], Any]]:
@@ -69,6 +70,13 @@ OPTIONS: dict[str, tuple[str, Callable[[], Any]]] = {
     "lora layer_replication": _lora(layer_replication=[[0, 2], [1, 2]]),
     "lora fan_in_fan_out=True (GPT-2 Conv1D)": _lora(model="gpt2", target_modules=["c_attn"], fan_in_fan_out=True),
     "lora target_parameters (2-D)": _lora(model="parameters", target_modules=[], target_parameters=["hold.w"]),
+    "lora target_parameters (2-D and 3-D)": _lora(model="parameters", target_modules=[], target_parameters=["hold.w", "hold.experts"]),
+    # (peft takes a grouped conv at a rank its groups divide: seq has 4)
+    "lora use_dora=True (grouped Conv)": _lora(model="gconvlm", target_modules=["seq"], use_dora=True, r=4),
+    "lora lora_dropout=0.1": _lora(lora_dropout=0.1),
+    "lora rank_pattern, alpha_pattern (regex)": _lora(rank_pattern={r"layers\.1\..*q_proj": 4}, alpha_pattern={"v_proj": 3}),
+    "lora layers_to_transform, layers_pattern": _lora(layers_to_transform=[1], layers_pattern="layers"),
+    "lora exclude_modules": _lora(target_modules=r".*_proj", exclude_modules=["o_proj", "gate_proj", "up_proj", "down_proj", "k_proj"]),
     "ia3 init_ia3_weights=False": _of("IA3Config", target_modules=["q_proj", "down_proj"], feedforward_modules=["down_proj"], init_ia3_weights=False),
     "loha init_weights=False": _of("LoHaConfig", r=2, init_weights=False),
     "lokr init_weights=False": _of("LoKrConfig", r=2, init_weights=False),
@@ -76,7 +84,9 @@ OPTIONS: dict[str, tuple[str, Callable[[], Any]]] = {
     "oft init_weights=False": _of("OFTConfig", r=0, oft_block_size=4, init_weights=False),
     "oft bias='oft_only'": _of("OFTConfig", r=0, oft_block_size=4, bias="oft_only"),
     "boft init_weights=False": _of("BOFTConfig", boft_block_size=4, init_weights=False),
+    "boft bias='boft_only'": _of("BOFTConfig", boft_block_size=4, bias="boft_only"),
     "hra init_weights=False": _of("HRAConfig", r=2, init_weights=False),
+    "hra bias='hra_only'": _of("HRAConfig", r=2, bias="hra_only"),
     "vera bias='all'": _of("VeraConfig", "gpt2", target_modules=["c_attn"], r=4, bias="all", fan_in_fan_out=True),
     "vera init_weights=False": _of("VeraConfig", r=4, init_weights=False),
     "adalora init_lora_weights=False": _of("AdaLoraConfig", init_r=4, target_r=2, total_step=10, init_lora_weights=False),
@@ -112,8 +122,9 @@ def cell(option: str, tmp: Path) -> str:
             return f"peft refuses: {type(err).__name__}: {str(err)[:60]}"
         g = torch.Generator().manual_seed(5)
         with torch.no_grad():
-            for _, p in sorted(peft_model.named_parameters()):
-                if p.requires_grad:
+            for name, p in sorted(peft_model.named_parameters()):
+                # (AdaLoRA's ranknum: marked trainable, but a constant peft neither trains nor saves)
+                if p.requires_grad and "ranknum" not in name:
                     p.add_(0.05 * torch.randn(p.shape, generator=g, dtype=p.dtype))
         peft_model.save_pretrained(tmp / "peft")
         model = _in_input_dtype(tiny_model(model_kind, dtype=dtype))
