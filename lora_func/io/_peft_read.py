@@ -502,12 +502,14 @@ def trained_biases(directory: Path, config: Mapping[str, Any], model: nn.Module,
     """The biases a ``bias="all"`` / ``"<method>_only"`` checkpoint trained (peft's
     ``_get_learnable_bias_state_dict``: ``<module>.base_layer.bias`` on the method's targets,
     ``<module>.bias`` elsewhere), popped from ``read`` as ``{module: {"ln_bias": tensor}}``, the
-    tensors of ``ln_tuning`` with ``part="bias"``. Call after :func:`saved_copies`: a trained
+    bias slot of the trained-copy variant with its :attr:`PeftFormat.bias_copy` options. Call after :func:`saved_copies`: a trained
     copy's bias is the copy's."""
     if not _bias_training(config):
         return {}
     modules = dict(model.named_modules())
-    kinds = get_variant("ln_tuning").kinds
+    name_of_copy, copy_format, _ = module_copy()
+    slot = next(slot for slot, own in (copy_format.module_copy or {}).items() if own == "bias")
+    kinds = get_variant(name_of_copy).kinds
     found: dict[str, dict[str, Tensor]] = {}
     for name in biased_modules(model):
         for key in (f"{PREFIX}{name}.base_layer.bias", f"{PREFIX}{name}.bias"):
@@ -520,7 +522,7 @@ def trained_biases(directory: Path, config: Mapping[str, Any], model: nn.Module,
                     f"lora_func trains biases of {sorted(kinds)} layers only; load the checkpoint in peft "
                     f"(merge_and_unload), or retrain with bias='none'"
                 )
-            found[name] = {"ln_bias": read.pop(key)}
+            found[name] = {slot: read.pop(key)}
     return found
 
 
@@ -605,7 +607,8 @@ def load_peft(directory: str | os.PathLike, model: nn.Module, *, check_finite: b
         parts.append(_read(directory, {"peft_type": copy_type}, copy_type, saved, model, {}))
     if biases:  # peft's bias training: the trained biases, before the method's layers (they see them as their base's)
         layers = {name: _Layer(params=tensors) for name, tensors in biases.items()}
-        parts.insert(0, _assemble(directory, model, "ln_tuning", layers, alpha=None, options={"part": "bias"}))
+        name_of_copy, copy_format, _ = module_copy()
+        parts.insert(0, _assemble(directory, model, name_of_copy, layers, alpha=None, options=dict(copy_format.bias_copy or {})))
     adapter = parts[0] if len(parts) == 1 else compose(*parts)
     if not from_config:  # after the layers it holds passed every check: those errors say more
         parameters = [f"{owner}.{name}" for owner, names in targeted_parameters(model, config.get("target_parameters") or []).items() for name in names]

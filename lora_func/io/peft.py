@@ -110,7 +110,7 @@ class _Export:
     layers: tuple[Out, ...]
     # The tensors held once for every layer, by whole key (the tensor schema's shared slots).
     whole: Mapping[str, Tensor] = field(default_factory=dict)
-    # A trained-copy part that trains the biases alone (ln_tuning part="bias": peft's `bias`)
+    # A trained-copy part that trains the biases alone (PeftFormat.bias_copy: peft's `bias`)
     bias_only: bool = False
     # Its layers that have a bias of their own (what peft's "<method>_only" trains)
     biased: frozenset[str] = frozenset()
@@ -161,7 +161,7 @@ def _export_leaf(adapter: Adapter, base: Mapping[str, Tensor] | None) -> _Export
         tuple(sorted((k, json.dumps(v, sort_keys=True)) for k, v in shared.items())),
         tuple(layers),
         whole,
-        bias_only=options.get("part") == "bias" and fmt.module_copy is not None,
+        bias_only=fmt.bias_copy is not None and all(options.get(k) == v for k, v in fmt.bias_copy.items()),
         biased=frozenset(layer.target.module for layer in adapter.layers if layer.info.has_bias),
     )
 
@@ -197,14 +197,14 @@ def _one_checkpoint(
     # Parts of the trained-copy variant (PeftFormat.module_copy) beside another method's are peft's
     # modules_to_save: copies of their layers, stored under the layer's own names (as load_peft
     # reads them back)
-    _, copy_format, own_name = module_copy()
+    copy_name, copy_format, own_name = module_copy()
     copy_type = copy_format.method.peft_type
     bias_parts = [e for e in exports if e.bias_only]
     exports = [e for e in exports if not e.bias_only]
     if bias_parts and not exports:
         raise ValueError(  # error: save-peft-bias-alone
             f"save_peft: this adapter trains only biases ({sorted(o.target.module for e in bias_parts for o in e.layers)[:5]}: "
-            f"ln_tuning part='bias'); peft trains biases only beside a method (its config's bias='all' or "
+            f"{copy_name} {dict(copy_format.bias_copy or {})}); peft trains biases only beside a method (its config's bias='all' or "
             f"'<method>_only'): compose them with the method's adapter, or save with lora_func.save"
         )
     copies = [o for e in exports if e.peft_type == copy_type for o in e.layers] if {e.peft_type for e in exports} - {copy_type} else []
@@ -274,7 +274,7 @@ def _refuse_wider_copies(names: Sequence[str], model: nn.Module) -> None:
             f"save_peft: the trained copy of {wider[0][1]!r} is written as modules_to_save={wider[0][1]!r}, which peft matches "
             f"by name ending and so also selects {wider[0][0]!r} ({len(wider)} such: {wider[:3]}): peft would train and "
             f"load a copy of that module too, another model. No name selects {wider[0][1]!r} alone: also copy "
-            f"{wider[0][0]!r} (ln_tuning on it), or save with lora_func.save"
+            f"{wider[0][0]!r} (a trained copy of it too), or save with lora_func.save"
         )
 
 def _bias_mode(peft_type: str, bias_parts: Sequence[_Export], exports: Sequence[_Export], copies: Sequence[Out], model: nn.Module | None) -> str:

@@ -107,6 +107,9 @@ class PeftFormat:
         ``modules_to_save`` form beside another method: slot name -> the module's own tensor name
         (``{"ln_weight": "weight", "ln_bias": "bias"}``), the keys peft stores a copy under
         (``<module>.weight``, in the stored layout of ``reshape``). At most one variant has it.
+      bias_copy: the options that make that copy the layer's bias alone (``{"part": "bias"}``):
+        peft's bias training beside a method (``bias="all"`` / ``"<method>_only"``), stored as
+        the config's ``bias`` and ``<module>.bias`` (``<module>.base_layer.bias`` on a target).
     """
 
     method: PeftMethod
@@ -120,3 +123,4 @@ class PeftFormat:
     convert_in: Callable[[TensorDict, Mapping[str, Any]], TensorDict] | None = None
     reshape: Callable[[str, str, Tensor, tuple[int, ...], bool], Tensor] | None = None
     module_copy: Mapping[str, str] | None = None
+    bias_copy: Mapping[str, Any] | None = None

@@ -114,5 +114,6 @@ VARIANT = Variant(
 )
 # A trained copy of its layer: also peft's modules_to_save beside another method's layers
 PEFT = PeftFormat(
-    PeftMethod("LN_TUNING", {}, fan_in_fan_out=False), reshape=_stored_layout, module_copy={"ln_weight": "weight", "ln_bias": "bias"}
+    PeftMethod("LN_TUNING", {}, fan_in_fan_out=False), reshape=_stored_layout, module_copy={"ln_weight": "weight", "ln_bias": "bias"},
+    bias_copy={"part": "bias"},
 )
