@@ -285,8 +285,8 @@ def output_head(model: nn.Module) -> str | None:
 
 def biased_modules(model: nn.Module) -> list[str]:
     """The modules that hold a bias of their own (a parameter named ``bias``), in module order:
-    the biases peft's ``bias="all"`` trains, as targets of ``ln_tuning`` with ``part="bias"``
-    (``AdapterSpec("ln_tuning", targets=biased_modules(model), part="bias")``)."""
+    the biases peft's ``bias="all"`` trains, as targets of ``ln_tuning`` with ``weight=False``
+    (``AdapterSpec("ln_tuning", targets=biased_modules(model), weight=False)``)."""
     return [name for name, module in model.named_modules() if name and isinstance(module._parameters.get("bias"), Tensor)]
 
 

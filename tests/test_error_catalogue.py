@@ -2360,13 +2360,13 @@ def _bias_of_no_kind(directory: Path, ctx: Ctx, model: nn.Module) -> Callable[[]
 
 def _biases(ctx: Ctx, targets: Any, *, alone: bool = False, kind: str = "gpt2") -> tuple[Any, nn.Module]:
     model = ctx.model(kind)
-    biases = ctx.adapter(model, "ln_tuning", targets=targets, part="bias")
+    biases = ctx.adapter(model, "ln_tuning", targets=targets, weight=False)
     return (biases if alone else lf.compose(biases, ctx.adapter(model, targets=["c_attn"] if kind == "gpt2" else ["q_proj"]))), model
 
 
 def _biases_beside_ln_tuning(ctx: Ctx) -> tuple[Any, nn.Module]:
     model = ctx.model("gpt2")
-    return lf.compose(ctx.adapter(model, "ln_tuning", targets=["ln_1"], part="bias"), ctx.adapter(model, "ln_tuning", targets=["ln_f"])), model
+    return lf.compose(ctx.adapter(model, "ln_tuning", targets=["ln_1"], weight=False), ctx.adapter(model, "ln_tuning", targets=["ln_f"])), model
 
 
 class _TwoHeads(nn.Module):
@@ -2385,7 +2385,7 @@ def _copy_matched_twice(ctx: Ctx) -> tuple[Any, nn.Module]:
 
 CASES.update(
     {
-        "ln-tuning-bias-none": Case(init("ln_tuning", ["embed_tokens"], part="bias"), ("part='bias'", "model.embed_tokens", "biased_modules")),
+        "ln-tuning-bias-none": Case(init("ln_tuning", ["embed_tokens"], weight=False), ("weight=False", "model.embed_tokens", "biased_modules")),
         "peft-bias-kind": Case(saved_peft(_bias_of_no_kind), ("bias='all'", "shift", "merge_and_unload")),
         "peft-layer-replication": Case(saved_peft(lambda d, ctx, m: _peft_on(d, ctx, m, config={"layer_replication": [[0, 2], [1, 2]]})), ("layer_replication=[[0, 2], [1, 2]]", "replicate_layers")),
         "save-peft-bias-alone": Case(save_peft_of(lambda ctx: _biases(ctx, ["ln_1"], alone=True)), ("transformer.h.0.ln_1", "lora_func.save")),

@@ -1,6 +1,6 @@
 """peft's bias training (``bias="all"`` / ``bias="lora_only"``) against HF peft 0.21, float64.
 
-In lora_func a trained bias is an ``ln_tuning`` part with ``part="bias"`` (``ln_bias``, the
+In lora_func a trained bias is an ``ln_tuning`` part with ``weight=False`` (``ln_bias``, the
 layer's weight stays the base's), composed before the method's part: pure (overlaid for the call,
 never assigned), stackable, saved by ``save_peft`` as peft's config ``bias`` and bias keys
 (``<module>.base_layer.bias`` on a LoRA target, ``<module>.bias`` elsewhere). Each case relative
@@ -65,7 +65,7 @@ def case(request, tmp_path_factory):
 def test_load_peft_gives_peft_s_logits_and_every_gradient(case, tmp_path):
     bias, peft_model, model, adapter, ids = case
     parts = {leaf.spec.variant: leaf for leaf in lf.adapter.leaf_adapters(adapter)}
-    trained = sorted(layer.target.module for leaf in lf.adapter.leaf_adapters(adapter) if dict(leaf.spec.options).get("part") == "bias" for layer in leaf.layers)
+    trained = sorted(layer.target.module for leaf in lf.adapter.leaf_adapters(adapter) if dict(leaf.spec.options).get("weight") is False for layer in leaf.layers)
     # peft's own choice of trained biases is the oracle
     want_biases = sorted(
         n.removeprefix("base_model.model.").removesuffix(".bias").removesuffix(".base_layer")
@@ -80,7 +80,7 @@ def test_load_peft_gives_peft_s_logits_and_every_gradient(case, tmp_path):
         for merged in (False, True):
             _close(lf.adapted_call(model, adapter, ids, route=route, merged=merged).logits, want, f"{route} merged={merged}")
     # the biases matter: without them the logits are another
-    without = lf.compose(*[p for p in adapter.parts if dict(p.spec.options).get("part") != "bias"])
+    without = lf.compose(*[p for p in adapter.parts if dict(p.spec.options).get("weight") is not False])
     assert (lf.adapted_call(model, without, ids).logits - want).abs().max() > 1e-3
 
     peft_model.zero_grad()
@@ -104,7 +104,7 @@ def _built(model, bias):
     LoRA layers' ("lora_only"), perturbed."""
     lora = lf.init_adapter(model, lf.AdapterSpec("lora", targets=["c_attn"], r=2, alpha=6, dtype=torch.float64), generator=torch.Generator().manual_seed(0))
     targets = biased_modules(model) if bias == "all" else ["c_attn"]
-    biases = lf.init_adapter(model, lf.AdapterSpec("ln_tuning", targets=targets, dtype=torch.float64, part="bias"))
+    biases = lf.init_adapter(model, lf.AdapterSpec("ln_tuning", targets=targets, dtype=torch.float64, weight=False))
     assert all(k.endswith("ln_bias") for k in biases.params)
     return _perturbed(lf.compose(biases, lora), 3)
 
@@ -149,13 +149,13 @@ def test_trained_biases_stack_under_vmap_and_give_per_example_gradients():
 def test_biases_peft_cannot_train_are_refused(tmp_path):
     model = _gpt2()
     lora = lf.init_adapter(model, lf.AdapterSpec("lora", targets=["c_attn"], r=2))
-    some = lf.init_adapter(model, lf.AdapterSpec("ln_tuning", targets=["ln_1"], part="bias"))
+    some = lf.init_adapter(model, lf.AdapterSpec("ln_tuning", targets=["ln_1"], weight=False))
     with pytest.raises(ValueError, match=r"trains the biases of \['transformer.h.0.ln_1', 'transformer.h.1.ln_1'\].*bias='all'"):
         lf.save_peft(lf.compose(some, lora), tmp_path / "a", model=model)
     with pytest.raises(ValueError, match=r"trains only biases"):
         lf.save_peft(some, tmp_path / "b", model=model)
     assert lf.io.peft_problems(lf.compose(some, lora), model=model)
     llama = tiny_model("llama", dtype=torch.float64)
-    with pytest.raises(ValueError, match=r"part='bias': this layer has no bias"):
-        lf.init_adapter(llama, lf.AdapterSpec("ln_tuning", targets=["embed_tokens"], part="bias"))
+    with pytest.raises(ValueError, match=r"weight=False: this layer has no bias"):
+        lf.init_adapter(llama, lf.AdapterSpec("ln_tuning", targets=["embed_tokens"], weight=False))
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

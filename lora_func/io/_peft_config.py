@@ -246,7 +246,7 @@ def refuse_unsupported(directory: Path, config: Mapping[str, Any]) -> None:
         )
     # modules_to_save: trained copies, read beside the method's layers (_peft_read.saved_copies)
     bad = sorted(name for name in methods()[config["peft_type"]].refused if config.get(name) and name != "modules_to_save")
-    # bias: "all" / "<method>_only" train biases, read as bias copies (PeftFormat.bias_copy, _peft_read.trained_biases)
+    # bias: "all" / "<method>_only" train biases, read as bias copies (_peft_read.trained_biases)
     bias = config.get("bias", "none")
     bad += ["bias"] if bias != "none" and not (isinstance(bias, str) and (bias == "all" or bias.endswith("_only"))) else []
     if bad:

@@ -123,6 +123,16 @@ def by_module(directory: Path, peft_type: str, tensors: Mapping[str, Tensor], *,
         )
     return out
 
+def bias_copy_options() -> dict[str, bool]:
+    """The options of the trained-copy variant (``PeftFormat.module_copy``) that make its copy the
+    layer's bias alone: its weight slot's ``saved_if`` option, false (peft's bias training)."""
+    name, fmt, _ = module_copy()
+    slots = get_variant(name).tensors
+    weight = next(slot for slot, own in (fmt.module_copy or {}).items() if own == "weight")
+    flag = slots[weight].saved_if
+    assert flag is not None  # the trained-copy variant declares how it holds the bias alone
+    return {flag: False}
+
 def module_copy() -> tuple[str, PeftFormat, dict[str, str]]:
     """The variant stored as peft's ``modules_to_save`` (its ``PeftFormat.module_copy``), its
     format, and peft's suffix of each of its tensors -> the module's own tensor name."""

@@ -57,6 +57,7 @@ from lora_func.io._peft_keys import (
     formats,
     kind_of,
     methods,
+    bias_copy_options,
     module_copy,
     resolve_parameters,
     targeted_parameters,
@@ -502,7 +503,7 @@ def trained_biases(directory: Path, config: Mapping[str, Any], model: nn.Module,
     """The biases a ``bias="all"`` / ``"<method>_only"`` checkpoint trained (peft's
     ``_get_learnable_bias_state_dict``: ``<module>.base_layer.bias`` on the method's targets,
     ``<module>.bias`` elsewhere), popped from ``read`` as ``{module: {"ln_bias": tensor}}``, the
-    bias slot of the trained-copy variant with its :attr:`PeftFormat.bias_copy` options. Call after :func:`saved_copies`: a trained
+    bias slot of the trained-copy variant with its bias-alone options (``bias_copy_options``). Call after :func:`saved_copies`: a trained
     copy's bias is the copy's."""
     if not _bias_training(config):
         return {}
@@ -607,8 +608,8 @@ def load_peft(directory: str | os.PathLike, model: nn.Module, *, check_finite: b
         parts.append(_read(directory, {"peft_type": copy_type}, copy_type, saved, model, {}))
     if biases:  # peft's bias training: the trained biases, before the method's layers (they see them as their base's)
         layers = {name: _Layer(params=tensors) for name, tensors in biases.items()}
-        name_of_copy, copy_format, _ = module_copy()
-        parts.insert(0, _assemble(directory, model, name_of_copy, layers, alpha=None, options=dict(copy_format.bias_copy or {})))
+        name_of_copy = module_copy()[0]
+        parts.insert(0, _assemble(directory, model, name_of_copy, layers, alpha=None, options=bias_copy_options()))
     adapter = parts[0] if len(parts) == 1 else compose(*parts)
     if not from_config:  # after the layers it holds passed every check: those errors say more
         parameters = [f"{owner}.{name}" for owner, names in targeted_parameters(model, config.get("target_parameters") or []).items() for name in names]

@@ -42,7 +42,7 @@ from lora_func.adapter import (
 from lora_func.checks import check_model, check_path
 from lora_func.io._files import replace_directory, safetensors_write
 from lora_func.io._peft_config import config_of, written_config
-from lora_func.io._peft_keys import CONFIG_NAME, PREFIX, WEIGHTS_NAME, Out, methods, module_copy, parameter_key, saved_names, stored
+from lora_func.io._peft_keys import CONFIG_NAME, PREFIX, WEIGHTS_NAME, Out, bias_copy_options, methods, module_copy, parameter_key, saved_names, stored
 from lora_func.io._peft_read import load_peft
 from lora_func.io._prompt_files import prompt_peft_problems, save_prompt_peft
 from lora_func.prompts._apply import contains_prompt
@@ -110,7 +110,7 @@ class _Export:
     layers: tuple[Out, ...]
     # The tensors held once for every layer, by whole key (the tensor schema's shared slots).
     whole: Mapping[str, Tensor] = field(default_factory=dict)
-    # A trained-copy part that trains the biases alone (PeftFormat.bias_copy: peft's `bias`)
+    # A trained-copy part that trains the biases alone (_peft_keys.bias_copy_options: peft's `bias`)
     bias_only: bool = False
     # Its layers that have a bias of their own (what peft's "<method>_only" trains)
     biased: frozenset[str] = frozenset()
@@ -161,7 +161,7 @@ def _export_leaf(adapter: Adapter, base: Mapping[str, Tensor] | None) -> _Export
         tuple(sorted((k, json.dumps(v, sort_keys=True)) for k, v in shared.items())),
         tuple(layers),
         whole,
-        bias_only=fmt.bias_copy is not None and all(options.get(k) == v for k, v in fmt.bias_copy.items()),
+        bias_only=fmt.module_copy is not None and all(options.get(k) == v for k, v in bias_copy_options().items()),
         biased=frozenset(layer.target.module for layer in adapter.layers if layer.info.has_bias),
     )
 
@@ -204,7 +204,7 @@ def _one_checkpoint(
     if bias_parts and not exports:
         raise ValueError(  # error: save-peft-bias-alone
             f"save_peft: this adapter trains only biases ({sorted(o.target.module for e in bias_parts for o in e.layers)[:5]}: "
-            f"{copy_name} {dict(copy_format.bias_copy or {})}); peft trains biases only beside a method (its config's bias='all' or "
+            f"{copy_name} {bias_copy_options()}); peft trains biases only beside a method (its config's bias='all' or "
             f"'<method>_only'): compose them with the method's adapter, or save with lora_func.save"
         )
     copies = [o for e in exports if e.peft_type == copy_type for o in e.layers] if {e.peft_type for e in exports} - {copy_type} else []

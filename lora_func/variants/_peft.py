@@ -107,9 +107,10 @@ class PeftFormat:
         ``modules_to_save`` form beside another method: slot name -> the module's own tensor name
         (``{"ln_weight": "weight", "ln_bias": "bias"}``), the keys peft stores a copy under
         (``<module>.weight``, in the stored layout of ``reshape``). At most one variant has it.
-      bias_copy: the options that make that copy the layer's bias alone (``{"part": "bias"}``):
-        peft's bias training beside a method (``bias="all"`` / ``"<method>_only"``), stored as
-        the config's ``bias`` and ``<module>.bias`` (``<module>.base_layer.bias`` on a target).
+        Where the weight's slot is saved only with an option (``Slot.saved_if``), the copy
+        with that option false is the layer's bias alone: peft's bias training beside a method
+        (``bias="all"`` / ``"<method>_only"``), stored as the config's ``bias`` and
+        ``<module>.bias`` (``<module>.base_layer.bias`` on a target).
     """
 
     method: PeftMethod
@@ -123,4 +124,3 @@ class PeftFormat:
     convert_in: Callable[[TensorDict, Mapping[str, Any]], TensorDict] | None = None
     reshape: Callable[[str, str, Tensor, tuple[int, ...], bool], Tensor] | None = None
     module_copy: Mapping[str, str] | None = None
-    bias_copy: Mapping[str, Any] | None = None

@@ -17,7 +17,7 @@ A trained copy of a layer is also what peft's ``modules_to_save`` holds beside a
 ``<module>.weight`` / ``.bias`` (an ``nn.Embedding``'s copy too: its ``(V, d)`` table, the
 canonical ``(d, V)`` view here, looked up in the merged table; a conv's: its kernel).
 
-``part="bias"`` trains the bias alone (``ln_bias``; the weight stays the base's, no
+``weight=False`` trains the bias alone (``ln_bias``; the weight stays the base's, no
 ``ln_weight``): peft's bias training beside another method (``bias="all"`` /
 ``bias="lora_only"``), loaded and saved as the method's config ``bias`` and the biases under
 ``<module>.bias`` (``<module>.base_layer.bias`` on the method's own targets). Composed *before*
@@ -34,14 +34,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lora_func.variants._kernels import promoted
-from lora_func.variants import BaseLayer, LayerInfo, Option, PeftFormat, PeftMethod, Slot, TensorDict, Variant, one_of
-
-# What the copy trains: the whole layer (its weight and bias), or only its bias (peft's `bias`)
-PARTS = ("layer", "bias")
-
+from lora_func.variants import BaseLayer, LayerInfo, Option, PeftFormat, PeftMethod, Slot, TensorDict, Variant
 
 def _bias_only(info: LayerInfo) -> bool:
-    return dict(info.options).get("part", "layer") == "bias"
+    """The copy trains the bias alone (``weight=False``: peft's bias training)."""
+    return not dict(info.options).get("weight", True)
 
 
 def init(
@@ -57,7 +54,7 @@ def init(
     if _bias_only(info):
         if bias is None:
             raise ValueError(  # error: ln-tuning-bias-none
-                "ln_tuning part='bias': this layer has no bias to train (peft's bias training trains existing biases "
+                "ln_tuning weight=False: this layer has no bias to train (peft's bias training trains existing biases "
                 "only); target the layers that have one (lora_func.targeting.biased_modules(model))"
             )
         return {"ln_bias": bias.to(dtype, copy=True)}, {}
@@ -73,7 +70,7 @@ def weight_form(params: TensorDict, buffers: TensorDict, weight: Tensor, bias: T
 
 def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: BaseLayer, info: LayerInfo) -> Tensor:
     # The trained copy replaces the layer: its own weight and bias, in the adapter dtype, the
-    # output cast back to the layer's. part="bias": the layer's own product in its dtype, the
+    # output cast back to the layer's. weight=False: the layer's own product in its dtype, the
     # trained bias added in the wider dtype (as peft's bias, a parameter of the layer's dtype)
     if "ln_weight" not in params:
         b = params["ln_bias"]
@@ -103,10 +100,11 @@ VARIANT = Variant(
     activation_form=activation_form,
     tensors={
         # a norm's weight is (d,); a matrix layer's its canonical view
-        "ln_weight": Slot(lambda i: None if _bias_only(i) else (i.d_out,) if i.kind == "norm" else (i.d_out, i.d_in), peft="ln_tuning_layers.weight"),
+        "ln_weight": Slot(lambda i: None if _bias_only(i) else (i.d_out,) if i.kind == "norm" else (i.d_out, i.d_in), peft="ln_tuning_layers.weight", saved_if="weight"),
         "ln_bias": Slot(lambda i: (i.d_out,) if i.has_bias else None, peft="ln_tuning_layers.bias"),
     },
-    options={"part": Option("layer", one_of(*PARTS), None)},
+    # whether the copy trains the layer's weight (False: its bias alone, peft's bias training)
+    options={"weight": Option(True, None, None)},
     default_alpha=1.0,
     # (an nn.Embedding's copy: peft's modules_to_save of embed_tokens when tokens are added)
     kind_forms={"linear": None, "conv1d": None, "norm": None, "embedding": None, "conv": None, "grouped_conv": None},
@@ -114,6 +112,5 @@ VARIANT = Variant(
 )
 # A trained copy of its layer: also peft's modules_to_save beside another method's layers
 PEFT = PeftFormat(
-    PeftMethod("LN_TUNING", {}, fan_in_fan_out=False), reshape=_stored_layout, module_copy={"ln_weight": "weight", "ln_bias": "bias"},
-    bias_copy={"part": "bias"},
+    PeftMethod("LN_TUNING", {}, fan_in_fan_out=False), reshape=_stored_layout, module_copy={"ln_weight": "weight", "ln_bias": "bias"}
 )
