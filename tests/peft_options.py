@@ -4,7 +4,7 @@ methods (each method's init variants, ``use_rslora``, ``use_dora`` on each kind,
 
 Each cell, on the tiny model of tests/models.py in float64: peft builds the config
 (``get_peft_model``, the global seed fixed), every trainable tensor is perturbed, peft saves it,
-and ``load_peft`` reads it: **exact** when lora_func's outputs are peft's (relative 1e-9; the
+and ``load_peft`` reads it (a ``layer_replication`` config onto ``replicated(model, layer_map)``): **exact** when lora_func's outputs are peft's (relative 1e-9; the
 PiSSA / OLoRA inits in float32, 2e-5, as peft initialises them in float32 only),
 **refused** with the first words of lora_func's reason, **peft ✗** when peft itself refuses the
 config on that model.
@@ -128,6 +128,11 @@ def cell(option: str, tmp: Path) -> str:
                     p.add_(0.05 * torch.randn(p.shape, generator=g, dtype=p.dtype))
         peft_model.save_pretrained(tmp / "peft")
         model = _in_input_dtype(tiny_model(model_kind, dtype=dtype))
+        layer_map = getattr(peft_model.peft_config["default"], "layer_replication", None)
+        if layer_map:  # the deeper model peft built, as lora_func's view of the untouched base
+            from lora_func.replication import replicated
+
+            model = replicated(model, layer_map)
         try:
             adapter = lf.load_peft(tmp / "peft", model)
         except (ValueError, TypeError) as err:

@@ -2339,6 +2339,9 @@ RNG_ADVANCES = RNG_ADVANCES | {"lora-bias-no-bias", "bdlora-blocks", "qalora-gro
 
 
 # --- issue 44: peft's bias training, layer_replication, modules_to_save names -------------------
+from lora_func.replication import replicated  # noqa: E402
+
+
 class _ShiftedLM(nn.Module):
     """A tiny Llama with a module that holds a bare ``bias`` (no layer kind of lora_func's)."""
 
@@ -2387,7 +2390,10 @@ CASES.update(
     {
         "ln-tuning-bias-none": Case(init("ln_tuning", ["embed_tokens"], weight=False), ("weight=False", "model.embed_tokens", "biased_modules")),
         "peft-bias-kind": Case(saved_peft(_bias_of_no_kind), ("bias='all'", "shift", "merge_and_unload")),
-        "peft-layer-replication": Case(saved_peft(lambda d, ctx, m: _peft_on(d, ctx, m, config={"layer_replication": [[0, 2], [1, 2]]})), ("layer_replication=[[0, 2], [1, 2]]", "replicate_layers")),
+        "peft-layer-replication": Case(saved_peft(lambda d, ctx, m: _peft_on(d, ctx, m, config={"layer_replication": [[0, 2], [1, 2]]})), ("layer_replication=[[0, 2], [1, 2]]", "LlamaForCausalLM", "lora_func.replication.replicated")),
+        "replicated-no-layers": Case(lambda ctx: (lambda m: lambda: replicated(m, [[0, 1]]))(ctx.track(_TwoHeads())), ("_TwoHeads", ".layers")),
+        "replicated-layer-map": Case(lambda ctx: (lambda m: lambda: replicated(m, "0-2"))(ctx.model()), ("'0-2'",)),
+        "replicated-layer-range": Case(lambda ctx: (lambda m: lambda: replicated(m, [[0, 2], [1, 3]]))(ctx.model()), ("[(1, 3)]", "2 layers", "LlamaForCausalLM")),
         "save-peft-bias-alone": Case(save_peft_of(lambda ctx: _biases(ctx, ["ln_1"], alone=True)), ("transformer.h.0.ln_1", "lora_func.save")),
         "save-peft-bias-method": Case(save_peft_of(_biases_beside_ln_tuning), ("LN_TUNING", "transformer.h.0.ln_1")),
         "save-peft-bias-subset": Case(save_peft_of(lambda ctx: _biases(ctx, ["ln_1"])), ("transformer.h.0.ln_1", "bias='lora_only'", "bias='all'")),

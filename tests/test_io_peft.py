@@ -329,7 +329,7 @@ def test_load_peft_errors_name_the_problem(lora_dir, tmp_path):
     with pytest.raises(ValueError, match=r"init_lora_weights='lora_ga'.*path_initial_model_for_weight_conversion"):
         load_peft(lora_dir, llama)
     _edit_config(lora_dir, init_lora_weights=True, layer_replication=[[0, 2]])
-    with pytest.raises(ValueError, match=r"uses layer_replication=\[\[0, 2\]\]: peft rebuilds the model deeper"):
+    with pytest.raises(ValueError, match=r"uses layer_replication=\[\[0, 2\]\]: peft runs it on the model made deeper"):
         load_peft(lora_dir, llama)
     # a peft method no variant stores (the list read from the registry: new variants extend it)
     _edit_config(lora_dir, layer_replication=None, peft_type="XLORA")

@@ -234,16 +234,6 @@ def pattern_value(patterns: Mapping[str, Any] | None, module: str, default: Any)
 
 def refuse_unsupported(directory: Path, config: Mapping[str, Any]) -> None:
     """Raise for config features that change the math and that lora_func does not have."""
-    if config.get("layer_replication"):
-        raise ValueError(  # error: peft-layer-replication
-            f"{directory} uses layer_replication={config['layer_replication']!r}: peft rebuilds the model deeper (its layer "
-            f"list repeated as the map says, the repeated layers sharing the base weights, each copy with its own "
-            f"{config.get('peft_type')} tensors). lora_func never changes the base and adapts weights by name, so one weight "
-            f"under several layers is one tensor to it (and peft's merge_and_unload would merge every copy's update into "
-            f"the one shared weight). Instead build the deeper base with independent layers (peft.tuners.tuners_utils."
-            f"replicate_layers(model, layer_map), then copy.deepcopy each layer: the repeated layers' weights in memory once "
-            f"more), drop layer_replication from {CONFIG_NAME} and load_peft onto that model"
-        )
     # modules_to_save: trained copies, read beside the method's layers (_peft_read.saved_copies)
     bad = sorted(name for name in methods()[config["peft_type"]].refused if config.get(name) and name != "modules_to_save")
     # bias: "all" / "<method>_only" train biases, read as bias copies (_peft_read.trained_biases)

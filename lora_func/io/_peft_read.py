@@ -65,6 +65,7 @@ from lora_func.io._peft_keys import (
 from lora_func.io._prompt_files import PROMPT_PEFT_TYPES, load_prompt_peft
 from lora_func.io._validate import refuse_missing_layers, refuse_non_finite
 from lora_func.quantized import kind_of_tensor
+from lora_func.replication import layer_map_of
 from lora_func.spec import AdapterSpec
 from lora_func.targeting import (
     KINDS,
@@ -493,6 +494,23 @@ def saved_copies(directory: Path, config: Mapping[str, Any], model: nn.Module, r
         copies[name] = {slot_of[k]: read.pop(key) for k, key in own.items()}
     return copies
 
+def _refuse_replication(directory: Path, config: Mapping[str, Any], model: nn.Module) -> None:
+    """A ``layer_replication`` checkpoint loads onto the deeper model peft built for it: a
+    :func:`~lora_func.replication.replicated` view of the base with the same layer map."""
+    wanted = config.get("layer_replication")
+    if not wanted:
+        return
+    have = layer_map_of(model)
+    if have is None or have != [list(pair) for pair in wanted]:
+        raise ValueError(  # error: peft-layer-replication
+            f"{directory} uses layer_replication={wanted!r}: peft runs it on the model made deeper (the layers repeated "
+            f"as the map says, sharing the base weights, each copy with its own {config.get('peft_type')} tensors), and "
+            f"{type(model).__name__} is " + ("not that model" if have is None else f"a view with layer_map={have!r}")
+            + f"; load it onto lora_func.replication.replicated(model, {wanted!r}), the same deeper model as a view of "
+            f"the untouched base (no weight copied)"
+        )
+
+
 def _bias_training(config: Mapping[str, Any]) -> bool:
     """Whether the config trains biases (peft's ``bias="all"`` or ``"<method>_only"``)."""
     bias = config.get("bias", "none")
@@ -574,6 +592,7 @@ def load_peft(directory: str | os.PathLike, model: nn.Module, *, check_finite: b
             f"prompt methods' {list(PROMPT_PEFT_TYPES)}"
         )
     check_config(directory, config)
+    _refuse_replication(directory, config, model)
     refuse_unsupported(directory, config)
     warn_training_only(directory, config)
     read = _read_tensors(directory, [s for fmt in formats(peft_type).values() for s in fmt.imported])

@@ -47,6 +47,7 @@ from lora_func.io._peft_read import load_peft
 from lora_func.io._prompt_files import prompt_peft_problems, save_prompt_peft
 from lora_func.prompts._apply import contains_prompt
 from lora_func.io._validate import warn_full_rank_merge
+from lora_func.replication import layer_map_of
 from lora_func.targeting import (
     biased_modules,
     canonical_weight,
@@ -246,6 +247,9 @@ def _one_checkpoint(
         )
     peft_type, shared = kinds[0][0], {k: json.loads(v) for k, v in kinds[0][1]}
     config = written_config(peft_type, shared, layers, model, task_type)
+    layer_map = layer_map_of(model) if model is not None else None
+    if layer_map is not None:  # a replicated view of the base: peft rebuilds it from the map
+        config["layer_replication"] = layer_map
     whole = dict(holding[0].whole) if holding else {}
     if copies:
         config["modules_to_save"] = sorted(o.target.module for o in copies)

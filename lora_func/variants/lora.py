@@ -49,7 +49,8 @@ TENSORS = {
 # ------------------------------------------------------------------ peft's format (LoraConfig)
 
 # LoraConfig fields lora_func has no equivalent for: any truthy value is refused.
-PEFT_UNSUPPORTED_FIELDS = ("layer_replication", "arrow_config", "trainable_token_indices", "modules_to_save", "megatron_config")
+# (layer_replication: read onto lora_func.replication.replicated, see load_peft)
+PEFT_UNSUPPORTED_FIELDS = ("arrow_config", "trainable_token_indices", "modules_to_save", "megatron_config")
 # LoRA inits that leave the base untouched: the checkpoint is a plain LoRA on the original base.
 PLAIN_INITS = (True, False, "gaussian", "orthogonal")
 # LoraConfig fields that make a checkpoint another variant's (each read by exactly one variant
