@@ -23,20 +23,28 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import weakref
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
 
-from lora_func.adapter import SHARED, Adapter
+from lora_func._model import shared_init
+from lora_func.adapter import SHARED, Adapter, SharedTensors
+from lora_func.call import adapted, adapted_call
 from lora_func.many import Batching, mixed_adapted, mixed_call
 from lora_func.spec import AdapterSpec
+from lora_func.stacking import take
 from lora_func.variants import arrow as arrow_variant
-from lora_func.variants import poly
+from lora_func.variants import get_variant, poly
+from lora_func.variants import xlora as xlora_variant
 from lora_func.variants._kernels import lora_scale
 
-__all__ = ["arrow", "arrow_experts", "task_adapted", "task_call", "task_members"]
+__all__ = [
+    "arrow", "arrow_experts", "task_adapted", "task_call", "task_members", "xlora", "xlora_adapted", "xlora_call", "xlora_classifier_keys",
+    "xlora_experts", "xlora_scalings",
+]
 
 _TASK_KEY = f"{SHARED}.{poly.TASK}"
 
@@ -104,25 +112,25 @@ def task_adapted(model: nn.Module, adapter: Adapter, task_ids: Tensor) -> Iterat
 # ----------------------------------------------------------------------------------- Arrow
 
 
-def _lora_library(adapters: Any, what: str, first: Adapter | None) -> list[Adapter]:
+def _lora_library(adapters: Any, what: str, first: Adapter | None, where: str = "arrow()") -> list[Adapter]:
     """``adapters`` checked as a list of plain LoRA adapters of one structure (``first``'s, when given):
     same targets, rank per layer and dtype."""
     if isinstance(adapters, Adapter) or not isinstance(adapters, Sequence) or not adapters:
         raise TypeError(  # error: arrow-library
-            f"arrow(): {what} must be a non-empty list of LoRA adapters (load_peft of each task checkpoint), got {type(adapters).__name__}"
+            f"{where}: {what} must be a non-empty list of LoRA adapters (load_peft of each task checkpoint), got {type(adapters).__name__}"
         )
     library = list(adapters)
     ref = first or library[0]
     for i, a in enumerate(library):
         if not isinstance(a, Adapter) or a.spec.variant != "lora" or a.stack_shape:
             got = f"a {a.spec.variant} adapter" + (f" stacked {a.stack_shape}" if a.stack_shape else "") if isinstance(a, Adapter) else type(a).__name__
-            raise TypeError(f"arrow(): {what}[{i}] must be a plain LoRA adapter (AdapterSpec('lora', ...)), got {got}")  # error: arrow-not-lora
+            raise TypeError(f"{where}: {what}[{i}] must be a plain LoRA adapter (AdapterSpec('lora', ...)), got {got}")  # error: arrow-not-lora
         mine = [(lay.target.module, lay.info.r, lay.info.d_in, lay.info.d_out) for lay in a.layers]
         want = [(lay.target.module, lay.info.r, lay.info.d_in, lay.info.d_out) for lay in ref.layers]
         if mine != want or a.spec.dtype != ref.spec.dtype:
             diff = sorted({m[0] for m in mine} ^ {w[0] for w in want}) or [m for m, w in zip(mine, want, strict=False) if m != w][:3]
             raise ValueError(  # error: arrow-structure
-                f"arrow(): {what}[{i}] has other layers, ranks or dtype than the first task expert ({diff or a.spec.dtype}); "
+                f"{where}: {what}[{i}] has other layers, ranks or dtype than the first task expert ({diff or a.spec.dtype}); "
                 f"Arrow routes between LoRAs of one rank on the same targets (as peft's create_arrow_model checks)"
             )
     return library
@@ -197,6 +205,214 @@ def arrow_experts(adapter: Adapter) -> list[Adapter]:
         for layer in adapter.layers:
             module, info = layer.target.module, layer.info
             scale = float(adapter.buffers[f"{module}.arrow_scales"][e])
+            params[f"{module}.lora_A"] = adapter.params[f"{module}.lora_A"][e]
+            params[f"{module}.lora_B"] = adapter.params[f"{module}.lora_B"][e]
+            layers.append(dataclasses.replace(
+                layer, info=dataclasses.replace(info, alpha=scale * int(info.r), options=spec.options),
+                param_shapes=(("lora_A", (int(info.r), info.d_in)), ("lora_B", (info.d_out, int(info.r)))), buffer_shapes=(),
+            ))
+        out.append(Adapter(params, {}, spec, layers))
+    return out
+
+
+# ----------------------------------------------------------------------------------- X-LoRA
+
+_SCALINGS_KEY = f"{SHARED}.{xlora_variant.SCALINGS}"
+
+
+def xlora(
+    experts: Sequence[Adapter],
+    *,
+    hidden_size: int,
+    generator: torch.Generator | None = None,
+    **config: Any,
+) -> Adapter:
+    """An X-LoRA adapter over the LoRA adapters ``experts`` (peft's ``XLoraConfig(hidden_size,
+    adapters=...)``, ``**config`` its other fields: ``xlora_depth``, ``xlora_size``,
+    ``layerwise_scalings``, ``enable_softmax``, ``enable_softmax_topk``, ``softmax_temperature``,
+    ``top_k_lora`` (``None``: every expert), ``scaling_pass_value``, ``global_scaling_weight``,
+    ``xlora_dropout_p``, ``use_trainable_adapters``): one ``xlora`` adapter whose layers hold the
+    experts stacked ``(K, ...)`` with each expert's ``alpha/r``, and a new classifier drawn from
+    ``generator`` (``nn.Linear``'s init). ``hidden_size``: the model's (the classifier's input).
+
+    Run it with :func:`xlora_call` (training, scoring) or :func:`xlora_adapted` (``generate``).
+    Its params are the classifier's and the experts'; peft trains the experts only with
+    ``use_trainable_adapters=True``: differentiate :func:`xlora_classifier_keys` alone otherwise."""
+    library = _lora_library(experts, "experts", None, "xlora()")
+    first = library[0]
+    if config.get("top_k_lora") is None:
+        config["top_k_lora"] = 0
+    spec = AdapterSpec(
+        "xlora", first.spec.targets, r=first.spec.r, alpha=first.spec.alpha, dtype=first.spec.dtype, layer_types=first.spec.layer_types,
+        tied=first.spec.tied, num_experts=len(library), hidden_size=hidden_size, **config,
+    )
+    params: dict[str, Tensor] = {}
+    buffers: dict[str, Tensor] = {}
+    layers = []
+    for j, layer in enumerate(first.layers):
+        module = layer.target.module
+        lora_a = torch.stack([a.params[f"{module}.lora_A"] for a in library])
+        lora_b = torch.stack([a.params[f"{module}.lora_B"] for a in library])
+        scales = torch.tensor([float(lora_scale(a.layers[j].info)) for a in library], dtype=first.spec.dtype, device=lora_a.device)
+        params[f"{module}.lora_A"], params[f"{module}.lora_B"], buffers[f"{module}.xlora_scales"] = lora_a, lora_b, scales
+        layers.append(dataclasses.replace(
+            layer, info=dataclasses.replace(layer.info, alpha=spec.alpha, options=spec.options),
+            param_shapes=(("lora_A", tuple(lora_a.shape)), ("lora_B", tuple(lora_b.shape))), buffer_shapes=(("xlora_scales", tuple(scales.shape)),),
+        ))
+    infos = {layer.target.module: layer.info for layer in layers}
+    device = next(iter(params.values())).device
+    shared_params, shared_buffers, shared = shared_init(
+        get_variant("xlora"), spec, infos, device=device, generator=torch.Generator().manual_seed(0) if generator is None else generator
+    )
+    params = _leaves(params, library) | shared_params
+    return Adapter(params, buffers | shared_buffers, spec, layers, shared=shared)
+
+
+def _xlora(adapter: Any, where: str, stacked: bool = False) -> Adapter:
+    if not isinstance(adapter, Adapter) or adapter.spec.variant != "xlora" or bool(adapter.stack_shape) != stacked:
+        got = f"a {adapter.spec.variant} adapter, stack_shape {adapter.stack_shape}" if isinstance(adapter, Adapter) else type(adapter).__name__
+        want = "a stack of xlora adapters (lora_func.stack([...]), with index=)" if stacked else "one xlora adapter (lora_func.routed.xlora, load_xlora)"
+        raise TypeError(f"{where}: adapter must be {want}, got {got}")  # error: xlora-not-xlora
+    return adapter
+
+
+def xlora_classifier_keys(adapter: Adapter) -> list[str]:
+    """The keys of ``adapter.params`` that are the classifier's (peft's trainables with
+    ``use_trainable_adapters=False``)."""
+    return sorted(k for k in _xlora(adapter, "xlora_classifier_keys", bool(adapter.stack_shape) if isinstance(adapter, Adapter) else False).params
+                  if k.startswith(f"{SHARED}.classifier_"))
+
+
+def _classify(adapter: Adapter, hidden: Tensor, training: bool) -> Tensor:
+    info = adapter.layers[0].info
+    return xlora_variant.classify(adapter.shared_tensors()[0], hidden, info, training)
+
+
+def xlora_scalings(model: nn.Module, adapter: Adapter, *args: Any, **kwargs: Any) -> Tensor:
+    """peft's scalings pass and classifier: ``model(*args, **kwargs)`` with ``adapter`` as it is
+    stored (every scaling ``scaling_pass_value``), without gradients (as peft's), then the
+    classifier on its last hidden state: the scalings ``(batch, tokens, L, K)``, differentiable in
+    the classifier."""
+    adapter = _xlora(adapter, "xlora_scalings")
+    with torch.no_grad():
+        out = adapted_call(model, adapter, *args, **{**kwargs, "output_hidden_states": True, "return_dict": True})
+    return _classify(adapter, out.hidden_states[-1], model.training)
+
+
+def _with_scalings(adapter: Adapter, scalings: Tensor, stacked: bool = False) -> Adapter:
+    """``adapter`` with the per-call scalings ``(batch, tokens, L, K)`` (of each member, for a
+    ``stacked`` adapter: ``(members, tokens, L, K)``, one member per row) in place of the stored
+    ``(L, K)``: an input of this call only, declared at its own shape (the shared buffer's
+    description is the call's, so the plan checks it and the layers' stack shape is unchanged)."""
+    shared = adapter.shared
+    assert shared is not None
+    shape = tuple(scalings.shape[1:] if stacked else scalings.shape)
+    described = SharedTensors(shared.param_shapes, tuple((n, shape if n == xlora_variant.SCALINGS else s) for n, s in shared.buffer_shapes))
+    return Adapter._unchecked(adapter.params, {**adapter.buffers, _SCALINGS_KEY: scalings}, adapter.spec, adapter.layers,
+                              adapter.members, described, adapter.member_shared)
+
+
+def xlora_call(model: nn.Module, adapter: Adapter, *args: Any, index: Tensor | None = None, **kwargs: Any) -> Any:
+    """peft's ``XLoraModel`` forward: ``model(*args, **kwargs)`` with the experts mixed per token
+    and layer by the scalings the classifier gives on a first pass (:func:`xlora_scalings`), which
+    enter the second pass as an input of the call. Differentiable in the classifier and the
+    experts; ``torch.func.vmap`` over a stack of X-LoRA adapters and ``per_example_grads`` work.
+
+    ``index (B,)``: one X-LoRA adapter per batch row, ``adapter`` then a stack of them (both
+    passes on the mixed route, row ``b`` with member ``index[b]``). ``merged=True`` is refused
+    (per-token mixtures have no merged weight)."""
+    if kwargs.get("merged"):
+        adapter = _xlora(adapter, "xlora_call", index is not None)
+        raise ValueError(  # error: xlora-merged-call
+            "xlora_call(merged=True): X-LoRA mixes its experts per token, so it has no merged weight (peft cannot merge "
+            "X-LoRA either); call it with merged=False (the default), or merge the experts themselves (xlora_experts)"
+        )
+    kwargs.pop("merged", None)
+    if index is None:
+        adapter = _xlora(adapter, "xlora_call")
+        return adapted_call(model, _with_scalings(adapter, xlora_scalings(model, adapter, *args, **kwargs)), *args, **kwargs)
+    adapter = _xlora(adapter, "xlora_call", stacked=True)
+    with torch.no_grad():
+        out = mixed_call(model, adapter, index, *args, **{**kwargs, "output_hidden_states": True, "return_dict": True})
+    rows = cast(Adapter, take(adapter, index.to(torch.int64)))
+    scalings = torch.func.vmap(lambda member, hidden: _classify(member, hidden, model.training), randomness="different")(rows, out.hidden_states[-1])
+    rows = _with_scalings(rows, scalings, stacked=True)
+    return mixed_call(model, rows, torch.arange(rows.stack_shape[0], device=index.device), *args, **kwargs)
+
+
+@contextlib.contextmanager
+def xlora_adapted(model: nn.Module, adapter: Adapter) -> Iterator[nn.Module]:
+    """Within the block every call of ``model`` (``model.generate`` included) is an
+    :func:`xlora_call` (peft's ``XLoraModel.generate``). With the KV cache (peft runs without
+    one, recomputing both passes over the whole sequence at every step): the scalings pass keeps
+    a cache of its own beside the one ``generate`` passes, so each step runs both passes over the
+    new tokens only; the tokens are peft's (the model is causal: a token's scalings do not change
+    as the sequence grows). Beam search reorders both caches alike."""
+    adapter = _xlora(adapter, "xlora_adapted")
+    missing = object()
+    own = model.__dict__.get("forward", missing)
+    inner = model.forward
+    caches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # generate's cache -> the scalings pass's
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        cache = kwargs.get("past_key_values")
+        first = dict(kwargs, output_hidden_states=True, return_dict=True)
+        if cache is not None:
+            mine = caches.get(cache)
+            if mine is None:
+                if cache.get_seq_length() > 0:
+                    raise ValueError(  # error: xlora-cache
+                        "xlora_adapted: the call brings a KV cache that already holds tokens the block did not see, so their "
+                        "scalings pass has no cache; start generation inside the block (or pass use_cache=False)"
+                    )
+                first.update(past_key_values=None, use_cache=True)
+            else:
+                first["past_key_values"] = mine
+        with torch.no_grad(), adapted(model, adapter, merged=False):
+            out = inner(*args, **first)
+        if cache is not None and cache not in caches:
+            caches[cache] = out.past_key_values
+            _reorder_with(cache, out.past_key_values)
+        scalings = _classify(adapter, out.hidden_states[-1], model.training)
+        with adapted(model, _with_scalings(adapter, scalings), merged=False):
+            return inner(*args, **kwargs)
+
+    model.__dict__["forward"] = forward
+    try:
+        yield model
+    finally:
+        if own is missing:
+            model.__dict__.pop("forward", None)
+        else:
+            model.__dict__["forward"] = own
+
+
+def _reorder_with(cache: Any, mine: Any) -> None:
+    # generate reorders its cache for beam search (cache.reorder_cache(beam_idx)): the scalings
+    # pass's cache follows (an instance attribute on generate's own cache object).
+    own = getattr(cache, "reorder_cache", None)
+    if own is None or not hasattr(mine, "reorder_cache"):
+        return
+
+    def reorder_cache(beam_idx: Tensor) -> Any:
+        mine.reorder_cache(beam_idx)
+        return own(beam_idx)
+
+    cache.reorder_cache = reorder_cache
+
+
+def xlora_experts(adapter: Adapter) -> list[Adapter]:
+    """The experts of an ``xlora`` adapter as ``K`` LoRA adapters, each at its own scale (for
+    ``save_peft``, merging, inspection)."""
+    adapter = _xlora(adapter, "xlora_experts")
+    spec = AdapterSpec("lora", adapter.spec.targets, r=adapter.spec.r, alpha=adapter.spec.alpha, dtype=adapter.spec.dtype,
+                       layer_types=adapter.spec.layer_types, tied=adapter.spec.tied)
+    out = []
+    for e in range(int(adapter.spec.option("num_experts"))):
+        params, layers = {}, []
+        for layer in adapter.layers:
+            module, info = layer.target.module, layer.info
+            scale = float(adapter.buffers[f"{module}.xlora_scales"][e])
             params[f"{module}.lora_A"] = adapter.params[f"{module}.lora_A"][e]
             params[f"{module}.lora_B"] = adapter.params[f"{module}.lora_B"][e]
             layers.append(dataclasses.replace(
