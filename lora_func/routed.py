@@ -23,16 +23,21 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
+import os
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any, cast
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from lora_func._model import shared_init
 from lora_func.adapter import SHARED, Adapter, SharedTensors
 from lora_func.call import adapted, adapted_call
+from lora_func.io.peft import load_peft, save_peft
 from lora_func.many import Batching, mixed_adapted, mixed_call
 from lora_func.spec import AdapterSpec
 from lora_func.stacking import take
@@ -42,8 +47,8 @@ from lora_func.variants import xlora as xlora_variant
 from lora_func.variants._kernels import lora_scale
 
 __all__ = [
-    "arrow", "arrow_experts", "task_adapted", "task_call", "task_members", "xlora", "xlora_adapted", "xlora_call", "xlora_classifier_keys",
-    "xlora_experts", "xlora_scalings",
+    "arrow", "arrow_experts", "task_adapted", "task_call", "task_members", "load_xlora", "save_xlora", "xlora", "xlora_adapted", "xlora_call",
+    "xlora_classifier_keys", "xlora_experts", "xlora_scalings",
 ]
 
 _TASK_KEY = f"{SHARED}.{poly.TASK}"
@@ -421,3 +426,109 @@ def xlora_experts(adapter: Adapter) -> list[Adapter]:
             ))
         out.append(Adapter(params, {}, spec, layers))
     return out
+
+
+# X-LoRA in peft's files: adapter_config.json (XLoraConfig; "adapters": expert name -> the LoRA
+# checkpoint's path), adapter_model.safetensors (the classifier only, as XLoraModel's
+# _get_adapter_state_dict keeps it), the experts as LoRA checkpoints of their own.
+_CLASSIFIER = "base_model.internal_xlora_classifier.layers"
+_XLORA_FIELDS = (
+    "enable_softmax", "enable_softmax_topk", "layerwise_scalings", "xlora_depth", "xlora_size", "xlora_dropout_p",
+    "use_trainable_adapters", "softmax_temperature", "top_k_lora", "scaling_pass_value", "global_scaling_weight",
+)
+
+
+def _classifier_index(depth: int, dropout: float) -> list[int]:
+    """peft's ``nn.Sequential`` index of each classifier ``Linear`` (ReLU, and Dropout where
+    ``xlora_dropout_p > 0``, between them)."""
+    stride = 3 if dropout > 0 else 2
+    return [i * stride for i in range(depth)]
+
+
+def load_xlora(directory: str | os.PathLike, model: nn.Module, *, adapters: Mapping[str, str] | Sequence[str] | None = None) -> Adapter:
+    """An ``xlora`` adapter from peft's X-LoRA checkpoint ``directory`` (``XLoraModel``'s
+    ``save_pretrained``, or :func:`save_xlora`): the config's fields, the classifier from
+    ``adapter_model.safetensors``, the experts by ``load_peft`` of each LoRA checkpoint that the
+    config's ``adapters`` names (a relative path is read against ``directory``), or of
+    ``adapters`` (paths in expert order, or peft's ``from_pretrained(..., adapters=...)``
+    mapping), as peft reads them.
+
+    peft 0.21's ``save_pretrained`` leaves out every classifier layer whose ``nn.Sequential``
+    index is also an expert's name (its filter for other adapters' keys matches
+    ``layers.0.``): such a file is refused, naming the missing tensors (peft reloads them as a
+    fresh random init)."""
+    directory = Path(directory)
+    config_path, weights_path = directory / "adapter_config.json", directory / "adapter_model.safetensors"
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, ValueError) as err:
+        raise ValueError(f"load_xlora: cannot read {config_path} ({err}); pass the directory of an X-LoRA checkpoint") from err  # error: xlora-file
+    if config.get("peft_type") != "XLORA":
+        raise ValueError(  # error: xlora-file
+            f"load_xlora: {config_path} is a {config.get('peft_type')!r} checkpoint, not peft's X-LoRA (peft_type 'XLORA'); "
+            f"read other methods with lora_func.load_peft"
+        )
+    named = config.get("adapters") or {}
+    paths = list(adapters.values()) if isinstance(adapters, Mapping) else list(adapters) if adapters is not None else list(named.values())
+    if not paths:
+        raise ValueError(f"load_xlora: {config_path} names no experts (its 'adapters' is empty); pass adapters=[paths of the LoRA checkpoints]")  # error: xlora-file
+    experts = [load_peft(p if Path(p).is_absolute() or adapters is not None else directory / p, model) for p in paths]
+    options = {k: config[k] for k in _XLORA_FIELDS if k in config}
+    adapter = xlora(experts, hidden_size=int(config["hidden_size"]), **options)
+    stored = load_file(str(weights_path))
+    info = adapter.layers[0].info
+    depth, dropout = int(info.option("xlora_depth")), float(info.option("xlora_dropout_p"))
+    params = dict(adapter.params)
+    missing = []
+    for i, index in enumerate(_classifier_index(depth, dropout)):
+        for part in ("weight", "bias"):
+            key = f"{_CLASSIFIER}.{index}.{part}"
+            if key not in stored:
+                missing.append(key)
+                continue
+            want = params[f"{SHARED}.classifier_{i}_{part}"]
+            if tuple(stored[key].shape) != tuple(want.shape):
+                raise ValueError(  # error: xlora-classifier-shape
+                    f"load_xlora: {weights_path} holds {key} of shape {tuple(stored[key].shape)}, but the config (hidden_size, "
+                    f"xlora_size, xlora_depth, layerwise_scalings, {len(experts)} experts on {len(adapter.layers)} layers) gives "
+                    f"{tuple(want.shape)}; the experts or the config are not the ones the classifier was trained with"
+                )
+            params[f"{SHARED}.classifier_{i}_{part}"] = stored[key].to(want.device, want.dtype).detach().requires_grad_(True)
+    if missing:
+        raise ValueError(  # error: xlora-classifier-missing
+            f"load_xlora: {weights_path} lacks the classifier tensors {missing}: peft 0.21's save_pretrained drops every key "
+            f"holding '.<expert name>.' (its experts are named '0', '1', ...: 'layers.0.' is one), and peft reloads them "
+            f"as a fresh random init. Save the classifier with lora_func.routed.save_xlora, or write all of XLoraModel's "
+            f"internal_xlora_classifier tensors yourself"
+        )
+    return adapter.with_params(params)
+
+
+def save_xlora(adapter: Adapter, directory: str | os.PathLike, *, model: nn.Module | None = None, task_type: str | None = "CAUSAL_LM") -> Path:
+    """Write ``adapter`` (one ``xlora`` adapter) as peft's X-LoRA checkpoint, whole: the config
+    (``adapters`` naming the subfolders ``0``, ``1``, ... by absolute path, which is where peft's
+    ``from_pretrained`` reads the experts), every classifier tensor, and each expert as a LoRA
+    checkpoint in its subfolder (``save_peft``). peft loads it with
+    ``PeftModel.from_pretrained(base, directory)`` (a base with ``config.use_cache = False``, as
+    ``XLoraModel`` requires). Returns the directory."""
+    adapter = _xlora(adapter, "save_xlora")
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    experts = xlora_experts(adapter)
+    for k, expert in enumerate(experts):
+        save_peft(expert, directory / str(k), model=model)
+    info = adapter.layers[0].info
+    depth, dropout = int(info.option("xlora_depth")), float(info.option("xlora_dropout_p"))
+    tensors = {}
+    for i, index in enumerate(_classifier_index(depth, dropout)):
+        for part in ("weight", "bias"):
+            tensors[f"{_CLASSIFIER}.{index}.{part}"] = adapter.params[f"{SHARED}.classifier_{i}_{part}"].detach().to("cpu").contiguous()
+    save_file(tensors, str(directory / "adapter_model.safetensors"), metadata={"format": "pt"})
+    config = {
+        "peft_type": "XLORA", "task_type": task_type, "hidden_size": int(info.option("hidden_size")),
+        "adapters": {str(k): str(directory.resolve() / str(k)) for k in range(len(experts))},
+        **{k: info.option(k) for k in _XLORA_FIELDS}, "top_k_lora": int(info.option("top_k_lora")) or None,
+        "inference_mode": True, "base_model_name_or_path": None, "revision": None,
+    }
+    (directory / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    return directory
