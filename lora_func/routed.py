@@ -136,7 +136,7 @@ def _lora_library(adapters: Any, what: str, first: Adapter | None, where: str = 
             diff = sorted({m[0] for m in mine} ^ {w[0] for w in want}) or [m for m, w in zip(mine, want, strict=False) if m != w][:3]
             raise ValueError(  # error: arrow-structure
                 f"{where}: {what}[{i}] has other layers, ranks or dtype than the first task expert ({diff or a.spec.dtype}); "
-                f"Arrow routes between LoRAs of one rank on the same targets (as peft's create_arrow_model checks)"
+                f"{'Arrow' if where == 'arrow()' else 'X-LoRA'} mixes LoRAs of one rank on the same targets (as peft's create_arrow_model checks for Arrow)"
             )
     return library
 
@@ -328,7 +328,7 @@ def xlora_call(model: nn.Module, adapter: Adapter, *args: Any, index: Tensor | N
     (per-token mixtures have no merged weight)."""
     if kwargs.get("merged"):
         adapter = _xlora(adapter, "xlora_call", index is not None)
-        raise ValueError(  # error: xlora-merged-call
+        raise ValueError(  # error: xlora-merge
             "xlora_call(merged=True): X-LoRA mixes its experts per token, so it has no merged weight (peft cannot merge "
             "X-LoRA either); call it with merged=False (the default), or merge the experts themselves (xlora_experts)"
         )
@@ -462,17 +462,18 @@ def load_xlora(directory: str | os.PathLike, model: nn.Module, *, adapters: Mapp
     try:
         config = json.loads(config_path.read_text())
     except (OSError, ValueError) as err:
-        raise ValueError(f"load_xlora: cannot read {config_path} ({err}); pass the directory of an X-LoRA checkpoint") from err  # error: xlora-file
+        raise ValueError(f"load_xlora: cannot read {config_path} ({err}); pass the directory of an X-LoRA checkpoint") from err  # error: xlora-config
     if config.get("peft_type") != "XLORA":
-        raise ValueError(  # error: xlora-file
+        raise ValueError(  # error: xlora-peft-type
             f"load_xlora: {config_path} is a {config.get('peft_type')!r} checkpoint, not peft's X-LoRA (peft_type 'XLORA'); "
             f"read other methods with lora_func.load_peft"
         )
     named = config.get("adapters") or {}
     paths = list(adapters.values()) if isinstance(adapters, Mapping) else list(adapters) if adapters is not None else list(named.values())
     if not paths:
-        raise ValueError(f"load_xlora: {config_path} names no experts (its 'adapters' is empty); pass adapters=[paths of the LoRA checkpoints]")  # error: xlora-file
-    experts = [load_peft(p if Path(p).is_absolute() or adapters is not None else directory / p, model) for p in paths]
+        raise ValueError(f"load_xlora: {config_path} names no experts (its 'adapters' is empty); pass adapters=[paths of the LoRA checkpoints]")  # error: xlora-no-experts
+    # (_lora_library in xlora() checks that each is a plain LoRA adapter)
+    experts = cast(list[Adapter], [load_peft(p if Path(p).is_absolute() or adapters is not None else directory / p, model) for p in paths])
     options = {k: config[k] for k in _XLORA_FIELDS if k in config}
     adapter = xlora(experts, hidden_size=int(config["hidden_size"]), **options)
     stored = load_file(str(weights_path))

@@ -147,7 +147,7 @@ def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: Ba
 def weight_form(params: TensorDict, buffers: TensorDict, weight: Tensor, bias: Tensor | None, info: LayerInfo) -> tuple[Tensor, Tensor | None]:
     scalings = buffers[SCALINGS]
     if scalings.dim() > 2:
-        raise ValueError(  # error: xlora-merge
+        raise ValueError(  # error: xlora-merge-per-token
             f"xlora: the scalings are per token (shape {tuple(scalings.shape)}: each token has its own mixture of the "
             f"{_experts(info)} experts), so there is no merged weight (peft cannot merge X-LoRA either); run the routed "
             f"call on the lazy path (lora_func.routed.xlora_call(..., merged=False), xlora_adapted), or merge the "
