@@ -293,6 +293,24 @@ def _classify(adapter: Adapter, hidden: Tensor, training: bool) -> Tensor:
     return xlora_variant.classify(adapter.shared_tensors()[0], hidden, info, training)
 
 
+def _last_hidden(model: nn.Module, run: Any, kwargs: dict[str, Any]) -> tuple[Tensor, Any]:
+    """``run(kwargs)`` (a call of ``model``) and the last hidden state of every token: what peft reads
+    as ``hidden_states[-1]``, taken as the input of the output head (``output_hidden_states=True``
+    would make transformers install lasting hooks on the model's layers), all positions kept
+    (``logits_to_keep=0`` where the call restricts them, as ``generate`` does)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not isinstance(head, nn.Module):
+        out = run({**kwargs, "output_hidden_states": True, "return_dict": True})
+        return out.hidden_states[-1], out
+    seen: list[Tensor] = []
+    handle = head.register_forward_pre_hook(lambda module, inputs: seen.append(inputs[0]))
+    try:
+        out = run({**kwargs, "logits_to_keep": 0} if "logits_to_keep" in kwargs else kwargs)
+    finally:
+        handle.remove()
+    return seen[-1], out
+
+
 def xlora_scalings(model: nn.Module, adapter: Adapter, *args: Any, **kwargs: Any) -> Tensor:
     """peft's scalings pass and classifier: ``model(*args, **kwargs)`` with ``adapter`` as it is
     stored (every scaling ``scaling_pass_value``), without gradients (as peft's), then the
@@ -300,8 +318,8 @@ def xlora_scalings(model: nn.Module, adapter: Adapter, *args: Any, **kwargs: Any
     the classifier."""
     adapter = _xlora(adapter, "xlora_scalings")
     with torch.no_grad():
-        out = adapted_call(model, adapter, *args, **{**kwargs, "output_hidden_states": True, "return_dict": True})
-    return _classify(adapter, out.hidden_states[-1], model.training)
+        hidden, _ = _last_hidden(model, lambda k: adapted_call(model, adapter, *args, **k), kwargs)
+    return _classify(adapter, hidden, model.training)
 
 
 def _with_scalings(adapter: Adapter, scalings: Tensor, stacked: bool = False) -> Adapter:
@@ -324,7 +342,8 @@ def xlora_call(model: nn.Module, adapter: Adapter, *args: Any, index: Tensor | N
     experts; ``torch.func.vmap`` over a stack of X-LoRA adapters and ``per_example_grads`` work.
 
     ``index (B,)``: one X-LoRA adapter per batch row, ``adapter`` then a stack of them (both
-    passes on the mixed route, row ``b`` with member ``index[b]``). ``merged=True`` is refused
+    passes on the mixed route, row ``b`` with member ``index[b]``; ``batching`` as
+    :func:`lora_func.mixed_call`'s, ``"layers"`` by default). ``merged=True`` is refused
     (per-token mixtures have no merged weight)."""
     if kwargs.get("merged"):
         adapter = _xlora(adapter, "xlora_call", index is not None)
@@ -337,12 +356,13 @@ def xlora_call(model: nn.Module, adapter: Adapter, *args: Any, index: Tensor | N
         adapter = _xlora(adapter, "xlora_call")
         return adapted_call(model, _with_scalings(adapter, xlora_scalings(model, adapter, *args, **kwargs)), *args, **kwargs)
     adapter = _xlora(adapter, "xlora_call", stacked=True)
+    batching = kwargs.pop("batching", "layers")
     with torch.no_grad():
-        out = mixed_call(model, adapter, index, *args, **{**kwargs, "output_hidden_states": True, "return_dict": True})
+        hidden, _ = _last_hidden(model, lambda k: mixed_call(model, adapter, index, *args, batching=batching, **k), kwargs)
     rows = cast(Adapter, take(adapter, index.to(torch.int64)))
-    scalings = torch.func.vmap(lambda member, hidden: _classify(member, hidden, model.training), randomness="different")(rows, out.hidden_states[-1])
+    scalings = torch.func.vmap(lambda member, hidden: _classify(member, hidden, model.training), randomness="different")(rows, hidden)
     rows = _with_scalings(rows, scalings, stacked=True)
-    return mixed_call(model, rows, torch.arange(rows.stack_shape[0], device=index.device), *args, **kwargs)
+    return mixed_call(model, rows, torch.arange(rows.stack_shape[0], device=index.device), *args, batching=batching, **kwargs)
 
 
 @contextlib.contextmanager
@@ -361,7 +381,7 @@ def xlora_adapted(model: nn.Module, adapter: Adapter) -> Iterator[nn.Module]:
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         cache = kwargs.get("past_key_values")
-        first = dict(kwargs, output_hidden_states=True, return_dict=True)
+        first = dict(kwargs)
         if cache is not None:
             mine = caches.get(cache)
             if mine is None:
@@ -374,11 +394,11 @@ def xlora_adapted(model: nn.Module, adapter: Adapter) -> Iterator[nn.Module]:
             else:
                 first["past_key_values"] = mine
         with torch.no_grad(), adapted(model, adapter, merged=False):
-            out = inner(*args, **first)
+            hidden, out = _last_hidden(model, lambda k: inner(*args, **k), first)
         if cache is not None and cache not in caches:
             caches[cache] = out.past_key_values
             _reorder_with(cache, out.past_key_values)
-        scalings = _classify(adapter, out.hidden_states[-1], model.training)
+        scalings = _classify(adapter, hidden, model.training)
         with adapted(model, _with_scalings(adapter, scalings), merged=False):
             return inner(*args, **kwargs)
 
