@@ -823,7 +823,7 @@ def _xlora_round(w: World) -> None:
     assert api("xlora_classifier_keys")(adapter)
     with torch.no_grad(), api("xlora_adapted")(model, adapter):
         model.generate(IDS, attention_mask=torch.ones_like(IDS), max_new_tokens=3, num_beams=2, pad_token_id=0)
-    for e, expert in enumerate(api("xlora_experts")(adapter)):
+    for expert in api("xlora_experts")(adapter):
         lf.adapted_call(model, expert, IDS, merged=True)
     api("load_xlora")(api("save_xlora")(adapter, w.tmp / "xlora", model=model), model)
 

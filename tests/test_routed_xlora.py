@@ -226,3 +226,40 @@ def test_classifier_keys_and_experts_round_trip(model, experts, loaded):
     with torch.no_grad():
         for expert, path in zip(routed.xlora_experts(adapter), experts, strict=True):
             assert rel(lf.adapted_call(model, expert, ids).logits, lf.adapted_call(model, lf.load_peft(path, model), ids).logits) < RTOL
+
+
+
+def test_gpt2_conv1d_equals_a_hand_written_two_pass_oracle():
+    """peft's X-LoRA cannot load experts into GPT-2 (its key rewriting expects a ``model.``
+    decoder): the oracle is the math written out, each target's forward replaced by ``base(x) +
+    g Σ_k s_k scale_k (x A_kᵀ) B_kᵀ`` with the scalings of the first pass (GPT-2's ``Conv1D``
+    flattens the tokens before its op: a form that read the scalings in the wrong layout fails)."""
+    gpt2 = model64("gpt2")
+    spec = lf.AdapterSpec("lora", ["c_attn", "c_fc"], r=2, alpha=4.0, dtype=torch.float64)
+    experts = [lf.init_adapter(gpt2, spec, generator=torch.Generator().manual_seed(s)) for s in range(3)]
+    g = torch.Generator().manual_seed(9)
+    experts = [a.with_params({k: v + 0.3 * torch.randn(v.shape, generator=g, dtype=v.dtype) for k, v in a.params.items()}) for a in experts]
+    adapter = routed.xlora(experts, hidden_size=gpt2.config.hidden_size, layerwise_scalings=True, top_k_lora=2, global_scaling_weight=1.3,
+                           generator=torch.Generator().manual_seed(1))
+    ids = tokens(2, 7, seed=1)
+    with torch.no_grad():
+        got = routed.xlora_call(gpt2, adapter, ids).logits
+        scalings = routed.xlora_scalings(gpt2, adapter, ids)  # (2, 7, 4, 3)
+        modules = dict(gpt2.named_modules())
+        for position, layer in enumerate(adapter.layers):
+            module = modules[layer.target.module]
+            s = scalings[:, :, position]
+            s = s * torch.zeros_like(s).scatter(-1, s.topk(2, dim=-1).indices, 1.0)
+            a, b = adapter.params[f"{layer.target.module}.lora_A"], adapter.params[f"{layer.target.module}.lora_B"]
+
+            def forward(x, module=module, s=s, a=a, b=b):
+                out = x @ module.weight + module.bias
+                return out + 1.3 * sum(s[..., k : k + 1] * 2.0 * (x @ a[k].T) @ b[k].T for k in range(3))
+
+            module.forward = forward
+        try:
+            want = gpt2(ids).logits
+        finally:
+            for layer in adapter.layers:
+                del modules[layer.target.module].forward
+    assert rel(got, want) < RTOL and (want - gpt2(ids).logits).abs().max() > 1e-2

@@ -137,6 +137,8 @@ def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: Ba
     lora_a, lora_b = params["lora_A"], params["lora_B"]
     y = base(x)
     s = layer_scalings(buffers[SCALINGS].to(lora_a.dtype), info)
+    if s.dim() > 1:  # per token: GPT-2's Conv1D op sees the tokens flattened, (batch·tokens, d_in)
+        s = s.reshape(*x.shape[:-1], s.shape[-1])
     weights = s * buffers["xlora_scales"].to(lora_a.dtype) * float(info.option("global_scaling_weight"))
     h = torch.einsum("...i, kri -> ...kr", x.to(lora_a.dtype), lora_a)
     out = torch.einsum("...kr, kor -> ...ko", h, lora_b)
