@@ -298,7 +298,8 @@ def _last_hidden(model: nn.Module, run: Any, kwargs: dict[str, Any]) -> tuple[Te
     as ``hidden_states[-1]``, taken as the input of the output head (``output_hidden_states=True``
     would make transformers install lasting hooks on the model's layers), all positions kept
     (``logits_to_keep=0`` where the call restricts them, as ``generate`` does)."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
     if not isinstance(head, nn.Module):
         out = run({**kwargs, "output_hidden_states": True, "return_dict": True})
         return out.hidden_states[-1], out
