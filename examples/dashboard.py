@@ -267,6 +267,9 @@ def _():
                  "multi-task training: one adapter, a task id per example", "docs/variants/poly.md"),
         "arrow": ("training-free per-token routing over trained task LoRAs by their top singular directions",
                   "you already have a library of task LoRAs to combine (built with lf.routed.arrow)", "docs/variants/arrow.md"),
+        "xlora": ("a trained classifier on a first pass's hidden states mixes LoRA experts per token and layer (X-LoRA)",
+                  "trained LoRA experts to mix within a sequence, and data to train the mixture (built with lf.routed.xlora)",
+                  "docs/variants/xlora.md"),
     }
     return (VARIANT_HELP,)
 

@@ -148,7 +148,7 @@ def every_variant_through(w: World, make: Callable[..., dict[str, Tensor]], kind
 # Options that fit a 32-wide layer where peft's defaults do not.
 SMALL_LAYER_OPTIONS = {"road": {"group_size": 2}, "oft": {"oft_block_size": 8}, "vblora": {"num_vectors": 12, "vector_length": 8},
                        # (arrow has a weight form with one expert only: several route each token)
-                       "arrow": {"num_experts": 1, "top_k": 1}}
+                       "arrow": {"num_experts": 1, "top_k": 1}, "xlora": {"hidden_size": 32}}
 
 
 def variant_functions_on_the_models_own_tensors(w: World) -> None:
@@ -453,6 +453,14 @@ PENDING: dict[str, str] = {
     "task_members": "lora_func.routed",
     "arrow": "lora_func.routed",
     "arrow_experts": "lora_func.routed",
+    "xlora": "lora_func.routed",
+    "xlora_call": "lora_func.routed",
+    "xlora_scalings": "lora_func.routed",
+    "xlora_adapted": "lora_func.routed",
+    "xlora_experts": "lora_func.routed",
+    "xlora_classifier_keys": "lora_func.routed",
+    "load_xlora": "lora_func.routed",
+    "save_xlora": "lora_func.routed",
     "TrainState": "lora_func.train",
     "train_step": "lora_func.train",
     "fit": "lora_func.train",
@@ -798,6 +806,36 @@ ROWS.update(
         "arrow": [Call("build, train, generate, save the experts", _arrow_round), Call("merged", lambda w: lf.adapted_call(
             w.model("llama"), api("arrow")([w.adapter("lora", seed=s) for s in range(2)], top_k=1), IDS, merged=True), ValueError)],
         "arrow_experts": [Call("build, train, generate, save the experts", _arrow_round)],
+    }
+)
+
+
+def _xlora_round(w: World) -> None:
+    model = w.model("llama")
+    adapter = api("xlora")([w.adapter("lora", seed=s) for s in range(2)], hidden_size=32, xlora_depth=2, xlora_size=4, layerwise_scalings=True)
+    model.train()
+    try:
+        api("xlora_call")(model, adapter, IDS, labels=IDS).loss.backward()
+        api("xlora_call")(model, lf.stack([adapter, adapter]), IDS, index=torch.tensor([1, 0])).logits.sum().backward()
+    finally:
+        model.eval()
+    api("xlora_scalings")(model, adapter, IDS).sum().backward()
+    assert api("xlora_classifier_keys")(adapter)
+    with torch.no_grad(), api("xlora_adapted")(model, adapter):
+        model.generate(IDS, attention_mask=torch.ones_like(IDS), max_new_tokens=3, num_beams=2, pad_token_id=0)
+    for expert in api("xlora_experts")(adapter):
+        lf.adapted_call(model, expert, IDS, merged=True)
+    api("load_xlora")(api("save_xlora")(adapter, w.tmp / "xlora", model=model), model)
+
+
+_XLORA_ROUND = [Call("build, train, route per row, generate, save and load", _xlora_round)]
+ROWS.update(
+    {
+        "xlora": _XLORA_ROUND,
+        "xlora_call": [*_XLORA_ROUND, Call("merged", lambda w: api("xlora_call")(
+            w.model("llama"), api("xlora")([w.adapter("lora", seed=s) for s in range(2)], hidden_size=32), IDS, merged=True), ValueError)],
+        "xlora_scalings": _XLORA_ROUND, "xlora_adapted": _XLORA_ROUND, "xlora_experts": _XLORA_ROUND, "xlora_classifier_keys": _XLORA_ROUND,
+        "load_xlora": _XLORA_ROUND, "save_xlora": _XLORA_ROUND,
     }
 )
 

@@ -170,7 +170,7 @@ def test_gradients_with_checkpointing_equal_the_run_without(variant, kind, merge
             continue  # acts in training steps only (Row.training_only): unused here
         assert got[name] is not None, f"{name}: no gradient with checkpointing"
         assert_close_to_scale(got[name], want[name], msg=name)
-    assert any(g.abs().max() > 0 for g in got.values())
+    assert any(g.abs().max() > 0 for g in got.values() if g is not None)
     assert_unchanged(model, snap)
     assert_clean(model)
     _MODELS[kind, flavour] = model

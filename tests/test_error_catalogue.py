@@ -2386,6 +2386,55 @@ def _copy_matched_twice(ctx: Ctx) -> tuple[Any, nn.Module]:
     return lf.compose(ctx.adapter(model, targets=["proj"]), ctx.adapter(model, "ln_tuning", targets=["head"])), model
 
 
+# X-LoRA (issue 47)
+
+
+def on_xlora(call: Callable[[nn.Module, lf.Adapter, Ctx], Any], **config: Any) -> Callable[[Ctx], Callable[[], Any]]:
+    def arrange(ctx: Ctx) -> Callable[[], Any]:
+        model, loras = _loras(ctx)
+        adapter = lf.routed.xlora(loras, hidden_size=model.config.hidden_size, **config)
+        return lambda: call(model, adapter, ctx)
+
+    return arrange
+
+
+def _xlora_files(edit: Callable[[Path], Any], **config: Any) -> Callable[[Ctx], Callable[[], Any]]:
+    """An X-LoRA checkpoint written by save_xlora, then ``edit``ed; the failing call loads it."""
+
+    def arrange(ctx: Ctx) -> Callable[[], Any]:
+        model, loras = _loras(ctx)
+        directory = lf.routed.save_xlora(lf.routed.xlora(loras, hidden_size=model.config.hidden_size, **config), ctx.tmp / "x", model=model)
+        edit(directory)
+        return lambda: lf.routed.load_xlora(directory, model)
+
+    return arrange
+
+
+def _edit_config(directory: Path, **fields: Any) -> None:
+    config = json.loads((directory / "adapter_config.json").read_text())
+    (directory / "adapter_config.json").write_text(json.dumps({**config, **fields}))
+
+
+def _drop_classifier_bias(directory: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    stored = load_file(str(directory / "adapter_model.safetensors"))
+    save_file({k: v for k, v in stored.items() if not k.endswith("layers.0.bias")}, str(directory / "adapter_model.safetensors"))
+
+
+def _xlora_cache(model: nn.Module, adapter: lf.Adapter, ctx: Ctx) -> Any:
+    with torch.no_grad():
+        cache = model(IDS, use_cache=True).past_key_values  # filled outside the block
+        with lf.routed.xlora_adapted(model, adapter):
+            return model(IDS[:, :1], past_key_values=cache)
+
+
+def _not_xlora_file(ctx: Ctx) -> Callable[[], Any]:
+    model = ctx.model()
+    directory = lf.save_peft(ctx.adapter(model), ctx.tmp / "lora", model=model)
+    return lambda: lf.routed.load_xlora(directory, model)
+
+
 CASES.update(
     {
         "ln-tuning-bias-none": Case(init("ln_tuning", ["embed_tokens"], weight=False), ("weight=False", "model.embed_tokens", "biased_modules")),
@@ -2401,3 +2450,22 @@ CASES.update(
     }
 )
 RNG_ADVANCES = RNG_ADVANCES | {"ln-tuning-bias-none"}  # init_adapter without a generator
+
+
+CASES.update(
+    {
+        "xlora-merge": Case(on_xlora(lambda m, a, ctx: lf.routed.xlora_call(m, a, IDS, merged=True)), ("merged=True", "xlora_experts")),
+        "xlora-merge-per-token": Case(
+            on_xlora(lambda m, a, ctx: lf.merge_overlay(lf.base_params(m), lf.routed._with_scalings(a, torch.zeros(2, 3, len(a.layers), 2)))),
+            ("(2, 3, 4, 2)", "2 experts"),
+        ),
+        "xlora-top-k": Case(spec("xlora", ["q_proj"], num_experts=2, top_k_lora=3), ("top_k_lora=3", "num_experts=2")),
+        "xlora-not-xlora": Case(on_loras(lambda m, loras, ctx: lf.routed.xlora_call(m, loras[0], IDS)), ("xlora_call", "lora")),
+        "xlora-cache": Case(on_xlora(_xlora_cache), ("xlora_adapted", "use_cache=False")),
+        "xlora-config": Case(lambda ctx: (lambda m: lambda: lf.routed.load_xlora(ctx.tmp / "none", m))(ctx.model()), ("adapter_config.json",)),
+        "xlora-peft-type": Case(_not_xlora_file, ("'LORA'", "load_peft")),
+        "xlora-no-experts": Case(_xlora_files(lambda d: _edit_config(d, adapters={})), ("adapters=",)),
+        "xlora-classifier-shape": Case(_xlora_files(lambda d: _edit_config(d, hidden_size=16)), ("layers.0.weight", "(2, 16)")),
+        "xlora-classifier-missing": Case(_xlora_files(_drop_classifier_bias), ("layers.0.bias", "save_xlora")),
+    }
+)

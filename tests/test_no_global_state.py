@@ -101,6 +101,7 @@ CALLS = {
     "routed task_call": lambda model, a, b, ids: lf.routed.task_call(model, _poly(model), ids[:2], task_ids=torch.tensor([1, 2])).logits.sum().backward(),
     "routed task_adapted (generate)": _routed_generate,
     "arrow adapted_call": lambda model, a, b, ids: lf.adapted_call(model, lf.routed.arrow([a, b], top_k=1), ids).logits.sum().backward(),
+    "xlora_call": lambda model, a, b, ids: lf.routed.xlora_call(model, lf.routed.xlora([a, b], hidden_size=model.config.hidden_size), ids).logits.sum().backward(),
 }
 
 

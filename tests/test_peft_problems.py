@@ -89,6 +89,7 @@ def test_the_answers_differ_where_peft_differs(tmp_path):
     expected |= {("gpt2", v, m) for v in ("peanut", "supertuning") for m in (True, False)}  # peft: nn.Linear only
     expected |= {(k, "arrow", m) for k in ("llama", "gpt2") for m in (True, False)}  # peft stores no Arrow router: its experts are LoRA files
     expected |= {("gpt2", "poly", m) for m in (True, False)}  # peft: Poly on nn.Linear only
+    expected |= {(k, "xlora", m) for k in ("llama", "gpt2") for m in (True, False)}  # peft's X-LoRA is a classifier file and LoRA files: save_xlora
     expected |= {("gpt2", "bdlora", m) for m in (True, False)}  # peft's BD-LoRA reads the base layer's in_features
     assert refused == expected
 

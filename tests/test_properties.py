@@ -150,14 +150,15 @@ def _sized_r(draw: st.DrawFn, variant: str, r: int, d_in: int, d_out: int) -> in
 #     treat it as it treats antipasto and hra's random init before it is drawn.
 # - poly and arrow (issue 47, routed LoRA): the same shift of the draws, and arrow has a merged
 #   weight with one expert only; tests/test_routed.py checks both against peft in float64 and
-#   the contract suite checks their forms (arrow with one expert).
+#   the contract suite checks their forms (arrow with one expert); xlora likewise (its plain call,
+#   constant scalings, in the contract suite; the routed call in tests/test_routed_xlora.py).
 # - issue 43: trainable_tokens adapts embeddings only (no `proj`); peanut's relu(Wᵀ Aᵀ) on a
 #   2-wide layer is all zero in about a quarter of the draws (no update for the check to see), and
 #   its row's oracle is relu's only; with tanh, save/load was not bit-identical on the lazy path
 #   (a 1-ulp float64 difference, 2026-11-29, not yet explained).
 # BEFT's merged form and lora_bias's init need a bias on the layer.
 NEEDS_BIAS = ("beft", "lora_bias")
-NOT_DRAWN = ("kasa", "loftq", "lora_ga", "tinylora", "unilora", "poly", "arrow", "trainable_tokens", "peanut")
+NOT_DRAWN = ("kasa", "loftq", "lora_ga", "tinylora", "unilora", "poly", "arrow", "trainable_tokens", "peanut", "xlora")
 DRAWN = tuple(v for v in lf.list_variants() if v not in NOT_DRAWN)
 
 

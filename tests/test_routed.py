@@ -168,22 +168,40 @@ def test_per_example_grads_with_per_row_tasks_equal_a_loop(model, loaded):
             assert rel(got[key][b], want[key]) < RTOL, (b, key)
 
 
-def test_training_mode_draws_peft_relaxed_bernoulli_mixture(model, loaded):
+def test_training_mode_draws_peft_relaxed_bernoulli_mixture_one_per_row(model, loaded):
+    """peft draws one mixture per batch row (one ``torch.rand((rows, n_splits, n_skills))`` per
+    layer): the same seed gives the same draws, so a multi-row training step equals peft's, on the
+    plain route (one task for every row) and per-row tasks (``task_call``, both batchings)."""
     pm, adapter = loaded
-    ids = tokens(1, 9, seed=3)  # one row: peft draws one mixture per row, lora_func one per call
+    ids = tokens(4, 9, seed=3)
     train_model = copy.deepcopy(model).train()
     pm.train()
     try:
         torch.manual_seed(11)
-        want = pm(input_ids=ids, task_ids=torch.tensor([2])).logits
+        want_one = pm(input_ids=ids, task_ids=torch.full((4,), 2)).logits
         torch.manual_seed(11)
-        got = lf.adapted_call(train_model, poly.for_task(adapter, 2), ids).logits
+        want_rows = pm(input_ids=ids, task_ids=TASK_IDS).logits
+        torch.manual_seed(11)
+        got_one = lf.adapted_call(train_model, poly.for_task(adapter, 2), ids).logits
+        got_rows = {}
+        for batching in ("layers", "vmap"):
+            torch.manual_seed(11)
+            kwargs = {"randomness": "different"} if batching == "vmap" else {}
+            got_rows[batching] = routed.task_call(train_model, adapter, ids, task_ids=TASK_IDS, batching=batching, use_cache=False, **kwargs).logits
         torch.manual_seed(12)
         other = lf.adapted_call(train_model, poly.for_task(adapter, 2), ids).logits
+        with torch.no_grad():
+            evaluated = lf.adapted_call(model, poly.for_task(adapter, 2), ids).logits
     finally:
         pm.eval()
-    assert rel(got, want) < RTOL
-    assert (other - want).abs().max() > 1e-6, "the mixture is sampled in training"
+    assert rel(got_one, want_one) < RTOL
+    assert rel(got_rows["layers"], want_rows) < RTOL
+    assert rel(got_rows["vmap"], want_rows) < RTOL  # each example alone: vmap's "different" draws are the same rows of one draw
+    assert torch.equal(got_one, want_one), "one task on every row: peft's ops and draws, bit for bit"
+    assert (other - want_one).abs().max() > 1e-6, "the mixture is sampled in training"
+    assert (got_one - evaluated).abs().max() > 1e-6
+    same = lf.adapted_call(train_model, poly.for_task(adapter, 2), ids[:1].expand(4, -1)).logits  # four copies of one row
+    assert (same[1:] - same[:1]).abs().amax((1, 2)).min() > 1e-6, "each row draws its own mixture"
 
 
 # ----------------------------------------------------------------------------------- Arrow

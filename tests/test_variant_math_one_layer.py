@@ -988,5 +988,9 @@ DOCUMENTED.update(
     {
         "poly": (1.0, {"init_weights": True, "n_skills": 4, "n_splits": 1, "n_tasks": 1, "poly_type": "poly"}, True, False, False, {"poly_lora_A": 3, "poly_lora_B": 2}),
         "arrow": (8.0, {"num_experts": 3, "rng_seed": 0, "router_temperature": 1.0, "top_k": 3}, True, False, False, {"lora_A": 1, "lora_B": 2}),
+        # peft's XLoraConfig defaults (top_k_lora None is 0: every expert; num_experts from routed.xlora's list)
+        "xlora": (8.0, {"num_experts": 2, "hidden_size": 4096, "enable_softmax": True, "enable_softmax_topk": False, "layerwise_scalings": False,
+                        "xlora_depth": 1, "xlora_size": 2048, "xlora_dropout_p": 0.2, "use_trainable_adapters": False, "softmax_temperature": 1.0,
+                        "top_k_lora": 0, "scaling_pass_value": 0.0, "global_scaling_weight": 1.0}, True, False, False, {"lora_A": 1, "lora_B": 2}),
     }
 )

@@ -162,7 +162,8 @@ TARGETS: dict[str, tuple[tuple[str, ...] | None, list[list[str]]]] = {
     # Routed LoRA (issue 47): the peft oracle and the contract row.
     "lora_func/variants/poly.py": (None, [["tests/test_routed.py"], [CONTRACT, "-k", "poly"], [CATALOGUE, "-k", "poly or routed"]]),
     "lora_func/variants/arrow.py": (None, [["tests/test_routed.py", "-k", "arrow"], [CONTRACT, "-k", "arrow"], [CATALOGUE, "-k", "arrow"]]),
-    "lora_func/routed.py": (None, [["tests/test_routed.py"], [CATALOGUE, "-k", "routed or arrow"]]),
+    "lora_func/routed.py": (None, [["tests/test_routed.py"], ["tests/test_routed_xlora.py"], [CATALOGUE, "-k", "routed or arrow or xlora"]]),
+    "lora_func/variants/xlora.py": (None, [["tests/test_routed_xlora.py"], [CONTRACT, "-k", "xlora"], [CATALOGUE, "-k", "xlora"]]),
     "lora_func/variants/waveft.py": (
         None,
         [["tests/test_waveft.py"], [CONTRACT, "-k", "waveft"], [CATALOGUE, "-k", "waveft"], [KILLERS, "-k", "documented_defaults and waveft"]],

@@ -134,6 +134,9 @@ NOT_TRAINED: Mapping[str, str] = MappingProxyType({
              "lora_func.routed.arrow from them, docs/routed.md); it is not trained from scratch",
     "lora_bias": "needs target layers with a bias (the trained lora_bias is added to it); the demo's "
                  "model has no bias in any layer",
+    "xlora": "a mixture of LoRA experts trained before (build it with lora_func.routed.xlora from them, "
+             "docs/routed.md) whose classifier trains through the two-pass lora_func.routed.xlora_call, "
+             "not the demo's single adapted call",
 })
 
 # A method registered after this table was written (a user's own variant): LoRA-like settings.

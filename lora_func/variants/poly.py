@@ -24,7 +24,9 @@ members (``lora_func.routed.task_members``, which share the skills and routers w
 indexed by ``task_ids``: ``lora_func.routed.task_call(model, adapter, input_ids, task_ids=...)``.
 
 In a training step (``base.training``) the mixture is a relaxed Bernoulli sample (temperature 1)
-of the logits, drawn from the global RNG as peft does (under ``vmap``: ``randomness=``); the
+of the logits, one per batch row (dim 0 of the layer input), drawn from the global RNG as peft
+does: one ``torch.rand((rows, n_splits, n_skills))`` per layer and call (under ``vmap``:
+``randomness=``); the
 merged path (``weight_form``) always uses the expected ``σ(z)`` mixture (an inference path).
 """
 
@@ -93,11 +95,15 @@ def init(
     return {k: v.contiguous().to(weight.device, dtype) for k, v in params.items()}, {}
 
 
-def mixture(router: Tensor, task: Tensor, info: LayerInfo, training: bool) -> Tensor:
+def mixture(router: Tensor, task: Tensor, info: LayerInfo, training: bool, rows: int | None = None) -> Tensor:
     """The skill weights ``(n_splits, n_skills)`` of ``task`` (0-d int64) from ``router (n_tasks,
-    n_splits·n_skills)``: each split's normalised sigmoids (a relaxed Bernoulli sample in training)."""
+    n_splits·n_skills)``: each split's normalised sigmoids. In training a relaxed Bernoulli sample,
+    one per batch row where ``rows`` is given (``(rows, n_splits, n_skills)``, peft's draw: one
+    ``torch.rand`` of that shape)."""
     # index_select, not router[task]: no data-dependent shape for torch.compile
     logits = router.index_select(0, task.reshape(1).to(router.device)).view(_splits(info), int(info.option("n_skills")))
+    if training and rows is not None:
+        logits = logits.expand(rows, *logits.shape)
     logits = _relaxed_bernoulli(logits) if training else torch.sigmoid(logits)
     return logits / (logits.sum(-1, keepdim=True) + EPS)
 
@@ -118,12 +124,15 @@ def _relaxed_bernoulli(logits: Tensor) -> Tensor:
     return sample.clamp(min=finfo.tiny, max=1.0 - finfo.eps)
 
 
-def factors(params: TensorDict, buffers: TensorDict, info: LayerInfo, training: bool) -> tuple[Tensor, Tensor]:
-    """The task's LoRA factors ``A_t (d_in, r)`` and ``B_t (r, d_out)`` (peft's layout, ``x A_t B_t``)."""
+def factors(params: TensorDict, buffers: TensorDict, info: LayerInfo, training: bool, rows: int | None = None) -> tuple[Tensor, Tensor]:
+    """The task's LoRA factors ``A_t (d_in, r)`` and ``B_t (r, d_out)`` (peft's layout, ``x A_t B_t``);
+    with ``rows`` in training, one pair per row (``(rows, d_in, r)``, ``(rows, r, d_out)``), each
+    from the row's own mixture."""
     lora_a, lora_b = params["poly_lora_A"], params["poly_lora_B"]
-    w = mixture(params["poly_router"], buffers[TASK], info, training).to(lora_a.dtype)
-    a = torch.einsum("qs,qsdr->qdr", w, lora_a).reshape(info.d_in, lora_a.shape[-1])
-    b = torch.einsum("qs,qsrd->qrd", w, lora_b).transpose(0, 1).reshape(lora_b.shape[-2], info.d_out)
+    w = mixture(params["poly_router"], buffers[TASK], info, training, rows).to(lora_a.dtype)
+    r = lora_a.shape[-1]
+    a = torch.einsum("...qs,qsdr->...qdr", w, lora_a).reshape(*w.shape[:-2], info.d_in, r)
+    b = torch.einsum("...qs,qsrd->...qrd", w, lora_b).transpose(-3, -2).reshape(*w.shape[:-2], r, info.d_out)
     return a, b
 
 
@@ -133,8 +142,13 @@ def weight_form(params: TensorDict, buffers: TensorDict, weight: Tensor, bias: T
 
 
 def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: BaseLayer, info: LayerInfo) -> Tensor:
-    a, b = factors(params, buffers, info, training=bool(getattr(base, "training", False)))
+    training = bool(getattr(base, "training", False))
     y = base(x)
+    if training and x.dim() >= 3:  # peft draws one mixture per batch row (dim 0)
+        a, b = factors(params, buffers, info, training, rows=x.shape[0])
+        rows = x.to(a.dtype).reshape(x.shape[0], -1, x.shape[-1])
+        return y + (rows.bmm(a).bmm(b) / info.r).reshape(*x.shape[:-1], b.shape[-1]).to(y.dtype)
+    a, b = factors(params, buffers, info, training)
     return y + ((x.to(a.dtype) @ a) @ b / info.r).to(y.dtype)
 
 
