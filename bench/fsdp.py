@@ -1,7 +1,8 @@
 """FSDP2: per-rank memory of LoRA training on a sharded base against a replicated one.
 
 Two configurations, each in its own group of ``--world`` gloo processes on the CPU (fresh
-processes, so one cannot inherit the other's peak), on a Llama with random weights and a LoRA
+processes, so one cannot inherit the other's peak; with ``--no-peak`` both run in one group, one
+after the other: the held bytes are a count and the steps are seeded), on a Llama with random weights and a LoRA
 adapter on every linear layer of the decoder (the seven projections):
 
 - ``replicated``: every rank holds the whole base (plain data parallelism, docs/scaling.md);
@@ -67,63 +68,69 @@ def held_bytes(model: torch.nn.Module) -> int:
     return sum(seen.values())
 
 
-def _worker(rank: int, args: argparse.Namespace, config: str, rendezvous: str, out: str) -> None:
-    from torch.distributed.fsdp import fully_shard
-
+def _worker(rank: int, args: argparse.Namespace, configs: tuple[str, ...], rendezvous: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=args.world)
     try:
-        model = build_model(args)
-        if config == "fsdp2":
-            for block in model.model.layers:
-                fully_shard(block)
-            fully_shard(model)
-        spec = lf.AdapterSpec("lora", targets=PROJECTIONS, r=args.rank, alpha=2 * args.rank)
-        adapter = lf.init_adapter(model, spec, generator=torch.Generator().manual_seed(args.seed + 1))
-        g = torch.Generator().manual_seed(args.seed + 2)
-        adapter = adapter.with_params({k: (v.detach() + 0.01 * torch.randn(v.shape, generator=g)).requires_grad_(True) for k, v in adapter.params.items()})
-        optimizer = torch.optim.AdamW(adapter.params.values(), lr=1e-3)
-        ids = torch.randint(3, args.vocab, (args.batch * args.world, args.seq), generator=g).chunk(args.world)[rank]
-
-        def step() -> None:
-            optimizer.zero_grad()
-            logits = lf.adapted_call(model, adapter, ids).logits
-            torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).backward()
-            lf.distributed.all_reduce_mean_grads_(adapter.params)
-            optimizer.step()
-
-        step()  # warm-up: lazy initialisation (FSDP2's, the optimiser's state) is not the steady state
-        held = held_bytes(model)
-        peak = None
-        if args.peak:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-            before = c.vm_bytes("VmRSS")
-            step()
-            peak = c.vm_bytes("VmHWM") - before
-        else:
-            step()
-        params = {k: v.detach() for k, v in adapter.params.items()}
-        torch.save({"held": held, "peak": peak, "params": params}, os.path.join(out, f"{config}-rank{rank}.pt"))
+        for config in configs:
+            _measure(rank, args, config, out)
     finally:
         dist.destroy_process_group()
 
 
-def run(args: argparse.Namespace, config: str, out: str) -> list[dict]:
-    rendezvous = os.path.join(out, f"{config}-rendezvous")
+def _measure(rank: int, args: argparse.Namespace, config: str, out: str) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    model = build_model(args)
+    if config == "fsdp2":
+        for block in model.model.layers:
+            fully_shard(block)
+        fully_shard(model)
+    spec = lf.AdapterSpec("lora", targets=PROJECTIONS, r=args.rank, alpha=2 * args.rank)
+    adapter = lf.init_adapter(model, spec, generator=torch.Generator().manual_seed(args.seed + 1))
+    g = torch.Generator().manual_seed(args.seed + 2)
+    adapter = adapter.with_params({k: (v.detach() + 0.01 * torch.randn(v.shape, generator=g)).requires_grad_(True) for k, v in adapter.params.items()})
+    optimizer = torch.optim.AdamW(adapter.params.values(), lr=1e-3)
+    ids = torch.randint(3, args.vocab, (args.batch * args.world, args.seq), generator=g).chunk(args.world)[rank]
+
+    def step() -> None:
+        optimizer.zero_grad()
+        logits = lf.adapted_call(model, adapter, ids).logits
+        torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).backward()
+        lf.distributed.all_reduce_mean_grads_(adapter.params)
+        optimizer.step()
+
+    step()  # warm-up: lazy initialisation (FSDP2's, the optimiser's state) is not the steady state
+    held = held_bytes(model)
+    peak = None
+    if args.peak:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        before = c.vm_bytes("VmRSS")
+        step()
+        peak = c.vm_bytes("VmHWM") - before
+    else:
+        step()
+    params = {k: v.detach() for k, v in adapter.params.items()}
+    torch.save({"held": held, "peak": peak, "params": params}, os.path.join(out, f"{config}-rank{rank}.pt"))
+
+
+def run(args: argparse.Namespace, configs: tuple[str, ...], out: str) -> dict[str, list[dict]]:
+    """Each of ``configs`` in one group of processes, one after the other: per config, per rank."""
+    rendezvous = os.path.join(out, f"{'-'.join(configs)}-rendezvous")
     # The spawned children import the worker by module name: this file, found on sys.path (also
     # when it runs as __main__ or through runpy under another name).
     import importlib
 
     worker = importlib.import_module(Path(__file__).stem)._worker
     try:
-        mp.start_processes(worker, args=(args, config, rendezvous, out), nprocs=args.world, start_method="spawn")
+        mp.start_processes(worker, args=(args, configs, rendezvous, out), nprocs=args.world, start_method="spawn")
     except mp.ProcessExitedException as err:
         # Seen once in CI-like runs: a rank aborted by gloo while connecting ("terminate called
         # without an active exception"), before any measurement. Start the group once more.
-        print(f"# {config}: {err}; starting its processes again")
-        mp.start_processes(worker, args=(args, config, rendezvous + "-again", out), nprocs=args.world, start_method="spawn")
-    return [torch.load(os.path.join(out, f"{config}-rank{r}.pt")) for r in range(args.world)]
+        print(f"# {', '.join(configs)}: {err}; starting its processes again")
+        mp.start_processes(worker, args=(args, configs, rendezvous + "-again", out), nprocs=args.world, start_method="spawn")
+    return {config: [torch.load(os.path.join(out, f"{config}-rank{r}.pt")) for r in range(args.world)] for config in configs}
 
 
 def mib(n: float) -> str:
@@ -148,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["OMP_NUM_THREADS"] = "1"
     try:
         with tempfile.TemporaryDirectory() as out:
-            results = {config: run(args, config, out) for config in CONFIGS}
+            # (a process starts in seconds: without the peak, one group runs both configurations)
+            results = {c: r for config in CONFIGS for c, r in run(args, (config,), out).items()} if args.peak else run(args, CONFIGS, out)
     finally:
         if old is None:
             os.environ.pop("OMP_NUM_THREADS", None)

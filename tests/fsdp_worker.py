@@ -226,6 +226,21 @@ def mixed_precision_scenario(kind: str, variant: str, targets: list[str]) -> dic
     }
 
 
+_INIT_MODELS: dict[str, Any] = {}
+
+
+def _init_models() -> tuple[torch.nn.Module, torch.nn.Module]:
+    """The unsharded and the sharded tiny Llama of every variant's init scenario, built (and
+    sharded) once per process: init_adapter and adapted_call never change a model
+    (tests/test_base_untouched.py), and each scenario checks the reference is still the fresh
+    model's bytes (``reference_unchanged``), so a scenario cannot pass on an earlier one's damage."""
+    if not _INIT_MODELS:
+        _INIT_MODELS["reference"] = tiny_model("llama")
+        _INIT_MODELS["fresh"] = {k: v.clone() for k, v in _INIT_MODELS["reference"].state_dict().items()}
+        _INIT_MODELS["sharded"] = shard(tiny_model("llama").requires_grad_(False))
+    return _INIT_MODELS["reference"], _INIT_MODELS["sharded"]
+
+
 def init_scenario(variant: str) -> dict[str, Any]:
     """init_adapter on the sharded model equals it on the unsharded one, tensors and fingerprints."""
     row = ROWS[variant]
@@ -233,8 +248,8 @@ def init_scenario(variant: str) -> dict[str, Any]:
     targets = LLAMA_ALL[:4] if variant == "lora_bias" else LLAMA_ALL
     spec = lf.AdapterSpec(variant, targets=targets, **row.spec_kwargs)
     calibration = calibration_batches() if row.calibration else None
-    reference = lf.init_adapter(tiny_model("llama"), spec, generator=torch.Generator().manual_seed(9), calibration=calibration)
-    model = shard(tiny_model("llama").requires_grad_(False))
+    unsharded, model = _init_models()
+    reference = lf.init_adapter(unsharded, spec, generator=torch.Generator().manual_seed(9), calibration=calibration)
     adapter = lf.init_adapter(model, spec, generator=torch.Generator().manual_seed(9), calibration=calibration)
     same = sorted(adapter.params) == sorted(reference.params) and sorted(adapter.buffers) == sorted(reference.buffers)
     same = same and all(torch.equal(adapter.params[k], reference.params[k]) for k in reference.params)
@@ -244,8 +259,9 @@ def init_scenario(variant: str) -> dict[str, Any]:
     moved = perturbed(adapter)
     ids = batch()
     with torch.no_grad():
-        effect = reldiff(lf.adapted_call(model, moved, ids).logits, oracle_logits(tiny_model("llama"), moved, ids))
+        effect = reldiff(lf.adapted_call(model, moved, ids).logits, oracle_logits(unsharded, moved, ids))
     return {
+        "reference_unchanged": all(torch.equal(v, _INIT_MODELS["fresh"][k]) for k, v in unsharded.state_dict().items()),
         "same": bool(same),
         "fingerprints_equal": all(a == b for a, b in fingerprints),
         "fingerprinted": sum(a is not None for a, _ in fingerprints),

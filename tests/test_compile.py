@@ -6,19 +6,21 @@ reuse the graph.
 
 The backend is ``aot_eager``: dynamo's trace and AOTAutograd's joint graph (where an adapter
 can break) without inductor's code generation (a minute per graph on a CPU, and not ours to
-test; bench/compile.py times inductor). One-layer models keep the traces (one per variant's forms, lazy and merged together) fast; one tiny
-Llama checks a whole transformers model."""
+test; bench/compile.py times inductor). Small models keep the traces fast: one per README family
+(its variants' forms, each on its own layer, lazy and merged together), one per Conv1D case; one
+tiny Llama checks a whole transformers model."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 import lora_func as lf
 from tests.contract_helpers import build
 from tests.contract_helpers import perturbed as perturbed_row
 from tests.models import tiny_model, tokens
-from tests.one_layer import calibration, one_layer, perturbed
+from tests.one_layer import VOCAB, calibration, one_layer, perturbed
 from tests.variant_table import ROWS
 
 BACKEND = "aot_eager"
@@ -32,25 +34,27 @@ def _fresh_dynamo():
 
 
 def _value_and_grads(fn, params, idle=frozenset()):
-    """``fn(params)`` (a scalar, or a vector of losses) and, per loss, its gradients (``idle``: short
-    names of tensors that act in training steps only, Row.training_only: none taken)."""
+    """``fn(params)`` (a scalar, or a vector of losses) and, per loss, its gradients (``idle``: keys
+    of tensors that act in training steps only, Row.training_only: none taken)."""
     leaves = {k: v.detach().requires_grad_(True) for k, v in params.items()}
     value = fn(leaves)
     losses = value.reshape(-1)
-    active = [v for k, v in leaves.items() if k.rsplit(".", 1)[-1] not in idle]
+    active = [v for k, v in leaves.items() if k not in idle]
     return value, [torch.autograd.grad(one, active, retain_graph=True) for one in losses]
 
 
 def _check_compiled(loss, adapter, base_value, names=("loss",)):
-    """``loss``: a scalar, or one loss per entry of ``names`` (several paths in one graph)."""
+    """``loss``: a scalar, or one loss per entry of ``names`` (several paths in one graph).
+    ``adapter``: an adapter or a composition of adapters on different layers (each tensor's
+    Row.training_only by its own variant)."""
     compiled = torch.compile(loss, fullgraph=True, backend=BACKEND)
+    idle = {prefix + key for prefix, part in _parts(adapter) for key in part.params if key.rsplit(".", 1)[-1] in ROWS[part.spec.variant].training_only}
     with torch._dynamo.config.patch(error_on_recompile=True):
         for shift in (0.0, 0.05):  # the second call: new adapter values, the same graph
             params = {k: v.detach() + shift for k, v in adapter.params.items()}
-            idle = ROWS[adapter.spec.variant].training_only
             want_value, want_grads = _value_and_grads(loss, params, idle)
             got_value, got_grads = _value_and_grads(compiled, params, idle)
-            params = {k: v for k, v in params.items() if k.rsplit(".", 1)[-1] not in idle}
+            params = {k: v for k, v in params.items() if k not in idle}
             torch.testing.assert_close(got_value, want_value, rtol=1e-5, atol=1e-6)
             for name, got_one, want_one in zip(names, got_grads, want_grads, strict=True):
                 for key, got, want in zip(params, got_one, want_one, strict=True):
@@ -59,6 +63,11 @@ def _check_compiled(loss, adapter, base_value, names=("loss",)):
             # The adapter reached the compiled model: each loss is not the base model's.
             for name, got, base in zip(names, got_value.reshape(-1), base_value.reshape(-1).expand(len(names)), strict=True):
                 assert not torch.allclose(got, base, rtol=1e-4, atol=1e-6), name
+
+
+def _parts(adapter):
+    """(key prefix, adapter) of each part: a composition's keys are ``<i>/<key>``."""
+    return [(f"{i}/", part) for i, part in enumerate(adapter.parts)] if isinstance(adapter, lf.Composed) else [("", adapter)]
 
 
 def _loss_and_grads(model, params_of, adapter, ids):
@@ -160,31 +169,44 @@ def _one_variant_per_forms() -> list[str]:
     return sorted(seen.values())
 
 
-def _compile_cases() -> list[tuple[str, str]]:
-    """Every variant's forms on nn.Linear; GPT-2 Conv1D for LoRA's and PiSSA's: a layout changes
-    only the stand-in's op around the forms (the same code for every variant), and each compile
-    costs seconds, so the Conv1D rows are not repeated for every variant."""
-    return [
-        (variant, layout)
-        for variant in _one_variant_per_forms()
-        for layout in ("linear", "conv1d")
-        if layout == "linear" or variant in ("lora", "pissa")
-    ]
+def _families() -> dict[str, list[str]]:
+    """The variants to compile, one variant per forms (:func:`_one_variant_per_forms`), by the
+    README's families (tests/test_docs.py checks every variant is in one): one compiled function
+    per family holds each member's lazy and merged path."""
+    from tests.test_docs import readme_families
+
+    compiled = set(_one_variant_per_forms())
+    families = {family: sorted(compiled & set(names)) for family, names in readme_families().items()}
+    left = compiled - {name for names in families.values() for name in names}
+    return {family: names for family, names in families.items() if names} | {name: [name] for name in sorted(left)}
 
 
-@pytest.mark.parametrize(("variant", "layout"), _compile_cases())
-def test_every_variant_compiles_fullgraph_without_recompiling(variant, layout):
-    """The lazy and the merged path in one compiled function (one trace per case instead of one
-    per path): both trace with ``fullgraph=True`` and each path's loss and gradients equal eager's."""
+class _Parallel(nn.Module):
+    """``x -> Σ layers[name](x)``: one ``nn.Linear`` (12 -> 10, with a bias) per variant of a
+    family, each adapted by its own variant."""
+
+    def __init__(self, names: list[str]) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 12)  # calibration runs the model on token batches
+        self.layers = nn.ModuleDict({name: nn.Linear(12, 10) for name in names})
+
+    def forward(self, input_ids: torch.Tensor | None = None, x: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.emb(input_ids) if x is None else x
+        return sum(layer(h) for layer in self.layers.values())
+
+
+def _compiled_case_adapter(variant: str, model: nn.Module, target: str) -> lf.Adapter:
     row = ROWS[variant]
-    model = one_layer(layout, 12, 10, bias=True, dtype=torch.float32, seed=0)
     # c3a: r is a block size, which must divide d_in = 12 and d_out = 10; trainable tokens: rows below 10
     tokens_below = {"token_indices": [6, 4, 9]} if variant == "trainable_tokens" else {}
-    spec = lf.AdapterSpec(variant, targets=["proj"], **{**row.spec_kwargs, "r": 2 if variant == "c3a" else 4, **tokens_below})
+    spec = lf.AdapterSpec(variant, targets=[target], **{**row.spec_kwargs, "r": 2 if variant == "c3a" else 4, **tokens_below})
     adapter = lf.init_adapter(
         model, spec, generator=torch.Generator().manual_seed(1), calibration=calibration(2) if row.calibration else None
     )
-    adapter = perturbed(adapter, seed=3)
+    return perturbed(adapter, seed=3)
+
+
+def _check_both_paths_compile(model: nn.Module, adapter) -> None:
     base, x = lf.base_params(model), torch.randn(3, 5, 12, generator=torch.Generator().manual_seed(4))
     target = torch.randn(3, 5, 10, generator=torch.Generator().manual_seed(5))
 
@@ -193,6 +215,31 @@ def test_every_variant_compiles_fullgraph_without_recompiling(variant, layout):
         return torch.stack([((lf.adapted_call(model, adapted, x=x, merged=merged, base=base) - target) ** 2).mean() for merged in (False, True)])
 
     _check_compiled(losses, adapter, ((model(x=x) - target) ** 2).mean(), names=("lazy", "merged"))
+
+
+FAMILIES = _families()
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES), ids=lambda family: "-".join(family.replace("'", "").split()))
+def test_every_variant_compiles_fullgraph_without_recompiling(family):
+    """Every variant's forms on nn.Linear, one compiled function per family: the family's variants
+    each adapt their own layer of one model (a composition of adapters on different layers), the
+    lazy and the merged path in the same graph. Both trace with ``fullgraph=True`` (a graph break
+    in any member's forms fails it), the losses equal eager's and every tensor's gradient, per
+    path, equals eager's and is non-zero (an adapter the compiled graph dropped has a zero or
+    different gradient). One trace of the call machinery per path instead of one per variant."""
+    names = FAMILIES[family]
+    torch.manual_seed(0)
+    model = _Parallel(names).requires_grad_(False).eval()
+    _check_both_paths_compile(model, lf.compose([_compiled_case_adapter(name, model, f"layers.{name}") for name in names]))
+
+
+@pytest.mark.parametrize("variant", ["lora", "pissa"])
+def test_conv1d_layers_compile_fullgraph_without_recompiling(variant):
+    """GPT-2 Conv1D for LoRA's and PiSSA's forms: a layout changes only the stand-in's op around
+    the forms (the same code for every variant), so the Conv1D rows are not repeated per variant."""
+    model = one_layer("conv1d", 12, 10, bias=True, dtype=torch.float32, seed=0)
+    _check_both_paths_compile(model, _compiled_case_adapter(variant, model, "proj"))
 
 
 def test_lazy_path_of_a_transformers_model_compiles_fullgraph():

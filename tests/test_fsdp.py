@@ -111,7 +111,7 @@ def test_init_adapter_on_a_sharded_model_equals_unsharded(results, variant):
     for DoRA's norms, PiSSA's SVD, EVA's calibration, AntiPaSTO's basis), the same base
     fingerprints, and the same outputs as on an unsharded model."""
     for rank, r in enumerate(_get(results, f"init:{variant}")):
-        assert r["same"] and r["fingerprints_equal"], (variant, rank, r)
+        assert r["same"] and r["fingerprints_equal"] and r["reference_unchanged"], (variant, rank, r)
         assert r["logits"] <= OUTPUT_REL, (variant, rank, r)
     if get_variant(variant).records_base:  # PiSSA, AntiPaSTO: the whole weight's digest, per target
         assert _get(results, f"init:{variant}")[0]["fingerprinted"] == 14

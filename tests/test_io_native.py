@@ -259,3 +259,19 @@ def test_an_interrupted_save_leaves_the_previous_file_intact(saved, monkeypatch)
         lf.save(perturbed(adapter, 1.0, seed=9), path)
     assert path.read_bytes() == before
     assert sorted(p.name for p in path.parent.iterdir()) == ["a.safetensors"]
+
+
+def test_a_loaded_adapter_computes_bit_for_bit_what_the_saved_one_did(tmp_path):
+    """safetensors hands tensors back 8-byte aligned, and MKL's float64 GEMM sums in another order on
+    an operand that is not 64-byte aligned (PEANuT's ``Wᵀ Aᵀ`` with tanh at depth 2 came back one ulp
+    off on both paths): ``load`` gives every tensor 64-byte-aligned memory."""
+    from tests.one_layer import one_layer, perturbed, run
+
+    model = one_layer("linear", 8, 8, True, torch.float64, seed=5035)
+    spec = lf.AdapterSpec("peanut", targets=["proj"], r=8, depth=2, act_fn="tanh", dtype=torch.float64)
+    adapter = perturbed(lf.init_adapter(model, spec, generator=torch.Generator().manual_seed(5036)), seed=5038)
+    loaded = lf.load(lf.save(adapter, tmp_path / "a.safetensors"), model=model)
+    assert all(t.data_ptr() % 64 == 0 for t in [*loaded.params.values(), *loaded.buffers.values()])
+    x, base = torch.randn(3, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1)), lf.base_params(model)
+    for make in (lf.merge_overlay, lf.overlay):
+        assert torch.equal(run(model, make(base, loaded), x), run(model, make(base, adapter), x)), make.__name__

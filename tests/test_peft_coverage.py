@@ -42,7 +42,8 @@ def test_the_count_covers_every_method_and_agrees_with_the_registry():
 
 
 @pytest.mark.parametrize(
-    ("variant", "kind"), [("lora", "mha"), ("lora", "parameter"), ("dora", "grouped_conv"), ("ln_tuning", "embedding"), ("hira", "conv"), ("vera", "mha")]
+    ("variant", "kind"), [("lora", "mha"), ("lora", "parameter"), ("dora", "grouped_conv"), ("ln_tuning", "embedding"), ("hira", "conv"), ("vera", "mha"),
+     ("deft", "linear"), ("trainable_tokens", "conv1d")]
 )
 def test_sampled_cells_are_what_the_probe_measures(variant, kind):
     _, cells = _documented()

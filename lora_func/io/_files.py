@@ -214,4 +214,17 @@ def read_safetensors(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
         tensors = load_file(str(path))
     except (SafetensorError, OSError, ValueError) as err:
         raise ValueError(f"{path} is not a readable safetensors file (truncated or corrupted?): {err}") from None  # error: load-unreadable
-    return tensors, metadata
+    return {key: _aligned(tensor) for key, tensor in tensors.items()}, metadata
+
+
+# torch's CPU allocator aligns every allocation to 64 bytes
+_ALIGNMENT = 64
+
+
+def _aligned(tensor: Tensor) -> Tensor:
+    """``tensor``, copied to torch-allocated memory where its data is not 64-byte aligned.
+
+    safetensors hands tensors back at 8-byte-aligned addresses, and MKL's GEMM sums in another
+    order on an operand that is not 64-byte aligned (float64 products one ulp apart, e.g. PEANuT's
+    ``Wᵀ Aᵀ``): a loaded adapter would then not compute bit for bit what the saved one did."""
+    return tensor if tensor.data_ptr() % _ALIGNMENT == 0 else tensor.clone()

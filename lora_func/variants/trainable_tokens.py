@@ -115,4 +115,6 @@ VARIANT = Variant(
     # the merged table on an embedding (a lookup, as peft's), the form above on an output head
     kind_forms={"embedding": None, "linear": None, "conv1d": None},
 )
-PEFT = PeftFormat(PeftMethod("TRAINABLE_TOKENS", fixed={}, refused=(), fan_in_fan_out=False))
+# peft's TrainableTokens layer reads the head's ``in_features``, which GPT-2 ``Conv1D`` has not:
+# peft fails building it on our file, so save_peft refuses those layers (save-peft-conv1d)
+PEFT = PeftFormat(PeftMethod("TRAINABLE_TOKENS", fixed={}, refused=(), fan_in_fan_out=False), conv1d=False)
