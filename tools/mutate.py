@@ -545,6 +545,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout-factor", type=float, default=4.0, help="a mutant's timeout, in baseline run times")
     parser.add_argument("--no-copy", action="store_true", help="reuse an existing --copy-to tree")
     parser.add_argument("--lines", nargs="*", type=int, default=None, help="only the mutants on these lines (a re-run of a report's survivors)")
+    parser.add_argument(
+        "--survivors-of",
+        type=Path,
+        default=None,
+        help="only the mutants that survived in this earlier --json, matched by (file, kind, original, replacement), so the line numbers may have moved",
+    )
     args = parser.parse_args(argv)
 
     files = args.only or list(TARGETS)
@@ -557,6 +563,9 @@ def main(argv: list[str] | None = None) -> int:
     all_mutants = {f: mutants_of(f, TARGETS[f][0], root) for f in files}
     if args.lines is not None:
         all_mutants = {f: [m for m in ms if m.line in args.lines] for f, ms in all_mutants.items()}
+    if args.survivors_of is not None:
+        earlier = {(r["file"], r["kind"], r["original"], r["replacement"]) for r in json.loads(args.survivors_of.read_text()) if r["status"] == "survived"}
+        all_mutants = {f: [m for m in ms if (m.file, m.kind, m.original, m.replacement) in earlier] for f, ms in all_mutants.items()}
     if args.list:
         for f, ms in all_mutants.items():
             for m in ms:
