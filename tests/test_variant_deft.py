@@ -251,3 +251,27 @@ def test_a_bf16_base_keeps_no_float32_copy_of_the_input():
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
     torch.manual_seed(1)
     assert not torch.equal(lf.adapted_call(model, adapter, x=x), out)
+
+
+@pytest.mark.parametrize("method", ["relu", "qr"])
+def test_a_bf16_adapter_s_dropout_step_is_its_float32_values_step(method):
+    """A training step with dropout on a bf16 adapter (float32 base) runs the injection in float32:
+    it equals the same values held in a float32 adapter under the same RNG seed (R is cast to the
+    projection's dtype before it meets the dropped input)."""
+    model = one_layer("linear", 6, 8, True, torch.float32, 0)
+    spec = dict(targets=["proj"], r=3, decomposition_method=method, injection_alpha=2.0, init="random", dropout=0.3)
+    narrow = lf.init_adapter(model, lf.AdapterSpec("deft", dtype=torch.bfloat16, **spec), generator=torch.Generator().manual_seed(1))
+    wide = lf.init_adapter(model, lf.AdapterSpec("deft", dtype=torch.float32, **spec), generator=torch.Generator().manual_seed(1))
+    wide = wide.with_params({k: v.float() for k, v in narrow.params.items()})
+    x = torch.randn(5, 6, generator=torch.Generator().manual_seed(2))
+    model.train()
+    outs = []
+    for adapter in (narrow, wide):
+        torch.manual_seed(3)
+        outs.append(lf.adapted_call(model, adapter, x=x))
+    torch.manual_seed(4)
+    other = lf.adapted_call(model, wide, x=x)
+    model.eval()
+    assert outs[0].dtype == torch.float32
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-6, atol=1e-6)
+    assert not torch.equal(other, outs[1])  # the step dropped something
