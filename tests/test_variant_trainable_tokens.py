@@ -130,3 +130,23 @@ def test_lora_with_trainable_token_indices_is_the_composition(tmp_path):
         pm.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="trainable_token_indices"):
         lf.load_peft(tmp_path, model)
+
+
+def test_token_indices_are_distinct_whole_numbers_from_zero():
+    lf.AdapterSpec("trainable_tokens", targets=["embed_tokens"], token_indices=[0, 4])
+    for bad in ([-1, 2], [True], [1.5], ["3"]):
+        with pytest.raises(ValueError, match="token_indices"):
+            lf.AdapterSpec("trainable_tokens", targets=["embed_tokens"], token_indices=bad)
+
+
+def test_an_adapter_in_another_dtype_than_the_base_and_its_init_dtype():
+    """float64 and bf16 token rows on a float32 head (nn.Linear), both overlays, against the
+    contract row's W_eff; init asked for float64 on a float32 weight gives float64 rows, each init."""
+    from lora_func.variants import trainable_tokens
+    from tests.variant_checks import assert_other_adapter_dtype, init_params
+
+    for dtype in (torch.float64, torch.bfloat16):
+        assert_other_adapter_dtype("trainable_tokens", 6, 8, adapter_dtype=dtype, token_indices=[0, 5, 2], init_weights=False)
+    for init_weights in (True, False):
+        params, buffers = init_params(trainable_tokens, "trainable_tokens", 1, 6, 8, token_indices=[0, 5, 2], init_weights=init_weights)
+        assert params["trainable_tokens_delta"].shape == (3, 6) and buffers["token_indices"].tolist() == [0, 5, 2]
