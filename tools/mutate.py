@@ -192,6 +192,12 @@ TARGETS: dict[str, tuple[tuple[str, ...] | None, list[list[str]]]] = {
         )
         for name in ("beft", "glora", "osf", "psoft")
     },
+    # OSF's traced projection (plain ops under torch.compile, the custom Function in eager code:
+    # equal values, so only a fullgraph trace tells the branch apart)
+    "lora_func/variants/osf.py": (
+        None,
+        [["tests/test_variant_osf.py"], [CONTRACT, "-k", "osf"], [RANK_STACK, "-k", "osf"], [CATALOGUE, "-k", "osf"], [KILLERS, "-k", "documented_defaults and osf"], [COMPILE, "-k", "every_variant and osf"]],
+    ),
     "lora_func/variants/_bank.py": (None, [[CONTRACT, "-k", "vera or randlora or pvera"], ["tests/test_variant_vera.py", "tests/test_variant_randlora.py"]]),
     "lora_func/variants/_contract.py": (
         ("layer_rank", "layer_alpha", "Slot.peft_key", "Slot.saved", "Variant.rank_axes", "Variant.padded_axes", "Variant.integer_buffers", "Variant.kinds", "Variant.shapes", "Variant.layer_slots", "_mask_rank_axes", "padded_member"),
