@@ -97,3 +97,36 @@ def test_save_peft_loads_in_peft_and_uninvoked_is_lora(model, trained, tmp_path)
     off = alora.invoked(adapter, 0)
     assert torch.equal(lf.adapted_call(model, off, IDS).logits, model(IDS).logits)
     assert torch.equal(lf.adapted_call(model, off, IDS, merged=True).logits, model(IDS).logits)
+
+
+@pytest.mark.parametrize(
+    "invocation",
+    [[9], [13], [5, 9, 13, 20, 21, 22, 23, 24, 25, 26, 27], [4, 5, 9, 5, 9, 13, 20, 21, 22, 23]],
+    ids=["one-token", "one-token-twice", "longer-than-the-input", "the-whole-first-row"],
+)
+def test_offsets_are_peft_s_at_the_edges(invocation):
+    """One-token invocations, one longer than the input (never found), one as long as the input
+    (found at 0 in row 0: the whole row adapted)."""
+    from peft.tuners.lora.variants import calculate_alora_offsets
+
+    class Config:
+        alora_invocation_tokens = invocation
+
+    want = [0 if o is None else o for o in calculate_alora_offsets({"default": Config()}, "default", IDS)]
+    assert alora.offsets(IDS, invocation).tolist() == want
+    assert any(want) == (len(invocation) <= IDS.shape[1])
+
+
+def test_no_invocation_tokens_adapt_every_token_of_a_long_input():
+    """Without invocation tokens (and uninvoked, the adapter's default) every token is adapted,
+    however long the input: the lazy path equals the merged LoRA on 300 tokens."""
+    from tests.one_layer import one_layer, perturbed, run
+
+    assert (alora.offsets(IDS, []) >= IDS.shape[1]).all()
+    model = one_layer("linear", 4, 3, True, torch.float64, 0)
+    adapter = perturbed(lf.init_adapter(model, lf.AdapterSpec("alora", ["proj"], r=2, dtype=torch.float64), generator=torch.Generator().manual_seed(1)), seed=2, scale=0.5)
+    x = torch.randn(1, 300, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    base = lf.base_params(model)
+    lazy, merged = (run(model, make(base, adapter), x) for make in (lf.overlay, lf.merge_overlay))
+    assert (merged - model(x=x)).abs().min() > 0
+    torch.testing.assert_close(lazy, merged, rtol=1e-12, atol=1e-12)
