@@ -130,3 +130,17 @@ def test_no_invocation_tokens_adapt_every_token_of_a_long_input():
     lazy, merged = (run(model, make(base, adapter), x) for make in (lf.overlay, lf.merge_overlay))
     assert (merged - model(x=x)).abs().min() > 0
     torch.testing.assert_close(lazy, merged, rtol=1e-12, atol=1e-12)
+
+
+def test_one_token_rows_under_vmap_are_the_batched_rows():
+    """``vmap`` over the tokens hands each layer a 1-D input (one token): adapted as one token,
+    the same as the batched call."""
+    from tests.one_layer import one_layer, perturbed, run
+
+    model = one_layer("linear", 4, 3, True, torch.float64, 0)
+    adapter = perturbed(lf.init_adapter(model, lf.AdapterSpec("alora", ["proj"], r=2, dtype=torch.float64), generator=torch.Generator().manual_seed(1)), seed=2, scale=0.5)
+    params = lf.overlay(lf.base_params(model), adapter)
+    x = torch.randn(5, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    want = run(model, params, x)
+    assert (want - model(x=x)).abs().min() > 0
+    torch.testing.assert_close(torch.func.vmap(lambda row: run(model, params, row))(x), want, rtol=1e-12, atol=1e-12)
