@@ -150,3 +150,24 @@ def test_an_adapter_in_another_dtype_than_the_base_and_its_init_dtype():
     for init_weights in (True, False):
         params, buffers = init_params(trainable_tokens, "trainable_tokens", 1, 6, 8, token_indices=[0, 5, 2], init_weights=init_weights)
         assert params["trainable_tokens_delta"].shape == (3, 6) and buffers["token_indices"].tolist() == [0, 5, 2]
+
+
+def test_an_embedding_s_rows_in_another_dtype_than_the_base():
+    """float64 and bf16 token rows on a float32 nn.Embedding, both overlays: the listed rows are
+    the adapter's, rounded to float32, the others the base's (an explicit row replacement)."""
+    from tests.one_layer import one_layer
+
+    model = one_layer("linear", 4, 3, True, torch.float32, 0)
+    ids = torch.tensor([[0, 5, 2, 7, 5]])
+    for dtype in (torch.float64, torch.bfloat16):
+        spec = lf.AdapterSpec("trainable_tokens", targets=["emb"], token_indices=[5, 0], init_weights=False, dtype=dtype)
+        adapter = lf.init_adapter(model, spec, generator=torch.Generator().manual_seed(1))
+        (delta,) = adapter.params.values()
+        table = model.emb.weight.detach().clone()
+        table[[5, 0]] = delta.float()
+        want = model.proj(torch.nn.functional.embedding(ids, table))
+        base = lf.base_params(model)
+        for make in (lf.overlay, lf.merge_overlay):
+            got = torch.func.functional_call(model, make(base, adapter), (ids,))
+            assert got.dtype == torch.float32, (dtype, make.__name__)
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=f"{dtype} {make.__name__}")
