@@ -144,3 +144,26 @@ def test_one_token_rows_under_vmap_are_the_batched_rows():
     want = run(model, params, x)
     assert (want - model(x=x)).abs().min() > 0
     torch.testing.assert_close(torch.func.vmap(lambda row: run(model, params, row))(x), want, rtol=1e-12, atol=1e-12)
+
+
+def test_invocation_tokens_are_whole_numbers_from_zero():
+    lf.AdapterSpec("alora", targets=["q_proj"], invocation_tokens=[0, 7])
+    for bad in ([-1], [True], [2.0], ["5"]):
+        with pytest.raises(ValueError, match="invocation_tokens"):
+            lf.AdapterSpec("alora", targets=["q_proj"], invocation_tokens=bad)
+
+
+def test_a_one_token_step_invoked_at_its_last_token_is_adapted_on_both_paths():
+    """Offset 1 (the invocation ends the input: a decoding step of one token): the merged and the
+    lazy path both adapt it; offset 0 adapts neither."""
+    from tests.one_layer import one_layer, perturbed, run
+
+    model = one_layer("linear", 4, 3, True, torch.float64, 0)
+    adapter = perturbed(lf.init_adapter(model, lf.AdapterSpec("alora", ["proj"], r=2, dtype=torch.float64), generator=torch.Generator().manual_seed(1)), seed=2, scale=0.5)
+    x = torch.randn(1, 1, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    base = lf.base_params(model)
+    for offset in (1, 0):
+        member = alora.invoked(adapter, offset)
+        lazy, merged = (run(model, make(base, member), x) for make in (lf.overlay, lf.merge_overlay))
+        torch.testing.assert_close(lazy, merged, rtol=1e-12, atol=1e-12)
+        assert torch.equal(lazy, model(x=x)) == (offset == 0)
