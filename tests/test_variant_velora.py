@@ -112,3 +112,19 @@ def test_per_example_training_gradients_under_vmap_equal_a_loop():
     model.eval()  # outside training, LoRA's exact gradient
     key = "model.layers.0.self_attn.q_proj.lora_A"
     assert (torch.func.grad(loss)(params, ids[0])[key] - batched[key][0]).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("num_groups", [1, 3, 4])
+def test_batch_embed_is_peft_s_also_for_a_zero_batch(num_groups):
+    """peft's batch average (its own helpers): the mean sub-token normalised in fp32, and all
+    ones normalised where the mean is zero (a zero batch), for padded and unpadded groups."""
+    from peft.tuners.lora.velora import _normalize_projection, _reshape_to_grouped_subtokens
+
+    from lora_func.variants import velora
+
+    x = torch.randn(2, 3, 10, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    for batch in (x, torch.zeros_like(x)):
+        subtokens = _reshape_to_grouped_subtokens(batch, num_groups)
+        want = _normalize_projection(subtokens.reshape(-1, subtokens.shape[-1]).mean(dim=0))
+        got = velora.batch_embed(batch, num_groups)
+        assert got.dtype == torch.float32 and torch.equal(got, want)
