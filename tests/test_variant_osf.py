@@ -186,5 +186,5 @@ def test_a_fraction_that_freezes_no_direction_is_refused():
     from tests.one_layer import one_layer
 
     # int(4 · 0.2) = 0 frozen directions on a 4x6 layer
-    with pytest.raises(ValueError, match="effective_rank=0.2 freezes 0 of the 4 directions"):
+    with pytest.raises(ValueError, match=r"effective_rank=0\.2 freezes 0 of the 4 directions"):
         lf.init_adapter(one_layer("linear", 6, 4, True, torch.float32, 0), lf.AdapterSpec("osf", ["proj"], effective_rank=0.2))
