@@ -144,7 +144,7 @@ def test_the_random_projection_is_drawn_in_the_weight_s_dtype():
         g = torch.Generator().manual_seed(9)
         lora.init(weight, None, info, dtype=torch.float64, generator=g)
         draw = torch.randn(3, generator=g, dtype=dtype).float()
-        assert torch.equal(buffers["velora_embed"], (draw / draw.norm()).double()), dtype
+        assert buffers["velora_embed"].dtype == torch.float64 and torch.equal(buffers["velora_embed"], (draw / draw.norm()).double()), dtype
 
 
 def _one_layer_velora(dtype, init_type="batch_average", base_dtype=torch.float64):
@@ -200,3 +200,29 @@ def test_a_set_projection_is_used_at_its_own_precision():
     model.eval()  # (the compressed backward ran: outside training, LoRA's exact gradient)
     exact = torch.autograd.grad(lf.adapted_call(model, adapter, x=x).square().sum(), adapter.params["proj.lora_A"])[0]
     assert (exact - grads[1]).abs().max() > 1e-3
+
+
+def test_outside_a_training_step_and_on_the_overlay_route_the_gradient_is_lora_s():
+    """The compressed backward needs a training step on the lazy or module-call route: in eval
+    mode, and on lf.overlay's parameter route (its layers carry no module training flag), A's
+    gradient is LoRA's exact one (the merged weight's). One group per row is accepted (0 not)."""
+    from tests.one_layer import run
+
+    with pytest.raises(ValueError, match="num_groups"):
+        lf.AdapterSpec("velora", ["proj"], num_groups=0)
+    model, adapter = _one_layer_velora(torch.float64)
+    adapter = lf.init_adapter(model, lf.AdapterSpec("velora", ["proj"], r=2, num_groups=1, dtype=torch.float64)).with_params(adapter.params)
+    x = torch.randn(5, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    key = "proj.lora_A"
+
+    def grad(out):
+        return torch.autograd.grad(out.square().sum(), adapter.params[key])[0]
+
+    base = lf.base_params(model)
+    trained = grad(lf.adapted_call(model, adapter, x=x))
+    overlay_route = grad(run(model, lf.overlay(base, adapter), x))
+    model.eval()
+    exact = grad(lf.adapted_call(model, adapter, x=x, merged=True))
+    torch.testing.assert_close(grad(lf.adapted_call(model, adapter, x=x)), exact, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(overlay_route, exact, rtol=1e-12, atol=1e-12)
+    assert (trained - exact).abs().max() > 1e-3
