@@ -169,3 +169,37 @@ def test_vmap_follows_randomness_as_dropout():
     torch.testing.assert_close(same[0], same[1], atol=1e-5, rtol=0)
     model.eval()
     torch.func.vmap(run)(stacked)  # no draws outside training
+
+
+def test_the_sampler_s_floors_are_peft_s():
+    """The variances' floor (1e-3) and the mixture's (α ≥ 1e-6) at priors that reach them, against
+    peft's wishart and dirichlet reparameterizations (the latter in the input dtype, as above)."""
+    from types import SimpleNamespace
+
+    std_prior = torch.tensor([-6.0, 0.0, 0.5, -3.5], dtype=torch.float64)
+    chi = torch.tensor([0.5, 2.0, 1.0, 0.7], dtype=torch.float64)
+    want = MontecloraSampler.wishart_reparameterization(None, torch.diag(std_prior.exp()), torch.diag(chi)).diag()
+    got = monteclora.variances(std_prior, chi)
+    assert (got == 1e-3).sum() == 2 and torch.equal(got, want)
+    expert_prior = torch.tensor([-20.0, -14.5, 0.3], dtype=torch.float64)
+    zeta = torch.tensor([0.4, -1.1, 0.8], dtype=torch.float64)
+    logits = _dirichlet_in_input_dtype(SimpleNamespace(num_samples=3), expert_prior.exp(), zeta)
+    torch.testing.assert_close(monteclora.mixture_weights(expert_prior, zeta), torch.softmax(logits, -1), rtol=1e-12, atol=1e-15)
+
+
+def test_a_bf16_adapter_s_training_step_runs_in_bf16():
+    """A bf16 adapter on a float32 layer in a training step: the sampled A stays bf16 (the square
+    roots in fp32, cast back), the step runs and every trainable gets a bf16 gradient."""
+    from tests.one_layer import one_layer
+
+    model = one_layer("linear", 6, 4, True, torch.float32, 0).train()
+    spec = lf.AdapterSpec("monteclora", ["proj"], r=2, num_samples=3, dtype=torch.bfloat16)
+    adapter = lf.init_adapter(model, spec, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(5, 6, generator=torch.Generator().manual_seed(2))
+    params = {k.rsplit(".", 1)[-1]: v for k, v in adapter.params.items()}
+    torch.manual_seed(0)
+    assert monteclora.sampled_a(params, adapter.layers[0].info).dtype == torch.bfloat16
+    torch.manual_seed(0)
+    out = lf.adapted_call(model, adapter, x=x)
+    grads = torch.autograd.grad(out.square().sum(), list(adapter.params.values()))
+    assert out.dtype == torch.float32 and all(g.dtype == torch.bfloat16 and torch.isfinite(g).all() for g in grads)
