@@ -184,7 +184,7 @@ def test_the_sampler_s_floors_are_peft_s():
     expert_prior = torch.tensor([-20.0, -14.5, 0.3], dtype=torch.float64)
     zeta = torch.tensor([0.4, -1.1, 0.8], dtype=torch.float64)
     logits = _dirichlet_in_input_dtype(SimpleNamespace(num_samples=3), expert_prior.exp(), zeta)
-    torch.testing.assert_close(monteclora.mixture_weights(expert_prior, zeta), torch.softmax(logits, -1), rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(monteclora.mixture_weights(expert_prior, zeta), torch.softmax(logits, -1), rtol=1e-9, atol=0)  # relative: the floored weights are tiny
 
 
 def test_a_bf16_adapter_s_training_step_runs_in_bf16():
