@@ -181,10 +181,19 @@ def test_the_sampler_s_floors_are_peft_s():
     want = MontecloraSampler.wishart_reparameterization(None, torch.diag(std_prior.exp()), torch.diag(chi)).diag()
     got = monteclora.variances(std_prior, chi)
     assert (got == 1e-3).sum() == 2 and torch.equal(got, want)
-    expert_prior = torch.tensor([-20.0, -14.5, 0.3], dtype=torch.float64)
     zeta = torch.tensor([0.4, -1.1, 0.8], dtype=torch.float64)
-    logits = _dirichlet_in_input_dtype(SimpleNamespace(num_samples=3), expert_prior.exp(), zeta)
-    torch.testing.assert_close(monteclora.mixture_weights(expert_prior, zeta), torch.softmax(logits, -1), rtol=1e-9, atol=0)  # relative: the floored weights are tiny
+    # α floored at 1e-6 (tiny priors), the spread floored at 1e-6 (large priors: 1/α ≈ 1e-6)
+    for expert_prior in ([-20.0, -14.5, 0.3], [14.0, 13.5, 15.0]):
+        expert_prior = torch.tensor(expert_prior, dtype=torch.float64)
+        logits = _dirichlet_in_input_dtype(SimpleNamespace(num_samples=3), expert_prior.exp(), zeta)
+        torch.testing.assert_close(monteclora.mixture_weights(expert_prior, zeta), torch.softmax(logits, -1), rtol=1e-9, atol=0)  # relative: the floored weights are tiny
+
+
+def test_init_gives_the_asked_dtype():
+    from tests.variant_checks import init_params
+
+    params, buffers = init_params(monteclora, "monteclora", 2, 6, 4, num_samples=3)
+    assert {k: tuple(v.shape) for k, v in params.items() if k.startswith("monteclora")} == {"monteclora_std_prior": (2,), "monteclora_expert_weights_prior": (3,)}
 
 
 def test_a_bf16_adapter_s_training_step_runs_in_bf16():
