@@ -157,3 +157,27 @@ def test_init_gives_the_asked_dtype(orth):
     for init in ("identity", "random"):
         params, buffers = init_params(psoft, "psoft", 3, 6, 5, init=init, psoft_orth=orth)
         assert params["psoft_R"].shape == ((3,) if orth else (3, 3)) and sorted(buffers) == ["psoft_A", "psoft_B"]
+
+
+def test_an_orthogonal_stack_with_a_rank_one_member_equals_each_member_alone():
+    """Ranks 1 and 4 (the rank-1 member's skew triangle is empty: R is its magnitude vectors):
+    the padded member reads no entry of the stacked triangle, and each member's loss and R
+    gradient under vmap are its own."""
+    model = tiny_model("llama")
+    members = [
+        perturbed(lf.init_adapter(model, lf.AdapterSpec("psoft", targets=["v_proj"], r=r), generator=torch.Generator().manual_seed(r)), 0.3, seed=r)
+        for r in (1, 4)
+    ]
+    stacked = lf.stack(members)
+    ids = tokens(2, 9, seed=3)
+    base = lf.base_params(model)
+
+    def loss(adapter):
+        return torch.func.functional_call(model, lf.overlay(base, adapter), (ids,)).logits.square().mean()
+
+    values = torch.func.vmap(loss)(stacked)
+    torch.testing.assert_close(values, torch.stack([loss(m) for m in members]), atol=1e-6, rtol=1e-6)
+    grads = torch.func.vmap(lambda a: torch.func.grad(lambda p: loss(a.with_params(p)))(a.params))(stacked)
+    key = "model.layers.0.self_attn.v_proj.psoft_vector_b"
+    alone = torch.func.grad(lambda p: loss(members[0].with_params(p)))(members[0].params)[key]
+    torch.testing.assert_close(grads[key][0, :1], alone, atol=1e-6, rtol=1e-5)
