@@ -212,3 +212,14 @@ def test_a_bf16_adapter_s_training_step_runs_in_bf16():
     out = lf.adapted_call(model, adapter, x=x)
     grads = torch.autograd.grad(out.square().sum(), list(adapter.params.values()))
     assert out.dtype == torch.float32 and all(g.dtype == torch.bfloat16 and torch.isfinite(g).all() for g in grads)
+
+
+def test_one_sample_is_accepted_as_peft_accepts_it():
+    """peft's MontecloraConfig takes num_samples >= 1: one sample is one perturbation of A (its
+    mixture weight 1), zero is refused."""
+    with pytest.raises(ValueError, match="num_samples"):
+        lf.AdapterSpec("monteclora", ["proj"], num_samples=0)
+    MontecloraConfig(num_samples=1)
+    zeta = torch.tensor([0.7], dtype=torch.float64)
+    assert torch.equal(monteclora.mixture_weights(torch.tensor([0.3], dtype=torch.float64), zeta), torch.ones(1, dtype=torch.float64))
+    lf.AdapterSpec("monteclora", ["proj"], num_samples=1)
