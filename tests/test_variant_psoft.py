@@ -181,3 +181,26 @@ def test_an_orthogonal_stack_with_a_rank_one_member_equals_each_member_alone():
     key = "model.layers.0.self_attn.v_proj.psoft_vector_b"
     alone = torch.func.grad(lambda p: loss(members[0].with_params(p)))(members[0].params)[key]
     torch.testing.assert_close(grads[key][0, :1], alone, atol=1e-6, rtol=1e-5)
+
+
+def test_the_cayley_neumann_projection_is_peft_s_at_tiny_norms():
+    """``cayley_neumann_eps``: Q scaled to ``eps / (‖Q‖ + 1e-12)`` where ``‖Q‖ > eps`` (the 1e-12
+    matters at tiny norms), left alone at ``‖Q‖ = eps`` exactly; R against peft's OrthLayer in float64."""
+    from peft.tuners.psoft.layer import OrthLayer
+
+    from lora_func.variants import psoft
+    from tests.variant_checks import layer_info
+
+    g = torch.Generator().manual_seed(0)
+    vec = torch.randn(3, dtype=torch.float64, generator=g) * 1e-10
+    vectors = {f"psoft_vector_{s}": 1 + 0.1 * torch.randn(3, dtype=torch.float64, generator=g) for s in "ba"}
+    norm = float(torch.linalg.norm(psoft._skew(vec, 3, layer_info("psoft", 3, 6, 5))))
+    for eps in (norm / 3, norm):
+        info = layer_info("psoft", 3, 6, 5, use_cayley_neumann=True, cayley_neumann_eps=eps)
+        got = psoft.rotation({"psoft_R": vec, **vectors}, 3, info)
+        layer = OrthLayer(3, use_cayley_neumann=True, cayley_neumann_eps=eps).double()
+        with torch.no_grad():
+            layer.weight.copy_(vec)
+            layer.vector_b.copy_(vectors["psoft_vector_b"])
+            layer.vector_a.copy_(vectors["psoft_vector_a"])
+        torch.testing.assert_close(got, layer.get_matrix().detach(), rtol=1e-14, atol=0)
