@@ -138,7 +138,7 @@ def test_peft_config_checks_and_round_trip():
             "psoft_orth": [1], "psoft_mag_a": ["yes"], "psoft_mag_b": [0], "use_cayley_neumann": [None], "num_cayley_neumann_terms": [0, 2.0],
             "cayley_neumann_eps": [0.0, 1.0, float("nan"), -0.5], "psoft_dropout": [1.0, -0.1], "init_weights": [0], "r": [0], "psoft_alpha": [float("inf")],
         },
-        good={"cayley_neumann_eps": [None, 0.9, 1e-3], "psoft_dropout": [None, 0.5], "num_cayley_neumann_terms": [1, 9]},
+        good={"cayley_neumann_eps": [None, 0.9, 1e-3], "psoft_dropout": [None, 0.5], "num_cayley_neumann_terms": [1, 9], "psoft_svd_lowrank_niter": [0]},
     )
     assert_peft_round_trip(
         "psoft",
