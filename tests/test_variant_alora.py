@@ -97,3 +97,73 @@ def test_save_peft_loads_in_peft_and_uninvoked_is_lora(model, trained, tmp_path)
     off = alora.invoked(adapter, 0)
     assert torch.equal(lf.adapted_call(model, off, IDS).logits, model(IDS).logits)
     assert torch.equal(lf.adapted_call(model, off, IDS, merged=True).logits, model(IDS).logits)
+
+
+@pytest.mark.parametrize(
+    "invocation",
+    [[9], [13], [5, 9, 13, 20, 21, 22, 23, 24, 25, 26, 27], [4, 5, 9, 5, 9, 13, 20, 21, 22, 23]],
+    ids=["one-token", "one-token-twice", "longer-than-the-input", "the-whole-first-row"],
+)
+def test_offsets_are_peft_s_at_the_edges(invocation):
+    """One-token invocations, one longer than the input (never found), one as long as the input
+    (found at 0 in row 0: the whole row adapted)."""
+    from peft.tuners.lora.variants import calculate_alora_offsets
+
+    class Config:
+        alora_invocation_tokens = invocation
+
+    want = [0 if o is None else o for o in calculate_alora_offsets({"default": Config()}, "default", IDS)]
+    assert alora.offsets(IDS, invocation).tolist() == want
+    assert any(want) == (len(invocation) <= IDS.shape[1])
+
+
+def test_no_invocation_tokens_adapt_every_token_of_a_long_input():
+    """Without invocation tokens (and uninvoked, the adapter's default) every token is adapted,
+    however long the input: the lazy path equals the merged LoRA on 300 tokens."""
+    from tests.one_layer import one_layer, perturbed, run
+
+    assert (alora.offsets(IDS, []) >= IDS.shape[1]).all()
+    model = one_layer("linear", 4, 3, True, torch.float64, 0)
+    adapter = perturbed(lf.init_adapter(model, lf.AdapterSpec("alora", ["proj"], r=2, dtype=torch.float64), generator=torch.Generator().manual_seed(1)), seed=2, scale=0.5)
+    x = torch.randn(1, 300, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    base = lf.base_params(model)
+    lazy, merged = (run(model, make(base, adapter), x) for make in (lf.overlay, lf.merge_overlay))
+    assert (merged - model(x=x)).abs().min() > 0
+    torch.testing.assert_close(lazy, merged, rtol=1e-12, atol=1e-12)
+
+
+def test_one_token_rows_under_vmap_are_the_batched_rows():
+    """``vmap`` over the tokens hands each layer a 1-D input (one token): adapted as one token,
+    the same as the batched call."""
+    from tests.one_layer import one_layer, perturbed, run
+
+    model = one_layer("linear", 4, 3, True, torch.float64, 0)
+    adapter = perturbed(lf.init_adapter(model, lf.AdapterSpec("alora", ["proj"], r=2, dtype=torch.float64), generator=torch.Generator().manual_seed(1)), seed=2, scale=0.5)
+    params = lf.overlay(lf.base_params(model), adapter)
+    x = torch.randn(5, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    want = run(model, params, x)
+    assert (want - model(x=x)).abs().min() > 0
+    torch.testing.assert_close(torch.func.vmap(lambda row: run(model, params, row))(x), want, rtol=1e-12, atol=1e-12)
+
+
+def test_invocation_tokens_are_whole_numbers_from_zero():
+    lf.AdapterSpec("alora", targets=["q_proj"], invocation_tokens=[0, 7])
+    for bad in ([-1], [True], [2.0], ["5"]):
+        with pytest.raises(ValueError, match="invocation_tokens"):
+            lf.AdapterSpec("alora", targets=["q_proj"], invocation_tokens=bad)
+
+
+def test_a_one_token_step_invoked_at_its_last_token_is_adapted_on_both_paths():
+    """Offset 1 (the invocation ends the input: a decoding step of one token): the merged and the
+    lazy path both adapt it; offset 0 adapts neither."""
+    from tests.one_layer import one_layer, perturbed, run
+
+    model = one_layer("linear", 4, 3, True, torch.float64, 0)
+    adapter = perturbed(lf.init_adapter(model, lf.AdapterSpec("alora", ["proj"], r=2, dtype=torch.float64), generator=torch.Generator().manual_seed(1)), seed=2, scale=0.5)
+    x = torch.randn(1, 1, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    base = lf.base_params(model)
+    for offset in (1, 0):
+        member = alora.invoked(adapter, offset)
+        lazy, merged = (run(model, make(base, member), x) for make in (lf.overlay, lf.merge_overlay))
+        torch.testing.assert_close(lazy, merged, rtol=1e-12, atol=1e-12)
+        assert torch.equal(lazy, model(x=x)) == (offset == 0)

@@ -89,3 +89,15 @@ def test_what_is_not_read_or_stacked_is_refused(model, tmp_path):
     q = lf.init_adapter(model, lf.AdapterSpec("bdlora", targets=["q_proj"], r=R, nblocks=2, side="a"))
     v = lf.init_adapter(model, lf.AdapterSpec("bdlora", targets=["v_proj"], r=R, nblocks=2, side="b"))
     assert len(lf.compose(q, v).parts) == 2
+
+
+@pytest.mark.parametrize("side", ["a", "b"])
+def test_init_gives_the_asked_dtype_and_the_stored_shapes(side):
+    """A float64 adapter asked for on a float32 weight comes back float64 (the contract's init
+    dtype), each factor in its stored shape (the block-diagonal one as its nblocks blocks)."""
+    from lora_func.variants import bdlora
+    from tests.variant_checks import init_params
+
+    params, buffers = init_params(bdlora, "bdlora", 4, 6, 8, side=side, nblocks=2)
+    assert not buffers
+    assert {k: tuple(v.shape) for k, v in params.items()} == ({"lora_A": (4, 3), "lora_B": (8, 4)} if side == "a" else {"lora_A": (4, 6), "lora_B": (8, 2)})

@@ -102,3 +102,25 @@ def test_init_gives_the_asked_dtype_for_each_init():
         params, buffers = init_params(beft, "beft", 2, 6, 5, init=init)
         assert params["beft_bias"].shape == (5,) and not buffers
         assert (torch.count_nonzero(params["beft_bias"]) > 0) == (init == "random")
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_a_float32_bias_on_a_float64_layer_is_added_in_float64(bias):
+    """peft's ``(result + beft_bias).to(result.dtype)``: the sum in the promoted dtype, so a
+    float32 beft_bias on a float64 layer is added to the unrounded float64 output,
+    on the lazy path and (with a bias) the merged one."""
+    from tests.one_layer import one_layer, run
+
+    model = one_layer("linear", 5, 4, bias, torch.float64, 0)
+    adapter = lf.init_adapter(model, lf.AdapterSpec("beft", ["proj"], dtype=torch.float32, init="random"), generator=torch.Generator().manual_seed(1))
+    (beta,) = adapter.params.values()
+    x = torch.randn(3, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = model(x=x) + beta.double()
+        base = lf.base_params(model)
+        for make in (lf.overlay, lf.merge_overlay) if bias else (lf.overlay,):
+            got = run(model, make(base, adapter), x)
+            assert got.dtype == torch.float64, make.__name__
+            # (the merged form sums b + β first: the same up to float64 round-off; β rounded in
+            # float32 after the sum would be off by ~1e-8)
+            torch.testing.assert_close(got, want, rtol=1e-14, atol=1e-14, msg=make.__name__)

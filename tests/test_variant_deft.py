@@ -251,3 +251,46 @@ def test_a_bf16_base_keeps_no_float32_copy_of_the_input():
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
     torch.manual_seed(1)
     assert not torch.equal(lf.adapted_call(model, adapter, x=x), out)
+
+
+@pytest.mark.parametrize("method", ["relu", "qr"])
+def test_a_bf16_adapter_s_dropout_step_is_its_float32_values_step(method):
+    """A training step with dropout on a bf16 adapter (float32 base) runs the injection in float32:
+    it equals the same values held in a float32 adapter under the same RNG seed (R is cast to the
+    projection's dtype before it meets the dropped input)."""
+    model = one_layer("linear", 6, 8, True, torch.float32, 0)
+    spec = dict(targets=["proj"], r=3, decomposition_method=method, injection_alpha=2.0, init="random", dropout=0.3)
+    narrow = lf.init_adapter(model, lf.AdapterSpec("deft", dtype=torch.bfloat16, **spec), generator=torch.Generator().manual_seed(1))
+    wide = lf.init_adapter(model, lf.AdapterSpec("deft", dtype=torch.float32, **spec), generator=torch.Generator().manual_seed(1))
+    wide = wide.with_params({k: v.float() for k, v in narrow.params.items()})
+    x = torch.randn(5, 6, generator=torch.Generator().manual_seed(2))
+    model.train()
+    outs = []
+    for adapter in (narrow, wide):
+        torch.manual_seed(3)
+        outs.append(lf.adapted_call(model, adapter, x=x))
+    torch.manual_seed(4)
+    other = lf.adapted_call(model, wide, x=x)
+    model.eval()
+    assert outs[0].dtype == torch.float32
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-6, atol=1e-6)
+    assert not torch.equal(other, outs[1])  # the step dropped something
+
+
+@pytest.mark.parametrize("method", ["relu", "qr"])
+def test_a_stack_member_ignores_values_in_its_padding(method):
+    """A stacked adapter whose padding holds values (written there by hand or by an update that
+    is not masked): each member's output is still its own slice's, the padding of P (columns past
+    its rank) and of R (rows past it) never read."""
+    model = one_layer("linear", 12, 9, True, torch.float64, 0)
+    spec = {"decomposition_method": method, "injection_alpha": 3.0, "dtype": torch.float64}
+    members = [lf.init_adapter(model, lf.AdapterSpec("deft", ["proj"], r=r, **spec), generator=torch.Generator().manual_seed(r)) for r in (2, 5)]
+    stacked = lf.stack(members)
+    g = torch.Generator().manual_seed(7)
+    noisy = stacked.with_params({k: v.detach() + 0.3 * torch.randn(v.shape, generator=g, dtype=v.dtype) for k, v in stacked.params.items()})
+    x = torch.randn(4, 12, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    base = lf.base_params(model)
+    outs = torch.vmap(lambda a: run(model, lf.overlay(base, a), x))(noisy)
+    for i, member in enumerate(members):
+        own = member.with_params({k: noisy.params[k][i][tuple(slice(0, n) for n in v.shape)] for k, v in member.params.items()})
+        torch.testing.assert_close(outs[i], run(model, lf.overlay(base, own), x), rtol=1e-12, atol=1e-12)

@@ -120,3 +120,22 @@ def test_an_fp32_adapter_on_an_fp64_biased_layer_computes_w_c_in_fp64(layout):
     for make in (lf.overlay, lf.merge_overlay):
         got = run(model, make(base, adapter), x)
         assert got.dtype == torch.float64 and (got - want).abs().max() < 1e-5 * want.abs().max()
+
+
+def test_bias_paths_only_on_a_bf16_layer():
+    """``config_A_B="none"`` (no weight update: only the bias paths) with an fp32 adapter on a bf16
+    layer: lazy and merged agree with the explicit formula to bf16's round-off."""
+    from tests.one_layer import one_layer, perturbed, run
+
+    model = one_layer("linear", 5, 4, True, torch.bfloat16, 0)
+    spec = lf.AdapterSpec("glora", targets=["proj"], r=2, config_A_B="none", config_C="vector", config_D_E="vector", dtype=torch.float32)
+    adapter = perturbed(lf.init_adapter(model, spec, generator=torch.Generator().manual_seed(0)), 3, scale=0.5)
+    x = torch.randn(3, 5, generator=torch.Generator().manual_seed(1)).bfloat16()
+    p = {k.rsplit(".", 1)[-1]: v.detach().double() for k, v in adapter.params.items()}
+    w, b = model.proj.weight.detach().double(), model.proj.bias.detach().double()
+    want = x.double() @ w.T + b + b * p["glora_D_X"] + p["glora_E_X"] + (w @ p["glora_C_X"]).squeeze(-1)
+    base = lf.base_params(model)
+    assert (want - run(model, base, x).double()).abs().max() > 0.1
+    for make in (lf.overlay, lf.merge_overlay):
+        got = run(model, make(base, adapter), x)
+        assert got.dtype == torch.bfloat16 and (got.double() - want).abs().max() < 2e-2 * want.abs().max(), make.__name__

@@ -169,3 +169,57 @@ def test_vmap_follows_randomness_as_dropout():
     torch.testing.assert_close(same[0], same[1], atol=1e-5, rtol=0)
     model.eval()
     torch.func.vmap(run)(stacked)  # no draws outside training
+
+
+def test_the_sampler_s_floors_are_peft_s():
+    """The variances' floor (1e-3) and the mixture's (α ≥ 1e-6) at priors that reach them, against
+    peft's wishart and dirichlet reparameterizations (the latter in the input dtype, as above)."""
+    from types import SimpleNamespace
+
+    std_prior = torch.tensor([-6.0, 0.0, 0.5, -3.5], dtype=torch.float64)
+    chi = torch.tensor([0.5, 2.0, 1.0, 0.7], dtype=torch.float64)
+    want = MontecloraSampler.wishart_reparameterization(None, torch.diag(std_prior.exp()), torch.diag(chi)).diag()
+    got = monteclora.variances(std_prior, chi)
+    assert (got == 1e-3).sum() == 2 and torch.equal(got, want)
+    zeta = torch.tensor([0.4, -1.1, 0.8], dtype=torch.float64)
+    # α floored at 1e-6 (tiny priors), the spread floored at 1e-6 (large priors: 1/α ≈ 1e-6)
+    for expert_prior in ([-20.0, -14.5, 0.3], [14.0, 13.5, 15.0]):
+        expert_prior = torch.tensor(expert_prior, dtype=torch.float64)
+        logits = _dirichlet_in_input_dtype(SimpleNamespace(num_samples=3), expert_prior.exp(), zeta)
+        torch.testing.assert_close(monteclora.mixture_weights(expert_prior, zeta), torch.softmax(logits, -1), rtol=1e-9, atol=0)  # relative: the floored weights are tiny
+
+
+def test_init_gives_the_asked_dtype():
+    from tests.variant_checks import init_params
+
+    params, buffers = init_params(monteclora, "monteclora", 2, 6, 4, num_samples=3)
+    assert {k: tuple(v.shape) for k, v in params.items() if k.startswith("monteclora")} == {"monteclora_std_prior": (2,), "monteclora_expert_weights_prior": (3,)}
+
+
+def test_a_bf16_adapter_s_training_step_runs_in_bf16():
+    """A bf16 adapter on a float32 layer in a training step: the sampled A stays bf16 (the square
+    roots in fp32, cast back), the step runs and every trainable gets a bf16 gradient."""
+    from tests.one_layer import one_layer
+
+    model = one_layer("linear", 6, 4, True, torch.float32, 0).train()
+    spec = lf.AdapterSpec("monteclora", ["proj"], r=2, num_samples=3, dtype=torch.bfloat16)
+    adapter = lf.init_adapter(model, spec, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(5, 6, generator=torch.Generator().manual_seed(2))
+    params = {k.rsplit(".", 1)[-1]: v for k, v in adapter.params.items()}
+    torch.manual_seed(0)
+    assert monteclora.sampled_a(params, adapter.layers[0].info).dtype == torch.bfloat16
+    torch.manual_seed(0)
+    out = lf.adapted_call(model, adapter, x=x)
+    grads = torch.autograd.grad(out.square().sum(), list(adapter.params.values()))
+    assert out.dtype == torch.float32 and all(g.dtype == torch.bfloat16 and torch.isfinite(g).all() for g in grads)
+
+
+def test_one_sample_is_accepted_as_peft_accepts_it():
+    """peft's MontecloraConfig takes num_samples >= 1: one sample is one perturbation of A (its
+    mixture weight 1), zero is refused."""
+    with pytest.raises(ValueError, match="num_samples"):
+        lf.AdapterSpec("monteclora", ["proj"], num_samples=0)
+    MontecloraConfig(num_samples=1)
+    zeta = torch.tensor([0.7], dtype=torch.float64)
+    assert torch.equal(monteclora.mixture_weights(torch.tensor([0.3], dtype=torch.float64), zeta), torch.ones(1, dtype=torch.float64))
+    lf.AdapterSpec("monteclora", ["proj"], num_samples=1)

@@ -19,7 +19,7 @@ import lora_func as lf
 from tests import bank_oracle, methods_oracle
 from tests.contract_helpers import loss_fn, perturbed
 from tests.models import tiny_model, tokens
-from tests.variant_checks import assert_config_checks, assert_peft_round_trip, init_params
+from tests.variant_checks import assert_config_checks, assert_peft_round_trip, init_params, layer_info
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
 
@@ -150,3 +150,41 @@ def test_init_gives_the_asked_dtype_and_the_high_factor_of_the_tall_or_wide_side
         params, buffers = init_params(osf, "osf", 2, d_in, d_out, init=init)
         assert {k: tuple(v.shape) for k, v in params.items()} == {"osf_U": (d_out, min(shape) - 2), "osf_S": (min(shape) - 2,), "osf_V": (min(shape) - 2, d_in)}
         assert ("osf_U_high" in buffers, "osf_V_high" in buffers) == (d_out > d_in, d_out < d_in)
+
+
+def test_a_bf16_base_s_factors_are_peft_s_rounded_to_bf16():
+    """peft's decompose_weight_matrix: the float32 SVD of a bf16 weight, each factor rounded to
+    bf16; asked for float32 factors, init holds exactly those bf16 values (frozen and trained)."""
+    from peft.tuners.osf.utils import decompose_weight_matrix
+
+    from lora_func.variants import osf
+
+    weight = torch.randn(6, 4, generator=torch.Generator().manual_seed(3)).bfloat16()
+    info = layer_info("osf", 2, 4, 6)
+    params, buffers = osf.init(weight, None, info, dtype=torch.float32, generator=torch.Generator().manual_seed(0))
+    want = decompose_weight_matrix(weight, 2)
+    for ours, theirs in (("U0", "U_low"), ("S0", "S_low"), ("V0", "V_low"), ("U_high", "U_high")):
+        assert torch.equal(buffers[f"osf_{ours}"], want[theirs].detach().float()), ours
+    for name in ("U", "S", "V"):
+        assert torch.equal(params[f"osf_{name}"], buffers[f"osf_{name}0"]), name
+
+
+def test_an_in_place_step_on_the_trained_factors_leaves_the_frozen_copies():
+    """The trained U, S, V start as copies of the frozen U0, S0, V0, not views of them: an
+    optimizer's in-place step moves the trained ones only."""
+    from tests.one_layer import one_layer
+
+    adapter = lf.init_adapter(one_layer("linear", 6, 4, True, torch.float32, 0), lf.AdapterSpec("osf", ["proj"], effective_rank=2))
+    frozen = {k: v.clone() for k, v in adapter.buffers.items()}
+    with torch.no_grad():
+        for p in adapter.params.values():
+            p.add_(1.0)
+    assert all(torch.equal(adapter.buffers[k], v) for k, v in frozen.items())
+
+
+def test_a_fraction_that_freezes_no_direction_is_refused():
+    from tests.one_layer import one_layer
+
+    # int(4 · 0.2) = 0 frozen directions on a 4x6 layer
+    with pytest.raises(ValueError, match=r"effective_rank=0\.2 freezes 0 of the 4 directions"):
+        lf.init_adapter(one_layer("linear", 6, 4, True, torch.float32, 0), lf.AdapterSpec("osf", ["proj"], effective_rank=0.2))

@@ -138,7 +138,7 @@ def test_peft_config_checks_and_round_trip():
             "psoft_orth": [1], "psoft_mag_a": ["yes"], "psoft_mag_b": [0], "use_cayley_neumann": [None], "num_cayley_neumann_terms": [0, 2.0],
             "cayley_neumann_eps": [0.0, 1.0, float("nan"), -0.5], "psoft_dropout": [1.0, -0.1], "init_weights": [0], "r": [0], "psoft_alpha": [float("inf")],
         },
-        good={"cayley_neumann_eps": [None, 0.9, 1e-3], "psoft_dropout": [None, 0.5], "num_cayley_neumann_terms": [1, 9]},
+        good={"cayley_neumann_eps": [None, 0.9, 1e-3], "psoft_dropout": [None, 0.5], "num_cayley_neumann_terms": [1, 9], "psoft_svd_lowrank_niter": [0]},
     )
     assert_peft_round_trip(
         "psoft",
@@ -157,3 +157,50 @@ def test_init_gives_the_asked_dtype(orth):
     for init in ("identity", "random"):
         params, buffers = init_params(psoft, "psoft", 3, 6, 5, init=init, psoft_orth=orth)
         assert params["psoft_R"].shape == ((3,) if orth else (3, 3)) and sorted(buffers) == ["psoft_A", "psoft_B"]
+
+
+def test_an_orthogonal_stack_with_a_rank_one_member_equals_each_member_alone():
+    """Ranks 1 and 4 (the rank-1 member's skew triangle is empty: R is its magnitude vectors):
+    the padded member reads no entry of the stacked triangle, and each member's loss and R
+    gradient under vmap are its own."""
+    model = tiny_model("llama")
+    members = [
+        perturbed(lf.init_adapter(model, lf.AdapterSpec("psoft", targets=["v_proj"], r=r), generator=torch.Generator().manual_seed(r)), 0.3, seed=r)
+        for r in (1, 4)
+    ]
+    stacked = lf.stack(members)
+    ids = tokens(2, 9, seed=3)
+    base = lf.base_params(model)
+
+    def loss(adapter):
+        return torch.func.functional_call(model, lf.overlay(base, adapter), (ids,)).logits.square().mean()
+
+    values = torch.func.vmap(loss)(stacked)
+    torch.testing.assert_close(values, torch.stack([loss(m) for m in members]), atol=1e-6, rtol=1e-6)
+    grads = torch.func.vmap(lambda a: torch.func.grad(lambda p: loss(a.with_params(p)))(a.params))(stacked)
+    key = "model.layers.0.self_attn.v_proj.psoft_vector_b"
+    alone = torch.func.grad(lambda p: loss(members[0].with_params(p)))(members[0].params)[key]
+    torch.testing.assert_close(grads[key][0, :1], alone, atol=1e-6, rtol=1e-5)
+
+
+def test_the_cayley_neumann_projection_is_peft_s_at_tiny_norms():
+    """``cayley_neumann_eps``: Q scaled to ``eps / (‖Q‖ + 1e-12)`` where ``‖Q‖ > eps`` (the 1e-12
+    matters at tiny norms), left alone at ``‖Q‖ = eps`` exactly; R against peft's OrthLayer in float64."""
+    from peft.tuners.psoft.layer import OrthLayer
+
+    from lora_func.variants import psoft
+    from tests.variant_checks import layer_info
+
+    g = torch.Generator().manual_seed(0)
+    vec = torch.randn(3, dtype=torch.float64, generator=g) * 1e-10
+    vectors = {f"psoft_vector_{s}": 1 + 0.1 * torch.randn(3, dtype=torch.float64, generator=g) for s in "ba"}
+    norm = float(torch.linalg.norm(psoft._skew(vec, 3, layer_info("psoft", 3, 6, 5))))
+    for eps in (norm / 3, norm):
+        info = layer_info("psoft", 3, 6, 5, use_cayley_neumann=True, cayley_neumann_eps=eps)
+        got = psoft.rotation({"psoft_R": vec, **vectors}, 3, info)
+        layer = OrthLayer(3, use_cayley_neumann=True, cayley_neumann_eps=eps).double()
+        with torch.no_grad():
+            layer.weight.copy_(vec)
+            layer.vector_b.copy_(vectors["psoft_vector_b"])
+            layer.vector_a.copy_(vectors["psoft_vector_a"])
+        torch.testing.assert_close(got, layer.get_matrix().detach(), rtol=1e-14, atol=0)

@@ -83,3 +83,33 @@ def test_init_draws_peft_s_numbers():
 def test_a_group_size_that_does_not_divide_d_in_is_refused(model):
     with pytest.raises(ValueError, match=r"group_size=5 must divide the layer's d_in=32"):
         lf.init_adapter(model, lf.AdapterSpec("qalora", targets=TARGETS, r=2, group_size=5))
+
+
+@pytest.mark.parametrize("group_size", [1, 3])
+def test_each_group_size_pools_as_a_loop_over_the_groups(group_size):
+    """Down to groups of one feature (the smallest group_size accepted; 0 is refused): both
+    overlays equal ``x Wᵀ + b + s·(x̄ Aᵀ) Bᵀ``, x̄ each group's mean times the number of groups,
+    computed by a Python loop over the groups (float64)."""
+    from tests.one_layer import one_layer, perturbed, run
+
+    with pytest.raises(ValueError, match="group_size"):
+        lf.AdapterSpec("qalora", targets=["proj"], r=2, group_size=0)
+    model = one_layer("linear", 6, 4, True, torch.float64, 0)
+    spec = lf.AdapterSpec("qalora", targets=["proj"], r=2, alpha=3.0, group_size=group_size, dtype=torch.float64)
+    adapter = perturbed(lf.init_adapter(model, spec, generator=torch.Generator().manual_seed(1)), seed=2, scale=0.5)
+    a, b = (adapter.params[k] for k in sorted(adapter.params))  # ...lora_A, ...lora_B
+    x = torch.randn(3, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    groups = 6 // group_size
+    x_bar = torch.stack([x[:, j * group_size : (j + 1) * group_size].mean(-1) * groups for j in range(groups)], -1)
+    want = model(x=x) + 1.5 * (x_bar @ a.T) @ b.T
+    base = lf.base_params(model)
+    for make in (lf.overlay, lf.merge_overlay):
+        torch.testing.assert_close(run(model, make(base, adapter), x), want, rtol=1e-12, atol=1e-12, msg=make.__name__)
+
+
+def test_init_gives_the_asked_dtype_and_the_pooled_shape():
+    from lora_func.variants import qalora
+    from tests.variant_checks import init_params
+
+    params, buffers = init_params(qalora, "qalora", 2, 6, 4, group_size=3)
+    assert not buffers and {k: tuple(v.shape) for k, v in params.items()} == {"lora_A": (2, 2), "lora_B": (4, 2)}

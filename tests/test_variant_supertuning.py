@@ -183,3 +183,30 @@ def test_the_positions_are_the_largest_or_smallest_magnitudes():
         chosen = weight.abs().flatten()[flat]
         rest = weight.abs().flatten()[[i for i in range(weight.numel()) if i not in set(flat.tolist())]]
         assert (chosen.min() >= rest.max()) if select_top else (chosen.max() <= rest.min())
+
+
+def test_a_spec_without_lora_alpha_scales_its_lora_as_peft_s_two_lora_r():
+    """``lora_alpha=None`` (the option's default; peft's config fills in ``2·lora_r``) scales the
+    LoRA by 2: the same outputs as ``lora_alpha = 2·lora_r``, not as ``lora_alpha = lora_r``."""
+    from tests.one_layer import one_layer, run
+
+    model = one_layer("linear", 6, 5, True, torch.float64, 0)
+    x = torch.randn(3, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    base = lf.base_params(model)
+    outs = {}
+    for alpha in (None, 6.0, 3.0):
+        spec = lf.AdapterSpec("supertuning", ["proj"], sparsity=0.5, lora_r=3, lora_alpha=alpha, init="random", dtype=torch.float64)
+        adapter = lf.init_adapter(model, spec, generator=torch.Generator().manual_seed(1))
+        outs[alpha] = run(model, lf.overlay(base, adapter), x)
+    torch.testing.assert_close(outs[None], outs[6.0], rtol=1e-14, atol=1e-14)
+    assert (outs[None] - outs[3.0]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("lora_r", [None, 2])
+def test_init_gives_the_asked_dtype(lora_r):
+    from lora_func.variants import supertuning
+    from tests.variant_checks import init_params
+
+    params, buffers = init_params(supertuning, "supertuning", 2, 6, 5, sparsity=0.5, lora_r=lora_r, init="random")
+    assert sorted(params) == (["supertuning_lora_A", "supertuning_lora_B"] if lora_r else []) + ["supertuning_values"]
+    assert buffers["supertuning_indices"].dtype == torch.int64

@@ -130,3 +130,44 @@ def test_lora_with_trainable_token_indices_is_the_composition(tmp_path):
         pm.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="trainable_token_indices"):
         lf.load_peft(tmp_path, model)
+
+
+def test_token_indices_are_distinct_whole_numbers_from_zero():
+    lf.AdapterSpec("trainable_tokens", targets=["embed_tokens"], token_indices=[0, 4])
+    for bad in ([-1, 2], [True], [1.5], ["3"]):
+        with pytest.raises(ValueError, match="token_indices"):
+            lf.AdapterSpec("trainable_tokens", targets=["embed_tokens"], token_indices=bad)
+
+
+def test_an_adapter_in_another_dtype_than_the_base_and_its_init_dtype():
+    """float64 and bf16 token rows on a float32 head (nn.Linear), both overlays, against the
+    contract row's W_eff; init asked for float64 on a float32 weight gives float64 rows, each init."""
+    from lora_func.variants import trainable_tokens
+    from tests.variant_checks import assert_other_adapter_dtype, init_params
+
+    for dtype in (torch.float64, torch.bfloat16):
+        assert_other_adapter_dtype("trainable_tokens", 6, 8, adapter_dtype=dtype, token_indices=[0, 5, 2], init_weights=False)
+    for init_weights in (True, False):
+        params, buffers = init_params(trainable_tokens, "trainable_tokens", 1, 6, 8, token_indices=[0, 5, 2], init_weights=init_weights)
+        assert params["trainable_tokens_delta"].shape == (3, 6) and buffers["token_indices"].tolist() == [0, 5, 2]
+
+
+def test_an_embedding_s_rows_in_another_dtype_than_the_base():
+    """float64 and bf16 token rows on a float32 nn.Embedding, both overlays: the listed rows are
+    the adapter's, rounded to float32, the others the base's (an explicit row replacement)."""
+    from tests.one_layer import one_layer
+
+    model = one_layer("linear", 4, 3, True, torch.float32, 0)
+    ids = torch.tensor([[0, 5, 2, 7, 5]])
+    for dtype in (torch.float64, torch.bfloat16):
+        spec = lf.AdapterSpec("trainable_tokens", targets=["emb"], token_indices=[5, 0], init_weights=False, dtype=dtype)
+        adapter = lf.init_adapter(model, spec, generator=torch.Generator().manual_seed(1))
+        (delta,) = adapter.params.values()
+        table = model.emb.weight.detach().clone()
+        table[[5, 0]] = delta.float()
+        want = model.proj(torch.nn.functional.embedding(ids, table))
+        base = lf.base_params(model)
+        for make in (lf.overlay, lf.merge_overlay):
+            got = torch.func.functional_call(model, make(base, adapter), (ids,))
+            assert got.dtype == torch.float32, (dtype, make.__name__)
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=f"{dtype} {make.__name__}")

@@ -112,3 +112,117 @@ def test_per_example_training_gradients_under_vmap_equal_a_loop():
     model.eval()  # outside training, LoRA's exact gradient
     key = "model.layers.0.self_attn.q_proj.lora_A"
     assert (torch.func.grad(loss)(params, ids[0])[key] - batched[key][0]).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("num_groups", [1, 3, 4])
+def test_batch_embed_is_peft_s_also_for_a_zero_batch(num_groups):
+    """peft's batch average (its own helpers): the mean sub-token normalised in fp32, and all
+    ones normalised where the mean is zero (a zero batch), for padded and unpadded groups."""
+    from peft.tuners.lora.velora import _normalize_projection, _reshape_to_grouped_subtokens
+
+    from lora_func.variants import velora
+
+    x = torch.randn(2, 3, 10, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    for batch in (x, torch.zeros_like(x)):
+        subtokens = _reshape_to_grouped_subtokens(batch, num_groups)
+        want = _normalize_projection(subtokens.reshape(-1, subtokens.shape[-1]).mean(dim=0))
+        got = velora.batch_embed(batch, num_groups)
+        assert got.dtype == torch.float32 and torch.equal(got, want)
+
+
+def test_the_random_projection_is_drawn_in_the_weight_s_dtype():
+    """peft draws ``init_type="random"``'s projection with ``randn(dtype=<the weight's dtype>)``
+    after LoRA's factors (see test_init_draws_peft_s_numbers on float32), then normalises it in
+    float32: on float64 and bf16 weights, draws of that dtype (not float32 draws cast)."""
+    from lora_func.variants import lora, velora
+    from tests.variant_checks import layer_info
+
+    for dtype in (torch.float64, torch.bfloat16):
+        weight = torch.randn(4, 6, generator=torch.Generator().manual_seed(0)).to(dtype)
+        info = layer_info("velora", 2, 6, 4, num_groups=2, init_type="random")
+        _, buffers = velora.init(weight, None, info, dtype=torch.float64, generator=torch.Generator().manual_seed(9))
+        g = torch.Generator().manual_seed(9)
+        lora.init(weight, None, info, dtype=torch.float64, generator=g)
+        draw = torch.randn(3, generator=g, dtype=dtype).float()
+        assert buffers["velora_embed"].dtype == torch.float64 and torch.equal(buffers["velora_embed"], (draw / draw.norm()).double()), dtype
+
+
+def _one_layer_velora(dtype, init_type="batch_average", base_dtype=torch.float64):
+    from tests.one_layer import one_layer, perturbed
+
+    model = one_layer("linear", 6, 4, True, base_dtype, 0).train()
+    spec = lf.AdapterSpec("velora", ["proj"], r=2, num_groups=2, init_type=init_type, dtype=dtype)
+    adapter = perturbed(lf.init_adapter(model, spec, generator=torch.Generator().manual_seed(1)), seed=2, scale=0.5)
+    return model, adapter
+
+
+def test_the_input_gradient_is_exact_also_with_a_frozen_adapter():
+    """A training step that differentiates the input only (the adapter's tensors frozen): the
+    input gradient is the exact ``(W + s B A)ᵀ g``, as the merged weight's."""
+    model, adapter = _one_layer_velora(torch.float64)
+    frozen = adapter.with_params({k: v.detach() for k, v in adapter.params.items()})
+    x = torch.randn(3, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(3), requires_grad=True)
+    (lazy,) = torch.autograd.grad(lf.adapted_call(model, frozen, x=x).square().sum(), x)
+    (merged,) = torch.autograd.grad(lf.adapted_call(model, frozen, x=x, merged=True).square().sum(), x)
+    (plain,) = torch.autograd.grad(model(x=x).square().sum(), x)
+    torch.testing.assert_close(lazy, merged, rtol=1e-12, atol=1e-12)
+    assert (lazy - plain).abs().max() > 1e-3
+
+
+def test_a_bf16_adapter_s_step_is_its_float32_values_step():
+    """A bf16 adapter on a float32 layer in a training step: the compressed backward runs (in
+    bf16) and A's gradient is the float32 adapter's (same values) to bf16's round-off."""
+    grads = []
+    for dtype in (torch.bfloat16, torch.float32):
+        model, adapter = _one_layer_velora(torch.bfloat16, base_dtype=torch.float32)
+        if dtype == torch.float32:
+            adapter = lf.init_adapter(model, lf.AdapterSpec("velora", ["proj"], r=2, num_groups=2)).with_params({k: v.detach().float().requires_grad_(True) for k, v in adapter.params.items()})
+        x = torch.randn(5, 6, generator=torch.Generator().manual_seed(3))
+        out = lf.adapted_call(model, adapter, x=x)
+        grads.append(torch.autograd.grad(out.square().sum(), adapter.params["proj.lora_A"])[0])
+    assert grads[0].dtype == torch.bfloat16
+    assert (grads[0].float() - grads[1]).abs().max() < 3e-2 * grads[1].abs().max()
+
+
+def test_a_set_projection_is_used_at_its_own_precision():
+    """``batch_average_once`` with its buffer set uses it as ``random`` uses its buffer (and peft
+    its buffer): a float64 projection not rounded to float32 (same gradients, bit for bit)."""
+    e = torch.randn(3, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    e = e / e.norm()
+    x = torch.randn(5, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    grads = []
+    for init_type in ("batch_average_once", "random"):
+        model, adapter = _one_layer_velora(torch.float64, init_type)
+        adapter = adapter.with_buffers({"proj.velora_embed": e})
+        out = lf.adapted_call(model, adapter, x=x)
+        grads.append(torch.autograd.grad(out.square().sum(), adapter.params["proj.lora_A"])[0])
+    assert torch.equal(grads[0], grads[1])
+    model.eval()  # (the compressed backward ran: outside training, LoRA's exact gradient)
+    exact = torch.autograd.grad(lf.adapted_call(model, adapter, x=x).square().sum(), adapter.params["proj.lora_A"])[0]
+    assert (exact - grads[1]).abs().max() > 1e-3
+
+
+def test_outside_a_training_step_and_on_the_overlay_route_the_gradient_is_lora_s():
+    """The compressed backward needs a training step on the lazy or module-call route: in eval
+    mode, and on lf.overlay's parameter route (its layers carry no module training flag), A's
+    gradient is LoRA's exact one (the merged weight's). One group per row is accepted (0 not)."""
+    from tests.one_layer import run
+
+    with pytest.raises(ValueError, match="num_groups"):
+        lf.AdapterSpec("velora", ["proj"], num_groups=0)
+    model, adapter = _one_layer_velora(torch.float64)
+    adapter = lf.init_adapter(model, lf.AdapterSpec("velora", ["proj"], r=2, num_groups=1, dtype=torch.float64)).with_params(adapter.params)
+    x = torch.randn(5, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    key = "proj.lora_A"
+
+    def grad(out):
+        return torch.autograd.grad(out.square().sum(), adapter.params[key])[0]
+
+    base = lf.base_params(model)
+    trained = grad(lf.adapted_call(model, adapter, x=x))
+    overlay_route = grad(run(model, lf.overlay(base, adapter), x))
+    model.eval()
+    exact = grad(lf.adapted_call(model, adapter, x=x, merged=True))
+    torch.testing.assert_close(grad(lf.adapted_call(model, adapter, x=x)), exact, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(overlay_route, exact, rtol=1e-12, atol=1e-12)
+    assert (trained - exact).abs().max() > 1e-3

@@ -193,6 +193,12 @@ TARGETS: dict[str, tuple[tuple[str, ...] | None, list[list[str]]]] = {
         )
         for name in ("beft", "glora", "osf", "psoft")
     },
+    # OSF's traced projection (plain ops under torch.compile, the custom Function in eager code:
+    # equal values, so only a fullgraph trace tells the branch apart)
+    "lora_func/variants/osf.py": (
+        None,
+        [["tests/test_variant_osf.py"], [CONTRACT, "-k", "osf"], [RANK_STACK, "-k", "osf"], [CATALOGUE, "-k", "osf"], [KILLERS, "-k", "documented_defaults and osf"], [COMPILE, "-k", "every_variant and osf"]],
+    ),
     "lora_func/variants/_bank.py": (None, [[CONTRACT, "-k", "vera or randlora or pvera"], ["tests/test_variant_vera.py", "tests/test_variant_randlora.py"]]),
     "lora_func/variants/_contract.py": (
         ("layer_rank", "layer_alpha", "Slot.peft_key", "Slot.saved", "Variant.rank_axes", "Variant.padded_axes", "Variant.integer_buffers", "Variant.kinds", "Variant.shapes", "Variant.layer_slots", "_mask_rank_axes", "padded_member"),
@@ -546,6 +552,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout-factor", type=float, default=4.0, help="a mutant's timeout, in baseline run times")
     parser.add_argument("--no-copy", action="store_true", help="reuse an existing --copy-to tree")
     parser.add_argument("--lines", nargs="*", type=int, default=None, help="only the mutants on these lines (a re-run of a report's survivors)")
+    parser.add_argument(
+        "--survivors-of",
+        type=Path,
+        default=None,
+        help="only the mutants that survived in this earlier --json, matched by (file, kind, original, replacement), so the line numbers may have moved",
+    )
     args = parser.parse_args(argv)
 
     files = args.only or list(TARGETS)
@@ -558,6 +570,9 @@ def main(argv: list[str] | None = None) -> int:
     all_mutants = {f: mutants_of(f, TARGETS[f][0], root) for f in files}
     if args.lines is not None:
         all_mutants = {f: [m for m in ms if m.line in args.lines] for f, ms in all_mutants.items()}
+    if args.survivors_of is not None:
+        earlier = {(r["file"], r["kind"], r["original"], r["replacement"]) for r in json.loads(args.survivors_of.read_text()) if r["status"] == "survived"}
+        all_mutants = {f: [m for m in ms if (m.file, m.kind, m.original, m.replacement) in earlier] for f, ms in all_mutants.items()}
     if args.list:
         for f, ms in all_mutants.items():
             for m in ms:

@@ -26,7 +26,6 @@ import torch
 from torch import Tensor
 
 from lora_func.variants import BaseLayer, LayerInfo, Option, PeftFormat, PeftMethod, Slot, TensorDict, Variant, mapped, one_of
-from lora_func.variants._kernels import promoted
 
 INITS = ("zero", "random")
 
@@ -60,9 +59,9 @@ def weight_form(
 
 def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: BaseLayer, info: LayerInfo) -> Tensor:
     y = base(x)
-    beta = params["beft_bias"]
-    # peft: the base output plus the bias in the wider dtype, cast back to the output's.
-    return ((y if promoted(y.dtype, beta.dtype) == beta.dtype else y.to(beta.dtype)) + beta).to(y.dtype)
+    # peft: the base output plus the bias in their promoted dtype, cast back to the output's (a
+    # float32 bias on a float64 layer is added in float64, not after rounding the output to float32).
+    return (y + params["beft_bias"]).to(y.dtype)
 
 
 VARIANT = Variant(

@@ -97,7 +97,9 @@ def _embed(x: Tensor, buffers: TensorDict, info: LayerInfo) -> Tensor:
     if init_type == "batch_average":
         return step
     stored = buffers[EMBED]  # batch_average_once: the stored projection once it is set
-    return torch.where(stored.any(), stored.to(step.dtype), step)
+    # (in the promoted dtype: a set buffer is used at its own precision, as "random" uses it and
+    # peft uses its buffer, not rounded to the step's fp32)
+    return torch.where(stored.any(), stored, step)
 
 
 def init(
