@@ -303,7 +303,7 @@ DOCUMENTED = {
     "pissa": (8.0, {"use_rslora": False, "niter": 0, "dropout": 0.0}, True, False, True, {"lora_A": 0, "lora_B": 1}),
     "delora": (8.0, {"lambda0": 15.0}, True, False, False, {"delora_A": 0, "delora_B": 1}),
     "hra": (8.0, {"init": "paired"}, True, False, False, {"hra_u": 1}),
-    "ln_tuning": (1.0, {}, False, True, False, {}),
+    "ln_tuning": (1.0, {"weight": True}, False, True, False, {}),
     "antipasto": (
         1.0,
         {"max_rotation_angle": math.pi / 3, "rotate_u": False, "steer": 1.0},
