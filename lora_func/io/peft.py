@@ -320,6 +320,13 @@ def save_peft(
         for o in layers
         for suffix, tensor in o.tensors().items()
     } | {key: tensor.detach().to("cpu").contiguous() for key, tensor in whole.items()}
+    # A tensor shared within a group of layers (Variant.groups) is written under each layer's
+    # key, as peft writes its tied modules: one copy each (safetensors refuses shared memory).
+    seen: set[int] = set()
+    for key, tensor in tensors.items():
+        if tensor.untyped_storage().data_ptr() in seen and tensor.numel():
+            tensors[key] = tensor.clone()
+        seen.add(tensor.untyped_storage().data_ptr())
     directory = Path(directory)
     # The real directory (a symlink to a checkpoint directory is kept, its target replaced).
     target = Path(os.path.realpath(directory))
