@@ -2336,3 +2336,28 @@ CASES.update(
 )
 # init_adapter without a generator seeds one from the global RNG before these refuse a target
 RNG_ADVANCES = RNG_ADVANCES | {"lora-bias-no-bias", "bdlora-blocks", "qalora-group-size", "trainable-tokens-index"}
+
+
+def _lily_merged(ctx: Ctx) -> Callable[[], Any]:
+    model = ctx.model()
+    adapter = ctx.adapter(model, variant="lily", targets=["q_proj", "v_proj"])
+    return lambda: lf.adapted_call(model, adapter, IDS, merged=True)
+
+
+_LILY_Q1 = "base_model.model.model.layers.1.self_attn.q_proj"
+CASES.update(
+    {
+        "no-merged-weight": Case(_lily_merged, ("lily", "merged=False")),
+        "peft-groups-targets": Case(
+            saved_peft(lambda d, ctx, m: _peft_on(d, ctx, m, config={"target_modules": ".*layers\\.0.*q_proj"}), variant="lily"), ("target_modules", "lily")
+        ),
+        "peft-group-missing": Case(
+            saved_peft(lambda d, ctx, m: _peft_on(d, ctx, m, tensors=lambda t: {k: v for k, v in t.items() if k != f"{_LILY_Q1}.lily_A.weight"}), variant="lily"),
+            ("model.layers.1.self_attn.q_proj", "lily_A"),
+        ),
+        "peft-group-shapes": Case(
+            saved_peft(lambda d, ctx, m: _peft_on(d, ctx, m, tensors=lambda t: t | {f"{_LILY_Q1}.lily_B.weight": torch.zeros(6, 32)}), variant="lily"),
+            ("lily_B@0", "(2, 3, 32)"),
+        ),
+    }
+)

@@ -178,3 +178,22 @@ def test_no_merged_weight_lazy_by_default_and_merges_refused():
     ):
         with pytest.raises(ValueError, match="lily has no merged weight"):
             call()
+
+
+def test_a_regex_adapter_saves_its_regex_so_peft_ties_as_lora_func_does(tmp_path):
+    """targets=<regex>: one group per shape (q_proj and o_proj share one B); save_peft writes the
+    regex as target_modules, so peft's reload ties the same layers, and load_peft gives them back."""
+    model = bank_oracle.model64("llama")
+    spec = lf.AdapterSpec("lily", targets=r".*\.(q_proj|o_proj)", r=2, num_B=2, dtype=torch.float64, init="random")
+    adapter = lf.init_adapter(model, spec, generator=torch.Generator().manual_seed(0))
+    assert sorted(n for n, _ in adapter.shared.param_shapes if n.startswith("lily_B")) == ["lily_B@0"]
+    lf.save_peft(adapter, tmp_path, model=model)
+    assert json.loads((tmp_path / "adapter_config.json").read_text())["target_modules"] == r".*\.(q_proj|o_proj)"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = peft.PeftModel.from_pretrained(copy.deepcopy(model), tmp_path)
+    leaders = {id(m.lily_B["default"]) for n, m in pm.named_modules() if type(m).__name__ == "Linear" and hasattr(m, "lily_B")}
+    assert len(leaders) == 1, "peft ties one B over the group"
+    back = lf.load_peft(tmp_path, model)
+    assert back.layer_groups() == adapter.layer_groups()
+    assert all(torch.equal(back.params[k], adapter.params[k]) for k in adapter.params)

@@ -109,6 +109,9 @@ class _Export:
     layers: tuple[Out, ...]
     # The tensors held once for every layer, by whole key (the tensor schema's shared slots).
     whole: Mapping[str, Tensor] = field(default_factory=dict)
+    # The spec's targets, written as target_modules for a variant whose tied tensors peft groups
+    # by the target that matched (Variant.groups): peft then ties as lora_func does.
+    target_modules: Any = None
 
 def _export_leaf(adapter: Adapter, base: Mapping[str, Tensor] | None) -> _Export:
     """``adapter`` as peft stores it, after every check that peft can hold it (no tensor is
@@ -151,7 +154,9 @@ def _export_leaf(adapter: Adapter, base: Mapping[str, Tensor] | None) -> _Export
             assert key is not None  # a saved slot has a key
             # a key with "{}" holds the tensor row by row (Slot.peft)
             whole |= {key.format(i): row for i, row in enumerate(tensor)} if "{}" in key else {key: tensor}
-    return _Export(fmt.method.peft_type, tuple(sorted((k, json.dumps(v, sort_keys=True)) for k, v in shared.items())), tuple(layers), whole)
+    targets = adapter.spec.targets
+    selector = None if adapter.variant.groups is None else targets if isinstance(targets, str) else list(targets)
+    return _Export(fmt.method.peft_type, tuple(sorted((k, json.dumps(v, sort_keys=True)) for k, v in shared.items())), tuple(layers), whole, selector)
 
 def _leaves(adapter: AdapterLike) -> list[Adapter]:
     """The leaf adapters of ``adapter`` in order. peft applies its adapters in order, as
@@ -226,6 +231,9 @@ def _one_checkpoint(
         )
     peft_type, shared = kinds[0][0], {k: json.loads(v) for k, v in kinds[0][1]}
     config = written_config(peft_type, shared, layers, model, task_type)
+    selectors = [e.target_modules for e in exports if e.target_modules is not None]
+    if selectors:
+        config["target_modules"] = selectors[0]
     whole = dict(holding[0].whole) if holding else {}
     if copies:
         config["modules_to_save"] = sorted(o.target.module for o in copies)
