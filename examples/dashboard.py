@@ -267,6 +267,8 @@ def _():
                  "multi-task training: one adapter, a task id per example", "docs/variants/poly.md"),
         "arrow": ("training-free per-token routing over trained task LoRAs by their top singular directions",
                   "you already have a library of task LoRAs to combine (built with lf.routed.arrow)", "docs/variants/arrow.md"),
+        "lily": ("A per few layers, B's tied over each target name mixed by a per-layer router (its softmax averaged over the call's tokens)",
+                 "fewer, larger adapters than LoRA at a similar count; no merged weight", "docs/variants/lily.md"),
     }
     return (VARIANT_HELP,)
 

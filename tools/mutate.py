@@ -192,6 +192,11 @@ TARGETS: dict[str, tuple[tuple[str, ...] | None, list[list[str]]]] = {
         )
         for name in ("beft", "glora", "osf", "psoft")
     },
+    # Issue 43, session 3: Lily's peft oracle file (tied groups, init draws, per-example mean), then its rows.
+    "lora_func/variants/lily.py": (
+        None,
+        [["tests/test_variant_lily.py"], [CONTRACT, "-k", "lily"], [RANK_STACK, "-k", "lily"], [CATALOGUE, "-k", "lily or group or no-merged"]],
+    ),
     "lora_func/variants/_bank.py": (None, [[CONTRACT, "-k", "vera or randlora or pvera"], ["tests/test_variant_vera.py", "tests/test_variant_randlora.py"]]),
     "lora_func/variants/_contract.py": (
         ("layer_rank", "layer_alpha", "Slot.peft_key", "Slot.saved", "Variant.rank_axes", "Variant.padded_axes", "Variant.integer_buffers", "Variant.kinds", "Variant.shapes", "Variant.layer_slots", "_mask_rank_axes", "padded_member"),

@@ -134,6 +134,8 @@ NOT_TRAINED: Mapping[str, str] = MappingProxyType({
              "lora_func.routed.arrow from them, docs/routed.md); it is not trained from scratch",
     "lora_bias": "needs target layers with a bias (the trained lora_bias is added to it); the demo's "
                  "model has no bias in any layer",
+    "lily": "not swept yet: added after the demo's learning-rate sweep (issue 43), so the demo has no "
+            "chosen learning rate for it",
 })
 
 # A method registered after this table was written (a user's own variant): LoRA-like settings.
