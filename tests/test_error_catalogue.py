@@ -2290,7 +2290,6 @@ def on_loras(call: Callable[[nn.Module, list[lf.Adapter], Ctx], Any], **kwargs: 
 
 CASES.update(
     {
-        "arrow-merge": Case(on_loras(lambda m, loras, ctx: lf.adapted_call(m, lf.routed.arrow(loras, top_k=1), IDS, merged=True)), ("2 experts", "merged=False")),
         "arrow-top-k": Case(spec("arrow", ["q_proj"], num_experts=2, top_k=3), ("top_k=3", "num_experts=2")),
         "arrow-library": Case(on_loras(lambda m, loras, ctx: lf.routed.arrow(loras[0])), ("experts", "Adapter")),
         "arrow-not-lora": Case(on_loras(lambda m, loras, ctx: lf.routed.arrow([loras[0], ctx.adapter(m, variant="dora", targets=["q_proj", "v_proj"], r=2)])), ("experts[1]", "dora")),
