@@ -990,3 +990,12 @@ DOCUMENTED.update(
         "arrow": (8.0, {"num_experts": 3, "rng_seed": 0, "router_temperature": 1.0, "top_k": 3}, True, False, False, {"lora_A": 1, "lora_B": 2}),
     }
 )
+
+
+# Issue 43 (session 3): Lily, pinned from docs/variants/lily.md (peft's LilyConfig defaults; its
+# A and B are shared within groups of layers, the router per layer).
+DOCUMENTED.update(
+    {
+        "lily": (1.0, {"init": "zero", "num_B": 2, "scaling": 1.0, "stride_A": 1}, True, False, False, {"lily_A": 0, "lily_B": 1, "lily_router": 1}),
+    }
+)
