@@ -90,6 +90,7 @@ def test_the_answers_differ_where_peft_differs(tmp_path):
     expected |= {(k, "arrow", m) for k in ("llama", "gpt2") for m in (True, False)}  # peft stores no Arrow router: its experts are LoRA files
     expected |= {("gpt2", "poly", m) for m in (True, False)}  # peft: Poly on nn.Linear only
     expected |= {("gpt2", "bdlora", m) for m in (True, False)}  # peft's BD-LoRA reads the base layer's in_features
+    expected |= {("gpt2", "lily", m) for m in (True, False)}  # peft: Lily on nn.Linear only
     assert refused == expected
 
 
