@@ -258,7 +258,8 @@ def _sum_oracle(base, parts, weights):
 
 def test_combine_every_variant_weighted_sum_of_deltas(setting):
     kind, model, base, ids = setting
-    parts = [_adapter(model, v, [LAYER[kind]], seed=30 + i) for i, v in enumerate(sorted(ROWS))]
+    # (the variants without a merged weight: test_combine_with_a_part_without_a_merged_weight)
+    parts = [_adapter(model, v, [LAYER[kind]], seed=30 + i) for i, v in enumerate(sorted(ROWS)) if lf.get_variant(v).merges]
     weights = torch.linspace(-0.7, 1.3, len(parts))
     mix = lf.combine(parts, weights)
     oracle = _logits(model, _sum_oracle(base, parts, weights), ids)
@@ -280,6 +281,40 @@ def test_combine_every_variant_weighted_sum_of_deltas(setting):
     scale = max(float(g.detach().abs().max()) for g in g_merged.values())
     for key in g_lazy:
         torch.testing.assert_close(g_lazy[key], g_merged[key], atol=4e-5 * scale, rtol=0, msg=key)
+
+
+@pytest.mark.parametrize("variant", [v for v in sorted(ROWS) if not lf.get_variant(v).merges])
+def test_combine_with_a_part_without_a_merged_weight(setting, variant):
+    """combine(lora, lily) (or arrow): the merged path refuses; the lazy one is the base plus the
+    weighted sum of each part's change of the layer's output, from the rows' float64 oracles."""
+    kind, model, base, ids = setting
+    parts = [_adapter(model, "lora", [LAYER[kind]], seed=40), _adapter(model, variant, [LAYER[kind]], seed=41)]
+    weights = torch.tensor([0.6, -1.3])
+    mix = lf.combine(parts, weights)
+    with pytest.raises(ValueError, match="has no merged weight"):
+        lf.merge_overlay(base, mix)
+    t = parts[0].layers[0].target
+    w = canonical_weight(base[t.weight_key], t.layout).double()
+    bias = base[t.bias_key].double() if t.bias_key else None
+    (p0, b0), (p1, b1) = ({k: v.detach().double() for k, v in d.items()} for d in parts[0].layer_tensors(parts[0].layers[0])), (
+        {k: v.detach().double() for k, v in d.items()} for d in parts[1].layer_tensors(parts[1].layers[0])
+    )
+    w_lora = ROWS["lora"].w_eff(p0, b0, w, bias, parts[0].layers[0].info)[0]
+
+    def layer_out(x):
+        plain = x @ w.T + (0 if bias is None else bias)
+        other = ROWS[variant].y_oracle(p1, b1, x, w, bias, parts[1].layers[0].info)
+        return plain + 0.6 * (x @ (w_lora - w).T) - 1.3 * (other - plain)
+
+    handle = dict(model.named_modules())[t.module].register_forward_hook(lambda m, i, o: layer_out(i[0].double()).to(o.dtype))
+    try:
+        oracle = _logits(model, base, ids)
+    finally:
+        handle.remove()
+    tol = 4e-5 * float(oracle.abs().max())
+    torch.testing.assert_close(_logits(model, lf.overlay(base, mix), ids), oracle, atol=tol, rtol=0)
+    for alone in parts:
+        assert (_logits(model, lf.overlay(base, alone), ids) - oracle).abs().max() > 100 * tol
 
 
 def test_combine_is_not_a_sum_of_factors(setting):
