@@ -101,6 +101,7 @@ def test_save_peft_loads_in_peft_and_back(tmp_path):
     lf.save_peft(adapter, tmp_path, model=model)
     config = json.loads((tmp_path / "adapter_config.json").read_text())
     assert config["peft_type"] == "LILY" and {k: config[k] for k in CONFIG} == CONFIG
+    assert "bias" not in config  # LilyConfig has no bias field (peft warns of an unknown key)
     stored = load_file(tmp_path / "adapter_model.safetensors")
     # every layer holds its A, B (peft's (num_B·r, d_out)) and router, as peft writes them
     assert stored["base_model.model.model.layers.1.self_attn.v_proj.lily_B.weight"].shape == (12, 16)

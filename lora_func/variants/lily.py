@@ -152,7 +152,7 @@ VARIANT = Variant(
     groups=groups,
 )
 PEFT = PeftFormat(
-    PeftMethod("LILY", rank=("r", None), fan_in_fan_out=False),
+    PeftMethod("LILY", fixed={}, rank=("r", None), fan_in_fan_out=False),  # (LilyConfig has no bias field)
     conv1d=False,
     export=_export,
     imported={"lily_A.weight": "lily_A", "lily_B.weight": "lily_B_flat"},
