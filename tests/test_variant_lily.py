@@ -198,3 +198,13 @@ def test_a_regex_adapter_saves_its_regex_so_peft_ties_as_lora_func_does(tmp_path
     back = lf.load_peft(tmp_path, model)
     assert back.layer_groups() == adapter.layer_groups()
     assert all(torch.equal(back.params[k], adapter.params[k]) for k in adapter.params)
+
+
+def test_names_of_one_shape_are_separate_groups(tmp_path):
+    """target_modules=["q_proj", "o_proj"] (both 32x32): peft ties a B per name, not per shape."""
+    model = bank_oracle.model64("llama")
+    pm = bank_oracle.peft_model(model, peft.LilyConfig(target_modules=["q_proj", "o_proj"], r=4, num_B=2, stride_A=2))
+    adapter = _check(model, pm, tmp_path, tokens(2, 9, seed=3))
+    assert sorted(n for n, _ in adapter.shared.param_shapes) == ["lily_A@0_0", "lily_A@1_0", "lily_B@0", "lily_B@1"]
+    groups = adapter.layer_groups()
+    assert groups["model.layers.0.self_attn.q_proj"] == groups["model.layers.1.self_attn.q_proj"] != groups["model.layers.0.self_attn.o_proj"]
