@@ -2360,3 +2360,13 @@ CASES.update(
         ),
     }
 )
+
+
+def _lily_with_an_unshared_group(ctx: Ctx) -> Callable[[], Any]:
+    lily = lf.get_variant("lily")
+    broken = dataclasses.replace(lily, tensors={**lily.tensors, "lily_B": dataclasses.replace(lily.tensors["lily_B"], shared=False)})
+    info = LayerInfo(d_in=32, d_out=32, r=2, alpha=1.0, has_bias=False, options=lf.AdapterSpec("lily", ["q_proj"]).options)
+    return lambda: broken.layer_groups(("q_proj",), {"model.layers.0.self_attn.q_proj": info})
+
+
+CASES.update({"variant-groups-slot": Case(_lily_with_an_unshared_group, ("lily", "['lily_B']", "shared=True"))})

@@ -467,6 +467,11 @@ DOCUMENTED.update(
 )
 
 
+# Issue 43 (session 3): Lily, pinned from docs/variants/lily.md (peft's LilyConfig defaults; its
+# A and B are shared within groups of layers, the router per layer).
+DOCUMENTED["lily"] = (1.0, {"init": "zero", "num_B": 2, "scaling": 1.0, "stride_A": 1}, True, False, False, {"lily_A": 0, "lily_B": 1, "lily_router": 1})
+
+
 @pytest.mark.parametrize("variant", sorted(DOCUMENTED))
 def test_documented_defaults_and_flags(variant):
     assert sorted(DOCUMENTED) == lf.list_variants()
@@ -991,11 +996,3 @@ DOCUMENTED.update(
     }
 )
 
-
-# Issue 43 (session 3): Lily, pinned from docs/variants/lily.md (peft's LilyConfig defaults; its
-# A and B are shared within groups of layers, the router per layer).
-DOCUMENTED.update(
-    {
-        "lily": (1.0, {"init": "zero", "num_B": 2, "scaling": 1.0, "stride_A": 1}, True, False, False, {"lily_A": 0, "lily_B": 1, "lily_router": 1}),
-    }
-)

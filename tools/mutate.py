@@ -195,7 +195,7 @@ TARGETS: dict[str, tuple[tuple[str, ...] | None, list[list[str]]]] = {
     # Issue 43, session 3: Lily's peft oracle file (tied groups, init draws, per-example mean), then its rows.
     "lora_func/variants/lily.py": (
         None,
-        [["tests/test_variant_lily.py"], [CONTRACT, "-k", "lily"], [RANK_STACK, "-k", "lily"], [CATALOGUE, "-k", "lily or group or no-merged"]],
+        [["tests/test_variant_lily.py"], [CONTRACT, "-k", "lily"], [RANK_STACK, "-k", "lily"], [CATALOGUE, "-k", "lily or group or no-merged"], [KILLERS, "-k", "documented_defaults and lily"]],
     ),
     "lora_func/variants/_bank.py": (None, [[CONTRACT, "-k", "vera or randlora or pvera"], ["tests/test_variant_vera.py", "tests/test_variant_randlora.py"]]),
     "lora_func/variants/_contract.py": (

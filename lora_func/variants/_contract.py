@@ -430,6 +430,13 @@ class Variant:
         if self.groups is None:
             return {module: {} for module in infos}
         found = self.groups(targets, infos)
+        named = {name for groups in found.values() for name in groups}
+        bad = sorted(named - {name for name, slot in self.tensors.items() if slot.shared})
+        if bad:
+            raise ValueError(  # error: variant-groups-slot
+                f"Variant {self.name!r}: its groups name {bad}, which are not shared slots of its tensor schema; declare "
+                f"them Slot(..., shared=True) (a tensor held once per group)"
+            )
         return {module: dict(found.get(module, {})) for module in infos}
 
     @property
