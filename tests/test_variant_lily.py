@@ -208,3 +208,16 @@ def test_names_of_one_shape_are_separate_groups(tmp_path):
     assert sorted(n for n, _ in adapter.shared.param_shapes) == ["lily_A@0_0", "lily_A@1_0", "lily_B@0", "lily_B@1"]
     groups = adapter.layer_groups()
     assert groups["model.layers.0.self_attn.q_proj"] == groups["model.layers.1.self_attn.q_proj"] != groups["model.layers.0.self_attn.o_proj"]
+
+
+def test_one_b_and_the_random_init_round_trip_through_peft_s_config(tmp_path):
+    """num_B=1 is allowed (as in peft: one B, the router's softmax is 1); init="random" is peft's
+    init_weights=False in the written config and reads back as "random"."""
+    model = tiny_model("llama")
+    spec = lf.AdapterSpec("lily", targets=["q_proj"], r=2, num_B=1, init="random")
+    adapter = lf.init_adapter(model, spec, generator=torch.Generator().manual_seed(0))
+    assert adapter.params[f"{SHARED}.lily_B@0"].shape == (1, 2, 32)
+    lf.save_peft(adapter, tmp_path, model=model)
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert config["init_weights"] is False and config["num_B"] == 1
+    assert lf.load_peft(tmp_path, model).spec.option("init") == "random"
