@@ -221,3 +221,24 @@ def test_one_b_and_the_random_init_round_trip_through_peft_s_config(tmp_path):
     config = json.loads((tmp_path / "adapter_config.json").read_text())
     assert config["init_weights"] is False and config["num_B"] == 1
     assert lf.load_peft(tmp_path, model).spec.option("init") == "random"
+
+
+def test_differing_copies_of_a_tied_tensor_load_as_peft_loads_them(tmp_path):
+    """A file whose copies of a tied B differ (edited by hand): peft's load_state_dict leaves the
+    group's last layer's copy in the tied module, and load_peft takes that one too."""
+    from safetensors.torch import save_file
+
+    model = bank_oracle.model64("llama")
+    pm = bank_oracle.peft_model(model, _peft_config())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm.save_pretrained(tmp_path)
+    path = tmp_path / "adapter_model.safetensors"
+    stored = load_file(path)
+    first = "base_model.model.model.layers.0.self_attn.q_proj.lily_B.weight"
+    save_file(stored | {first: stored[first] + 1.0}, str(path))
+    ids = tokens(2, 9, seed=3)
+    adapter = lf.load_peft(tmp_path, model)
+    last = stored["base_model.model.model.layers.1.self_attn.q_proj.lily_B.weight"]
+    assert torch.equal(adapter.params[f"{SHARED}.lily_B@0"].reshape(last.shape), last)
+    assert bank_oracle.rel(lf.adapted_call(model, adapter, ids).logits, bank_oracle.peft_reload_logits(model, tmp_path, ids)) < bank_oracle.RTOL
