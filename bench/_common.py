@@ -99,6 +99,11 @@ ISSUE_43 = ("beft", "glora", "osf", "psoft")
 ALL_VARIANTS += ISSUE_43
 ROW_TARGETS |= dict.fromkeys(ISSUE_43, QV)
 ROW_OPTIONS_43: dict[str, dict[str, Any]] = {"psoft": {"alpha": 8.0}}
+# issue 43 (Lily): on q, v with peft's defaults (num_B 2, stride_A 1); each name's B tied over its
+# layers; peft's model is read from our save_peft, which writes the tied tensors under each layer.
+SAVED_PEFT_ROWS += ("lily",)
+ALL_VARIANTS += ("lily",)
+ROW_TARGETS |= {"lily": QV}
 
 
 def issue_43_peft_config(row: str, rank: int, common: dict[str, Any]) -> Any:
@@ -139,7 +144,7 @@ ALL_VARIANTS += tuple(LORA_VARIANT_OPTIONS)
 ROW_TARGETS |= dict.fromkeys(LORA_VARIANT_OPTIONS, QV)
 # Rows without a merged path on the benchmark model: BEFT on its bias-free q, v (no weight holds a
 # bias; peft's merge refuses it too).
-NO_MERGED_ROWS = ("beft",)
+NO_MERGED_ROWS = ("beft", "lily")  # lily: no merged weight at all (the no_merged_weight trait)
 # Rows without a peft model here (peft_model returns None): AntiPaSTO (not in peft), QALoRA and
 # aLoRA (above).
 NO_PEFT_ROWS = ("antipasto", "qalora", "alora")

@@ -270,6 +270,8 @@ def _():
         "xlora": ("a trained classifier on a first pass's hidden states mixes LoRA experts per token and layer (X-LoRA)",
                   "trained LoRA experts to mix within a sequence, and data to train the mixture (built with lf.routed.xlora)",
                   "docs/variants/xlora.md"),
+        "lily": ("A per few layers, B's tied over each target name mixed by a per-layer router (its softmax averaged over the call's tokens)",
+                 "fewer, larger adapters than LoRA at a similar count; no merged weight", "docs/variants/lily.md"),
     }
     return (VARIANT_HELP,)
 

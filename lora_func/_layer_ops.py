@@ -21,7 +21,7 @@ from torch import Tensor
 
 from lora_func.targeting import EXPERT_LAYOUTS, canonical_weight, stored_weight
 from lora_func.variants import BaseLayer, LayerInfo, TensorDict, Variant
-from lora_func.variants._contract import RANK_ALPHA, RANK_MASK, padded_member
+from lora_func.variants._contract import RANK_ALPHA, RANK_MASK, padded_member, refuse_merge
 from lora_func.variants._kernels import promoted
 
 __all__ = ["ActivationTap", "ChainOp", "ExpertsOp", "LayerCall", "LayerOp", "SumOp", "VariantOp", "activation_tap", "has_kind_form", "merged_weight", "variant_op"]
@@ -128,6 +128,8 @@ class VariantOp:
         self.form = variant.kind_forms.get(kind) or variant.activation_form
 
     def weight(self, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        if not self.variant.merges:
+            refuse_merge(self.variant.name)
         tap = getattr(_tap_state, "tap", None) if _tap_users else None
         if tap is not None:
             tap.weight(self)

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from lora_func._sharded import full_tensor, is_sharded
-from lora_func.adapter import AdapterLayer, SharedTensors
+from lora_func.adapter import SHARED, AdapterLayer, SharedTensors
 from lora_func.checks import check_model
 from lora_func.quantized import kind_of_tensor
 from lora_func.spec import AdapterSpec
@@ -277,3 +277,22 @@ def shared_init(
     )
     return dict(zip(shared.param_keys(), params.values(), strict=True)), dict(zip(shared.buffer_keys(), buffers.values(), strict=True)), shared
 
+
+
+def grouped_shared(
+    params: TensorDict, buffers: TensorDict, shared: SharedTensors | None, grouped_params: TensorDict, grouped_buffers: TensorDict
+) -> tuple[TensorDict, TensorDict, SharedTensors]:
+    """``params`` / ``buffers`` (an adapter's flat tensors, with ``shared`` their shared ones'
+    description) with the grouped shared tensors (``Variant.groups``: ``"<name>@<group key>"`` ->
+    tensor) added under ``"<shared>.<name>@<group key>"``: params leaf tensors requiring grad."""
+    with torch.no_grad():
+        grouped_params = {n: t.detach().contiguous().requires_grad_(True) for n, t in grouped_params.items()}
+        grouped_buffers = {n: t.detach().contiguous() for n, t in grouped_buffers.items()}
+    old = shared if shared is not None else SharedTensors(param_shapes=(), buffer_shapes=())
+    out = SharedTensors(
+        param_shapes=old.param_shapes + tuple((n, tuple(t.shape)) for n, t in grouped_params.items()),
+        buffer_shapes=old.buffer_shapes + tuple((n, tuple(t.shape)) for n, t in grouped_buffers.items()),
+    )
+    params = params | {f"{SHARED}.{n}": t for n, t in grouped_params.items()}
+    buffers = buffers | {f"{SHARED}.{n}": t for n, t in grouped_buffers.items()}
+    return params, buffers, out

@@ -44,6 +44,7 @@ from lora_func._tree import (
 from lora_func.spec import AdapterSpec
 from lora_func.targeting import Target
 from lora_func.variants import LayerInfo, TensorDict, Variant, get_variant
+from lora_func.variants._contract import group_view
 
 __all__ = [
     "NODE_TYPES",
@@ -314,7 +315,16 @@ class Adapter(AdapterNode, tag="adapter"):
         if self.shared is None:
             return own_params, own_buffers
         shared_params, shared_buffers = self.shared_tensors()
-        return shared_params | own_params, shared_buffers | own_buffers
+        groups = self.layer_groups().get(module, {})
+        return group_view(shared_params, groups) | own_params, group_view(shared_buffers, groups) | own_buffers
+
+    def layer_groups(self) -> dict[str, dict[str, str]]:
+        """Module name -> {grouped shared tensor name: the layer's group key}
+        (``Variant.groups``); empty for a variant without grouped shared tensors."""
+        variant = self.variant
+        if variant.groups is None:
+            return {}
+        return variant.layer_groups(self.spec.targets, {layer.target.module: layer.info for layer in self.layers})
 
     def shared_tensors(self) -> tuple[TensorDict, TensorDict]:
         """``(params, buffers)`` the adapter holds once for every layer (``Variant.shared_init``),

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lora_func._model import fresh_layer, layer_info, layer_infos, shared_init, variant_init
+from lora_func._model import fresh_layer, grouped_shared, layer_info, layer_infos, shared_init, variant_init
 from lora_func.adapter import Adapter
 from lora_func.calibration import layer_gradient_batches, layer_input_batches
 from lora_func.checks import check_model
@@ -103,14 +103,27 @@ def init_adapter(
     # Tensors every layer reads (Variant.shared_init), drawn before the layers' own.
     device = weights[targets[0].module].device if targets else torch.device("cpu")
     params, buffers, shared = shared_init(variant, spec, infos, device=device, generator=generator)
+    groups = variant.layer_groups(spec.targets, infos)
+    grouped: tuple[dict[str, Tensor], dict[str, Tensor]] = ({}, {})
     layers = []
     for target in targets:
         # One target at a time: a sharded target's whole weight is gathered for its init only (a
         # collective: every rank runs this loop in the same order).
         info = infos[target.module]
         init = variant_init(variant, spec, modules[target.owner], target, info, generator=generator, calibration=payloads[target.module])
-        layer, layer_params, layer_buffers = fresh_layer(variant, target, info, *init)
+        # Tensors shared within a group (Variant.groups): every layer's init makes one, as
+        # peft's layers do before peft ties them; the group's first layer's is kept.
+        init_params, init_buffers = (
+            {n: t for n, t in found.items() if n not in groups[target.module]} for found in init[:2]
+        )
+        for found, kept in zip(init[:2], grouped, strict=True):
+            for name, key in groups[target.module].items():
+                if name in found:
+                    kept.setdefault(f"{name}@{key}", found[name])
+        layer, layer_params, layer_buffers = fresh_layer(variant, target, info, init_params, init_buffers, init[2])
         params.update({f"{target.module}.{name}": tensor for name, tensor in layer_params.items()})
         buffers.update({f"{target.module}.{name}": tensor for name, tensor in layer_buffers.items()})
         layers.append(layer)
+    if grouped[0] or grouped[1]:
+        params, buffers, shared = grouped_shared(params, buffers, shared, *grouped)
     return Adapter(params, buffers, spec, layers, shared=shared)

@@ -24,7 +24,7 @@ from lora_func._model import base_params, check_base_params
 from lora_func._routing import module_forward, module_replay
 from lora_func._sharded import is_sharded, swapped_on
 from lora_func._layer_ops import LayerCall, LayerOp, has_kind_form, merged_weight
-from lora_func.adapter import AdapterLike
+from lora_func.adapter import AdapterLike, AdapterNode, leaves
 from lora_func.checks import check_base, check_model
 from lora_func.checks import check_finite as finite_or_raise
 from lora_func.overlay import check_adapter_finite, lazy_overlay, merged_only_params, merged_overlay
@@ -336,7 +336,7 @@ def adapted_call(
 
 @contextlib.contextmanager
 def adapted(
-    model: nn.Module, adapter: AdapterLike, *, merged: bool = True, lazy_only: bool = False, route: Route = "auto"
+    model: nn.Module, adapter: AdapterLike, *, merged: bool | None = None, lazy_only: bool = False, route: Route = "auto"
 ) -> Iterator[nn.Module]:
     """Within the ``with`` block, ``model``'s adapted tensors are swapped for the overlay's;
     on exit (also on error) the model's own tensors are put back, untouched.
@@ -346,8 +346,10 @@ def adapted(
         with torch.no_grad(), lora_func.adapted(model, adapter):
             tokens = model.generate(input_ids, max_new_tokens=20)
 
-    ``merged=True`` (default) computes the merged weights once for the whole block (fast for
-    generation; the package's rule for ``merged``'s default is in :func:`adapted_call`);
+    ``merged=True`` (the default, ``None``, except for an adapter with a variant that has no
+    merged weight: Lily, Arrow, whose default is the lazy route) computes the merged weights
+    once for the whole block (fast for generation; the package's rule for ``merged``'s default
+    is in :func:`adapted_call`);
     ``merged=False`` uses the lazy stand-ins (``lazy_only``: as in :func:`overlay`). Only the
     adapted entries are swapped. ``route``: as in :func:`adapted_call`. Not for training (use :func:`adapted_call`
     or ``functional_call`` under ``torch.func.grad``), and not thread-safe: other users of
@@ -358,6 +360,8 @@ def adapted(
         with prompt_adapted(model, adapter, lambda weights: adapted(model, weights, merged=merged, lazy_only=lazy_only, route=route)):
             yield model
         return
+    if merged is None:  # merged weights, unless a variant has none (Variant.merges)
+        merged = all(leaf.variant.merges for _, leaf in leaves(adapter)) if isinstance(adapter, AdapterNode) else True
     base = base_params(model)
     plan = _call_plan(model, base, False, adapter, route, where, None)
     applied = application(model, plan, base, adapter, merged=merged, lazy_only=lazy_only, whole_base=False)

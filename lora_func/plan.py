@@ -35,6 +35,7 @@ from lora_func.checks import check_base, check_float_targets
 from lora_func.quantized import kind_of_tensor, logical_shape
 from lora_func.targeting import MERGED_ONLY, Target, close_names, module_kind, stored_shape
 from lora_func.variants import LayerInfo, Variant, get_variant
+from lora_func.variants._contract import group_view
 
 __all__ = [
     "ROUTES",
@@ -145,6 +146,8 @@ class _Leaf(NamedTuple):
     dtype: torch.dtype
     layers: tuple[tuple[str, LayerInfo, tuple[tuple[str, str], ...], tuple[tuple[str, str], ...], str], ...]
     shared: bool = False
+    # Per layer (as ``layers``), its group key of each grouped shared tensor (Variant.groups).
+    groups: tuple[tuple[tuple[str, str], ...], ...] = ()
 
 
 class _Node(NamedTuple):
@@ -160,6 +163,14 @@ def _ops(program: _Leaf | _Node, node: Any) -> dict[str, LayerOp]:
         params, buffers = node.params, node.buffers
         # Tensors every layer reads (one leaf each, so their gradient sums over the layers).
         shared_params, shared_buffers = node.shared_tensors() if program.shared else ({}, {})
+        if program.groups:  # shared within groups of layers: each layer sees its group's
+            return {
+                key: variant_op(
+                    program.variant, ({n: params[k] for n, k in p_keys}, {n: buffers[k] for n, k in b_keys}),
+                    (group_view(shared_params, dict(groups)), group_view(shared_buffers, dict(groups))), info, program.dtype, layout=layout,
+                )
+                for (key, info, p_keys, b_keys, layout), groups in zip(program.layers, program.groups, strict=True)
+            }
         return {
             key: variant_op(
                 program.variant, ({n: params[k] for n, k in p_keys}, {n: buffers[k] for n, k in b_keys}), (shared_params, shared_buffers),
@@ -526,6 +537,7 @@ def _program(node: Any, prefix: str) -> _Leaf | _Node:
                 for layer in node.layers
             ),
             node.shared is not None,
+            tuple(tuple(sorted(groups.get(layer.target.module, {}).items())) for layer in node.layers) if (groups := node.layer_groups()) else (),
         )
     parts = tuple(_program(part, prefix) for part in node.parts)
     keys: dict[str, list[int]] = {}

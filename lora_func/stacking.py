@@ -200,6 +200,7 @@ def _check_rank_axes(
 
 def _is_rank_axis(variant: Variant, name: str, axis: int) -> bool:
     """A rank axis, or an axis sized by the rank that the variant masks itself (``padded_axes``)."""
+    name = name.partition("@")[0]  # a grouped shared tensor's slot (Variant.groups)
     for axes in (variant.rank_axes.get(name, ()), variant.padded_axes.get(name, ())):
         if axis == axes if isinstance(axes, int) else axis in axes:
             return True

@@ -119,6 +119,33 @@ def oracle_params(base: dict[str, Tensor], adapter: lf.Adapter, row: Row) -> dic
     return out
 
 
+def oracle_logits(model, base: dict[str, Tensor], adapter: lf.Adapter, row: Row, ids: Tensor) -> Tensor:
+    """The logits of the row's oracle: the model on ``base`` with every target's W_eff replaced
+    (``oracle_params``), or for a row with a ``y_oracle`` (no merged weight) every target's
+    output replaced by the oracle's (float64 math) from the layer's input, by forward hooks."""
+    if row.y_oracle is None:
+        return logits(model, oracle_params(base, adapter, row), ids)
+    modules = dict(model.named_modules())
+    handles = []
+    for layer in adapter.layers:
+        t = layer.target
+        p, b = adapter.layer_tensors(layer)
+        p64 = {k: v.detach().double() for k, v in p.items()}
+        b64 = {k: v.detach().double() for k, v in b.items()}
+        W = canonical_weight(base[t.weight_key], t.layout).double()
+        bias = base[t.bias_key].double() if t.bias_key else None
+
+        def hook(module, inputs, output, p64=p64, b64=b64, W=W, bias=bias, info=layer.info):
+            return row.y_oracle(p64, b64, inputs[0].double(), W, bias, info).to(output.dtype)
+
+        handles.append(modules[t.module].register_forward_hook(hook))
+    try:
+        return logits(model, base, ids)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 def logits(model, params: dict[str, Tensor], ids: Tensor) -> Tensor:
     return functional_call(model, params, (ids,)).logits
 

@@ -142,13 +142,16 @@ def every_variant_through(w: World, make: Callable[..., dict[str, Tensor]], kind
     base = lf.base_params(model)
     for variant in lf.list_variants():
         adapter = w.adapter(variant, kind)
+        if make is MERGED and not lf.get_variant(variant).merges:  # no merged weight (lily, arrow): refused, nothing touched
+            with pytest.raises(ValueError, match="has no merged weight"):
+                make(base, adapter)
+            continue
         torch.func.grad(lambda p: loss_of(model, make(base, adapter.with_params(p))))(adapter.params)  # noqa: B023
 
 
 # Options that fit a 32-wide layer where peft's defaults do not.
 SMALL_LAYER_OPTIONS = {"road": {"group_size": 2}, "oft": {"oft_block_size": 8}, "vblora": {"num_vectors": 12, "vector_length": 8},
-                       # (arrow has a weight form with one expert only: several route each token)
-                       "arrow": {"num_experts": 1, "top_k": 1}, "xlora": {"hidden_size": 32}}
+                       "arrow": {"num_experts": 2, "top_k": 1}, "xlora": {"hidden_size": 32}}
 
 
 def variant_functions_on_the_models_own_tensors(w: World) -> None:
@@ -171,7 +174,11 @@ def variant_functions_on_the_models_own_tensors(w: World) -> None:
         if variant.shared_init is not None:  # VeRA & co: the basis every layer reads, as init_adapter passes it
             shared = variant.shared_init({"q_proj": info}, dtype=torch.float32, device=weight.device, generator=torch.Generator().manual_seed(1))
             params, buffers = shared[0] | params, shared[1] | buffers
-        variant.weight_form(params, buffers, weight, bias, info)
+        if variant.merges:
+            variant.weight_form(params, buffers, weight, bias, info)
+        else:  # no merged weight (lily, arrow): its weight form refuses, before reading anything
+            with pytest.raises(ValueError, match="has no merged weight"):
+                variant.weight_form(params, buffers, weight, bias, info)
 
         class Base:
             def __init__(self) -> None:

@@ -157,6 +157,11 @@ def test_gradients_with_checkpointing_equal_the_run_without(variant, kind, merge
     # One seed for both runs: a variant that samples in training steps (PVeRA) draws the same noise
     # (checkpointing replays the RNG state in the recompute).
     torch.manual_seed(0)
+    if merged and not lf.get_variant(variant).merges:  # no merged weight (Lily): refused, the model untouched
+        with pytest.raises(ValueError, match="has no merged weight"):
+            loss_and_grads(model, adapter, ids, merged=merged, route=route)
+        assert_unchanged(model, snap)
+        return
     want_loss, want = loss_and_grads(model, adapter, ids, merged=merged, route=route)
     assert not recomputes
     set_checkpointing(model, flavour, True)

@@ -98,6 +98,56 @@ def _logits(model, params, ids):
     return functional_call(model, params, (ids,)).logits
 
 
+class _OracleBase:
+    """A layer op given by a function (a part without a merged weight, by its row's y_oracle), as a
+    part on top of it sees it: no weight to read (reading it is what a merge would need)."""
+
+    training = False
+
+    def __init__(self, call, bias):
+        self._call, self.bias = call, bias
+
+    @property
+    def weight(self):
+        raise AssertionError("a part on top of a variant without a merged weight read its weight")
+
+    def __call__(self, x):
+        return self._call(x)
+
+
+def _lazy_chain_logits(model, base, parts: list[lf.Adapter], ids, *, detach: bool = True) -> torch.Tensor:
+    """Two parts on one layer, one of them without a merged weight (Lily), in float64 from the rows:
+    under it, the first part's W_eff feeds the row's ``y_oracle``; on top of it, the second part's
+    activation form runs on the ``y_oracle`` as its base layer. ``detach=False``: differentiable
+    in the parts' params."""
+    (layer,) = parts[0].layers
+    t = layer.target
+    tensors = [tuple({k: (v.detach() if detach else v).double() for k, v in d.items()} for d in part.layer_tensors(part.layers[0])) for part in parts]
+    first, second = (part.spec.variant for part in parts)
+    if not lf.get_variant(second).merges:  # [X, lily]: X's W_eff, then the y-oracle on it
+        params = _chain_oracle(base, [parts[0]]) if detach else base
+        if not detach:  # X's W_eff from the live params
+            w, bias = ROWS[first].w_eff(*tensors[0], canonical_weight(base[t.weight_key], t.layout).double(), base[t.bias_key].double() if t.bias_key else None, parts[0].layers[0].info)
+        else:
+            w, bias = canonical_weight(params[t.weight_key], t.layout).double(), params[t.bias_key].double() if t.bias_key else None
+
+        def layer_out(x):
+            return ROWS[second].y_oracle(*tensors[1], x, w, bias, parts[1].layers[0].info)
+    else:  # [lily, X]: X's own activation form on top of the y-oracle's layer
+        w = canonical_weight(base[t.weight_key], t.layout).double()
+        bias = base[t.bias_key].double() if t.bias_key else None
+        under = _OracleBase(lambda x: ROWS[first].y_oracle(*tensors[0], x, w, bias, parts[0].layers[0].info), bias)
+
+        def layer_out(x):
+            return lf.get_variant(second).activation_form(*tensors[1], x, under, parts[1].layers[0].info)
+
+    handle = dict(model.named_modules())[t.module].register_forward_hook(lambda m, i, o: layer_out(i[0].double()).to(o.dtype))
+    try:
+        return _logits(model, base, ids)
+    finally:
+        handle.remove()
+
+
 @pytest.mark.parametrize(("first", "second"), PAIRS, ids=[f"{a}-then-{b}" for a, b in PAIRS])
 def test_compose_pair_on_one_layer_merged_lazy_oracle(setting, first, second):
     kind, model, base, ids = setting
@@ -106,6 +156,9 @@ def test_compose_pair_on_one_layer_merged_lazy_oracle(setting, first, second):
     if lf.get_variant(second).replaces_weight:  # pissa, olora, corda, ln_tuning: a residual replaces W
         with pytest.raises(ValueError, match=rf"part 1 \({second}\) replaces the base weight of .*Put part 1 first"):
             lf.compose(a, b)
+        return
+    if not all(lf.get_variant(v).merges for v in (first, second)):  # no merged weight (Lily): the lazy path
+        _check_pair_without_merged_weight(model, base, a, b, ids)
         return
     both = lf.compose(a, b)
     oracle = _logits(model, _chain_oracle(base, [a, b]), ids)
@@ -124,6 +177,27 @@ def test_compose_pair_on_one_layer_merged_lazy_oracle(setting, first, second):
         assert (_merged_alone(model, base, alone, ids) - oracle).abs().max() > 100 * tol
 
 
+def _check_pair_without_merged_weight(model, base, a, b, ids):
+    """A pair with a part that has no merged weight: the merged path refuses; a part on top that
+    reads the weight under it (DoRA's norm) refuses; otherwise the lazy path equals the float64
+    chain of the rows (the y-oracle), and differs from each part alone."""
+    both = lf.compose(a, b)
+    with pytest.raises(ValueError, match="has no merged weight"):
+        lf.merge_overlay(base, both)
+    try:
+        lazy = _logits(model, lf.overlay(base, both), ids)
+    except ValueError as err:
+        assert "has no merged weight" in str(err) and lf.get_variant(b.spec.variant).merges
+        with pytest.raises(AssertionError, match="read its weight"):
+            _lazy_chain_logits(model, base, [a, b], ids)
+        return
+    oracle = _lazy_chain_logits(model, base, [a, b], ids)
+    tol = 4e-5 * float(oracle.abs().max())
+    torch.testing.assert_close(lazy, oracle, atol=tol, rtol=0)
+    for alone in (a, b):
+        assert (_logits(model, lf.overlay(base, alone), ids) - oracle).abs().max() > 100 * tol
+
+
 @pytest.mark.parametrize("variant", sorted(ROWS))
 def test_compose_gradients_lazy_equal_merged(setting, variant):
     kind, model, base, ids = setting
@@ -140,7 +214,16 @@ def test_compose_gradients_lazy_equal_merged(setting, variant):
         return _logits(model, over, ids).square().mean()
 
     lazy = torch.func.grad(loss)(both.params, False)
-    merged = torch.func.grad(loss)(both.params, True)
+    if not lf.get_variant(variant).merges:  # no merged weight (Lily): against the float64 chain of the rows
+        with pytest.raises(ValueError, match="has no merged weight"):
+            torch.func.grad(loss)(both.params, True)
+
+        def oracle_loss(params):
+            return _lazy_chain_logits(model, base, list(both.with_params(params).parts), ids, detach=False).square().mean()
+
+        merged = torch.func.grad(oracle_loss)(both.params)
+    else:
+        merged = torch.func.grad(loss)(both.params, True)
     assert sorted(lazy) == sorted(both.params) and all(k.split("/")[0] in "01" for k in lazy)
     for key in lazy:
         assert lazy[key].abs().max() > 0 or key.rsplit(".", 1)[-1] in ROWS[variant].training_only, f"{key} gets no gradient"
@@ -175,7 +258,8 @@ def _sum_oracle(base, parts, weights):
 
 def test_combine_every_variant_weighted_sum_of_deltas(setting):
     kind, model, base, ids = setting
-    parts = [_adapter(model, v, [LAYER[kind]], seed=30 + i) for i, v in enumerate(sorted(ROWS))]
+    # (the variants without a merged weight: test_combine_with_a_part_without_a_merged_weight)
+    parts = [_adapter(model, v, [LAYER[kind]], seed=30 + i) for i, v in enumerate(sorted(ROWS)) if lf.get_variant(v).merges]
     weights = torch.linspace(-0.7, 1.3, len(parts))
     mix = lf.combine(parts, weights)
     oracle = _logits(model, _sum_oracle(base, parts, weights), ids)
@@ -197,6 +281,40 @@ def test_combine_every_variant_weighted_sum_of_deltas(setting):
     scale = max(float(g.detach().abs().max()) for g in g_merged.values())
     for key in g_lazy:
         torch.testing.assert_close(g_lazy[key], g_merged[key], atol=4e-5 * scale, rtol=0, msg=key)
+
+
+@pytest.mark.parametrize("variant", [v for v in sorted(ROWS) if not lf.get_variant(v).merges])
+def test_combine_with_a_part_without_a_merged_weight(setting, variant):
+    """combine(lora, lily) (or arrow): the merged path refuses; the lazy one is the base plus the
+    weighted sum of each part's change of the layer's output, from the rows' float64 oracles."""
+    kind, model, base, ids = setting
+    parts = [_adapter(model, "lora", [LAYER[kind]], seed=40), _adapter(model, variant, [LAYER[kind]], seed=41)]
+    weights = torch.tensor([0.6, -1.3])
+    mix = lf.combine(parts, weights)
+    with pytest.raises(ValueError, match="has no merged weight"):
+        lf.merge_overlay(base, mix)
+    t = parts[0].layers[0].target
+    w = canonical_weight(base[t.weight_key], t.layout).double()
+    bias = base[t.bias_key].double() if t.bias_key else None
+    (p0, b0), (p1, b1) = ({k: v.detach().double() for k, v in d.items()} for d in parts[0].layer_tensors(parts[0].layers[0])), (
+        {k: v.detach().double() for k, v in d.items()} for d in parts[1].layer_tensors(parts[1].layers[0])
+    )
+    w_lora = ROWS["lora"].w_eff(p0, b0, w, bias, parts[0].layers[0].info)[0]
+
+    def layer_out(x):
+        plain = x @ w.T + (0 if bias is None else bias)
+        other = ROWS[variant].y_oracle(p1, b1, x, w, bias, parts[1].layers[0].info)
+        return plain + 0.6 * (x @ (w_lora - w).T) - 1.3 * (other - plain)
+
+    handle = dict(model.named_modules())[t.module].register_forward_hook(lambda m, i, o: layer_out(i[0].double()).to(o.dtype))
+    try:
+        oracle = _logits(model, base, ids)
+    finally:
+        handle.remove()
+    tol = 4e-5 * float(oracle.abs().max())
+    torch.testing.assert_close(_logits(model, lf.overlay(base, mix), ids), oracle, atol=tol, rtol=0)
+    for alone in parts:
+        assert (_logits(model, lf.overlay(base, alone), ids) - oracle).abs().max() > 100 * tol
 
 
 def test_combine_is_not_a_sum_of_factors(setting):

@@ -316,7 +316,7 @@ def test_every_registered_method_has_one_row_of_demo_defaults_read_by_the_demo()
     tests/test_docs.py); a method the demo does not train is declared in NOT_TRAINED with its
     reason instead, never in both and never in neither."""
     assert sorted([*DEFAULTS, *NOT_TRAINED]) == lf.list_variants() and not set(DEFAULTS) & set(NOT_TRAINED)
-    assert sorted(NOT_TRAINED) == ["arrow", "lora_bias", "xlora"]
+    assert sorted(NOT_TRAINED) == ["arrow", "lily", "lora_bias", "xlora"]
     assert dict(DEFAULT_LR) == {name: row.lr for name, row in DEFAULTS.items()}
     assert method_defaults("not-registered") is FALLBACK
     targets = ["q_proj"]

@@ -2290,7 +2290,6 @@ def on_loras(call: Callable[[nn.Module, list[lf.Adapter], Ctx], Any], **kwargs: 
 
 CASES.update(
     {
-        "arrow-merge": Case(on_loras(lambda m, loras, ctx: lf.adapted_call(m, lf.routed.arrow(loras, top_k=1), IDS, merged=True)), ("2 experts", "merged=False")),
         "arrow-top-k": Case(spec("arrow", ["q_proj"], num_experts=2, top_k=3), ("top_k=3", "num_experts=2")),
         "arrow-library": Case(on_loras(lambda m, loras, ctx: lf.routed.arrow(loras[0])), ("experts", "Adapter")),
         "arrow-not-lora": Case(on_loras(lambda m, loras, ctx: lf.routed.arrow([loras[0], ctx.adapter(m, variant="dora", targets=["q_proj", "v_proj"], r=2)])), ("experts[1]", "dora")),
@@ -2469,3 +2468,36 @@ CASES.update(
         "xlora-classifier-missing": Case(_xlora_files(_drop_classifier_bias), ("layers.0.bias", "save_xlora")),
     }
 )
+def _lily_merged(ctx: Ctx) -> Callable[[], Any]:
+    model = ctx.model()
+    adapter = ctx.adapter(model, variant="lily", targets=["q_proj", "v_proj"])
+    return lambda: lf.adapted_call(model, adapter, IDS, merged=True)
+
+
+_LILY_Q1 = "base_model.model.model.layers.1.self_attn.q_proj"
+CASES.update(
+    {
+        "no-merged-weight": Case(_lily_merged, ("lily", "merged=False")),
+        "peft-groups-targets": Case(
+            saved_peft(lambda d, ctx, m: _peft_on(d, ctx, m, config={"target_modules": ".*layers\\.0.*q_proj"}), variant="lily"), ("target_modules", "lily")
+        ),
+        "peft-group-missing": Case(
+            saved_peft(lambda d, ctx, m: _peft_on(d, ctx, m, tensors=lambda t: {k: v for k, v in t.items() if k != f"{_LILY_Q1}.lily_A.weight"}), variant="lily"),
+            ("model.layers.1.self_attn.q_proj", "lily_A"),
+        ),
+        "peft-group-shapes": Case(
+            saved_peft(lambda d, ctx, m: _peft_on(d, ctx, m, tensors=lambda t: t | {f"{_LILY_Q1}.lily_B.weight": torch.zeros(6, 32)}), variant="lily"),
+            ("lily_B@0", "(2, 3, 32)"),
+        ),
+    }
+)
+
+
+def _lily_with_an_unshared_group(ctx: Ctx) -> Callable[[], Any]:
+    lily = lf.get_variant("lily")
+    broken = dataclasses.replace(lily, tensors={**lily.tensors, "lily_B": dataclasses.replace(lily.tensors["lily_B"], shared=False)})
+    info = LayerInfo(d_in=32, d_out=32, r=2, alpha=1.0, has_bias=False, options=lf.AdapterSpec("lily", ["q_proj"]).options)
+    return lambda: broken.layer_groups(("q_proj",), {"model.layers.0.self_attn.q_proj": info})
+
+
+CASES.update({"variant-groups-slot": Case(_lily_with_an_unshared_group, ("lily", "['lily_B']", "shared=True"))})

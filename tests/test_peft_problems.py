@@ -92,6 +92,7 @@ def test_the_answers_differ_where_peft_differs(tmp_path):
     expected |= {(k, "xlora", m) for k in ("llama", "gpt2") for m in (True, False)}  # peft's X-LoRA is a classifier file and LoRA files: save_xlora
     expected |= {("gpt2", "bdlora", m) for m in (True, False)}  # peft's BD-LoRA reads the base layer's in_features
     expected |= {("gpt2", "trainable_tokens", m) for m in (True, False)}  # peft's TrainableTokens layer reads in_features too
+    expected |= {("gpt2", "lily", m) for m in (True, False)}  # peft: Lily on nn.Linear only
     assert refused == expected
 
 

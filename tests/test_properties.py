@@ -157,9 +157,12 @@ def _sized_r(draw: st.DrawFn, variant: str, r: int, d_in: int, d_out: int) -> in
 #   the contract suite checks their forms (arrow with one expert); xlora likewise (its plain call,
 #   constant scalings, in the contract suite; the routed call in tests/test_routed_xlora.py).
 # - issue 43: trainable_tokens adapts embeddings only (no `proj`).
+# - lily and arrow have no merged weight (the no_merged_weight trait), which these properties
+#   compare against: tests/test_variant_lily.py and tests/test_routed.py check them against peft
+#   in float64, the contract suite their lazy paths against the rows' y-oracles.
 # BEFT's merged form and lora_bias's init need a bias on the layer.
 NEEDS_BIAS = ("beft", "lora_bias")
-NOT_DRAWN = ("kasa", "loftq", "lora_ga", "tinylora", "unilora", "poly", "arrow", "trainable_tokens", "xlora")
+NOT_DRAWN = ("kasa", "loftq", "lora_ga", "tinylora", "unilora", "poly", "arrow", "trainable_tokens", "xlora", "lily")
 DRAWN = tuple(v for v in lf.list_variants() if v not in NOT_DRAWN)
 
 

@@ -467,6 +467,11 @@ DOCUMENTED.update(
 )
 
 
+# Issue 43 (session 3): Lily, pinned from docs/variants/lily.md (peft's LilyConfig defaults; its
+# A and B are shared within groups of layers, the router per layer).
+DOCUMENTED["lily"] = (1.0, {"init": "zero", "num_B": 2, "scaling": 1.0, "stride_A": 1}, True, False, False, {"lily_A": 0, "lily_B": 1, "lily_router": 1})
+
+
 @pytest.mark.parametrize("variant", sorted(DOCUMENTED))
 def test_documented_defaults_and_flags(variant):
     assert sorted(DOCUMENTED) == lf.list_variants()
@@ -994,3 +999,4 @@ DOCUMENTED.update(
                         "top_k_lora": 0, "scaling_pass_value": 0.0, "global_scaling_weight": 1.0}, True, False, False, {"lora_A": 1, "lora_B": 2}),
     }
 )
+

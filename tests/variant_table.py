@@ -39,6 +39,10 @@ class Row:
         gets a per-example gradient leave them out; the variant's own tests check them in training.
       step0_by_kind: ``step0_nonzero`` on the target kinds where the init differs (peft's
         embedding inits draw ``B`` and zero ``A``).
+      y_oracle: for a variant without a merged weight (the ``no_merged_weight`` trait: its update
+        depends on the call's inputs), the explicit layer output ``(params, buffers, x (..., d_in),
+        W, b, info) -> y (..., d_out)`` in float64 that the suite checks the lazy paths against;
+        ``w_eff`` is then unused (``None`` allowed).
     """
 
     variant: str
@@ -52,6 +56,16 @@ class Row:
     tol: float = 2e-5
     training_only: frozenset[str] = frozenset()
     step0_by_kind: dict[str, frozenset[str]] = dataclasses.field(default_factory=dict)
+    y_oracle: Callable[..., Tensor] | None = None
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        """The contract suite's paths that apply (tests/contract_helpers.PATHS): the lazy ones
+        only for a variant without a merged weight."""
+        from lora_func.variants import get_variant
+        from tests.contract_helpers import PATHS
+
+        return PATHS if get_variant(self.variant).merges else tuple(p for p in PATHS if not p.endswith("merged"))
 
     def step0(self, kind: str) -> frozenset[str]:
         """The trainable tensors with a non-zero step-0 gradient on a target of ``kind``."""

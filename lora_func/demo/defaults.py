@@ -137,6 +137,8 @@ NOT_TRAINED: Mapping[str, str] = MappingProxyType({
     "xlora": "a mixture of LoRA experts trained before (build it with lora_func.routed.xlora from them, "
              "docs/routed.md) whose classifier trains through the two-pass lora_func.routed.xlora_call, "
              "not the demo's single adapted call",
+    "lily": "not swept yet: added after the demo's learning-rate sweep (issue 43), so the demo has no "
+            "chosen learning rate for it",
 })
 
 # A method registered after this table was written (a user's own variant): LoRA-like settings.

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from lora_func._model import (
     adapter_layer,
+    grouped_shared,
     layer_info,
     layer_infos,
     shared_init,
@@ -190,8 +191,11 @@ def _assemble(
     alpha: float | None = None,
     options: Mapping[str, Any],
     stored_shared: Mapping[str, Tensor] | None = None,
+    target_modules: Any = None,
 ) -> Adapter:
-    """An :class:`Adapter` of ``variant_name`` on exactly ``layers``' modules, checked against the model."""
+    """An :class:`Adapter` of ``variant_name`` on exactly ``layers``' modules, checked against the
+    model; ``target_modules``: the config's, the spec's targets for a variant whose shared tensors
+    are shared within groups derived from them (``Variant.groups``)."""
     dtypes = {t.dtype for layer in layers.values() for t in (*layer.params.values(), *layer.buffers.values()) if t.is_floating_point()}
     # a checkpoint may hold only shared tensors (no per-layer tensor in its file)
     dtypes = dtypes or {t.dtype for t in (stored_shared or {}).values() if t.is_floating_point()} or {torch.float32}
@@ -199,9 +203,10 @@ def _assemble(
     for other in dtypes:
         dtype = torch.promote_types(dtype, other)
     experts = expert_params(model)
+    grouping = get_variant(variant_name).groups is not None and isinstance(target_modules, (str, list)) and bool(target_modules)
     spec = AdapterSpec(
         variant_name,
-        targets=sorted(m for m in layers if m not in experts),
+        targets=(target_modules if isinstance(target_modules, str) else sorted(target_modules)) if grouping else sorted(m for m in layers if m not in experts),
         r=r,
         alpha=alpha,
         dtype=dtype,
@@ -221,6 +226,12 @@ def _assemble(
     # from its own tensors
     targets = [t for t in find_targets(model, spec, where="the checkpoint's layers") if t.module in layers]
     variant = get_variant(variant_name)
+    if variant.groups is not None and sorted(t.module for t in targets) != sorted(layers):
+        raise ValueError(  # error: peft-groups-targets
+            f"{directory}: {variant_name} shares tensors within groups of layers that peft derives from target_modules "
+            f"({target_modules!r}), but those do not select exactly the checkpoint's layers (it has {sorted(layers)[:4]}...); "
+            f"set target_modules in its config to the names or the regex it was trained with"
+        )
     options = dict(spec.options)
     params: dict[str, Tensor] = {}
     buffers: dict[str, Tensor] = {}
@@ -235,6 +246,28 @@ def _assemble(
     infos = layer_infos(variant, spec, infos)  # ranks a variant derives from every layer (Variant.layer_ranks)
     # Each layer's position among the targets and the adapter's layout, as init_adapter sets them.
     infos = LayerInfo.numbered(infos)
+    # Tensors shared within a group (Variant.groups): peft's file holds a copy under every member
+    # layer's key; its load_state_dict leaves the group's last member's (module order) in the tied module.
+    groups = variant.layer_groups(spec.targets, infos)
+    grouped: dict[str, Tensor] = {}
+    grouped_shapes: dict[str, tuple[int, ...] | None] = {}
+    for module_name in infos:
+        for name, key in groups[module_name].items():
+            found = layers[module_name].params.pop(name, None)
+            if found is None:
+                found = layers[module_name].buffers.pop(name, None)
+            grouped_shapes[f"{name}@{key}"] = variant.tensors[name].shape(infos[module_name])
+            if found is None:
+                raise ValueError(  # error: peft-group-missing
+                    f"{directory} is incomplete at {module_name}: it lacks the {name} that the layer shares with its group; re-save the checkpoint"
+                )
+            grouped[f"{name}@{key}"] = found
+    bad = [f"{k}: {tuple(v.shape)} != {grouped_shapes[k]}" for k, v in grouped.items() if tuple(v.shape) != grouped_shapes[k]]
+    if bad:
+        raise ValueError(  # error: peft-group-shapes
+            f"{directory} does not fit {type(model).__name__} (the shapes of tensors shared within groups: {bad[:3]}); "
+            f"load it onto the model it was trained for"
+        )
     by_module = {target.module: target for target in targets}
     for module_name, layer in layers.items():  # in the file's order: the first bad layer is named
         target, info = by_module[module_name], infos[module_name]
@@ -277,13 +310,22 @@ def _assemble(
         out_layers.append(
             adapter_layer(target, info, layer.params, layer_buffers, weight_fingerprint(weight) if variant.records_base else None)
         )
-    if variant.shared_init is None:
+    if variant.shared_init is None and not grouped:
         return Adapter(params, buffers, spec, out_layers)
     device = next(iter(params.values())).device if params else torch.device("cpu")
     infos = {layer.target.module: layer.info for layer in out_layers}
     shared_params, shared_buffers, shared = shared_init(variant, spec, infos, device=device, generator=torch.Generator().manual_seed(0))
     _shared_from_checkpoint(directory, variant, spec, shared_params, stored_shared or {})
     _shared_from_checkpoint(directory, variant, spec, shared_buffers, stored_shared or {})
+    if grouped:
+        slots = variant.tensors
+        grouped = {k: v.to(device, dtype if v.is_floating_point() else torch.int64) for k, v in grouped.items()}
+        params, buffers, shared = grouped_shared(
+            params | shared_params, buffers | shared_buffers, shared,
+            {k: v for k, v in grouped.items() if not slots[k.partition("@")[0]].buffer},
+            {k: v for k, v in grouped.items() if slots[k.partition("@")[0]].buffer},
+        )
+        return Adapter(params, buffers, spec, out_layers, shared=shared)
     return Adapter(params | shared_params, buffers | shared_buffers, spec, out_layers, shared=shared)
 
 
@@ -456,7 +498,10 @@ def _read(
     r = int(config.get(method.rank[0], 8)) if method.rank is not None else 8
     alpha = float(config.get(method.alpha, 8)) if method.alpha is not None else None
     parts = [
-        _assemble(directory, model, name, groups[name][1], r=r, alpha=alpha, options=groups[name][0], stored_shared=stored_shared)
+        _assemble(
+            directory, model, name, groups[name][1], r=r, alpha=alpha, options=groups[name][0], stored_shared=stored_shared,
+            target_modules=config.get("target_modules"),
+        )
         for name in formats(peft_type)
         if name in groups
     ]

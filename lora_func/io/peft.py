@@ -115,6 +115,9 @@ class _Export:
     bias_only: bool = False
     # Its layers that have a bias of their own (what peft's "<method>_only" trains)
     biased: frozenset[str] = frozenset()
+    # The spec's targets, written as target_modules for a variant whose tied tensors peft groups
+    # by the target that matched (Variant.groups): peft then ties as lora_func does.
+    target_modules: Any = None
 
 def _export_leaf(adapter: Adapter, base: Mapping[str, Tensor] | None) -> _Export:
     """``adapter`` as peft stores it, after every check that peft can hold it (no tensor is
@@ -157,6 +160,8 @@ def _export_leaf(adapter: Adapter, base: Mapping[str, Tensor] | None) -> _Export
             assert key is not None  # a saved slot has a key
             # a key with "{}" holds the tensor row by row (Slot.peft)
             whole |= {key.format(i): row for i, row in enumerate(tensor)} if "{}" in key else {key: tensor}
+    targets = adapter.spec.targets
+    selector = None if adapter.variant.groups is None else targets if isinstance(targets, str) else list(targets)
     return _Export(
         fmt.method.peft_type,
         tuple(sorted((k, json.dumps(v, sort_keys=True)) for k, v in shared.items())),
@@ -164,6 +169,7 @@ def _export_leaf(adapter: Adapter, base: Mapping[str, Tensor] | None) -> _Export
         whole,
         bias_only=fmt.module_copy is not None and all(options.get(k) == v for k, v in bias_copy_options().items()),
         biased=frozenset(layer.target.module for layer in adapter.layers if layer.info.has_bias),
+        target_modules=selector,
     )
 
 def _leaves(adapter: AdapterLike) -> list[Adapter]:
@@ -250,6 +256,9 @@ def _one_checkpoint(
     layer_map = layer_map_of(model) if model is not None else None
     if layer_map is not None:  # a replicated view of the base: peft rebuilds it from the map
         config["layer_replication"] = layer_map
+    selectors = [e.target_modules for e in exports if e.target_modules is not None]
+    if selectors:
+        config["target_modules"] = selectors[0]
     whole = dict(holding[0].whole) if holding else {}
     if copies:
         config["modules_to_save"] = sorted(o.target.module for o in copies)
@@ -391,6 +400,13 @@ def save_peft(
         for o in layers
         for suffix, tensor in o.tensors().items()
     } | {key: tensor.detach().to("cpu").contiguous() for key, tensor in whole.items()}
+    # A tensor shared within a group of layers (Variant.groups) is written under each layer's
+    # key, as peft writes its tied modules: one copy each (safetensors refuses shared memory).
+    seen: set[int] = set()
+    for key, tensor in tensors.items():
+        if tensor.untyped_storage().data_ptr() in seen and tensor.numel():
+            tensors[key] = tensor.clone()
+        seen.add(tensor.untyped_storage().data_ptr())
     directory = Path(directory)
     # The real directory (a symlink to a checkpoint directory is kept, its target replaced).
     target = Path(os.path.realpath(directory))

@@ -23,6 +23,9 @@ are not variants. What a variant author writes against:
   d_in)``, ``bias``, ``base(x)`` with the model's own op);
 - :data:`TensorDict`, :class:`InitFn`, :data:`WeightFn`, :data:`ActivationFn`: the types of
   the tensors and functions;
+- :func:`group_view`: the shared tensors as one layer of a group sees them
+  (``Variant.groups``); :func:`refuse_merge`: the ``weight_form`` of a variant without a merged
+  weight (the ``no_merged_weight`` trait);
 - :func:`padded_member`: what the forms see of one member of a rank-padded stack (adapters of
   different ranks): its rank axes masked, ``info.r`` / ``info.alpha`` its own, so a variant
   writes its math for one adapter; :func:`layer_rank`, :func:`layer_alpha` read a member's
@@ -51,9 +54,11 @@ from lora_func.variants._contract import (
     TensorDict,
     Variant,
     WeightFn,
+    group_view,
     layer_alpha,
     layer_rank,
     padded_member,
+    refuse_merge,
 )
 from lora_func.variants._options import (
     DROPOUT,
@@ -93,6 +98,7 @@ __all__ = [
     "Variant",
     "WeightFn",
     "get_variant",
+    "group_view",
     "is_finite_number",
     "layer_alpha",
     "layer_rank",
@@ -102,6 +108,7 @@ __all__ = [
     "padded_member",
     "peft_format",
     "real",
+    "refuse_merge",
     "resolve_options",
     "whole",
 ]

@@ -44,7 +44,9 @@ __all__ = [
     "TensorDict",
     "Variant",
     "WeightFn",
+    "group_view",
     "layer_alpha",
+    "refuse_merge",
     "layer_rank",
     "padded_member",
 ]
@@ -187,7 +189,10 @@ class Slot:
       integer: holds integer positions (int64), never cast to the adapter dtype, saved and loaded
         as integers.
       shared: held once by the adapter (keyed ``"<shared>.<name>"``) and read by every layer,
-        built by :attr:`Variant.shared_init`; its gradient is the sum over the layers.
+        built by :attr:`Variant.shared_init`; its gradient is the sum over the layers. A shared
+        slot that :attr:`Variant.groups` names is held once per *group* of layers instead (keyed
+        ``"<shared>.<name>@<group key>"``), built by the ``init`` of the group's first layer and
+        read by the group's layers only (see :attr:`Variant.groups`).
       peft: the key suffix peft stores it under (``"lora_A.weight"``: key
         ``base_model.model.<module>.<suffix>``), a mapping from target kind to suffix with
         ``""`` for the other kinds (LoRA on ``nn.Embedding``: ``lora_embedding_A``), or for a
@@ -267,7 +272,35 @@ class Calibration:
 
 
 # What Variant.traits may hold.
-TRAITS = frozenset({"changes_bias", "records_base", "replaces_weight", "rank_within_layer"})
+TRAITS = frozenset({"changes_bias", "records_base", "replaces_weight", "rank_within_layer", "no_merged_weight"})
+
+# Separates a grouped shared tensor's slot name from its group key ("lily_B@0"): Variant.groups.
+GROUP = "@"
+
+
+def refuse_merge(name: str) -> Any:
+    """Raise the refusal of a merged weight for the variant ``name`` (``"no_merged_weight"``
+    trait): what every merged route, ``to_lora`` and merging meet, and the ``weight_form`` such a
+    variant declares."""
+    raise ValueError(  # error: no-merged-weight
+        f"{name} has no merged weight (its update depends on each call's inputs, not only on its tensors), so no merged "
+        f"route, merge or to_lora can apply it; apply it by its activation form: merged=False (adapted_call, adapted, "
+        f"many_call) or lora_func.overlay"
+    )
+
+
+def group_view(shared: TensorDict, groups: Mapping[str, str]) -> TensorDict:
+    """The shared tensors as one layer's forms see them: each grouped ``"<name>@<key>"`` of the
+    layer's own group (``groups``: slot name -> the layer's group key, :attr:`Variant.groups`)
+    under ``<name>``, the other groups' left out, the ungrouped ones unchanged."""
+    out = {}
+    for name, tensor in shared.items():
+        slot, grouped, key = name.partition(GROUP)
+        if not grouped:
+            out[name] = tensor
+        elif groups.get(slot) == key:
+            out[slot] = tensor
+    return out
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -342,6 +375,7 @@ class Variant:
     calibration: Calibration | None = None
     layer_ranks: Callable[[int, Mapping[str, LayerInfo]], Mapping[str, int]] | None = None
     traits: frozenset[str] = frozenset()
+    groups: Callable[[str | tuple[str, ...], Mapping[str, LayerInfo]], Mapping[str, Mapping[str, str]]] | None = None
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.traits) - TRAITS)
@@ -384,6 +418,26 @@ class Variant:
     @property
     def replaces_weight(self) -> bool:
         return "replaces_weight" in self.traits
+
+    @property
+    def merges(self) -> bool:
+        """Whether the variant has a merged weight (no ``no_merged_weight`` trait)."""
+        return "no_merged_weight" not in self.traits
+
+    def layer_groups(self, targets: str | tuple[str, ...], infos: Mapping[str, LayerInfo]) -> dict[str, dict[str, str]]:
+        """Module name -> {grouped shared slot name: the layer's group key} (:attr:`groups`);
+        empty mappings for a variant without grouped slots."""
+        if self.groups is None:
+            return {module: {} for module in infos}
+        found = self.groups(targets, infos)
+        named = {name for groups in found.values() for name in groups}
+        bad = sorted(named - {name for name, slot in self.tensors.items() if slot.shared})
+        if bad:
+            raise ValueError(  # error: variant-groups-slot
+                f"Variant {self.name!r}: its groups name {bad}, which are not shared slots of its tensor schema; declare "
+                f"them Slot(..., shared=True) (a tensor held once per group)"
+            )
+        return {module: dict(found.get(module, {})) for module in infos}
 
     @property
     def default_options(self) -> dict[str, Any]:

@@ -14,8 +14,9 @@ the first forward). For each token ``x`` (a row of the layer input):
 
 Nothing is learned by the router; the experts stay trainable (the routing coefficients are
 computed from them, as peft's, with the prototypes held fixed). The coefficients depend on the
-token, so there is no merged weight: ``weight_form`` refuses for ``E > 1`` (peft refuses to merge
-an Arrow router too); with one expert Arrow is that LoRA.
+token, so there is no merged weight (the ``no_merged_weight`` trait: ``lora_func.adapted`` takes
+the lazy route for it, merged routes refuse it; peft refuses to merge an Arrow router too); with
+one expert Arrow is that LoRA (``lora_func.routed.arrow_experts`` gives it back).
 
 Build one with :func:`lora_func.routed.arrow` from LoRA adapters (``load_peft`` of each task
 checkpoint), optionally with GenKnowSub (``general=``: the mean of general-knowledge LoRAs' ``A``
@@ -35,6 +36,7 @@ import torch
 from torch import Tensor
 
 from lora_func.variants import SEED, BaseLayer, LayerInfo, Option, Slot, TensorDict, Variant, real, whole
+from lora_func.variants._contract import refuse_merge
 from lora_func.variants._kernels import kaiming_uniform, lora_scale
 
 ITERATIONS = 15  # peft's power-iteration steps
@@ -113,14 +115,9 @@ def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: Ba
 
 
 def weight_form(params: TensorDict, buffers: TensorDict, weight: Tensor, bias: Tensor | None, info: LayerInfo) -> tuple[Tensor, Tensor | None]:
-    if _experts(info) > 1:
-        raise ValueError(  # error: arrow-merge
-            f"arrow routes each token to its own mixture of {_experts(info)} experts: it has no merged weight "
-            f"(peft cannot merge an Arrow router either); use the lazy path (adapted_call(..., merged=False), "
-            f"lora_func.adapted(model, adapter, merged=False)), or merge the experts first (lora_func.routed.arrow_experts)"
-        )
-    scale = buffers["arrow_scales"][0].to(weight.dtype)
-    return weight + scale * (params["lora_B"][0] @ params["lora_A"][0]).to(weight.dtype), bias
+    # Routed per token: no single weight (the no_merged_weight trait). With one expert it is that
+    # LoRA: lora_func.routed.arrow_experts gives it back as a plain adapter, which merges.
+    return refuse_merge("arrow")
 
 
 def _check(options: Mapping[str, Any]) -> None:
@@ -144,4 +141,5 @@ VARIANT = Variant(
     },
     check=_check,
     default_alpha=8.0,
+    traits=frozenset({"no_merged_weight"}),
 )
