@@ -59,7 +59,22 @@ def scheme(request):
     return request.param, model, float_oracle(model)
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+def _scheme_variant_cases():
+    """Every variant on one bitsandbytes and one torchao scheme, rotated over the schemes of
+    each library; LoRA and DoRA on every scheme. A scheme's own part (its dequantization, the
+    quantized op the lazy path calls) is the same code for every variant: the full product (about
+    2.5 times as many cases) re-ran each variant's form on three more schemes of the same
+    libraries."""
+    bnb = sorted(s for s in SCHEMES if s.startswith("bnb"))
+    torchao = sorted(s for s in SCHEMES if s.startswith("torchao"))
+    assert sorted(bnb + torchao) == sorted(SCHEMES), "a scheme of a third library: give it its own rotation"
+    for i, variant in enumerate(VARIANTS):
+        schemes = sorted(SCHEMES) if variant in ("lora", "dora") else [bnb[i % len(bnb)], torchao[i % len(torchao)]]
+        for scheme in schemes:
+            yield pytest.param(scheme, variant, id=f"{scheme}-{variant}")
+
+
+@pytest.mark.parametrize(("scheme", "variant"), sorted(_scheme_variant_cases(), key=lambda p: p.values[0]), indirect=["scheme"])
 def test_logits_and_gradients_equal_the_dequantized_float_model(scheme, variant):
     name, model, oracle = scheme
     before = state_bytes(model)
