@@ -198,6 +198,7 @@ TARGETS: dict[str, tuple[tuple[str, ...] | None, list[list[str]]]] = {
     "lora_func/variants/osf.py": (
         None,
         [["tests/test_variant_osf.py"], [CONTRACT, "-k", "osf"], [RANK_STACK, "-k", "osf"], [CATALOGUE, "-k", "osf"], [KILLERS, "-k", "documented_defaults and osf"], [COMPILE, "-k", "every_variant and osf"]],
+    ),
     # Issue 43, session 3: Lily's peft oracle file (tied groups, init draws, per-example mean), then its rows.
     "lora_func/variants/lily.py": (
         None,
