@@ -268,6 +268,9 @@ TARGETS |= {
             [CONTRACT, "-k", select],
             [CATALOGUE, "-k", select.replace("_", "-")],
             [KILLERS, "-k", f"documented_defaults and ({select})"],
+            # its peft storage: the Conv1D refusals (save_peft's and peft_problems')
+            ["tests/test_io_peft.py", "-k", select],
+            ["tests/test_peft_problems.py", "-k", f"answers_differ or {select}"],
         ],
     )
     for name, select in (
