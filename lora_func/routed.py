@@ -202,22 +202,7 @@ def arrow_experts(adapter: Adapter) -> list[Adapter]:
     if not isinstance(adapter, Adapter) or adapter.spec.variant != "arrow" or adapter.stack_shape:
         got = f"{adapter.spec.variant} stack_shape {adapter.stack_shape}" if isinstance(adapter, Adapter) else type(adapter).__name__
         raise TypeError(f"arrow_experts: adapter must be one arrow adapter (lora_func.routed.arrow), got {got}")  # error: arrow-not-arrow
-    spec = AdapterSpec("lora", adapter.spec.targets, r=adapter.spec.r, alpha=adapter.spec.alpha, dtype=adapter.spec.dtype,
-                       layer_types=adapter.spec.layer_types, tied=adapter.spec.tied)
-    out = []
-    for e in range(int(adapter.spec.option("num_experts"))):
-        params, layers = {}, []
-        for layer in adapter.layers:
-            module, info = layer.target.module, layer.info
-            scale = float(adapter.buffers[f"{module}.arrow_scales"][e])
-            params[f"{module}.lora_A"] = adapter.params[f"{module}.lora_A"][e]
-            params[f"{module}.lora_B"] = adapter.params[f"{module}.lora_B"][e]
-            layers.append(dataclasses.replace(
-                layer, info=dataclasses.replace(info, alpha=scale * int(info.r), options=spec.options),
-                param_shapes=(("lora_A", (int(info.r), info.d_in)), ("lora_B", (info.d_out, int(info.r)))), buffer_shapes=(),
-            ))
-        out.append(Adapter(params, {}, spec, layers))
-    return out
+    return _expert_loras(adapter, "arrow_scales")
 
 
 # ----------------------------------------------------------------------------------- X-LoRA
@@ -427,10 +412,10 @@ def _reorder_with(cache: Any, mine: Any) -> None:
     cache.reorder_cache = reorder_cache
 
 
-def xlora_experts(adapter: Adapter) -> list[Adapter]:
-    """The experts of an ``xlora`` adapter as ``K`` LoRA adapters, each at its own scale (for
-    ``save_peft``, merging, inspection)."""
-    adapter = _xlora(adapter, "xlora_experts")
+
+def _expert_loras(adapter: Adapter, scales: str) -> list[Adapter]:
+    """The ``(K, ...)`` LoRA experts of a routed adapter (arrow, xlora) as ``K`` LoRA adapters,
+    expert ``e`` at its own scale ``<module>.<scales>[e]`` (its alpha ``scale · r``)."""
     spec = AdapterSpec("lora", adapter.spec.targets, r=adapter.spec.r, alpha=adapter.spec.alpha, dtype=adapter.spec.dtype,
                        layer_types=adapter.spec.layer_types, tied=adapter.spec.tied)
     out = []
@@ -438,7 +423,7 @@ def xlora_experts(adapter: Adapter) -> list[Adapter]:
         params, layers = {}, []
         for layer in adapter.layers:
             module, info = layer.target.module, layer.info
-            scale = float(adapter.buffers[f"{module}.xlora_scales"][e])
+            scale = float(adapter.buffers[f"{module}.{scales}"][e])
             params[f"{module}.lora_A"] = adapter.params[f"{module}.lora_A"][e]
             params[f"{module}.lora_B"] = adapter.params[f"{module}.lora_B"][e]
             layers.append(dataclasses.replace(
@@ -447,6 +432,13 @@ def xlora_experts(adapter: Adapter) -> list[Adapter]:
             ))
         out.append(Adapter(params, {}, spec, layers))
     return out
+
+
+def xlora_experts(adapter: Adapter) -> list[Adapter]:
+    """The experts of an ``xlora`` adapter as ``K`` LoRA adapters, each at its own scale (for
+    ``save_peft``, merging, inspection)."""
+    adapter = _xlora(adapter, "xlora_experts")
+    return _expert_loras(adapter, "xlora_scales")
 
 
 # X-LoRA in peft's files: adapter_config.json (XLoraConfig; "adapters": expert name -> the LoRA
