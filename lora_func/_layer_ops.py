@@ -32,7 +32,8 @@ __all__ = ["ActivationTap", "ChainOp", "ExpertsOp", "LayerCall", "LayerOp", "Rec
 # installed for one call in one thread by activation_tap, sees every VariantOp's activation
 # (step, x, base, y) and returns the y to use (an identity that records), and every weight form
 # (step). Both routes (stand-ins and module calls) and every merge reach a variant through
-# VariantOp.activation or VariantOp.weight, so these are the two places.
+# VariantOp.activation or VariantOp.weight, so these are the two places. TapInput /
+# TapOutputGrad are the recording identity both recording taps put a layer's output through.
 _tap_state = threading.local()
 _tap_users = 0  # taps installed in any thread: a plain int, so that compiled code guards on 0
 
