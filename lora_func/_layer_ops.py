@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import Protocol, cast
+from typing import Any, Protocol, cast
 
 import torch
 from torch import Tensor
@@ -24,7 +24,7 @@ from lora_func.variants import BaseLayer, LayerInfo, TensorDict, Variant
 from lora_func.variants._contract import RANK_ALPHA, RANK_MASK, padded_member, refuse_merge
 from lora_func.variants._kernels import promoted
 
-__all__ = ["ActivationTap", "ChainOp", "ExpertsOp", "LayerCall", "LayerOp", "SumOp", "VariantOp", "activation_tap", "has_kind_form", "merged_weight", "variant_op"]
+__all__ = ["ActivationTap", "ChainOp", "ExpertsOp", "LayerCall", "LayerOp", "Recorder", "SumOp", "TapInput", "TapOutputGrad", "VariantOp", "activation_tap", "has_kind_form", "merged_weight", "variant_op"]
 
 # ------------------------------------------------------------------ the activation tap
 # lora_func.privacy's ghost clipping needs each adapted layer's input and output gradient, and
@@ -32,7 +32,8 @@ __all__ = ["ActivationTap", "ChainOp", "ExpertsOp", "LayerCall", "LayerOp", "Sum
 # installed for one call in one thread by activation_tap, sees every VariantOp's activation
 # (step, x, base, y) and returns the y to use (an identity that records), and every weight form
 # (step). Both routes (stand-ins and module calls) and every merge reach a variant through
-# VariantOp.activation or VariantOp.weight, so these are the two places.
+# VariantOp.activation or VariantOp.weight, so these are the two places. TapInput /
+# TapOutputGrad are the recording identity both recording taps put a layer's output through.
 _tap_state = threading.local()
 _tap_users = 0  # taps installed in any thread: a plain int, so that compiled code guards on 0
 
@@ -62,6 +63,72 @@ def activation_tap(tap: ActivationTap) -> Iterator[None]:
     finally:
         _tap_users -= 1
         _tap_state.tap = previous
+
+
+class Recorder(Protocol):
+    """What :class:`TapInput` / :class:`TapOutputGrad` report to (an activation tap that records
+    per-example layer inputs and output gradients: ghost clipping, EK-FAC's covariances)."""
+
+    def record_input(self, name: str, x: Tensor) -> int:
+        """Keep layer ``name``'s input ``x`` (batch first, detached); returns its index."""
+        ...
+
+    def output_grad(self, name: str, index: int, grad: Tensor) -> None:
+        """Layer ``name``'s output gradient (batch first) for its input number ``index``."""
+        ...
+
+
+def _batch_first(t: Tensor, dim: int | None, size: int) -> Tensor:
+    return t.expand(size, *t.shape) if dim is None else t.movedim(dim, 0)
+
+
+class TapInput(torch.autograd.Function):
+    """``TapInput.apply(x, y, anchor, recorder, name)``: ``y`` unchanged. Its ``vmap`` rule sees
+    the batched tensors themselves: it hands ``recorder`` the layer input ``x`` (batch first)
+    and puts ``y`` through :class:`TapOutputGrad`, whose backward hands it the per-example output
+    gradient. Outside ``vmap`` nothing is recorded (the caller checks)."""
+
+    @staticmethod
+    def forward(x: Tensor, y: Tensor, anchor: Tensor | None, recorder: Recorder, name: str) -> Tensor:
+        return y.view_as(y)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: Any, output: Any) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[None, Tensor, None, None, None]:
+        return None, grad, None, None, None
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple, x: Tensor, y: Tensor, anchor: Tensor | None, recorder: Recorder, name: str) -> tuple[Tensor, int]:
+        index = recorder.record_input(name, _batch_first(x, in_dims[0], info.batch_size).detach())
+        # y keeps its layout (where vmap put the batch): moving it would make later views copy.
+        dim = in_dims[1]
+        if dim is None:
+            y, dim = y.expand(info.batch_size, *y.shape), 0
+        return TapOutputGrad.apply(y, anchor, recorder, name, index, dim), dim
+
+
+class TapOutputGrad(torch.autograd.Function):
+    """``TapOutputGrad.apply(y, anchor, recorder, name, index, dim)``: identity on ``y`` (batch
+    on dim ``dim``) whose backward hands ``recorder`` the output gradient, batch first. A 0-d
+    ``anchor`` that requires grad (or ``None``) makes the one backward, asked for the anchor's
+    gradient, reach every tapped layer even where nothing before it needs a gradient."""
+
+    @staticmethod
+    def forward(y: Tensor, anchor: Tensor | None, recorder: Recorder, name: str, index: int, dim: int) -> Tensor:
+        return y.view_as(y)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: Any, output: Any) -> None:
+        ctx.recorder, ctx.name, ctx.index, ctx.dim = inputs[2:]
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None, None, None]:
+        with torch.no_grad():
+            ctx.recorder.output_grad(ctx.name, ctx.index, grad.detach().movedim(ctx.dim, 0))
+        return grad, None, None, None, None, None
 
 
 class LayerCall:

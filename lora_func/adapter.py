@@ -44,7 +44,7 @@ from lora_func._tree import (
 from lora_func.spec import AdapterSpec
 from lora_func.targeting import Target
 from lora_func.variants import LayerInfo, TensorDict, Variant, get_variant
-from lora_func.variants._contract import group_view
+from lora_func.variants._contract import GROUP, group_view
 
 __all__ = [
     "NODE_TYPES",
@@ -191,6 +191,11 @@ class Adapter(AdapterNode, tag="adapter"):
     """
 
     parts: ClassVar[tuple[AdapterNode, ...]] = ()  # a leaf
+    # layer_groups() and each layer's view of the shared tensors, computed on first use: they
+    # depend on spec, layers and shared alone, and layer_tensors reads them for every layer
+    # (recomputing them there made a pass over the layers quadratic in their number). Not
+    # fields: never pytree leaves or context, never saved.
+    __slots__ = ("_groups_memo", "_views_memo")
     params: dict[str, Tensor] = tensor_dict()
     buffers: dict[str, Tensor] = tensor_dict()
     spec: AdapterSpec = static_field()
@@ -314,17 +319,50 @@ class Adapter(AdapterNode, tag="adapter"):
         own_params, own_buffers = _split(self.params, module, layer.param_shapes), _split(self.buffers, module, layer.buffer_shapes)
         if self.shared is None:
             return own_params, own_buffers
-        shared_params, shared_buffers = self.shared_tensors()
-        groups = self.layer_groups().get(module, {})
-        return group_view(shared_params, groups) | own_params, group_view(shared_buffers, groups) | own_buffers
+        views = self._shared_views()
+        if module not in views:  # a layer of another adapter of this structure
+            shared_params, shared_buffers = self.shared_tensors()
+            groups = self._layer_groups().get(module, {})
+            return group_view(shared_params, groups) | own_params, group_view(shared_buffers, groups) | own_buffers
+        param_keys, buffer_keys = views[module]
+        return {n: self.params[k] for n, k in param_keys} | own_params, {n: self.buffers[k] for n, k in buffer_keys} | own_buffers
 
     def layer_groups(self) -> dict[str, dict[str, str]]:
         """Module name -> {grouped shared tensor name: the layer's group key}
         (``Variant.groups``); empty for a variant without grouped shared tensors."""
-        variant = self.variant
-        if variant.groups is None:
-            return {}
-        return variant.layer_groups(self.spec.targets, {layer.target.module: layer.info for layer in self.layers})
+        return {module: dict(groups) for module, groups in self._layer_groups().items()}
+
+    def _layer_groups(self) -> dict[str, dict[str, str]]:
+        # layer_groups() computed once per adapter (read only: the callers here do not change it)
+        memo = getattr(self, "_groups_memo", None)
+        if memo is None:
+            variant = self.variant
+            memo = {} if variant.groups is None else variant.layer_groups(self.spec.targets, {layer.target.module: layer.info for layer in self.layers})
+            object.__setattr__(self, "_groups_memo", memo)
+        return memo
+
+    def _shared_views(self) -> dict[str, tuple[tuple[tuple[str, str], ...], tuple[tuple[str, str], ...]]]:
+        """Module name -> the ``(short name, flat key)`` pairs of the shared params and buffers
+        its forms see (:func:`group_view`'s choice: the ungrouped ones, and its own group's copy of
+        each grouped one), for every layer at once: linear in the layers and shared tensors."""
+        memo = getattr(self, "_views_memo", None)
+        if memo is None:
+            assert self.shared is not None
+            groups = self._layer_groups()
+
+            kinds = []  # (its names, its ungrouped pairs): params, then buffers
+            for shapes in (self.shared.param_shapes, self.shared.buffer_shapes):
+                kinds.append(({name for name, _ in shapes}, tuple((name, f"{SHARED}.{name}") for name, _ in shapes if GROUP not in name)))
+
+            def pairs(names: set[str], plain: tuple[tuple[str, str], ...], layer_groups: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+                return plain + tuple((slot, f"{SHARED}.{slot}{GROUP}{key}") for slot, key in layer_groups.items() if f"{slot}{GROUP}{key}" in names)
+
+            memo = {}
+            for layer in self.layers:
+                g = groups.get(layer.target.module, {})
+                memo[layer.target.module] = (pairs(*kinds[0], g), pairs(*kinds[1], g))
+            object.__setattr__(self, "_views_memo", memo)
+        return memo
 
     def shared_tensors(self) -> tuple[TensorDict, TensorDict]:
         """``(params, buffers)`` the adapter holds once for every layer (``Variant.shared_init``),

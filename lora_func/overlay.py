@@ -102,8 +102,11 @@ def overlay(
     stand-in (an embedding lookup through a tied weight, ...) gets the dense merged weight,
     or raises when ``lazy_only=True``. ``check_finite=True`` raises ``FloatingPointError`` naming
     the adapter tensors that hold a NaN or inf (no merged weight exists to check here).
-    ``training=True``: a training op, where the adapter's ``dropout`` option acts
-    (``adapted_call`` passes ``model.training``). ``plan``: as in :func:`merge_overlay`.
+    ``training=True``: a training op, where the adapter's ``dropout`` option and every variant's
+    training-step path act (VeLoRA's compressed gradient, MonteCLoRA's sampling, Poly's relaxed
+    mixture, ...; ``adapted_call`` passes ``model.training``): a parameter dict sees no module's
+    training flag, so a training loop over ``functional_call`` passes it. ``plan``: as in
+    :func:`merge_overlay`.
     """
     plan = checked_plan(base, adapter, "overlay", check_finite, plan)
     return lazy_overlay(plan, base, adapter, lazy_only=lazy_only, training=training)

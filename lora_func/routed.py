@@ -222,8 +222,10 @@ def xlora(
     ``layerwise_scalings``, ``enable_softmax``, ``enable_softmax_topk``, ``softmax_temperature``,
     ``top_k_lora`` (``None``: every expert), ``scaling_pass_value``, ``global_scaling_weight``,
     ``xlora_dropout_p``, ``use_trainable_adapters``): one ``xlora`` adapter whose layers hold the
-    experts stacked ``(K, ...)`` with each expert's ``alpha/r``, and a new classifier drawn from
-    ``generator`` (``nn.Linear``'s init). ``hidden_size``: the model's (the classifier's input).
+    experts stacked ``(K, ...)`` with each expert's ``alpha/r`` and LoRA ``dropout`` (the option
+    ``expert_dropout``, applied in training as peft applies each expert's ``lora_dropout``), and a
+    new classifier drawn from ``generator`` (``nn.Linear``'s init). ``hidden_size``: the model's
+    (the classifier's input).
 
     Run it with :func:`xlora_call` (training, scoring) or :func:`xlora_adapted` (``generate``).
     Its params are the classifier's and the experts'; peft trains the experts only with
@@ -232,6 +234,9 @@ def xlora(
     first = library[0]
     if config.get("top_k_lora") is None:
         config["top_k_lora"] = 0
+    if "expert_dropout" not in config:  # each expert's own LoRA dropout, as peft applies it in training
+        dropouts = tuple(float(a.spec.option("dropout")) for a in library)
+        config["expert_dropout"] = dropouts if any(dropouts) else ()
     spec = AdapterSpec(
         "xlora", first.spec.targets, r=first.spec.r, alpha=first.spec.alpha, dtype=first.spec.dtype, layer_types=first.spec.layer_types,
         tied=first.spec.tied, num_experts=len(library), hidden_size=hidden_size, **config,
@@ -413,13 +418,14 @@ def _reorder_with(cache: Any, mine: Any) -> None:
 
 
 
-def _expert_loras(adapter: Adapter, scales: str) -> list[Adapter]:
+def _expert_loras(adapter: Adapter, scales: str, dropouts: Sequence[float] = ()) -> list[Adapter]:
     """The ``(K, ...)`` LoRA experts of a routed adapter (arrow, xlora) as ``K`` LoRA adapters,
-    expert ``e`` at its own scale ``<module>.<scales>[e]`` (its alpha ``scale · r``)."""
-    spec = AdapterSpec("lora", adapter.spec.targets, r=adapter.spec.r, alpha=adapter.spec.alpha, dtype=adapter.spec.dtype,
-                       layer_types=adapter.spec.layer_types, tied=adapter.spec.tied)
+    expert ``e`` at its own scale ``<module>.<scales>[e]`` (its alpha ``scale · r``) and LoRA
+    dropout ``dropouts[e]`` (none when empty)."""
     out = []
     for e in range(int(adapter.spec.option("num_experts"))):
+        spec = AdapterSpec("lora", adapter.spec.targets, r=adapter.spec.r, alpha=adapter.spec.alpha, dtype=adapter.spec.dtype,
+                           layer_types=adapter.spec.layer_types, tied=adapter.spec.tied, dropout=float(dropouts[e]) if dropouts else 0.0)
         params, layers = {}, []
         for layer in adapter.layers:
             module, info = layer.target.module, layer.info
@@ -435,10 +441,10 @@ def _expert_loras(adapter: Adapter, scales: str) -> list[Adapter]:
 
 
 def xlora_experts(adapter: Adapter) -> list[Adapter]:
-    """The experts of an ``xlora`` adapter as ``K`` LoRA adapters, each at its own scale (for
-    ``save_peft``, merging, inspection)."""
+    """The experts of an ``xlora`` adapter as ``K`` LoRA adapters, each at its own scale and with
+    its own LoRA dropout (for ``save_peft``, merging, inspection)."""
     adapter = _xlora(adapter, "xlora_experts")
-    return _expert_loras(adapter, "xlora_scales")
+    return _expert_loras(adapter, "xlora_scales", adapter.spec.option("expert_dropout"))
 
 
 # X-LoRA in peft's files: adapter_config.json (XLoraConfig; "adapters": expert name -> the LoRA

@@ -2459,6 +2459,7 @@ CASES.update(
             ("(2, 3, 4, 2)", "2 experts"),
         ),
         "xlora-top-k": Case(spec("xlora", ["q_proj"], num_experts=2, top_k_lora=3), ("top_k_lora=3", "num_experts=2")),
+        "xlora-expert-dropout": Case(spec("xlora", ["q_proj"], num_experts=2, expert_dropout=(0.1,)), ("expert_dropout=[0.1]", "num_experts=2")),
         "xlora-not-xlora": Case(on_loras(lambda m, loras, ctx: lf.routed.xlora_call(m, loras[0], IDS)), ("xlora_call", "lora")),
         "xlora-cache": Case(on_xlora(_xlora_cache), ("xlora_adapted", "use_cache=False")),
         "xlora-config": Case(lambda ctx: (lambda m: lambda: lf.routed.load_xlora(ctx.tmp / "none", m))(ctx.model()), ("adapter_config.json",)),

@@ -59,6 +59,23 @@ def experts(model, tmp_path_factory):
     return paths
 
 
+DROPOUTS = [0.1, 0.0, 0.3]  # each expert's own lora_dropout (one without)
+
+
+@pytest.fixture(scope="module")
+def dropout_experts(model, tmp_path_factory):
+    """Paths of three peft LoRA checkpoints as ``experts``' but each with its own ``lora_dropout``."""
+    directory = tmp_path_factory.mktemp("xlora_dropout_experts")
+    paths = []
+    for i, (alpha, p) in enumerate(zip(ALPHAS, DROPOUTS, strict=True)):
+        pm = peft_model(model, peft.LoraConfig(r=2, lora_alpha=alpha, target_modules=TARGETS, lora_dropout=p), seed=10 + i)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            pm.save_pretrained(directory / f"lora{i}")
+        paths.append(str(directory / f"lora{i}"))
+    return paths
+
+
 def _peft_xlora(model, paths, **config):
     base = copy.deepcopy(model)
     base.config.use_cache = False  # XLoraModel refuses a base that caches
@@ -121,6 +138,68 @@ def test_load_peft_checkpoint_logits_loss_and_every_gradient_equal_peft(model, l
     scalings = routed.xlora_scalings(model, adapter, ids)
     assert scalings.shape == (3, 9, len(adapter.layers), 3)
     assert (scalings[:, 1:] - scalings[:, :1]).abs().max() > 1e-3, "tokens get different scalings"
+
+
+def test_a_training_step_drops_out_each_expert_s_input_as_peft_with_the_same_seed(model, dropout_experts, tmp_path):
+    """In train mode peft applies each expert's own ``lora_dropout`` (one mask per expert, in both
+    passes) and the classifier's dropout: with the same seed, logits, loss and every gradient equal
+    peft's (relative 1e-9). The same step without the experts' dropout is not peft's, and the
+    experts come back with their dropouts (``xlora_experts``, so ``save_xlora`` keeps them)."""
+    pm = _peft_xlora(model, dropout_experts, **CONFIGS["deep"])
+    pm.base_model.xlora_config.use_trainable_adapters = True
+    _write_peft_checkpoint(pm, tmp_path)
+    adapter = routed.load_xlora(tmp_path, model)
+    assert adapter.spec.option("expert_dropout") == tuple(DROPOUTS)
+    assert [e.spec.option("dropout") for e in routed.xlora_experts(adapter)] == DROPOUTS
+    undropped = routed.xlora(routed.xlora_experts(adapter), hidden_size=model.config.hidden_size, expert_dropout=(), **CONFIGS["deep"])
+    undropped = undropped.with_params(adapter.params)
+    ids = tokens(3, 9, seed=3)
+    pm.train(), model.train()
+    try:
+        pm.zero_grad()
+        torch.manual_seed(11)
+        want = pm(input_ids=ids).logits
+        want_loss = ce_loss(want, ids)
+        want_loss.backward()
+        peft_grads = _peft_grads(pm)
+        params = {k: v.detach().clone().requires_grad_(True) for k, v in adapter.params.items()}
+        torch.manual_seed(11)
+        got = routed.xlora_call(model, adapter.with_params(params), ids).logits
+        loss = ce_loss(got, ids)
+        assert rel(got, want) < RTOL and rel(loss, want_loss) < RTOL
+        for key, grad in zip(params, torch.autograd.grad(loss, list(params.values())), strict=True):
+            assert peft_grads[key].abs().max() > 0, key
+            assert rel(grad, peft_grads[key]) < RTOL, key
+        torch.manual_seed(11)
+        assert rel(routed.xlora_call(model, undropped, ids).logits, want) > 1e-3, "the experts' dropout acts"
+    finally:
+        pm.eval(), model.eval()
+    with torch.no_grad():  # in eval mode no dropout: the two agree
+        assert rel(routed.xlora_call(model, adapter, ids).logits, routed.xlora_call(model, undropped, ids).logits) < RTOL
+
+
+def test_the_experts_dropout_under_vmap_follows_randomness(model, dropout_experts, tmp_path):
+    """Per-example gradients of a training step: ``randomness="error"`` (the default) refuses the
+    experts' dropout, as for LoRA's; ``"different"`` draws a mask per example."""
+    pm = _peft_xlora(model, dropout_experts, **CONFIGS["flat"])
+    _write_peft_checkpoint(pm, tmp_path)
+    adapter = routed.load_xlora(tmp_path, model)
+    ids = tokens(2, 7, seed=6)
+
+    def loss_fn(a, x):
+        return ce_loss(routed.xlora_call(model, a, x).logits, x)
+
+    model.train()
+    try:
+        with pytest.raises(RuntimeError, match="randomness"):
+            lf.per_example_grads(loss_fn, adapter, ids)
+        torch.manual_seed(0)
+        dropped = lf.per_example_grads(loss_fn, adapter, ids, randomness="different")
+    finally:
+        model.eval()
+    exact = lf.per_example_grads(loss_fn, adapter, ids)
+    key = next(k for k in adapter.params if k.endswith("lora_A"))
+    assert rel(dropped[key], exact[key]) > 1e-3
 
 
 def test_peft_save_pretrained_file_is_refused_naming_what_peft_dropped(model, experts, tmp_path):
@@ -263,3 +342,21 @@ def test_gpt2_conv1d_equals_a_hand_written_two_pass_oracle():
             for layer in adapter.layers:
                 del modules[layer.target.module].forward
     assert rel(got, want) < RTOL and (want - gpt2(ids).logits).abs().max() > 1e-2
+
+
+def test_bad_experts_and_depth_are_refused_naming_xlora(model):
+    """A bad expert list raises Arrow's catalogued errors (their causes name both) with messages
+    that name ``xlora()``; ``xlora_depth`` above the 8 declared classifier slots says so."""
+    spec = lf.AdapterSpec("lora", ["q_proj", "v_proj"], r=2, dtype=torch.float64)
+    loras = [lf.init_adapter(model, spec, generator=torch.Generator().manual_seed(s)) for s in range(2)]
+    other = lf.init_adapter(model, lf.AdapterSpec("lora", ["q_proj"], r=2, dtype=torch.float64))
+    dora = lf.init_adapter(model, lf.AdapterSpec("dora", ["q_proj", "v_proj"], r=2, dtype=torch.float64))
+    for experts, error, words in ((loras[0], TypeError, "must be a non-empty list of LoRA adapters"),
+                                  ([loras[0], dora], TypeError, r"experts\[1\] must be a plain LoRA adapter"),
+                                  ([loras[0], other], ValueError, "X-LoRA mixes LoRAs of one rank")):
+        with pytest.raises(error, match=words) as err:
+            routed.xlora(experts, hidden_size=32)
+        assert str(err.value).startswith("xlora():")
+    with pytest.raises(ValueError, match="at most 8 classifier layers"):
+        routed.xlora(loras, hidden_size=32, xlora_depth=9)
+    assert len(routed.xlora(loras, hidden_size=32, xlora_depth=8, xlora_size=4).shared.param_shapes) == 2 * 8

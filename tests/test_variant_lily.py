@@ -242,3 +242,37 @@ def test_differing_copies_of_a_tied_tensor_load_as_peft_loads_them(tmp_path):
     last = stored["base_model.model.model.layers.1.self_attn.q_proj.lily_B.weight"]
     assert torch.equal(adapter.params[f"{SHARED}.lily_B@0"].reshape(last.shape), last)
     assert bank_oracle.rel(lf.adapted_call(model, adapter, ids).logits, bank_oracle.peft_reload_logits(model, tmp_path, ids)) < bank_oracle.RTOL
+
+
+def test_layer_tensors_derives_the_groups_once_per_adapter_linear_in_the_layers(monkeypatch):
+    """``layer_tensors`` of every layer (the mixed route's, merging's, the optimisers' walk) derives
+    the groups once per adapter: the layer infos ``Variant.layer_groups`` reads grow as the layers
+    (it used to run for every layer: 144 and 576 reads for 12 and 24 layers), and each layer
+    sees exactly :func:`group_view`'s tensors (the same objects) of its group."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lora_func.variants._contract import Variant, group_view
+
+    reads: list[int] = []
+    original = Variant.layer_groups
+    monkeypatch.setattr(Variant, "layer_groups", lambda self, targets, infos: reads.append(len(infos)) or original(self, targets, infos))
+    counts = {}
+    for layers in (4, 8):
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=12, num_hidden_layers=layers,
+                                             num_attention_heads=2, num_key_value_heads=1))
+        adapter = lf.init_adapter(model, lf.AdapterSpec("lily", targets=TARGETS, **CONFIG), generator=torch.Generator().manual_seed(1))
+        reads.clear()
+        seen = [adapter.layer_tensors(layer) for layer in adapter.layers]
+        counts[layers] = (len(reads), sum(reads))
+        shared_params, shared_buffers = adapter.shared_tensors()
+        groups = original(adapter.variant, adapter.spec.targets, {layer.target.module: layer.info for layer in adapter.layers})
+        assert len({tuple(sorted(g.items())) for g in groups.values()}) > 2, "several groups (a view that ignored them would pass)"
+        for layer, (params, buffers) in zip(adapter.layers, seen, strict=True):
+            module = layer.target.module
+            own = {name: adapter.params[f"{module}.{name}"] for name, _ in layer.param_shapes}
+            want = group_view(shared_params, groups[module]) | own
+            assert sorted(params) == sorted(want) and all(params[k] is want[k] for k in want), module
+            want_buffers = group_view(shared_buffers, groups[module]) | {name: adapter.buffers[f"{module}.{name}"] for name, _ in layer.buffer_shapes}
+            assert sorted(buffers) == sorted(want_buffers) and all(buffers[k] is want_buffers[k] for k in want_buffers), module
+    # 3 targets per decoder layer: 12 and 24 adapted layers, one derivation each
+    assert counts == {4: (1, 12), 8: (1, 24)}, counts

@@ -202,10 +202,11 @@ def test_a_set_projection_is_used_at_its_own_precision():
     assert (exact - grads[1]).abs().max() > 1e-3
 
 
-def test_outside_a_training_step_and_on_the_overlay_route_the_gradient_is_lora_s():
-    """The compressed backward needs a training step on the lazy or module-call route: in eval
-    mode, and on lf.overlay's parameter route (its layers carry no module training flag), A's
-    gradient is LoRA's exact one (the merged weight's). One group per row is accepted (0 not)."""
+def test_outside_a_training_step_the_gradient_is_lora_s_and_overlay_takes_training_true():
+    """The compressed backward needs a training step: in eval mode, and on lf.overlay's parameter
+    route without ``training=True`` (a parameter dict sees no module's training flag), A's
+    gradient is LoRA's exact one (the merged weight's); ``lf.overlay(..., training=True)`` gives
+    the training step's compressed gradient. One group per row is accepted (0 not)."""
     from tests.one_layer import run
 
     with pytest.raises(ValueError, match="num_groups"):
@@ -221,8 +222,31 @@ def test_outside_a_training_step_and_on_the_overlay_route_the_gradient_is_lora_s
     base = lf.base_params(model)
     trained = grad(lf.adapted_call(model, adapter, x=x))
     overlay_route = grad(run(model, lf.overlay(base, adapter), x))
+    torch.testing.assert_close(grad(run(model, lf.overlay(base, adapter, training=True), x)), trained, rtol=1e-12, atol=1e-12)
     model.eval()
     exact = grad(lf.adapted_call(model, adapter, x=x, merged=True))
     torch.testing.assert_close(grad(lf.adapted_call(model, adapter, x=x)), exact, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(overlay_route, exact, rtol=1e-12, atol=1e-12)
     assert (trained - exact).abs().max() > 1e-3
+
+
+def test_a_compiled_training_step_gives_the_eager_compressed_gradient():
+    """``torch.compile`` (fullgraph; dynamo is where it failed) of a training step with VeLoRA
+    alone and in a one-part composition: the forwards and A's compressed gradients equal eager's
+    (no ``autograd.Function`` for dynamo to instantiate: it raised a DeprecationWarning, an error
+    under ``-W error``), and A's gradient is not LoRA's exact one."""
+    model, adapter = _one_layer_velora(torch.float64)
+    x = torch.randn(5, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    params, key = adapter.params, "proj.lora_A"
+
+    def step(p):
+        changed = adapter.with_params(p)
+        return lf.adapted_call(model, changed, x=x) + lf.adapted_call(model, lf.compose([changed]), x=x).square()
+
+    eager = step(params)
+    compiled = torch.compile(step, fullgraph=True, backend="eager")(params)
+    torch.testing.assert_close(compiled, eager, rtol=1e-12, atol=1e-12)
+    want, got = (torch.autograd.grad(out.sum(), params[key])[0] for out in (eager, compiled))
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    model.eval()
+    assert (torch.autograd.grad(step(params).sum(), params[key])[0] - want).abs().max() > 1e-3

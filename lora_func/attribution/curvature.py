@@ -38,7 +38,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from lora_func._layer_ops import VariantOp, activation_tap
+from lora_func._layer_ops import TapInput, VariantOp, activation_tap
 from lora_func._tree import leaves
 from lora_func.adapter import AdapterLike, leaf_adapters
 from lora_func.attribution._checks import batch_size, check_callable, check_chunk_size
@@ -185,6 +185,19 @@ class _Recorder:
         self.by_key = {layer.key_a: module for module, layer in layers.items()}
         self.mask: Tensor | None = None
 
+    def record_input(self, module: str, x: Tensor) -> int:
+        x = x.reshape(x.shape[0], -1, x.shape[-1])  # (B, rows, d_in): one example's tokens per row block
+        mask = self.mask
+        if mask is not None and tuple(mask.shape) != tuple(x.shape[:2]):
+            raise ValueError(  # error: attribution-ekfac-mask
+                f"{self.where}: token_mask gave shape {tuple(mask.shape)} but {module}'s input has {x.shape[1]} "
+                f"tokens per example (batch of {x.shape[0]}); return one 0/1 entry per token, (B, T)"
+            )
+        return self.layers[module].record(x, mask)
+
+    def output_grad(self, module: str, index: int, grad: Tensor) -> None:
+        self.layers[module].backward(index, grad.reshape(grad.shape[0], -1, grad.shape[-1]))
+
     def bind(self, params: dict[str, Tensor]) -> None:
         self.ids = {id(t): key for key, t in params.items()}
 
@@ -213,65 +226,8 @@ class _Recorder:
         assert form is not None
         scale = form.scale(step.info, step.buffers)
         layer.scale = float(scale)
-        out: Tensor = _Tap.apply(x, y, self, module)
+        out: Tensor = TapInput.apply(x, y, None, self, module)
         return out
-
-
-def _batch_first(t: Tensor, dim: int | None, size: int) -> Tensor:
-    return t.expand(size, *t.shape) if dim is None else t.movedim(dim, 0)
-
-
-class _Tap(torch.autograd.Function):
-    """``y`` unchanged; its ``vmap`` rule sees the batched tensors: it records the layer input
-    ``x`` (batch first) and routes ``y`` through :class:`_Grad` for the output gradient."""
-
-    @staticmethod
-    def forward(x: Tensor, y: Tensor, recorder: _Recorder, module: str) -> Tensor:
-        return y.view_as(y)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: Any, output: Any) -> None:
-        pass
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[None, Tensor, None, None]:
-        return None, grad, None, None
-
-    @staticmethod
-    def vmap(info: Any, in_dims: tuple, x: Tensor, y: Tensor, recorder: _Recorder, module: str) -> tuple[Tensor, int]:
-        size = info.batch_size
-        x = _batch_first(x, in_dims[0], size).detach()
-        x = x.reshape(size, -1, x.shape[-1])  # (B, rows, d_in): one example's tokens per row block
-        mask = recorder.mask
-        if mask is not None and tuple(mask.shape) != tuple(x.shape[:2]):
-            raise ValueError(  # error: attribution-ekfac-mask
-                f"{recorder.where}: token_mask gave shape {tuple(mask.shape)} but {module}'s input has {x.shape[1]} "
-                f"tokens per example (batch of {size}); return one 0/1 entry per token, (B, T)"
-            )
-        index = recorder.layers[module].record(x, mask)
-        dim = in_dims[1]
-        if dim is None:
-            y, dim = y.expand(size, *y.shape), 0
-        return _Grad.apply(y, recorder, module, index, dim), dim
-
-
-class _Grad(torch.autograd.Function):
-    """Identity on ``y`` (batch on dim ``dim``) whose backward hands the layer its output gradient."""
-
-    @staticmethod
-    def forward(y: Tensor, recorder: _Recorder, module: str, index: int, dim: int) -> Tensor:
-        return y.view_as(y)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: Any, output: Any) -> None:
-        ctx.recorder, ctx.module, ctx.index, ctx.dim = inputs[1:]
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None, None]:
-        with torch.no_grad():
-            g = grad.detach().movedim(ctx.dim, 0)
-            ctx.recorder.layers[ctx.module].backward(ctx.index, g.reshape(g.shape[0], -1, g.shape[-1]))
-        return grad, None, None, None, None
 
 
 def _lora_layers(adapter: AdapterLike, where: str) -> dict[str, _Layer]:

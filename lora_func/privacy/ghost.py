@@ -14,7 +14,7 @@ For a layer ``y = base(x) + s · (x Aᵀ) Bᵀ`` with input ``x (B, T, d_in)`` a
 Recording: the forward runs under ``vmap`` over the examples as in
 :func:`lora_func.per_example_grads`; the adapter's low-rank tensors are shared (not copied per
 example) and an activation tap (:func:`lora_func._layer_ops.activation_tap`, installed for this call
-only) passes each LoRA-form layer's output through :class:`_Tap`, an identity whose ``vmap``
+only) passes each LoRA-form layer's output through :class:`lora_func._layer_ops.TapInput`, an identity whose ``vmap``
 rule sees the batched tensors: it keeps ``x`` (a view of the activation, no copy), and in the
 one backward the layer's output gradient arrives per example. A layer whose per-example
 gradients hold less than ``g`` and the Gram products (``T · (d_out + T) >= r · (d_in + d_out)``,
@@ -26,7 +26,7 @@ norm: the results equal the per-example path (tested).
 
 A batched loss (:func:`lora_func.privacy.batched_loss`, ``(B,)`` from one call) runs without
 ``vmap`` (:func:`batched_pass`): the same tap records each ghost layer's input (batch on dim 0)
-and puts its output through :class:`_Grad`; every other adapted layer's call is recorded too
+and puts its output through :class:`lora_func._layer_ops.TapOutputGrad`; every other adapted layer's call is recorded too
 (:class:`_FormCall`: its step, base layer, input and, in the backward, output gradient), and
 its per-example gradients come from its own form, ``vmap`` over the examples of that one
 layer's ``vjp``. The tap also sees every weight form: an adapter tensor that reaches the model
@@ -50,7 +50,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from lora_func._layer_ops import VariantOp, activation_tap
+from lora_func._layer_ops import TapInput, TapOutputGrad, VariantOp, activation_tap
 from lora_func._tree import leaves
 from lora_func._vmapped import split_examples, vmapped
 from lora_func.adapter import Adapter, AdapterLike
@@ -213,9 +213,9 @@ class _Recorder:
     """The activation tap of one pass (:class:`lora_func._layer_ops.ActivationTap`).
 
     Under ``vmap`` (``batch_size=None``) it routes each ghost layer's output through
-    :class:`_Tap`; in a batched pass (``batch_size=B``) it records each ghost layer's input
+    :class:`~lora_func._layer_ops.TapInput`; in a batched pass (``batch_size=B``) it records each ghost layer's input
     and each other adapted layer's call (:class:`_FormCall`) and puts the output through
-    :class:`_Grad`. ``tracked``: ``id`` of each adapter tensor the pass must see -> its key;
+    :class:`~lora_func._layer_ops.TapOutputGrad`. ``tracked``: ``id`` of each adapter tensor the pass must see -> its key;
     ``invalid`` says why the pass cannot be used (a tracked tensor reached the model through
     a weight form, a ghost layer ran another form, a batch not on dim 0)."""
 
@@ -227,6 +227,17 @@ class _Recorder:
         self.seen: set[str] = set()
         self.invalid: str | None = None
         self.device_type = anchor.device.type
+
+    def record_input(self, name: str, x: Tensor) -> int:
+        layer = self.layers[name]
+        assert isinstance(layer, _Layer)
+        return layer.record(x)
+
+    def output_grad(self, name: str, index: int, grad: Tensor) -> None:
+        with torch.autocast(self.device_type, enabled=False):
+            if self.batch_size is not None:  # a batched pass: (B, T, d_out) rows, as the input's
+                grad = grad.reshape(self.batch_size, -1, grad.shape[-1])
+            self.layers[name].backward(index, grad)
 
     def weight(self, step: VariantOp) -> None:
         hit = sorted(self.tracked[id(t)] for t in step.params.values() if id(t) in self.tracked)
@@ -253,7 +264,7 @@ class _Recorder:
                 return y
             name = f"call {len(self.layers)}"
             self.layers[name] = _FormCall(step, base, x.detach(), names, flat=x is not given)
-            return _Grad.apply(y, self.anchor, self, name, 0, 0)
+            return TapOutputGrad.apply(y, self.anchor, self, name, 0, 0)
         assert form is not None  # a ghost layer's variant declares it
         scale = form.scale(step.info, step.buffers)
         if step.form is not step.variant.activation_form or set(names) != {form.a, form.b} or isinstance(scale, Tensor):
@@ -264,10 +275,10 @@ class _Recorder:
             key_a, key_b = self.keys[module]
             layer = self.layers[module] = _Layer(self.shared[key_a], self.shared[key_b], scale, self.clipping)
         if self.batch_size is None:
-            out: Tensor = _Tap.apply(x, y, self, module)
+            out: Tensor = TapInput.apply(x, y, self.anchor, self, module)
             return out
         index = layer.record(x.detach())
-        return _Grad.apply(y, self.anchor, self, module, index, 0)
+        return TapOutputGrad.apply(y, self.anchor, self, module, index, 0)
 
 
 def _example_rows(x: Tensor, batch_size: int) -> Tensor | None:
@@ -281,64 +292,6 @@ def _example_rows(x: Tensor, batch_size: int) -> Tensor | None:
             and x.is_contiguous() and x.data_ptr() == root.data_ptr() and x.numel() == root.numel()):
         return x.view(batch_size, -1, x.shape[-1])
     return None
-
-
-def _batch_first(t: Tensor, dim: int | None, size: int) -> Tensor:
-    return t.expand(size, *t.shape) if dim is None else t.movedim(dim, 0)
-
-
-class _Tap(torch.autograd.Function):
-    """``y`` unchanged. Its ``vmap`` rule gets the batched tensors themselves: it records ``x``
-    (batch first) and puts ``y`` through :class:`_Grad`, whose backward hands the layer its
-    per-example output gradient. Outside ``vmap`` nothing is recorded (the caller checks)."""
-
-    @staticmethod
-    def forward(x: Tensor, y: Tensor, recorder: _Recorder, name: str) -> Tensor:
-        return y.view_as(y)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: Any, output: Any) -> None:
-        pass
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[None, Tensor, None, None]:
-        return None, grad, None, None
-
-    @staticmethod
-    def vmap(info: Any, in_dims: tuple, x: Tensor, y: Tensor, recorder: _Recorder, name: str) -> tuple[Tensor, int]:
-        layer = recorder.layers[name]
-        assert isinstance(layer, _Layer)
-        index = layer.record(_batch_first(x, in_dims[0], info.batch_size).detach())
-        # y keeps its layout (where vmap put the batch): moving it would make later views copy.
-        dim = in_dims[1]
-        if dim is None:
-            y, dim = y.expand(info.batch_size, *y.shape), 0
-        return _Grad.apply(y, recorder.anchor, recorder, name, index, dim), dim
-
-
-class _Grad(torch.autograd.Function):
-    """Identity on ``y`` (batch on dim ``dim``) whose backward gives the layer its output
-    gradient, batch first. It also takes the pass's 0-d ``anchor`` (which requires grad), so
-    that the one backward, asked for the anchor's gradient, reaches every tapped layer even
-    where nothing before it needs a gradient (the shared low-rank tensors do not)."""
-
-    @staticmethod
-    def forward(y: Tensor, anchor: Tensor, recorder: _Recorder, name: str, index: int, dim: int) -> Tensor:
-        return y.view_as(y)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: Any, output: Any) -> None:
-        ctx.recorder, ctx.name, ctx.index, ctx.dim = inputs[2:]
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None, None, None]:
-        recorder = ctx.recorder
-        with torch.no_grad(), torch.autocast(recorder.device_type, enabled=False):
-            g = grad.detach().movedim(ctx.dim, 0)
-            if recorder.batch_size is not None:  # a batched pass: (B, T, d_out) rows, as the input's
-                g = g.reshape(recorder.batch_size, -1, g.shape[-1])
-            recorder.layers[ctx.name].backward(ctx.index, g)
-        return grad, None, None, None, None, None
 
 
 class GhostPass:

@@ -3,7 +3,8 @@ LoRA whose backward keeps a compressed copy of the input instead of the input it
 
 The forward is LoRA's (``W_eff = W + s·B A``, ``A (r, d_in)``, ``B (d_out, r)``, LoRA's init). In
 a training step (``base.training`` and grad enabled, as peft's ``module.training and
-torch.is_grad_enabled()``) on the lazy or module-call route, ``x A ᵀ`` saves for backward only
+torch.is_grad_enabled()``) on the lazy or module-call route (``lora_func.overlay`` with
+``training=True``), ``x A ᵀ`` saves for backward only
 ``c = ⟨x_g, e⟩`` per token and group: ``x (n, d_in)`` zero-padded and split into ``num_groups``
 sub-tokens ``x_g`` of ``⌈d_in / num_groups⌉`` features, projected on one unit vector ``e``. ``A``'s
 gradient is peft's: ``gᵀ x̃`` with the reconstruction ``x̃ = scale · (c ⊗ e)[:, :d_in]``; the input
@@ -53,40 +54,24 @@ def batch_embed(x: Tensor, num_groups: int) -> Tensor:
     return torch.where(norm == 0, ones, mean / torch.where(norm == 0, 1.0, norm))
 
 
-class _CompressedProjection(torch.autograd.Function):
-    """``x (..., d_in) @ aᵀ -> (..., r)`` saving ``compressed (n, num_groups)`` (the projections of
-    the sub-tokens on ``embed``) instead of ``x``; backward: the exact input gradient and peft's
-    ``a`` gradient from the reconstruction. Outputs ``(y, compressed)``; ``compressed`` is not
-    differentiable (returned so that ``setup_context`` can save it)."""
+def compressed_projection(x: Tensor, a: Tensor, embed: Tensor, num_groups: int, scale: float) -> Tensor:
+    """``x (..., d_in) @ aᵀ -> (..., r)`` whose backward keeps only ``compressed (n, num_groups)``
+    (the projections of the sub-tokens on ``embed``) instead of ``x``: the exact input gradient
+    ``g a``, and peft's ``a`` gradient ``gᵀ x̃`` from the reconstruction ``x̃ = scale · (c ⊗
+    e)[:, :d_in]``.
 
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(x: Tensor, a: Tensor, embed: Tensor, num_groups: int, scale: float) -> tuple[Tensor, Tensor]:
-        compressed = torch.einsum("tgd,d->tg", _subtokens(x, num_groups), embed.to(x.dtype))
-        return x @ a.T, compressed
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-        x, a, embed, _num_groups, scale = inputs
-        ctx.save_for_backward(output[1], a, embed)
-        ctx.x_shape, ctx.x_dtype, ctx.scale = x.shape, x.dtype, scale
-        ctx.mark_non_differentiable(output[1])
-        ctx.set_materialize_grads(False)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor | None, _unused: Any) -> tuple[Tensor | None, ...]:
-        if grad is None:
-            return None, None, None, None, None
-        compressed, a, embed = ctx.saved_tensors
-        g = grad.reshape(-1, grad.shape[-1])
-        grad_x = grad_a = None
-        if ctx.needs_input_grad[0]:
-            grad_x = (g @ a.to(g.dtype)).reshape(ctx.x_shape).to(ctx.x_dtype)
-        if ctx.needs_input_grad[1]:
-            rebuilt = (compressed.to(g.dtype)[..., None] * embed.to(g.dtype)).reshape(compressed.shape[0], -1)
-            grad_a = (g.T @ (rebuilt[:, : ctx.x_shape[-1]] * ctx.scale)).to(a.dtype)
-        return grad_x, grad_a, None, None, None
+    Plain differentiable ops, no ``autograd.Function`` (``torch.compile`` traces them as they are,
+    ``vmap`` batches them): ``x @ a.detach()ᵀ`` gives the value and the input gradient (it saves
+    ``a``, not ``x``, since ``a.detach()`` needs no gradient); ``a``'s gradient comes through a
+    term of value exactly 0, ``z - z.detach()`` with ``z = scale · c (A_g e)ᵀ`` (``A_g (r,
+    num_groups, group_dim)``: ``a`` zero-padded into groups), whose backward saves ``c`` alone and
+    gives ``∂A_g = (gᵀ scale·c) ⊗ e``, i.e. ``gᵀ x̃`` cropped to ``d_in``."""
+    value = x @ a.detach().T
+    size = group_dim(x.shape[-1], num_groups)
+    compressed = torch.einsum("tgd,d->tg", _subtokens(x.detach(), num_groups), embed.to(x.dtype))  # (n, num_groups)
+    a_groups = F.pad(a, (0, num_groups * size - a.shape[-1])).reshape(a.shape[0], num_groups, size)
+    z = (compressed * scale) @ torch.einsum("rgd,d->rg", a_groups, embed.to(a.dtype)).T  # (n, r)
+    return value + (z - z.detach()).reshape(value.shape)
 
 
 def _embed(x: Tensor, buffers: TensorDict, info: LayerInfo) -> Tensor:
@@ -129,7 +114,7 @@ def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: Ba
     lora_a = params["lora_A"]
     dropped = lowrank_input(x, base, info).to(lora_a.dtype)
     embed = _embed(dropped, buffers, info)
-    h = _CompressedProjection.apply(dropped, lora_a, embed, info.option("num_groups"), info.option("scale"))[0]
+    h = compressed_projection(dropped, lora_a, embed, info.option("num_groups"), info.option("scale"))
     return base_plus_low_rank(base, x, h * lora_scale(info, buffers), params["lora_B"])
 
 

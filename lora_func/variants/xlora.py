@@ -13,6 +13,11 @@ masked and re-normalised as the options say):
 
     y = x Wᵀ + b + g · Σ_k s_k · scale_k · (x A_kᵀ) B_kᵀ        (g: global_scaling_weight)
 
+In a training step (``base.training``) expert ``k`` reads ``dropout_k(x)`` instead of ``x`` with
+``expert_dropout[k]`` (the experts' own LoRA dropouts, as peft applies each expert's
+``lora_dropout``): one mask per expert from the global RNG, in peft's order (so under ``vmap`` it
+follows ``randomness=``).
+
 The adapter as it is stored holds ``xlora_scalings`` filled with ``scaling_pass_value``: a plain
 call (``adapted_call``) is peft's *scalings pass*, whose last hidden state the classifier reads,
 and has a merged weight (the scalings are constant). The routed call
@@ -34,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lora_func.variants import FLAG, BaseLayer, Codec, LayerInfo, Option, Slot, TensorDict, Variant, real, whole
+from lora_func.variants import DROPOUT, FLAG, BaseLayer, Check, Codec, LayerInfo, Option, Slot, TensorDict, Variant, real, whole
 from lora_func.variants._kernels import kaiming_uniform, lora_scale
 
 SCALINGS = "xlora_scalings"
@@ -140,7 +145,16 @@ def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: Ba
     if s.dim() > 1:  # per token: GPT-2's Conv1D op sees the tokens flattened, (batch·tokens, d_in)
         s = s.reshape(*x.shape[:-1], s.shape[-1])
     weights = s * buffers["xlora_scales"].to(lora_a.dtype) * float(info.option("global_scaling_weight"))
-    h = torch.einsum("...i, kri -> ...kr", x.to(lora_a.dtype), lora_a)
+    xa = x.to(lora_a.dtype)
+    dropouts = info.option("expert_dropout")
+    if any(dropouts) and getattr(base, "training", False):
+        # peft's training step: expert k's input dropout(x · s_k), experts in order, each its own
+        # mask of x's shape from the global RNG (none for an expert without dropout); the
+        # scaling commutes with the mask, so it is applied with the others below.
+        dropped = torch.stack([F.dropout(xa, p, training=True) if p else xa for p in dropouts], dim=-2)  # (..., K, d_in)
+        h = torch.einsum("...ki, kri -> ...kr", dropped, lora_a)
+    else:
+        h = torch.einsum("...i, kri -> ...kr", xa, lora_a)
     out = torch.einsum("...kr, kor -> ...ko", h, lora_b)
     delta = (out * weights.unsqueeze(-1)).sum(-2)
     return y + delta.to(y.dtype)
@@ -162,6 +176,11 @@ def weight_form(params: TensorDict, buffers: TensorDict, weight: Tensor, bias: T
 
 
 def _check(options: Mapping[str, Any]) -> None:
+    if options["expert_dropout"] and len(options["expert_dropout"]) != options["num_experts"]:
+        raise ValueError(  # error: xlora-expert-dropout
+            f"xlora: expert_dropout={list(options['expert_dropout'])} gives {len(options['expert_dropout'])} probabilities for "
+            f"num_experts={options['num_experts']}; give one per expert (each expert's LoRA dropout), or none (())"
+        )
     if options["top_k_lora"] > options["num_experts"]:
         raise ValueError(  # error: xlora-top-k
             f"xlora: top_k_lora={options['top_k_lora']} is more than num_experts={options['num_experts']}; keep at most every expert (0: all)"
@@ -183,7 +202,7 @@ VARIANT = Variant(
         "enable_softmax": Option(True, FLAG, "enable_softmax"),
         "enable_softmax_topk": Option(False, FLAG, "enable_softmax_topk"),
         "layerwise_scalings": Option(False, FLAG, "layerwise_scalings"),
-        "xlora_depth": Option(1, whole(1, MAX_DEPTH + 1), "xlora_depth"),
+        "xlora_depth": Option(1, whole(1, MAX_DEPTH + 1, why=f"lora_func declares at most {MAX_DEPTH} classifier layers as tensor slots; peft has no limit"), "xlora_depth"),
         "xlora_size": Option(2048, whole(1), "xlora_size"),
         "xlora_dropout_p": Option(0.2, real(0, 1), "xlora_dropout_p"),
         "use_trainable_adapters": Option(False, FLAG, "use_trainable_adapters"),
@@ -191,6 +210,8 @@ VARIANT = Variant(
         "top_k_lora": Option(0, whole(0), "top_k_lora", _TOP_K),
         "scaling_pass_value": Option(0.0, None, "scaling_pass_value"),
         "global_scaling_weight": Option(1.0, None, "global_scaling_weight"),
+        # each expert's own LoRA dropout (peft keeps it in the expert's LoraConfig, lora_dropout)
+        "expert_dropout": Option((), Check(lambda v: all(DROPOUT.test(p) for p in v), "must hold one probability in [0, 1) per expert, or be empty"), None),
     },
     check=_check,
     default_alpha=8.0,
