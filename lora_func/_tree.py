@@ -184,6 +184,11 @@ class AdapterNode(metaclass=_NodeMeta):
             f"(adapter.with_params(params) returns a new one)"
         )
 
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # copy, deepcopy, pickle and torch.save rebuild a node from its fields (their default
+        # restores slots by setattr, which a frozen node refuses); cached slots are left out
+        return (_rebuilt_node, (type(self), {name: getattr(self, name) for name in self.fields}))
+
     @classmethod
     def _build(cls, **values: Any) -> Any:
         """A node of these field values (``parts`` included where the type has them), without
@@ -277,3 +282,8 @@ class AdapterNode(metaclass=_NodeMeta):
     @abc.abstractmethod
     def num_parameters(self) -> int:
         """Trainable scalars (one stack member's, for a stacked adapter)."""
+
+
+def _rebuilt_node(cls: type[AdapterNode], values: dict[str, Any]) -> AdapterNode:
+    """The node of :meth:`AdapterNode.__reduce__` (module level, so pickle finds it)."""
+    return cls._build(**values)
