@@ -49,6 +49,13 @@ def vmapped(fn: Callable[..., Any], where: str, **vmap_kwargs: Any) -> Callable[
         try:
             return batched(*args)
         except RuntimeError as err:
+            if "randomness error mode" in str(err):
+                raise RuntimeError(  # error: batch-randomness
+                    f"{where}: a random draw (dropout, or a variant that samples in training mode: MonteCLoRA, "
+                    f"X-LoRA's or Poly's training draws) ran under vmap with randomness='error'; pass "
+                    f"randomness='different' (an independent draw per example or member) or randomness='same' (one "
+                    f"draw shared by all), or call model.eval() for a step without draws"
+                ) from err
             if "data-dependent control flow" not in str(err):
                 raise
             raise RuntimeError(  # error: batch-vmap-failed

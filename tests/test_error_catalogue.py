@@ -699,6 +699,14 @@ def _vmap_failed(ctx: Ctx) -> Callable[[], Any]:
     return lambda: ensemble_call(model, lf.stack([a, a]), torch.ones(2, 4), batching="vmap")
 
 
+def _random_draw(ctx: Ctx) -> Callable[[], Any]:
+    from lora_func.many import per_example_grads
+
+    model = ctx.track(tiny_model("llama").train())
+    a = ctx.adapter(model, dropout=0.1)
+    return functools.partial(per_example_grads, functools.partial(_logits_sum, model), a, IDS)
+
+
 def _per_example(loss_fn: Callable[..., Any], *batch: Any) -> Callable[[Ctx], Callable[[], Any]]:
     from lora_func.many import per_example_grads
 
@@ -935,6 +943,7 @@ CASES.update(
         "batch-not-stacked": Case(batching("ensemble_call", IDS, stacked=False), ("ensemble_call", "stack_shape ()", "lora_func.stack")),
         "batch-non-tensor-output": Case(batching("ensemble_call", IDS, use_cache=True, batching="vmap"), ("ensemble_call", "DynamicCache", "use_cache=False")),
         "batch-vmap-failed": Case(_vmap_failed, ("ensemble_call", "data-dependent")),
+        "batch-randomness": Case(_random_draw, ("per_example_grads", "randomness='different'", "model.eval()")),
         "mixed-batch-size": Case(batching("mixed_call", torch.tensor([0, 1, 0]), past_key_values=None, attention_mask=torch.ones(2, 8), batching="vmap"), ("len(index)=3",)),
         "many-batching-unknown": Case(batching("ensemble_call", IDS, batching="rows"), ("ensemble_call", "'rows'", "batching='vmap'")),
         "many-layers-merged": Case(batching("ensemble_call", IDS, batching="layers", merged=True), ("ensemble_call", "batching='vmap'", "merged=False")),
