@@ -141,7 +141,27 @@ def cell(option: str, tmp: Path) -> str:
         want = _logits(peft_model(ids))
         got = _logits(lf.adapted_call(model, adapter, ids))
         off = float((got - want).abs().max() / want.abs().max())
-        return "exact" if off <= rtol else f"differs ({off:.0e})"
+        if off > rtol:
+            return f"differs ({off:.0e})"
+        worst, by_fd = _gradients_off(peft_model, model, adapter, ids, want, tmp, rtol)
+        if worst > rtol:
+            return f"grad differs ({worst:.0e})"
+        return "exact (FD)" if by_fd else "exact"
+
+
+def _gradients_off(peft_model, model, adapter, ids, want, tmp: Path, rtol: float) -> tuple[float, list[str]]:
+    """Every gradient of a loss of the logits, per tensor under peft's checkpoint keys
+    (tests/peft_coverage.py's ``gradients_off``): the worst relative difference to peft's autograd,
+    and the keys that equal finite differences of peft's forward instead."""
+    from torch.func import grad
+
+    from tests.peft_coverage import _loss, gradients_off
+
+    peft_model.zero_grad()
+    _loss(want).backward()
+    ours = grad(lambda params: _loss(_logits(lf.adapted_call(model, adapter.with_params(params), ids))))(dict(adapter.params))
+    worst, _, by_fd = gradients_off(peft_model, adapter, ours, model, tmp / "grads", rtol, lambda: _loss(_logits(peft_model(ids))))
+    return worst, by_fd
 
 
 def table() -> dict[str, str]:
@@ -153,18 +173,20 @@ def table() -> dict[str, str]:
 
 
 def label(cell_text: str) -> str:
-    if cell_text == "exact":
-        return "exact"
+    if cell_text.startswith("exact"):
+        return cell_text
     if cell_text.startswith("differs"):
         return f"≈ {cell_text.split('(')[1].rstrip(')')}"
+    if cell_text.startswith("grad differs"):
+        return f"grad ≈ {cell_text.split('(')[1].rstrip(')')}"
     if cell_text.startswith("peft refuses"):
         return "peft ✗"
     return cell_text.replace("|", "/")
 
 
 def count_line(labels: list[str]) -> str:
-    counts = Counter("refused" if c.startswith("refused") else c.split(" ")[0] for c in labels)
-    return f"{len(labels)} options: " + ", ".join(f"{counts[k]} {name}" for k, name in (("exact", "exact"), ("≈", "differing (≈)"), ("refused", "refused by lora_func"), ("peft", "refused by peft itself (peft ✗)")) if counts[k]) + "."
+    counts = Counter("refused" if c.startswith("refused") else "≈" if c.startswith("grad") else c.split(" ")[0] for c in labels)
+    return f"{len(labels)} options: " + ", ".join(f"{counts[k]} {name}" for k, name in (("exact", "exact (outputs and gradients)"), ("≈", "differing (≈)"), ("refused", "refused by lora_func"), ("peft", "refused by peft itself (peft ✗)")) if counts[k]) + "."
 
 
 def markdown(cells: dict[str, str]) -> str:
