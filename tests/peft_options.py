@@ -146,7 +146,58 @@ def cell(option: str, tmp: Path) -> str:
         worst, by_fd = _gradients_off(peft_model, model, adapter, ids, want, tmp, rtol)
         if worst > rtol:
             return f"grad differs ({worst:.0e})"
-        return "exact (FD)" if by_fd else "exact"
+        init = _init_off(option, adapter, tmp)
+        text = "exact" if init == 0.0 else "exact, init n/a" if init is None else f"exact but init ≈ {init:.0e}" if init <= 1 else "exact but init ✗"
+        return text + (" (FD)" if by_fd else "")
+
+
+def _init_off(option: str, adapter, tmp: Path) -> float | None:
+    """``init_adapter`` (the loaded adapter's spec, float32, a generator seeded 11) against peft's
+    initial tensors for the option's config, as peft writes them, under the first of
+    tests/peft_coverage.py's whole-model ``INIT_CONVENTIONS`` that agrees: the worst relative
+    difference (0.0: every tensor equal), ``None`` where the adapter has no single spec (a trained
+    bias, IA3's feed-forward layers load composed) or its layers' ranks differ (``rank_pattern``)."""
+    from tests.peft_coverage import INIT_CONVENTIONS, _as_peft, _rel, _saved, _seeded_peft, _spec_kwargs
+
+    spec = getattr(adapter, "spec", None)
+    if spec is None or any(layer.info.r != spec.r for layer in adapter.layers):
+        return None  # (init_adapter draws one rank per spec: a rank_pattern is read, not drawn)
+    model_kind, make = OPTIONS[option]
+
+    def base():
+        model = _in_input_dtype(tiny_model(model_kind, dtype=torch.float32))
+        layer_map = getattr(make(), "layer_replication", None)
+        if layer_map:
+            from lora_func.replication import replicated
+
+            model = replicated(model, layer_map)
+        return model
+
+    model = base()
+    ours = lf.init_adapter(model, lf.AdapterSpec(spec.variant, **{**_spec_kwargs(spec), "dtype": torch.float32}), generator=torch.Generator().manual_seed(11))
+    mapped = _as_peft(ours, dict(ours.params), model, tmp / "init-ours")
+    best = float("inf")
+    for i, (per_layer, constructors, at_reset) in enumerate(INIT_CONVENTIONS):
+        if per_layer:
+            continue
+        peft_base = _in_input_dtype(tiny_model(model_kind, dtype=torch.float32))
+        theirs = _saved(_seeded_peft(peft_base, make(), 11, constructors=constructors, at_reset=at_reset), tmp / f"init-peft-{i}")
+        worst = 0.0
+        for key, tensor in theirs.items():
+            by_name = key.removeprefix("base_model.model.").removesuffix(".weight")
+            if key in mapped and mapped[key].numel() == tensor.numel():
+                mine = mapped[key]
+            elif by_name in ours.params and ours.params[by_name].numel() == tensor.numel():
+                mine = ours.params[by_name]  # (a variant stored converted, PiSSA / OLoRA: by name)
+            else:
+                worst = float("inf")
+                break
+            mine = mine.reshape(tensor.shape).to(tensor.dtype)
+            worst = max(worst, 0.0 if torch.equal(mine, tensor) else _rel(mine, tensor))
+        best = min(best, worst)
+        if best == 0.0:
+            break
+    return best
 
 
 def _gradients_off(peft_model, model, adapter, ids, want, tmp: Path, rtol: float) -> tuple[float, list[str]]:
@@ -174,7 +225,7 @@ def table() -> dict[str, str]:
 
 def label(cell_text: str) -> str:
     if cell_text.startswith("exact"):
-        return cell_text
+        return cell_text.replace("exact but init", "init")
     if cell_text.startswith("differs"):
         return f"≈ {cell_text.split('(')[1].rstrip(')')}"
     if cell_text.startswith("grad differs"):
@@ -185,8 +236,13 @@ def label(cell_text: str) -> str:
 
 
 def count_line(labels: list[str]) -> str:
-    counts = Counter("refused" if c.startswith("refused") else "≈" if c.startswith("grad") else c.split(" ")[0] for c in labels)
-    return f"{len(labels)} options: " + ", ".join(f"{counts[k]} {name}" for k, name in (("exact", "exact (outputs and gradients)"), ("≈", "differing (≈)"), ("refused", "refused by lora_func"), ("peft", "refused by peft itself (peft ✗)")) if counts[k]) + "."
+    counts = Counter(
+        "refused" if c.startswith("refused") else "≈" if c.startswith("grad") else "init n/a" if "init n/a" in c else c.split(" ")[0].rstrip(",")
+        for c in labels
+    )
+    return f"{len(labels)} options: " + ", ".join(f"{counts[k]} {name}" for k, name in (
+        ("exact", "exact (outputs, gradients and init)"), ("init n/a", "exact on outputs and gradients, init not compared (init n/a)"),
+        ("init", "exact on outputs and gradients, init differing (init ≈ / ✗)"), ("≈", "differing (≈)"), ("refused", "refused by lora_func"), ("peft", "refused by peft itself (peft ✗)")) if counts[k]) + "."
 
 
 def markdown(cells: dict[str, str]) -> str:
