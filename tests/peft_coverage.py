@@ -272,7 +272,7 @@ def _by_finite_differences(param, ours: torch.Tensor, loss) -> bool:
         direction = torch.randn(param.shape, generator=torch.Generator().manual_seed(seed), dtype=param.dtype)
         eps = 1e-5
 
-        def at(step: float) -> float:
+        def at(step: float, direction: torch.Tensor = direction) -> float:
             with torch.no_grad():
                 param.add_(step * direction)
                 try:
@@ -510,15 +510,15 @@ def _measured(parts: dict, where: dict, rtol: float) -> str:
     if out != out:
         failing.append("load ✗")
     elif out > rtol:
-        failing.append(f"≈ {out:.0e}" if out <= 1 else "✗")
+        failing.append(f"≈ {out:.0e}" if out < 1 else "✗")
     grads = parts.get("grad")
     if grads is not None and grads > rtol:
-        failing.append(f"grad ≈ {grads:.0e}" if grads <= 1 else "grad ✗")
+        failing.append(f"grad ≈ {grads:.0e}" if grads < 1 else "grad ✗")
     init = parts["init"]
     if init is None:
         failing.append("init n/a")
     elif init != 0.0:
-        failing.append(f"init ≈ {init:.0e}" if init <= 1 else "init ✗")
+        failing.append(f"init ≈ {init:.0e}" if init < 1 else "init ✗")
     text = ", ".join(failing) if failing else "exact"
     if failing and failing[0] == "init n/a":
         text = "exact, init n/a"

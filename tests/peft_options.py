@@ -147,7 +147,7 @@ def cell(option: str, tmp: Path) -> str:
         if worst > rtol:
             return f"grad differs ({worst:.0e})"
         init = _init_off(option, adapter, tmp)
-        text = "exact" if init == 0.0 else "exact, init n/a" if init is None else f"exact but init ≈ {init:.0e}" if init <= 1 else "exact but init ✗"
+        text = "exact" if init == 0.0 else "exact, init n/a" if init is None else f"exact but init ≈ {init:.0e}" if init < 1 else "exact but init ✗"
         return text + (" (FD)" if by_fd else "")
 
 
