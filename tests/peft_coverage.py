@@ -2,19 +2,26 @@
 peft entry x each layer kind of tests/models.LAYER_KIND_MODEL), how many load exactly, how many
 lora_func refuses, and how many peft itself has not.
 
-Each cell, on the tiny model of that kind in float64 (the expert model in float32):
+Each cell, on the tiny model of that kind in float64 (the expert model, MiCA and PSOFT in float32):
 
 - lora_func adapts the kind: its adapter (the contract row's spec, perturbed) is written by
-  ``save_peft``; peft loads it (``PeftModel.from_pretrained``) and gives lora_func's outputs
-  (relative 1e-9; 2e-5 in float32), and ``load_peft`` reads it back exactly: **exact**. Where
-  ``save_peft`` refuses, the first words of its reason are recorded (peft refuses the method on
-  that kind: GPT-2 ``Conv1D``, a conv of a shape it does not take).
+  ``save_peft``; where ``save_peft`` refuses, the first words of its reason are recorded (peft
+  refuses the method on that kind: GPT-2 ``Conv1D``, a conv of a shape it does not take).
+  Otherwise four parts are measured (``_measured`` gives the label):
+  (a) peft's own checkpoint for that config (peft builds the model, every trainable tensor
+  perturbed, ``save_pretrained``) read by ``load_peft``: peft's logits, and every trainable
+  tensor's gradient for a loss of the logits, per tensor under peft's checkpoint keys (where peft's
+  autograd differs, central finite differences of peft's forward are the oracle: ``(FD)``);
+  (b) peft loads ``save_peft``'s file (``PeftModel.from_pretrained``) with lora_func's outputs and
+  ``load_peft`` reads it back to them; (c) ``init_adapter`` from a seeded generator gives peft's
+  initial tensors as peft writes them (``INIT_CONVENTIONS``; ``INIT_APART`` lists the cells where
+  it cannot, and why). Relative 1e-9 (2e-5 in float32); the init exactly.
 - lora_func does not adapt the kind: the variant's peft config (as ``save_peft`` writes it on
   Linear layers) retargeted at the kind's modules; peft builds it (``get_peft_model``): **refused**
   by lora_func (``variant-kind-unsupported``), or peft raises: **peft has none**.
 
-Run ``python -m tests.peft_coverage`` from the repository root to print the table;
-tests/test_peft_coverage.py checks docs/io.md's against it.
+Run ``python -m tests.peft_coverage`` from the repository root to print the table (about 5
+minutes); tests/test_peft_coverage.py checks docs/io.md's against it for a sample of cells.
 """
 
 from __future__ import annotations

@@ -4,10 +4,13 @@ methods (each method's init variants, ``use_rslora``, ``use_dora`` on each kind,
 
 Each cell, on the tiny model of tests/models.py in float64: peft builds the config
 (``get_peft_model``, the global seed fixed), every trainable tensor is perturbed, peft saves it,
-and ``load_peft`` reads it (a ``layer_replication`` config onto ``replicated(model, layer_map)``): **exact** when lora_func's outputs are peft's (relative 1e-9; the
-PiSSA / OLoRA inits in float32, 2e-5, as peft initialises them in float32 only),
-**refused** with the first words of lora_func's reason, **peft ✗** when peft itself refuses the
-config on that model.
+and ``load_peft`` reads it (a ``layer_replication`` config onto ``replicated(model, layer_map)``):
+**exact** when lora_func's outputs are peft's (relative 1e-9; the PiSSA / OLoRA inits in float32,
+2e-5, as peft initialises them in float32 only), so is every trainable tensor's gradient (as
+tests/peft_coverage.py: per tensor under peft's keys, finite differences where peft's autograd is
+not its forward's), and ``init_adapter`` from the loaded spec draws peft's initial tensors
+(``init n/a`` where the adapter has no single spec or per-layer ranks); **refused** with the first
+words of lora_func's reason, **peft ✗** when peft itself refuses the config on that model.
 
 Run ``python -m tests.peft_options`` from the repository root to print the table;
 tests/test_peft_coverage.py checks docs/io.md's against it (a few cells re-measured).
@@ -104,7 +107,9 @@ def _reason(err: Exception, tmp: Path) -> str:
 
 
 def cell(option: str, tmp: Path) -> str:
-    """``"exact"``, ``"differs (<rel>)"``, ``"refused: <reason>"`` or ``"peft refuses: <reason>"``."""
+    """``"exact"`` (``"exact, init n/a"``, ``"exact but init ≈ <rel>"``; `` (FD)`` appended where
+    finite differences were the gradients' oracle), ``"differs (<rel>)"``, ``"grad differs
+    (<rel>)"``, ``"refused: <reason>"`` or ``"peft refuses: <reason>"``."""
     import peft.tuners.boft.layer as boft_layer
     import pytest
     from peft import get_peft_model

@@ -1,6 +1,7 @@
 """docs/io.md's count of peft's configurations (method x layer kind) against the registry and,
-for a sample of cells, against the probe itself (tests/peft_coverage.py; the whole table is
-regenerated with ``python -m tests.peft_coverage``, about a minute)."""
+for a sample of cells (every layer kind and method family, each measured in full: outputs both
+ways, every gradient, the init), against the probe itself (tests/peft_coverage.py; the whole
+table is regenerated with ``python -m tests.peft_coverage``, about 5 minutes)."""
 
 from __future__ import annotations
 
@@ -95,7 +96,14 @@ def test_the_options_count_lists_every_probed_option():
     assert counts == options_count(list(cells.values()))
 
 
-@pytest.mark.parametrize("option", ["lora bias='lora_only'", "lora layer_replication", "oft bias='oft_only'"])
+# outputs, gradients and init: a trained bias (composed), layer replication, LoRA's seeded inits
+# (orthogonal; the debugging init_lora_weights=False lora_func does not draw), LyCORIS's lycoris
+# init, a modules_to_save copy whose bias peft writes twice
+@pytest.mark.parametrize(
+    "option",
+    ["lora bias='lora_only'", "lora layer_replication", "oft bias='oft_only'", "lora init_lora_weights='orthogonal'",
+     "lora init_lora_weights=False", "lokr init_weights='lycoris'", "lora bias='all', modules_to_save"],
+)
 def test_sampled_options_are_what_the_probe_measures(option):
     from tests.peft_options import cell as option_cell
     from tests.peft_options import label as option_label
