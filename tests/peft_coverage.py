@@ -413,8 +413,9 @@ def _spec_kwargs(spec) -> dict:
 # the cells whose init cannot be peft's numbers from a seed, and why (checked elsewhere where it can be)
 INIT_APART = {
     ("eva", "*"): "data-driven: peft's randomized SVD of the activations (tests/test_variant_eva.py: exact against its full SVD)",
-    ("pissa", "*"): "stored converted: its file is the plain LoRA it converts to (tests/test_variant_pissa.py compares the init)",
-    ("olora", "*"): "stored converted: its file is the plain LoRA it converts to (tests/test_inits.py compares the init)",
+    # (their inits are compared in tests/peft_options.py, on peft's unconverted checkpoints: exact)
+    ("pissa", "*"): "stored converted: its file is the plain LoRA it converts to (the options table: init_lora_weights='pissa')",
+    ("olora", "*"): "stored converted: its file is the plain LoRA it converts to (the options table: init_lora_weights='olora')",
     ("lora", "mha"): "peft draws the out_proj's factors twice (its Linear's update_layer, then the attention's): lora_func's "
     "are the layers' resets in order (tests/test_kinds_peft.py)",
 }
