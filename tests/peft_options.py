@@ -4,10 +4,13 @@ methods (each method's init variants, ``use_rslora``, ``use_dora`` on each kind,
 
 Each cell, on the tiny model of tests/models.py in float64: peft builds the config
 (``get_peft_model``, the global seed fixed), every trainable tensor is perturbed, peft saves it,
-and ``load_peft`` reads it (a ``layer_replication`` config onto ``replicated(model, layer_map)``): **exact** when lora_func's outputs are peft's (relative 1e-9; the
-PiSSA / OLoRA inits in float32, 2e-5, as peft initialises them in float32 only),
-**refused** with the first words of lora_func's reason, **peft ✗** when peft itself refuses the
-config on that model.
+and ``load_peft`` reads it (a ``layer_replication`` config onto ``replicated(model, layer_map)``):
+**exact** when lora_func's outputs are peft's (relative 1e-9; the PiSSA / OLoRA inits in float32,
+2e-5, as peft initialises them in float32 only), so is every trainable tensor's gradient (as
+tests/peft_coverage.py: per tensor under peft's keys, finite differences where peft's autograd is
+not its forward's), and ``init_adapter`` from the loaded spec draws peft's initial tensors
+(``init n/a`` where the adapter has no single spec or per-layer ranks); **refused** with the first
+words of lora_func's reason, **peft ✗** when peft itself refuses the config on that model.
 
 Run ``python -m tests.peft_options`` from the repository root to print the table;
 tests/test_peft_coverage.py checks docs/io.md's against it (a few cells re-measured).
@@ -104,7 +107,9 @@ def _reason(err: Exception, tmp: Path) -> str:
 
 
 def cell(option: str, tmp: Path) -> str:
-    """``"exact"``, ``"differs (<rel>)"``, ``"refused: <reason>"`` or ``"peft refuses: <reason>"``."""
+    """``"exact"`` (``"exact, init n/a"``, ``"exact but init ≈ <rel>"``; `` (FD)`` appended where
+    finite differences were the gradients' oracle), ``"differs (<rel>)"``, ``"grad differs
+    (<rel>)"``, ``"refused: <reason>"`` or ``"peft refuses: <reason>"``."""
     import peft.tuners.boft.layer as boft_layer
     import pytest
     from peft import get_peft_model
@@ -141,7 +146,78 @@ def cell(option: str, tmp: Path) -> str:
         want = _logits(peft_model(ids))
         got = _logits(lf.adapted_call(model, adapter, ids))
         off = float((got - want).abs().max() / want.abs().max())
-        return "exact" if off <= rtol else f"differs ({off:.0e})"
+        if off > rtol:
+            return f"differs ({off:.0e})"
+        worst, by_fd = _gradients_off(peft_model, model, adapter, ids, want, tmp, rtol)
+        if worst > rtol:
+            return f"grad differs ({worst:.0e})"
+        init = _init_off(option, adapter, tmp)
+        text = "exact" if init == 0.0 else "exact, init n/a" if init is None else f"exact but init ≈ {init:.0e}" if init < 1 else "exact but init ✗"
+        return text + (" (FD)" if by_fd else "")
+
+
+def _init_off(option: str, adapter, tmp: Path) -> float | None:
+    """``init_adapter`` (the loaded adapter's spec, float32, a generator seeded 11) against peft's
+    initial tensors for the option's config, as peft writes them, under the first of
+    tests/peft_coverage.py's whole-model ``INIT_CONVENTIONS`` that agrees: the worst relative
+    difference (0.0: every tensor equal), ``None`` where the adapter has no single spec (a trained
+    bias, IA3's feed-forward layers load composed) or its layers' ranks differ (``rank_pattern``)."""
+    from tests.peft_coverage import INIT_CONVENTIONS, _as_peft, _rel, _saved, _seeded_peft, _spec_kwargs
+
+    spec = getattr(adapter, "spec", None)
+    if spec is None or any(layer.info.r != spec.r for layer in adapter.layers):
+        return None  # (init_adapter draws one rank per spec: a rank_pattern is read, not drawn)
+    model_kind, make = OPTIONS[option]
+
+    def base():
+        model = _in_input_dtype(tiny_model(model_kind, dtype=torch.float32))
+        layer_map = getattr(make(), "layer_replication", None)
+        if layer_map:
+            from lora_func.replication import replicated
+
+            model = replicated(model, layer_map)
+        return model
+
+    model = base()
+    ours = lf.init_adapter(model, lf.AdapterSpec(spec.variant, **{**_spec_kwargs(spec), "dtype": torch.float32}), generator=torch.Generator().manual_seed(11))
+    mapped = _as_peft(ours, dict(ours.params), model, tmp / "init-ours")
+    best = float("inf")
+    for i, (per_layer, constructors, at_reset) in enumerate(INIT_CONVENTIONS):
+        if per_layer:
+            continue
+        peft_base = _in_input_dtype(tiny_model(model_kind, dtype=torch.float32))
+        theirs = _saved(_seeded_peft(peft_base, make(), 11, constructors=constructors, at_reset=at_reset), tmp / f"init-peft-{i}")
+        worst = 0.0
+        for key, tensor in theirs.items():
+            by_name = key.removeprefix("base_model.model.").removesuffix(".weight")
+            if key in mapped and mapped[key].numel() == tensor.numel():
+                mine = mapped[key]
+            elif by_name in ours.params and ours.params[by_name].numel() == tensor.numel():
+                mine = ours.params[by_name]  # (a variant stored converted, PiSSA / OLoRA: by name)
+            else:
+                worst = float("inf")
+                break
+            mine = mine.reshape(tensor.shape).to(tensor.dtype)
+            worst = max(worst, 0.0 if torch.equal(mine, tensor) else _rel(mine, tensor))
+        best = min(best, worst)
+        if best == 0.0:
+            break
+    return best
+
+
+def _gradients_off(peft_model, model, adapter, ids, want, tmp: Path, rtol: float) -> tuple[float, list[str]]:
+    """Every gradient of a loss of the logits, per tensor under peft's checkpoint keys
+    (tests/peft_coverage.py's ``gradients_off``): the worst relative difference to peft's autograd,
+    and the keys that equal finite differences of peft's forward instead."""
+    from torch.func import grad
+
+    from tests.peft_coverage import _loss, gradients_off
+
+    peft_model.zero_grad()
+    _loss(want).backward()
+    ours = grad(lambda params: _loss(_logits(lf.adapted_call(model, adapter.with_params(params), ids))))(dict(adapter.params))
+    worst, _, by_fd = gradients_off(peft_model, adapter, ours, model, tmp / "grads", rtol, lambda: _loss(_logits(peft_model(ids))))
+    return worst, by_fd
 
 
 def table() -> dict[str, str]:
@@ -153,18 +229,25 @@ def table() -> dict[str, str]:
 
 
 def label(cell_text: str) -> str:
-    if cell_text == "exact":
-        return "exact"
+    if cell_text.startswith("exact"):
+        return cell_text.replace("exact but init", "init")
     if cell_text.startswith("differs"):
         return f"≈ {cell_text.split('(')[1].rstrip(')')}"
+    if cell_text.startswith("grad differs"):
+        return f"grad ≈ {cell_text.split('(')[1].rstrip(')')}"
     if cell_text.startswith("peft refuses"):
         return "peft ✗"
     return cell_text.replace("|", "/")
 
 
 def count_line(labels: list[str]) -> str:
-    counts = Counter("refused" if c.startswith("refused") else c.split(" ")[0] for c in labels)
-    return f"{len(labels)} options: " + ", ".join(f"{counts[k]} {name}" for k, name in (("exact", "exact"), ("≈", "differing (≈)"), ("refused", "refused by lora_func"), ("peft", "refused by peft itself (peft ✗)")) if counts[k]) + "."
+    counts = Counter(
+        "refused" if c.startswith("refused") else "≈" if c.startswith("grad") else "init n/a" if "init n/a" in c else c.split(" ")[0].rstrip(",")
+        for c in labels
+    )
+    return f"{len(labels)} options: " + ", ".join(f"{counts[k]} {name}" for k, name in (
+        ("exact", "exact (outputs, gradients and init)"), ("init n/a", "exact on outputs and gradients, init not compared (init n/a)"),
+        ("init", "exact on outputs and gradients, init differing (init ≈ / ✗)"), ("≈", "differing (≈)"), ("refused", "refused by lora_func"), ("peft", "refused by peft itself (peft ✗)")) if counts[k]) + "."
 
 
 def markdown(cells: dict[str, str]) -> str:

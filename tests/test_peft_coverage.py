@@ -1,6 +1,7 @@
 """docs/io.md's count of peft's configurations (method x layer kind) against the registry and,
-for a sample of cells, against the probe itself (tests/peft_coverage.py; the whole table is
-regenerated with ``python -m tests.peft_coverage``, about a minute)."""
+for a sample of cells (every layer kind and method family, each measured in full: outputs both
+ways, every gradient, the init), against the probe itself (tests/peft_coverage.py; the whole
+table is regenerated with ``python -m tests.peft_coverage``, about 5 minutes)."""
 
 from __future__ import annotations
 
@@ -37,14 +38,35 @@ def test_the_count_covers_every_method_and_agrees_with_the_registry():
     assert counts == count_line(list(cells.values()))
     for (variant, kind), value in cells.items():
         adapted = kind in lf.get_variant(variant).kinds
-        # a kind lora_func adapts is written and measured; another is refused, absent from peft, or n/a
-        assert adapted == (value.split(" ")[0] in ("exact", "≈", "peft", "error")), (variant, kind, value)
+        # a kind lora_func adapts is written and measured (outputs, gradients, init); another is
+        # refused, absent from peft, or n/a
+        assert adapted == (value not in ("refused", "·", "n/a")), (variant, kind, value)
 
 
-@pytest.mark.parametrize(
-    ("variant", "kind"), [("lora", "mha"), ("lora", "parameter"), ("dora", "grouped_conv"), ("ln_tuning", "embedding"), ("hira", "conv"), ("vera", "mha"),
-     ("deft", "linear"), ("trainable_tokens", "conv1d")]
-)
+# One cell per layer kind and per method family at least, measured again in full (outputs both
+# ways, every gradient, the init): LoRA on an attention (gradients by finite differences where
+# peft's autograd halves the out_proj's, its init apart), on a bare parameter, on MoE experts
+# (float32); DoRA on an embedding (peft's embedding init, seeded at its reset); HiRA on a conv
+# (peft's placeholder draws before its init); LoKr on a grouped conv (LyCORIS); LN tuning on a
+# norm (selective); VB-LoRA on GPT-2 Conv1D (a vector bank shared by every layer); C3A (spectral:
+# peft's backward differs, finite differences agree); HRA (orthogonal); Poly (routed); and cells
+# that are not measured: refused, absent from peft, refused by peft, DeFT's float32 casts.
+SAMPLED = [
+    ("lora", "mha"), ("lora", "parameter"), ("lora", "experts"), ("dora", "embedding"), ("hira", "conv"), ("lokr", "grouped_conv"),
+    ("ln_tuning", "norm"), ("vblora", "conv1d"), ("c3a", "linear"), ("hra", "linear"), ("poly", "linear"),
+    ("dora", "grouped_conv"), ("vera", "mha"), ("deft", "linear"), ("trainable_tokens", "conv1d"),
+]
+
+
+def test_the_sample_covers_every_kind_and_family():
+    families = [{"lora", "dora", "hira"}, {"lokr", "loha"}, {"ln_tuning", "ia3", "trainable_tokens"}, {"vblora", "vera", "randlora"},
+                {"c3a", "fourierft", "waveft"}, {"hra", "oft", "boft"}, {"poly", "lily"}]
+    measured = [(v, k) for v, k in SAMPLED if k in lf.get_variant(v).kinds]
+    assert {k for _, k in measured} == set(KINDS)
+    assert all(family & {v for v, _ in measured} for family in families)
+
+
+@pytest.mark.parametrize(("variant", "kind"), SAMPLED)
 def test_sampled_cells_are_what_the_probe_measures(variant, kind):
     _, cells = _documented()
     with tempfile.TemporaryDirectory() as tmp:
@@ -74,7 +96,14 @@ def test_the_options_count_lists_every_probed_option():
     assert counts == options_count(list(cells.values()))
 
 
-@pytest.mark.parametrize("option", ["lora bias='lora_only'", "lora layer_replication", "oft bias='oft_only'"])
+# outputs, gradients and init: a trained bias (composed), layer replication, LoRA's seeded inits
+# (orthogonal; the debugging init_lora_weights=False lora_func does not draw), LyCORIS's lycoris
+# init, a modules_to_save copy whose bias peft writes twice
+@pytest.mark.parametrize(
+    "option",
+    ["lora bias='lora_only'", "lora layer_replication", "oft bias='oft_only'", "lora init_lora_weights='orthogonal'",
+     "lora init_lora_weights=False", "lokr init_weights='lycoris'", "lora bias='all', modules_to_save"],
+)
 def test_sampled_options_are_what_the_probe_measures(option):
     from tests.peft_options import cell as option_cell
     from tests.peft_options import label as option_label

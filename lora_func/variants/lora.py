@@ -3,7 +3,8 @@
 Trainable ``lora_A (r, d_in)`` and ``lora_B (d_out, r)``;
 ``y = x Wᵀ + b + s · (x Aᵀ) Bᵀ``, ``W_eff = W + s·B A``, ``s = alpha/r`` (or
 ``alpha/sqrt(r)`` with ``use_rslora``). Init as peft: ``A ~ kaiming_uniform(a=√5)``
-(or ``N(0, 1/r²)`` with ``init="gaussian"``), ``B = 0``.
+(or ``N(0, 1/r²)`` with ``init="gaussian"``), ``B = 0``; on an ``nn.Embedding`` peft's
+``A = 0``, ``B ~ N(0, 1)``.
 
 The LoRA family derives from this file (:func:`derived`): PiSSA, OLoRA, CorDA, LoftQ, LoRA-GA,
 MiCA, EVA and KaSA are LoRA with their own init (and, where they keep a residual, its buffer),
@@ -164,10 +165,15 @@ def init(
     calibration: Any = None,
 ) -> tuple[TensorDict, TensorDict]:
     """peft's LoRA init: ``A ~ kaiming_uniform(a=√5)`` (``N(0, 1/r²)`` with ``init="gaussian"``,
-    :func:`orthogonal_init` with ``"orthogonal"``), ``B = 0``; a derived variant without the
-    ``init`` option gets the kaiming one."""
+    :func:`orthogonal_init` with ``"orthogonal"``), ``B = 0``; on an embedding (kaiming or
+    gaussian) peft's ``A = 0``, ``B ~ N(0, 1)``; a derived variant without the ``init`` option
+    gets the kaiming one."""
     r, d_in, d_out = info.r, info.d_in, info.d_out
     chosen = dict(info.options).get("init", "kaiming")
+    if info.kind == "embedding" and chosen in ("kaiming", "gaussian"):
+        # peft's embedding init whatever init_lora_weights (an nn.Embedding's own): A = 0, B ~ N(0, 1)
+        lora_b = torch.randn((d_out, r), generator=generator, dtype=torch.float32)
+        return {"lora_A": torch.zeros((r, d_in), dtype=dtype, device=weight.device), "lora_B": lora_b.to(weight.device, dtype)}, {}
     if chosen == "gaussian":
         lora_a = torch.randn((r, d_in), generator=generator, dtype=torch.float32) / r
     elif chosen == "orthogonal":

@@ -90,7 +90,8 @@ def init(
 
     lora_a = blocks(r, d_in)
     lora_b = blocks(d_out, r) if not info.option("init_weights") else torch.zeros((n, skills, r, d_out))
-    router = torch.rand((int(info.option("n_tasks")), n * skills), generator=generator) * 2e-3 - 1e-3
+    # (uniform_ itself: its a + (b - a)·u rounds as peft's nn.init.uniform_, a rescaled rand does not)
+    router = torch.empty((int(info.option("n_tasks")), n * skills)).uniform_(-1e-3, 1e-3, generator=generator)
     params = {"poly_lora_A": lora_a, "poly_lora_B": lora_b, "poly_router": router}
     return {k: v.contiguous().to(weight.device, dtype) for k, v in params.items()}, {}
 

@@ -9,5 +9,8 @@ def lora_w_eff(p, b, W, bias, info):
 
 
 ROWS = (
-    Row(variant="lora", w_eff=lora_w_eff, step0_nonzero=frozenset({"lora_B"}), spec_kwargs={"r": 4, "alpha": 6.0}),
+    Row(
+        variant="lora", w_eff=lora_w_eff, step0_nonzero=frozenset({"lora_B"}), spec_kwargs={"r": 4, "alpha": 6.0},
+        step0_by_kind={"embedding": frozenset({"lora_A"})},  # peft's embedding init: A = 0, B random
+    ),
 )
