@@ -187,6 +187,14 @@ def test_the_suite_runs_torch_on_one_thread_and_so_do_the_processes_it_starts():
     assert child.stdout.strip() == "1" and os.environ["OMP_NUM_THREADS"] == "1"
 
 
+def test_the_suite_keeps_what_collection_imported_out_of_the_garbage_collector():
+    """tests/conftest.py freezes what is alive after collection (torch, transformers, peft, the
+    test modules), so that no full collection walks it again, and leaves the collector on."""
+    import gc
+
+    assert gc.isenabled() and gc.get_freeze_count() > 100_000, gc.get_freeze_count()
+
+
 def _lr_sweep_module(monkeypatch):
     import importlib.util
 
