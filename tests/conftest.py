@@ -23,7 +23,7 @@ import os
 os.environ["OMP_NUM_THREADS"] = "1"
 os.environ["MKL_NUM_THREADS"] = "1"
 
-import pytest  # noqa: E402
+import pytest
 import torch  # noqa: E402  (after the environment, which torch reads at import)
 
 torch.set_num_threads(1)

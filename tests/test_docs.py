@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import re
 import runpy
-import subprocess
 import sys
 from pathlib import Path
 
@@ -109,12 +108,14 @@ def test_readme_demo_command_learns_every_variant_and_writes_its_report(tmp_path
     assert (out / "loss_curves.png").stat().st_size > 10_000
 
 
-def test_cli_entry_point_rejects_unknown_variants():
-    result = subprocess.run(
-        [sys.executable, "-m", "lora_func.cli", "demo", "--variants", "lora,nope"],
-        capture_output=True, text=True, check=False,
-    )
-    assert result.returncode == 2 and "unknown variant(s) ['nope']" in result.stderr
+def test_cli_entry_point_rejects_unknown_variants(capsys):
+    """In this process: a new interpreter (torch, transformers and the demo imported again) is
+    started once, by tests/test_ecosystem_peft_habits.py's ``python -m lora_func`` refusal."""
+    from lora_func.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["demo", "--variants", "lora,nope"])
+    assert exit_.value.code == 2 and "unknown variant(s) ['nope']" in capsys.readouterr().err
 
 
 def test_cli_reports_a_diverged_run_with_the_variant_and_step_and_exits_1(tmp_path, capsys):
