@@ -79,7 +79,19 @@ def test_python_blocks_in_docs_run(block, tmp_path, monkeypatch):
     exec(compile(block, "<doc block>", "exec"), {"__name__": "__doc_block__"})
 
 
-@pytest.mark.parametrize("script", sorted((ROOT / "examples").glob("*.py")), ids=lambda p: p.name)
+# Examples another test already runs whole, as their own __main__ block does (and checks more
+# of what they print): run here too, they would run twice.
+RUN_BY = {"dashboard.py": "tests/test_dashboard.py (its script_run fixture: app.run() as a script, 15 steps of lora)"}
+
+
+def test_every_example_is_run_here_or_by_the_test_named():
+    examples = {p.name for p in (ROOT / "examples").glob("*.py")}
+    assert set(RUN_BY) <= examples, sorted(set(RUN_BY) - examples)
+    for name, test in RUN_BY.items():
+        assert (ROOT / test.split(" ", 1)[0]).read_text().count(f'"examples" / "{name}"') == 1, (name, test)
+
+
+@pytest.mark.parametrize("script", sorted(p for p in (ROOT / "examples").glob("*.py") if p.name not in RUN_BY), ids=lambda p: p.name)
 def test_examples_run(script, monkeypatch, tmp_path, capsys):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", [str(script)])
