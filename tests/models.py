@@ -133,9 +133,10 @@ class ParameterLM(nn.Module):
         return CausalLMOutput(logits=self.head(torch.tanh(self.hold(self.embed(input_ids)))))
 
 
-def tiny_model(kind: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:
+def tiny_model(kind: str, seed: int = 0, dtype: torch.dtype = torch.float32, layers: int = 2) -> nn.Module:
     """A 2-layer model with hidden size 32, random weights from ``seed``, eval mode, eager attention
-    (SDPA has no vmap batching rule on CPU and warns)."""
+    (SDPA has no vmap batching rule on CPU and warns). ``layers``: the Llama's or GPT-2's blocks
+    (one where a test's cost grows with the layers and a second adds nothing to it)."""
     torch.manual_seed(seed)
     if kind in ("convlm", "gconvlm", "attention", "parameters"):
         model = {"convlm": ConvLM, "gconvlm": GroupedConvLM, "attention": AttentionLM, "parameters": ParameterLM}[kind]()
@@ -147,7 +148,7 @@ def tiny_model(kind: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> 
         # attention_bias: q/k/v/o carry a bias (a variant that mishandles the bias shows);
         # the MLP has none (the bias-free path is exercised too).
         config = LlamaConfig(
-            vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
             bos_token_id=1, eos_token_id=2, pad_token_id=0, attention_bias=True,
             initializer_range=INIT_RANGE,
@@ -171,7 +172,7 @@ def tiny_model(kind: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> 
         model = MixtralForCausalLM(config)
     elif kind in ("gpt2", "gpt2_norm"):
         config = GPT2Config(
-            vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+            vocab_size=VOCAB, n_embd=32, n_layer=layers, n_head=4, n_positions=64,
             bos_token_id=1, eos_token_id=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
             initializer_range=INIT_RANGE,
         )

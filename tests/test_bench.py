@@ -241,21 +241,37 @@ def _ratio(text: str) -> float:
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning", "ignore::FutureWarning")
-def test_gpu_smoke_runs_every_section_on_the_cpu_and_writes_its_tables(bench_module, capsys, tmp_path):
+def test_gpu_smoke_runs_every_section_on_the_cpu_and_writes_its_tables(bench_module, capsys, tmp_path, monkeypatch):
     """bench/gpu.py --smoke: every section of the GPU table on the CPU at tiny size, each row
-    measured (no error, nothing skipped), the same Markdown printed and written to --out."""
+    measured (nothing skipped), the same Markdown printed and written to --out. One row fails on
+    its own: peft's VeRA raises, and its error prints in that cell while the row's other cells
+    and the next rows are still measured (in the same run: a run of its own cost a model build
+    and two more rows; VeRA's peft row is built by bench/ratios.py's test above)."""
     script = bench_module("gpu.py")
+    peft_model = script["c"].peft_model
+
+    def broken_for_vera(s, row, *args, **kwargs):
+        if row == "vera":
+            raise RuntimeError("peft broke here")
+        return peft_model(s, row, *args, **kwargs)
+
+    monkeypatch.setattr(script["c"], "peft_model", broken_for_vera)
     out = tmp_path / "table.md"
     assert script["main"](["--smoke", "--out", str(out)]) == 0
     printed, text = capsys.readouterr().out, out.read_text()
     for line in text.splitlines():
         assert line in printed, line  # every written line was printed
     assert "- device: cpu" in text and f"torch {torch.__version__}" in text
-    assert "skipped" not in text and "error:" not in text, text
+    assert "skipped" not in text and text.count("error:") == 1, text
     train = _table(text, "## 1. Every method")
     assert [row[0].split(" (")[0] for row in train] == list(script["SMOKE_METHODS"])
+    assert script["SMOKE_METHODS"].index("vera") < len(train) - 1  # rows after the failing one
     for row in train:  # lazy, merged, peft: each a measured ratio to the frozen base
-        assert all(_ratio(cell) > 0 for cell in row[2:6]), row
+        assert _ratio(row[2]) > 0 and _ratio(row[3]) > 0, row
+        if row[0].startswith("vera"):
+            assert row[4] == "error: RuntimeError: peft broke here", row
+            continue
+        assert all(_ratio(cell) > 0 for cell in row[4:6]), row
         assert row[7].startswith("time "), row
     launch = {row[0]: row for row in _table(text, "## 1b. Launch-bound")}
     assert set(launch) == {"(frozen base)", *script["REPRESENTATIVE"][:2]}
@@ -283,21 +299,3 @@ def test_gpu_budget_skips_what_no_longer_fits_with_a_line_each(bench_module, cap
     for name in ("train", "ensemble", "liger"):
         assert f"## {name}: skipped, the budget's time ran out" in out
     assert "| lora |" not in out
-
-
-@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning", "ignore::FutureWarning")
-def test_gpu_rows_fail_on_their_own(bench_module, capsys, monkeypatch):
-    """One configuration's error prints in its cell; the row's other cells and the next rows
-    are still measured."""
-    script = bench_module("gpu.py")
-
-    def broken(*args, **kwargs):
-        raise RuntimeError("peft broke here")
-
-    monkeypatch.setattr(script["c"], "peft_model", broken)
-    assert script["main"](["--smoke", "--sections", "train", "--methods", "ia3,lora"]) == 0
-    rows = _table(capsys.readouterr().out, "## 1. Every method")
-    assert [row[0].split(" (")[0] for row in rows] == ["ia3", "lora"]
-    for row in rows:
-        assert _ratio(row[2]) > 0 and _ratio(row[3]) > 0
-        assert row[4] == "error: RuntimeError: peft broke here", row

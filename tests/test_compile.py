@@ -143,8 +143,9 @@ def test_overlay_mode_gives_other_ops_the_merged_weight_or_raises_when_lazy_only
 def test_compiled_adapted_call_keeps_the_path_it_was_asked_for():
     """Under compile ``merged=True`` merges and ``merged=False`` runs the lazy mode. A tied
     ``lm_head`` tells them apart: the embedding lookup reads the adapted weight, which the
-    merged path serves and the strict lazy path refuses, compiled as in eager code."""
-    model = tiny_model("gpt2")
+    merged path serves and the strict lazy path refuses, compiled as in eager code. One GPT-2
+    block: only the tied head is adapted, and the merged compile traces every block."""
+    model = tiny_model("gpt2", layers=1)
     adapter = perturbed(lf.init_adapter(model, lf.AdapterSpec("lora", targets=["lm_head"], r=2, tied="both")), seed=3)
     base, ids = lf.base_params(model), tokens(2, 8)
 
@@ -249,7 +250,11 @@ def test_conv1d_layers_compile_fullgraph_without_recompiling(variant):
 
 
 def test_lazy_path_of_a_transformers_model_compiles_fullgraph():
-    model = tiny_model("llama")
+    """A whole transformers model (embedding, rotary, mask, attention, MLP, head) on the lazy
+    path. One decoder layer: dynamo traces every layer again (a second one cost 40 % more), and
+    that the members on different layers of one model stay apart in the graph is what the family
+    compiles check (one layer per member, every tensor's gradient against eager)."""
+    model = tiny_model("llama", layers=1)
     adapter = perturbed(lf.init_adapter(model, lf.AdapterSpec("dora", targets=["q_proj", "v_proj", "down_proj"], r=2)), seed=3)
     base, ids = lf.base_params(model), tokens(2, 8)
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import re
 import runpy
-import subprocess
 import sys
 from pathlib import Path
 
@@ -80,7 +79,19 @@ def test_python_blocks_in_docs_run(block, tmp_path, monkeypatch):
     exec(compile(block, "<doc block>", "exec"), {"__name__": "__doc_block__"})
 
 
-@pytest.mark.parametrize("script", sorted((ROOT / "examples").glob("*.py")), ids=lambda p: p.name)
+# Examples another test already runs whole, as their own __main__ block does (and checks more
+# of what they print): run here too, they would run twice.
+RUN_BY = {"dashboard.py": "tests/test_dashboard.py (its script_run fixture: app.run() as a script, 15 steps of lora)"}
+
+
+def test_every_example_is_run_here_or_by_the_test_named():
+    examples = {p.name for p in (ROOT / "examples").glob("*.py")}
+    assert set(RUN_BY) <= examples, sorted(set(RUN_BY) - examples)
+    for name, test in RUN_BY.items():
+        assert (ROOT / test.split(" ", 1)[0]).read_text().count(f'"examples" / "{name}"') == 1, (name, test)
+
+
+@pytest.mark.parametrize("script", sorted(p for p in (ROOT / "examples").glob("*.py") if p.name not in RUN_BY), ids=lambda p: p.name)
 def test_examples_run(script, monkeypatch, tmp_path, capsys):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", [str(script)])
@@ -109,12 +120,14 @@ def test_readme_demo_command_learns_every_variant_and_writes_its_report(tmp_path
     assert (out / "loss_curves.png").stat().st_size > 10_000
 
 
-def test_cli_entry_point_rejects_unknown_variants():
-    result = subprocess.run(
-        [sys.executable, "-m", "lora_func.cli", "demo", "--variants", "lora,nope"],
-        capture_output=True, text=True, check=False,
-    )
-    assert result.returncode == 2 and "unknown variant(s) ['nope']" in result.stderr
+def test_cli_entry_point_rejects_unknown_variants(capsys):
+    """In this process: a new interpreter (torch, transformers and the demo imported again) is
+    started once, by tests/test_ecosystem_peft_habits.py's ``python -m lora_func`` refusal."""
+    from lora_func.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["demo", "--variants", "lora,nope"])
+    assert exit_.value.code == 2 and "unknown variant(s) ['nope']" in capsys.readouterr().err
 
 
 def test_cli_reports_a_diverged_run_with_the_variant_and_step_and_exits_1(tmp_path, capsys):
@@ -185,6 +198,14 @@ def test_the_suite_runs_torch_on_one_thread_and_so_do_the_processes_it_starts():
     assert torch.get_num_threads() == 1
     child = subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"], capture_output=True, text=True, check=True)
     assert child.stdout.strip() == "1" and os.environ["OMP_NUM_THREADS"] == "1"
+
+
+def test_the_suite_keeps_what_collection_imported_out_of_the_garbage_collector():
+    """tests/conftest.py freezes what is alive after collection (torch, transformers, peft, the
+    test modules), so that no full collection walks it again, and leaves the collector on."""
+    import gc
+
+    assert gc.isenabled() and gc.get_freeze_count() > 100_000, gc.get_freeze_count()
 
 
 def _lr_sweep_module(monkeypatch):
