@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lora_func._model import fresh_layer, grouped_shared, layer_info, layer_infos, shared_init, variant_init
+from lora_func._model import fresh_layer, grouped_shared, layer_info, layer_infos, shared_init, shared_view, target_weights, variant_init
 from lora_func.adapter import Adapter
 from lora_func.calibration import layer_gradient_batches, layer_input_batches
 from lora_func.checks import check_model
@@ -102,7 +102,10 @@ def init_adapter(
     infos = LayerInfo.numbered(infos)
     # Tensors every layer reads (Variant.shared_init), drawn before the layers' own.
     device = weights[targets[0].module].device if targets else torch.device("cpu")
-    params, buffers, shared = shared_init(variant, spec, infos, device=device, generator=generator)
+    # (a shared_from_weights variant's are built from every target's base weight)
+    weights = target_weights(model, targets) if variant.shared_from_weights else None
+    params, buffers, shared = shared_init(variant, spec, infos, device=device, generator=generator, weights=weights)
+    weights = None
     groups = variant.layer_groups(spec.targets, infos)
     grouped: tuple[dict[str, Tensor], dict[str, Tensor]] = ({}, {})
     layers = []
@@ -110,7 +113,10 @@ def init_adapter(
         # One target at a time: a sharded target's whole weight is gathered for its init only (a
         # collective: every rank runs this loop in the same order).
         info = infos[target.module]
-        init = variant_init(variant, spec, modules[target.owner], target, info, generator=generator, calibration=payloads[target.module])
+        view = shared_view(params | buffers, groups[target.module]) if variant.shared_from_weights else None
+        init = variant_init(
+            variant, spec, modules[target.owner], target, info, generator=generator, calibration=payloads[target.module], shared=view
+        )
         # Tensors shared within a group (Variant.groups): every layer's init makes one, as
         # peft's layers do before peft ties them; the group's first layer's is kept.
         init_params, init_buffers = (
@@ -118,7 +124,7 @@ def init_adapter(
         )
         for found, kept in zip(init[:2], grouped, strict=True):
             for name, key in groups[target.module].items():
-                if name in found:
+                if name in found and not variant.shared_from_weights:  # (those are shared_init's)
                     kept.setdefault(f"{name}@{key}", found[name])
         layer, layer_params, layer_buffers = fresh_layer(variant, target, info, init_params, init_buffers, init[2])
         params.update({f"{target.module}.{name}": tensor for name, tensor in layer_params.items()})
