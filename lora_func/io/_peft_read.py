@@ -135,7 +135,7 @@ def _integer_key(key: str, tensor: Tensor) -> bool:
         for slot in get_variant(name).layer_slots().values()
         if slot.integer and (suffix := slot.peft_key("")) is not None
     }
-    # a shared integer slot's whole keys (FRoD's base_model.frod_s_indices.<category>)
+    # a shared integer slot's whole keys (positions held once per group: Slot.peft's {group})
     wholes = [
         whole
         for name in list_variants()

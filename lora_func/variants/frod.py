@@ -49,7 +49,7 @@ import torch
 from torch import Tensor
 
 from lora_func.variants import FLAG, BaseLayer, LayerInfo, Option, PeftFormat, PeftMethod, Slot, TensorDict, Variant, mapped, one_of, real
-from lora_func.variants._kernels import lowrank_input
+from lora_func.variants._kernels import lowrank_input, promoted
 from lora_func.variants._options import SEED, dropout_option
 
 INITS = ("identity", "random")
@@ -212,32 +212,93 @@ def init(
     return params, buffers
 
 
-def core(params: TensorDict, buffers: TensorDict) -> Tensor:
-    """``S + diag λ (d_in, d_in)`` (a repeated position sums, as peft's ``coalesce``)."""
-    lam, values, idx = params["frod_lambda_l"], params["frod_lambda_s_values"], buffers["frod_s_indices"]
-    d_in = lam.shape[-1]
-    s = torch.zeros(d_in, d_in, dtype=values.dtype, device=values.device).index_put((idx[0], idx[1]), values, accumulate=True)
-    return s + torch.diag_embed(lam.to(values.dtype))
+def _as(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """``t`` in ``dtype`` (itself, with no op dispatched, where it already is)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def core(lam: Tensor, values: Tensor, idx: Tensor, dtype: torch.dtype) -> Tensor:
+    """``S + diag λ (d_in, d_in)`` in ``dtype`` (a repeated position sums, as peft's ``coalesce``)."""
+    # the (d_in,) / (n,) vectors cast, not the matrix: two writes of d_in² in dtype
+    return torch.diag_embed(_as(lam, dtype)).index_put((idx[0], idx[1]), _as(values, dtype), accumulate=True)
+
+
+class _FrodProduct(torch.autograd.Function):
+    """``x V (S + diag λ)ᵀ Uᵀ`` for ``x (..., d_in)``, computed in ``dtype``, saving for backward
+    only ``z = x V`` (in ``dtype``) besides the trainables, positions and frozen ``U``, ``V``
+    (already held): ``S + diag λ`` and the ``dtype`` copies of ``U``, ``V`` are rebuilt in
+    backward instead of saved (peft keeps ``U``, ``V`` in the base dtype and saves ``z`` and a
+    dense ``S`` on a half-precision base). Gradients: ``x`` through ``U``, the rebuilt matrix and
+    ``V``; ``λ`` and the values the diagonal and the positions of ``(g U)ᵀ z``. ``U`` and ``V``
+    are frozen here (:func:`activation_form` takes autograd's own path where they require grad)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x: Tensor, lam: Tensor, values: Tensor, idx: Tensor, u: Tensor, v: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        z = _as(x, dtype) @ _as(v, dtype)
+        return (z @ core(lam, values, idx, dtype).transpose(-1, -2)) @ _as(u, dtype).transpose(-1, -2), z
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+        x, lam, values, idx, u, v, _dtype = inputs
+        ctx.save_for_backward(output[1], lam, values, idx, u, v)
+        ctx.x_dtype = x.dtype
+        ctx.mark_non_differentiable(output[1])
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor | None, _grad_z: Any) -> tuple[Tensor | None, ...]:
+        if grad is None:
+            return None, None, None, None, None, None, None
+        z, lam, values, idx, u, v = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        g = grad @ _as(u, z.dtype)  # the gradient of z (S + diag λ)ᵀ
+        grad_x = grad_lam = grad_values = None
+        if needs[0]:
+            grad_x = _as((g @ core(lam, values, idx, z.dtype)) @ _as(v, z.dtype).transpose(-1, -2), ctx.x_dtype)
+        if needs[1] or needs[2]:
+            outer = g.reshape(-1, g.shape[-1]).transpose(-1, -2) @ z.reshape(-1, z.shape[-1])
+            grad_lam = _as(torch.diagonal(outer), lam.dtype) if needs[1] else None
+            grad_values = _as(outer[idx[0], idx[1]], values.dtype) if needs[2] else None
+        return grad_x, grad_lam, grad_values, None, None, None, None
+
+
+def product(params: TensorDict, buffers: TensorDict, x: Tensor, dtype: torch.dtype) -> Tensor:
+    """``x V (S + diag λ)ᵀ Uᵀ`` in ``dtype`` (:class:`_FrodProduct`; autograd's own ops where
+    ``U`` or ``V`` require grad)."""
+    lam, values, idx, u, v = params["frod_lambda_l"], params["frod_lambda_s_values"], buffers["frod_s_indices"], buffers["frod_U"], buffers["frod_V"]
+    if u.requires_grad or v.requires_grad:
+        z = x.to(dtype) @ v.to(dtype)
+        return (z @ core(lam, values, idx, dtype).transpose(-1, -2)) @ u.to(dtype).transpose(-1, -2)
+    return _FrodProduct.apply(x, lam, values, idx, u, v, dtype)[0]
+
+
+def compute_dtype(x: Tensor, adapter: torch.dtype) -> torch.dtype:
+    """The activation form's dtype: the input's where it is half precision (peft computes FRoD
+    in the input dtype: nothing ``(n, d)``-sized in fp32), else the wider of the two."""
+    return x.dtype if x.dtype in (torch.bfloat16, torch.float16) else promoted(x.dtype, adapter)
 
 
 def weight_form(params: TensorDict, buffers: TensorDict, weight: Tensor, bias: Tensor | None, info: LayerInfo) -> tuple[Tensor, Tensor | None]:
     """``W_eff = U (S + diag λ) Vᵀ`` (``W`` unused: replaced), ``b`` unchanged."""
-    m = core(params, buffers)
+    lam = params["frod_lambda_l"]
+    m = core(lam, params["frod_lambda_s_values"], buffers["frod_s_indices"], lam.dtype)
     return buffers["frod_U"].to(m.dtype) @ m @ buffers["frod_V"].to(m.dtype).T, bias
 
 
 def activation_form(params: TensorDict, buffers: TensorDict, x: Tensor, base: BaseLayer, info: LayerInfo) -> Tensor:
     """``x V (S + diag λ)ᵀ Uᵀ + b`` (peft's order, no ``W_eff``); with dropout in a training
     step ``base(x) + (W_eff − W) dropout(x)``, as peft."""
-    m = core(params, buffers)
-    u, v = buffers["frod_U"].to(m.dtype), buffers["frod_V"].to(m.dtype)
+    lam = params["frod_lambda_l"]
+    dtype = compute_dtype(x, lam.dtype)
     dropped = lowrank_input(x, base, info)
-    y = ((dropped.to(m.dtype) @ v) @ m.transpose(-1, -2)) @ u.transpose(-1, -2)
+    y = product(params, buffers, dropped, dtype)
     if dropped is x:
         bias = base.bias
         out = y.to(x.dtype)
         return out if bias is None else out + bias.to(out.dtype)
-    return base(x) + (y - dropped.to(m.dtype) @ base.weight.to(m.dtype).T).to(x.dtype)
+    return base(x) + (y - dropped.to(dtype) @ base.weight.to(dtype).transpose(-1, -2)).to(x.dtype)
 
 
 VARIANT = Variant(

@@ -1,0 +1,210 @@
+"""FRoD beyond the contract suite, against HF peft 0.21.2 in float64.
+
+peft computes each category's basis ``V`` in float32 (as lora_func does: see variants/frod.py),
+then solves each layer's ``U`` and ``λ`` in float64 and rounds them to float32
+(``_calculate_frod_u_and_lambda``'s ``.float()``) whatever the model's dtype; lora_func rounds
+them once, to the adapter dtype. The oracle is peft's own code with that rounding removed
+(:func:`peft_unrounded`: the method re-written without ``.float()``, nothing else changed);
+peft's forward is then differentiated by autograd as it is. Checked: a peft checkpoint with
+perturbed trainables (several blocks, three categories on the tiny Llama, GPT-2 ``Conv1D``; with
+and without ``save_projection``) loads with peft's logits and per-tensor gradients (lazy and
+merged, relative 1e-9), ``save_peft`` loads in peft; ``init_adapter`` gives peft's V, pattern,
+U, λ and values from the same seeds (both ``init_weights``); dropout in a training step equals
+peft's under one global RNG seed; the categories' widths are checked.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import peft
+import peft.tuners.frod.layer as peft_frod
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+import lora_func as lf
+from tests import bank_oracle
+from tests.models import tokens
+from tests.peft_helpers import ce_loss
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning", "ignore:Sparse invariant checks:UserWarning")
+
+TARGETS = {"llama": ["q_proj", "v_proj", "down_proj"], "gpt2": ["c_attn", "c_fc"]}
+
+
+def _unrounded(self, V, W):
+    """peft's ``_calculate_frod_u_and_lambda`` without its final ``.float()`` (peft 0.21.2)."""
+    w = W.detach().to(torch.float64).cpu()
+    v = V.detach().to(torch.float64).cpu()
+    try:
+        bi = torch.linalg.solve(v, w.T).T
+    except RuntimeError:
+        bi = w @ torch.linalg.pinv(v, rtol=1e-6).T
+    lambda_l = torch.linalg.norm(bi, dim=0)
+    u = torch.zeros_like(bi)
+    nonzero = lambda_l > 1e-12
+    u[:, nonzero] = bi[:, nonzero] / lambda_l[nonzero]
+    return u, lambda_l
+
+
+@pytest.fixture
+def peft_unrounded(monkeypatch):
+    monkeypatch.setattr(peft_frod.FrodLayer, "_calculate_frod_u_and_lambda", _unrounded)
+
+
+@pytest.fixture(scope="module")
+def llama64():
+    return bank_oracle.model64("llama")
+
+
+def _config(kind: str, **kwargs) -> peft.FrodConfig:
+    return peft.FrodConfig(**{"target_modules": TARGETS[kind], "sparse_rate": 0.05, "progressbar": False, "fan_in_fan_out": kind == "gpt2", **kwargs})
+
+
+CASES = [
+    pytest.param("llama", {}, id="llama"),
+    pytest.param("llama", {"save_projection": False, "projection_prng_key": 5, "regularization_alpha": 0.01}, id="llama-no-projection"),
+    pytest.param("gpt2", {}, id="gpt2-conv1d"),
+    pytest.param("gpt2", {"save_projection": False}, id="gpt2-conv1d-no-projection"),
+]
+
+
+@pytest.mark.parametrize(("kind", "options"), CASES)
+def test_a_peft_checkpoint_loads_with_peft_s_logits_and_gradients(llama64, tmp_path, kind, options, peft_unrounded):
+    model = llama64 if kind == "llama" else bank_oracle.model64("gpt2")
+    pm = bank_oracle.peft_model(model, _config(kind, **options), scale=0.3)
+    adapter, _ = bank_oracle.check_against_peft(model, pm, tmp_path)
+    saved = options.get("save_projection", True)
+    assert adapter.spec.option("save_projection") is saved
+    assert adapter.spec.option("projection_prng_key") == options.get("projection_prng_key", 0)
+    # save_peft writes what peft reads back to the same logits, the projection as the option says
+    lf.save_peft(adapter, tmp_path / "ours", model=model)
+    written = load_file(str(tmp_path / "ours" / "adapter_model.safetensors"))
+    projections = sorted(k for k in written if k.startswith("base_model.frod_"))
+    categories = {"llama": ["mlp_down_proj", "self_attn_q_proj", "self_attn_v_proj"], "gpt2": ["attn_c_attn", "mlp_c_fc"]}[kind]
+    assert projections == ([f"base_model.frod_{t}.{c}" for t in ("V", "s_indices", "s_size") for c in categories] if saved else [])
+    assert not [k for k in written if "frod_U" in k]  # U is solved on load, never saved (as peft)
+    ids = tokens(2, 9, seed=3)
+    with torch.no_grad():
+        ours = lf.adapted_call(model, adapter, ids).logits
+    assert bank_oracle.rel(bank_oracle.peft_reload_logits(model, tmp_path / "ours", ids), ours) < bank_oracle.RTOL
+
+
+def test_the_file_s_projection_is_the_one_its_layers_are_solved_against(llama64, tmp_path, peft_unrounded):
+    """A ``save_projection`` file's V is what its model was trained with, which a recomputation
+    elsewhere (another LAPACK: another eigenvector sign) may not give. The model of such a file:
+    peft's layers built on another V (V·Q, Q orthogonal), U and λ solved against it as peft
+    solves them, then trained (perturbed). load_peft solves U against the file's V and equals
+    that model; peft's own reload keeps the U it solved against its recomputed V (it never
+    re-solves U after reading V) and gives another model."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = peft.get_peft_model(copy.deepcopy(llama64), _config("llama")).eval()
+    bases = pm.base_model.frod_V["self_attn_q_proj"]
+    q = torch.linalg.qr(torch.randn(32, 32, generator=torch.Generator().manual_seed(4), dtype=torch.float64))[0]
+    bases["default"] = bases["default"] @ q
+    for name, module in pm.named_modules():
+        if isinstance(module, peft_frod.FrodLayer) and name.endswith("q_proj"):
+            u, lam = _unrounded(module, bases["default"], module.get_base_layer().weight)
+            module.frod_U["default"] = u
+            module.frod_lambda_l["default"].data.copy_(lam)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for _, p in sorted(pm.named_parameters()):
+            if p.requires_grad:
+                p.add_(0.3 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    pm.save_pretrained(tmp_path)
+    adapter = lf.load_peft(tmp_path, llama64)
+    assert torch.equal(adapter.buffers["<shared>.frod_V@self_attn_q_proj"], bases["default"])
+    ids = tokens(2, 9, seed=3)
+    with torch.no_grad():
+        ours, want = lf.adapted_call(llama64, adapter, ids).logits, pm(input_ids=ids).logits
+    assert bank_oracle.rel(ours, want) < bank_oracle.RTOL
+    assert bank_oracle.rel(bank_oracle.peft_reload_logits(llama64, tmp_path, ids), want) > 1e-3
+
+
+def test_peft_s_own_float32_rounding_is_the_only_difference(llama64, tmp_path):
+    """Without the unrounded oracle, peft's logits on the float64 model differ from lora_func's
+    only by the float32 round-off of U: the one difference the oracle removes."""
+    pm = bank_oracle.peft_model(llama64, _config("llama"), scale=0.3)
+    pm.save_pretrained(tmp_path)
+    adapter = lf.load_peft(tmp_path, llama64)
+    ids = tokens(2, 9, seed=3)
+    with torch.no_grad():
+        err = bank_oracle.rel(lf.adapted_call(llama64, adapter, ids).logits, pm(input_ids=ids).logits)
+    assert 1e-12 < err < 1e-5, err
+
+
+@pytest.mark.parametrize("init_weights", [True, False])
+def test_init_adapter_gives_peft_s_tensors_from_the_same_seeds(llama64, init_weights, peft_unrounded):
+    torch.manual_seed(7)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = peft.get_peft_model(copy.deepcopy(llama64), _config("llama", init_weights=init_weights, projection_prng_key=3))
+    spec = lf.AdapterSpec(
+        "frod", TARGETS["llama"], sparse_rate=0.05, projection_prng_key=3, init="identity" if init_weights else "random", dtype=torch.float64
+    )
+    adapter = lf.init_adapter(llama64, spec, generator=torch.Generator().manual_seed(7))
+    peft_params = {bank_oracle.lf_key(n): p for n, p in pm.named_parameters() if "frod_" in n}
+    assert sorted(peft_params) == sorted(adapter.params)
+    for key, p in peft_params.items():
+        assert torch.equal(adapter.params[key], p), key
+    tuner = pm.base_model
+    for category in ("mlp_down_proj", "self_attn_q_proj", "self_attn_v_proj"):
+        for name in ("V", "s_indices", "s_size"):
+            assert torch.equal(adapter.buffers[f"<shared>.frod_{name}@{category}"], getattr(tuner, f"frod_{name}")[category]["default"]), (name, category)
+    for name, module in pm.named_modules():
+        if isinstance(module, peft_frod.FrodLayer):
+            assert torch.equal(adapter.buffers[f"{bank_oracle.lf_key(name)}.frod_U"], module.frod_U["default"]), name
+    ids = tokens(2, 9, seed=3)
+    with torch.no_grad():
+        base, ours = llama64(ids).logits, lf.adapted_call(llama64, adapter, ids).logits
+    if init_weights:  # W_eff = W up to float64 round-off (peft's float32 U: ~1e-7)
+        assert (ours - base).abs().max() < 1e-12 * base.abs().max()
+    else:
+        assert (ours - base).abs().max() > 1e-3
+
+
+def test_dropout_in_a_training_step_equals_peft_s(llama64, tmp_path, peft_unrounded):
+    """frod_dropout drops the update's input only (y = W x + b + (W_eff − W) dropout(x)), from
+    the global RNG in module order: one seed, peft's logits and gradients."""
+    pm = bank_oracle.peft_model(llama64, _config("llama", frod_dropout=0.4), scale=0.3)
+    pm.save_pretrained(tmp_path)
+    adapter = lf.load_peft(tmp_path, llama64)
+    assert adapter.spec.option("dropout") == 0.4
+    ids = tokens(2, 9, seed=3)
+    pm.train()
+    torch.manual_seed(0)
+    want = pm(input_ids=ids).logits
+    ce_loss(want, ids).backward()
+    model = copy.deepcopy(llama64).train()
+    torch.manual_seed(0)
+    got = lf.adapted_call(model, adapter, ids).logits
+    grads = dict(zip(adapter.params, torch.autograd.grad(ce_loss(got, ids), list(adapter.params.values())), strict=True))
+    assert bank_oracle.rel(got, want) < bank_oracle.RTOL
+    for name, p in pm.named_parameters():
+        if p.requires_grad:
+            assert bank_oracle.rel(grads[bank_oracle.lf_key(name)], p.grad) < bank_oracle.RTOL, name
+    torch.manual_seed(1)
+    other = lf.adapted_call(model, adapter, ids).logits
+    assert (other - got).abs().max() > 1e-4, "the dropout mask must come from the RNG"
+    with torch.no_grad():
+        assert not torch.equal(lf.adapted_call(llama64, adapter, ids).logits, got)  # eval: no dropout
+
+
+class _Block(nn.Module):
+    def __init__(self, d_in: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(d_in, 3)
+
+
+def test_a_category_of_different_widths_is_refused():
+    """``blocks.0.proj`` and ``blocks.1.proj`` are one category (``proj``): one ``(d_in, d_in)``
+    basis cannot serve inputs 4 and 6 wide (peft's ``torch.cat`` fails there)."""
+    model = nn.Module()
+    model.blocks = nn.ModuleList([_Block(4), _Block(6)])
+    with pytest.raises(ValueError, match=r"category 'proj' have different input widths \[4, 6\]"):
+        lf.init_adapter(model, lf.AdapterSpec("frod", ["proj"]), generator=torch.Generator().manual_seed(0))
