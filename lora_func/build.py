@@ -103,9 +103,9 @@ def init_adapter(
     # Tensors every layer reads (Variant.shared_init), drawn before the layers' own.
     device = weights[targets[0].module].device if targets else torch.device("cpu")
     # (a shared_from_weights variant's are built from every target's base weight)
-    weights = target_weights(model, targets) if variant.shared_from_weights else None
-    params, buffers, shared = shared_init(variant, spec, infos, device=device, generator=generator, weights=weights)
-    weights = None
+    params, buffers, shared = shared_init(
+        variant, spec, infos, device=device, generator=generator, weights=target_weights(model, targets) if variant.shared_from_weights else None
+    )
     groups = variant.layer_groups(spec.targets, infos)
     grouped: tuple[dict[str, Tensor], dict[str, Tensor]] = ({}, {})
     layers = []

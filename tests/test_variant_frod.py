@@ -208,3 +208,22 @@ def test_a_category_of_different_widths_is_refused():
     model.blocks = nn.ModuleList([_Block(4), _Block(6)])
     with pytest.raises(ValueError, match=r"category 'proj' have different input widths \[4, 6\]"):
         lf.init_adapter(model, lf.AdapterSpec("frod", ["proj"]), generator=torch.Generator().manual_seed(0))
+
+
+NAMES = [
+    "proj", "blocks.0", "model.layers.3.self_attn.q_proj", "encoder.layer.11.attention.self.query",
+    "encoder.layer.0.attention.output.dense", "encoder.layer.0.output.dense", "output.dense", "classifier.dense",
+    "vision_model.encoder.layers.0.self_attn.q_proj", "model.layers.x.mlp.up_proj", "h.2.attn.c_attn", "model.layers",
+]
+
+
+def test_categories_and_block_indices_are_peft_s():
+    """The grouping of targets into categories and their block order, name by name, as peft's
+    ``_category_from_key`` and ``_layer_index_from_key`` (fallback: the target's index)."""
+    from peft.tuners.frod.model import _category_from_key, _layer_index_from_key
+
+    from lora_func.variants import frod
+
+    for i, name in enumerate(NAMES):
+        assert frod.category(name) == _category_from_key(name), name
+        assert frod._block_index(name, i + 7) == _layer_index_from_key(name, i + 7), name
