@@ -227,3 +227,59 @@ def test_categories_and_block_indices_are_peft_s():
     for i, name in enumerate(NAMES):
         assert frod.category(name) == _category_from_key(name), name
         assert frod._block_index(name, i + 7) == _layer_index_from_key(name, i + 7), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_the_product_node_equals_autograd_s_own_ops(dtype):
+    """The one autograd node (U, V frozen: it saves z only) and autograd's own ops (taken where U
+    or V require grad, and in a trace) give the same output and gradients of x, λ and the values;
+    on a bf16 input both compute in bf16 (peft's dtype), with float64 trainables."""
+    from lora_func.variants import frod
+
+    g = torch.Generator().manual_seed(0)
+    d_in, d_out, n = 7, 5, 9
+    params = {"frod_lambda_l": torch.randn(d_in, generator=g, dtype=torch.float64), "frod_lambda_s_values": torch.randn(n, generator=g, dtype=torch.float64)}
+    idx = torch.stack([torch.randint(0, d_in, (n,), generator=g), torch.randint(0, d_in, (n,), generator=g)])
+    buffers = {"frod_U": torch.randn(d_out, d_in, generator=g, dtype=torch.float64), "frod_V": torch.randn(d_in, d_in, generator=g, dtype=torch.float64), "frod_s_indices": idx}
+    x = torch.randn(2, 3, d_in, generator=g, dtype=torch.float64).to(dtype)
+    probe = torch.randn(2, 3, d_out, generator=g, dtype=torch.float64).to(dtype)
+    results = []
+    for frozen in (True, False):
+        p = {k: v.clone().requires_grad_(True) for k, v in params.items()}
+        b = {k: v.clone().requires_grad_(not frozen and v.is_floating_point()) for k, v in buffers.items()}
+        xx = x.clone().requires_grad_(True)
+        y = frod.product(p, b, xx, frod.compute_dtype(xx, torch.float64))
+        assert y.dtype == dtype
+        grads = torch.autograd.grad((y * probe).sum(), [xx, *p.values()])
+        results.append((y, *grads))
+    tol = 1e-12 if dtype == torch.float64 else 2e-2
+    for got, want in zip(*results, strict=True):
+        assert bank_oracle.rel(got.double(), want.double()) < tol
+    m = torch.diag(params["frod_lambda_l"]).index_put((idx[0], idx[1]), params["frod_lambda_s_values"], accumulate=True)
+    want = x.double() @ (buffers["frod_U"] @ m @ buffers["frod_V"].T).T
+    assert bank_oracle.rel(results[0][0].double(), want) < (1e-12 if dtype == torch.float64 else 3e-2)
+
+
+@pytest.mark.parametrize("sparse_rate", [0.0, 1e-4, 1.0])
+def test_the_shared_tensors_at_the_edge_rates_are_peft_s(llama64, sparse_rate):
+    """No position at rate 0, one at a rate below one entry, every off-diagonal one at rate 1:
+    the categories' V, positions and sizes as peft builds them (shared_init on the targets'
+    weights, as init_adapter passes them)."""
+    from lora_func._model import target_weights
+    from lora_func.targeting import find_targets
+    from lora_func.variants import frod
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = peft.get_peft_model(copy.deepcopy(llama64), _config("llama", sparse_rate=sparse_rate, projection_prng_key=2))
+    spec = lf.AdapterSpec("frod", TARGETS["llama"], sparse_rate=sparse_rate, projection_prng_key=2, dtype=torch.float64)
+    targets = find_targets(llama64, spec)
+    infos = {t.module: lf.variants.LayerInfo(t.d_in, t.d_out, 8, 1.0, False, spec.options) for t in targets}
+    _, shared = frod.shared_init(infos, dtype=torch.float64, device=torch.device("cpu"), generator=torch.Generator(), weights=target_weights(llama64, targets))
+    for key, tensor in shared.items():
+        name, _, category = key.partition("@")
+        assert torch.equal(tensor, getattr(pm.base_model, name)[category]["default"]), key
+    widths = {"mlp_down_proj": 48, "self_attn_q_proj": 32, "self_attn_v_proj": 32}
+    for category, d in widths.items():
+        n = shared[f"frod_s_indices@{category}"].shape[1]
+        assert n == {0.0: 0, 1e-4: 1, 1.0: d * d - d}[sparse_rate] == frod.pattern_size(d, sparse_rate)

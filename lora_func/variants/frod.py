@@ -266,9 +266,9 @@ class _FrodProduct(torch.autograd.Function):
 
 def product(params: TensorDict, buffers: TensorDict, x: Tensor, dtype: torch.dtype) -> Tensor:
     """``x V (S + diag λ)ᵀ Uᵀ`` in ``dtype`` (:class:`_FrodProduct`; autograd's own ops where
-    ``U`` or ``V`` require grad)."""
+    ``U`` or ``V`` require grad, and in a trace, which plans its own saved tensors)."""
     lam, values, idx, u, v = params["frod_lambda_l"], params["frod_lambda_s_values"], buffers["frod_s_indices"], buffers["frod_U"], buffers["frod_V"]
-    if u.requires_grad or v.requires_grad:
+    if u.requires_grad or v.requires_grad or torch.compiler.is_compiling():
         z = x.to(dtype) @ v.to(dtype)
         return (z @ core(lam, values, idx, dtype).transpose(-1, -2)) @ u.to(dtype).transpose(-1, -2)
     return _FrodProduct.apply(x, lam, values, idx, u, v, dtype)[0]
