@@ -283,3 +283,29 @@ def test_the_shared_tensors_at_the_edge_rates_are_peft_s(llama64, sparse_rate):
     for category, d in widths.items():
         n = shared[f"frod_s_indices@{category}"].shape[1]
         assert n == {0.0: 0, 1e-4: 1, 1.0: d * d - d}[sparse_rate] == frod.pattern_size(d, sparse_rate)
+    assert frod.pattern_size(1, 0.5) == 0  # a 1-wide layer has no off-diagonal entry
+
+
+def test_a_singular_basis_is_solved_through_its_pseudo_inverse_as_peft(llama64, peft_unrounded):
+    """q_proj's weights all zero: the category's V is singular (zero), U and λ come from the
+    pseudo-inverse (all zero: U's columns left zero where λ is), as peft's; the other categories
+    as usual; the adapter is the identity at init."""
+    model = copy.deepcopy(llama64)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.zero_()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = peft.get_peft_model(copy.deepcopy(model), _config("llama"))
+    adapter = lf.init_adapter(model, lf.AdapterSpec("frod", TARGETS["llama"], sparse_rate=0.05, dtype=torch.float64), generator=torch.Generator().manual_seed(0))
+    for name, module in pm.named_modules():
+        if isinstance(module, peft_frod.FrodLayer):
+            key = bank_oracle.lf_key(name)
+            assert torch.equal(adapter.buffers[f"{key}.frod_U"], module.frod_U["default"]), name
+            assert torch.equal(adapter.params[f"{key}.frod_lambda_l"], module.frod_lambda_l["default"]), name
+    q = "model.layers.0.self_attn.q_proj"
+    assert not adapter.buffers[f"{q}.frod_U"].any() and not adapter.params[f"{q}.frod_lambda_l"].any()
+    assert adapter.buffers["<shared>.frod_V@self_attn_v_proj"].abs().sum() > 0
+    ids = tokens(2, 9, seed=3)
+    with torch.no_grad():
+        assert bank_oracle.rel(lf.adapted_call(model, adapter, ids).logits, model(ids).logits) < 1e-12
