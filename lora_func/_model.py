@@ -294,13 +294,20 @@ def shared_init(
 
 
 
-def target_weights(model: nn.Module, targets: Sequence[Target]) -> dict[str, Tensor]:
+def target_weights(model: nn.Module, targets: Sequence[Target], spec: AdapterSpec) -> dict[str, Tensor]:
     """Every target's base weight ``(d_out, d_in)`` as its init reads it (:func:`target_weight`),
     by module name in ``targets``' order: what a ``shared_from_weights`` variant's shared tensors
-    are built from (whole weights where FSDP2 shards them: a collective, every rank calls it)."""
+    are built from (whole weights where FSDP2 shards them: a collective, every rank calls it).
+    A weight on the meta device or holding NaN/inf is refused naming its module (it would make
+    every layer of its group's shared tensors unusable)."""
     modules = dict(model.named_modules())
+    out = {}
     with torch.no_grad():
-        return {t.module: target_weight(modules[t.owner], t)[0] for t in targets}
+        for t in targets:
+            weight = out[t.module] = target_weight(modules[t.owner], t)[0]
+            if weight.is_meta or not bool(torch.isfinite(weight).all()):
+                _check_weight_values(spec, t, weight)
+    return out
 
 
 def shared_view(shared: Mapping[str, Tensor], groups: Mapping[str, str]) -> TensorDict:

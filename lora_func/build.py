@@ -104,7 +104,7 @@ def init_adapter(
     device = weights[targets[0].module].device if targets else torch.device("cpu")
     # (a shared_from_weights variant's are built from every target's base weight)
     params, buffers, shared = shared_init(
-        variant, spec, infos, device=device, generator=generator, weights=target_weights(model, targets) if variant.shared_from_weights else None
+        variant, spec, infos, device=device, generator=generator, weights=target_weights(model, targets, spec) if variant.shared_from_weights else None
     )
     groups = variant.layer_groups(spec.targets, infos)
     grouped: tuple[dict[str, Tensor], dict[str, Tensor]] = ({}, {})

@@ -309,3 +309,18 @@ def test_a_singular_basis_is_solved_through_its_pseudo_inverse_as_peft(llama64, 
     ids = tokens(2, 9, seed=3)
     with torch.no_grad():
         assert bank_oracle.rel(lf.adapted_call(model, adapter, ids).logits, model(ids).logits) < 1e-12
+
+
+def test_a_non_finite_or_meta_weight_is_refused_naming_its_module(llama64):
+    """Every layer of a category reads its V: one NaN weight would make them all NaN, so it is
+    refused naming that module (the init-non-finite-weight error), as a meta model is (init-meta-weight)."""
+    model = copy.deepcopy(llama64)
+    with torch.no_grad():
+        model.model.layers[1].self_attn.q_proj.weight[0, 0] = float("nan")
+    spec = lf.AdapterSpec("frod", TARGETS["llama"], dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn\.q_proj: its weight holds 1 non-finite"):
+        lf.init_adapter(model, spec, generator=torch.Generator().manual_seed(0))
+    with torch.device("meta"):
+        meta = bank_oracle.model64("llama")
+    with pytest.raises(ValueError, match="meta device"):
+        lf.init_adapter(meta, spec, generator=torch.Generator().manual_seed(0))

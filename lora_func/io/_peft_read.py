@@ -315,7 +315,7 @@ def _assemble(
         # the checkpoint's where it holds them (peft's save_projection).
         built = shared_init(
             variant, spec, infos, device=getattr(modules[targets[0].owner], targets[0].weight_key.rpartition(".")[2]).device,
-            generator=torch.Generator().manual_seed(0), weights=target_weights(model, targets),
+            generator=torch.Generator().manual_seed(0), weights=target_weights(model, targets, spec),
         )
         _shared_from_checkpoint(directory, variant, spec, built[0], stored_shared or {})
         _shared_from_checkpoint(directory, variant, spec, built[1], stored_shared or {})

@@ -467,7 +467,7 @@ def _rebuild_shared_buffers(
     variant = get_variant(leaf.spec.variant)
     infos = {layer.target.module: layer.info for layer in leaf.layers}
     device = devices.get(leaf.layers[0].target.module, torch.device("cpu")) if leaf.layers else torch.device("cpu")
-    weights = target_weights(model, [layer.target for layer in leaf.layers]) if variant.shared_from_weights else None
+    weights = target_weights(model, [layer.target for layer in leaf.layers], leaf.spec) if variant.shared_from_weights else None
     _, flat, _ = shared_init(variant, leaf.spec, infos, device=device, generator=torch.Generator().manual_seed(0), weights=weights)
     buffers = {key.removeprefix(f"{SHARED}."): value for key, value in flat.items()}
     if sorted(buffers) != sorted(name for name, _ in leaf.shared.buffer_shapes) or tensors_digest(buffers) != expected_digest:
