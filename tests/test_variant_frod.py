@@ -275,7 +275,7 @@ def test_the_shared_tensors_at_the_edge_rates_are_peft_s(llama64, sparse_rate):
     spec = lf.AdapterSpec("frod", TARGETS["llama"], sparse_rate=sparse_rate, projection_prng_key=2, dtype=torch.float64)
     targets = find_targets(llama64, spec)
     infos = {t.module: lf.variants.LayerInfo(t.d_in, t.d_out, 8, 1.0, False, spec.options) for t in targets}
-    _, shared = frod.shared_init(infos, dtype=torch.float64, device=torch.device("cpu"), generator=torch.Generator(), weights=target_weights(llama64, targets))
+    _, shared = frod.shared_init(infos, dtype=torch.float64, device=torch.device("cpu"), generator=torch.Generator(), weights=target_weights(llama64, targets, spec))
     for key, tensor in shared.items():
         name, _, category = key.partition("@")
         assert torch.equal(tensor, getattr(pm.base_model, name)[category]["default"]), key
