@@ -324,3 +324,20 @@ def test_a_non_finite_or_meta_weight_is_refused_naming_its_module(llama64):
         meta = bank_oracle.model64("llama")
     with pytest.raises(ValueError, match="meta device"):
         lf.init_adapter(meta, spec, generator=torch.Generator().manual_seed(0))
+
+
+def test_a_category_with_fewer_rows_than_columns_takes_the_svd_as_peft(llama64, peft_unrounded):
+    """One block's v_proj (16 x 32) and down_proj (32 x 48): fewer stacked rows than columns, so V
+    is the stack's full set of right singular vectors (peft's SVD branch), and the layers' U, λ
+    are solved against it; init_adapter gives peft's tensors."""
+    regex = r"model\.layers\.0\.(self_attn\.v_proj|mlp\.down_proj)"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = peft.get_peft_model(copy.deepcopy(llama64), peft.FrodConfig(target_modules=regex, sparse_rate=0.05, progressbar=False))
+    adapter = lf.init_adapter(llama64, lf.AdapterSpec("frod", regex, sparse_rate=0.05, dtype=torch.float64), generator=torch.Generator().manual_seed(0))
+    for category in ("mlp_down_proj", "self_attn_v_proj"):
+        v = adapter.buffers[f"<shared>.frod_V@{category}"]
+        assert v.shape[0] == v.shape[1] and torch.equal(v, pm.base_model.frod_V[category]["default"]), category
+    for name, module in pm.named_modules():
+        if isinstance(module, peft_frod.FrodLayer):
+            assert torch.equal(adapter.buffers[f"{bank_oracle.lf_key(name)}.frod_U"], module.frod_U["default"]), name
