@@ -279,6 +279,7 @@ def test_the_shared_tensors_at_the_edge_rates_are_peft_s(llama64, sparse_rate):
     for key, tensor in shared.items():
         name, _, category = key.partition("@")
         assert torch.equal(tensor, getattr(pm.base_model, name)[category]["default"]), key
+        assert tensor.dtype == (torch.float64 if name == "frod_V" else torch.int64), key
     widths = {"mlp_down_proj": 48, "self_attn_q_proj": 32, "self_attn_v_proj": 32}
     for category, d in widths.items():
         n = shared[f"frod_s_indices@{category}"].shape[1]
