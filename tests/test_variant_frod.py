@@ -342,3 +342,53 @@ def test_a_category_with_fewer_rows_than_columns_takes_the_svd_as_peft(llama64, 
     for name, module in pm.named_modules():
         if isinstance(module, peft_frod.FrodLayer):
             assert torch.equal(adapter.buffers[f"{bank_oracle.lf_key(name)}.frod_U"], module.frod_U["default"]), name
+
+
+def test_a_layer_built_alone_is_its_own_category(llama64):
+    """``init`` without ``shared`` (a layer built alone: one-layer tools and tests) builds the
+    layer's own category from its weight: the tensors init_adapter gives the only target of
+    its category, the category's ones among the buffers for the forms."""
+    from lora_func.variants import frod
+
+    module = "model.layers.1.self_attn.q_proj"
+    spec = lf.AdapterSpec("frod", module.replace(".", r"\."), sparse_rate=0.05, projection_prng_key=4, dtype=torch.float64)
+    adapter = lf.init_adapter(llama64, spec, generator=torch.Generator().manual_seed(0))
+    weight = llama64.get_submodule(module).weight.detach()
+    info = adapter.layers[0].info
+    params, buffers = frod.init(weight, None, info, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    for name, tensor in (params | buffers).items():
+        want = adapter.buffers.get(f"<shared>.{name}@self_attn_q_proj", adapter.params.get(f"{module}.{name}", adapter.buffers.get(f"{module}.{name}")))
+        assert torch.equal(tensor, want), name
+    assert sorted(params | buffers) == ["frod_U", "frod_V", "frod_lambda_l", "frod_lambda_s_values", "frod_s_indices", "frod_s_size"]
+
+
+def test_a_file_s_singular_basis_and_a_tiny_direction_are_solved_as_peft(llama64, tmp_path):
+    """U solved against a file's V as peft's own solver does it (its ``_calculate_frod_u_and_lambda``
+    without the float32 rounding): q_proj's V exactly singular (a zero column: the
+    pseudo-inverse, rtol 1e-6, with a singular value of 1.5e-6 kept), v_proj's V the identity
+    with one input direction of block 0's weight of norm 1.5e-12 (above the 1e-12 below which
+    peft leaves U's column zero)."""
+    from safetensors.torch import save_file
+
+    model = copy.deepcopy(llama64)
+    with torch.no_grad():
+        w = model.model.layers[0].self_attn.v_proj.weight
+        w[:, 0] = 1.5e-12 * w[:, 0] / w[:, 0].norm()
+    pm = bank_oracle.peft_model(model, _config("llama"), scale=0.3)
+    pm.save_pretrained(tmp_path)
+    path = tmp_path / "adapter_model.safetensors"
+    tensors = load_file(str(path))
+    q = torch.linalg.qr(torch.randn(32, 32, generator=torch.Generator().manual_seed(5), dtype=torch.float64))[0]
+    scales = torch.ones(32, dtype=torch.float64)
+    scales[-2], scales[-1] = 1.5e-6, 0.0
+    tensors["base_model.frod_V.self_attn_q_proj"] = (q * scales).contiguous()
+    tensors["base_model.frod_V.self_attn_v_proj"] = torch.eye(32, dtype=torch.float64)
+    save_file(tensors, str(path))
+    adapter = lf.load_peft(tmp_path, model)
+    for name, module in pm.named_modules():
+        if isinstance(module, peft_frod.FrodLayer) and "mlp" not in name:
+            category = "self_attn_q_proj" if name.endswith("q_proj") else "self_attn_v_proj"
+            u, _ = _unrounded(None, tensors[f"base_model.frod_V.{category}"], module.get_base_layer().weight)
+            assert torch.equal(adapter.buffers[f"{bank_oracle.lf_key(name)}.frod_U"], u), name
+    u = adapter.buffers["model.layers.0.self_attn.v_proj.frod_U"]
+    assert abs(float(u[:, 0].norm()) - 1.0) < 1e-9  # the tiny direction's column: unit, not zero
