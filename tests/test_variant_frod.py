@@ -392,3 +392,24 @@ def test_a_file_s_singular_basis_and_a_tiny_direction_are_solved_as_peft(llama64
             assert torch.equal(adapter.buffers[f"{bank_oracle.lf_key(name)}.frod_U"], u), name
     u = adapter.buffers["model.layers.0.self_attn.v_proj.frod_U"]
     assert abs(float(u[:, 0].norm()) - 1.0) < 1e-9  # the tiny direction's column: unit, not zero
+
+
+@pytest.mark.parametrize("trained", ["frod_lambda_l", "frod_lambda_s_values"])
+def test_the_product_node_gives_the_gradient_of_one_trained_tensor_alone(trained):
+    """λ or the values trained alone (the other frozen, x not requiring grad): the node's gradient
+    of it is autograd's own, and is not zero."""
+    from lora_func.variants import frod
+
+    g = torch.Generator().manual_seed(1)
+    d_in, d_out, n = 6, 4, 5
+    idx = torch.stack([torch.randperm(d_in, generator=g)[:n], torch.randperm(d_in, generator=g)[:n]])
+    buffers = {"frod_U": torch.randn(d_out, d_in, generator=g, dtype=torch.float64), "frod_V": torch.randn(d_in, d_in, generator=g, dtype=torch.float64), "frod_s_indices": idx}
+    base = {"frod_lambda_l": torch.randn(d_in, generator=g, dtype=torch.float64), "frod_lambda_s_values": torch.randn(n, generator=g, dtype=torch.float64)}
+    x = torch.randn(3, d_in, generator=g, dtype=torch.float64)
+    grads = []
+    for frozen in (True, False):
+        p = {k: v.clone().requires_grad_(k == trained) for k, v in base.items()}
+        b = {k: v.clone().requires_grad_(not frozen and v.is_floating_point()) for k, v in buffers.items()}
+        (grad,) = torch.autograd.grad(frod.product(p, b, x, torch.float64).square().sum(), [p[trained]])
+        grads.append(grad)
+    assert grads[1].abs().max() > 0 and bank_oracle.rel(grads[0], grads[1]) < 1e-12
