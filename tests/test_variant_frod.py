@@ -415,3 +415,21 @@ def test_the_product_node_gives_the_gradient_of_one_trained_tensor_alone(trained
         (grad,) = torch.autograd.grad(frod.product(p, b, x, torch.float64).square().sum(), [p[trained]])
         grads.append(grad)
     assert grads[1].abs().max() > 0 and bank_oracle.rel(grads[0], grads[1]) < 1e-12
+
+
+@pytest.mark.parametrize("unfrozen", ["frod_U", "frod_V"])
+def test_a_basis_that_requires_grad_gets_its_gradient(unfrozen):
+    """U or V alone requiring grad (a user training the basis): autograd's own ops carry its
+    gradient (the node would leave it out): x (U (S + diag λ) Vᵀ)ᵀ differentiated directly."""
+    from lora_func.variants import frod
+
+    g = torch.Generator().manual_seed(2)
+    d = 4
+    params = {"frod_lambda_l": torch.randn(d, generator=g, dtype=torch.float64), "frod_lambda_s_values": torch.randn(2, generator=g, dtype=torch.float64)}
+    buffers = {"frod_U": torch.randn(3, d, generator=g, dtype=torch.float64), "frod_V": torch.randn(d, d, generator=g, dtype=torch.float64), "frod_s_indices": torch.tensor([[0, 1], [2, 3]])}
+    buffers[unfrozen].requires_grad_(True)
+    x = torch.randn(5, d, generator=g, dtype=torch.float64)
+    (got,) = torch.autograd.grad(frod.product(params, buffers, x, torch.float64).square().sum(), [buffers[unfrozen]])
+    w = buffers["frod_U"] @ frod.core(params["frod_lambda_l"], params["frod_lambda_s_values"], buffers["frod_s_indices"], torch.float64) @ buffers["frod_V"].T
+    (want,) = torch.autograd.grad((x @ w.T).square().sum(), [buffers[unfrozen]])
+    assert bank_oracle.rel(got, want) < 1e-12
