@@ -215,7 +215,7 @@ NAMES = [
     "encoder.layer.0.attention.output.dense", "encoder.layer.0.output.dense", "output.dense", "classifier.dense",
     "vision_model.encoder.layers.0.self_attn.q_proj", "model.layers.x.mlp.up_proj", "h.2.attn.c_attn", "model.layers",
     # the number after "layers" that is not the first number; BERT's attention output one level deeper
-    "model.2.layers.5.self_attn.q_proj", "bert.encoder.layer.0.attention.output.dense",
+    "model.2.layers.5.self_attn.q_proj", "bert.encoder.layer.0.attention.output.dense", "attention.output.dense",
 ]
 
 
