@@ -433,3 +433,11 @@ def test_a_basis_that_requires_grad_gets_its_gradient(unfrozen):
     w = buffers["frod_U"] @ frod.core(params["frod_lambda_l"], params["frod_lambda_s_values"], buffers["frod_s_indices"], torch.float64) @ buffers["frod_V"].T
     (want,) = torch.autograd.grad((x @ w.T).square().sum(), [buffers[unfrozen]])
     assert bank_oracle.rel(got, want) < 1e-12
+
+
+def test_sparse_rate_is_a_fraction():
+    """peft's range: [0, 1] (FrodConfig refuses others); the option's check names it."""
+    lf.AdapterSpec("frod", ["q_proj"], sparse_rate=1.0)
+    with pytest.raises(ValueError, match="sparse_rate"):
+        lf.AdapterSpec("frod", ["q_proj"], sparse_rate=1.5)
+
