@@ -441,3 +441,14 @@ def test_sparse_rate_is_a_fraction():
     with pytest.raises(ValueError, match="sparse_rate"):
         lf.AdapterSpec("frod", ["q_proj"], sparse_rate=1.5)
 
+
+
+def test_init_weights_reads_and_writes_as_peft_s():
+    """peft's init_weights=False is init="random", True (and absent) "identity"; written back the same."""
+    from lora_func.io._peft_config import config_of
+    from tests.variant_checks import read_options
+
+    assert read_options("frod", {"peft_type": "FROD", "init_weights": False})["init"] == "random"
+    assert read_options("frod", {"peft_type": "FROD", "init_weights": True})["init"] == read_options("frod", {"peft_type": "FROD"})["init"] == "identity"
+    variant, fmt = lf.get_variant("frod"), lf.variants.peft_format("frod")
+    assert config_of(variant, fmt, dict(lf.AdapterSpec("frod", ["q_proj"], init="random").options))["init_weights"] is False
