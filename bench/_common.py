@@ -124,6 +124,13 @@ ALL_VARIANTS += METHODS_B
 ROW_TARGETS |= dict.fromkeys(METHODS_B, QV)
 
 
+# issue 43 (FRoD): on q, v with peft's defaults (sparse_rate 0.01, save_projection); peft's model is
+# read from our save_peft (the same V, positions and trained values; U solved on load, as ours).
+SAVED_PEFT_ROWS += ("frod",)
+ALL_VARIANTS += ("frod",)
+ROW_TARGETS |= {"frod": QV}
+
+
 def methods_b_peft_config(row: str, rank: int, common: dict[str, Any]) -> Any:
     """peft's config for a METHODS_B row, with lora_func's defaults."""
     import peft

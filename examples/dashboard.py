@@ -272,6 +272,8 @@ def _():
                   "docs/variants/xlora.md"),
         "lily": ("A per few layers, B's tied over each target name mixed by a per-layer router (its softmax averaged over the call's tokens)",
                  "fewer, larger adapters than LoRA at a similar count; no merged weight", "docs/variants/lily.md"),
+        "frod": ("W replaced by U (S + diag λ) Vᵀ: V shared by the layers of one role, λ and a sparse S trained (FRoD)",
+                 "a full-rank update at a sparse budget; U costs a copy of each target's weight", "docs/variants/frod.md"),
     }
     return (VARIANT_HELP,)
 

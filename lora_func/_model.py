@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 import torch
@@ -23,7 +23,7 @@ from lora_func.checks import check_model
 from lora_func.quantized import kind_of_tensor
 from lora_func.spec import AdapterSpec
 from lora_func.targeting import CONV_LAYOUTS, Target, canonical_weight, close_names, kind_of_layout
-from lora_func.variants import LayerInfo, TensorDict, Variant
+from lora_func.variants import LayerInfo, TensorDict, Variant, group_view
 
 __all__ = [
     "adapter_layer",
@@ -180,10 +180,13 @@ def variant_init(
     *,
     generator: torch.Generator,
     calibration: Any = None,
+    shared: TensorDict | None = None,
 ) -> tuple[TensorDict, TensorDict, Tensor]:
     """``variant``'s init on one target of the model: ``(params, buffers, stored weight)``, the
-    tensors keyed by short names (``"lora_A"``) as the variant returns them. A variant's own
-    ``TypeError``/``ValueError`` comes back naming the variant and the module."""
+    tensors keyed by short names (``"lora_A"``) as the variant returns them. ``shared``: the
+    layer's view of the shared tensors, passed to a ``shared_from_weights`` variant's init. A
+    variant's own ``TypeError``/``ValueError`` comes back naming the variant and the module."""
+    extra = {"shared": shared} if variant.shared_from_weights else {}
     with torch.no_grad():
         weight, bias, stored = target_weight(module, target)
         if weight.is_meta and (variant.records_base or variant.calibration is not None):
@@ -194,7 +197,7 @@ def variant_init(
             if target.experts is not None:
                 params, buffers = _per_expert_init(variant, weight, info, dtype=spec.dtype, generator=generator, calibration=calibration)
             else:
-                params, buffers = variant.init(weight, bias, info, dtype=spec.dtype, generator=generator, calibration=calibration)
+                params, buffers = variant.init(weight, bias, info, dtype=spec.dtype, generator=generator, calibration=calibration, **extra)
         except (TypeError, ValueError) as err:
             _check_weight_values(spec, target, weight)  # a broken base explains it better than the variant
             raise type(err)(f"{spec.variant} cannot adapt {target.module}: {err}") from err  # error: init-layer-failed
@@ -257,16 +260,28 @@ def fresh_layer(
 
 
 def shared_init(
-    variant: Variant, spec: AdapterSpec, infos: Mapping[str, LayerInfo], *, device: torch.device, generator: torch.Generator
+    variant: Variant,
+    spec: AdapterSpec,
+    infos: Mapping[str, LayerInfo],
+    *,
+    device: torch.device,
+    generator: torch.Generator,
+    weights: Mapping[str, Tensor] | None = None,
 ) -> tuple[TensorDict, TensorDict, SharedTensors | None]:
     """The tensors an adapter of ``variant`` shares across its layers (``Variant.shared_init``),
     keyed as in the adapter (``"<shared>.<name>"``), params leaf tensors requiring grad, and
-    their static description; ``({}, {}, None)`` for a variant without shared tensors."""
+    their static description; ``({}, {}, None)`` for a variant without shared tensors.
+    ``weights``: every target's base weight (:func:`target_weights`), for a
+    ``shared_from_weights`` variant."""
     if variant.shared_init is None:
         return {}, {}, None
+    extra: dict[str, Any] = {}
+    if variant.shared_from_weights:
+        assert weights is not None, "a shared_from_weights variant's shared tensors are built from the weights"
+        extra["weights"] = weights
     with torch.no_grad():
         try:
-            params, buffers = variant.shared_init(infos, dtype=spec.dtype, device=device, generator=generator)
+            params, buffers = variant.shared_init(infos, dtype=spec.dtype, device=device, generator=generator, **extra)
         except (TypeError, ValueError) as err:
             raise type(err)(f"{spec.variant} cannot build its shared tensors: {err}") from err  # error: init-shared-failed
         params = {n: t.detach().contiguous().requires_grad_(True) for n, t in params.items()}
@@ -277,6 +292,28 @@ def shared_init(
     )
     return dict(zip(shared.param_keys(), params.values(), strict=True)), dict(zip(shared.buffer_keys(), buffers.values(), strict=True)), shared
 
+
+
+def target_weights(model: nn.Module, targets: Sequence[Target], spec: AdapterSpec) -> dict[str, Tensor]:
+    """Every target's base weight ``(d_out, d_in)`` as its init reads it (:func:`target_weight`),
+    by module name in ``targets``' order: what a ``shared_from_weights`` variant's shared tensors
+    are built from (whole weights where FSDP2 shards them: a collective, every rank calls it).
+    A weight on the meta device or holding NaN/inf is refused naming its module (it would make
+    every layer of its group's shared tensors unusable)."""
+    modules = dict(model.named_modules())
+    out = {}
+    with torch.no_grad():
+        for t in targets:
+            weight = out[t.module] = target_weight(modules[t.owner], t)[0]
+            if weight.is_meta or not bool(torch.isfinite(weight).all()):
+                _check_weight_values(spec, t, weight)
+    return out
+
+
+def shared_view(shared: Mapping[str, Tensor], groups: Mapping[str, str]) -> TensorDict:
+    """One layer's view (``group_view``) of an adapter's shared tensors keyed
+    ``"<shared>.<name>"``: what a ``shared_from_weights`` variant's ``init`` gets."""
+    return group_view({k.removeprefix(f"{SHARED}."): v for k, v in shared.items() if k.startswith(f"{SHARED}.")}, groups)
 
 
 def grouped_shared(

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lora_func._model import fresh_layer, grouped_shared, layer_info, layer_infos, shared_init, variant_init
+from lora_func._model import fresh_layer, grouped_shared, layer_info, layer_infos, shared_init, shared_view, target_weights, variant_init
 from lora_func.adapter import Adapter
 from lora_func.calibration import layer_gradient_batches, layer_input_batches
 from lora_func.checks import check_model
@@ -79,10 +79,11 @@ def init_adapter(
         )
     if quantized and variant.replaces_weight:
         raise ValueError(  # error: quantized-replaces-weight
-            f"{spec.variant} replaces the base weight by a dense residual fixed at init, and targets "
+            f"{spec.variant} replaces the base weight by a full-precision tensor of its own (PiSSA: the residual; "
+            f"FRoD: U (S + diag λ) Vᵀ; LN tuning: the layer's copy), and targets "
             f"{sorted(quantized)[:4]}{' ...' if len(quantized) > 4 else ''} are quantized (the quantized weight would go "
-            f"unused and the residual would take full precision memory): build the adapter on the float model and "
-            f"quantize its residual (peft's practice for PiSSA with QLoRA), or pick a variant that keeps the base"
+            f"unused and the replacement would take full-precision memory): build the adapter on the float model "
+            f"(for PiSSA, quantize its residual: peft's practice with QLoRA), or pick a variant that keeps the base"
         )
     generator = _default_generator() if generator is None else generator
     infos = layer_infos(variant, spec, {t.module: layer_info(spec, t) for t in targets})
@@ -102,7 +103,10 @@ def init_adapter(
     infos = LayerInfo.numbered(infos)
     # Tensors every layer reads (Variant.shared_init), drawn before the layers' own.
     device = weights[targets[0].module].device if targets else torch.device("cpu")
-    params, buffers, shared = shared_init(variant, spec, infos, device=device, generator=generator)
+    # (a shared_from_weights variant's are built from every target's base weight)
+    params, buffers, shared = shared_init(
+        variant, spec, infos, device=device, generator=generator, weights=target_weights(model, targets, spec) if variant.shared_from_weights else None
+    )
     groups = variant.layer_groups(spec.targets, infos)
     grouped: tuple[dict[str, Tensor], dict[str, Tensor]] = ({}, {})
     layers = []
@@ -110,7 +114,10 @@ def init_adapter(
         # One target at a time: a sharded target's whole weight is gathered for its init only (a
         # collective: every rank runs this loop in the same order).
         info = infos[target.module]
-        init = variant_init(variant, spec, modules[target.owner], target, info, generator=generator, calibration=payloads[target.module])
+        view = shared_view(params | buffers, groups[target.module]) if variant.shared_from_weights else None
+        init = variant_init(
+            variant, spec, modules[target.owner], target, info, generator=generator, calibration=payloads[target.module], shared=view
+        )
         # Tensors shared within a group (Variant.groups): every layer's init makes one, as
         # peft's layers do before peft ties them; the group's first layer's is kept.
         init_params, init_buffers = (
@@ -118,7 +125,7 @@ def init_adapter(
         )
         for found, kept in zip(init[:2], grouped, strict=True):
             for name, key in groups[target.module].items():
-                if name in found:
+                if name in found and not variant.shared_from_weights:  # (those are shared_init's)
                     kept.setdefault(f"{name}@{key}", found[name])
         layer, layer_params, layer_buffers = fresh_layer(variant, target, info, init_params, init_buffers, init[2])
         params.update({f"{target.module}.{name}": tensor for name, tensor in layer_params.items()})

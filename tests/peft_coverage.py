@@ -118,10 +118,15 @@ def cell(variant: str, kind: str, tmp: Path) -> str:
     import peft.tuners.boft.layer as boft_layer
     import peft.tuners.c3a.layer as c3a_layer
     import peft.tuners.deft.layer as deft_layer
+    import peft.tuners.frod.layer as frod_layer
     import pytest
+
+    from tests.test_variant_frod import _unrounded
 
     with pytest.MonkeyPatch.context() as mend:
         mend.setattr(c3a_layer, "torch", _Float64Torch())  # C3A's float32 casts in the probe's float64
+        # FRoD's U and λ solved in float64 and kept there (peft rounds them to float32 whatever the dtype)
+        mend.setattr(frod_layer.FrodLayer, "_calculate_frod_u_and_lambda", _unrounded)
         mend.setattr(boft_layer, "_FBD_CUDA", object())  # peft with its CUDA extension, emulated
         mend.setattr(boft_layer, "FastBlockDiag", _BlockDiag)
         mend.setattr(deft_layer, "torch", _Float64Torch())  # DEFT's float32 casts in the probe's float64

@@ -172,7 +172,9 @@ def variant_functions_on_the_models_own_tensors(w: World) -> None:
         info = LayerInfo(d_in=32, d_out=32, r=2, alpha=spec.alpha, has_bias=True, options=spec.options)
         params, buffers = variant.init(weight, bias, info, dtype=torch.float32, generator=torch.Generator().manual_seed(0), calibration=calibration)
         if variant.shared_init is not None:  # VeRA & co: the basis every layer reads, as init_adapter passes it
-            shared = variant.shared_init({"q_proj": info}, dtype=torch.float32, device=weight.device, generator=torch.Generator().manual_seed(1))
+            # (FRoD's from the weights: the model's own, as init_adapter passes them)
+            weights = {"weights": {"q_proj": weight}} if variant.shared_from_weights else {}
+            shared = variant.shared_init({"q_proj": info}, dtype=torch.float32, device=weight.device, generator=torch.Generator().manual_seed(1), **weights)
             params, buffers = shared[0] | params, shared[1] | buffers
         if variant.merges:
             variant.weight_form(params, buffers, weight, bias, info)

@@ -93,7 +93,7 @@ def test_init_holds_the_tensor_schema(row, kind):
     assert {k: tuple(v.shape) for k, v in (shared_params | shared_buffers).items()} == shared
     assert set(shared_buffers) == {name for name in shared if variant.tensors[name.partition("@")[0]].buffer}
     for name, tensor in {**adapter.params, **adapter.buffers}.items():
-        short = name.rsplit(".", 1)[-1]
+        short = name.rsplit(".", 1)[-1].partition("@")[0]  # (a grouped shared tensor's slot: Variant.groups)
         slot = variant.tensors.get(short)
         if slot is not None:
             assert tensor.dtype == (torch.int64 if slot.integer else adapter.spec.dtype) or not slot.integer and short == "W_res", name

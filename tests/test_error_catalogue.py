@@ -2325,10 +2325,21 @@ RNG_ADVANCES = RNG_ADVANCES | {"osf-effective-rank"}  # init_adapter without a g
 
 
 # --- issue 43: deft, frod, peanut, supertuning ------------------------------------------------
+def _frod_widths(ctx: Ctx) -> Callable[[], Any]:
+    """blocks.0.proj (4 wide) and blocks.1.proj (6 wide): one FRoD category ("proj")."""
+    model = nn.Module()
+    model.blocks = nn.ModuleList([nn.Module(), nn.Module()])
+    for block, width in zip(model.blocks, (4, 6), strict=True):
+        block.proj = nn.Linear(width, 3)
+    the_spec = lf.AdapterSpec("frod", targets=["proj"])
+    return lambda: lf.init_adapter(model, the_spec, generator=torch.Generator().manual_seed(0))
+
+
 CASES.update(
     {
         "supertuning-no-entries": Case(_init_seeded("supertuning", ["v_proj"], sparsity=0.999), ("model.layers.0.self_attn.v_proj", "sparsity=0.999", "16×32", "0.998047")),
         "supertuning-alpha-without-r": Case(spec("supertuning", ["q_proj"], lora_alpha=4.0), ("lora_alpha=4.0", "lora_r")),
+        "frod-category-widths": Case(_frod_widths, ("'proj'", "[4, 6]")),
     }
 )
 

@@ -312,6 +312,7 @@ def test_save_load_is_bit_identical(case):
 # issue 43: beft (b + 0 added to the base's output, not inside its addmm), deft (the projection
 # (I − P relu(P)ᵀ) W of a non-zero P), supertuning (W plus a scattered zero: Conv1D's layout).
 ROUND_OFF_AT_INIT = {"pissa", "olora", "corda", "hra", "oft", "boft", "ln_tuning", "beft", "deft", "supertuning"}
+ROUND_OFF_AT_INIT |= {"frod"}  # W = U diag(λ₀) Vᵀ solved in float64, rounded to the adapter dtype
 
 
 @PROPERTY

@@ -396,7 +396,7 @@ DOCUMENTED.update(
         "loftq": (8.0, {"dropout": 0.0, "loftq_bits": 4, "loftq_iter": 1, "use_rslora": False}, True, False, True, {"lora_A": 0, "lora_B": 1}),
     }
 )
-REPLACES_WEIGHT = ("pissa", "olora", "corda", "ln_tuning", "kasa", "lora_ga", "loftq")
+REPLACES_WEIGHT = ("pissa", "olora", "corda", "ln_tuning", "kasa", "lora_ga", "loftq", "frod")
 # The variants that take r directions of each target's weight: r <= min(d_in, d_out) is checked
 # before any init. The others take any r, as peft does (issue 48: VeRA's r=256 on a small model).
 RANK_WITHIN_LAYER = ("antipasto", "corda", "eva", "kasa", "loftq", "lora_ga", "mica", "olora", "pissa")
@@ -443,6 +443,8 @@ DOCUMENTED.update(
         "deft": (1.0, {"decomposition_method": "relu", "para": False, "injection_alpha": None, "init": "identity", "init_scale": 1.0, "dropout": 0.0}, True, False, False, {}),
         "supertuning": (1.0, {"sparsity": 0.99, "select_top": True, "lora_r": None, "lora_alpha": None, "dropout": 0.0, "init": "identity", "save_precomputed_indices": True}, False, False, False, {}),
         "peanut": (1.0, {"depth": 0, "act_fn": "relu", "scaling": 1.0, "init": "identity"}, True, False, False, {"peanut_A": 0, "peanut_B": 1, **{f"peanut_{k}_{i}": (0, 1) for k in ("encoders", "decoders") for i in range(8)}}),
+        # (no rank: U, V full rank; W replaced)
+        "frod": (1.0, {"sparse_rate": 0.01, "regularization_alpha": 1e-3, "projection_prng_key": 0, "save_projection": True, "init": "identity", "dropout": 0.0}, False, False, False, {}),
     }
 )
 # Issue 43: LoRA's own variants (pinned from docs/variants/{lora_bias,bdlora,qalora,velora,monteclora,alora}.md) and trainable tokens.

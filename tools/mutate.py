@@ -248,6 +248,19 @@ TARGETS: dict[str, tuple[tuple[str, ...] | None, list[list[str]]]] = {
         )
         for name in ("deft", "peanut", "supertuning")
     },
+    # Issue 43 (FRoD): its own peft oracles first, then its contract rows (stacks and per-example
+    # gradients there: no rank to pad), the documented defaults, the catalogue and the core's
+    # shared_from_weights paths (load(trainable_only=True), the shared-tensor suite).
+    "lora_func/variants/frod.py": (
+        None,
+        [
+            ["tests/test_variant_frod.py"],
+            [CONTRACT, "-k", "frod"],
+            [KILLERS, "-k", "documented_defaults and frod"],
+            [CATALOGUE, "-k", "frod"],
+            ["tests/test_io_native.py", "tests/test_compose.py", "-k", "frod"],
+        ],
+    ),
     "lora_func/overlay.py": (
         ("check_adapter_finite", "merge_overlay", "merged_overlay", "overlay", "lazy_overlay", "overlay_mode"),
         [*_ALL[:3], ["tests/test_core.py", "tests/test_adapted_context.py", "tests/test_checks.py"], [COMPILE, "-k", "overlay_mode or keeps_the_path"], _ALL[3]],

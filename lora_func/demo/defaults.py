@@ -87,6 +87,7 @@ DEFAULTS: Mapping[str, MethodDefaults] = MappingProxyType({
     "dora": _row(0.003),
     "eva": _row(0.003),
     "fourierft": _row(0.03, init_weights=True, r=1000),
+    "frod": _row(0.03),
     "glora": _row(0.003),
     "gralora": _row(0.003),
     "hira": _row(0.03),

@@ -25,6 +25,8 @@ from lora_func._model import (
     layer_info,
     layer_infos,
     shared_init,
+    shared_view,
+    target_weights,
     variant_init,
     weight_fingerprint,
 )
@@ -133,7 +135,22 @@ def _integer_key(key: str, tensor: Tensor) -> bool:
         for slot in get_variant(name).layer_slots().values()
         if slot.integer and (suffix := slot.peft_key("")) is not None
     }
-    return any(key.endswith("." + suffix) for suffix in suffixes)
+    # a shared integer slot's whole keys (positions held once per group: Slot.peft's {group})
+    wholes = [
+        whole
+        for name in list_variants()
+        if peft_format(name) is not None
+        for slot in get_variant(name).tensors.values()
+        if slot.shared and slot.integer and (whole := slot.peft_key("")) is not None
+    ]
+    return any(key.endswith("." + suffix) for suffix in suffixes) or any(_whole_key_match(whole, key) for whole in wholes)
+
+
+def _whole_key_match(whole: str, key: str) -> bool:
+    """Whether ``key`` is the shared tensor stored under ``whole`` (a row of one held row by row,
+    ``{}``; one group's, ``{group}``: Slot.peft)."""
+    pattern = re.escape(whole).replace(r"\{\}", "[0-9]+").replace(r"\{group\}", "[^.]+")
+    return key == whole or re.fullmatch(pattern, key) is not None
 
 def _check_model(model: nn.Module, directory: Path, modules: Iterable[str]) -> None:
     if hasattr(model, "peft_config"):
@@ -253,6 +270,8 @@ def _assemble(
     grouped_shapes: dict[str, tuple[int, ...] | None] = {}
     for module_name in infos:
         for name, key in groups[module_name].items():
+            if variant.tensors[name].peft_key("") is not None:
+                continue  # held once per group under its whole key (Slot.peft's {group})
             found = layers[module_name].params.pop(name, None)
             if found is None:
                 found = layers[module_name].buffers.pop(name, None)
@@ -290,6 +309,16 @@ def _assemble(
             f"{directory} does not fit {type(model).__name__} (tensor shapes): {wrong[:3]}; load it onto the model "
             f"it was trained for"
         )
+    built: tuple[dict[str, Tensor], dict[str, Tensor], Any] | None = None
+    if variant.shared_from_weights:
+        # Built from every target's weight before the layers, whose re-created buffers read them;
+        # the checkpoint's where it holds them (peft's save_projection).
+        built = shared_init(
+            variant, spec, infos, device=getattr(modules[targets[0].owner], targets[0].weight_key.rpartition(".")[2]).device,
+            generator=torch.Generator().manual_seed(0), weights=target_weights(model, targets, spec),
+        )
+        _shared_from_checkpoint(directory, variant, spec, built[0], stored_shared or {})
+        _shared_from_checkpoint(directory, variant, spec, built[1], stored_shared or {})
     for target in targets:
         layer = layers[target.module]
         info = infos[target.module]
@@ -300,7 +329,8 @@ def _assemble(
         if unsaved:
             # Buffers peft's file does not hold are re-created as peft does on load (a residual
             # from the base, positions from a seed): the variant's own init on the base.
-            recomputed = variant_init(variant, spec, module, target, info, generator=torch.Generator().manual_seed(0))[1]
+            view = shared_view(built[0] | built[1], groups[target.module]) if built is not None else None
+            recomputed = variant_init(variant, spec, module, target, info, generator=torch.Generator().manual_seed(0), shared=view)[1]
             layer_buffers |= {k: v for k, v in recomputed.items() if k in unsaved}
         for name, tensor in layer.params.items():
             params[f"{target.module}.{name}"] = tensor.to(weight.device, dtype).contiguous().requires_grad_(True)
@@ -314,9 +344,12 @@ def _assemble(
         return Adapter(params, buffers, spec, out_layers)
     device = next(iter(params.values())).device if params else torch.device("cpu")
     infos = {layer.target.module: layer.info for layer in out_layers}
-    shared_params, shared_buffers, shared = shared_init(variant, spec, infos, device=device, generator=torch.Generator().manual_seed(0))
-    _shared_from_checkpoint(directory, variant, spec, shared_params, stored_shared or {})
-    _shared_from_checkpoint(directory, variant, spec, shared_buffers, stored_shared or {})
+    if built is not None:
+        shared_params, shared_buffers, shared = built
+    else:
+        shared_params, shared_buffers, shared = shared_init(variant, spec, infos, device=device, generator=torch.Generator().manual_seed(0))
+        _shared_from_checkpoint(directory, variant, spec, shared_params, stored_shared or {})
+        _shared_from_checkpoint(directory, variant, spec, shared_buffers, stored_shared or {})
     if grouped:
         slots = variant.tensors
         grouped = {k: v.to(device, dtype if v.is_floating_point() else torch.int64) for k, v in grouped.items()}
@@ -335,11 +368,12 @@ def _shared_from_checkpoint(directory: Path, variant: Variant, spec: AdapterSpec
     built ones stand only if the config says the checkpoint leaves them out (the slot's
     ``saved_if``)."""
     for key, tensor in built.items():
-        name = key.removeprefix(f"{SHARED}.")
+        name, _, group = key.removeprefix(f"{SHARED}.").partition("@")
         slot = variant.tensors.get(name)
         whole = slot.peft_key("") if slot is not None else None
         if slot is None or whole is None:
             continue
+        whole = whole.format(group=group) if "{group}" in whole else whole  # one group's (Slot.peft)
         saved = slot.saved(dict(spec.options))
         if "{}" in whole:  # held row by row (Slot.peft)
             rows = [stored[k] for i in range(len(stored)) if (k := whole.format(i)) in stored]
@@ -356,7 +390,8 @@ def _shared_from_checkpoint(directory: Path, variant: Variant, spec: AdapterSpec
                 f"{directory} does not fit {spec.variant} on these layers: the shared {whole} has shape "
                 f"{tuple(stored[whole].shape)}, the adapted layers need {tuple(tensor.shape)}; load it onto the model it was trained for"
             )
-        built[key] = stored[whole].to(tensor.device, spec.dtype).contiguous().requires_grad_(tensor.requires_grad)
+        dtype = spec.dtype if tensor.is_floating_point() else torch.int64  # (integer positions stay integers)
+        built[key] = stored[whole].to(tensor.device, dtype).contiguous().requires_grad_(tensor.requires_grad)
 
 def _shared_keys(variant: Variant) -> dict[str, str]:
     """Shared tensor name -> the whole key peft stores it under."""
@@ -365,10 +400,7 @@ def _shared_keys(variant: Variant) -> dict[str, str]:
 
 def _is_shared_key(variant: Variant, key: str) -> bool:
     """Whether ``key`` holds a shared tensor of ``variant`` (a whole key, or a row of one held row by row)."""
-    return any(
-        key == whole or ("{}" in whole and re.fullmatch(re.escape(whole).replace(r"\{\}", "[0-9]+"), key) is not None)
-        for whole in _shared_keys(variant).values()
-    )
+    return any(_whole_key_match(whole, key) for whole in _shared_keys(variant).values())
 
 
 def _expected_shapes(variant: Variant, info: LayerInfo, target: Any, options: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:

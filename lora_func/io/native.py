@@ -41,7 +41,7 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from lora_func._model import base_params, numbered_layers, shared_init, variant_init, weight_fingerprint
+from lora_func._model import base_params, numbered_layers, shared_init, shared_view, target_weights, variant_init, weight_fingerprint
 from lora_func.adapter import (
     NODE_TYPES,
     SHARED,
@@ -63,7 +63,7 @@ from lora_func.io._validate import refuse_non_finite
 from lora_func.quantized import logical_shape
 from lora_func.spec import LAYER_TYPES, AdapterSpec
 from lora_func.targeting import CONV_LAYOUTS, MHA_LAYOUTS, PARAM_LAYOUTS, Target, check_kinds, kind_of_layout, module_kind, stored_shape
-from lora_func.variants import LayerInfo, get_variant
+from lora_func.variants import LayerInfo, TensorDict, get_variant
 
 __all__ = ["load", "save"]
 
@@ -402,7 +402,7 @@ def _tensor_problems(skeleton: _Skeleton, tensors: Mapping[str, Tensor]) -> list
                     stacks.add(got[: len(got) - len(shape)])
                     if kind == "params" and tensors[key].dtype != node.spec.dtype:
                         problems.append(f"{key}: dtype {tensors[key].dtype}, the spec says {node.spec.dtype}")
-                    elif name in get_variant(node.spec.variant).integer_buffers:
+                    elif name.partition("@")[0] in get_variant(node.spec.variant).integer_buffers:  # (a grouped one's slot: Variant.groups)
                         if tensors[key].dtype != torch.int64:
                             problems.append(f"{key}: dtype {tensors[key].dtype}, not the int64 positions the variant stores")
                     elif not tensors[key].is_floating_point():
@@ -437,14 +437,15 @@ def _model_problems(model: nn.Module, base: Mapping[str, Tensor], layers: list[A
 
 
 def _rebuild_buffers(
-    path: Path, model: nn.Module, spec: AdapterSpec, layer: AdapterLayer, expected_digest: str | None
+    path: Path, model: nn.Module, spec: AdapterSpec, layer: AdapterLayer, expected_digest: str | None, shared: TensorDict | None = None
 ) -> dict[str, Tensor]:
-    """Re-run the variant's init on ``model`` for one layer; its buffers, checked against the digest."""
+    """Re-run the variant's init on ``model`` for one layer; its buffers, checked against the
+    digest. ``shared``: the layer's view of the rebuilt shared tensors (``shared_from_weights``)."""
     # Buffers never depend on the random draws of the variants that have them at niter=0 /
     # full SVD; a variant whose buffers do (PiSSA's randomized SVD) fails the digest check below.
     _, buffers, _ = variant_init(
         get_variant(spec.variant), spec, model.get_submodule(layer.target.owner), layer.target, layer.info,
-        generator=torch.Generator().manual_seed(0),
+        generator=torch.Generator().manual_seed(0), shared=shared,
     )
     buffers = {name: buffers[name].detach().contiguous() for name, _ in layer.buffer_shapes if name in buffers}
     if sorted(buffers) != sorted(name for name, _ in layer.buffer_shapes) or tensors_digest(buffers) != expected_digest:
@@ -466,7 +467,8 @@ def _rebuild_shared_buffers(
     variant = get_variant(leaf.spec.variant)
     infos = {layer.target.module: layer.info for layer in leaf.layers}
     device = devices.get(leaf.layers[0].target.module, torch.device("cpu")) if leaf.layers else torch.device("cpu")
-    _, flat, _ = shared_init(variant, leaf.spec, infos, device=device, generator=torch.Generator().manual_seed(0))
+    weights = target_weights(model, [layer.target for layer in leaf.layers], leaf.spec) if variant.shared_from_weights else None
+    _, flat, _ = shared_init(variant, leaf.spec, infos, device=device, generator=torch.Generator().manual_seed(0), weights=weights)
     buffers = {key.removeprefix(f"{SHARED}."): value for key, value in flat.items()}
     if sorted(buffers) != sorted(name for name, _ in leaf.shared.buffer_shapes) or tensors_digest(buffers) != expected_digest:
         raise ValueError(  # error: load-shared-buffers-differ
@@ -563,15 +565,21 @@ def load(path: str | os.PathLike, model: nn.Module | None = None, *, check_finit
         if trainable_only:
             rebuilt: dict[str, Tensor] = {}
             for prefix, leaf in leaf_nodes:
-                for layer in leaf.layers:
-                    if layer.buffer_shapes:
-                        expected_digest = buffer_digests.get(prefix, {}).get(layer.target.module)
-                        for name, value in _rebuild_buffers(path, model, leaf.spec, layer, expected_digest).items():
-                            rebuilt[f"buffers/{prefix}{layer.target.module}.{name}"] = value
+                # (the shared ones first: a shared_from_weights variant's layers are built from them)
+                shared_built: dict[str, Tensor] = {}
                 if leaf.shared is not None and leaf.shared.buffer_shapes:
                     expected_digest = buffer_digests.get(prefix, {}).get(SHARED)
                     for name, value in _rebuild_shared_buffers(path, model, leaf, expected_digest, devices).items():
                         rebuilt[f"buffers/{prefix}{SHARED}.{name}"] = value
+                        shared_built[f"{SHARED}.{name}"] = value
+                variant = get_variant(cast(AdapterSpec, leaf.spec).variant)
+                groups = variant.layer_groups(cast(AdapterSpec, leaf.spec).targets, {layer.target.module: layer.info for layer in leaf.layers})
+                for layer in leaf.layers:
+                    if layer.buffer_shapes:
+                        expected_digest = buffer_digests.get(prefix, {}).get(layer.target.module)
+                        view = shared_view(shared_built, groups[layer.target.module]) if variant.shared_from_weights else None
+                        for name, value in _rebuild_buffers(path, model, leaf.spec, layer, expected_digest, view).items():
+                            rebuilt[f"buffers/{prefix}{layer.target.module}.{name}"] = value
             tensors |= rebuilt
     return _fill(skeleton, "", tensors, devices)
 

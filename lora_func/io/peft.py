@@ -155,9 +155,14 @@ def _export_leaf(adapter: Adapter, base: Mapping[str, Tensor] | None) -> _Export
     slots = {name: slot for name, slot in adapter.variant.tensors.items() if slot.shared and slot.saved(options)}
     if slots:
         shared_params, shared_buffers = adapter.shared_tensors()
+        held = shared_params | shared_buffers
         for name, slot in slots.items():
-            tensor, key = (shared_params | shared_buffers)[name], slot.peft_key("")
+            key = slot.peft_key("")
             assert key is not None  # a saved slot has a key
+            if "{group}" in key:  # once per group, under its group key (Slot.peft)
+                whole |= {key.format(group=k.partition("@")[2]): t for k, t in held.items() if k.partition("@")[0] == name}
+                continue
+            tensor = held[name]
             # a key with "{}" holds the tensor row by row (Slot.peft)
             whole |= {key.format(i): row for i, row in enumerate(tensor)} if "{}" in key else {key: tensor}
     targets = adapter.spec.targets

@@ -197,7 +197,8 @@ class Slot:
         ``base_model.model.<module>.<suffix>``), a mapping from target kind to suffix with
         ``""`` for the other kinds (LoRA on ``nn.Embedding``: ``lora_embedding_A``), or for a
         shared tensor the whole key (``"base_model.vera_A"``; with ``{}``, row by row:
-        ``base_model.tinylora_v.{}``); ``None``: peft's file does not hold it, and ``load_peft``
+        ``base_model.tinylora_v.{}``; a grouped one with ``{group}``, once per group under its
+        group key: ``base_model.frod_V.{group}``); ``None``: peft's file does not hold it, and ``load_peft``
         re-creates it with the variant's ``init`` on the base, as peft does (a residual, positions
         drawn from a seed).
       saved_if: an option whose value says whether peft's file holds it (``save_projection``);
@@ -272,7 +273,7 @@ class Calibration:
 
 
 # What Variant.traits may hold.
-TRAITS = frozenset({"changes_bias", "records_base", "replaces_weight", "rank_within_layer", "no_merged_weight"})
+TRAITS = frozenset({"changes_bias", "records_base", "replaces_weight", "rank_within_layer", "no_merged_weight", "shared_from_weights"})
 
 # Separates a grouped shared tensor's slot name from its group key ("lily_B@0"): Variant.groups.
 GROUP = "@"
@@ -346,7 +347,11 @@ class Variant:
         ``shared`` slots (a random basis, a bank), called once before the layers' ``init`` with
         ``infos`` (module name -> ``LayerInfo``) of every target in module order; random draws
         from the given CPU ``generator``, outputs in ``dtype`` on ``device``. The forms of every
-        layer see them in their ``params`` / ``buffers`` under their names.
+        layer see them in their ``params`` / ``buffers`` under their names. With the
+        ``shared_from_weights`` trait it also gets ``weights`` (module name -> the target's base
+        weight ``(d_out, d_in)``, every target, module order) and may return grouped tensors
+        (``"<name>@<group key>"``, :attr:`groups`); each layer's ``init`` then gets ``shared=``,
+        the layer's view of them (:func:`group_view`).
       calibration: a :class:`Calibration` for a data-driven init (EVA, CorDA, LoRA-GA).
       layer_ranks: ``(r, infos) -> {module name: r}``: each layer's rank derived from the spec's
         ``r`` and every target's ``LayerInfo``, where the options spread one budget over the
@@ -358,7 +363,10 @@ class Variant:
         and a model with other weights is refused); ``"replaces_weight"`` (the forms discard
         ``W``: :func:`lora_func.compose` refuses it after another part on the same layer, and a
         quantized base is refused); ``"rank_within_layer"`` (``r <= min(d_in, d_out)`` of every
-        target: the init takes ``r`` directions of the weight, checked before any init).
+        target: the init takes ``r`` directions of the weight, checked before any init);
+        ``"shared_from_weights"`` (``shared_init`` reads the targets' base weights and each
+        layer's ``init`` its group's shared tensors: FRoD's basis of all the layers of one
+        category, which each layer's own factor is solved against).
     """
 
     name: str
@@ -418,6 +426,11 @@ class Variant:
     @property
     def replaces_weight(self) -> bool:
         return "replaces_weight" in self.traits
+
+    @property
+    def shared_from_weights(self) -> bool:
+        """Whether ``shared_init`` reads the targets' weights and ``init`` its tensors (the trait)."""
+        return "shared_from_weights" in self.traits
 
     @property
     def merges(self) -> bool:
