@@ -111,3 +111,27 @@ def test_converted_checkpoint_loads_in_peft(model, tmp_path):
     assert loaded.peft_config["default"].r == 2 * R
     ids = tokens(2, 8, seed=5)
     assert _rel(loaded(ids).logits, lf.adapted_call(model, trained, ids).logits) <= 1e-5
+
+
+@pytest.mark.parametrize("scale", ["stable", "weight_svd", "gd_scale"])
+def test_init_on_a_bf16_base_and_in_a_wider_adapter_dtype(scale):
+    """On a bf16 weight the init is the one on its float32 value (the SVDs in fp32) with the factors
+    rounded to bf16 before the residual is taken (peft's order), the residual's product in fp32; a
+    float64 adapter on a float32 weight holds the float32 init's numbers in float64."""
+    from lora_func.variants import get_variant
+    from tests.variant_checks import layer_info
+
+    ga, info = get_variant("lora_ga"), layer_info("lora_ga", 2, 8, 6, alpha=ALPHA, scale=scale)
+    g = torch.Generator().manual_seed(0)
+    w32 = torch.randn(6, 8, generator=g).to(torch.bfloat16).float()  # bf16 values: both weights the same numbers
+    grad = torch.randn(6, 8, generator=g)
+
+    def init(weight, dtype):
+        return ga.init(weight, None, info, dtype=dtype, generator=torch.Generator().manual_seed(1), calibration=grad)
+
+    (p16, b16), (p32, b32), (p64, b64) = init(w32.bfloat16(), torch.float32), init(w32, torch.float32), init(w32, torch.float64)
+    for name in ("lora_A", "lora_B"):
+        assert p16[name].dtype == torch.float32 and torch.equal(p16[name], p32[name].bfloat16().float()), name
+        assert p64[name].dtype == torch.float64 and torch.equal(p64[name], p32[name].double()), name
+    assert b16["W_res"].dtype == torch.float32 and torch.equal(b16["W_res"], w32 - (ALPHA / 2) * (p16["lora_B"] @ p16["lora_A"]))
+    assert b64["W_res"].dtype == torch.float64 and torch.equal(b64["W_res"], b32["W_res"].double())
