@@ -135,3 +135,25 @@ def test_init_on_a_bf16_base_and_in_a_wider_adapter_dtype(scale):
         assert p64[name].dtype == torch.float64 and torch.equal(p64[name], p32[name].double()), name
     assert b16["W_res"].dtype == torch.float32 and torch.equal(b16["W_res"], w32 - (ALPHA / 2) * (p16["lora_B"] @ p16["lora_A"]))
     assert b64["W_res"].dtype == torch.float64 and torch.equal(b64["W_res"], b32["W_res"].double())
+
+
+def test_weight_svd_scale_at_small_and_zero_gradients():
+    """``scale="weight_svd"`` scales B to the weight's top singular value whatever the gradient's
+    size: the init on ``1e-3·G`` (singular values below 1) equals the one on ``G`` (the ratio
+    cancels); on a zero gradient (a target the loss does not reach) B stays zero, as peft's
+    ``if S_B[0] > 0``, and ``W_res`` is the weight."""
+    from lora_func.variants import get_variant
+    from tests.variant_checks import layer_info
+
+    ga, info = get_variant("lora_ga"), layer_info("lora_ga", 2, 8, 6, alpha=ALPHA, scale="weight_svd")
+    g = torch.Generator().manual_seed(0)
+    weight, grad = torch.randn(6, 8, generator=g), torch.randn(6, 8, generator=g)
+
+    def init(calibration):
+        return ga.init(weight, None, info, dtype=torch.float32, generator=torch.Generator().manual_seed(1), calibration=calibration)
+
+    (big, _), (small, _), (zero, zero_res) = init(grad), init(1e-3 * grad), init(torch.zeros(6, 8))
+    assert torch.linalg.svdvals(1e-3 * grad).max() < 1
+    for name in ("lora_A", "lora_B"):
+        assert _rel(small[name], big[name]) <= 1e-5, name
+    assert not zero["lora_B"].any() and zero["lora_A"].isfinite().all() and torch.equal(zero_res["W_res"], weight)
