@@ -157,3 +157,22 @@ def test_weight_svd_scale_at_small_and_zero_gradients():
     for name in ("lora_A", "lora_B"):
         assert _rel(small[name], big[name]) <= 1e-5, name
     assert not zero["lora_B"].any() and zero["lora_A"].isfinite().all() and torch.equal(zero_res["W_res"], weight)
+
+
+def test_stable_gamma_below_one_is_accepted_and_scales_b():
+    """``stable_gamma`` is any positive number (peft's LoraGAConfig takes any): 0.5 gives
+    ``B = B_unit · d_out^¼ / √0.5``; 0 and negative values are refused, naming the option."""
+    from lora_func.variants import get_variant
+    from tests.variant_checks import layer_info
+
+    lf.AdapterSpec("lora_ga", targets=TARGETS, r=R, stable_gamma=0.5)
+    for bad in (0.0, -1.0):
+        with pytest.raises(ValueError, match="stable_gamma"):
+            lf.AdapterSpec("lora_ga", targets=TARGETS, r=R, stable_gamma=bad)
+    ga, g = get_variant("lora_ga"), torch.Generator().manual_seed(0)
+    weight, grad = torch.randn(6, 8, generator=g), torch.randn(6, 8, generator=g)
+    (stable, _), (unit, _) = (
+        ga.init(weight, None, layer_info("lora_ga", 2, 8, 6, scale=scale, stable_gamma=0.5), dtype=torch.float64, generator=torch.Generator().manual_seed(1), calibration=grad)
+        for scale in ("stable", "unit")
+    )
+    assert torch.equal(stable["lora_A"], unit["lora_A"]) and _rel(stable["lora_B"], unit["lora_B"] * (6**0.25 / 0.5**0.5)) <= 1e-6
