@@ -152,7 +152,7 @@ def test_init_in_other_dtypes_and_on_zero_blocks():
     for bits, iters in ((4, 2), (8, 1)):
         info = layer_info("loftq", 3, 20, 12, alpha=ALPHA, loftq_bits=bits, loftq_iter=iters)
 
-        def init(weight, dtype):
+        def init(weight, dtype, info=info):
             return loftq.init(weight, None, info, dtype=dtype, generator=torch.Generator().manual_seed(1))
 
         (p32, b32), (p64, b64), (pw, bw), (p16, b16) = init(w32, torch.float32), init(w32, torch.float64), init(w32.double(), torch.float64), init(w32.bfloat16(), torch.float32)

@@ -100,27 +100,6 @@ def test_save_peft_of_an_adapter_on_the_view_loads_in_peft(tmp_path):
     _close(loaded(ids).logits, lf.adapted_call(view, adapter, ids).logits, "peft on save_peft")
 
 
-@pytest.mark.parametrize("name", sorted(MAPS))
-def test_the_view_s_layers_are_peft_s_in_order_with_their_cache_slots(name):
-    """Layer by layer, the view runs the base layers peft's replicated model runs (the same
-    weights' storage, in the map's order), each attention at peft's ``layer_idx`` (its KV cache
-    slot: its position); the base layer stands in the view only at its own position, and the
-    base's layers keep their own ``layer_idx``."""
-    layer_map = MAPS[name]
-    base = _llama()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        peft_model = get_peft_model(_llama(), LoraConfig(r=2, target_modules=["q_proj"], layer_replication=layer_map))
-    view = replicated(base, layer_map)
-    order = [i for start, end in layer_map for i in range(start, end)]
-    want = [layer.self_attn.layer_idx for layer in peft_model.base_model.model.model.layers]
-    assert [layer.self_attn.layer_idx for layer in view.model.layers] == want == list(range(len(order)))
-    assert [layer.self_attn.layer_idx for layer in base.model.layers] == [0, 1]
-    for position, (i, layer) in enumerate(zip(order, view.model.layers, strict=True)):
-        assert layer.mlp.up_proj.weight.data_ptr() == base.model.layers[i].mlp.up_proj.weight.data_ptr()
-        assert (layer is base.model.layers[i]) == (position == i), (position, i)
-
-
 class _Stack(nn.Module):
     """A layer list at the top (no ``.model``), a config without ``num_hidden_layers``."""
 
