@@ -157,6 +157,10 @@ def test_weight_svd_scale_at_small_and_zero_gradients():
     for name in ("lora_A", "lora_B"):
         assert _rel(small[name], big[name]) <= 1e-5, name
     assert not zero["lora_B"].any() and zero["lora_A"].isfinite().all() and torch.equal(zero_res["W_res"], weight)
+    # rank 1: B's one singular value is the one the scale divides by
+    one = layer_info("lora_ga", 1, 8, 6, alpha=ALPHA, scale="weight_svd")
+    (big, _), (small, _) = (ga.init(weight, None, one, dtype=torch.float32, generator=torch.Generator().manual_seed(1), calibration=c) for c in (grad, 1e-3 * grad))
+    assert _rel(small["lora_B"], big["lora_B"]) <= 1e-5
 
 
 def test_stable_gamma_below_one_is_accepted_and_scales_b():
