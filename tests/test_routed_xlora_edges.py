@@ -1,0 +1,69 @@
+"""X-LoRA's edges (issue 47; killers of mutation survivors, in a file of their own beside
+tests/test_routed_xlora.py): a float64 X-LoRA on a float32 tiny Llama (the classifier reads the
+model's float32 hidden state) equals it on the float64 copy of the model, to the float32 model's
+round-off; one expert with the classifier's softmax is that LoRA; ``xlora()`` without
+``top_k_lora`` mixes every expert; the expert library's errors name what differs."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import lora_func as lf
+from lora_func import routed
+from tests.bank_oracle import rel
+from tests.models import tiny_model, tokens
+
+
+def test_a_float64_xlora_on_a_float32_model_equals_it_on_the_float64_model():
+    model = tiny_model("llama")
+    model64 = copy.deepcopy(model).double()
+    spec = lf.AdapterSpec("lora", ["q_proj", "v_proj"], r=2, alpha=4.0, dtype=torch.float64)
+    g = torch.Generator().manual_seed(9)
+    experts = [lf.init_adapter(model, spec, generator=torch.Generator().manual_seed(s)) for s in range(2)]
+    experts = [a.with_params({k: v + 0.3 * torch.randn(v.shape, generator=g, dtype=v.dtype) for k, v in a.params.items()}) for a in experts]
+    adapter = routed.xlora(experts, hidden_size=model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    ids = tokens(2, 7, seed=1)
+    with torch.no_grad():
+        got, want = routed.xlora_call(model, adapter, ids).logits, routed.xlora_call(model64, adapter, ids).logits
+        assert got.dtype == torch.float32 and rel(got, want) < 1e-5
+        assert (want - model64(ids).logits).abs().max() > 1e-3  # the experts act
+
+
+def _experts(model, ranks, dtype=torch.float32):
+    g = torch.Generator().manual_seed(9)
+    out = []
+    for s, r in enumerate(ranks):
+        a = lf.init_adapter(model, lf.AdapterSpec("lora", ["q_proj", "v_proj"], r=r, alpha=4.0, dtype=dtype), generator=torch.Generator().manual_seed(s))
+        out.append(a.with_params({k: v + 0.3 * torch.randn(v.shape, generator=g, dtype=v.dtype) for k, v in a.params.items()}))
+    return out
+
+
+def test_one_expert_is_its_lora_and_every_expert_mixes_by_default():
+    model, ids = tiny_model("llama"), tokens(2, 7, seed=2)
+    one, two = _experts(model, [2]), _experts(model, [2, 2])
+    hidden = model.config.hidden_size
+    with torch.no_grad():
+        # a softmax over one expert is 1: the routed call is the expert's own LoRA
+        got = routed.xlora_call(model, routed.xlora(one, hidden_size=hidden), ids).logits
+        assert rel(got, lf.adapted_call(model, one[0], ids).logits) < 1e-6
+        # top_k_lora left out (peft's None): every expert, as keeping the top 2 of 2
+        every = routed.xlora_call(model, routed.xlora(two, hidden_size=hidden, generator=torch.Generator().manual_seed(3)), ids).logits
+        top2 = routed.xlora_call(model, routed.xlora(two, hidden_size=hidden, top_k_lora=2, generator=torch.Generator().manual_seed(3)), ids).logits
+        top1 = routed.xlora_call(model, routed.xlora(two, hidden_size=hidden, top_k_lora=1, generator=torch.Generator().manual_seed(3)), ids).logits
+    assert torch.equal(every, top2) and (every - top1).abs().max() > 1e-4
+
+
+def test_the_expert_library_errors_name_what_differs():
+    model = tiny_model("llama")
+    (lora,) = _experts(model, [2])
+    with pytest.raises(TypeError, match=r"experts\[1\] must be a plain LoRA adapter .*got a lora adapter stacked \(2,\)"):
+        routed.xlora([lora, lf.stack([lora, lora])], hidden_size=model.config.hidden_size)
+    # another rank on every layer: the first three differing layers, each as (module, r, d_in, d_out)
+    other = _experts(model, [3])[0]
+    with pytest.raises(ValueError, match="other layers, ranks or dtype") as err:
+        routed.xlora([lora, other], hidden_size=model.config.hidden_size)
+    mine = [(layer.target.module, 3, layer.info.d_in, layer.info.d_out) for layer in other.layers]
+    assert len(mine) == 4 and all(str(m) in str(err.value) for m in mine[:3]) and str(mine[3]) not in str(err.value)
