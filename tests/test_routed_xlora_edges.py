@@ -54,6 +54,13 @@ def test_one_expert_is_its_lora_and_every_expert_mixes_by_default():
         top2 = routed.xlora_call(model, routed.xlora(two, hidden_size=hidden, top_k_lora=2, generator=torch.Generator().manual_seed(3)), ids).logits
         top1 = routed.xlora_call(model, routed.xlora(two, hidden_size=hidden, top_k_lora=1, generator=torch.Generator().manual_seed(3)), ids).logits
     assert torch.equal(every, top2) and (every - top1).abs().max() > 1e-4
+    # one target: the classifier's layer count is 1
+    g = torch.Generator().manual_seed(5)
+    single = lf.init_adapter(model, lf.AdapterSpec("lora", ["layers.1.self_attn.v_proj"], r=2), generator=torch.Generator().manual_seed(6))
+    single = single.with_params({k: v + 0.3 * torch.randn(v.shape, generator=g) for k, v in single.params.items()})
+    with torch.no_grad():
+        got = routed.xlora_call(model, routed.xlora([single], hidden_size=hidden), ids).logits
+        assert len(single.layers) == 1 and rel(got, lf.adapted_call(model, single, ids).logits) < 1e-6
 
 
 def test_the_expert_library_errors_name_what_differs():
@@ -67,3 +74,39 @@ def test_the_expert_library_errors_name_what_differs():
         routed.xlora([lora, other], hidden_size=model.config.hidden_size)
     mine = [(layer.target.module, 3, layer.info.d_in, layer.info.d_out) for layer in other.layers]
     assert len(mine) == 4 and all(str(m) in str(err.value) for m in mine[:3]) and str(mine[3]) not in str(err.value)
+
+
+def _hooks(model) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+def test_the_last_hidden_state_with_and_without_an_output_head():
+    """The classifier reads the output head's input (no ``output_hidden_states``, which would leave
+    transformers' hooks on the model's layers); a model without a head (a bare ``LlamaModel``)
+    gives the same scalings from its last hidden state; ``logits_to_keep`` restricts the logits,
+    never the scalings pass."""
+    lm = tiny_model("llama")
+    bare = lm.model  # the same weights, no head
+    ids = tokens(2, 7, seed=3)
+    xl, xb = (routed.xlora(_experts(m, [2, 2]), hidden_size=lm.config.hidden_size, generator=torch.Generator().manual_seed(4)) for m in (lm, bare))
+    with torch.no_grad():
+        full = routed.xlora_call(lm, xl, ids).logits
+        assert _hooks(lm) == 0
+        last = routed.xlora_call(lm, xl, ids, logits_to_keep=1).logits
+        assert last.shape[1] == 1 and rel(last, full[:, -1:]) < 1e-6
+        assert rel(routed.xlora_scalings(bare, xb, ids), routed.xlora_scalings(lm, xl, ids)) < 1e-6
+
+
+def test_the_entry_points_name_what_they_were_given():
+    model = tiny_model("llama")
+    lora, other = _experts(model, [2, 2])
+    adapter = routed.xlora([lora, other], hidden_size=model.config.hidden_size)
+    ids = tokens(2, 5, seed=1)
+    with pytest.raises(TypeError, match=r"must be one xlora adapter .*got a lora adapter, stack_shape \(\)"):
+        routed.xlora_call(model, lora, ids)
+    with pytest.raises(TypeError, match=r"must be one xlora adapter .*got str"):
+        routed.xlora_classifier_keys("adapter")
+    with pytest.raises(TypeError, match=r"must be a stack of xlora adapters .*got a xlora adapter, stack_shape \(\)"):
+        routed.xlora_call(model, adapter, ids, index=torch.tensor([0, 1]))
+    # a stack's classifier keys are its members'
+    assert routed.xlora_classifier_keys(lf.stack([adapter, adapter])) == routed.xlora_classifier_keys(adapter) != []
