@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import copy
 
+import peft
+
 import pytest
 import torch
 
@@ -110,3 +112,38 @@ def test_the_entry_points_name_what_they_were_given():
         routed.xlora_call(model, adapter, ids, index=torch.tensor([0, 1]))
     # a stack's classifier keys are its members'
     assert routed.xlora_classifier_keys(lf.stack([adapter, adapter])) == routed.xlora_classifier_keys(adapter) != []
+
+
+@pytest.mark.parametrize(("depth", "dropout"), [(3, 0.0), (3, 0.2), (1, 0.0)])
+def test_classifier_keys_are_peft_s_sequential_indices(depth, dropout):
+    """The classifier's layers in peft's files are its ``nn.Sequential``'s Linear indices (a
+    Dropout between them only where ``xlora_dropout_p > 0``): peft's own classifier is the oracle."""
+    from peft.tuners.xlora.classifier import XLoraClassifier
+
+    model = torch.nn.Linear(4, 4)
+    config = peft.XLoraConfig(task_type="CAUSAL_LM", hidden_size=4, adapters={"0": "a"}, xlora_depth=depth, xlora_size=3, xlora_dropout_p=dropout)
+    peft_layers = XLoraClassifier(model, config, n_classes=2, n_layers=1, device=torch.device("cpu")).layers
+    want = [i for i, layer in enumerate(peft_layers) if isinstance(layer, torch.nn.Linear)]
+    assert routed._classifier_index(depth, dropout) == want
+
+
+def test_expert_paths_relative_to_the_checkpoint_or_to_the_caller(tmp_path, monkeypatch):
+    """A config naming its experts by paths relative to its directory loads from any working
+    directory; ``adapters=`` paths are the caller's (relative to the working directory)."""
+    import json
+
+    model = tiny_model("llama")
+    adapter = routed.xlora(_experts(model, [2, 2]), hidden_size=model.config.hidden_size, generator=torch.Generator().manual_seed(4))
+    directory = routed.save_xlora(adapter, tmp_path / "ckpt")
+    config = json.loads((directory / "adapter_config.json").read_text())
+    config["adapters"] = {k: k for k in config["adapters"]}  # "0" -> "0": relative to the checkpoint
+    (directory / "adapter_config.json").write_text(json.dumps(config))
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    ids = tokens(2, 5, seed=1)
+    with torch.no_grad():
+        want = routed.xlora_call(model, adapter, ids).logits
+        assert rel(routed.xlora_call(model, routed.load_xlora(directory, model), ids).logits, want) < 1e-6
+        monkeypatch.chdir(tmp_path)
+        by_caller = routed.load_xlora(directory, model, adapters=["ckpt/0", "ckpt/1"])
+        assert rel(routed.xlora_call(model, by_caller, ids).logits, want) < 1e-6
