@@ -65,6 +65,20 @@ def test_one_expert_is_its_lora_and_every_expert_mixes_by_default():
         assert len(single.layers) == 1 and rel(got, lf.adapted_call(model, single, ids).logits) < 1e-6
 
 
+def test_a_one_target_xlora_saves_and_loads(tmp_path):
+    """save_xlora into a directory that does not exist yet (nested) and again into the same one;
+    load_xlora gives the same logits, its classifier tensors trainable leaves, as init's."""
+    model, ids = tiny_model("llama"), tokens(2, 5, seed=2)
+    single = lf.init_adapter(model, lf.AdapterSpec("lora", ["layers.1.self_attn.v_proj"], r=2), generator=torch.Generator().manual_seed(6))
+    single = single.with_params({k: v + 0.3 for k, v in single.params.items()})
+    adapter = routed.xlora([single, single], hidden_size=model.config.hidden_size, xlora_depth=2, xlora_size=3)
+    routed.save_xlora(adapter, tmp_path / "a" / "b")
+    back = routed.load_xlora(routed.save_xlora(adapter, tmp_path / "a" / "b"), model)
+    assert all(t.requires_grad and t.is_leaf for k, t in back.params.items() if "classifier" in k)
+    with torch.no_grad():
+        assert rel(routed.xlora_call(model, back, ids).logits, routed.xlora_call(model, adapter, ids).logits) < 1e-6
+
+
 def test_the_expert_library_errors_name_what_differs():
     model = tiny_model("llama")
     (lora,) = _experts(model, [2])
@@ -110,6 +124,11 @@ def test_the_entry_points_name_what_they_were_given():
         routed.xlora_classifier_keys("adapter")
     with pytest.raises(TypeError, match=r"must be a stack of xlora adapters .*got a xlora adapter, stack_shape \(\)"):
         routed.xlora_call(model, adapter, ids, index=torch.tensor([0, 1]))
+    # an int32 row index is an index (as int64)
+    stack = lf.stack([adapter, adapter])
+    with torch.no_grad():
+        assert torch.equal(routed.xlora_call(model, stack, ids, index=torch.tensor([1, 0], dtype=torch.int32)).logits,
+                           routed.xlora_call(model, stack, ids, index=torch.tensor([1, 0])).logits)
     # a stack's classifier keys are its members'
     assert routed.xlora_classifier_keys(lf.stack([adapter, adapter])) == routed.xlora_classifier_keys(adapter) != []
 
