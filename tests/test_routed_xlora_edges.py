@@ -166,3 +166,23 @@ def test_expert_paths_relative_to_the_checkpoint_or_to_the_caller(tmp_path, monk
         monkeypatch.chdir(tmp_path)
         by_caller = routed.load_xlora(directory, model, adapters=["ckpt/0", "ckpt/1"])
         assert rel(routed.xlora_call(model, by_caller, ids).logits, want) < 1e-6
+
+
+def test_init_draws_are_nn_linear_s_and_lora_s():
+    """The classifier's layers as ``nn.Linear``'s default init (kaiming-uniform ``a = √5``, the
+    bias uniform in ``±1/√fan_in``), a depth-2 classifier's shapes, and each expert's ``A`` as
+    LoRA's kaiming draw (``B = 0``)."""
+    from tests.variant_checks import assert_kaiming
+
+    model = tiny_model("llama")
+    spec = lf.AdapterSpec("xlora", ["q_proj", "v_proj"], r=8, num_experts=2, hidden_size=32, xlora_depth=2, xlora_size=64, layerwise_scalings=True)
+    adapter = lf.init_adapter(model, spec, generator=torch.Generator().manual_seed(0))
+    shared = adapter.shared_tensors()[0]
+    assert shared["classifier_0_weight"].shape == (64, 32) and shared["classifier_1_weight"].shape == (2 * 4, 64) and "classifier_2_weight" not in shared
+    for i, fan_in in ((0, 32), (1, 64)):
+        assert_kaiming(shared[f"classifier_{i}_weight"], fan_in, f"classifier_{i}_weight")
+        bias, bound = shared[f"classifier_{i}_bias"], fan_in**-0.5
+        assert bias.abs().max() <= bound and (i == 1 or (bias.max() > 0.8 * bound and bias.min() < -0.8 * bound)), i  # (8 draws in layer 1)
+    for layer in adapter.layers:
+        assert_kaiming(adapter.params[f"{layer.target.module}.lora_A"], layer.info.d_in, layer.target.module)
+        assert not adapter.params[f"{layer.target.module}.lora_B"].any()
