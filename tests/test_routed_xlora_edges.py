@@ -175,8 +175,10 @@ def test_init_draws_are_nn_linear_s_and_lora_s():
     from tests.variant_checks import assert_kaiming
 
     model = tiny_model("llama")
-    spec = lf.AdapterSpec("xlora", ["q_proj", "v_proj"], r=8, num_experts=2, hidden_size=32, xlora_depth=2, xlora_size=64, layerwise_scalings=True)
+    spec = lf.AdapterSpec("xlora", ["q_proj", "v_proj"], r=8, num_experts=2, hidden_size=32, xlora_depth=2, xlora_size=64, layerwise_scalings=True,
+                         dtype=torch.float64)
     adapter = lf.init_adapter(model, spec, generator=torch.Generator().manual_seed(0))
+    assert all(t.dtype == torch.float64 for t in [*adapter.params.values(), *adapter.buffers.values()])  # the adapter dtype
     shared = adapter.shared_tensors()[0]
     assert shared["classifier_0_weight"].shape == (64, 32) and shared["classifier_1_weight"].shape == (2 * 4, 64) and "classifier_2_weight" not in shared
     for i, fan_in in ((0, 32), (1, 64)):
