@@ -188,3 +188,20 @@ def test_init_draws_are_nn_linear_s_and_lora_s():
     for layer in adapter.layers:
         assert_kaiming(adapter.params[f"{layer.target.module}.lora_A"], layer.info.d_in, layer.target.module)
         assert not adapter.params[f"{layer.target.module}.lora_B"].any()
+
+
+def test_option_defaults_are_peft_s_xlora_config_defaults():
+    """Each option with a peft field defaults to XLoraConfig's default (top_k_lora: peft's None is
+    0, every expert)."""
+    import dataclasses
+
+    fields = {f.name: f.default for f in dataclasses.fields(peft.XLoraConfig)}
+    variant = lf.get_variant("xlora")
+    checked = []
+    for name, option in variant.options.items():
+        if option.peft is None or name == "hidden_size":  # (hidden_size: peft's None, required)
+            continue
+        want = 0 if name == "top_k_lora" and fields[option.peft] is None else fields[option.peft]
+        assert variant.default_options[name] == want, (name, variant.default_options[name], want)
+        checked.append(name)
+    assert len(checked) >= 10, checked
