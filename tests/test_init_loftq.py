@@ -132,3 +132,40 @@ def test_nf4_is_the_blockwise_definition_on_any_shape():
         q = bnb.nn.Params4bit(w.clone(), requires_grad=False, compress_statistics=False, quant_type="nf4").to("cpu")
         ref = _dequantize_4bit_compute(q.data.reshape(-1), q.quant_state.absmax, get_4bit_type("nf4", device="cpu"), 64, shape, torch.float32)
         assert torch.equal(nf4_roundtrip(w), ref), shape
+
+
+def test_init_in_other_dtypes_and_on_zero_blocks():
+    """peft's loftq_init computes in fp32 whatever the base dtype and casts the quantized base back
+    to it: on a float64 weight the init is the one on its float32 value (the fp32 SVD's factors, Q
+    widened exactly); on a bf16 weight ``W_res`` is Q rounded to bf16 (held in the fp32 adapter's
+    dtype); a float64 adapter holds the float32 init's numbers. Blocks and a tail of zeros or of
+    tiny (subnormal) values quantize as bitsandbytes' kernels do (its absmax floor of 1e-38)."""
+    import bitsandbytes as bnb
+    from bitsandbytes.backends.default.ops import _dequantize_4bit_compute
+    from bitsandbytes.functional import get_4bit_type
+
+    from lora_func.variants import get_variant
+    from tests.variant_checks import layer_info
+
+    loftq = get_variant("loftq")
+    w32 = torch.randn(12, 20, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16).float()  # bf16 values
+    for bits, iters in ((4, 2), (8, 1)):
+        info = layer_info("loftq", 3, 20, 12, alpha=ALPHA, loftq_bits=bits, loftq_iter=iters)
+
+        def init(weight, dtype, info=info):
+            return loftq.init(weight, None, info, dtype=dtype, generator=torch.Generator().manual_seed(1))
+
+        (p32, b32), (p64, b64), (pw, bw), (p16, b16) = init(w32, torch.float32), init(w32, torch.float64), init(w32.double(), torch.float64), init(w32.bfloat16(), torch.float32)
+        for name in ("lora_A", "lora_B"):
+            assert p64[name].dtype == pw[name].dtype == torch.float64 and torch.equal(p64[name], p32[name].double()), (bits, name)
+            assert torch.equal(pw[name], p64[name]) and torch.equal(p16[name], p32[name]), (bits, name)
+        assert torch.equal(b64["W_res"], b32["W_res"].double()) and torch.equal(bw["W_res"], b64["W_res"]), bits
+        assert b16["W_res"].dtype == torch.float32 and torch.equal(b16["W_res"], b32["W_res"].bfloat16().float()), bits
+        assert not torch.equal(b16["W_res"], b32["W_res"]), bits  # the rounding is seen
+    for scale in (0.0, 1e-40, 5e-39):  # zero, subnormal, and an absmax between the 1e-38 floor and twice it
+        w = torch.randn(3, 50, generator=torch.Generator().manual_seed(2))
+        w.view(-1)[:64] *= scale  # the first block
+        w.view(-1)[128:] *= scale  # the short last block
+        q = bnb.nn.Params4bit(w.clone(), requires_grad=False, compress_statistics=False, quant_type="nf4").to("cpu")
+        ref = _dequantize_4bit_compute(q.data.reshape(-1), q.quant_state.absmax, get_4bit_type("nf4", device="cpu"), 64, w.shape, torch.float32)
+        assert torch.equal(nf4_roundtrip(w), ref), scale

@@ -111,3 +111,72 @@ def test_converted_checkpoint_loads_in_peft(model, tmp_path):
     assert loaded.peft_config["default"].r == 2 * R
     ids = tokens(2, 8, seed=5)
     assert _rel(loaded(ids).logits, lf.adapted_call(model, trained, ids).logits) <= 1e-5
+
+
+@pytest.mark.parametrize("scale", ["stable", "weight_svd", "gd_scale"])
+def test_init_on_a_bf16_base_and_in_a_wider_adapter_dtype(scale):
+    """On a bf16 weight the init is the one on its float32 value (the SVDs in fp32) with the factors
+    rounded to bf16 before the residual is taken (peft's order), the residual's product in fp32; a
+    float64 adapter on a float32 weight holds the float32 init's numbers in float64."""
+    from lora_func.variants import get_variant
+    from tests.variant_checks import layer_info
+
+    ga, info = get_variant("lora_ga"), layer_info("lora_ga", 2, 8, 6, alpha=ALPHA, scale=scale)
+    g = torch.Generator().manual_seed(0)
+    w32 = torch.randn(6, 8, generator=g).to(torch.bfloat16).float()  # bf16 values: both weights the same numbers
+    grad = torch.randn(6, 8, generator=g)
+
+    def init(weight, dtype):
+        return ga.init(weight, None, info, dtype=dtype, generator=torch.Generator().manual_seed(1), calibration=grad)
+
+    (p16, b16), (p32, b32), (p64, b64) = init(w32.bfloat16(), torch.float32), init(w32, torch.float32), init(w32, torch.float64)
+    for name in ("lora_A", "lora_B"):
+        assert p16[name].dtype == torch.float32 and torch.equal(p16[name], p32[name].bfloat16().float()), name
+        assert p64[name].dtype == torch.float64 and torch.equal(p64[name], p32[name].double()), name
+    assert b16["W_res"].dtype == torch.float32 and torch.equal(b16["W_res"], w32 - (ALPHA / 2) * (p16["lora_B"] @ p16["lora_A"]))
+    assert b64["W_res"].dtype == torch.float64 and torch.equal(b64["W_res"], b32["W_res"].double())
+
+
+def test_weight_svd_scale_at_small_and_zero_gradients():
+    """``scale="weight_svd"`` scales B to the weight's top singular value whatever the gradient's
+    size: the init on ``1e-3·G`` (singular values below 1) equals the one on ``G`` (the ratio
+    cancels); on a zero gradient (a target the loss does not reach) B stays zero, as peft's
+    ``if S_B[0] > 0``, and ``W_res`` is the weight."""
+    from lora_func.variants import get_variant
+    from tests.variant_checks import layer_info
+
+    ga, info = get_variant("lora_ga"), layer_info("lora_ga", 2, 8, 6, alpha=ALPHA, scale="weight_svd")
+    g = torch.Generator().manual_seed(0)
+    weight, grad = torch.randn(6, 8, generator=g), torch.randn(6, 8, generator=g)
+
+    def init(calibration):
+        return ga.init(weight, None, info, dtype=torch.float32, generator=torch.Generator().manual_seed(1), calibration=calibration)
+
+    (big, _), (small, _), (zero, zero_res) = init(grad), init(1e-3 * grad), init(torch.zeros(6, 8))
+    assert torch.linalg.svdvals(1e-3 * grad).max() < 1
+    for name in ("lora_A", "lora_B"):
+        assert _rel(small[name], big[name]) <= 1e-5, name
+    assert not zero["lora_B"].any() and zero["lora_A"].isfinite().all() and torch.equal(zero_res["W_res"], weight)
+    # rank 1: B's one singular value is the one the scale divides by
+    one = layer_info("lora_ga", 1, 8, 6, alpha=ALPHA, scale="weight_svd")
+    (big, _), (small, _) = (ga.init(weight, None, one, dtype=torch.float32, generator=torch.Generator().manual_seed(1), calibration=c) for c in (grad, 1e-3 * grad))
+    assert _rel(small["lora_B"], big["lora_B"]) <= 1e-5
+
+
+def test_stable_gamma_below_one_is_accepted_and_scales_b():
+    """``stable_gamma`` is any positive number (peft's LoraGAConfig takes any): 0.5 gives
+    ``B = B_unit · d_out^¼ / √0.5``; 0 and negative values are refused, naming the option."""
+    from lora_func.variants import get_variant
+    from tests.variant_checks import layer_info
+
+    lf.AdapterSpec("lora_ga", targets=TARGETS, r=R, stable_gamma=0.5)
+    for bad in (0.0, -1.0):
+        with pytest.raises(ValueError, match="stable_gamma"):
+            lf.AdapterSpec("lora_ga", targets=TARGETS, r=R, stable_gamma=bad)
+    ga, g = get_variant("lora_ga"), torch.Generator().manual_seed(0)
+    weight, grad = torch.randn(6, 8, generator=g), torch.randn(6, 8, generator=g)
+    (stable, _), (unit, _) = (
+        ga.init(weight, None, layer_info("lora_ga", 2, 8, 6, scale=scale, stable_gamma=0.5), dtype=torch.float64, generator=torch.Generator().manual_seed(1), calibration=grad)
+        for scale in ("stable", "unit")
+    )
+    assert torch.equal(stable["lora_A"], unit["lora_A"]) and _rel(stable["lora_B"], unit["lora_B"] * (6**0.25 / 0.5**0.5)) <= 1e-6

@@ -178,3 +178,23 @@ def test_mica_equals_peft_and_its_checkpoints_load_both_ways(model, tmp_path):
     with pytest.warns(FutureWarning, match="is_gradient_checkpointing"):
         again = PeftModel.from_pretrained(copy.deepcopy(model), tmp_path / "ours").eval()
     assert _rel(again(ids).logits, pm(ids).logits) <= 1e-6
+
+
+def test_mica_on_a_wider_bf16_layer_equals_peft():
+    """MiCA on a bf16 ``nn.Linear`` with ``d_out > d_in`` (the last ``r`` columns of the reduced
+    SVD's ``U``, not of the full one's) against peft's own init (``autocast_adapter_dtype=False``:
+    its adapter stays in the base's bf16): the frozen ``lora_B`` bit for bit (the SVD in fp32, then
+    bf16), ``lora_A`` zeros, every tensor in the adapter dtype; a float64 adapter on a float32
+    layer holds its tensors in float64."""
+    from tests.one_layer import one_layer
+
+    model = one_layer("linear", 6, 10, True, torch.bfloat16, seed=0)
+    config = LoraConfig(r=3, lora_alpha=ALPHA, target_modules=["proj"], init_lora_weights="mica")
+    pm = get_peft_model(copy.deepcopy(model), config, autocast_adapter_dtype=False)
+    want = pm.base_model.model.proj.lora_B["default"].weight
+    adapter = lf.init_adapter(model, lf.AdapterSpec("mica", targets=["proj"], r=3, alpha=ALPHA, dtype=torch.bfloat16))
+    got, lora_a = adapter.buffers["proj.lora_B"], adapter.params["proj.lora_A"]
+    assert want.dtype == got.dtype == lora_a.dtype == torch.bfloat16 and torch.equal(got, want)
+    assert not lora_a.any() and lora_a.shape == (3, 6)
+    wide = lf.init_adapter(one_layer("linear", 6, 10, True, torch.float32, seed=0), lf.AdapterSpec("mica", targets=["proj"], r=3, dtype=torch.float64))
+    assert wide.buffers["proj.lora_B"].dtype == wide.params["proj.lora_A"].dtype == torch.float64

@@ -159,3 +159,26 @@ def test_biases_peft_cannot_train_are_refused(tmp_path):
     with pytest.raises(ValueError, match=r"weight=False: this layer has no bias"):
         lf.init_adapter(llama, lf.AdapterSpec("ln_tuning", targets=["embed_tokens"], weight=False))
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_trained_biases_never_share_the_base_storage():
+    """A trained bias in the base's own dtype is a copy: an in-place optimiser step on it leaves
+    the model's bias as it was (``bias.to(dtype)`` alone would return the base's tensor)."""
+    model = _gpt2()
+    adapter = lf.init_adapter(model, lf.AdapterSpec("ln_tuning", targets=["c_fc"], weight=False, dtype=torch.float64))
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    for key, tensor in adapter.params.items():
+        bias = model.get_submodule(key.removesuffix(".ln_bias")).bias
+        assert torch.equal(tensor, bias) and tensor.untyped_storage().data_ptr() != bias.untyped_storage().data_ptr(), key
+        with torch.no_grad():
+            tensor.add_(1.0)
+    assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_a_trained_bias_in_another_dtype_keeps_the_layer_s_dtype(dtype):
+    """A trained bias (``weight=False``) wider or narrower than its float32 layer: both overlays
+    give float32 outputs (the next layer's input dtype), equal to ``x Wᵀ + b`` in float64."""
+    from tests.variant_checks import assert_other_adapter_dtype
+
+    assert_other_adapter_dtype("ln_tuning", 6, 5, adapter_dtype=dtype, weight=False, w_eff_fn=lambda p, b, w, bias, info: (w, p["ln_bias"]))

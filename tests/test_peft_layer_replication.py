@@ -9,13 +9,16 @@ lora_func's logits; onto the plain base the checkpoint is refused, naming the op
 
 from __future__ import annotations
 
+import copy
 import json
+import types
 import warnings
 
 import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file
+from torch import nn
 from torch.func import grad
 
 import lora_func as lf
@@ -95,3 +98,53 @@ def test_save_peft_of_an_adapter_on_the_view_loads_in_peft(tmp_path):
         warnings.simplefilter("ignore")
         loaded = PeftModel.from_pretrained(_llama(), tmp_path).eval()
     _close(loaded(ids).logits, lf.adapted_call(view, adapter, ids).logits, "peft on save_peft")
+
+
+class _Stack(nn.Module):
+    """A layer list at the top (no ``.model``), a config without ``num_hidden_layers``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.layers = nn.ModuleList([nn.Linear(4, 4) for _ in range(3)])
+        for layer in self.layers:
+            nn.init.normal_(layer.weight, generator=g)
+        self.config = types.SimpleNamespace(hidden_size=4)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+class _EncoderList(nn.Module):
+    """``.encoder`` is itself a module list, with no ``.layer``: not where peft looks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.ModuleList([nn.Linear(4, 4) for _ in range(2)])
+
+
+def test_a_top_level_layer_list_replicates_as_peft_s_and_other_layouts_are_refused():
+    """On a model that is its layer list's direct parent, ``replicated`` runs the layers peft's
+    ``replicate_layers`` runs (the outputs equal) and leaves a config without
+    ``num_hidden_layers`` as peft does (without one); peft's other layouts are looked up only as
+    peft does (an ``.encoder`` module list without ``.layer`` is refused by both), and a map's
+    ranges are non-empty ``[start, end)`` pairs of ints (not bools, not floats)."""
+    from peft.tuners.tuners_utils import replicate_layers
+
+    base, layer_map = _Stack(), [[0, 2], [1, 3]]
+    theirs = copy.deepcopy(base)
+    replicate_layers(theirs, layer_map)
+    view = replicated(base, layer_map)
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(1))
+    assert len(view.layers) == len(theirs.layers) == 4 and len(base.layers) == 3
+    assert torch.equal(view(x), theirs(x)) and not torch.equal(view(x), base(x))
+    assert not hasattr(view.config, "num_hidden_layers") and not hasattr(theirs.config, "num_hidden_layers")
+    with pytest.raises(ValueError, match="Could not locate"):
+        replicate_layers(_EncoderList(), [[0, 1]])
+    with pytest.raises(ValueError, match="no layer list"):
+        replicated(_EncoderList(), [[0, 1]])
+    for bad in ([[0, True]], [[0.0, 2]], [[0, 2], [1, 1]]):
+        with pytest.raises(ValueError, match="not \\[start, end\\) ranges"):
+            replicated(base, bad)

@@ -139,3 +139,32 @@ def test_init_equals_peft():
     assert _rel(lf.adapted_call(model, adapter, ids).logits, pm(ids).logits) <= 1e-6
     with pytest.raises(ValueError, match="smaller than min"):
         lf.init_adapter(model, lf.AdapterSpec("kasa", targets=["v_proj"], r=16))
+
+
+def test_init_on_a_bf16_base_and_in_a_wider_adapter_dtype():
+    """A bf16 base with a float32 adapter: ``W_res`` is peft's truncation rounded to the base's
+    bf16 (``_truncate_base_weight`` writes it into the bf16 weight), held in float32. A float64
+    adapter on a float32 base: every tensor in float64, the float32 draws widened exactly."""
+    from peft.tuners.lora.variants import KasaLinearVariant
+
+    g = torch.Generator().manual_seed(0)
+    linear = torch.nn.Linear(12, 8, bias=False, dtype=torch.bfloat16)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(8, 12, generator=g))
+    info = LayerInfo(d_in=12, d_out=8, r=3, alpha=6.0, has_bias=False, options=(("beta", BETA), ("dropout", 0.0), ("gamma", GAMMA), ("use_rslora", False)))
+    kasa = get_variant("kasa")
+    _, buffers = kasa.init(linear.weight.detach().clone(), None, info, dtype=torch.float32, generator=torch.Generator().manual_seed(1))
+
+    class _Layer:  # peft's tuner layer, as far as _truncate_base_weight reads it
+        def get_base_layer(self):
+            return linear
+
+    KasaLinearVariant._truncate_base_weight(_Layer(), 3)
+    assert buffers["W_res"].dtype == torch.float32 and torch.equal(buffers["W_res"], linear.weight.float())
+
+    weight = torch.randn(8, 12, generator=g)
+    p32, b32 = kasa.init(weight, None, info, dtype=torch.float32, generator=torch.Generator().manual_seed(2))
+    p64, b64 = kasa.init(weight, None, info, dtype=F64, generator=torch.Generator().manual_seed(2))
+    for name in NAMES:
+        assert p64[name].dtype == F64 and torch.equal(p64[name], p32[name].double()), name
+    assert b64["W_res"].dtype == F64 and torch.equal(b64["W_res"], b32["W_res"].double())

@@ -297,6 +297,40 @@ TARGETS |= {
     )
 }
 
+# Session 4: the files no run had mutated. Each variant's own float64 peft oracles first, then its
+# contract rows, catalogue cases, documented defaults and peft storage.
+TARGETS |= {
+    f"lora_func/variants/{name}.py": (
+        None,
+        [
+            *own,
+            [CONTRACT, "-k", name],
+            [CATALOGUE, "-k", f"{name} or {name.replace('_', '-')}"],
+            [KILLERS, "-k", f"documented_defaults and {name}"],
+            ["tests/test_io_peft.py", "-k", name],
+            ["tests/test_peft_problems.py", "-k", f"answers_differ or {name}"],
+        ],
+    )
+    for name, own in (
+        ("kasa", [["tests/test_variant_kasa.py"]]),
+        ("loftq", [["tests/test_init_loftq.py"]]),
+        ("lora_ga", [["tests/test_init_lora_ga.py"]]),
+        ("mica", [["tests/test_inits.py", "-k", "mica"], ["tests/test_mixed_route.py", "tests/test_lowrank_function.py", "-k", "mica"]]),
+        # the trained copy: peft's LN tuning, modules_to_save and bias training
+        ("ln_tuning", [["tests/test_kinds_peft.py", "-k", "ln_tuning"], ["tests/test_modules_to_save.py", "tests/test_peft_bias.py"], ["tests/test_kinds.py", "tests/test_compose.py", "-k", "ln_tuning"]]),
+    )
+}
+# Issue 44 (peft's layer_replication as a view of the base)
+TARGETS["lora_func/replication.py"] = (None, [["tests/test_peft_layer_replication.py"], [CATALOGUE, "-k", "replicat or layer-replication"], ["tests/test_io_peft.py", "-k", "replicat"]])
+# Issue 44 (peft's modules_to_save and bias="all" | "<method>_only"): the reading and writing
+# of the trained copies and biases only (the rest of the io files is the peft oracle tests' business)
+_COPY_STAGES = [["tests/test_peft_bias.py", "tests/test_modules_to_save.py"], [CATALOGUE, "-k", "bias or modules-to-save or copy"], ["tests/test_io_peft.py"]]
+TARGETS |= {
+    "lora_func/io/peft.py": (("_export_leaf", "_one_checkpoint", "_refuse_wider_copies", "_bias_mode"), _COPY_STAGES),
+    "lora_func/io/_peft_read.py": (("saved_copies", "_bias_training", "trained_biases", "_drop_wrapper_biases"), _COPY_STAGES),
+    "lora_func/io/_peft_keys.py": (("bias_copy_options", "module_copy"), _COPY_STAGES),
+}
+
 # Method calls whose removal is a mutant: ``x.detach()`` -> ``x`` (gradient flow), ``.clamp``
 # (guards), ``.to`` (dtype policy), ``.T``/transposes (layout), reductions' helpers.
 REMOVABLE_METHODS = {"detach", "clamp", "to", "transpose", "abs", "sqrt", "contiguous", "float", "double", "clone", "conj"}
