@@ -365,7 +365,7 @@ DOCUMENTED.update(
 # Issue 31: AdaLoRA, the init variants and the shared-basis family (pinned from docs/variants/*.md's defaults).
 DOCUMENTED.update(
     {
-        "adalora": (8.0, {"beta1": 0.85, "beta2": 0.85, "deltaT": 1, "dropout": 0.0, "init_r": 8, "orth_reg_weight": 0.5, "target_r": 8, "tfinal": 0, "tinit": 0, "total_step": 1}, True, False, False, {"lora_A": 0, "lora_E": 0, "lora_B": 1}),
+        "adalora": (8.0, {"beta1": 0.85, "beta2": 0.85, "deltaT": 1, "dropout": 0.0, "init": "default", "init_r": 8, "orth_reg_weight": 0.5, "target_r": 8, "tfinal": 0, "tinit": 0, "total_step": 1}, True, False, False, {"lora_A": 0, "lora_E": 0, "lora_B": 1}),
         "corda": (8.0, {"corda_method": "ipm", "dropout": 0.0, "use_rslora": False}, True, False, True, {"lora_A": 0, "lora_B": 1}),
         "mica": (8.0, {"dropout": 0.0, "use_rslora": False}, True, False, False, {"lora_A": 0, "lora_B": 1}),
         "olora": (8.0, {"dropout": 0.0, "use_rslora": False}, True, False, True, {"lora_A": 0, "lora_B": 1}),

@@ -35,7 +35,7 @@ from torch import Tensor
 from lora_func.variants._kernels import base_plus_low_rank, lowrank_input
 from lora_func.variants._conv import peft_conv_layers
 from lora_func.variants import BaseLayer, LayerInfo, Option, PeftFormat, PeftLayer, PeftMethod, Slot, TensorDict, Variant, real, whole
-from lora_func.variants._options import dropout_option, nullable
+from lora_func.variants._options import dropout_option, mapped, nullable, one_of
 from lora_func.variants.lora import PEFT_UNSUPPORTED_FIELDS
 
 # The schedule's settings (peft's AdaLoraConfig fields and defaults), held as spec options.
@@ -67,6 +67,15 @@ def init(
     calibration: Any = None,
 ) -> tuple[TensorDict, TensorDict]:
     r, d_in, d_out = info.r, info.d_in, info.d_out
+    if dict(info.options).get("init", "default") == "random":
+        # peft's init_lora_weights=False (debugging: B A E ≠ 0 at init): its update_layer's draws
+        # kept, A, E, B, then the ranknum draw it overwrites
+        lora_a = torch.randn((r, d_in), generator=generator, dtype=torch.float32)
+        lora_e = torch.randn((r, 1), generator=generator, dtype=torch.float32)
+        lora_b = torch.randn((d_out, r), generator=generator, dtype=torch.float32)
+        torch.randn(1, generator=generator)
+        params = {"lora_A": lora_a, "lora_E": lora_e, "lora_B": lora_b}
+        return {k: v.to(weight.device, dtype) for k, v in params.items()}, {}
     lora_a = 0.02 * torch.randn((r, d_in), generator=generator, dtype=torch.float32)
     lora_b = 0.02 * torch.randn((d_out, r), generator=generator, dtype=torch.float32)
     lora_e = torch.zeros((r, 1), dtype=torch.float32)
@@ -127,7 +136,12 @@ VARIANT = Variant(
     },
     # init_r is the tensors' rank: the writer stores it over this option (PeftMethod.rank), checked
     # equal in _export.
-    options={"init_r": Option(8, whole(1), "init_r", nullable(8)), "dropout": dropout_option("lora_dropout")} | SCHEDULE,
+    options={
+        "init_r": Option(8, whole(1), "init_r", nullable(8)),
+        "dropout": dropout_option("lora_dropout"),
+        # peft's init_lora_weights: True (its default) or False (its debugging init, all three random)
+        "init": Option("default", one_of("default", "random"), "init_lora_weights", mapped({"default": True, "random": False})),
+    } | SCHEDULE,
     check=check_options,
     default_alpha=8.0,
     kind_forms={"linear": None, "conv1d": None, "conv": None},

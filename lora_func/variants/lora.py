@@ -36,7 +36,7 @@ from lora_func.variants import (
 from lora_func.variants._kernels import kaiming_uniform, lora_activation_form, lora_embedding_form, lora_scale, lora_weight_form
 from lora_func.variants._options import dropout_option
 
-INITS = ("kaiming", "gaussian", "orthogonal")
+INITS = ("kaiming", "gaussian", "orthogonal", "random")
 
 # The options every variant of the family has, under peft's LoraConfig names.
 OPTIONS = {"use_rslora": Option(False, peft="use_rslora"), "dropout": dropout_option("lora_dropout")}
@@ -174,6 +174,8 @@ def init(
         # peft's embedding init whatever init_lora_weights (an nn.Embedding's own): A = 0, B ~ N(0, 1)
         lora_b = torch.randn((d_out, r), generator=generator, dtype=torch.float32)
         return {"lora_A": torch.zeros((r, d_in), dtype=dtype, device=weight.device), "lora_B": lora_b.to(weight.device, dtype)}, {}
+    if chosen == "random":
+        return _random_init(weight, info, dtype=dtype, generator=generator)
     if chosen == "gaussian":
         lora_a = torch.randn((r, d_in), generator=generator, dtype=torch.float32) / r
     elif chosen == "orthogonal":
@@ -183,6 +185,20 @@ def init(
     lora_b = torch.zeros((d_out, r), dtype=torch.float32)
     params = {"lora_A": lora_a.to(weight.device, dtype), "lora_B": lora_b.to(weight.device, dtype)}
     return params, {}
+
+
+def _random_init(weight: Tensor, info: LayerInfo, *, dtype: torch.dtype, generator: torch.Generator) -> tuple[TensorDict, TensorDict]:
+    """peft's ``init_lora_weights=False`` (a debugging init: ``B A ≠ 0``, the adapter changes the
+    model from the start): both factors as their layers' constructors draw them, ``A`` then ``B``:
+    on an embedding ``N(0, 1)``, elsewhere the layers' ``kaiming_uniform(a=√5)`` (``B``'s fan-in is ``r``)."""
+    r, d_in, d_out = info.r, info.d_in, info.d_out
+    if info.kind == "embedding":
+        lora_a = torch.randn((r, d_in), generator=generator, dtype=torch.float32)
+        lora_b = torch.randn((d_out, r), generator=generator, dtype=torch.float32)
+    else:
+        lora_a = kaiming_uniform((r, d_in), a=math.sqrt(5), generator=generator)
+        lora_b = kaiming_uniform((d_out, r), a=math.sqrt(5), generator=generator)
+    return {"lora_A": lora_a.to(weight.device, dtype), "lora_B": lora_b.to(weight.device, dtype)}, {}
 
 
 def orthogonal_init(weight: Tensor, info: LayerInfo, *, dtype: torch.dtype, generator: torch.Generator) -> tuple[TensorDict, TensorDict]:
@@ -206,7 +222,7 @@ VARIANT = Variant(
     tensors=TENSORS,
     options={
         **OPTIONS,
-        "init": Option("kaiming", one_of(*INITS), "init_lora_weights", mapped({"kaiming": True, "gaussian": "gaussian", "orthogonal": "orthogonal"}, also={False: "kaiming"})),
+        "init": Option("kaiming", one_of(*INITS), "init_lora_weights", mapped({"kaiming": True, "gaussian": "gaussian", "orthogonal": "orthogonal", "random": False})),
     },
     default_alpha=8.0,
     low_rank=LOW_RANK,
