@@ -452,3 +452,26 @@ def test_init_weights_reads_and_writes_as_peft_s():
     assert read_options("frod", {"peft_type": "FROD", "init_weights": True})["init"] == read_options("frod", {"peft_type": "FROD"})["init"] == "identity"
     variant, fmt = lf.get_variant("frod"), lf.variants.peft_format("frod")
     assert config_of(variant, fmt, dict(lf.AdapterSpec("frod", ["q_proj"], init="random").options))["init_weights"] is False
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["eval", "dropout"])
+def test_a_wider_adapter_on_a_float32_model_equals_the_float32_adapter(training):
+    """A float64 FRoD adapter on a float32 Llama (eval, and a training step with dropout under one
+    seed: the mask is drawn on the float32 input either way) gives the float32 adapter's logits
+    within float32 round-off, in the model's dtype; the adapter moves the logits far more."""
+    from tests.models import tiny_model
+
+    model = tiny_model("llama", dtype=torch.float32).train(training)
+    ids, outs = tokens(), {}
+    for dtype in (torch.float32, torch.float64):
+        spec = lf.AdapterSpec("frod", targets=["q_proj", "v_proj"], dtype=dtype, dropout=0.3, sparse_rate=0.1)
+        adapter = lf.init_adapter(model, spec, generator=torch.Generator().manual_seed(0))
+        g = torch.Generator().manual_seed(1)
+        adapter = adapter.with_params({k: (v + 0.3 * torch.randn(v.shape, generator=g, dtype=torch.float64).to(dtype)).detach() for k, v in adapter.params.items()})
+        torch.manual_seed(3)
+        outs[dtype] = lf.adapted_call(model, adapter, ids).logits.detach()
+    assert outs[torch.float64].dtype == torch.float32
+    scale = outs[torch.float32].abs().max()
+    assert (outs[torch.float64] - outs[torch.float32]).abs().max() <= 1e-5 * scale
+    torch.manual_seed(3)
+    assert (outs[torch.float64] - model(ids).logits.detach()).abs().max() > 0.1 * scale
