@@ -128,3 +128,24 @@ def adam_losses(model: torch.nn.Module, adapter, lr: float, steps: int = 15) -> 
         opt.step()
         losses.append(float(loss.detach()))
     return losses
+
+
+def dropout_step_against_peft(model: torch.nn.Module, pm, adapter: lf.Adapter, ids: torch.Tensor) -> tuple[torch.nn.Module, torch.Tensor]:
+    """One training step with the adapter's dropout under one global seed (peft's ``pm`` and the
+    adapter loaded from its checkpoint): peft's logits and every trainable tensor's gradient
+    (relative ``RTOL``, the same keys both sides). Returns the copy of ``model`` in train mode and
+    lora_func's logits, for the caller's checks of the draws."""
+    pm.train()
+    torch.manual_seed(0)
+    want = pm(input_ids=ids).logits
+    ce_loss(want, ids).backward()
+    train_model = copy.deepcopy(model).train()
+    torch.manual_seed(0)
+    got = lf.adapted_call(train_model, adapter, ids).logits
+    grads = dict(zip(adapter.params, torch.autograd.grad(ce_loss(got, ids), list(adapter.params.values())), strict=True))
+    assert rel(got, want) < RTOL
+    peft_grads = {lf_key(name): p.grad for name, p in pm.named_parameters() if p.requires_grad}
+    assert sorted(peft_grads) == sorted(grads)
+    for key, grad in peft_grads.items():
+        assert rel(grads[key], grad) < RTOL, key
+    return train_model, got.detach()
