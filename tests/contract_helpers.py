@@ -100,16 +100,21 @@ def probe(shape, seed: int = 9) -> Tensor:
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
 
 
+def _float64_layer(base: dict[str, Tensor], adapter: lf.Adapter, layer) -> tuple[dict[str, Tensor], dict[str, Tensor], Tensor, Tensor | None]:
+    """A layer's params, buffers, canonical ``W (d_out, d_in)`` and bias, detached, in float64."""
+    t = layer.target
+    p, b = adapter.layer_tensors(layer)
+    W = canonical_weight(base[t.weight_key], t.layout).double()
+    bias = base[t.bias_key].double() if t.bias_key else None
+    return {k: v.detach().double() for k, v in p.items()}, {k: v.detach().double() for k, v in b.items()}, W, bias
+
+
 def oracle_params(base: dict[str, Tensor], adapter: lf.Adapter, row: Row) -> dict[str, Tensor]:
     """``base`` with every target replaced by the row's explicit W_eff formula (float64 math)."""
     out = dict(base)
     for layer in adapter.layers:
         t = layer.target
-        p, b = adapter.layer_tensors(layer)
-        p64 = {k: v.detach().double() for k, v in p.items()}
-        b64 = {k: v.detach().double() for k, v in b.items()}
-        W = canonical_weight(base[t.weight_key], t.layout).double()
-        bias = base[t.bias_key].double() if t.bias_key else None
+        p64, b64, W, bias = _float64_layer(base, adapter, layer)
         w_eff, b_eff = row.w_eff(p64, b64, W, bias, layer.info)
         w_stored = stored_weight(w_eff, t.layout, base[t.weight_key].shape).to(base[t.weight_key].dtype)
         for key in (t.weight_key, *t.tied_keys):
@@ -128,17 +133,12 @@ def oracle_logits(model, base: dict[str, Tensor], adapter: lf.Adapter, row: Row,
     modules = dict(model.named_modules())
     handles = []
     for layer in adapter.layers:
-        t = layer.target
-        p, b = adapter.layer_tensors(layer)
-        p64 = {k: v.detach().double() for k, v in p.items()}
-        b64 = {k: v.detach().double() for k, v in b.items()}
-        W = canonical_weight(base[t.weight_key], t.layout).double()
-        bias = base[t.bias_key].double() if t.bias_key else None
+        p64, b64, W, bias = _float64_layer(base, adapter, layer)
 
         def hook(module, inputs, output, p64=p64, b64=b64, W=W, bias=bias, info=layer.info):
             return row.y_oracle(p64, b64, inputs[0].double(), W, bias, info).to(output.dtype)
 
-        handles.append(modules[t.module].register_forward_hook(hook))
+        handles.append(modules[layer.target.module].register_forward_hook(hook))
     try:
         return logits(model, base, ids)
     finally:
